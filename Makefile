@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - create .venv, install varpack (CPU torch), run the main job on the embedded default
+#   make test   - create .venv, install varpack + test deps, run the CPU test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch==2.13.0 is a local CPU build on the project machines (a plain `torch` would pull a multi-GB CUDA build).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv demo test lint bench-planner bench-collate clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test,bench,vision,gguf]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/varpack demo
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+lint: venv
+	$(BIN)/ruff check varpack tests benchmarks
+
+bench-planner: venv
+	$(BIN)/python benchmarks/planner.py
+
+bench-collate: venv
+	$(BIN)/python benchmarks/collate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
