@@ -1,0 +1,23 @@
+"""Boundary metadata (cu_seqlens, max_seqlen, seq_idx), built once per batch on the CPU."""
+
+from __future__ import annotations
+
+from varpack.varlen.boundaries import (
+    cu_seqlens_from_lengths,
+    cu_seqlens_from_position_ids,
+    cu_seqlens_from_segment_ids,
+    lengths_from_cu_seqlens,
+    max_seqlen_from_cu_seqlens,
+    seq_idx_from_cu_seqlens,
+    validate_cu_seqlens,
+)
+
+__all__ = [
+    "cu_seqlens_from_lengths",
+    "cu_seqlens_from_position_ids",
+    "cu_seqlens_from_segment_ids",
+    "lengths_from_cu_seqlens",
+    "max_seqlen_from_cu_seqlens",
+    "seq_idx_from_cu_seqlens",
+    "validate_cu_seqlens",
+]

@@ -1,0 +1,401 @@
+"""Boundary metadata of a padding-free token stream: cu_seqlens, max_seqlen, seq_idx.
+
+Everything here runs once per batch on the CPU (vectorized torch / numpy, no per-token Python loop) and
+returns CPU tensors plus Python ints, so that no attention layer ever has to derive boundaries again or sync
+with the host.
+
+Vocabulary: **T** tokens in the flat stream, **N** samples (documents, segments) in it, **P** position planes.
+``cu_seqlens`` is the FlashAttention varlen format (``flash_attn_varlen_func``): an int32 tensor ``[N+1]``
+``[0, l_0, l_0+l_1, ..., T]`` whose consecutive differences are the segment lengths.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "cu_seqlens_from_lengths",
+    "cu_seqlens_from_position_ids",
+    "cu_seqlens_from_segment_ids",
+    "lengths_from_cu_seqlens",
+    "max_seqlen_from_cu_seqlens",
+    "seq_idx_from_cu_seqlens",
+    "validate_cu_seqlens",
+]
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _to_numpy_int(values: Any, name: str) -> np.ndarray:
+    """Any tensor / array / nested sequence of integers -> int64 numpy array (a device tensor is copied once)."""
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got a tensor of dtype {values.dtype}")
+        return values.detach().to("cpu", torch.int64).numpy()
+    arr = np.asarray(values)
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must hold integers, got an array of dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_fits_int32(total: int, name: str) -> None:
+    if total > _INT32_MAX:
+        raise ValueError(
+            f"{name}: the stream has {total} tokens, more than int32 cu_seqlens can index ({_INT32_MAX})"
+        )
+
+
+def _fmt(values: np.ndarray, limit: int = 8) -> str:
+    head = ", ".join(str(int(v)) for v in values[:limit])
+    return f"[{head}{', ...' if len(values) > limit else ''}]"
+
+
+def cu_seqlens_from_lengths(lengths: Any, *, allow_empty: bool = False) -> torch.Tensor:
+    """Cumulative sequence lengths ``[0, l_0, l_0+l_1, ..., T]`` from per-sample lengths.
+
+    Args:
+        lengths: ``[N]`` non-negative integers (list, numpy array or tensor), the token count of each sample in
+            stream order. ``N >= 1``.
+        allow_empty: accept zero-length samples (they give repeated entries in ``cu_seqlens``). Off by default:
+            FlashAttention-style kernels accept empty segments, but an empty sample is almost always a data
+            bug, and the planner reports empty samples instead of packing them.
+
+    Returns:
+        ``cu_seqlens``: CPU int32 tensor ``[N+1]``, first entry 0, last entry ``T = sum(lengths)``.
+
+    Raises:
+        TypeError: ``lengths`` is not integral.
+        ValueError: ``lengths`` is empty or not 1-D, a length is negative (or zero without ``allow_empty``), or
+            ``T`` does not fit int32.
+
+    Example:
+        >>> cu_seqlens_from_lengths([3, 1, 3])
+        tensor([0, 3, 4, 7], dtype=torch.int32)
+    """
+    arr = _to_numpy_int(lengths, "lengths")
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"lengths must be a non-empty 1-D sequence, got shape {tuple(arr.shape)}")
+    bad = np.flatnonzero(arr < 0 if allow_empty else arr <= 0)
+    if bad.size:
+        kind = "negative" if allow_empty else "non-positive"
+        raise ValueError(
+            f"lengths has {bad.size} {kind} entries at indices {_fmt(bad)} (values {_fmt(arr[bad])})"
+            + ("" if allow_empty else "; pass allow_empty=True to accept zero-length samples")
+        )
+    cu = np.zeros(arr.size + 1, dtype=np.int64)
+    np.cumsum(arr, out=cu[1:])
+    _check_fits_int32(int(cu[-1]), "cu_seqlens_from_lengths")
+    return torch.from_numpy(cu.astype(np.int32))
+
+
+def _position_row(position_ids: Any, text_plane: int | None) -> np.ndarray:
+    """Select the single ``[T]`` row of positions that carries the sample restarts."""
+    pos = _to_numpy_int(position_ids, "position_ids")
+    shape = tuple(pos.shape)
+    if pos.ndim == 1:
+        if text_plane not in (None, 0):
+            raise ValueError(
+                f"text_plane={text_plane} given for 1-D position_ids of shape {shape} (one plane)"
+            )
+        return pos
+    if pos.ndim == 2:
+        if text_plane is None:
+            if shape[0] != 1:
+                raise ValueError(
+                    f"position_ids of shape {shape}: padding-free batches have one row (B = 1). For "
+                    f"multi-plane positions [P, T] name the plane that restarts per sample with text_plane=..."
+                )
+            return pos[0]
+        planes = pos
+    elif pos.ndim == 3:
+        if text_plane is None:
+            raise ValueError(
+                f"position_ids of shape {shape} has {shape[0]} planes [P, B, T]; name the plane that restarts "
+                f"per sample with text_plane=... (0 for Qwen3-VL's [text, t, h, w] layout)"
+            )
+        if shape[1] != 1:
+            raise ValueError(
+                f"position_ids of shape {shape}: padding-free batches have one row (B = 1), got B={shape[1]}"
+            )
+        planes = pos[:, 0, :]
+    else:
+        raise ValueError(f"position_ids must be [T], [1, T], [P, T] or [P, 1, T], got shape {shape}")
+    num_planes = planes.shape[0]
+    if not -num_planes <= text_plane < num_planes:
+        raise ValueError(
+            f"text_plane={text_plane} out of range for {num_planes} position planes (shape {shape})"
+        )
+    return planes[text_plane]
+
+
+def cu_seqlens_from_position_ids(
+    position_ids: Any, *, text_plane: int | None = None, strict: bool = True
+) -> torch.Tensor:
+    """Sample boundaries of a padding-free row, read from its position ids.
+
+    A sample starts at index 0 and at every token whose position equals the row minimum. Anchoring on the
+    row minimum rather than on 0 makes these cases work:
+
+    - 1-token samples (consecutive minima): ``[[0, 1, 2, 0, 0, 1, 2]] -> [0, 3, 4, 7]``;
+    - models whose positions start at an offset (RoBERTa-like models start at ``padding_idx + 1 = 2``);
+    - a row that contains no 0 at all (e.g. ``[[2, 3, 2, 3, 4]]``).
+
+    transformers <= 4.54 located starts with ``position_ids == 0``, which breaks on rows without a 0
+    (huggingface/transformers#39814); since #47525 its ``prepare_fa_kwargs_from_position_ids`` uses
+    ``== position_ids.min()`` as here, but it does not add index 0 when the row begins inside a sample, and its
+    sdpa/eager mask path (``masking_utils.find_packed_sequence_indices``) uses a different rule (a new sample
+    wherever the position does not grow by exactly 1). With ``strict=True`` (default) varpack refuses rows on
+    which the two rules disagree, so whatever this function accepts means the same thing to every path.
+
+    Args:
+        position_ids: integer positions, ``[T]``, ``[1, T]``, or multi-plane ``[P, T]`` / ``[P, 1, T]`` (mRoPE;
+            then ``text_plane`` must be given). Any device; it is read on the CPU once.
+        text_plane: index of the plane that restarts per sample (0 for Qwen3-VL's ``[text, t, h, w]``). Needed
+            for multi-plane input; a 2-D input with more than one row and no ``text_plane`` is a batch with
+            B > 1, which padding-free input never has (flatten it to one row first).
+        strict: refuse a row where, inside a sample, a position does not follow its predecessor by exactly +1
+            (e.g. ``[0, 1, 2, 3, 1, 2]``: the drop to 1 is not to the row minimum, so the minimum rule sees one
+            sample of 6 tokens while the +1 rule sees two). With ``strict=False`` only the minimum rule applies.
+
+    Returns:
+        ``cu_seqlens``: CPU int32 tensor ``[N+1]``, strictly increasing, ``[0, ..., T]``. Zero-length samples
+        cannot be expressed in position ids, so none are produced.
+
+    Raises:
+        TypeError: non-integer positions.
+        ValueError: bad shape, B > 1, multi-plane input without ``text_plane``, ``text_plane`` out of range,
+            an empty row, or (``strict``) a non-+1 step inside a sample, reported with its index and values.
+
+    Example:
+        >>> cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2, 0, 0, 1, 2]]))
+        tensor([0, 3, 4, 7], dtype=torch.int32)
+        >>> cu_seqlens_from_position_ids(torch.tensor([[2, 3, 2, 3, 4]]))
+        tensor([0, 2, 5], dtype=torch.int32)
+    """
+    row = _position_row(position_ids, text_plane)
+    total = int(row.shape[0])
+    if total == 0:
+        raise ValueError("position_ids has no tokens (T = 0)")
+    _check_fits_int32(total, "cu_seqlens_from_position_ids")
+    is_start = row == row.min()
+    is_start[0] = True
+    if strict and total > 1:
+        bad = np.flatnonzero((np.diff(row) != 1) & ~is_start[1:]) + 1
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"position_ids step from {int(row[i - 1])} to {int(row[i])} at index {i} is neither +1 nor a "
+                f"restart at the row minimum {int(row.min())} ({bad.size} such steps, at indices {_fmt(bad)}); "
+                f"the sample boundaries are ambiguous. Restart every sample at the same first position, or pass "
+                f"strict=False to split only at the row minimum."
+            )
+    starts = np.flatnonzero(is_start)
+    cu = np.empty(starts.size + 1, dtype=np.int32)
+    cu[:-1] = starts
+    cu[-1] = total
+    return torch.from_numpy(cu)
+
+
+def cu_seqlens_from_segment_ids(segment_ids: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boundaries from per-token segment ids, with 0 marking padding (excluded).
+
+    A segment is a maximal run of equal non-zero ids once the padding tokens are removed; padding between
+    two runs of the same id therefore joins them (one document with a hole of padding). An id that reappears
+    after a different id is an error: the two runs would be two documents with one name. With a ``[B, T]``
+    input every row is split separately (a row end always ends a segment), so a 0/1 ``attention_mask`` of a
+    right- or left-padded batch unpads exactly like flash-attn's ``unpad_input``.
+
+    Args:
+        segment_ids: non-negative integers, ``[T]`` or ``[B, T]`` (B >= 1).
+
+    Returns:
+        ``(cu_seqlens, indices)``: ``cu_seqlens`` int32 ``[N+1]`` indexes the stream of kept tokens;
+        ``indices`` int64 ``[T_kept]`` are the positions of the kept (non-zero) tokens in the flattened
+        ``[B*T]`` input, so that ``x.reshape(B*T, ...)[indices]`` is the padding-free stream that
+        ``cu_seqlens`` describes. Both on the CPU.
+
+    Raises:
+        TypeError: non-integer ids.
+        ValueError: not 1-D/2-D, a negative id, no non-zero id at all, or an id used by two separate runs of
+            one row.
+
+    Example:
+        >>> cu, idx = cu_seqlens_from_segment_ids(torch.tensor([[1, 1, 2, 2, 2, 0, 0]]))
+        >>> cu, idx
+        (tensor([0, 2, 5], dtype=torch.int32), tensor([0, 1, 2, 3, 4]))
+    """
+    seg = _to_numpy_int(segment_ids, "segment_ids")
+    if seg.ndim == 1:
+        seg = seg[None, :]
+    if seg.ndim != 2:
+        raise ValueError(f"segment_ids must be [T] or [B, T], got shape {tuple(seg.shape)}")
+    if seg.size and seg.min() < 0:
+        bad = np.flatnonzero(seg.reshape(-1) < 0)
+        raise ValueError(f"segment_ids must be >= 0 (0 = padding); negative at flat indices {_fmt(bad)}")
+    flat = seg.reshape(-1)
+    indices = np.flatnonzero(flat != 0)
+    if indices.size == 0:
+        raise ValueError(f"segment_ids of shape {tuple(seg.shape)} marks every token as padding (all 0)")
+    _check_fits_int32(int(indices.size), "cu_seqlens_from_segment_ids")
+    kept = flat[indices]
+    rows = indices // seg.shape[1]
+    is_start = np.ones(kept.size, dtype=bool)
+    is_start[1:] = (kept[1:] != kept[:-1]) | (rows[1:] != rows[:-1])
+    starts = np.flatnonzero(is_start)
+    # an id may name one run per row only
+    run_keys = np.stack([rows[starts], kept[starts]], axis=1)
+    uniq, counts = np.unique(run_keys, axis=0, return_counts=True)
+    if (counts > 1).any():
+        row, sid = (int(v) for v in uniq[np.argmax(counts > 1)])
+        where = indices[starts][(run_keys[:, 0] == row) & (run_keys[:, 1] == sid)] % seg.shape[1]
+        raise ValueError(
+            f"segment id {sid} forms {where.size} separate runs in row {row} (starting at {_fmt(where)}); "
+            f"give every document its own id"
+        )
+    cu = np.empty(starts.size + 1, dtype=np.int32)
+    cu[:-1] = starts
+    cu[-1] = kept.size
+    return torch.from_numpy(cu), torch.from_numpy(indices.astype(np.int64))
+
+
+def _cu_numpy(cu_seqlens: Any) -> np.ndarray:
+    return _to_numpy_int(cu_seqlens, "cu_seqlens")
+
+
+def max_seqlen_from_cu_seqlens(cu_seqlens: Any) -> int:
+    """Length of the longest segment, as a Python int (FlashAttention's ``max_seqlen``).
+
+    Args:
+        cu_seqlens: ``[N+1]`` integers with ``N >= 1``.
+
+    Returns:
+        ``max(cu[i+1] - cu[i])`` as ``int`` (never a tensor: no host sync in the layers that consume it).
+
+    Raises:
+        ValueError: fewer than 2 entries or not 1-D.
+
+    Example:
+        >>> max_seqlen_from_cu_seqlens(torch.tensor([0, 3, 4, 7], dtype=torch.int32))
+        3
+    """
+    cu = _cu_numpy(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu.shape)}")
+    return int(np.diff(cu).max())
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens: Any, total_tokens: int) -> torch.Tensor:
+    """Sample index of every token, ``[1, T]`` int32 (the ``seq_idx`` of Mamba-2 / causal-conv1d kernels).
+
+    Args:
+        cu_seqlens: ``[N+1]`` integers, valid for ``total_tokens`` (zero-length segments allowed: their
+            index simply never appears).
+        total_tokens: ``T``.
+
+    Returns:
+        CPU int32 tensor ``[1, T]`` with values ``0..N-1``, non-decreasing.
+
+    Raises:
+        TypeError / ValueError: as :func:`validate_cu_seqlens` (with ``allow_empty=True``, any integer dtype).
+
+    Example:
+        >>> seq_idx_from_cu_seqlens(torch.tensor([0, 3, 4, 7], dtype=torch.int32), 7)
+        tensor([[0, 0, 0, 1, 2, 2, 2]], dtype=torch.int32)
+    """
+    cu = _cu_numpy(cu_seqlens)
+    _validate_values(cu, total_tokens, allow_empty=True, max_seqlen=None)
+    lengths = np.diff(cu)
+    seq_idx = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
+    return torch.from_numpy(seq_idx).unsqueeze(0)
+
+
+def _validate_values(cu: np.ndarray, total_tokens: int, *, allow_empty: bool, max_seqlen: int | None) -> None:
+    if cu.ndim != 1:
+        raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {tuple(cu.shape)}")
+    if cu.size < 2:
+        raise ValueError(f"cu_seqlens must have at least 2 entries ([0, T]), got {cu.size}: {_fmt(cu)}")
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens[0]={int(cu[0])}, must be 0")
+    if int(cu[-1]) != total_tokens:
+        raise ValueError(f"cu_seqlens[-1]={int(cu[-1])} but the stream has {total_tokens} tokens")
+    steps = np.diff(cu)
+    bad = np.flatnonzero(steps < 0 if allow_empty else steps <= 0)
+    if bad.size:
+        i = int(bad[0])
+        what = "decreasing" if allow_empty else "not strictly increasing"
+        raise ValueError(
+            f"cu_seqlens is {what}: cu_seqlens[{i}]={int(cu[i])}, cu_seqlens[{i + 1}]={int(cu[i + 1])} "
+            f"({bad.size} such steps)"
+            + ("" if allow_empty else "; zero-length segments need allow_empty=True")
+        )
+    if max_seqlen is not None:
+        longest = int(steps.max())
+        if max_seqlen != longest:
+            raise ValueError(
+                f"max_seqlen={max_seqlen} but the longest segment of cu_seqlens has {longest} tokens "
+                f"(segment {int(np.argmax(steps))})"
+            )
+
+
+def validate_cu_seqlens(
+    cu_seqlens: torch.Tensor,
+    total_tokens: int,
+    *,
+    allow_empty: bool = False,
+    max_seqlen: int | None = None,
+) -> None:
+    """Check that ``cu_seqlens`` is valid varlen metadata for a stream of ``total_tokens`` tokens.
+
+    Checks, in order (the first violation raises, naming it with the offending values): a torch tensor of
+    dtype int32 (what FlashAttention, torch ``varlen_attn`` and fla kernels take), 1-D, at least 2 entries,
+    ``cu[0] == 0``, ``cu[-1] == T``, strictly increasing (non-decreasing with ``allow_empty``, i.e.
+    zero-length segments allowed), and ``max_seqlen`` (if given) equal to the longest segment: varpack always
+    derives it from ``cu_seqlens``, so any other value means the two come from different batches.
+    A device tensor is copied to the CPU once: meant for collate time and tests, not inside layers.
+
+    Args:
+        cu_seqlens: ``[N+1]`` int32 tensor.
+        total_tokens: ``T``, the number of tokens in the stream (a Python int).
+        allow_empty: accept zero-length segments.
+        max_seqlen: the ``max_seqlen`` that travels with ``cu_seqlens`` (a Python int), or ``None``.
+
+    Raises:
+        TypeError: ``cu_seqlens`` is not a tensor, or ``max_seqlen`` / ``total_tokens`` is not an int.
+        ValueError: dtype not int32, not 1-D, fewer than 2 entries, first != 0, last != T, not (strictly)
+            increasing, max_seqlen inconsistent.
+
+    Example:
+        >>> validate_cu_seqlens(torch.tensor([0, 3, 4, 7], dtype=torch.int32), 7, max_seqlen=3)
+        >>> validate_cu_seqlens(torch.tensor([0, 3, 3, 7], dtype=torch.int32), 7)
+        Traceback (most recent call last):
+        ...
+        ValueError: cu_seqlens is not strictly increasing: cu_seqlens[1]=3, cu_seqlens[2]=3 (1 such steps); zero-length segments need allow_empty=True
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if isinstance(total_tokens, bool) or not isinstance(total_tokens, (int, np.integer)):
+        raise TypeError(f"total_tokens must be an int, got {type(total_tokens).__name__}")
+    if max_seqlen is not None and (
+        isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer))
+    ):
+        raise TypeError(f"max_seqlen must be a Python int, got {type(max_seqlen).__name__}: {max_seqlen!r}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens dtype is {cu_seqlens.dtype}, must be torch.int32")
+    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    _validate_values(
+        cu,
+        int(total_tokens),
+        allow_empty=allow_empty,
+        max_seqlen=None if max_seqlen is None else int(max_seqlen),
+    )
+
+
+def lengths_from_cu_seqlens(cu_seqlens: Any) -> np.ndarray:
+    """Segment lengths ``cu[1:] - cu[:-1]`` as an int64 numpy array ``[N]`` (a convenience for reports)."""
+    cu = _cu_numpy(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1:
+        raise ValueError(f"cu_seqlens must be 1-D and non-empty, got shape {tuple(cu.shape)}")
+    return np.diff(cu)
