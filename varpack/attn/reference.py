@@ -1,0 +1,156 @@
+"""``reference`` backend: one plain attention per segment, in fp32 (or fp64) math. The truth in tests.
+
+Loops over the segments of ``cu_seqlens`` (reading their values with ``.tolist()``: a host sync, acceptable
+for the reference), computes ``softmax(mask(softcap(q k^T * scale))) v`` for each with explicit PyTorch ops,
+and concatenates. Supports every feature (GQA, causal / non-causal with bottom-right alignment, sliding
+window, softcap, zero-length segments), any device, any floating dtype, and autograd.
+
+Semantics follow flash-attn's ``flash_attn_varlen_func`` (Dao-AILab/flash-attention,
+flash_attn/flash_attn_interface.py), including its convention that a query row with no visible key
+(possible when a segment has fewer keys than queries, or with a window) outputs zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._base import Backend, Capabilities
+
+__all__ = ["ReferenceBackend", "reference_varlen_attention", "segment_mask"]
+
+
+def segment_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    causal: bool,
+    window_size: tuple[int, int] = (-1, -1),
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Boolean ``[seqlen_q, seqlen_k]`` mask of one segment (True = query i may attend key j).
+
+    flash-attn semantics: the diagonal is aligned bottom-right, ``diag(i) = i + seqlen_k - seqlen_q``;
+    ``causal`` keeps ``j <= diag(i)``; ``window_size=(left, right)`` keeps
+    ``diag(i) - left <= j <= diag(i) + right`` (``-1`` = unbounded on that side; causal forces right = 0).
+    """
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    diag = i + (seqlen_k - seqlen_q)
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        mask &= j <= diag + right
+    if left >= 0:
+        mask &= j >= diag - left
+    return mask
+
+
+def reference_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Per-segment attention loop (the truth). Shapes as :func:`varpack.attn.varlen_attention`.
+
+    Args:
+        q: ``[Tq, H, D]``; k, v: ``[Tk, Hkv, D]`` with ``H % Hkv == 0``.
+        cu_seqlens_q, cu_seqlens_k: ``[N+1]`` integer offsets (read on the host).
+        upcast: compute in ``promote(dtype, float32)`` (default) and cast the output back; ``False`` computes
+            in the input dtype, like a plain low-precision PyTorch implementation (the baseline of the
+            fp32-truth tolerance rule: ``attention_ref(upcast=False)`` in flash-attn's tests).
+
+    Returns:
+        ``[Tq, H, D]`` in q's dtype.
+
+    Raises:
+        ValueError: cu_seqlens that do not start at 0, decrease, disagree in length, or do not end at
+            Tq / Tk.
+    """
+    cu_q = [int(x) for x in cu_seqlens_q.tolist()]
+    cu_k = [int(x) for x in cu_seqlens_k.tolist()]
+    total_q, num_heads, head_dim = q.shape
+    total_k, num_kv_heads = k.shape[0], k.shape[1]
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"cu_seqlens_q has {len(cu_q)} entries but cu_seqlens_k has {len(cu_k)}")
+    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
+        if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(
+                f"{name}={cu} must start at 0, never decrease and end at the token count {total}"
+            )
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    groups = num_heads // num_kv_heads
+    compute_dtype = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
+    outs: list[torch.Tensor] = []
+    for n in range(len(cu_q) - 1):
+        qs, qe, ks, ke = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        len_q, len_k = qe - qs, ke - ks
+        if len_q == 0:
+            continue
+        if len_k == 0:  # no key at all: flash-attn writes zeros
+            outs.append(q.new_zeros(len_q, num_heads, v.shape[-1]) + 0 * q[qs:qe, :, :1])
+            continue
+        qi = q[qs:qe].to(compute_dtype).transpose(0, 1)  # [H, Lq, D]
+        ki = k[ks:ke].to(compute_dtype).repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, Lk, D]
+        vi = v[ks:ke].to(compute_dtype).repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, Lk, Dv]
+        scores = torch.matmul(qi, ki.transpose(-1, -2)) * scale  # [H, Lq, Lk]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        mask = segment_mask(len_q, len_k, causal=causal, window_size=window_size, device=q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True).detach()
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        probs = torch.exp(scores - row_max)
+        denom = probs.sum(dim=-1, keepdim=True)
+        probs = probs / torch.where(denom == 0, torch.ones_like(denom), denom)
+        outs.append(torch.matmul(probs, vi).transpose(0, 1).to(q.dtype))
+    if not outs:
+        return q.new_zeros(total_q, num_heads, v.shape[-1])
+    return torch.cat(outs, dim=0)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    capabilities = Capabilities(
+        devices=frozenset({"*"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+        notes="per-segment loop in fp32 math; exact, slow (reads cu_seqlens on the host)",
+    )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool,
+        window_size: tuple[int, int],
+        softmax_scale: float,
+        softcap: float,
+    ) -> torch.Tensor:
+        return reference_varlen_attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            causal=causal,
+            window_size=window_size,
+            softmax_scale=softmax_scale,
+            softcap=softcap,
+        )

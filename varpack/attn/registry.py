@@ -1,0 +1,166 @@
+"""Backend registry: the ``auto`` priority table, :func:`available_backends` and :func:`resolve_backend`.
+
+``auto`` walks :data:`AUTO_PRIORITY` for the call's device type and takes the first backend whose
+:meth:`~varpack.attn._base.Backend.supports` says yes; the answer carries the reason (which backend was
+picked, and why each one before it was skipped) so ``varpack check`` can report it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._base import Backend, BackendUnavailableError, CallSpec
+from .reference import ReferenceBackend
+
+__all__ = [
+    "AUTO_PRIORITY",
+    "BACKENDS",
+    "ResolvedBackend",
+    "available_backends",
+    "get_backend",
+    "resolve_backend",
+]
+
+#: All backends by name, in no particular order.
+BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(),)}
+
+#: ``auto`` order per device type, fastest first; benchmarks update this one table.
+#: CUDA figures (H200, bf16, D=128, causal, T=65536 packed tokens, useful TFLOP/s fwd / fwd+bwd,
+#: shared/ASSETS.md 2026-11-29): lognormal(6.5, 1) lengths: torch varlen_attn 284/243, flex 303/283,
+#: flash-attn-4 540/458; GQA H=32 Hkv=8: 293/249, 310/293, 550/451. FA3 and FA2 are not installed there;
+#: they are placed by their published figures (FA3 > FA2 on Hopper; FA2 >= flex).
+#: CPU: ``reference`` only. FlexAttention runs eagerly on the CPU and is exact, but it materializes the
+#: [H, Tq, Tk] score matrix of the whole stream (masked), so its memory grows with T^2 where the reference
+#: grows with the longest segment; it stays available by name (``backend="flex"``).
+AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
+    "cuda": ("reference",),
+    "cpu": ("reference",),
+}
+#: Device types not listed above.
+AUTO_PRIORITY_DEFAULT: tuple[str, ...] = ("reference",)
+
+
+class ResolvedBackend(str):
+    """The chosen backend's name (a ``str``) with ``.reason``: why it was chosen (and what was skipped)."""
+
+    reason: str
+
+    def __new__(cls, name: str, reason: str) -> ResolvedBackend:
+        obj = super().__new__(cls, name)
+        obj.reason = reason
+        return obj
+
+
+def get_backend(name: str) -> Backend:
+    """The backend object registered as ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose 'auto' or one of {sorted(BACKENDS)}"
+        ) from None
+
+
+def _device_type(device: torch.device | str | None) -> str | None:
+    if device is None:
+        return None
+    return torch.device(device).type
+
+
+def available_backends(
+    device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> dict[str, tuple[bool, str]]:
+    """Every backend's ``(ok, reason)``: installed, and (if given) able to run on ``device`` / ``dtype``.
+
+    Args:
+        device: a device (``"cuda"``, ``"cpu"``, ``torch.device``) or None to check installation only.
+        dtype: a q/k/v dtype or None.
+
+    Returns:
+        ``{name: (ok, reason)}`` in ``auto`` order for the device first, then the rest.
+    """
+    dev_type = _device_type(device)
+    order = list(AUTO_PRIORITY.get(dev_type or "cuda", AUTO_PRIORITY_DEFAULT))
+    order += [n for n in BACKENDS if n not in order]
+    return {name: BACKENDS[name].supports_platform(device, dtype) for name in order}
+
+
+def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
+    """Resolve ``name`` (``"auto"`` or a backend name) for the call ``spec``.
+
+    Raises:
+        ValueError: unknown backend name.
+        BackendUnavailableError: the forced backend cannot run the call, or (``auto``) none can.
+    """
+    if name != "auto":
+        backend = get_backend(name)
+        ok, reason = backend.supports(spec)
+        if not ok:
+            raise BackendUnavailableError(f"attention backend {name!r} cannot run this call: {reason}")
+        return ResolvedBackend(name, f"{name}: forced by the caller")
+    order = AUTO_PRIORITY.get(spec.device.type, AUTO_PRIORITY_DEFAULT)
+    skipped: list[str] = []
+    for candidate in order:
+        ok, reason = BACKENDS[candidate].supports(spec)
+        if ok:
+            why = f"auto on {spec.device.type}: {candidate} is the first backend in AUTO_PRIORITY that runs this call"
+            if skipped:
+                why += " (skipped " + "; ".join(skipped) + ")"
+            return ResolvedBackend(candidate, why)
+        skipped.append(f"{candidate}: {reason}")
+    raise BackendUnavailableError(
+        f"no attention backend can run this call on {spec.device.type}: " + "; ".join(skipped)
+    )
+
+
+def resolve_backend(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> ResolvedBackend:
+    """Which backend ``name`` (``"auto"`` or a backend name) runs a call with these tensors, and why.
+
+    Args:
+        name: ``"auto"`` or one of :data:`BACKENDS`.
+        q: ``[Tq, H, D]`` (only its device, dtype, shape and ``requires_grad`` are used); k, v: ``[Tk, Hkv, D]``
+            (default: same head count as q).
+        causal, window_size, softcap: as in :func:`varpack.attn.varlen_attention`.
+        cu_seqlens_q, cu_seqlens_k: optional; when on the CPU they are checked for zero-length segments.
+
+    Returns:
+        A :class:`ResolvedBackend`: the chosen name (a ``str``) with ``.reason``.
+
+    Raises:
+        ValueError: unknown backend name.
+        BackendUnavailableError: the forced backend cannot run the call, or (``auto``) none can.
+    """
+    causal, window_size = normalize_mask_args(causal, window_size)
+    has_empty = None
+    cus = [c for c in (cu_seqlens_q, cu_seqlens_k) if c is not None]
+    if cus and all(c.device.type == "cpu" for c in cus):
+        has_empty = any(bool((c[1:] == c[:-1]).any()) for c in cus)
+    spec = CallSpec.from_tensors(
+        q, k, v, causal=causal, window_size=window_size, softcap=softcap, has_empty_segments=has_empty
+    )
+    return resolve_spec(name, spec)
+
+
+def normalize_mask_args(causal: bool, window_size: tuple[int, int]) -> tuple[bool, tuple[int, int]]:
+    """flash-attn's normalization: causal forces ``right = 0``; ``(left, 0)`` without causal is causal."""
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    elif right == 0:
+        causal = True
+    return bool(causal), (left, right)
