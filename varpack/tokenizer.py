@@ -45,6 +45,7 @@ __all__ = [
     "embedded_spec",
     "load_tokenizer",
     "tokenizer_cache_root",
+    "varpack_cache_root",
 ]
 
 _BUILDER_VERSION = 1
@@ -212,15 +213,19 @@ def ranks_path(name: str = "qwen3") -> Path:
     return path
 
 
-def tokenizer_cache_root() -> Path:
-    """Folder holding the built embedded tokenizers: ``$VARPACK_CACHE/tokenizers``, else
-    ``${XDG_CACHE_HOME:-~/.cache}/varpack/tokenizers``."""
+def varpack_cache_root() -> Path:
+    """varpack's cache folder: ``$VARPACK_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/varpack``."""
     root = os.environ.get("VARPACK_CACHE")
     if root:
-        return Path(root).expanduser() / "tokenizers"
+        return Path(root).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "varpack" / "tokenizers"
+    return base / "varpack"
+
+
+def tokenizer_cache_root() -> Path:
+    """Folder holding the built embedded tokenizers: ``varpack_cache_root() / "tokenizers"``."""
+    return varpack_cache_root() / "tokenizers"
 
 
 def _sha256(path: Path) -> str:

@@ -1,0 +1,23 @@
+"""Encoding: chat samples -> ``input_ids``, ``labels``, ``length`` (see :mod:`varpack.encode.chat`)."""
+
+from __future__ import annotations
+
+from varpack.encode.chat import (
+    IGNORE_INDEX,
+    KNOWN_ROLES,
+    encode_chat,
+    encode_dataset,
+    load_chat_data,
+    tokenizer_fingerprint,
+    validate_messages,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "KNOWN_ROLES",
+    "encode_chat",
+    "encode_dataset",
+    "load_chat_data",
+    "tokenizer_fingerprint",
+    "validate_messages",
+]
