@@ -20,7 +20,7 @@ from varpack.attn import (
     resolve_backend,
     varlen_attention,
 )
-from varpack.attn._base import Backend, Capabilities
+from varpack.attn._base import Backend, CallSpec, Capabilities
 from varpack.attn.reference import ReferenceBackend
 
 # --------------------------------------------------------------------------------------------------------
@@ -148,18 +148,28 @@ def test_cpu_backends_match_reference(backend, lens_q, lens_k, causal, window, s
     lens_k = lens_q if lens_k is None else lens_k
     max_q, max_k = max(lens_q), max(lens_k)
     kwargs = dict(causal=causal, window_size=window, softcap=softcap)
-    cap = get_backend(backend).capabilities
-    if 0 in lens_q or 0 in lens_k:
-        if not cap.empty_segments:
-            with pytest.raises(BackendUnavailableError, match="zero-length"):
-                varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, backend=backend, **kwargs)
-            return
-    out = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, backend=backend, **kwargs)
+    impl = get_backend(backend)
+    spec = CallSpec.from_tensors(q, k, v, **kwargs, has_empty_segments=0 in lens_q + lens_k)
+    ok, reason = impl.supports(spec)
+    if not ok:  # a declared limitation must raise clearly, never run
+        with pytest.raises(BackendUnavailableError, match=reason.split(" (")[0]):
+            varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, backend=backend, **kwargs)
+    backward = ok
+    if not ok:
+        with torch.no_grad():
+            ok, reason = impl.supports(
+                CallSpec.from_tensors(q, k, v, **kwargs, has_empty_segments=spec.has_empty_segments)
+            )
+        if not ok:
+            pytest.skip(f"{backend} declares it cannot run this call: {reason}")
     ref = reference_varlen_attention(q, k, v, cu_q, cu_k, **kwargs)
+    with torch.set_grad_enabled(backward):
+        out = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, backend=backend, **kwargs)
     assert out.shape == ref.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    for got_g, want_g in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
-        torch.testing.assert_close(got_g, want_g, rtol=1e-5, atol=1e-5)
+    if backward:
+        for got_g, want_g in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+            torch.testing.assert_close(got_g, want_g, rtol=1e-5, atol=1e-5)
 
 
 def test_softmax_scale_is_used():
@@ -369,3 +379,28 @@ def test_auto_with_no_capable_backend_raises(monkeypatch, fake_registry):
 def test_docstring_example_runs():
     result = doctest.testmod(attn_interface)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_flex_block_mask_built_once_per_batch_and_reused_by_layers():
+    from varpack.attn import flex
+
+    flex._clear_caches()
+    lens = [5, 1, 7]
+    q, k, v, cu, _ = make_inputs(lens)
+    with torch.no_grad():
+        for _layer in range(3):  # the layers of one model see the same cu_seqlens tensor object
+            varlen_attention(q, k, v, cu, cu, 7, 7, backend="flex")
+        assert len(flex._BLOCK_MASK_CACHE._data) == 1
+        first = next(iter(flex._BLOCK_MASK_CACHE._data.values()))[1]
+        varlen_attention(q, k, v, cu, cu, 7, 7, backend="flex", window_size=(2, -1))  # other mask params
+        assert len(flex._BLOCK_MASK_CACHE._data) == 2
+        cu2 = cu.clone()  # next batch: a new tensor
+        varlen_attention(q, k, v, cu2, cu2, 7, 7, backend="flex")
+        assert len(flex._BLOCK_MASK_CACHE._data) == 3
+        cu2[1] = 6  # in-place edit: the cached mask must not be served
+        cu2[2] = 6
+        out = varlen_attention(q, k, v, cu2, cu2, 7, 7, backend="flex")
+        torch.testing.assert_close(out, reference_varlen_attention(q, k, v, cu2, cu2), rtol=1e-5, atol=1e-5)
+        assert len(flex._BLOCK_MASK_CACHE._data) == 4
+        assert flex._cached_block_mask(cu, cu, 13, 13, True, (-1, 0)) is first
+    flex._clear_caches()

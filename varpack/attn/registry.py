@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._base import Backend, BackendUnavailableError, CallSpec
+from .flex import FlexBackend
 from .reference import ReferenceBackend
 
 __all__ = [
@@ -22,7 +23,7 @@ __all__ = [
 ]
 
 #: All backends by name, in no particular order.
-BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(),)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(), FlexBackend())}
 
 #: ``auto`` order per device type, fastest first; benchmarks update this one table.
 #: CUDA figures (H200, bf16, D=128, causal, T=65536 packed tokens, useful TFLOP/s fwd / fwd+bwd,
@@ -33,7 +34,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(),)}
 #: [H, Tq, Tk] score matrix of the whole stream (masked), so its memory grows with T^2 where the reference
 #: grows with the longest segment; it stays available by name (``backend="flex"``).
 AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
-    "cuda": ("reference",),
+    "cuda": ("flex", "reference"),
     "cpu": ("reference",),
 }
 #: Device types not listed above.
