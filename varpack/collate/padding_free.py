@@ -1,0 +1,473 @@
+"""Padding-free collation: a batch of packs (or plain samples) -> ONE flat token row plus boundary metadata.
+
+The output follows docs/ARCHITECTURE.md ("Collated batch"); the boundary key names are transformers'
+``FlashAttentionKwargs`` (``cu_seq_lens_q/k``, ``max_length_q/k``), so HF models hand them unchanged to every
+attention layer. Anchors read for the behaviour: transformers' ``DataCollatorWithFlattening`` (same keys, but
+it builds Python lists token by token and pads nothing), TRL's padding-free ``DataCollatorForLanguageModeling``
+and axolotl#2739 (padding as one segment rather than many 1-token segments).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "IGNORED_FIELDS",
+    "MEDIA_FIELDS",
+    "TOKEN_FIELDS",
+    "PaddingFreeCollator",
+]
+
+#: token-aligned fields known to varpack and their output dtype (numpy); every one has the sample's length
+TOKEN_FIELDS: dict[str, type] = {
+    "input_ids": np.int64,
+    "labels": np.int64,
+    "loss_scale": np.float32,
+    "token_type_ids": np.int64,
+    "mm_token_type_ids": np.int64,
+}
+#: media fields, concatenated along dim 0 in pack order (Qwen-VL layout: patches x features, grids N x 3)
+MEDIA_FIELDS: tuple[str, ...] = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+#: per-sample bookkeeping fields that never reach the model
+IGNORED_FIELDS: frozenset[str] = frozenset(
+    {"length", "sample_id", "source", "messages", "piece_id", "piece_range"}
+)
+
+_MEDIA_PAIRS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+_LABEL_IGNORE = -100
+
+
+def _is_sample(x: Any) -> bool:
+    return isinstance(x, Mapping)
+
+
+def _flatten(features: Sequence[Any]) -> list[Mapping[str, Any]]:
+    if isinstance(features, Mapping):
+        raise TypeError(
+            "PaddingFreeCollator takes a list of packs (lists of sample dicts) or a list of sample dicts, "
+            f"got one {type(features).__name__}; wrap it in a list"
+        )
+    if len(features) == 0:
+        raise ValueError("PaddingFreeCollator received an empty batch (no packs, no samples)")
+    samples: list[Mapping[str, Any]] = []
+    for i, item in enumerate(features):
+        if _is_sample(item):
+            samples.append(item)
+        elif isinstance(item, (list, tuple)):
+            for j, sample in enumerate(item):
+                if not _is_sample(sample):
+                    raise TypeError(f"pack {i} item {j} is a {type(sample).__name__}, expected a sample dict")
+                samples.append(sample)
+        else:
+            raise TypeError(
+                f"batch item {i} is a {type(item).__name__}; expected a sample dict or a pack (list of dicts)"
+            )
+    if not samples:
+        raise ValueError(f"PaddingFreeCollator received {len(features)} packs with no samples in them")
+    return samples
+
+
+def _name(sample_ids: list[Any], i: int) -> str:
+    sid = sample_ids[i]
+    return f"sample {sid}" if sid is not None else f"sample #{i} of the batch (no sample_id)"
+
+
+def _as_array(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _seq_len(value: Any) -> int:
+    """Length along the token axis of a 1-D token field (tensor, array or list)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return int(value.shape[0]) if value.ndim == 1 else -1
+    return len(value)
+
+
+def _concat_token_field(values: list[Any], total: int, dtype: type | None) -> np.ndarray:
+    """One concatenation for the whole batch: a C-level pass over lists, or np.concatenate over arrays."""
+    if dtype is not None and all(type(v) is list for v in values):
+        return np.fromiter(itertools.chain.from_iterable(values), dtype=dtype, count=total)
+    out = np.concatenate([_as_array(v).reshape(-1) for v in values])
+    if dtype is not None:
+        return out.astype(dtype, copy=False)
+    if out.dtype.kind == "f":
+        return out.astype(np.float32, copy=False)
+    if out.dtype.kind in "iu":
+        return out.astype(np.int64, copy=False)
+    return out
+
+
+def _concat_media(values: list[Any]) -> torch.Tensor:
+    tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for v in values]
+    return torch.cat(tensors, dim=0)
+
+
+class PaddingFreeCollator:
+    """Flatten packs (or plain samples) into one padding-free row with its sample boundaries.
+
+    The input is a list of packs, each a list of sample dicts (what ``PackedDataset`` yields, batched by a
+    ``DataLoader``), or a flat list of sample dicts. All samples of all packs become ONE row, in order. A
+    sample is an encoded sample (docs/ARCHITECTURE.md): ``input_ids`` and ``labels`` (lists, numpy arrays or
+    1-D tensors of length ``L``, ``labels[0] == -100``), optionally ``loss_scale``, ``token_type_ids``,
+    ``mm_token_type_ids``, ``attention_mask`` (must be all 1; dropped), ``position_ids`` ``[P, L]`` (or
+    ``[L]``), media (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``),
+    bookkeeping that is not passed on (``length`` -- checked against ``len(input_ids)``, ``sample_id``,
+    ``source``, ``messages``, ``piece_id``, ``piece_range``), and the fields named in ``extra_fields`` /
+    ``media_fields``. Any other field is an error, never silently dropped.
+
+    Output (T tokens, N samples, plus one pad segment when padding is added; B = 1):
+
+    ========================== ============================ ===============================================
+    key                        shape / type                 meaning
+    ========================== ============================ ===============================================
+    ``input_ids``              ``[1, T]`` int64             samples concatenated in order
+    ``labels``                 ``[1, T]`` int64             same order; every sample starts with -100
+    ``position_ids``           ``[1, T]`` int64 or          restart at 0 for every sample (text plane);
+                               ``[P, 1, T]``                ``[P, 1, T]`` when samples carry ``[P, L]``
+    ``cu_seq_lens_q`` / ``_k`` ``[N+1]`` int32              ``[0, ..., T]``, strictly increasing (same tensor)
+    ``max_length_q`` / ``_k``  Python int                   longest segment
+    ``seq_idx``                ``[1, T]`` int32             segment index of every token, ``0..N-1``
+    optional token fields      ``[1, T]``                   ``loss_scale`` float32, ``token_type_ids``,
+                                                            ``mm_token_type_ids`` int64, ``extra_fields``
+    media                      concatenated on dim 0        ``pixel_values``, ``image_grid_thw``, ...
+    ``sample_ids``             list (length N)              each sample's ``sample_id`` (None if absent)
+    ========================== ============================ ===============================================
+
+    Boundaries come from the sample lengths (never re-derived from positions). Samples without
+    ``position_ids`` get ``arange(L)`` on every plane; samples without ``mm_token_type_ids`` (text-only beside
+    image samples) get zeros. With multi-plane positions the ``text_plane`` of each sample must be exactly
+    ``0..L-1``, so that transformers' own boundary rules (``== min`` for FlashAttention kwargs, ``diff != 1``
+    for masks) read the same samples as ``cu_seq_lens_q``.
+
+    ``pad_to_multiple_of=m`` appends ONE pad segment of ``n = (-T) % m`` tokens (``input_ids = pad_token_id``,
+    positions ``0..n-1`` on every plane, ``labels = -100``, ``loss_scale = 0``, other token fields 0): it is its
+    own entry in ``cu_seq_lens_q`` and its own ``seq_idx``, so it attends only to itself; it is never n
+    one-token segments (axolotl#2739: many tiny segments inflate the varlen batch size).
+    ``sample_ids`` has no entry for it. The output is built with one concatenation per field and
+    arange/repeat arithmetic: no per-token Python loop.
+
+    Args:
+        pad_to_multiple_of: pad the row length to a multiple of this (``None``: no padding).
+        pad_token_id: ``input_ids`` value of the pad segment.
+        position_planes: expected number of position planes ``P``; ``None`` infers it from the samples
+            (``[1, T]`` output when no sample carries 2-D ``position_ids``). Setting it forces ``[P, 1, T]``
+            output even for text-only batches (e.g. Qwen3-VL's 4 planes).
+        text_plane: the plane that restarts per sample (0 for Qwen3-VL's ``[text, t, h, w]`` layout).
+        extra_fields: names of additional token-aligned fields to concatenate (int -> int64, float -> float32).
+        media_fields: names of additional media fields to concatenate along dim 0.
+        ignore_fields: additional per-sample bookkeeping fields to drop (e.g. a dataset's ``id`` column).
+
+    Raises (from ``__call__``):
+        TypeError: the batch is not a list of sample dicts / packs.
+        ValueError: an empty batch; a sample without ``input_ids``/``labels``, with 0 tokens, with a token
+            field whose length differs from ``len(input_ids)``, with ``labels[0] != -100``, with a ``length``
+            that disagrees, with an ``attention_mask`` containing 0, with a text plane that is not
+            ``0..L-1``, with ``position_ids`` of a different ``P``; an unknown field; a field present in only
+            some samples (except ``position_ids``, ``mm_token_type_ids`` and media); Qwen-VL media whose
+            patch count disagrees with its grid. Each message names the sample (``sample_id``) and field.
+
+    Example (a toy batch of two packs; compare TRL's ``pack_dataset`` docstring):
+
+        >>> collate = PaddingFreeCollator(pad_to_multiple_of=4, pad_token_id=0)
+        >>> packs = [
+        ...     [{"input_ids": [11, 12, 13], "labels": [-100, 12, 13], "sample_id": 7},
+        ...      {"input_ids": [21], "labels": [-100], "sample_id": 2}],
+        ...     [{"input_ids": [31, 32], "labels": [-100, 32], "sample_id": 5}],
+        ... ]
+        >>> batch = collate(packs)
+        >>> batch["input_ids"]
+        tensor([[11, 12, 13, 21, 31, 32,  0,  0]])
+        >>> batch["labels"]
+        tensor([[-100,   12,   13, -100, -100,   32, -100, -100]])
+        >>> batch["position_ids"]
+        tensor([[0, 1, 2, 0, 0, 1, 0, 1]])
+        >>> batch["cu_seq_lens_q"], batch["max_length_q"]
+        (tensor([0, 3, 4, 6, 8], dtype=torch.int32), 3)
+        >>> batch["seq_idx"]
+        tensor([[0, 0, 0, 1, 2, 2, 3, 3]], dtype=torch.int32)
+        >>> batch["sample_ids"]
+        [7, 2, 5]
+    """
+
+    def __init__(
+        self,
+        *,
+        pad_to_multiple_of: int | None = None,
+        pad_token_id: int = 0,
+        position_planes: int | None = None,
+        text_plane: int = 0,
+        extra_fields: Iterable[str] = (),
+        media_fields: Iterable[str] = (),
+        ignore_fields: Iterable[str] = (),
+    ) -> None:
+        if pad_to_multiple_of is not None and (
+            isinstance(pad_to_multiple_of, bool)
+            or not isinstance(pad_to_multiple_of, int)
+            or pad_to_multiple_of < 1
+        ):
+            raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
+        if position_planes is not None and (not isinstance(position_planes, int) or position_planes < 1):
+            raise ValueError(f"position_planes must be a positive int or None, got {position_planes!r}")
+        if position_planes is not None and not -position_planes <= text_plane < position_planes:
+            raise ValueError(f"text_plane={text_plane} out of range for position_planes={position_planes}")
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_token_id = int(pad_token_id)
+        self.position_planes = position_planes
+        self.text_plane = int(text_plane)
+        self.extra_fields = tuple(extra_fields)
+        self.media_fields = MEDIA_FIELDS + tuple(f for f in media_fields if f not in MEDIA_FIELDS)
+        self.ignore_fields = IGNORED_FIELDS | frozenset(ignore_fields)
+        clash = set(self.extra_fields) & (set(TOKEN_FIELDS) | set(self.media_fields) | self.ignore_fields)
+        if clash:
+            raise ValueError(f"extra_fields {sorted(clash)} are already known fields")
+        self._token_fields: dict[str, type | None] = {**TOKEN_FIELDS, **{f: None for f in self.extra_fields}}
+        self._known = (
+            set(self._token_fields)
+            | set(self.media_fields)
+            | self.ignore_fields
+            | {"position_ids", "attention_mask"}
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"PaddingFreeCollator(pad_to_multiple_of={self.pad_to_multiple_of}, pad_token_id={self.pad_token_id}, "
+            f"position_planes={self.position_planes}, text_plane={self.text_plane}, "
+            f"extra_fields={self.extra_fields})"
+        )
+
+    # ------------------------------------------------------------------ checks
+    def _fields(self, samples: list[Mapping[str, Any]], names: list[Any]) -> dict[str, list[int]]:
+        """field -> indices of the samples that carry it; unknown fields raise."""
+        present: dict[str, list[int]] = {}
+        for i, sample in enumerate(samples):
+            for key in sample:
+                present.setdefault(key, []).append(i)
+        unknown = sorted(set(present) - self._known)
+        if unknown:
+            field = unknown[0]
+            raise ValueError(
+                f"{_name(names, present[field][0])} has unknown field {field!r} (all unknown: {unknown}); "
+                f"declare token-aligned fields with extra_fields=..., media with media_fields=..., or drop "
+                f"bookkeeping with ignore_fields=... -- varpack never drops a field silently"
+            )
+        n = len(samples)
+        for field in ("input_ids", "labels"):
+            have = present.get(field, [])
+            if len(have) != n:
+                missing = sorted(set(range(n)) - set(have))
+                raise ValueError(
+                    f"{_name(names, missing[0])} has no {field!r} ({n - len(have)} of {n} samples lack it)"
+                )
+        optional_everywhere = [
+            f for f in self._token_fields if f not in ("input_ids", "labels", "mm_token_type_ids")
+        ]
+        for field in optional_everywhere:
+            have = present.get(field)
+            if have is not None and len(have) != n:
+                missing = sorted(set(range(n)) - set(have))
+                raise ValueError(
+                    f"{_name(names, missing[0])} has no {field!r} while {len(have)} other samples of the batch "
+                    f"have it; give every sample the field"
+                )
+        return present
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
+        samples = _flatten(features)
+        n = len(samples)
+        names = [s.get("sample_id") for s in samples]
+        present = self._fields(samples, names)
+
+        lengths = np.fromiter((_seq_len(s["input_ids"]) for s in samples), dtype=np.int64, count=n)
+        if (lengths <= 0).any():
+            i = int(np.flatnonzero(lengths <= 0)[0])
+            if lengths[i] < 0:
+                shape = tuple(np.shape(_as_array(samples[i]["input_ids"])))
+                raise ValueError(f"{_name(names, i)}: field 'input_ids' must be 1-D, got shape {shape}")
+            raise ValueError(f"{_name(names, i)} has 0 tokens; empty samples cannot be collated")
+
+        for field, have in present.items():
+            if field in self._token_fields or field == "attention_mask":
+                for i in have:
+                    got = _seq_len(samples[i][field])
+                    if got != lengths[i]:
+                        detail = (
+                            f"has length {got}"
+                            if got >= 0
+                            else f"has shape {tuple(np.shape(_as_array(samples[i][field])))}"
+                        )
+                        raise ValueError(
+                            f"{_name(names, i)}: token-aligned field {field!r} {detail}, but input_ids has "
+                            f"{int(lengths[i])} tokens"
+                        )
+            elif field == "length":
+                for i in have:
+                    if int(samples[i]["length"]) != lengths[i]:
+                        raise ValueError(
+                            f"{_name(names, i)}: field 'length' is {int(samples[i]['length'])} but input_ids has "
+                            f"{int(lengths[i])} tokens (stale length column or plan?)"
+                        )
+
+        total = int(lengths.sum())
+        pad = 0 if self.pad_to_multiple_of is None else (-total) % self.pad_to_multiple_of
+        seg_lengths = np.append(lengths, pad) if pad else lengths
+        full = total + pad
+        if full > np.iinfo(np.int32).max:
+            raise ValueError(f"the batch has {full} tokens, more than int32 cu_seqlens can index")
+        cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)
+        np.cumsum(seg_lengths, out=cu[1:])
+        starts = cu[:-1]
+        positions = np.arange(full, dtype=np.int64) - np.repeat(starts, seg_lengths)
+
+        batch: dict[str, Any] = {}
+        for field, dtype in self._token_fields.items():
+            have = present.get(field)
+            if have is None:
+                continue
+            if len(have) == n:
+                values = _concat_token_field([s[field] for s in samples], total, dtype)
+            else:  # mm_token_type_ids absent from text-only samples: zeros
+                values = np.zeros(total, dtype=np.int64)
+                cols = [samples[i][field] for i in have]
+                mask = np.zeros(n, dtype=bool)
+                mask[have] = True
+                values[np.repeat(mask, lengths)] = _concat_token_field(cols, int(lengths[have].sum()), dtype)
+            if field == "labels":
+                bad = np.flatnonzero(values[starts[:n]] != _LABEL_IGNORE)
+                if bad.size:
+                    i = int(bad[0])
+                    raise ValueError(
+                        f"{_name(names, i)}: labels[0] is {int(values[starts[i]])}, must be -100 (the first token "
+                        f"of a sample has no predecessor inside the sample; {bad.size} samples of the batch break this)"
+                    )
+            if pad:
+                fill = {"input_ids": self.pad_token_id, "labels": _LABEL_IGNORE}.get(field, 0)
+                values = np.concatenate([values, np.full(pad, fill, dtype=values.dtype)])
+            batch[field] = torch.from_numpy(values).unsqueeze(0)
+
+        if "attention_mask" in present:
+            mask = _concat_token_field(
+                [samples[i]["attention_mask"] for i in present["attention_mask"]],
+                int(lengths[present["attention_mask"]].sum()),
+                np.int64,
+            )
+            if (mask != 1).any():
+                owner = np.repeat(np.asarray(present["attention_mask"]), lengths[present["attention_mask"]])
+                i = int(owner[np.flatnonzero(mask != 1)[0]])
+                raise ValueError(
+                    f"{_name(names, i)}: attention_mask contains 0; padding-free samples carry no padding tokens "
+                    f"(strip them before collating)"
+                )
+
+        batch["position_ids"] = self._positions(samples, names, present, lengths, positions, total)
+
+        cu_t = torch.from_numpy(cu.astype(np.int32))
+        max_len = int(seg_lengths.max())
+        batch["cu_seq_lens_q"] = cu_t
+        batch["cu_seq_lens_k"] = cu_t
+        batch["max_length_q"] = max_len
+        batch["max_length_k"] = max_len
+        batch["seq_idx"] = torch.from_numpy(
+            np.repeat(np.arange(seg_lengths.size, dtype=np.int32), seg_lengths)
+        ).unsqueeze(0)
+
+        self._check_media(samples, names, present)
+        for field in self.media_fields:
+            have = present.get(field)
+            if have:
+                batch[field] = _concat_media([samples[i][field] for i in have])
+        batch["sample_ids"] = names
+        return batch
+
+    def _positions(
+        self,
+        samples: list[Mapping[str, Any]],
+        names: list[Any],
+        present: dict[str, list[int]],
+        lengths: np.ndarray,
+        positions: np.ndarray,
+        total: int,
+    ) -> torch.Tensor:
+        """``[1, T]`` restarting positions, or ``[P, 1, T]`` with the samples' own planes where they give them."""
+        have = present.get("position_ids", [])
+        given = {i: _as_array(samples[i]["position_ids"]) for i in have}
+        planes = self.position_planes
+        if planes is None:
+            multi = [i for i in have if given[i].ndim == 2]
+            planes = int(given[multi[0]].shape[0]) if multi else None
+        for i in have:
+            arr = given[i]
+            if arr.ndim == 1:
+                arr = given[i] = arr[None, :]
+            expected_planes = 1 if planes is None else planes
+            if arr.ndim != 2 or arr.shape != (expected_planes, lengths[i]):
+                raise ValueError(
+                    f"{_name(names, i)}: field 'position_ids' has shape {tuple(arr.shape)}, expected "
+                    f"[{expected_planes}, {int(lengths[i])}] (P planes x the sample's tokens)"
+                )
+        text_plane = 0 if planes is None else self.text_plane
+        if planes is not None and not -planes <= text_plane < planes:
+            raise ValueError(f"text_plane={text_plane} out of range for {planes} position planes")
+        if have:
+            stacked = np.concatenate([given[i] for i in have], axis=1).astype(np.int64, copy=False)
+            self._check_text_plane(stacked[text_plane], positions, lengths, have, names, total)
+        if planes is None:  # text-only: [1, T]
+            return torch.from_numpy(positions).unsqueeze(0)
+        out = np.broadcast_to(positions, (planes, positions.size)).copy()
+        if have:
+            mask = np.zeros(lengths.size, dtype=bool)
+            mask[have] = True
+            token_mask = np.zeros(positions.size, dtype=bool)
+            token_mask[:total] = np.repeat(mask, lengths)
+            out[:, token_mask] = stacked
+        return torch.from_numpy(out).unsqueeze(1)
+
+    @staticmethod
+    def _check_text_plane(
+        given: np.ndarray,
+        positions: np.ndarray,
+        lengths: np.ndarray,
+        have: list[int],
+        names: list[Any],
+        total: int,
+    ) -> None:
+        mask = np.zeros(lengths.size, dtype=bool)
+        mask[have] = True
+        expected = positions[:total][np.repeat(mask, lengths)]
+        bad = np.flatnonzero(given != expected)
+        if bad.size:
+            owner = np.repeat(np.asarray(have), lengths[have])
+            i = int(owner[bad[0]])
+            offset = int(expected[bad[0]])
+            raise ValueError(
+                f"{_name(names, i)}: the text plane of position_ids is {int(given[bad[0]])} at token {offset}, "
+                f"expected {offset}; the text plane must restart at 0 and count up by 1 inside every sample"
+            )
+
+    @staticmethod
+    def _check_media(
+        samples: list[Mapping[str, Any]], names: list[Any], present: dict[str, list[int]]
+    ) -> None:
+        for pixels, grid in _MEDIA_PAIRS:
+            with_pixels = set(present.get(pixels, ()))
+            with_grid = set(present.get(grid, ()))
+            if with_pixels != with_grid:
+                i = min(with_pixels ^ with_grid)
+                has, lacks = (pixels, grid) if i in with_pixels else (grid, pixels)
+                raise ValueError(f"{_name(names, i)} has {has!r} but no {lacks!r}")
+            for i in sorted(with_pixels):
+                rows = int(np.shape(_as_array(samples[i][pixels]))[0])
+                thw = _as_array(samples[i][grid]).reshape(-1, 3)
+                expected = int(np.prod(thw, axis=1).sum())
+                if rows != expected:
+                    raise ValueError(
+                        f"{_name(names, i)}: {pixels!r} has {rows} patch rows but {grid!r} = {thw.tolist()} "
+                        f"gives {expected}"
+                    )
