@@ -10,8 +10,12 @@ from __future__ import annotations
 import torch
 
 from ._base import Backend, BackendUnavailableError, CallSpec
+from .flash_attn2 import FlashAttn2Backend
+from .flash_attn3 import FlashAttn3Backend
+from .flash_attn4 import FlashAttn4Backend
 from .flex import FlexBackend
 from .reference import ReferenceBackend
+from .torch_varlen import TorchVarlenBackend
 
 __all__ = [
     "AUTO_PRIORITY",
@@ -23,7 +27,17 @@ __all__ = [
 ]
 
 #: All backends by name, in no particular order.
-BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(), FlexBackend())}
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        ReferenceBackend(),
+        TorchVarlenBackend(),
+        FlexBackend(),
+        FlashAttn2Backend(),
+        FlashAttn3Backend(),
+        FlashAttn4Backend(),
+    )
+}
 
 #: ``auto`` order per device type, fastest first; benchmarks update this one table.
 #: CUDA figures (H200, bf16, D=128, causal, T=65536 packed tokens, useful TFLOP/s fwd / fwd+bwd,
@@ -34,7 +48,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(), FlexBack
 #: [H, Tq, Tk] score matrix of the whole stream (masked), so its memory grows with T^2 where the reference
 #: grows with the longest segment; it stays available by name (``backend="flex"``).
 AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
-    "cuda": ("flex", "reference"),
+    "cuda": ("flash_attn_4", "flash_attn_3", "flash_attn", "flex", "torch_varlen", "reference"),
     "cpu": ("reference",),
 }
 #: Device types not listed above.
@@ -87,7 +101,14 @@ def available_backends(
     dev_type = _device_type(device)
     order = list(AUTO_PRIORITY.get(dev_type or "cuda", AUTO_PRIORITY_DEFAULT))
     order += [n for n in BACKENDS if n not in order]
-    return {name: BACKENDS[name].supports_platform(device, dtype) for name in order}
+    no_cuda = dev_type == "cuda" and not torch.cuda.is_available()
+    result: dict[str, tuple[bool, str]] = {}
+    for name in order:
+        ok, reason = BACKENDS[name].supports_platform(device, dtype)
+        if ok and no_cuda:
+            ok, reason = False, f"CUDA is not available here (torch {torch.__version__})"
+        result[name] = (ok, reason)
+    return result
 
 
 def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
