@@ -1,0 +1,256 @@
+"""PackedDataset: packs of a real PackPlan, pieces cut right, every sample once per epoch, workers, Trainer."""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+
+import datasets
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from varpack.collate import PaddingFreeCollator
+from varpack.data.dataset import PackedDataset, sample_lengths
+from varpack.plan import plan_packs
+from varpack.varlen import cu_seqlens_from_position_ids, validate_cu_seqlens
+
+
+def encoded(lengths, seed=0):
+    """Encoded samples as the encode stage writes them (ids unique per sample so mix-ups show)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = (i * 1000 + np.arange(n)).tolist()
+        labels = [t if rng.random() < 0.6 else -100 for t in ids]
+        labels[0] = -100
+        out.append({"input_ids": ids, "labels": labels, "length": n, "source": f"doc{i}"})
+    return out
+
+
+LENGTHS = np.random.default_rng(1).integers(1, 60, 97).tolist()
+
+
+def hf(rows):
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.fixture(params=["list", "hf"])
+def data(request):
+    rows = encoded(LENGTHS)
+    return rows if request.param == "list" else hf(rows)
+
+
+def check_item_matches_source(rows, item):
+    for s in item:
+        src = rows[s["sample_id"]]
+        assert s["input_ids"] == src["input_ids"] and s["labels"] == src["labels"]
+        assert s["length"] == src["length"] == len(s["input_ids"])
+
+
+def test_items_are_the_plan_packs_in_epoch_order(data):
+    plan = plan_packs(LENGTHS, 128, seed=3)
+    ds = PackedDataset(data, plan, epoch=2)
+    assert len(ds) == plan.num_packs
+    order = plan.pack_order(2)
+    rows = encoded(LENGTHS)
+    for i in (0, 1, len(ds) - 1):
+        item = ds[i]
+        assert [s["sample_id"] for s in item] == plan.packs[order[i]].tolist()
+        check_item_matches_source(rows, item)
+    assert [s["sample_id"] for s in ds[-1]] == [s["sample_id"] for s in ds[len(ds) - 1]]
+    with pytest.raises(IndexError, match="out of range"):
+        ds[len(ds)]
+    plain = PackedDataset(data, plan, shuffle=False)
+    assert [[s["sample_id"] for s in plain[i]] for i in range(len(plain))] == [p.tolist() for p in plan.packs]
+
+
+def test_epoch_reshuffle_changes_order_not_content():
+    plan = plan_packs(LENGTHS, 64, seed=0)
+    ds = PackedDataset(encoded(LENGTHS), plan)
+    first = [tuple(s["sample_id"] for s in ds[i]) for i in range(len(ds))]
+    ds.set_epoch(1)
+    second = [tuple(s["sample_id"] for s in ds[i]) for i in range(len(ds))]
+    assert first != second and sorted(first) == sorted(second)
+    ds.set_epoch(0)
+    assert [tuple(s["sample_id"] for s in ds[i]) for i in range(len(ds))] == first
+
+
+def seen_sample_ids(loader):
+    seen = []
+    for batch in loader:
+        validate_cu_seqlens(
+            batch["cu_seq_lens_q"], batch["input_ids"].shape[1], max_seqlen=batch["max_length_q"]
+        )
+        assert cu_seqlens_from_position_ids(batch["position_ids"]).tolist() == batch["cu_seq_lens_q"].tolist()
+        seen += batch["sample_ids"]
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["list", "hf"])
+def test_dataloader_two_workers_every_sample_once_per_epoch(kind):
+    rows = encoded(LENGTHS)
+    plan = plan_packs(LENGTHS, 100, seed=5)
+    ds = PackedDataset(rows if kind == "list" else hf(rows), plan)
+    loader = DataLoader(ds, batch_size=2, num_workers=2, collate_fn=PaddingFreeCollator(pad_to_multiple_of=8))
+    orders = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        seen = seen_sample_ids(loader)
+        assert Counter(seen) == Counter(range(len(LENGTHS))), f"epoch {epoch}"
+        orders.append(seen)
+    assert orders[0] != orders[1]
+
+
+def test_collated_rows_carry_the_source_tokens(data):
+    rows = encoded(LENGTHS)
+    ds = PackedDataset(data, plan_packs(LENGTHS, 128))
+    batch = PaddingFreeCollator()([ds[0], ds[1]])
+    expected_ids = [t for sid in batch["sample_ids"] for t in rows[sid]["input_ids"]]
+    expected_labels = [t for sid in batch["sample_ids"] for t in rows[sid]["labels"]]
+    assert batch["input_ids"][0].tolist() == expected_ids
+    assert batch["labels"][0].tolist() == expected_labels
+
+
+def test_picklable():
+    ds = PackedDataset(hf(encoded(LENGTHS)), plan_packs(LENGTHS, 128), epoch=1)
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone.epoch == 1
+    assert [s["sample_id"] for s in clone[3]] == [s["sample_id"] for s in ds[3]]
+
+
+# ---------------------------------------------------------------- pieces of overlong samples
+@pytest.mark.parametrize("kind", ["list", "hf"])
+def test_split_pieces_are_cut_on_every_token_field(kind):
+    lengths = [3, 10, 2, 9]
+    rows = encoded(lengths)
+    for r in rows:
+        r["loss_scale"] = [float(t % 7) for t in r["input_ids"]]
+        r["position_ids"] = [list(range(r["length"]))] * 4  # [4, L] text-first planes
+        r["labels"] = [-100] + r["input_ids"][1:]  # every later token supervised: the cut must re-mask
+    plan = plan_packs(lengths, 4, overflow="split")
+    ds = PackedDataset(rows if kind == "list" else hf(rows), plan, shuffle=False)
+    covered: dict[int, list[tuple[int, int]]] = {}
+    items = [s for i in range(len(ds)) for s in ds[i]]
+    for s in items:
+        src = rows[s["sample_id"]]
+        if "piece_id" not in s:
+            assert s["input_ids"] == src["input_ids"]
+            covered.setdefault(s["sample_id"], []).append((0, src["length"]))
+            continue
+        a, b = s["piece_range"]
+        assert plan.pieces[s["piece_id"]] == (s["sample_id"], a, b)
+        assert s["input_ids"] == src["input_ids"][a:b]
+        assert s["loss_scale"] == src["loss_scale"][a:b]
+        assert s["labels"] == [-100] + src["labels"][a + 1 : b]
+        assert s["length"] == b - a
+        assert np.asarray(s["position_ids"]).tolist() == [list(range(b - a))] * 4
+        covered.setdefault(s["sample_id"], []).append((a, b))
+    # every token of every sample is in exactly one item
+    for sid, ranges in covered.items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == lengths[sid]
+        assert all(x[1] == y[0] for x, y in zip(ranges, ranges[1:]))
+    assert sorted(covered) == [0, 1, 2, 3]
+    # the source rows were not modified by the cuts
+    assert rows[1]["labels"][4] != -100
+    batch = PaddingFreeCollator()([ds[i] for i in range(len(ds))])
+    assert (
+        cu_seqlens_from_position_ids(batch["position_ids"], text_plane=0).tolist()
+        == batch["cu_seq_lens_q"].tolist()
+    )
+    assert Counter(batch["sample_ids"]) == Counter({0: 1, 1: 3, 2: 1, 3: 3})
+
+
+def test_truncate_keeps_the_head_and_numpy_fields():
+    lengths = [3, 9]
+    rows = encoded(lengths)
+    rows[1] = {k: (np.asarray(v) if isinstance(v, list) else v) for k, v in rows[1].items()}
+    before = rows[1]["labels"].copy()
+    plan = plan_packs(lengths, 5, overflow="truncate")
+    ds = PackedDataset(rows, plan, shuffle=False)
+    piece = next(s for i in range(len(ds)) for s in ds[i] if "piece_id" in s)
+    assert piece["piece_range"] == (0, 5) and piece["input_ids"].tolist() == list(range(1000, 1005))
+    assert piece["labels"][0] == -100
+    np.testing.assert_array_equal(rows[1]["labels"], before)  # a copy was cut, not a view
+
+
+def test_piece_of_a_media_sample_is_refused():
+    rows = encoded([2, 8])
+    rows[1]["pixel_values"] = [[0.0] * 4] * 4
+    rows[1]["image_grid_thw"] = [[1, 2, 2]]
+    ds = PackedDataset(rows, plan_packs([2, 8], 4, overflow="split"), shuffle=False)
+    with pytest.raises(ValueError, match=r"sample 1 carries media \['pixel_values', 'image_grid_thw'\]"):
+        [ds[i] for i in range(len(ds))]
+
+
+# ---------------------------------------------------------------- plan check
+def test_plan_for_other_samples_is_refused():
+    rows = encoded(LENGTHS)
+    plan = plan_packs(LENGTHS, 128)
+    with pytest.raises(
+        ValueError, match=rf"made for {len(LENGTHS)} samples but the dataset has {len(LENGTHS) - 1}"
+    ):
+        PackedDataset(rows[:-1], plan)
+    other = encoded(LENGTHS[:10] + [LENGTHS[10] + 1] + LENGTHS[11:])
+    with pytest.raises(
+        ValueError, match=rf"sample 10 has {LENGTHS[10] + 1} tokens, the plan packed it as {LENGTHS[10]}"
+    ):
+        PackedDataset(other, plan)
+    with pytest.raises(ValueError, match="fingerprint"):
+        PackedDataset(hf(other), plan)
+    # same lengths, other settings: the fingerprint also covers packing_length/strategy/overflow
+    PackedDataset(rows, plan)
+    PackedDataset(other, plan, check=False)  # explicitly unchecked
+
+
+def test_sample_lengths_without_length_column():
+    rows = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in encoded([4, 1, 7])]
+    assert sample_lengths(rows).tolist() == [4, 1, 7]
+    assert sample_lengths(hf(rows)).tolist() == [4, 1, 7]
+    assert sample_lengths(hf(rows).select([2, 0])).tolist() == [7, 4]
+    with pytest.raises(ValueError, match="neither"):
+        sample_lengths([{"labels": [1]}])
+
+
+def test_bad_arguments():
+    plan = plan_packs([1, 2], 4)
+    with pytest.raises(TypeError, match="PackPlan"):
+        PackedDataset(encoded([1, 2]), object())
+    with pytest.raises(TypeError, match="sequence of dicts"):
+        PackedDataset(42, plan)
+    with pytest.raises(ValueError, match="epoch must be >= 0"):
+        PackedDataset(encoded([1, 2]), plan, epoch=-1)
+
+
+# ---------------------------------------------------------------- HF Trainer
+def test_hf_trainer_sees_every_sample_once(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    lengths = [5, 9, 3, 12, 7, 1, 8, 4]
+    rows = [{**r, "input_ids": [t % 90 + 1 for t in r["input_ids"]]} for r in encoded(lengths)]
+    for r in rows:
+        r["labels"] = [-100] + r["input_ids"][1:]
+    ds = PackedDataset(hf(rows), plan_packs(lengths, 16))
+    collator = PaddingFreeCollator()
+    seen: list[int] = []
+
+    def recording(features):
+        batch = collator(features)
+        seen.extend(batch["sample_ids"])
+        return batch
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=1, num_train_epochs=1, report_to=[],
+        remove_unused_columns=False, use_cpu=True, save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=ds, data_collator=recording)
+    result = trainer.train()
+    assert np.isfinite(result.training_loss)
+    assert Counter(seen) == Counter(range(len(lengths)))
+    assert result.global_step == len(ds)

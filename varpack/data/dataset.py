@@ -1,0 +1,310 @@
+"""``PackedDataset``: a map-style dataset whose item ``i`` is the list of samples of one pack of a plan.
+
+Stage "data" of the pipeline (docs/ARCHITECTURE.md): encoded samples + a ``PackPlan`` -> packs of sample
+dicts, which ``PaddingFreeCollator`` flattens into one row. Pieces of overlong samples (``overflow="split"`` /
+``"truncate"``) are cut here, so downstream every item is an ordinary sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["PackedDataset", "TOKEN_ALIGNED_FIELDS", "sample_lengths"]
+
+#: fields sliced along the token axis when a piece of an overlong sample is cut (``position_ids``: last axis)
+TOKEN_ALIGNED_FIELDS: tuple[str, ...] = (
+    "input_ids",
+    "labels",
+    "loss_scale",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "attention_mask",
+    "position_ids",
+)
+_MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+_LABEL_IGNORE = -100
+
+
+def _is_hf_dataset(samples: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        return False
+    return isinstance(samples, datasets.Dataset)
+
+
+def sample_lengths(samples: Any) -> np.ndarray:
+    """Token length of every sample, ``[N]`` int64: the ``length`` field if present, else ``len(input_ids)``.
+
+    For a HF ``datasets.Dataset`` the column is read through Arrow in one call (no per-row Python work).
+
+    Raises:
+        ValueError: a sample has neither ``length`` nor ``input_ids``.
+    """
+    if _is_hf_dataset(samples):
+        import pyarrow.compute as pc
+
+        if "length" in samples.column_names:
+            col = samples.with_format("arrow")["length"]
+            return np.asarray(col.to_numpy(), dtype=np.int64)
+        if "input_ids" in samples.column_names:
+            col = samples.with_format("arrow")["input_ids"]
+            return np.asarray(pc.list_value_length(col).to_numpy(zero_copy_only=False), dtype=np.int64)
+        raise ValueError(f"dataset has neither a 'length' nor an 'input_ids' column: {samples.column_names}")
+    out = np.empty(len(samples), dtype=np.int64)
+    for i, s in enumerate(samples):
+        if "length" in s:
+            out[i] = int(s["length"])
+        elif "input_ids" in s:
+            out[i] = len(s["input_ids"])
+        else:
+            raise ValueError(f"sample {i} has neither 'length' nor 'input_ids' (fields: {sorted(s)})")
+    return out
+
+
+def _slice(value: Any, start: int, stop: int) -> Any:
+    """``value[..., start:stop]`` for lists, numpy arrays and tensors (a copy, never a view of the source)."""
+    if isinstance(value, torch.Tensor):
+        return value[..., start:stop].clone()
+    if isinstance(value, np.ndarray):
+        return value[..., start:stop].copy()
+    if value and isinstance(value[0], (list, tuple, np.ndarray, torch.Tensor)):  # [P, L] nested lists
+        return [list(row[start:stop]) for row in value]
+    return list(value[start:stop])
+
+
+def _shift_positions(value: Any, text_plane: int) -> Any:
+    """Shift a piece's positions so that its text plane starts at 0 (RoPE is relative: scores unchanged)."""
+    arr = value if isinstance(value, torch.Tensor) else np.asarray(value)
+    if arr.ndim == 1:
+        first = arr[0]
+    elif arr.ndim == 2:
+        first = arr[text_plane, 0]
+    else:
+        raise ValueError(f"position_ids must be [L] or [P, L], got shape {tuple(arr.shape)}")
+    shifted = arr - first
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return shifted
+    return shifted.tolist()
+
+
+def _set_first_label(labels: Any) -> Any:
+    labels[0] = _LABEL_IGNORE
+    return labels
+
+
+class PackedDataset(Dataset):
+    """Map-style dataset over encoded samples and a ``PackPlan``: item ``i`` is one pack, a list of samples.
+
+    Item ``i`` is pack ``plan.pack_order(epoch)[i]`` (a per-epoch permutation from the plan's seed; with
+    ``shuffle=False`` pack ``i``). Each element of the item is a sample dict as stored in ``samples`` (a
+    shallow copy) plus ``sample_id`` (its index in ``samples``, what every varpack report uses). A piece of an
+    overlong sample (plan id ``>= num_samples``, ``plan.pieces[id] = (sample_id, start, stop)``) is that
+    sample's token range ``[start, stop)`` cut on every token-aligned field (:data:`TOKEN_ALIGNED_FIELDS` and
+    ``token_fields``), with ``labels[0] = -100`` (the token before the cut is in another piece), ``length``
+    updated, ``position_ids`` shifted so their text plane starts at 0 (RoPE is relative, so scores inside the
+    piece are those of the uncut sample), and ``piece_id`` / ``piece_range`` added.
+
+    Every packed id is visited exactly once per epoch, because the plan's packs partition its ids and the
+    order is a permutation. Works with ``torch.utils.data.DataLoader`` (any ``num_workers``; the dataset is
+    picklable; call :meth:`set_epoch` before each epoch's iterator is created, as workers copy the dataset
+    then; ``persistent_workers=True`` keeps the old epoch) and with HF ``Trainer`` given
+    ``remove_unused_columns=False`` and ``data_collator=PaddingFreeCollator(...)`` (Trainer draws a random
+    permutation of items itself each epoch).
+
+    Args:
+        samples: the encoded dataset: a HF ``datasets.Dataset`` or a sequence of dicts with ``input_ids``,
+            ``labels``, ``length`` and optional fields (docs/ARCHITECTURE.md "Encoded sample").
+        plan: a ``varpack.plan.PackPlan`` made from these samples' lengths.
+        epoch: initial epoch for the pack order.
+        shuffle: visit packs in ``plan.pack_order(epoch)`` (default) or in plan order.
+        token_fields: extra token-aligned field names to cut for pieces.
+        text_plane: plane of multi-plane ``position_ids`` that counts tokens (0 for Qwen3-VL).
+        check: verify at construction that the plan was made for these samples: same number of samples and,
+            when the plan has a fingerprint, the same lengths and settings (``lengths_fingerprint``).
+
+    Raises:
+        TypeError: ``samples`` is not a dataset / sequence, or ``plan`` lacks the PackPlan interface.
+        ValueError: (``check``) the plan's sample count, fingerprint or packed lengths disagree with the
+            samples, naming the first sample that differs; at access time, a piece of a sample that carries
+            media (image patches cannot be cut by token ranges) or a piece range beyond the sample.
+        IndexError: ``index`` out of range.
+
+    Example:
+        >>> from varpack.plan import plan_packs
+        >>> samples = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "length": 3},
+        ...            {"input_ids": [4, 5], "labels": [-100, 5], "length": 2},
+        ...            {"input_ids": [6], "labels": [-100], "length": 1}]
+        >>> ds = PackedDataset(samples, plan_packs([3, 2, 1], 4), shuffle=False)
+        >>> [[s["sample_id"] for s in pack] for pack in ds]
+        [[0, 2], [1]]
+    """
+
+    def __init__(
+        self,
+        samples: Any,
+        plan: Any,
+        *,
+        epoch: int = 0,
+        shuffle: bool = True,
+        token_fields: Iterable[str] = (),
+        text_plane: int = 0,
+        check: bool = True,
+    ) -> None:
+        if not (_is_hf_dataset(samples) or isinstance(samples, Sequence)) or isinstance(
+            samples, (str, bytes)
+        ):
+            raise TypeError(
+                f"samples must be a datasets.Dataset or a sequence of dicts, got {type(samples).__name__}"
+            )
+        for attr in ("num_samples", "pack_order", "pieces"):
+            if not hasattr(plan, attr):
+                raise TypeError(
+                    f"plan must be a varpack PackPlan (missing {attr!r}), got {type(plan).__name__}"
+                )
+        self.samples = samples
+        self.plan = plan
+        self.shuffle = bool(shuffle)
+        self.token_fields = TOKEN_ALIGNED_FIELDS + tuple(
+            f for f in token_fields if f not in TOKEN_ALIGNED_FIELDS
+        )
+        self.text_plane = int(text_plane)
+        self._num_samples = int(plan.num_samples)
+        self._is_hf = _is_hf_dataset(samples)
+        if check:
+            self._check_plan()
+        self.epoch = 0
+        self._order: np.ndarray | None = None
+        self.set_epoch(epoch)
+
+    # ------------------------------------------------------------------ plan check
+    def _check_plan(self) -> None:
+        n = len(self.samples)
+        if n != self._num_samples:
+            raise ValueError(
+                f"the plan was made for {self._num_samples} samples but the dataset has {n}; re-plan with "
+                f"plan_packs(lengths, ...) on this dataset"
+            )
+        lengths = sample_lengths(self.samples)
+        plan = self.plan
+        fingerprint = getattr(plan, "fingerprint", None)
+        if fingerprint is not None and hasattr(plan, "packing_length") and hasattr(plan, "strategy"):
+            from varpack.plan import lengths_fingerprint
+
+            got = lengths_fingerprint(lengths, plan.packing_length, plan.strategy, plan.overflow["policy"])
+            if got == fingerprint:
+                return
+            detail = self._first_length_mismatch(lengths)
+            raise ValueError(
+                f"the plan does not match these samples: its fingerprint is {fingerprint[:16]}... but the "
+                f"dataset's lengths give {got[:16]}...{detail}; re-plan with plan_packs() on this dataset"
+            )
+        detail = self._first_length_mismatch(lengths)
+        if detail:
+            raise ValueError(f"the plan does not match these samples{detail}")
+
+    def _first_length_mismatch(self, lengths: np.ndarray) -> str:
+        items = getattr(self.plan, "items", None)
+        item_lengths = getattr(self.plan, "item_lengths", None)
+        if items is None or item_lengths is None:
+            return ""
+        items = np.asarray(items)
+        item_lengths = np.asarray(item_lengths)
+        whole = items < self._num_samples
+        bad = np.flatnonzero(lengths[items[whole]] != item_lengths[whole])
+        if bad.size:
+            sid = int(items[whole][bad[0]])
+            return (
+                f" (sample {sid} has {int(lengths[sid])} tokens, the plan packed it as "
+                f"{int(item_lengths[whole][bad[0]])}; {bad.size} samples differ)"
+            )
+        return ""
+
+    # ------------------------------------------------------------------ epochs
+    def set_epoch(self, epoch: int) -> None:
+        """Use the pack order of ``epoch`` (``plan.pack_order(epoch)``); call before each epoch.
+
+        Raises:
+            ValueError: ``epoch`` is negative (from the plan).
+        """
+        self.epoch = int(epoch)
+        self._order = np.asarray(self.plan.pack_order(self.epoch), dtype=np.int64) if self.shuffle else None
+
+    def __len__(self) -> int:
+        return int(self.plan.num_packs)
+
+    def pack_ids(self, index: int) -> np.ndarray:
+        """Plan ids (samples, or pieces ``>= num_samples``) of item ``index`` in the current epoch."""
+        n = len(self)
+        i = int(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"item {index} out of range for {n} packs")
+        p = int(self._order[i]) if self._order is not None else i
+        if hasattr(self.plan, "pack"):
+            return np.asarray(self.plan.pack(p))
+        return np.asarray(self.plan.packs[p])
+
+    # ------------------------------------------------------------------ access
+    def _fetch(self, sample_ids: list[int]) -> list[dict[str, Any]]:
+        if self._is_hf:
+            cols = self.samples[sample_ids]  # one Arrow read for the whole pack
+            keys = list(cols)
+            return [{k: cols[k][j] for k in keys} for j in range(len(sample_ids))]
+        out = []
+        for sid in sample_ids:
+            sample = self.samples[sid]
+            if not isinstance(sample, Mapping):
+                raise TypeError(f"sample {sid} is a {type(sample).__name__}, expected a dict")
+            out.append(dict(sample))
+        return out
+
+    def __getitem__(self, index: int) -> list[dict[str, Any]]:
+        ids = self.pack_ids(index)
+        n = self._num_samples
+        pieces = self.plan.pieces if (ids >= n).any() else {}
+        source_ids = [int(i) if i < n else pieces[int(i)][0] for i in ids]
+        rows = self._fetch(source_ids)
+        for row, pid, sid in zip(rows, ids, source_ids):
+            row["sample_id"] = sid
+            if pid >= n:
+                _, start, stop = pieces[int(pid)]
+                self._cut(row, int(pid), sid, start, stop)
+        return rows
+
+    def _cut(self, row: dict[str, Any], piece_id: int, sample_id: int, start: int, stop: int) -> None:
+        media = [f for f in _MEDIA_FIELDS if f in row and row[f] is not None]
+        if media:
+            raise ValueError(
+                f"sample {sample_id} carries media {media} and cannot be cut into pieces (piece {piece_id}, "
+                f"tokens [{start}, {stop})); plan it with overflow='error' or 'drop' or a larger packing_length"
+            )
+        length = len(row["input_ids"])
+        if not 0 <= start < stop <= length:
+            raise ValueError(
+                f"piece {piece_id} of sample {sample_id} covers tokens [{start}, {stop}) but the sample has "
+                f"{length} tokens (plan made for other data?)"
+            )
+        for field in self.token_fields:
+            if field in row and row[field] is not None:
+                row[field] = _slice(row[field], start, stop)
+        if "labels" in row:
+            row["labels"] = _set_first_label(row["labels"])
+        if "position_ids" in row and row["position_ids"] is not None:
+            row["position_ids"] = _shift_positions(row["position_ids"], self.text_plane)
+        if "length" in row:
+            row["length"] = stop - start
+        row["piece_id"] = piece_id
+        row["piece_range"] = (start, stop)
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedDataset(num_samples={self._num_samples}, num_packs={len(self)}, epoch={self.epoch}, "
+            f"shuffle={self.shuffle})"
+        )
