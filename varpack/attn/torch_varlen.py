@@ -5,7 +5,7 @@ Its signature changed across torch releases, so the backend reads it with ``insp
 - torch 2.11: ``varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux, scale, window_size)``; causal is
   ``window_size=(-1, 0)``; GQA accepted (checked on an H200, shared/ASSETS.md);
 - torch 2.13: adds ``enable_gqa`` (required for Hkv < H), ``seqused_k``, ``block_table``, ``num_splits``;
-- older releases: ``is_causal`` and no window (window calls are then refused).
+- older releases: ``is_causal`` and no window (window calls are then refused; GQA by expanding k/v).
 
 No softcap in any release. CUDA only; fp16 / bf16; head dim a multiple of 8 up to 256 (the flash kernel's
 limits).
@@ -19,14 +19,6 @@ from ._base import Backend, CallSpec, Capabilities
 from ._flash_common import first_output, import_function, parameters
 
 __all__ = ["TorchVarlenBackend"]
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    parts = torch.__version__.split("+")[0].split(".")
-    try:
-        return (int(parts[0]), int(parts[1])) >= (major, minor)
-    except (ValueError, IndexError):
-        return False
 
 
 class TorchVarlenBackend(Backend):
@@ -97,7 +89,7 @@ class TorchVarlenBackend(Backend):
         if q.shape[1] != k.shape[1]:
             if "enable_gqa" in params:
                 kwargs["enable_gqa"] = True
-            elif not _torch_at_least(2, 11):  # no native GQA known: expand k/v (exact, more memory)
+            elif "window_size" not in params:  # pre-2.11 form, GQA not known to work: expand k/v (exact)
                 groups = q.shape[1] // k.shape[1]
                 k = k.repeat_interleave(groups, dim=1)
                 v = v.repeat_interleave(groups, dim=1)
