@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from varpack.cli.main import main
+from varpack.plan import PackPlan
+
+
+def _chats(n: int, long_id: int | None = None) -> list[dict]:
+    rows = []
+    for i in range(n):
+        words = " ".join(f"word{j}" for j in range(3 + 4 * i))
+        answer = "ok " * (400 if i == long_id else 2 + i)
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Question {i}: {words}"},
+                    {"role": "assistant", "content": answer.strip()},
+                ]
+            }
+        )
+    return rows
+
+
+def _write(tmp_path, rows, name="chats.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from varpack.cli.plan import _tokenizer
+
+    return _tokenizer("qwen3")  # the embedded tokenizer, loaded once and shared with the CLI calls
+
+
+def _template_lengths(tokenizer, rows) -> list[int]:
+    # independent of varpack.encode: the chat template's own token count
+    out = []
+    for r in rows:
+        ids = tokenizer.apply_chat_template(r["messages"], tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        out.append(len(ids))
+    return out
+
+
+def test_plan_json_and_report(tmp_path, capsys, tokenizer):
+    rows = _chats(12)
+    data = _write(tmp_path, rows)
+    png = tmp_path / "out" / "report.png"
+    rc = main(["plan", str(data), "--packing-length", "256", "--json", "--report", str(png)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out)  # stdout holds exactly one JSON object
+    assert out.strip().count("\n") == 0
+    lengths = _template_lengths(tokenizer, rows)
+    assert summary["num_samples"] == 12
+    assert summary["total_tokens"] == sum(lengths) == summary["input_tokens"]
+    assert summary["lower_bound_packs"] == math.ceil(sum(lengths) / 256)
+    assert summary["lower_bound_packs"] <= summary["num_packs"] <= 12
+    assert summary["fill_ratio"] == pytest.approx(sum(lengths) / (summary["num_packs"] * 256))
+    assert summary["overflow"]["policy"] == "error" and summary["overflow"]["overlong_ids"] == []
+    assert summary["strategy"] == "bfd"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(png) as im:
+        assert im.size[0] > 600 and im.size[1] > 300
+
+
+def test_plan_table(tmp_path, capsys):
+    data = _write(tmp_path, _chats(5))
+    rc = main(["plan", str(data), "--packing-length", "512", "--packing-strategy", "sequential"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for word in ("samples", "packs", "lower bound", "fill", "overflow", "sequential"):
+        assert word in out
+
+
+def test_plan_overlong_error_then_split(tmp_path, capsys, tokenizer):
+    rows = _chats(6, long_id=4)
+    data = _write(tmp_path, rows)
+    lengths = _template_lengths(tokenizer, rows)
+    assert lengths[4] > 256 and max(lengths[:4] + lengths[5:]) <= 256
+    rc = main(["plan", str(data), "--packing-length", "256", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out == ""
+    assert f"4: {lengths[4]}" in captured.err and "packing_length=256" in captured.err
+
+    saved = tmp_path / "plan.npz"
+    rc = main(
+        ["plan", str(data), "--packing-length", "256", "--json", "--overflow", "split", "--save", str(saved)]
+    )
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["overflow"]["split_ids"] == [4]
+    assert summary["overflow"]["num_pieces"] == math.ceil(lengths[4] / 256)
+    assert summary["total_tokens"] == sum(lengths)
+    plan = PackPlan.load(saved, lengths=np.array(lengths))
+    assert plan.num_packs == summary["num_packs"]
+
+
+def test_plan_missing_file(tmp_path, capsys):
+    rc = main(["plan", str(tmp_path / "nope.jsonl"), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out == "" and "nope.jsonl" in captured.err
+
+
+def test_plan_builtin_data(capsys):
+    pytest.importorskip("varpack.data.builtin")
+    from varpack.data.builtin import builtin_chats
+
+    rc = main(["plan", "--json", "--packing-length", "8192", "--overflow", "split"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_samples"] == len(builtin_chats())
+    assert summary["data"] == "builtin"

@@ -1,0 +1,191 @@
+"""``varpack plan``: encode chat data, plan the packs, print what packing would give.
+
+    varpack plan DATA... [--tokenizer DIR|qwen3] [--packing-length N] [--packing-strategy bfd|sequential]
+                 [--overflow error|drop|truncate|split] [--seed S] [--report PATH.png] [--save PATH.npz]
+                 [--json]
+
+Without DATA the built-in chat set (``varpack.data.builtin.builtin_chats()``) is used. Encoding shows the
+``datasets`` progress bar on stderr and is cached (a second run reads the Arrow cache). With ``--json``,
+stdout carries exactly one JSON object and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from typing import Any
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``plan`` sub-command to ``subparsers`` and return its parser."""
+    from varpack.plan import OVERFLOW_POLICIES, STRATEGIES
+
+    p = subparsers.add_parser(
+        "plan",
+        help="encode chat data and plan padding-free packs (samples, tokens, packs, fill)",
+        description=(
+            "Encode chat data (JSON / JSONL / parquet with a 'messages' column) with a chat template and "
+            "plan packs of --packing-length tokens. Prints a table, or one JSON object with --json."
+        ),
+    )
+    p.add_argument(
+        "data",
+        nargs="*",
+        metavar="DATA",
+        help="chat data files (JSON/JSONL/parquet); none: the built-in chat set",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="qwen3",
+        metavar="DIR|qwen3",
+        help="tokenizer directory, or an embedded tokenizer name (default: qwen3)",
+    )
+    p.add_argument(
+        "--packing-length",
+        dest="packing_length",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="tokens per pack (default: 4096)",
+    )
+    p.add_argument(
+        "--packing-strategy",
+        dest="packing_strategy",
+        choices=STRATEGIES,
+        default="bfd",
+        help="bfd: global best-fit decreasing (default); sequential: order-preserving next-fit",
+    )
+    p.add_argument(
+        "--overflow",
+        choices=OVERFLOW_POLICIES,
+        default="error",
+        help="samples longer than --packing-length: error (default), drop, truncate or split",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-epoch pack order (default: 0)")
+    p.add_argument("--num-proc", dest="num_proc", type=int, default=None, help="encoding worker processes")
+    p.add_argument("--report", metavar="PATH.png", default=None, help="write length / fill histograms")
+    p.add_argument("--save", metavar="PATH.npz", default=None, help="save the plan (npz with JSON header)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
+    return p
+
+
+_EMBEDDED_CACHE: dict[str, Any] = {}
+
+
+def _tokenizer(name_or_dir: str) -> Any:
+    """``load_tokenizer``, keeping embedded tokenizers (not directories) for later calls in this process."""
+    from varpack.tokenizer import load_tokenizer
+
+    if name_or_dir in ("qwen3", "qwen3.5"):
+        if name_or_dir not in _EMBEDDED_CACHE:
+            _EMBEDDED_CACHE[name_or_dir] = load_tokenizer(name_or_dir)
+        return _EMBEDDED_CACHE[name_or_dir]
+    return load_tokenizer(name_or_dir)
+
+
+def _summary(args: argparse.Namespace, plan: Any, input_tokens: int, seconds: dict[str, float]) -> dict:
+    out: dict[str, Any] = dict(plan.stats)
+    out["input_tokens"] = input_tokens
+    out["overflow"] = plan.overflow
+    out["data"] = list(args.data) if args.data else "builtin"
+    out["tokenizer"] = args.tokenizer
+    out["seed"] = plan.seed
+    out["seconds"] = seconds
+    if args.report:
+        out["report"] = args.report
+    if args.save:
+        out["plan_path"] = args.save
+    return out
+
+
+def _print_table(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ov = summary["overflow"]
+    if ov["overlong_ids"]:
+        action = {"drop": "dropped", "truncate": "truncated", "split": "split"}[ov["policy"]]
+        over = f"{len(ov['overlong_ids']):,} overlong ({action}"
+        over += f", {ov['num_pieces']:,} pieces)" if ov["policy"] == "split" else ")"
+    else:
+        over = "none overlong"
+    over += f", {len(ov['empty_ids']):,} empty, {ov['tokens_dropped']:,} tokens dropped"
+    data = summary["data"]
+    table = Table(
+        title=(
+            f"varpack plan: {summary['strategy']}, packing_length={summary['packing_length']:,}, "
+            f"overflow={ov['policy']}"
+        ),
+        show_header=True,
+    )
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("data", "built-in chats" if data == "builtin" else ", ".join(data))
+    table.add_row("samples", f"{summary['num_samples']:,}")
+    table.add_row("tokens (input)", f"{summary['input_tokens']:,}")
+    table.add_row("tokens (packed)", f"{summary['total_tokens']:,}")
+    table.add_row("packs", f"{summary['num_packs']:,}")
+    table.add_row("lower bound", f"{summary['lower_bound_packs']:,}")
+    table.add_row("fill", f"{summary['fill_ratio']:.4%}")
+    table.add_row("overflow", over)
+    sec = summary["seconds"]
+    table.add_row("time", f"encode {sec['encode']:.2f} s, plan {sec['plan']:.3f} s")
+    Console().print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``varpack plan``; returns the process exit code (0 ok, 1 bad input such as overlong samples)."""
+    import numpy as np
+
+    from varpack.plan import plan_packs
+
+    t0 = time.perf_counter()
+    # with --json, stdout is reserved for the JSON object: anything printed while encoding goes to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    try:
+        with quiet:
+            from varpack.encode import encode_dataset, load_chat_data
+
+            if args.data:
+                data: Any = load_chat_data(list(args.data))  # bad paths fail before the tokenizer loads
+            else:
+                from varpack.data.builtin import builtin_chats
+
+                data = builtin_chats()
+            tokenizer = _tokenizer(args.tokenizer)
+            encoded = encode_dataset(data, tokenizer, num_proc=args.num_proc, desc="encode")
+            lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
+    except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
+        print(f"varpack plan: error: {exc}", file=sys.stderr)
+        return 1
+    t1 = time.perf_counter()
+    try:
+        plan = plan_packs(
+            lengths,
+            args.packing_length,
+            strategy=args.packing_strategy,
+            overflow=args.overflow,
+            seed=args.seed,
+        )
+    except (ValueError, TypeError) as exc:
+        print(f"varpack plan: error: {exc}", file=sys.stderr)
+        return 1
+    t2 = time.perf_counter()
+    if args.report:
+        from varpack.report import plot_plan_report
+
+        plot_plan_report(lengths, plan, args.report)
+    if args.save:
+        args.save = str(plan.save(args.save))
+    summary = _summary(args, plan, int(lengths.sum()), {"encode": t1 - t0, "plan": t2 - t1})
+    if args.json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+        sys.stdout.flush()
+    else:
+        _print_table(summary)
+    return 0
