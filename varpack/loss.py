@@ -1,0 +1,208 @@
+"""Causal-LM loss for packed (padding-free) batches: token mean or sample mean, exact w.r.t. unpacked.
+
+The collated batch is one flat row (``[1, T]``) holding N samples back to back. The loss shifts *within the
+row* (logits at token t predict label t + 1). That shift would let the last token of sample n predict the
+first token of sample n + 1, but the encoder sets every sample's first label to ``-100`` (ARCHITECTURE.md,
+"Encoded sample"), so that prediction is never scored. When ``seq_idx`` is given, predictions whose target
+lies in another sample are additionally masked out (defence in depth: correct even if a first label is not
+``-100``).
+
+Two reductions:
+
+* ``"token"``: sum of per-token cross entropies over all supervised tokens divided by their count, the
+  count being ``num_items_in_batch`` when given. Hugging Face ``Trainer`` passes ``num_items_in_batch`` = the
+  number of supervised tokens in the whole optimizer step (all gradient-accumulation micro-batches, and all
+  ranks with ``average_tokens_across_devices``), so the step's gradient is that of the global token mean, as
+  if the whole step were one batch (transformers' fix of the gradient-accumulation loss bug,
+  ``ForCausalLMLoss``).
+* ``"sample"``: mean cross entropy per sample, then the mean over samples. A "sample" is a segment of the
+  stream (one ``seq_idx`` value): a piece of a sample split across packs (``overflow="split"``) counts as its
+  own sample; segments without supervised tokens (e.g. the pad segment) are not counted. The accumulation
+  semantics mirror ``"token"``: ``num_items_in_batch`` is then the number of *samples with at least one
+  supervised token* in the whole optimizer step, so the step's gradient is that of the global sample mean
+  (:func:`count_loss_items` counts it; ``varpack.train`` passes it).
+
+Cross entropy is computed in float32 whatever the logits' dtype. No value is read back to the host (no
+``.item()``): the loss is safe inside a CUDA-graph / sync-debug region.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_lm_loss", "count_loss_items"]
+
+Reduction = Literal["token", "sample"]
+
+
+def _as_rows(x: torch.Tensor, name: str, ndim_row: int) -> torch.Tensor:
+    """``[T, ...]`` -> ``[1, T, ...]``; ``[B, T, ...]`` unchanged."""
+    if x.dim() == ndim_row:
+        return x.unsqueeze(0)
+    if x.dim() == ndim_row + 1:
+        return x
+    raise ValueError(f"{name} must have {ndim_row} or {ndim_row + 1} dims, got shape {tuple(x.shape)}")
+
+
+def _shifted_targets(
+    labels: torch.Tensor, seq_idx: torch.Tensor | None, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Targets ``labels[:, 1:]``, the validity mask of each prediction, and the target's global segment id.
+
+    Returns ``(targets [B, T-1], valid [B, T-1] bool, segment [B, T-1] int64 or None)``; segment ids are made
+    unique across rows (row * T + seq_idx) so that rows never merge.
+    """
+    targets = labels[:, 1:]
+    valid = targets != ignore_index
+    segment = None
+    if seq_idx is not None:
+        rows, t = seq_idx.shape
+        same = seq_idx[:, 1:] == seq_idx[:, :-1]
+        valid = valid & same
+        offset = torch.arange(rows, device=seq_idx.device, dtype=torch.int64).unsqueeze(1) * t
+        segment = seq_idx[:, 1:].to(torch.int64) + offset
+    return targets, valid, segment
+
+
+def _check_shapes(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    seq_idx: torch.Tensor | None,
+    loss_scale: torch.Tensor | None,
+) -> None:
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} does not match labels shape {tuple(labels.shape)} "
+            "(expected logits [B, T, V] and labels [B, T])"
+        )
+    for name, t in (("seq_idx", seq_idx), ("loss_scale", loss_scale)):
+        if t is not None and t.shape != labels.shape:
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} does not match labels shape {tuple(labels.shape)}"
+            )
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    reduction: Reduction = "token",
+    seq_idx: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | float | None = None,
+    ignore_index: int = -100,
+    loss_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Next-token cross entropy of a packed (or ordinary) causal-LM batch.
+
+    Args:
+        logits: ``[B, T, V]`` or ``[T, V]``, any float dtype (upcast to float32 here). B = 1 for a packed batch.
+        labels: ``[B, T]`` or ``[T]`` int64; ``ignore_index`` marks unsupervised tokens. Each sample's first
+            label must be ``ignore_index`` (the encoder guarantees it) unless ``seq_idx`` is given.
+        reduction: ``"token"`` (mean over supervised tokens) or ``"sample"`` (mean per sample, then over
+            samples; needs ``seq_idx``). See the module docstring for the gradient-accumulation semantics.
+        seq_idx: ``[B, T]`` or ``[T]`` integer sample index of every token (collator output). Required for
+            ``"sample"``; for ``"token"`` it masks predictions that would cross a sample boundary.
+        num_items_in_batch: the denominator for the whole optimizer step: supervised tokens (``"token"``) or
+            samples with a supervised token (``"sample"``). ``None``: this batch's own count.
+        ignore_index: label value that is not scored.
+        loss_scale: optional ``[B, T]`` float per-token weight aligned with ``labels`` (weight of predicting
+            label t); weighted tokens still count 1 in the denominator.
+
+    Returns:
+        A float32 scalar tensor. 0 (with a graph to ``logits``) when nothing is supervised and no
+        ``num_items_in_batch`` is given.
+
+    Raises:
+        ValueError: mismatched shapes, an unknown ``reduction``, or ``"sample"`` without ``seq_idx``.
+
+    Source: the shift-and-flatten causal LM loss of transformers' ``ForCausalLMLoss`` (token mean,
+    ``num_items_in_batch``); the per-sample mean follows the "sample"-level loss averaging discussed in
+    LLaMA-Factory / ms-swift packing docs.
+    """
+    if reduction not in ("token", "sample"):
+        raise ValueError(f"reduction must be 'token' or 'sample', got {reduction!r}")
+    logits = _as_rows(logits, "logits", 2)
+    labels = _as_rows(labels, "labels", 1)
+    if seq_idx is not None:
+        seq_idx = _as_rows(seq_idx, "seq_idx", 1)
+    if loss_scale is not None:
+        loss_scale = _as_rows(loss_scale, "loss_scale", 1)
+    _check_shapes(logits, labels, seq_idx, loss_scale)
+    if reduction == "sample" and seq_idx is None:
+        raise ValueError(
+            "reduction='sample' needs seq_idx (the sample index of every token, from the collator)"
+        )
+
+    labels = labels.to(logits.device)
+    if seq_idx is not None:
+        seq_idx = seq_idx.to(logits.device)
+    targets, valid, segment = _shifted_targets(labels, seq_idx, ignore_index)
+    vocab = logits.shape[-1]
+    pred = logits[:, :-1, :].reshape(-1, vocab).float()
+    scored = torch.where(valid, targets, torch.full_like(targets, ignore_index)).reshape(-1)
+    per_token = F.cross_entropy(pred, scored, reduction="none", ignore_index=ignore_index)  # 0 where ignored
+    weight = valid.reshape(-1).to(per_token.dtype)
+    if loss_scale is not None:
+        weight = weight * loss_scale[:, 1:].to(logits.device, torch.float32).reshape(-1)
+    per_token = per_token * weight
+
+    if reduction == "token":
+        total = per_token.sum()
+        if num_items_in_batch is None:
+            count = valid.sum().to(torch.float32)
+            return total / count.clamp(min=1.0)
+        return total / _as_denominator(num_items_in_batch, total)
+
+    # "sample": per-segment mean, then mean over segments that have a supervised token.
+    assert segment is not None
+    flat_seg = segment.reshape(-1)
+    num_slots = labels.shape[0] * labels.shape[1]  # an upper bound on segment ids, known without a sync
+    sums = per_token.new_zeros(num_slots).index_add(0, flat_seg, per_token)
+    counts = per_token.new_zeros(num_slots).index_add(0, flat_seg, valid.reshape(-1).to(per_token.dtype))
+    per_sample = sums / counts.clamp(min=1.0)
+    total = per_sample.sum()
+    if num_items_in_batch is None:
+        num_samples = (counts > 0).sum().to(torch.float32)
+        return total / num_samples.clamp(min=1.0)
+    return total / _as_denominator(num_items_in_batch, total)
+
+
+def _as_denominator(num_items: torch.Tensor | int | float, like: torch.Tensor) -> torch.Tensor | float:
+    if isinstance(num_items, torch.Tensor):
+        return num_items.to(device=like.device, dtype=torch.float32)
+    if num_items <= 0:
+        raise ValueError(f"num_items_in_batch must be > 0, got {num_items}")
+    return float(num_items)
+
+
+def count_loss_items(
+    labels: torch.Tensor,
+    *,
+    reduction: Reduction = "token",
+    seq_idx: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> int:
+    """The denominator :func:`causal_lm_loss` uses for one batch: supervised predictions (``"token"``) or
+    segments with at least one supervised prediction (``"sample"``). Sum it over the micro-batches (and
+    ranks) of an optimizer step and pass the sum as ``num_items_in_batch``.
+
+    Reads tensor values: call it on CPU batches (the collator's output) to avoid a device sync.
+
+    Raises:
+        ValueError: ``"sample"`` without ``seq_idx``; an unknown ``reduction``.
+    """
+    if reduction not in ("token", "sample"):
+        raise ValueError(f"reduction must be 'token' or 'sample', got {reduction!r}")
+    labels = _as_rows(labels, "labels", 1)
+    if seq_idx is not None:
+        seq_idx = _as_rows(seq_idx, "seq_idx", 1).to(labels.device)
+    if reduction == "sample" and seq_idx is None:
+        raise ValueError("reduction='sample' needs seq_idx")
+    _, valid, segment = _shifted_targets(labels, seq_idx, ignore_index)
+    if reduction == "token":
+        return int(valid.sum())
+    assert segment is not None
+    return int(torch.unique(segment[valid]).numel())
