@@ -1,0 +1,390 @@
+"""transformers integration: packed (varpack attention, one row) == each sample alone (the model's own
+attention), for logits, loss and every parameter's gradient; negative controls; guards; host reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from varpack.collate import PaddingFreeCollator
+from varpack.integrations.transformers import (
+    PackingGuardError,
+    attn_implementation_name,
+    enable_varpack,
+    is_varpack_attention,
+)
+from varpack.loss import causal_lm_loss
+from varpack.models import load_model
+
+VOCAB = 512
+LENGTHS = (5, 1, 7, 3)  # odd lengths, a 1-token sample
+
+
+def make_samples(lengths=LENGTHS, vocab=VOCAB, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, vocab, (n,), generator=g)
+        labels = ids.clone()
+        labels[: max(1, n // 3)] = -100  # a prompt part; labels[0] == -100 always
+        samples.append({"input_ids": ids.tolist(), "labels": labels.tolist(), "sample_id": i})
+    return samples
+
+
+def model_inputs(batch):
+    return {k: v for k, v in batch.items() if k not in ("labels", "sample_ids", "loss_scale")}
+
+
+def packed_run(model, samples, *, sabotage=False):
+    """Forward + backward of the packed row; returns (logits [T, V], loss, grads)."""
+    batch = PaddingFreeCollator()([samples])
+    if sabotage:  # one segment spanning the whole row: the boundaries are gone
+        t = batch["input_ids"].shape[1]
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, t], dtype=torch.int32)
+        batch["max_length_q"] = batch["max_length_k"] = t
+    model.zero_grad(set_to_none=True)
+    logits = model(**model_inputs(batch)).logits
+    loss = causal_lm_loss(logits, batch["labels"], seq_idx=batch["seq_idx"])
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits[0].detach(), loss.detach(), grads
+
+
+def unpacked_run(model, samples, attn="sdpa"):
+    """Each sample alone through the model's own attention; loss = token mean over all samples."""
+    current = model.config._attn_implementation
+    model.set_attn_implementation(attn)
+    try:
+        model.zero_grad(set_to_none=True)
+        n_sup = sum(sum(x != -100 for x in s["labels"][1:]) for s in samples)
+        logits_all, total = [], 0.0
+        for s in samples:
+            ids = torch.tensor([s["input_ids"]])
+            labels = torch.tensor([s["labels"]])
+            logits = model(input_ids=ids).logits
+            loss_sum = causal_lm_loss(logits, labels, num_items_in_batch=1)  # per-sample sum
+            total = total + loss_sum
+            logits_all.append(logits[0].detach())
+        loss = total / n_sup
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return torch.cat(logits_all), loss.detach(), grads
+    finally:
+        model.set_attn_implementation(current)
+
+
+def max_grad_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def gemma2_model():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=3,
+        attn_logit_softcapping=5.0,
+        query_pre_attn_scalar=16,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return enable_varpack(Gemma2ForCausalLM(config).eval())
+
+
+MODELS = {
+    "tiny-qwen3": (lambda: load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference"), "sdpa"),
+    "tiny-llama": (lambda: load_model("tiny-llama", vocab_size=VOCAB, attn_backend="reference"), "sdpa"),
+    # sliding window on every layer (window 3 < the longest sample), through the same path
+    "tiny-qwen3-sliding": (
+        lambda: load_model(
+            "tiny-qwen3",
+            vocab_size=VOCAB,
+            attn_backend="reference",
+            config_overrides={"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0},
+        ),
+        "sdpa",
+    ),
+    # Gemma-style: tanh soft-capping + alternating sliding window; its own attention is eager
+    "gemma2": (gemma2_model, "eager"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_and_ref(request):
+    build, ref_attn = MODELS[request.param]
+    return build(), ref_attn
+
+
+def test_packed_equals_unpacked(model_and_ref):
+    model, ref_attn = model_and_ref
+    samples = make_samples()
+    logits_p, loss_p, grads_p = packed_run(model, samples)
+    logits_u, loss_u, grads_u = unpacked_run(model, samples, ref_attn)
+    assert logits_p.shape == logits_u.shape == (sum(LENGTHS), VOCAB)
+    assert (logits_p - logits_u).abs().max().item() <= 1e-5
+    torch.testing.assert_close(loss_p, loss_u, rtol=1e-6, atol=1e-6)
+    assert len(grads_p) == len(list(model.parameters()))  # every parameter got a gradient
+    for name in grads_p:
+        torch.testing.assert_close(grads_p[name], grads_u[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_negative_control_without_boundaries(model_and_ref):
+    """The same comparison with the boundaries dropped (one segment over the row) must fail clearly."""
+    model, ref_attn = model_and_ref
+    samples = make_samples()
+    logits_p, loss_p, grads_p = packed_run(model, samples, sabotage=True)
+    logits_u, loss_u, grads_u = unpacked_run(model, samples, ref_attn)
+    assert (logits_p - logits_u).abs().max().item() > 1e-3
+    assert max_grad_diff(grads_p, grads_u) > 1e-3
+
+
+def test_unpacked_path_matches_native_attention():
+    """Without boundary kwargs varpack attention is an ordinary causal model (rows = sequences, B > 1)."""
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    ids = torch.randint(0, VOCAB, (3, 9))
+    with torch.no_grad():
+        out_vp = model(input_ids=ids).logits
+        model.set_attn_implementation("sdpa")
+        out_sdpa = model(input_ids=ids).logits
+    assert (out_vp - out_sdpa).abs().max().item() <= 1e-5
+
+
+def test_generate_matches_native_attention():
+    """Decoding with a KV cache (1 query vs L keys: bottom-right causal alignment) equals sdpa."""
+    model = load_model("tiny-llama", vocab_size=VOCAB, attn_backend="reference")
+    prompt = torch.randint(0, VOCAB, (1, 6))
+    kw = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    out_vp = model.generate(prompt, **kw)
+    model.set_attn_implementation("sdpa")
+    out_sdpa = model.generate(prompt, **kw)
+    assert torch.equal(out_vp, out_sdpa)
+
+
+def test_enable_varpack_names_and_idempotence():
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend=None)
+    assert model.config._attn_implementation == "sdpa"
+    enable_varpack(model)
+    assert model.config._attn_implementation == "varpack" == attn_implementation_name("auto")
+    enable_varpack(model, backend="reference")
+    assert model.config._attn_implementation == "varpack_reference"
+    assert attn_implementation_name("flash_attn_4") == "varpack_fa_4"  # no "flash" in the name
+    assert is_varpack_attention("varpack_reference") and not is_varpack_attention("sdpa")
+    assert len(model._forward_pre_hooks) == 1  # the old hook was replaced, not stacked
+    assert model._varpack_state.original_attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        enable_varpack(model, backend="nope")
+
+
+# ------------------------------------------------------------------------------------------------ guards
+@pytest.fixture(scope="module")
+def qwen():
+    return load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+
+
+@pytest.fixture()
+def batch():
+    return model_inputs(PaddingFreeCollator()([make_samples()]))
+
+
+def test_guard_missing_boundaries(qwen, batch):
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
+        batch.pop(key)
+    with pytest.raises(PackingGuardError, match="restart inside a row"):
+        qwen(**batch)
+
+
+def test_guard_batch_rows(qwen, batch):
+    batch["input_ids"] = batch["input_ids"].repeat(2, 1)
+    batch["position_ids"] = batch["position_ids"].repeat(2, 1)
+    with pytest.raises(PackingGuardError, match=r"one row \[1, T\]"):
+        qwen(**batch)
+
+
+def test_guard_attention_mask_with_packed(qwen, batch):
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with pytest.raises(PackingGuardError, match="attention_mask"):
+        qwen(**batch)
+
+
+def test_guard_cache(qwen, batch):
+    from transformers import DynamicCache
+
+    with pytest.raises(PackingGuardError, match="use_cache=True"):
+        qwen(**batch, use_cache=True)
+    with pytest.raises(PackingGuardError, match="KV cache"):
+        qwen(**batch, past_key_values=DynamicCache(config=qwen.config))
+
+
+def test_guard_use_cache_defaults_off(qwen, batch):
+    out = qwen(**batch)
+    assert getattr(out, "past_key_values", None) is None and getattr(out, "cache", None) is None
+
+
+def test_guard_not_varpack_attention(batch):
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(PackingGuardError, match="not varpack's"):
+        model(**batch)
+
+
+def test_guard_no_position_ids(qwen, batch):
+    batch.pop("position_ids")
+    with pytest.raises(PackingGuardError, match="without position_ids"):
+        qwen(**batch)
+
+
+def test_guard_bad_boundaries(qwen, batch):
+    t = batch["input_ids"].shape[1]
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 4, t - 1], dtype=torch.int32)
+    with pytest.raises(PackingGuardError, match=f"T={t}"):
+        qwen(**batch)
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, t], dtype=torch.int32)
+    batch["max_length_q"] = batch["max_length_k"] = 3
+    with pytest.raises(PackingGuardError, match="max_length"):
+        qwen(**batch)
+
+
+def test_guard_tensor_max_length_on_cpu_is_converted(qwen, batch):
+    ref = qwen(**batch).logits
+    batch["max_length_q"] = torch.tensor(batch["max_length_q"])
+    batch["max_length_k"] = torch.tensor(batch["max_length_k"])
+    torch.testing.assert_close(qwen(**batch).logits, ref)
+
+
+def test_guard_padding_mask_unpacked(qwen):
+    ids = torch.randint(0, VOCAB, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    with pytest.raises(PackingGuardError, match="padding"):
+        qwen(input_ids=ids, attention_mask=mask)
+    qwen(input_ids=ids, attention_mask=torch.ones_like(ids))  # no padding: fine
+
+
+def test_guard_dropout():
+    model = load_model(
+        "tiny-qwen3", vocab_size=VOCAB, attn_backend="reference", config_overrides={"attention_dropout": 0.1}
+    )
+    model.train()
+    with pytest.raises(ValueError, match="dropout"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 4)))
+
+
+def test_guard_positional_arguments(qwen, batch):
+    """input_ids / attention_mask / position_ids passed positionally are checked too."""
+    ids, pos = batch.pop("input_ids"), batch.pop("position_ids")
+    with pytest.raises(PackingGuardError, match="attention_mask"):
+        qwen(ids, torch.ones_like(ids), pos, **batch)
+
+
+def test_unknown_stateful_layers_refused():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.config.layer_types = ["mamba"]
+    with pytest.raises(PackingGuardError, match="mamba"):
+        enable_varpack(model)
+
+
+# ------------------------------------------------------------------------------------- host reads
+class _Watched(torch.Tensor):
+    """cu_seqlens that record every value read (item/tolist/int/bool/index) made through them."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in ("item", "tolist", "__int__", "__bool__", "__index__", "__float__", "numpy", "__len__"):
+            cls.reads.append(name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _count_reads(num_layers, monkeypatch):
+    import varpack.attn
+
+    real = varpack.attn.varlen_attention
+    seen = []
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        seen.append((cu_q, type(max_q)))
+        # hand the kernel plain tensors: reads made by the backend itself are not ours to count here
+        return real(
+            q, k, v, cu_q.as_subclass(torch.Tensor), cu_k.as_subclass(torch.Tensor), max_q, max_k, **kw
+        )
+
+    monkeypatch.setattr(varpack.attn, "varlen_attention", spy)
+    model = load_model(
+        "tiny-qwen3",
+        vocab_size=VOCAB,
+        attn_backend="reference",
+        config_overrides={"num_hidden_layers": num_layers},
+    )
+    batch = model_inputs(PaddingFreeCollator()([make_samples()]))
+    cu = batch["cu_seq_lens_q"].as_subclass(_Watched)
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
+    _Watched.reads = []
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Scalars(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Scalars.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Scalars():
+        model(**batch).logits.sum().backward()
+    assert len(seen) == num_layers and all(c is cu for c, _ in seen)  # the same tensor reaches every layer
+    assert all(t is int for _, t in seen)
+    return len(_Watched.reads), Scalars.count
+
+
+def test_no_per_layer_host_reads(monkeypatch):
+    """Boundaries are read at most once per forward (the CPU check in the pre-hook), never per layer, and no
+    tensor is turned into a Python scalar by the integration (aten._local_scalar_dense)."""
+    reads_2, scalars_2 = _count_reads(2, monkeypatch)
+    reads_4, scalars_4 = _count_reads(4, monkeypatch)
+    assert reads_2 == reads_4 <= 1
+    assert scalars_2 == scalars_4 == 0
+
+
+@pytest.mark.gpu
+def test_gpu_no_sync_per_step():
+    """On CUDA: a packed forward + backward + loss runs under sync-debug mode "error" (no host sync)."""
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="auto", device="cuda").train()
+    batch = PaddingFreeCollator()([make_samples()])
+    labels, seq_idx = batch["labels"].cuda(), batch["seq_idx"].cuda()
+    inputs = model_inputs(batch)
+    inputs = {
+        k: (v.cuda() if isinstance(v, torch.Tensor) and not k.startswith("cu_seq_lens") else v)
+        for k, v in inputs.items()
+    }
+
+    def step():
+        logits = model(**inputs).logits
+        causal_lm_loss(logits, labels, seq_idx=seq_idx).backward()
+
+    step()  # warm-up: kernel compilation, cached boundary copies / block masks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,474 @@
+"""Hugging Face ``transformers`` integration: varpack's varlen attention as an attention implementation.
+
+:func:`enable_varpack` registers an attention function in transformers' ``AttentionInterface`` (name
+``"varpack"`` for ``backend="auto"``, ``"varpack_<backend>"`` for a forced backend), switches the model to it
+with ``model.set_attn_implementation``, patches linear-attention (gated-delta) layers through
+:mod:`varpack.integrations.gated_delta`, and installs a forward pre-hook on the top model that refuses every
+batch that would reach a path mixing samples.
+
+How a packed batch flows (ARCHITECTURE.md, "Collated batch"): the collator emits ``cu_seq_lens_q/k``
+(``[N+1]`` int32) and ``max_length_q/k`` (Python ints), transformers' ``FlashAttentionKwargs`` names, so every
+HF model forwards them unchanged through ``**kwargs`` to each attention layer. The varpack attention function
+reads them and calls :func:`varpack.attn.varlen_attention` on the flat ``[T, H, D]`` stream: the boundaries
+are computed once per batch on the CPU and never re-derived per layer, and no layer reads a tensor value back
+to the host. No ``[T, T]`` mask is ever built: the name is deliberately *not* registered in transformers'
+``AttentionMaskInterface``, so ``create_causal_mask`` takes its documented early exit for custom attention
+("we don't need a mask") and returns ``None``, which also skips transformers' packed-sequence detection from
+``position_ids`` (a host sync per mask). Without boundary kwargs each row of the batch is one causal sequence
+(the ordinary unpacked path, e.g. generation).
+
+Guards (raised as ``ValueError`` from the pre-hook, once per forward, from shapes and CPU-side values only):
+
+* boundary kwargs with a batch of B > 1 rows, with an ``attention_mask``, with a KV cache or
+  ``use_cache=True``, without ``position_ids``, with a non-int ``max_length_*``;
+* ``position_ids`` that restart inside a row (several samples) but no boundary kwargs;
+* a packed batch reaching a model whose attention implementation is no longer varpack's (sdpa/eager);
+* an ``attention_mask`` with padding (varpack attention is padding-free);
+* a model with linear-attention layers that :mod:`varpack.integrations.gated_delta` cannot patch, or with
+  stateful sequence layers varpack does not know (Mamba, short convolutions).
+
+Transformers APIs relied on (identical in 5.17 and 5.24): ``AttentionInterface.register`` and
+``PreTrainedModel.set_attn_implementation``; the attention-function call convention
+``fn(module, query [B, H, T, D], key, value, attention_mask, *, dropout, scaling, sliding_window, softcap,
+is_causal, **kwargs) -> (out [B, T, H, D], None)``; ``FlashAttentionKwargs`` names; the early exit of
+``masking_utils._preprocess_mask_arguments`` for implementations absent from
+``AttentionMaskInterface._global_mapping``; the cache keyword is ``past_key_values`` (5.17) or ``cache``
+(5.24, with ``past_key_values`` deprecated): both are checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "PackingGuardError",
+    "attn_implementation_name",
+    "enable_varpack",
+    "is_varpack_attention",
+    "register_varpack_attention",
+    "varpack_attention_forward",
+]
+
+#: The attention implementation name of ``backend="auto"``.
+ATTN_IMPLEMENTATION = "varpack"
+
+_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_CACHE_KEYS = ("past_key_values", "cache")
+#: implementation name -> backend name, for every name registered by this module.
+_REGISTERED: dict[str, str] = {}
+#: layer types of ``config.layer_types`` that varpack handles.
+_KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
+#: module class-name fragments of stateful sequence mixers that would leak across packed samples.
+_UNSUPPORTED_MIXERS = ("Mamba", "ShortConv", "RWKV", "Retention")
+
+
+class PackingGuardError(ValueError):
+    """A batch would reach an attention path that mixes samples (or a model varpack cannot run exactly)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the attention function
+# ---------------------------------------------------------------------------------------------------------
+def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
+    """transformers' ``sliding_window=W`` (a query sees the W most recent keys, itself included:
+    ``kv_idx > q_idx - W`` in masking_utils.sliding_window_overlay) as flash-attn's ``(left, right)``."""
+    if sliding_window is None:
+        return (-1, -1)
+    w = int(sliding_window)
+    if w <= 0:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return (w - 1, 0) if causal else (w - 1, w - 1)
+
+
+def _as_int(value: Any, name: str) -> int:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
+        return int(value)
+    raise TypeError(
+        f"{name} must be a Python int (reading a device tensor would sync with the host in every layer), "
+        f"got {type(value).__name__}" + (f" on {value.device}" if isinstance(value, torch.Tensor) else "")
+    )
+
+
+def varpack_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function running :func:`varpack.attn.varlen_attention`.
+
+    Args:
+        module: the attention module (``module.is_causal`` decides causality unless ``is_causal`` is given).
+        query: ``[B, H, Tq, D]``; key, value: ``[B, Hkv, Tk, D]`` (GQA: ``H % Hkv == 0``).
+        attention_mask: must be ``None`` (the implementation has no mask function; padding-free batches
+            carry their boundaries in ``cu_seq_lens_*``).
+        dropout: must be 0 (varlen kernels have no attention dropout).
+        scaling: softmax scale (default ``D ** -0.5``).
+        sliding_window: transformers' window W (a query sees its W most recent keys) or None.
+        softcap: tanh soft-capping of the scores (Gemma 2) or None.
+        backend: varpack attention backend (bound at registration).
+        **kwargs: ``cu_seq_lens_q/k`` (``[N+1]`` int32, CPU or q's device) and ``max_length_q/k`` (Python int)
+            for a packed batch (B must be 1); absent for unpacked rows. Other keys are ignored.
+
+    Returns:
+        ``(out [B, Tq, H, D], None)`` in q's dtype.
+
+    Raises:
+        PackingGuardError: boundary kwargs with B > 1, or an attention mask.
+        ValueError: dropout > 0, bad sliding window; TypeError: ``max_length_*`` not an int.
+        varpack.attn.BackendUnavailableError: the backend cannot run this call.
+    """
+    from varpack.attn import varlen_attention
+
+    if dropout:
+        raise ValueError(
+            f"varpack attention has no attention dropout (got dropout={dropout} from "
+            f"{type(module).__name__}); set config.attention_dropout = 0.0"
+        )
+    if attention_mask is not None:
+        raise PackingGuardError(
+            f"varpack attention got an attention mask of shape {tuple(attention_mask.shape)} in "
+            f"{type(module).__name__}; it takes padding-free batches whose boundaries are cu_seq_lens_q/k "
+            "(use varpack.collate.PaddingFreeCollator)"
+        )
+    if is_causal is None:
+        is_causal = bool(getattr(module, "is_causal", True))
+    window = _window(sliding_window, is_causal)
+    softcap_f = float(softcap) if softcap else 0.0
+    bsz, num_heads, len_q, head_dim = query.shape
+    len_k = key.shape[2]
+
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        if bsz != 1:
+            raise PackingGuardError(
+                f"packed batch (cu_seq_lens_q given) must have one row, got query of shape "
+                f"{tuple(query.shape)} (B={bsz})"
+            )
+        cu_k = kwargs.get("cu_seq_lens_k")
+        cu_k = cu_q if cu_k is None else cu_k
+        max_q = kwargs.get("max_length_q")
+        max_k = kwargs.get("max_length_k")
+        if max_q is None:
+            raise PackingGuardError("cu_seq_lens_q given without max_length_q (the longest segment, an int)")
+        max_q = _as_int(max_q, "max_length_q")
+        max_k = max_q if max_k is None else _as_int(max_k, "max_length_k")
+        q = query[0].transpose(0, 1)  # [T, H, D]
+        k = key[0].transpose(0, 1)
+        v = value[0].transpose(0, 1)
+    else:
+        # unpacked: every row is one sequence; the offsets are built on the device (no host copy, no sync)
+        q = query.transpose(1, 2).reshape(bsz * len_q, num_heads, head_dim)
+        k = key.transpose(1, 2).reshape(bsz * len_k, key.shape[1], key.shape[3])
+        v = value.transpose(1, 2).reshape(bsz * len_k, value.shape[1], value.shape[3])
+        cu_q = torch.arange(0, (bsz + 1) * len_q, len_q, device=query.device, dtype=torch.int32)
+        cu_k = torch.arange(0, (bsz + 1) * len_k, len_k, device=query.device, dtype=torch.int32)
+        max_q, max_k = len_q, len_k
+    out = varlen_attention(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        causal=is_causal,
+        window_size=window,
+        softmax_scale=scaling,
+        softcap=softcap_f,
+        backend=backend,
+    )
+    return out.reshape(bsz, len_q, num_heads, out.shape[-1]), None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------------------------------------
+def attn_implementation_name(backend: str = "auto") -> str:
+    """The transformers attention implementation name for a varpack backend: ``"varpack"`` for ``auto``,
+    else ``"varpack_<backend>"`` with ``flash_attn`` shortened to ``fa`` (transformers treats any name
+    containing "flash" as a flash-attention implementation)."""
+    if backend == "auto":
+        return ATTN_IMPLEMENTATION
+    return f"{ATTN_IMPLEMENTATION}_{backend.replace('flash_attn', 'fa')}"
+
+
+def register_varpack_attention(backend: str = "auto") -> str:
+    """Register varpack's attention function (bound to ``backend``) in transformers' ``AttentionInterface``
+    and return its implementation name. Idempotent.
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    from transformers import AttentionInterface
+
+    if backend != "auto":
+        from varpack.attn.registry import get_backend
+
+        get_backend(backend)  # raises ValueError for an unknown name
+    name = attn_implementation_name(backend)
+    if name not in _REGISTERED:
+        fn = functools.partial(varpack_attention_forward, backend=backend)
+        functools.update_wrapper(fn, varpack_attention_forward)
+        AttentionInterface.register(name, fn)
+        _REGISTERED[name] = backend
+    return name
+
+
+def is_varpack_attention(attn_implementation: str | None) -> bool:
+    """Whether ``attn_implementation`` is one of the names registered by :func:`register_varpack_attention`."""
+    return attn_implementation in _REGISTERED
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the packing guard (forward pre-hook on the top model)
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class _GuardState:
+    """What :func:`enable_varpack` installed on a model (kept as ``model._varpack_state``)."""
+
+    backend: str
+    attn_implementation: str
+    original_attn_implementation: str | None
+    positional_names: tuple[str, ...]
+    handle: Any = None
+    linear_layers_patched: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _text_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The text plane ``[B, T]`` of ``position_ids`` (``[B, T]``, ``[T]``, or mRoPE ``[4, B, T]`` with the text
+    plane first); ``None`` for ``[3, B, T]`` mRoPE planes, where restarts cannot be read off."""
+    if position_ids.dim() == 1:
+        return position_ids.unsqueeze(0)
+    if position_ids.dim() == 2:
+        return position_ids
+    if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        return position_ids[0]
+    return None
+
+
+def _rows_restart(position_ids: torch.Tensor) -> bool:
+    """Whether some row of ``position_ids`` holds several sequences (a step other than +1). One host read
+    when the tensor lives on a device (once per forward, only on the unpacked path)."""
+    text = _text_positions(position_ids)
+    if text is None or text.shape[-1] < 2:
+        return False
+    return bool((text[:, 1:] - text[:, :-1] != 1).any())
+
+
+def _check_cpu_boundaries(cu: torch.Tensor, name: str, total: int, max_len: int | None) -> None:
+    """Value checks of CPU boundaries (free: no device involved)."""
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise PackingGuardError(f"{name} must be a 1-D tensor [N+1] with N >= 1, got shape {tuple(cu.shape)}")
+    if cu.is_floating_point():
+        raise PackingGuardError(f"{name} must be an integer tensor, got {cu.dtype}")
+    if cu.device.type != "cpu":
+        return
+    vals = cu.tolist()
+    if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in zip(vals, vals[1:])):
+        raise PackingGuardError(
+            f"{name}={vals[:8]}{'...' if len(vals) > 8 else ''} must start at 0, never decrease and end at "
+            f"the stream's token count T={total} (last value {vals[-1]})"
+        )
+    if max_len is not None:
+        longest = max(b - a for a, b in zip(vals, vals[1:]))
+        if longest > max_len:
+            raise PackingGuardError(f"{name} has a segment of {longest} tokens but max_length is {max_len}")
+
+
+def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    state: _GuardState = model._varpack_state
+    kwargs = dict(kwargs)
+    if args:  # name positional arguments (input_ids, attention_mask, position_ids, ...)
+        for name, value in zip(state.positional_names, args):
+            kwargs[name] = value
+        args = ()
+    impl = getattr(model.config, "_attn_implementation", None)
+    input_ids = kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    ref = input_ids if input_ids is not None else embeds
+    position_ids = kwargs.get("position_ids")
+    attention_mask = kwargs.get("attention_mask")
+    cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
+    packed = any(kwargs.get(k) is not None for k in _BOUNDARY_KEYS)
+    where = type(model).__name__
+
+    if packed:
+        if not is_varpack_attention(impl):
+            raise PackingGuardError(
+                f"{where} got a packed batch (cu_seq_lens_q/k) but its attention implementation is {impl!r}, "
+                "not varpack's; call varpack.integrations.transformers.enable_varpack(model) again"
+            )
+        if kwargs.get("cu_seq_lens_q") is None:
+            raise PackingGuardError(
+                f"{where} got {[k for k in _BOUNDARY_KEYS if kwargs.get(k) is not None]} without cu_seq_lens_q"
+            )
+        if ref is not None and ref.dim() >= 2 and ref.shape[0] != 1:
+            raise PackingGuardError(
+                f"packed batch must be one row [1, T] (padding-free), got {'input_ids' if input_ids is not None else 'inputs_embeds'} "
+                f"of shape {tuple(ref.shape)}"
+            )
+        if attention_mask is not None:
+            raise PackingGuardError(
+                f"packed batch with an attention_mask of shape {tuple(attention_mask.shape)}: a padding-free "
+                "batch carries its boundaries in cu_seq_lens_q/k; drop attention_mask"
+            )
+        if cache is not None:
+            raise PackingGuardError(
+                f"packed batch with a KV cache ({type(cache).__name__}): a cache would hold the keys of all "
+                "samples of the pack; packed batches are for training (pass use_cache=False, no cache)"
+            )
+        if kwargs.get("use_cache"):
+            raise PackingGuardError("packed batch with use_cache=True; packed batches need use_cache=False")
+        kwargs["use_cache"] = False  # HF models otherwise create a DynamicCache filled with the whole pack
+        if position_ids is None:
+            raise PackingGuardError(
+                "packed batch without position_ids: positions must restart at 0 for every sample "
+                "(the collator provides them)"
+            )
+        total = ref.shape[1] if ref is not None and ref.dim() >= 2 else None
+        for key in ("max_length_q", "max_length_k"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = _as_int(kwargs[key], key)
+        for key, mkey in (("cu_seq_lens_q", "max_length_q"), ("cu_seq_lens_k", "max_length_k")):
+            cu = kwargs.get(key)
+            if key == "cu_seq_lens_k" and cu is kwargs.get("cu_seq_lens_q"):
+                continue  # the collator passes one tensor for both
+            if cu is not None and total is not None:
+                _check_cpu_boundaries(cu, key, total, kwargs.get(mkey))
+        # CPU boundaries stay on the CPU: varlen_attention copies them to the device once per batch (cached
+        # by tensor identity) and every layer reuses that copy.
+        return args, kwargs
+
+    # unpacked path: rows are whole sequences
+    if attention_mask is not None and attention_mask.dim() == 2 and is_varpack_attention(impl):
+        if not bool(attention_mask.all()):
+            raise PackingGuardError(
+                f"{where} uses varpack attention, which is padding-free, but got an attention_mask with "
+                f"padding (shape {tuple(attention_mask.shape)}); pack the samples with "
+                "varpack.collate.PaddingFreeCollator (or switch the model to sdpa for padded batches)"
+            )
+    if position_ids is not None and cache is None and _rows_restart(position_ids):
+        raise PackingGuardError(
+            f"{where} got position_ids that restart inside a row (several samples packed in one row) but no "
+            "boundary kwargs cu_seq_lens_q/k and max_length_q/k: attention would mix the samples. Pass the "
+            "collator's full output (varpack.collate.PaddingFreeCollator)"
+        )
+    return args, kwargs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# enable
+# ---------------------------------------------------------------------------------------------------------
+def _linear_attention_layers(model: torch.nn.Module) -> int:
+    count = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        types = getattr(cfg, "layer_types", None) or []
+        unknown = sorted({t for t in types if t not in _KNOWN_LAYER_TYPES})
+        if unknown:
+            raise PackingGuardError(
+                f"{type(model).__name__} has layer types {unknown} that varpack cannot keep packed samples "
+                "apart in (supported: full_attention, sliding_attention, linear_attention)"
+            )
+        count = max(count, sum(t == "linear_attention" for t in types))
+    for module in model.modules():
+        name = type(module).__name__
+        if any(frag in name for frag in _UNSUPPORTED_MIXERS):
+            raise PackingGuardError(
+                f"{type(model).__name__} contains {name}, a stateful sequence layer that would carry state "
+                "across packed samples; varpack does not support it"
+            )
+    return count
+
+
+def enable_varpack(
+    model: torch.nn.Module,
+    *,
+    backend: str = "auto",
+    linear_backend: str = "auto",
+) -> torch.nn.Module:
+    """Switch a transformers model to varpack attention and install the packing guards.
+
+    Args:
+        model: a ``transformers`` ``PreTrainedModel`` whose attention layers dispatch through
+            ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Gemma 2/3, Qwen3.5, ... in transformers 5.x).
+        backend: varpack attention backend (``"auto"`` or a name of :data:`varpack.attn.registry.BACKENDS`).
+        linear_backend: gated-delta backend for linear-attention layers (passed to
+            :func:`varpack.integrations.gated_delta.patch_linear_attention`).
+
+    Returns:
+        The same model (modified in place): ``model.config._attn_implementation`` is
+        :func:`attn_implementation_name` ``(backend)``; ``model._varpack_state`` records what was done.
+        Calling it again replaces the previous hook (idempotent).
+
+    Raises:
+        ValueError: unknown backend; PackingGuardError: a model with layers varpack cannot run exactly
+            (linear attention without :mod:`varpack.integrations.gated_delta`, Mamba / short-conv layers);
+            TypeError: not a transformers model.
+    """
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        raise TypeError(f"enable_varpack needs a transformers PreTrainedModel, got {type(model).__name__}")
+    num_linear = _linear_attention_layers(model)
+    old = getattr(model, "_varpack_state", None)
+    original = old.original_attn_implementation if old is not None else model.config._attn_implementation
+    name = register_varpack_attention(backend)
+    model.set_attn_implementation(name)
+    if getattr(model.config, "_attn_implementation", None) != name:
+        raise PackingGuardError(
+            f"{type(model).__name__} did not switch to attention implementation {name!r} "
+            f"(still {model.config._attn_implementation!r}); it does not dispatch through AttentionInterface"
+        )
+    patched = 0
+    if num_linear:
+        try:
+            from varpack.integrations.gated_delta import patch_linear_attention
+        except ImportError as exc:
+            raise PackingGuardError(
+                f"{type(model).__name__} has {num_linear} linear-attention layers, which mix packed samples "
+                f"unless patched, and varpack.integrations.gated_delta is not available: {exc}"
+            ) from exc
+        patched = int(patch_linear_attention(model, backend=linear_backend))
+        if patched < num_linear:
+            raise PackingGuardError(
+                f"{type(model).__name__} has {num_linear} linear-attention layers but only {patched} were patched"
+            )
+
+    if old is not None and old.handle is not None:
+        old.handle.remove()
+    params = inspect.signature(model.forward).parameters.values()
+    positional = tuple(
+        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
+    )
+    state = _GuardState(
+        backend=backend,
+        attn_implementation=name,
+        original_attn_implementation=original,
+        positional_names=positional,
+        linear_layers_patched=patched,
+    )
+    model._varpack_state = state
+    state.handle = model.register_forward_pre_hook(_packing_guard, with_kwargs=True)
+    return model
