@@ -52,6 +52,15 @@ def varlen_attention(
     Zero-length segments (repeated offsets) are allowed by the backends that declare it
     (see :func:`varpack.attn.available_backends`).
 
+    The mask of a packed stream is block-diagonal. Segments of 3 and 2 tokens, ``cu_seqlens = [0, 3, 5]``,
+    causal (1 = query row may attend key column)::
+
+        1 0 0 0 0
+        1 1 0 0 0
+        1 1 1 0 0
+        0 0 0 1 0
+        0 0 0 1 1
+
     If ``causal=True`` and a segment has different query and key lengths, the causal mask is aligned to the
     bottom-right corner of that segment's attention matrix. With seqlen_q = 2 and seqlen_k = 5::
 
@@ -105,12 +114,20 @@ def varlen_attention(
         Cross-contamination" (Krell et al., 2021, arXiv:2107.02027).
 
     Example:
+        Two segments of two tokens; with q = k = 0 every visible key gets the same weight, so each output
+        is the mean of the values its query may see. Token 2 starts a new segment and sees only itself
+        (over the whole stream it would see tokens 0..2 and give ``[2., 3.]``):
+
         >>> import torch
         >>> from varpack.attn import varlen_attention
-        >>> q = k = v = torch.randn(5, 2, 8)
-        >>> cu = torch.tensor([0, 3, 5], dtype=torch.int32)
-        >>> varlen_attention(q, k, v, cu, cu, 3, 3, backend="reference").shape
-        torch.Size([5, 2, 8])
+        >>> q = k = torch.zeros(4, 1, 2)
+        >>> v = torch.arange(8.0).reshape(4, 1, 2)
+        >>> cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+        >>> varlen_attention(q, k, v, cu, cu, 2, 2)[:, 0]
+        tensor([[0., 1.],
+                [1., 2.],
+                [4., 5.],
+                [5., 6.]])
     """
     _check_tensors(q, k, v)
     cu_seqlens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q)
