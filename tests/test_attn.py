@@ -404,3 +404,10 @@ def test_flex_block_mask_built_once_per_batch_and_reused_by_layers():
         assert len(flex._BLOCK_MASK_CACHE._data) == 4
         assert flex._cached_block_mask(cu, cu, 13, 13, True, (-1, 0)) is first
     flex._clear_caches()
+
+
+def test_exported_from_varpack():
+    import varpack
+    import varpack.attn
+
+    assert varpack.varlen_attention is varpack.attn.varlen_attention

@@ -49,9 +49,14 @@ def _flex_attention_fn(device: torch.device):
     return fn
 
 
+_PAD_TO = 128  # FlexAttention's block size: index tables cover whole blocks, so no lookup is out of bounds
+
+
 def _doc_ids(cu: torch.Tensor, total: int, pad_id: int) -> torch.Tensor:
-    """Segment index of every token ``[total]`` (int32); tokens past ``cu[-1]`` get ``pad_id``."""
-    positions = torch.arange(total, device=cu.device, dtype=cu.dtype)
+    """Segment index of every token, ``[total]`` rounded up to a multiple of 128 (int32); positions past
+    ``cu[-1]`` (the tail of the last block included) get ``pad_id``."""
+    padded = -(-max(total, 1) // _PAD_TO) * _PAD_TO
+    positions = torch.arange(padded, device=cu.device, dtype=cu.dtype)
     ids = torch.searchsorted(cu[1:].contiguous(), positions, right=True)
     num_segments = cu.shape[0] - 1
     ids = torch.where(ids >= num_segments, torch.full_like(ids, pad_id), ids)
