@@ -3,16 +3,22 @@
 * :func:`naive_recurrent_gated_delta_rule` (``naive.py``): token by token, the truth.
 * :func:`chunk_gated_delta_rule` (``chunk.py``): chunked (64), vectorized over all sequences of a packed
   row, autograd backward, any device.
+* :func:`gated_delta_rule` (``dispatch.py``): picks ``fla`` / ``chunk`` / ``chunk_compiled`` / ``naive``.
 """
 
 from __future__ import annotations
 
 from .chunk import ChunkLayout, chunk_gated_delta_rule, prepare_chunk_layout
+from .dispatch import BACKENDS, available_backends, gated_delta_rule, resolve_backend
 from .naive import naive_recurrent_gated_delta_rule
 
 __all__ = [
+    "BACKENDS",
     "ChunkLayout",
+    "available_backends",
     "chunk_gated_delta_rule",
+    "gated_delta_rule",
     "naive_recurrent_gated_delta_rule",
     "prepare_chunk_layout",
+    "resolve_backend",
 ]

@@ -105,5 +105,7 @@ def check_inputs(
     else:
         N = B
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}"
+        )
     return B, T, Hk, H, K, V

@@ -241,7 +241,7 @@ def _step(S, u, w, qk, qe, ke, dec):
     return o, S
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(name: str):
     fn = {"intra": _intra_chunk, "first": _first_step, "step": _step}[name]
     return torch.compile(fn, dynamic=True)
@@ -328,7 +328,9 @@ def chunk_gated_delta_rule(
     if cu_seqlens is not None and cu_seqlens.numel() - 1 != N:
         raise ValueError(f"cu_seqlens holds {cu_seqlens.numel() - 1} sequences but the layout {N}")
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state must be [N={N}, H={H}, K={K}, V={V}], got {tuple(initial_state.shape)}"
+        )
     out_dtype = q.dtype
     if scale is None:
         scale = K**-0.5

@@ -1,0 +1,474 @@
+"""Boundary-exact packing for Gated DeltaNet layers (transformers' Qwen3.5 text and Qwen3-Next).
+
+A packed row must reset a Gated DeltaNet layer at every sample boundary in TWO places: the 4-tap causal
+short convolution in front of the rule (its first taps would read the previous sample's last tokens) and
+the recurrent state of the gated delta rule. :func:`patch_linear_attention` replaces the ``forward`` of
+every ``Qwen3_5GatedDeltaNet`` / ``Qwen3NextGatedDeltaNet`` instance with one that, on a packed batch,
+runs the same projections and parameters through :func:`varpack.ops.short_conv` and
+:func:`varpack.ops.gated_delta_rule` with the batch's boundaries; without boundaries it calls the original
+``forward`` unchanged (an unpacked sample, generation with a cache).
+
+Where the boundaries come from: the same kwargs the attention layers get, ``cu_seq_lens_q`` (``[N+1]``
+int32, CPU-built by varpack's collator) and/or ``seq_idx`` (``[1, T]``), passed to the model's forward. Some
+transformers releases call the linear-attention module without those kwargs (5.17:
+``self.linear_attn(hidden_states, cache_params=..., attention_mask=...)``), so a forward pre-hook on the
+text model (the module owning ``layers``) captures them once per forward into a context shared by its
+patched layers; the per-batch work (chunk layout, ``seq_idx``, device copies) is done once, at the first
+linear layer, and reused by all the others: no host sync per layer. The context outlives the forward so
+that gradient-checkpointing recomputation in the backward sees the same boundaries; the next forward of the
+model replaces it.
+
+Limits (raised as ``ValueError``): boundaries with a batch of more than one row; boundaries together with a
+cache or ``use_cache=True`` (a cache would hold one state for the whole pack; packing is for training);
+boundaries that do not cover the row's tokens.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
+from varpack.ops.gated_delta_rule.dispatch import resolve_backend
+from varpack.ops.short_conv import short_conv
+
+__all__ = ["TINY_MODELS", "patch_linear_attention", "tiny_model"]
+
+_CACHE_KEYS = ("cache", "cache_params", "past_key_values")
+_GDN_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3NextGatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# per-forward boundary context
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class PackedBoundaries:
+    """Boundaries of one packed row, computed once per forward on the CPU; device copies cached.
+
+    Attributes:
+        cu_seqlens: ``[N+1]`` int64, CPU.
+        total_tokens: ``T``.
+    """
+
+    cu_seqlens: torch.Tensor
+    total_tokens: int
+    _layout: ChunkLayout | None = None
+    _device: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def layout(self) -> ChunkLayout:
+        if self._layout is None:
+            self._layout = prepare_chunk_layout(self.cu_seqlens)
+        return self._layout
+
+    def seq_idx(self, device: torch.device) -> torch.Tensor:
+        key = ("seq_idx", str(device))
+        if key not in self._device:
+            lengths = np.diff(self.cu_seqlens.numpy())
+            si = torch.from_numpy(np.repeat(np.arange(lengths.size, dtype=np.int32), lengths))[None]
+            self._device[key] = si.to(device, non_blocking=True)
+        return self._device[key]
+
+    def cu_on(self, device: torch.device) -> torch.Tensor:
+        key = ("cu", str(device))
+        if key not in self._device:
+            self._device[key] = self.cu_seqlens.to(device, non_blocking=True)
+        return self._device[key]
+
+
+def _boundaries_from(cu: Any, seq_idx: Any, total: int, where: str) -> PackedBoundaries:
+    """Validate the boundary kwargs of a row of ``total`` tokens; build :class:`PackedBoundaries`.
+
+    ``cu_seq_lens_q`` wins; ``seq_idx`` alone is turned into ``cu_seqlens`` (one device->host copy if it
+    lives on a device: once per forward).
+    """
+    if cu is not None:
+        if not isinstance(cu, torch.Tensor):
+            cu = torch.as_tensor(cu)
+        if cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{where}: cu_seq_lens_q must be an int32/int64 tensor, got dtype {cu.dtype}")
+        cu = cu.detach().to("cpu", torch.int64)
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(
+                f"{where}: cu_seq_lens_q must be 1-D [N+1] with N >= 1, got shape {tuple(cu.shape)}"
+            )
+        vals = cu.tolist()
+        if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in zip(vals, vals[1:])):
+            shown = vals[:8] + (["..."] if len(vals) > 8 else [])
+            raise ValueError(
+                f"{where}: cu_seq_lens_q={shown} must start at 0, never decrease and end at the row's "
+                f"token count T={total} (last value {vals[-1]})"
+            )
+        return PackedBoundaries(cu, total)
+    if not isinstance(seq_idx, torch.Tensor):
+        seq_idx = torch.as_tensor(seq_idx)
+    si = seq_idx.detach().to("cpu", torch.int64).reshape(-1)
+    if si.numel() != total:
+        raise ValueError(
+            f"{where}: seq_idx has {si.numel()} entries (shape {tuple(seq_idx.shape)}) but T={total}"
+        )
+    starts = torch.nonzero(si[1:] != si[:-1]).flatten() + 1
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), starts, torch.tensor([total])])
+    return PackedBoundaries(cu, total)
+
+
+@dataclass(eq=False)
+class _Context:
+    """Shared by the patched layers of one text model: the boundaries of its current forward."""
+
+    boundaries: PackedBoundaries | None = None
+    in_forward: bool = False
+    backend: str = "auto"
+    hooks: list = field(default_factory=list)
+
+
+def _row_tokens(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    ref = kwargs.get("input_ids")
+    if ref is None:
+        ref = kwargs.get("inputs_embeds")
+    if ref is None and args and isinstance(args[0], torch.Tensor):
+        ref = args[0]
+    if ref is None or ref.dim() < 2:
+        return None
+    return int(ref.shape[0]), int(ref.shape[1])
+
+
+def _pre_hook(ctx: _Context, module: torch.nn.Module, args: tuple, kwargs: dict):
+    ctx.boundaries = None
+    ctx.in_forward = True
+    cu, seq_idx = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx")
+    if cu is None and seq_idx is None:
+        return None
+    where = type(module).__name__
+    shape = _row_tokens(args, kwargs)
+    if shape is None:
+        raise ValueError(
+            f"{where}: packed batch (cu_seq_lens_q/seq_idx) without input_ids/inputs_embeds [1, T]"
+        )
+    B, T = shape
+    if B != 1:
+        raise ValueError(
+            f"{where}: packed batch boundaries (cu_seq_lens_q/seq_idx) need one row [1, T], got a batch of "
+            f"{B} rows; flatten the samples into one row (varpack.collate.PaddingFreeCollator)"
+        )
+    cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
+    if cache is not None:
+        raise ValueError(
+            f"{where}: packed batch with a cache ({type(cache).__name__}): the linear-attention state of a "
+            "packed row mixes samples; packing is for training (no cache, use_cache=False)"
+        )
+    if kwargs.get("use_cache"):
+        raise ValueError(f"{where}: packed batch with use_cache=True; packed batches need use_cache=False")
+    ctx.boundaries = _boundaries_from(cu, seq_idx, T, where)
+    kwargs = dict(kwargs)
+    kwargs["use_cache"] = False  # HF would otherwise build a DynamicCache from the packed row
+    return args, kwargs
+
+
+def _post_hook(ctx: _Context, module, args, kwargs, output):
+    ctx.in_forward = False  # boundaries stay for gradient-checkpointing recomputation in the backward
+    return None
+
+
+def _in_backward() -> bool:
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    return fn is not None and fn() != -1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the patched GatedDeltaNet forward
+# ---------------------------------------------------------------------------------------------------------
+def _current_boundaries(layer: torch.nn.Module, T: int, kwargs: dict) -> PackedBoundaries | None:
+    ctx: _Context | None = getattr(layer, "_varpack_gdn_ctx", None)
+    where = f"{type(layer).__name__}(layer_idx={getattr(layer, 'layer_idx', '?')})"
+    if ctx is not None and ctx.boundaries is not None and (ctx.in_forward or _in_backward()):
+        if ctx.boundaries.total_tokens != T:
+            raise ValueError(
+                f"{where}: the model's packed boundaries cover {ctx.boundaries.total_tokens} tokens but the "
+                f"layer got T={T}"
+            )
+        return ctx.boundaries
+    cu, seq_idx = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx")
+    if cu is None and seq_idx is None:
+        return None
+    return _boundaries_from(cu, seq_idx, T, where)
+
+
+def _conv_activation(name: Any):
+    if name in ("silu", "swish") or name is None:
+        return name
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def _packed_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask, bd: PackedBoundaries
+):
+    B, T, _ = hidden_states.shape
+    if attention_mask is not None and attention_mask.dim() == 2:  # as apply_mask_to_padding_states
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    if hasattr(layer, "in_proj_qkvz"):  # Qwen3-Next: interleaved q/k/v/z and b/a projections
+        q, k, v, z, b, a = layer.fix_query_key_value_ordering(
+            layer.in_proj_qkvz(hidden_states), layer.in_proj_ba(hidden_states)
+        )
+        mixed = torch.cat([x.reshape(B, T, -1) for x in (q, k, v)], dim=-1)
+    else:  # Qwen3.5
+        mixed = layer.in_proj_qkv(hidden_states)
+        z = layer.in_proj_z(hidden_states).reshape(B, T, -1, layer.head_v_dim)
+        b = layer.in_proj_b(hidden_states)
+        a = layer.in_proj_a(hidden_states)
+
+    backend = getattr(layer, "_varpack_gdn_backend", "auto")
+    device = hidden_states.device
+    needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in layer.parameters())
+    needs_grad = needs_grad or (torch.is_grad_enabled() and hidden_states.requires_grad)
+    rule_backend = resolve_backend(backend, device, needs_grad=needs_grad)
+    conv_backend = "auto" if backend in ("auto", "fla") and device.type == "cuda" else "torch"
+    if conv_backend != "torch":
+        conv_kwargs = {"cu_seqlens": bd.cu_on(device), "cu_seqlens_cpu": bd.cu_seqlens}
+    else:
+        conv_kwargs = {"seq_idx": bd.seq_idx(device)}
+    weight = layer.conv1d.weight
+    mixed = short_conv(
+        mixed,
+        weight.reshape(weight.shape[0], -1),
+        layer.conv1d.bias,
+        _conv_activation(layer.activation),
+        backend=conv_backend,
+        **conv_kwargs,
+    )
+    query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    query = query.reshape(B, T, -1, layer.head_k_dim)
+    key = key.reshape(B, T, -1, layer.head_k_dim)
+    value = value.reshape(B, T, -1, layer.head_v_dim)
+    beta = b.sigmoid()
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # as the model (fp32 decay)
+
+    if rule_backend == "fla":
+        rule_kwargs = {"cu_seqlens": bd.cu_on(device), "cu_seqlens_cpu": bd.cu_seqlens}
+    else:
+        rule_kwargs = {"cu_seqlens": bd.cu_seqlens, "layout": bd.layout()}
+    core, _ = gated_delta_rule(
+        query, key, value, g, beta, use_qk_l2norm_in_kernel=True, backend=rule_backend, **rule_kwargs
+    )
+    core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return layer.out_proj(core.reshape(B, T, -1))
+
+
+def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    T = hidden_states.shape[1]
+    bd = _current_boundaries(self, T, kwargs)
+    if bd is None:
+        return self._varpack_gdn_original_forward(hidden_states, *args, **kwargs)
+    where = f"{type(self).__name__}(layer_idx={getattr(self, 'layer_idx', '?')})"
+    if hidden_states.shape[0] != 1:
+        raise ValueError(
+            f"{where}: packed boundaries need one row [1, T], got hidden_states {tuple(hidden_states.shape)}"
+        )
+    cache = args[0] if args else next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
+    if cache is not None:
+        raise ValueError(
+            f"{where}: packed batch with a cache ({type(cache).__name__}); incremental decoding cannot be "
+            "combined with packing (use_cache=False for packed training batches)"
+        )
+    attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+    return _packed_forward(self, hidden_states, attention_mask, bd)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------------------
+def _is_gdn(module: torch.nn.Module) -> bool:
+    return type(module).__name__ in _GDN_CLASSES or (
+        type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "A_log")
+    )
+
+
+def _check_structure(module: torch.nn.Module) -> None:
+    need = [
+        "conv1d",
+        "A_log",
+        "dt_bias",
+        "norm",
+        "out_proj",
+        "key_dim",
+        "value_dim",
+        "head_k_dim",
+        "head_v_dim",
+    ]
+    missing = [n for n in need if not hasattr(module, n)]
+    if hasattr(module, "in_proj_qkvz"):
+        missing += [n for n in ("in_proj_ba", "fix_query_key_value_ordering") if not hasattr(module, n)]
+    else:
+        missing += [
+            n for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a") if not hasattr(module, n)
+        ]
+    if missing:
+        raise TypeError(
+            f"{type(module).__name__} does not have the Qwen3.5 / Qwen3-Next GatedDeltaNet structure varpack "
+            f"knows (missing {missing}); it cannot be patched for packed batches"
+        )
+
+
+def patch_linear_attention(model: torch.nn.Module, *, backend: str = "auto") -> int:
+    """Make every Gated DeltaNet layer of ``model`` reset its short conv and recurrent state at sample boundaries.
+
+    Works on transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5TextModel`` (and the text tower of
+    ``Qwen3_5ForConditionalGeneration``) and ``Qwen3NextForCausalLM`` / ``Qwen3NextModel``. After patching, a
+    forward with ``cu_seq_lens_q`` (``[N+1]`` int32, CPU) and/or ``seq_idx`` (``[1, T]``) over a packed
+    ``input_ids [1, T]`` equals running the ``N`` samples one by one (logits, loss, gradients); a forward
+    without them is unchanged. Idempotent: patching again only updates ``backend``.
+
+    Args:
+        model: a transformers model containing ``*GatedDeltaNet`` modules.
+        backend: gated delta rule backend, ``"auto"`` (fla when it runs forward and backward on the
+            device, else varpack's chunked PyTorch path), ``"fla"``, ``"chunk"``, ``"chunk_compiled"`` or
+            ``"naive"`` (see :mod:`varpack.ops.gated_delta_rule.dispatch`). With ``"fla"``/``"auto"`` on CUDA
+            the short conv uses fla's ``causal_conv1d`` when its probe passed.
+
+    Returns:
+        The number of GatedDeltaNet layers patched (0 for a model without any).
+
+    Raises:
+        ValueError: an unknown backend name.
+        TypeError: a GatedDeltaNet module whose structure varpack does not know.
+        (At forward time) ValueError: boundaries with ``B > 1``, with a cache or ``use_cache=True``, or not
+        covering the row; RuntimeError: a forced backend that cannot run on the device.
+    """
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(
+            f"unknown linear-attention backend {backend!r}; expected 'auto' or one of {BACKENDS}"
+        )
+    layers = [m for m in model.modules() if _is_gdn(m)]
+    for m in layers:
+        _check_structure(m)
+    if not layers:
+        return 0
+    layer_ids = {id(m) for m in layers}
+    # the text models: modules owning a `layers` list that holds the linear layers
+    owners = []
+    for m in model.modules():
+        sub = getattr(m, "layers", None)
+        if isinstance(sub, torch.nn.ModuleList) and any(
+            id(x) in layer_ids for layer in sub for x in layer.modules()
+        ):
+            owners.append(m)
+    for owner in owners:
+        ctx: _Context | None = getattr(owner, "_varpack_gdn_ctx", None)
+        if ctx is None:
+            ctx = _Context(backend=backend)
+            ctx.hooks.append(
+                owner.register_forward_pre_hook(
+                    lambda mod, a, kw, _c=ctx: _pre_hook(_c, mod, a, kw), with_kwargs=True
+                )
+            )
+            ctx.hooks.append(
+                owner.register_forward_hook(
+                    lambda mod, a, kw, out, _c=ctx: _post_hook(_c, mod, a, kw, out),
+                    with_kwargs=True,
+                    always_call=True,
+                )
+            )
+            owner._varpack_gdn_ctx = ctx
+        ctx.backend = backend
+        for x in owner.modules():
+            if id(x) in layer_ids:
+                x._varpack_gdn_ctx = ctx
+    for m in layers:
+        if "_varpack_gdn_original_forward" not in m.__dict__:
+            m._varpack_gdn_original_forward = m.forward
+            m.forward = types.MethodType(_patched_forward, m)
+        m._varpack_gdn_backend = backend
+    return len(layers)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tiny random models (offline)
+# ---------------------------------------------------------------------------------------------------------
+TINY_MODELS = ("tiny-qwen3.5", "tiny-qwen3-next")
+
+
+def tiny_model(
+    name: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    **kw: Any,
+) -> torch.nn.Module:
+    """A tiny random-init ``Qwen3_5ForCausalLM`` or ``Qwen3NextForCausalLM`` (built offline, no hub).
+
+    Both mix linear-attention (Gated DeltaNet, grouped value heads: 2 key heads, 4 value heads, conv
+    kernel 4) and full-attention layers: ``layer_types = [linear, full, linear, linear]``; Qwen3-Next
+    also has a small mixture of experts (4 experts, top 2, shared expert). ``use_cache=False``.
+
+    Args:
+        name: ``"tiny-qwen3.5"`` or ``"tiny-qwen3-next"``.
+        dtype: parameter dtype.
+        seed: ``torch.manual_seed`` for the initialisation.
+        vocab_size: vocabulary size (default 512); pass the tokenizer's size to train on real text.
+        **kw: overrides of config fields (e.g. ``num_hidden_layers=6, layer_types=[...]``).
+
+    Returns:
+        The model in eval mode, on the CPU.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size or 512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=4096,
+        use_cache=False,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    if name == "tiny-qwen3.5":
+        common["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        }
+        common.update(kw)
+        config, cls = Qwen3_5TextConfig(**common), Qwen3_5ForCausalLM
+    elif name == "tiny-qwen3-next":
+        common.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        common.update(kw)
+        config, cls = Qwen3NextConfig(**common), Qwen3NextForCausalLM
+    else:
+        raise ValueError(f"unknown tiny linear-attention model {name!r}; expected one of {TINY_MODELS}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    return model.to(dtype).eval()

@@ -1,0 +1,224 @@
+"""Short causal depthwise convolution with sequence boundaries (the conv in front of Gated DeltaNet / Mamba).
+
+Qwen3.5 and Qwen3-Next run ``q, k, v`` through a 4-tap causal depthwise ``Conv1d`` (+ SiLU) before the
+gated delta rule. On a packed row, the first ``W - 1`` tokens of a sample would read the previous
+sample's last tokens; here every tap that would cross a boundary reads zero instead, exactly what the
+sample sees alone (left zero padding, transformers' ``causal_conv1d_fn`` / ``nn.Conv1d(padding=W-1)``,
+Dao-AILab ``causal-conv1d`` with ``seq_idx``, fla ``causal_conv1d`` with ``cu_seqlens``)::
+
+    out[t] = act(bias + sum_{d=0}^{W-1} weight[:, W-1-d] * x[t-d] * [t-d in the same sample as t])
+
+Vectorized: ``W`` shifted multiply-adds over the whole row, boundary masks from ``seq_idx`` (device
+compare, no host sync) or from CPU ``cu_seqlens``; fp32 accumulation; autograd backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["resolve_conv_backend", "seq_idx_for_conv", "short_conv", "short_conv_reference"]
+
+CONV_BACKENDS = ("torch", "fla")
+
+
+def resolve_conv_backend(backend: str, device: torch.device | str, *, needs_grad: bool = True) -> str:
+    """``"torch"`` or ``"fla"``: ``auto`` picks fla's Triton ``causal_conv1d`` on CUDA when its probe passed
+    (forward, and backward when ``needs_grad``), else the PyTorch path.
+
+    Raises:
+        ValueError: an unknown backend name.
+        RuntimeError: ``"fla"`` forced where it cannot run, with the reason.
+    """
+    from ._fla import fla_status
+
+    if backend != "auto" and backend not in CONV_BACKENDS:
+        raise ValueError(f"unknown short conv backend {backend!r}; expected 'auto' or one of {CONV_BACKENDS}")
+    device = torch.device(device)
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return "torch"
+    st = fla_status(device)
+    ok, reason = st.conv_forward
+    if ok and needs_grad:
+        ok, reason = st.conv_backward
+    if ok:
+        return "fla"
+    if backend == "auto":
+        return "torch"
+    raise RuntimeError(f"short conv backend 'fla' cannot run on {device}: {reason}")
+
+
+def _activation(activation: str | Callable | None) -> Callable | None:
+    if activation is None or callable(activation):
+        return activation
+    if activation in ("silu", "swish"):
+        return F.silu
+    raise ValueError(f"activation must be None, 'silu'/'swish' or a callable, got {activation!r}")
+
+
+def _weight_2d(weight: torch.Tensor, D: int) -> torch.Tensor:
+    if weight.dim() == 3 and weight.shape[1] == 1:  # nn.Conv1d depthwise weight [D, 1, W]
+        weight = weight[:, 0]
+    if weight.dim() != 2 or weight.shape[0] != D:
+        raise ValueError(
+            f"weight must be [D={D}, W] (or a depthwise Conv1d weight [D, 1, W]), got {tuple(weight.shape)}"
+        )
+    return weight
+
+
+def seq_idx_for_conv(cu_seqlens: torch.Tensor | np.ndarray | list[int], device=None) -> torch.Tensor:
+    """``[1, T]`` int32 sample index of every token from CPU ``cu_seqlens`` ``[N+1]`` (one host->device copy).
+
+    Raises:
+        ValueError: ``cu_seqlens`` not 1-D, not starting at 0, or decreasing.
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    else:
+        cu = np.asarray(cu_seqlens, dtype=np.int64)
+    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0:
+        raise ValueError(
+            f"cu_seqlens must be 1-D [N+1] starting at 0, got {cu[:8].tolist()} (shape {cu.shape})"
+        )
+    lengths = np.diff(cu)
+    if (lengths < 0).any():
+        raise ValueError(f"cu_seqlens must not decrease, got {cu[:16].tolist()}")
+    seq_idx = torch.from_numpy(np.repeat(np.arange(lengths.size, dtype=np.int32), lengths))[None]
+    return seq_idx if device is None else seq_idx.to(device, non_blocking=True)
+
+
+def short_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | Callable | None = "silu",
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    backend: str = "torch",
+    cu_seqlens_cpu: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise convolution that never reads across a sample boundary.
+
+    Args:
+        x: ``[B, T, D]`` input (channels last, as fla's ``causal_conv1d``).
+        weight: ``[D, W]`` taps (or the depthwise ``nn.Conv1d`` weight ``[D, 1, W]``); ``weight[:, W-1]``
+            multiplies the current token.
+        bias: ``[D]`` or ``None``.
+        activation: ``None``, ``"silu"`` / ``"swish"`` or a callable, applied after the bias.
+        cu_seqlens: ``[N+1]`` boundaries of the samples packed along ``T`` (needs ``B == 1``); a CPU tensor
+            is turned into ``seq_idx`` here (one host->device copy). Zero-length samples allowed.
+        seq_idx: ``[B, T]`` or ``[T]`` integer sample index of every token (e.g. the collator's ``seq_idx``),
+            any device, no host sync; a new sample starts wherever the index changes. Wins over
+            ``cu_seqlens`` when both are given.
+            With neither, each batch row is one sample.
+        backend: ``"torch"`` (default, this vectorized PyTorch path), ``"fla"`` (fla's Triton
+            ``causal_conv1d`` with ``cu_seqlens``; needs ``cu_seqlens``) or ``"auto"``
+            (:func:`resolve_conv_backend`).
+        cu_seqlens_cpu: CPU copy of a device ``cu_seqlens`` (fla backend; avoids a sync).
+
+    Returns:
+        ``[B, T, D]`` in ``x.dtype`` (computed in fp32, fp64 for fp64 inputs).
+
+    Raises:
+        ValueError: wrong shapes, ``B > 1`` with ``cu_seqlens``, ``cu_seqlens`` that does not cover ``T``
+            tokens, an unknown activation or backend, ``backend="fla"`` with only ``seq_idx``.
+        TypeError: non-integer ``seq_idx``.
+        RuntimeError: ``backend="fla"`` where fla cannot run (the reason is given).
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, D], got shape {tuple(x.shape)}")
+    B, T, D = x.shape
+    weight = _weight_2d(weight, D)
+    W = weight.shape[1]
+    act = _activation(activation)
+    if backend != "torch":
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        name = resolve_conv_backend(backend, x.device, needs_grad=needs_grad)
+        if name == "fla" and seq_idx is not None and cu_seqlens is None:
+            if backend == "fla":
+                raise ValueError("the fla short conv backend needs cu_seqlens (it does not read seq_idx)")
+            name = "torch"
+        if name == "fla":
+            if activation not in (None, "silu", "swish"):
+                raise ValueError(
+                    f"the fla short conv backend supports activation None/'silu'/'swish', got {activation!r}"
+                )
+            if cu_seqlens is not None and B != 1:
+                raise ValueError(f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={B}")
+            from ._fla import fla_causal_conv1d
+
+            if cu_seqlens_cpu is None and cu_seqlens is not None and cu_seqlens.device.type == "cpu":
+                cu_seqlens_cpu = cu_seqlens
+            return fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu)
+    if seq_idx is None and cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={B}")
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device.type == "cpu" and int(cu_seqlens[-1]) != T:
+            raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} but x has T={T} tokens")
+        seq_idx = seq_idx_for_conv(cu_seqlens, device=x.device)
+    if seq_idx is not None:
+        if seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
+            raise TypeError(f"seq_idx must be an integer tensor, got dtype {seq_idx.dtype}")
+        if seq_idx.dim() == 1:
+            seq_idx = seq_idx[None]
+        if seq_idx.shape[-1] != T or seq_idx.shape[0] not in (1, B):
+            raise ValueError(f"seq_idx must be [B={B}, T={T}] or [T], got shape {tuple(seq_idx.shape)}")
+        seq_idx = seq_idx.to(x.device)
+
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    w = weight.to(acc)
+    out = xf * w[:, W - 1]
+    for d in range(1, min(W, T)):
+        shifted = F.pad(xf[:, : T - d], (0, 0, d, 0))  # x[t - d], zero for t < d
+        if seq_idx is not None:
+            same = F.pad(seq_idx[:, d:] == seq_idx[:, : T - d], (d, 0), value=False)  # [B|1, T]
+            shifted = shifted * same.unsqueeze(-1).to(acc)
+        out = out + shifted * w[:, W - 1 - d]
+    if bias is not None:
+        out = out + bias.to(acc)
+    if act is not None:
+        out = act(out)
+    return out.to(x.dtype)
+
+
+def short_conv_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | Callable | None = "silu",
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-sample reference: ``F.conv1d`` (left zero padding ``W - 1``) on each ``cu_seqlens`` slice alone.
+
+    ``x`` ``[1, T, D]`` (or ``[B, T, D]`` without ``cu_seqlens``); a Python loop over samples (tests only).
+    """
+    B, T, D = x.shape
+    weight = _weight_2d(weight, D)
+    W = weight.shape[1]
+    act = _activation(activation)
+    if cu_seqlens is None:
+        spans = [(b, 0, T) for b in range(B)]
+    else:
+        cu = cu_seqlens.tolist()
+        spans = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    pieces = []
+    for b, start, stop in spans:
+        if stop == start:
+            continue
+        xs = x[b : b + 1, start:stop].to(acc).transpose(1, 2)  # [1, D, L]
+        y = F.conv1d(
+            xs, weight.to(acc).unsqueeze(1), None if bias is None else bias.to(acc), padding=W - 1, groups=D
+        )
+        y = y[:, :, : stop - start].transpose(1, 2)
+        pieces.append(act(y) if act is not None else y)
+    out = torch.cat(pieces, dim=1) if pieces else x.new_zeros(1, 0, D, dtype=acc)
+    return out.reshape(B, T, D).to(x.dtype)
