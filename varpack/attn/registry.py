@@ -44,9 +44,10 @@ BACKENDS: dict[str, Backend] = {
 #: shared/ASSETS.md 2026-11-29): lognormal(6.5, 1) lengths: torch varlen_attn 284/243, flex 303/283,
 #: flash-attn-4 540/458; GQA H=32 Hkv=8: 293/249, 310/293, 550/451. FA3 and FA2 are not installed there;
 #: they are placed by their published figures (FA3 > FA2 on Hopper; FA2 >= flex).
-#: CPU: ``reference`` only. FlexAttention runs eagerly on the CPU and is exact, but it materializes the
-#: [H, Tq, Tk] score matrix of the whole stream (masked), so its memory grows with T^2 where the reference
-#: grows with the longest segment; it stays available by name (``backend="flex"``).
+#: CPU: ``reference`` only. Checked with torch 2.13: FlexAttention runs eagerly on the CPU and matches the
+#: reference in the forward (tests/test_attn.py), but torch refuses its backward on the CPU and it
+#: materializes the [H, Tq, Tk] score matrix of the whole stream (memory ~ T^2, where the reference grows with
+#: the longest segment); it stays available by name (``backend="flex"``) for CPU inference.
 AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("flash_attn_4", "flash_attn_3", "flash_attn", "flex", "torch_varlen", "reference"),
     "cpu": ("reference",),
