@@ -205,9 +205,7 @@ def token_loss_weights(
         raise ValueError(
             f"seq_idx values must lie in [0, T={num_slots}), got min {int(seg.min())} max {int(seg.max())}"
         )
-    counts = torch.zeros(num_slots, device=device, dtype=dtype).index_add_(
-        0, seg, valid.to(dtype)
-    )
+    counts = torch.zeros(num_slots, device=device, dtype=dtype).index_add_(0, seg, valid.to(dtype))
     per_token_count = counts[seg].clamp(min=1.0)
     if num_items_in_batch is None:
         n_samples = (counts > 0).sum().to(dtype).clamp(min=1.0)

@@ -1,0 +1,499 @@
+"""Varlen attention bake-off (issue 6 item 1): every varpack backend vs padded SDPA vs dense causal SDPA.
+
+For each length mix and head configuration, T packed tokens (default 65,536) are split into samples whose
+lengths sum to exactly T; q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (bf16, D = 128, causal). Measured:
+
+* every backend that ``varpack.attn.available_backends(device, dtype)`` reports usable
+  (``varlen_attention(..., backend=name)``), plus ``auto`` (what it resolves to is printed);
+* ``padded_sdpa``: what a user without packing runs -- samples in data order, batches of ``--pad-batch``
+  samples, each padded on the right to its longest sample, ``F.scaled_dot_product_attention(is_causal=True)``
+  (right padding + causal: real tokens never see pads, so no mask is needed; pads' outputs are discarded);
+* ``dense_cudnn``: one causal sequence of the same T with SDPA's cuDNN backend (flash if cuDNN cannot run):
+  the hardware reference for the same amount of useful work per token.
+
+Useful FLOPs (FlashAttention's convention): causal forward = ``2 * sum_i L_i^2 * H * D`` (QK^T and PV,
+``2 * 2 * L^2 * H * D``, halved by the causal mask); backward = 2.5 x forward; fwd+bwd = 3.5 x forward. The
+dense reference counts ``2 * T^2 * H * D``. TFLOP/s = useful FLOPs / median time (CUDA events, after
+warm-up; FlashAttention-4 compiles ~3 s per shape class on its first call, which warm-up absorbs).
+
+Before timing, every backend's forward output is compared with the ``reference`` backend (per-sample SDPA)
+on the same inputs: ``max|d|`` in the table; a backend that mixes samples shows up there.
+
+Length mixes:
+    lognormal: real lengths of ../shared/data (``--lengths-file``: a samples ``.npz`` from
+        ``benchmarks/_common.py encode``, H2's ``_lengths`` cache ``.npz``, a ``.npy`` or a text file of ints),
+        drawn with replacement; without a file, a lognormal(``--mu``, ``--sigma``) whose defaults are the fit of
+        the Qwen3-encoded ../shared/data lengths (``python -m benchmarks._common fit``), clipped to [16, 8192].
+    uniform512, uniform2048: every sample exactly 512 / 2048 tokens.
+    short: lengths uniform in [16, 128] (many short samples: memory / launch bound).
+
+Run (GPU)::
+
+    python benchmarks/attention.py --out runs/attention.json [--lengths-file .gpu/samples.npz]
+    python benchmarks/attention.py --device cpu --small      # smoke test, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (  # noqa: E402
+    fit_lognormal,
+    length_stats,
+    machine_info,
+    markdown_table,
+    sync,
+    time_fn,
+    write_json,
+)
+from varpack.attn import available_backends, resolve_backend, varlen_attention  # noqa: E402
+
+#: Lognormal fit (MLE: mean / std of log length) of the 20,377 conversations of ../shared/data encoded with
+#: the embedded Qwen3 tokenizer and chat template (``python -m benchmarks._common fit .gpu/samples.npz``,
+#: 2026-11-29): mu 5.05, sigma 0.72; real lengths p50 151, p90 373, p99 1117, max 2916, mean 208 tokens.
+DEFAULT_MU = 5.05
+DEFAULT_SIGMA = 0.72
+
+MIXES = ("lognormal", "uniform512", "uniform2048", "short")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# lengths
+# ----------------------------------------------------------------------------------------------------------
+
+
+def read_lengths_file(path: str | Path) -> np.ndarray:
+    """Token lengths from a samples ``.npz`` (``offsets``), any ``.npz`` of int arrays (concatenated), a
+    ``.npy``, or a text file with one int per line.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: no lengths, or a length < 1.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"lengths file {p} does not exist")
+    if p.suffix == ".npz":
+        with np.load(p, allow_pickle=False) as z:
+            if "offsets" in z.files:
+                lengths = np.diff(z["offsets"])
+            else:
+                lengths = np.concatenate(
+                    [z[k].ravel() for k in z.files if np.issubdtype(z[k].dtype, np.integer)]
+                )
+    elif p.suffix == ".npy":
+        lengths = np.load(p, allow_pickle=False).ravel()
+    else:
+        lengths = np.asarray([int(x) for x in p.read_text().split()], dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0 or (lengths < 1).any():
+        raise ValueError(
+            f"{p}: need >= 1 lengths, all >= 1 (got {lengths.size}, min {lengths.min(initial=0)})"
+        )
+    return lengths
+
+
+def fill_to(total: int, draw, rng: np.random.Generator) -> list[int]:
+    """Draw lengths until they cover ``total`` tokens; the last one is cut so the sum is exactly ``total``."""
+    out: list[int] = []
+    remaining = total
+    while remaining > 0:
+        length = min(int(draw(rng)), remaining)
+        out.append(max(1, length))
+        remaining -= out[-1]
+    return out
+
+
+def mix_lengths(
+    mix: str,
+    total: int,
+    *,
+    real: np.ndarray | None,
+    mu: float,
+    sigma: float,
+    max_len: int,
+    seed: int = 0,
+) -> list[int]:
+    """Sample lengths of one mix, summing to exactly ``total``.
+
+    Raises:
+        ValueError: unknown mix.
+    """
+    rng = np.random.default_rng(seed)
+    if mix == "lognormal":
+        if real is not None:
+            pool = np.clip(real, 1, max_len)
+            return fill_to(total, lambda r: pool[r.integers(len(pool))], rng)
+        return fill_to(total, lambda r: np.clip(round(r.lognormal(mu, sigma)), 16, max_len), rng)
+    if mix.startswith("uniform"):
+        n = int(mix[len("uniform") :])
+        return fill_to(total, lambda r: n, rng)
+    if mix == "short":
+        return fill_to(total, lambda r: r.integers(16, 129), rng)
+    raise ValueError(f"unknown length mix {mix!r}; choose from {MIXES}")
+
+
+def causal_fwd_flops(lengths: list[int], heads: int, head_dim: int) -> float:
+    return 2.0 * float(sum(int(n) ** 2 for n in lengths)) * heads * head_dim
+
+
+# ----------------------------------------------------------------------------------------------------------
+# runners
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _inputs(total: int, heads: int, kv_heads: int, head_dim: int, device, dtype, seed: int):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(total, heads, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(total, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(total, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    return q, k, v
+
+
+class Runner:
+    """``fwd()`` (no grad), ``fwd_bwd()`` (forward + backward of a fixed upstream gradient), ``output()``
+    (the ``[T, H, D]`` forward output, for the correctness check). Inputs are prepared outside the timing."""
+
+    def __init__(self, fwd, fwd_bwd, output) -> None:
+        self.fwd, self.fwd_bwd, self.output = fwd, fwd_bwd, output
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone().requires_grad_()
+
+
+def varlen_runner(backend: str, q, k, v, cu: torch.Tensor, max_len: int) -> Runner:
+    def call(q_, k_, v_):
+        return varlen_attention(q_, k_, v_, cu, cu, max_len, max_len, causal=True, backend=backend)
+
+    qg, kg, vg = _leaf(q), _leaf(k), _leaf(v)
+    dout = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            return call(q, k, v)
+
+    def fwd_bwd():
+        call(qg, kg, vg).backward(dout)
+        qg.grad = kg.grad = vg.grad = None
+
+    return Runner(fwd, fwd_bwd, fwd)
+
+
+def padded_runner(q, k, v, lengths: list[int], batch: int) -> Runner:
+    """Right-padded batches of ``batch`` samples in data order (padding done here, outside the timing),
+    ``F.scaled_dot_product_attention(is_causal=True)`` per batch: with right padding and a causal mask real
+    tokens never attend to pads, so no padding mask is needed (SDPA keeps its flash path)."""
+    starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    groups = [list(range(i, min(i + batch, len(lengths)))) for i in range(0, len(lengths), batch)]
+    gqa = q.shape[1] != k.shape[1]
+
+    def pad(x, grp):
+        longest = max(lengths[i] for i in grp)
+        parts = [F.pad(x[starts[i] : starts[i + 1]], (0, 0, 0, 0, 0, longest - lengths[i])) for i in grp]
+        return torch.stack(parts).transpose(1, 2).contiguous()  # [B, H, L, D]
+
+    batches = [(pad(q, g), pad(k, g), pad(v, g)) for g in groups]
+    leaves = [tuple(_leaf(t) for t in b) for b in batches]
+    douts = [torch.randn_like(b[0]) for b in batches]
+
+    def sdpa(qb, kb, vb):
+        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa)
+
+    def fwd():
+        with torch.no_grad():
+            return [sdpa(*b) for b in batches]
+
+    def fwd_bwd():
+        for b, d in zip(leaves, douts):
+            sdpa(*b).backward(d)
+            for t in b:
+                t.grad = None
+
+    def output():
+        outs = []
+        for grp, o in zip(groups, fwd()):
+            o = o.transpose(1, 2)
+            outs.extend(o[j, : lengths[i]] for j, i in enumerate(grp))
+        return torch.cat(outs)
+
+    return Runner(fwd, fwd_bwd, output)
+
+
+def dense_runner(q, k, v, device) -> tuple[Runner, str]:
+    """One causal sequence ``[1, H, T, D]`` (k/v expanded to H heads beforehand for GQA); SDPA's cuDNN backend
+    on CUDA (flash when cuDNN cannot run), plain SDPA on the CPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    qd, kd, vd = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
+    leaves = (_leaf(qd), _leaf(kd), _leaf(vd))
+    dout = torch.randn_like(qd)
+    choice: list[Any] = []
+    if torch.device(device).type == "cuda":
+        for name, b in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel([b]):
+                    out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+                    out.backward(dout)
+                choice = [name, [b]]
+                break
+            except RuntimeError:
+                continue
+        if not choice:
+            raise RuntimeError("neither cuDNN nor flash SDPA runs a dense causal sequence here")
+    else:
+        choice = ["math/cpu", None]
+
+    def sdpa(*t):
+        if choice[1] is None:
+            return F.scaled_dot_product_attention(*t, is_causal=True)
+        with sdpa_kernel(choice[1]):
+            return F.scaled_dot_product_attention(*t, is_causal=True)
+
+    def fwd():
+        with torch.no_grad():
+            return sdpa(qd, kd, vd)
+
+    def fwd_bwd():
+        sdpa(*leaves).backward(dout)
+        for t in leaves:
+            t.grad = None
+
+    return Runner(fwd, fwd_bwd, fwd), choice[0]
+
+
+def run_case(
+    mix: str,
+    lengths: list[int],
+    heads: int,
+    kv_heads: int,
+    args: argparse.Namespace,
+    backends: list[str],
+) -> list[dict[str, Any]]:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    total = sum(lengths)
+    q, k, v = _inputs(total, heads, kv_heads, args.head_dim, device, dtype, args.seed)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+    max_len = max(lengths)
+    flops = causal_fwd_flops(lengths, heads, args.head_dim)
+    truth = None
+    if not args.no_check:
+        with torch.no_grad():
+            truth = varlen_runner("reference", q, k, v, cu, max_len).output().float()
+    rows: list[dict[str, Any]] = []
+    base = {"mix": mix, "H": heads, "Hkv": kv_heads, "D": args.head_dim, "T": total, "N": len(lengths)}
+
+    def record(name: str, make, useful_flops: float, note: str = "", check: bool = True) -> None:
+        row = dict(base, impl=name, note=note)
+        try:
+            runner = make()
+            if isinstance(runner, tuple):
+                runner, which = runner
+                row["note"] = f"SDPA {which}, one sequence of {total}"
+            row["fwd_ms"] = time_fn(runner.fwd, device, warmup=args.warmup, iters=args.iters)["ms"]
+            if not args.fwd_only:
+                row["fwd_bwd_ms"] = time_fn(runner.fwd_bwd, device, warmup=args.warmup, iters=args.iters)[
+                    "ms"
+                ]
+            if truth is not None and check:
+                with torch.no_grad():
+                    row["max_abs_diff"] = float((runner.output().float() - truth).abs().max())
+        except Exception as exc:  # a backend that cannot run this case: recorded, never fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if "fwd_ms" in row:
+            row["fwd_tflops"] = useful_flops / row["fwd_ms"] / 1e9
+        if "fwd_bwd_ms" in row:
+            row["fwd_bwd_tflops"] = 3.5 * useful_flops / row["fwd_bwd_ms"] / 1e9
+        rows.append(row)
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    for name in backends:
+        note = ""
+        if name == "auto":
+            picked = resolve_backend("auto", q.detach().requires_grad_(), k, v, cu_seqlens_q=cu.cpu())
+            note = f"-> {picked}"
+        record(name, lambda name=name: varlen_runner(name, q, k, v, cu, max_len), flops, note)
+    record(
+        "padded_sdpa",
+        lambda: padded_runner(q, k, v, lengths, args.pad_batch),
+        flops,
+        f"batches of {args.pad_batch}",
+    )
+    if not args.no_dense:
+        record(
+            "dense_cudnn",
+            lambda: dense_runner(q, k, v, device),
+            causal_fwd_flops([total], heads, args.head_dim),
+            check=False,
+        )
+    return rows
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Per case: TFLOP/s ratio vs torch_varlen and vs dense (fwd and fwd+bwd)."""
+    cases: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        cases.setdefault((r["mix"], r["H"], r["Hkv"]), []).append(r)
+    for group in cases.values():
+        ref = {r["impl"]: r for r in group}
+        for r in group:
+            for key in ("fwd_tflops", "fwd_bwd_tflops"):
+                for base in ("torch_varlen", "dense_cudnn"):
+                    b = ref.get(base, {}).get(key)
+                    if b and r.get(key):
+                        r[f"{key}_vs_{base}"] = r[key] / b
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    headers = [
+        "mix",
+        "H/Hkv",
+        "N",
+        "impl",
+        "fwd ms",
+        "fwd TFLOP/s",
+        "fwd+bwd ms",
+        "fwd+bwd TFLOP/s",
+        "fwd+bwd vs torch_varlen",
+        "fwd+bwd vs dense",
+        "fwd vs dense",
+        "max|d|",
+        "note",
+    ]
+    nan = float("nan")
+    out = []
+    for r in rows:
+        out.append(
+            [
+                r["mix"],
+                f"{r['H']}/{r['Hkv']}",
+                r["N"],
+                r["impl"],
+                r.get("fwd_ms", nan),
+                r.get("fwd_tflops", nan),
+                r.get("fwd_bwd_ms", nan),
+                r.get("fwd_bwd_tflops", nan),
+                r.get("fwd_bwd_tflops_vs_torch_varlen", nan),
+                r.get("fwd_bwd_tflops_vs_dense_cudnn", nan),
+                r.get("fwd_tflops_vs_dense_cudnn", nan),
+                f"{r['max_abs_diff']:.1e}" if "max_abs_diff" in r else "-",
+                r.get("error", r.get("note", "")),
+            ]
+        )
+    return markdown_table(headers, out)
+
+
+def parse_heads(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        h, _, kv = part.partition("/")
+        heads, kv_heads = int(h), int(kv or h)
+        if heads % kv_heads:
+            raise ValueError(f"--heads {part}: H={heads} is not a multiple of Hkv={kv_heads}")
+        out.append((heads, kv_heads))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="bfloat16 (cuda default) / float32 (cpu default)")
+    p.add_argument("--tokens", type=int, default=65536, help="T, packed tokens per call")
+    p.add_argument("--mixes", default=",".join(MIXES))
+    p.add_argument("--heads", default="16/4,16/8,32/4,32/8", help="comma-separated H/Hkv pairs")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument(
+        "--backends", default=None, help="comma-separated varpack backends (default: all usable + auto)"
+    )
+    p.add_argument("--include-reference", action="store_true", help="also time the per-sample reference loop")
+    p.add_argument("--lengths-file", default=None, help="real lengths for the lognormal mix (see module doc)")
+    p.add_argument("--mu", type=float, default=DEFAULT_MU)
+    p.add_argument("--sigma", type=float, default=DEFAULT_SIGMA)
+    p.add_argument("--max-len", type=int, default=8192, help="longest sample of the lognormal mix")
+    p.add_argument("--pad-batch", type=int, default=8, help="samples per padded SDPA batch")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--fwd-only", action="store_true")
+    p.add_argument("--no-dense", action="store_true")
+    p.add_argument("--no-check", action="store_true", help="skip the comparison with the reference backend")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--small", action="store_true", help="smoke mode: T=512, H=4/2, D=32, 1 iteration")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available; use --device cpu --small for a smoke run")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if args.small:
+        args.tokens, args.head_dim, args.heads = 512, 32, "4/2"
+        args.max_len = min(args.max_len, 256)
+        args.warmup, args.iters = 1, 1
+    mixes = [m for m in args.mixes.split(",") if m]
+    if args.small:
+        mixes = [m if not m.startswith("uniform") else f"uniform{int(m[7:]) // 8}" for m in mixes]
+    real = read_lengths_file(args.lengths_file) if args.lengths_file else None
+    dtype = getattr(torch, args.dtype)
+    avail = available_backends(device, dtype)
+    if args.backends:
+        backends = args.backends.split(",")
+    else:
+        backends = [n for n, (ok, _) in avail.items() if ok and (n != "reference" or args.include_reference)]
+        backends.append("auto")
+    if device.type == "cpu" and not args.include_reference and "reference" not in backends:
+        backends.insert(0, "reference")  # the only CPU backend of auto; keep the table meaningful
+
+    print(f"# varlen attention, {args.device} {args.dtype}, T={args.tokens}, D={args.head_dim}, causal")
+    for name, (ok, reason) in avail.items():
+        print(f"- {name}: {'ok' if ok else 'unavailable'} ({reason})")
+    if real is not None:
+        mu, sigma = fit_lognormal(real)
+        print(
+            f"- lognormal mix: {real.size} real lengths from {args.lengths_file} (fit mu={mu:.2f} sigma={sigma:.2f})"
+        )
+    else:
+        print(f"- lognormal mix: lognormal(mu={args.mu}, sigma={args.sigma}) clipped to [16, {args.max_len}]")
+
+    rows: list[dict[str, Any]] = []
+    mix_info = {}
+    for mix in mixes:
+        lengths = mix_lengths(
+            mix, args.tokens, real=real, mu=args.mu, sigma=args.sigma, max_len=args.max_len, seed=args.seed
+        )
+        mix_info[mix] = length_stats(lengths)
+        for heads, kv_heads in parse_heads(args.heads):
+            rows.extend(run_case(mix, lengths, heads, kv_heads, args, backends))
+            print(f"  done {mix} H={heads} Hkv={kv_heads}", file=sys.stderr, flush=True)
+    add_ratios(rows)
+    print()
+    print(table(rows))
+    print()
+    print(
+        "Useful FLOPs: causal fwd = 2*sum(L_i^2)*H*D, bwd = 2.5x fwd; dense = 2*T^2*H*D. Ratios are of TFLOP/s."
+    )
+    for mix, st in mix_info.items():
+        print(f"- {mix}: {st}")
+    write_json(
+        args.out,
+        {"machine": machine_info(device), "args": vars(args), "mixes": mix_info, "rows": rows},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
