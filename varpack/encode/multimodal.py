@@ -39,6 +39,7 @@ __all__ = [
     "encode_any",
     "encode_mm_chat",
     "encode_mm_dataset",
+    "has_mm_chats",
     "image_spans",
     "is_mm_chat",
     "legal_cut",
@@ -118,6 +119,23 @@ def is_mm_chat(row_or_messages: Any) -> bool:
                 ):
                     return True
     return False
+
+
+def has_mm_chats(data: Any) -> bool:
+    """True if ``data`` (JSON / JSONL path(s), or rows) holds at least one image/video chat.
+
+    Paths with other suffixes (parquet, dataset folders, ...) return False without being read, so a CLI can
+    call this first and keep its text loader for everything else.
+
+    Raises:
+        ValueError: a ``.json`` / ``.jsonl`` file that does not parse (file and line named).
+    """
+    if isinstance(data, (str, os.PathLike)):
+        data = [data]
+    if isinstance(data, (list, tuple)) and data and all(isinstance(d, (str, os.PathLike)) for d in data):
+        paths = [p for p in data if Path(p).suffix in (".json", ".jsonl") and Path(p).is_file()]
+        return bool(paths) and any(is_mm_chat(row) for row, _ in load_mm_rows(paths))
+    return any(is_mm_chat(row) for row in data)
 
 
 def _flatten_messages(messages: Any, sample_id: Any) -> tuple[list[dict], list[tuple[str, Any, str]]]:
