@@ -3,9 +3,10 @@
 Supervision (which tokens get a label): every assistant turn of a conversation, all of them in a
 multi-turn chat, and nothing else. For a turn, the supervised tokens are the assistant's content and the
 template's end-of-turn token that follows it (ChatML: ``content<|im_end|>``; not the ``<|im_start|>
-assistant\\n`` header and not the ``\\n`` after ``<|im_end|>``). This is what a chat template's
-``{% generation %}`` block marks (transformers ``return_assistant_tokens_mask``, TRL
-``assistant_only_loss``) and what ms-swift / LLaMA-Factory supervise for ChatML (response + ``<|im_end|>``).
+assistant\\n`` header and not the ``\\n`` after ``<|im_end|>``). This is the span a chat template's
+``{% generation %}`` block marks in transformers' ``return_assistant_tokens_mask`` (which TRL's
+``assistant_only_loss`` uses). LLaMA-Factory's ChatML templates also supervise the ``\\n`` after
+``<|im_end|>``; varpack does not: generation stops at the end-of-turn token, the newline is layout.
 ``labels`` are aligned with ``input_ids`` (the model shifts them): ``labels[t] == input_ids[t]`` on
 supervised tokens, ``-100`` elsewhere, and ``labels[0] == -100`` always, so a sample never predicts its
 first token from the previous sample of a pack.
@@ -268,8 +269,9 @@ def encode_chat(
 
         <|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n|Hello|!|<|im_end|>|\\n
 
-    Source: assistant-only loss as in TRL (``assistant_only_loss``, generation markers), ms-swift and
-    LLaMA-Factory (response + end-of-turn token).
+    Source: assistant-only loss as in transformers' ``return_assistant_tokens_mask`` / TRL's
+    ``assistant_only_loss`` (``{% generation %}`` spans); the prefix method is the render-and-diff
+    approach of template-agnostic SFT encoders (e.g. LLaMA-Factory encodes prompt/response pairs).
     """
     return _encode_many([messages], tokenizer, [sample_id])[0]
 
