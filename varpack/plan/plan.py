@@ -32,7 +32,7 @@ def lengths_fingerprint(lengths: Any, packing_length: int, strategy: str, overfl
     """SHA-256 (hex) of the lengths and the planning settings that decide the packs.
 
     Args:
-        lengths: ``[N]`` integer sample lengths (tokens); hashed as little-endian int64.
+        lengths: ``[N]`` integer sample lengths (tokens); the values are hashed, whatever their dtype.
         packing_length: tokens per pack.
         strategy: ``"bfd"`` or ``"sequential"``.
         overflow: the overflow policy.
@@ -40,13 +40,19 @@ def lengths_fingerprint(lengths: Any, packing_length: int, strategy: str, overfl
     Returns:
         64 hex characters. The seed is not part of it: it only changes ``pack_order``, not the packs.
     """
-    arr = np.ascontiguousarray(np.asarray(lengths), dtype="<i8")
+    arr = np.asarray(lengths)
+    if arr.size == 0:
+        arr = np.zeros(0, np.int64)
+    # hash the values, not the dtype: the narrowest of uint16 / uint32 / int64 that holds them all
+    lo, hi = (int(arr.min()), int(arr.max())) if arr.size else (0, 0)
+    dtype = "<u2" if 0 <= lo and hi < 2**16 else "<u4" if 0 <= lo and hi < 2**32 else "<i8"
+    data = np.ascontiguousarray(arr, dtype=dtype)
     h = hashlib.sha256()
     h.update(
         f"{_FORMAT}|packing_length={int(packing_length)}|strategy={strategy}|overflow={overflow}|".encode()
     )
-    h.update(f"n={arr.shape[0]}|".encode())
-    h.update(arr.tobytes())
+    h.update(f"n={data.shape[0]}|dtype={dtype}|".encode())
+    h.update(memoryview(data).cast("B"))
     return h.hexdigest()
 
 
@@ -401,43 +407,47 @@ def plan_packs(
     arr = _as_lengths(lengths)
     n = int(arr.shape[0])
     fingerprint = lengths_fingerprint(arr, L, strategy, overflow)
-
-    empty_ids = np.flatnonzero(arr == 0)
-    over_ids = np.flatnonzero(arr > L)
-    if over_ids.size and overflow == "error":
-        raise ValueError(
-            f"{over_ids.size} sample(s) are longer than packing_length={L} (sample_id: length): "
-            f"{_listing(over_ids, arr)}; raise packing_length or pass overflow='drop', 'truncate' or 'split'"
-        )
-    whole = np.flatnonzero((arr > 0) & (arr <= L))
-
-    # pieces of overlong samples, ordered by (sample id, start)
     no = np.zeros(0, np.int64)
     piece_sample, piece_start, piece_stop = no, no, no
     tokens_dropped = 0
-    if over_ids.size and overflow == "drop":
-        tokens_dropped = int(arr[over_ids].sum())
-    elif over_ids.size and overflow == "truncate":
-        piece_sample = over_ids.astype(np.int64)
-        piece_start = np.zeros(over_ids.size, np.int64)
-        piece_stop = np.full(over_ids.size, L, np.int64)
-        tokens_dropped = int((arr[over_ids] - L).sum())
-    elif over_ids.size and overflow == "split":
-        per = -(-arr[over_ids] // L)  # pieces per sample
-        piece_sample = np.repeat(over_ids, per).astype(np.int64)
-        first = np.cumsum(per) - per
-        k = np.arange(piece_sample.size, dtype=np.int64) - np.repeat(first, per)
-        piece_start = k * L
-        piece_stop = np.minimum(piece_start + L, arr[piece_sample])
-    num_pieces = int(piece_sample.size)
 
-    # the items to pack, in dataset order: whole samples and pieces (a piece sits where its sample was)
-    item_ids = np.concatenate([whole, n + np.arange(num_pieces, dtype=np.int64)])
-    item_len = np.concatenate([arr[whole], piece_stop - piece_start])
-    if num_pieces and whole.size:
-        pos = np.concatenate([whole, piece_sample])
-        order = np.argsort(pos, kind="stable")
-        item_ids, item_len = item_ids[order], item_len[order]
+    if n == 0 or (int(arr.min()) >= 1 and int(arr.max()) <= L):
+        # common case: every sample is packed whole; item k is sample k
+        empty_ids, over_ids = no, no
+        item_ids, item_len = None, arr
+    else:
+        empty_ids = np.flatnonzero(arr == 0)
+        over_ids = np.flatnonzero(arr > L)
+        if over_ids.size and overflow == "error":
+            raise ValueError(
+                f"{over_ids.size} sample(s) are longer than packing_length={L} (sample_id: length): "
+                f"{_listing(over_ids, arr)}; raise packing_length or pass overflow='drop', 'truncate' or "
+                "'split'"
+            )
+        whole = np.flatnonzero((arr > 0) & (arr <= L))
+        # pieces of overlong samples, ordered by (sample id, start)
+        if over_ids.size and overflow == "drop":
+            tokens_dropped = int(arr[over_ids].sum())
+        elif over_ids.size and overflow == "truncate":
+            piece_sample = over_ids.astype(np.int64)
+            piece_start = np.zeros(over_ids.size, np.int64)
+            piece_stop = np.full(over_ids.size, L, np.int64)
+            tokens_dropped = int((arr[over_ids] - L).sum())
+        elif over_ids.size and overflow == "split":
+            per = -(-arr[over_ids] // L)  # pieces per sample
+            piece_sample = np.repeat(over_ids, per).astype(np.int64)
+            first = np.cumsum(per) - per
+            k = np.arange(piece_sample.size, dtype=np.int64) - np.repeat(first, per)
+            piece_start = k * L
+            piece_stop = np.minimum(piece_start + L, arr[piece_sample])
+        # the items to pack, in dataset order: whole samples and pieces (a piece sits where its sample was)
+        num_pieces = int(piece_sample.size)
+        item_ids = np.concatenate([whole, n + np.arange(num_pieces, dtype=np.int64)])
+        item_len = np.concatenate([arr[whole], piece_stop - piece_start])
+        if num_pieces and whole.size:
+            order = np.argsort(np.concatenate([whole, piece_sample]), kind="stable")
+            item_ids, item_len = item_ids[order], item_len[order]
+    num_pieces = int(piece_sample.size)
 
     if strategy == "bfd":
         offsets, idx = best_fit_decreasing(item_len, L)
@@ -461,7 +471,7 @@ def plan_packs(
         seed=int(seed),
         num_samples=n,
         offsets=offsets,
-        items=item_ids[idx],
+        items=idx if item_ids is None else item_ids[idx],
         item_lengths=item_len[idx],
         piece_sample=piece_sample,
         piece_start=piece_start,
