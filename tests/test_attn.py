@@ -275,10 +275,12 @@ def test_available_backends_reports_reasons():
     assert available_backends("cpu", torch.float64)["reference"][0]
 
 
-def test_auto_on_cpu_is_reference_with_reason():
+def test_auto_on_cpu_is_sdpa_then_reference_with_reason():
     q, k, v, cu = _ok_inputs()
     chosen = resolve_backend("auto", q, k, v)
-    assert chosen == "reference" and "auto on cpu" in chosen.reason
+    assert chosen == "sdpa" and "auto on cpu" in chosen.reason
+    chosen = resolve_backend("auto", q, k, v, softcap=3.0)
+    assert chosen == "reference" and "sdpa: softcap=3.0 not supported" in chosen.reason
 
 
 def test_forced_cuda_only_backend_on_cpu_raises_with_reason():

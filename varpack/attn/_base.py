@@ -46,6 +46,7 @@ class Capabilities:
         empty_segments: supports zero-length segments (repeated values in cu_seqlens). Only checkable when
             cu_seqlens lives on the CPU (varpack never reads GPU boundaries on the hot path).
         backward: differentiable (q, k, v gradients).
+        host_sync: reads cu_seqlens values on the host (one device-to-host sync per call on a GPU).
         notes: free text shown by ``varpack check`` / :func:`available_backends`.
     """
 
@@ -62,6 +63,7 @@ class Capabilities:
     softcap: bool = True
     empty_segments: bool = True
     backward: bool = True
+    host_sync: bool = False
     notes: str = ""
 
 

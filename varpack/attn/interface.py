@@ -91,8 +91,8 @@ def varlen_attention(
         softmax_scale: scale of ``q.k``; default ``1 / sqrt(D)``.
         softcap: score capping (0 = off).
         backend: ``"auto"`` (fastest backend that supports this call: see
-            :data:`varpack.attn.registry.AUTO_PRIORITY`) or a name: ``reference``, ``torch_varlen``, ``flex``,
-            ``flash_attn`` (FA2), ``flash_attn_3``, ``flash_attn_4``.
+            :data:`varpack.attn.registry.AUTO_PRIORITY`) or a name: ``reference``, ``sdpa``, ``torch_varlen``,
+            ``flex``, ``flash_attn`` (FA2), ``flash_attn_3``, ``flash_attn_4``.
 
     Returns:
         Tensor ``(Tq, H, D)``: the attention output of every query token, in q's dtype.

@@ -18,7 +18,13 @@ import torch
 
 from ._base import Backend, Capabilities
 
-__all__ = ["ReferenceBackend", "reference_varlen_attention", "segment_mask"]
+__all__ = [
+    "ReferenceBackend",
+    "read_offsets",
+    "reference_varlen_attention",
+    "segment_attention",
+    "segment_mask",
+]
 
 
 def segment_mask(
@@ -78,10 +84,38 @@ def reference_varlen_attention(
         ValueError: cu_seqlens that do not start at 0, decrease, disagree in length, or do not end at
             Tq / Tk.
     """
+    cu_q, cu_k = read_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    compute_dtype = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
+    outs = [
+        segment_attention(
+            q[cu_q[n] : cu_q[n + 1]],
+            k[cu_k[n] : cu_k[n + 1]],
+            v[cu_k[n] : cu_k[n + 1]],
+            causal=causal,
+            window_size=window_size,
+            scale=scale,
+            softcap=softcap,
+            compute_dtype=compute_dtype,
+        )
+        for n in range(len(cu_q) - 1)
+        if cu_q[n + 1] > cu_q[n]
+    ]
+    if not outs:
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    return torch.cat(outs, dim=0)
+
+
+def read_offsets(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int
+) -> tuple[list[int], list[int]]:
+    """cu_seqlens as Python lists (a host read), checked.
+
+    Raises:
+        ValueError: lengths differ, or offsets that do not start at 0, decrease, or miss Tq / Tk at the end.
+    """
     cu_q = [int(x) for x in cu_seqlens_q.tolist()]
     cu_k = [int(x) for x in cu_seqlens_k.tolist()]
-    total_q, num_heads, head_dim = q.shape
-    total_k, num_kv_heads = k.shape[0], k.shape[1]
     if len(cu_q) != len(cu_k):
         raise ValueError(f"cu_seqlens_q has {len(cu_q)} entries but cu_seqlens_k has {len(cu_k)}")
     for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
@@ -89,35 +123,41 @@ def reference_varlen_attention(
             raise ValueError(
                 f"{name}={cu} must start at 0, never decrease and end at the token count {total}"
             )
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    return cu_q, cu_k
+
+
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    window_size: tuple[int, int],
+    scale: float,
+    softcap: float,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Attention of one segment, explicit math: q ``[Lq, H, D]``, k/v ``[Lk, Hkv, D]`` -> ``[Lq, H, Dv]`` in q's
+    dtype. Rows without a visible key (and ``Lk == 0``) give 0, as in flash-attn."""
+    len_q, num_heads = q.shape[0], q.shape[1]
+    len_k, num_kv_heads = k.shape[0], k.shape[1]
+    if len_k == 0:  # no key at all: flash-attn writes zeros
+        return q.new_zeros(len_q, num_heads, v.shape[-1]) + 0 * q[:, :, :1]
     groups = num_heads // num_kv_heads
-    compute_dtype = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
-    outs: list[torch.Tensor] = []
-    for n in range(len(cu_q) - 1):
-        qs, qe, ks, ke = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
-        len_q, len_k = qe - qs, ke - ks
-        if len_q == 0:
-            continue
-        if len_k == 0:  # no key at all: flash-attn writes zeros
-            outs.append(q.new_zeros(len_q, num_heads, v.shape[-1]) + 0 * q[qs:qe, :, :1])
-            continue
-        qi = q[qs:qe].to(compute_dtype).transpose(0, 1)  # [H, Lq, D]
-        ki = k[ks:ke].to(compute_dtype).repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, Lk, D]
-        vi = v[ks:ke].to(compute_dtype).repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, Lk, Dv]
-        scores = torch.matmul(qi, ki.transpose(-1, -2)) * scale  # [H, Lq, Lk]
-        if softcap > 0:
-            scores = softcap * torch.tanh(scores / softcap)
-        mask = segment_mask(len_q, len_k, causal=causal, window_size=window_size, device=q.device)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        row_max = scores.amax(dim=-1, keepdim=True).detach()
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        probs = torch.exp(scores - row_max)
-        denom = probs.sum(dim=-1, keepdim=True)
-        probs = probs / torch.where(denom == 0, torch.ones_like(denom), denom)
-        outs.append(torch.matmul(probs, vi).transpose(0, 1).to(q.dtype))
-    if not outs:
-        return q.new_zeros(total_q, num_heads, v.shape[-1])
-    return torch.cat(outs, dim=0)
+    qi = q.to(compute_dtype).transpose(0, 1)  # [H, Lq, D]
+    ki = k.to(compute_dtype).repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, Lk, D]
+    vi = v.to(compute_dtype).repeat_interleave(groups, dim=1).transpose(0, 1)  # [H, Lk, Dv]
+    scores = torch.matmul(qi, ki.transpose(-1, -2)) * scale  # [H, Lq, Lk]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    mask = segment_mask(len_q, len_k, causal=causal, window_size=window_size, device=q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    probs = torch.exp(scores - row_max)
+    denom = probs.sum(dim=-1, keepdim=True)
+    probs = probs / torch.where(denom == 0, torch.ones_like(denom), denom)
+    return torch.matmul(probs, vi).transpose(0, 1).to(q.dtype)
 
 
 class ReferenceBackend(Backend):
@@ -125,6 +165,7 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(
         devices=frozenset({"*"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+        host_sync=True,
         notes="per-segment loop in fp32 math; exact, slow (reads cu_seqlens on the host)",
     )
 
