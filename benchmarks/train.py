@@ -1,0 +1,542 @@
+"""End-to-end SFT step throughput (issue 6 item 2, issue 7 item 4): padded vs HF flattening vs varpack.
+
+A Qwen3-0.6B-shaped model (random init, same seed for every configuration; the config is built from the
+published Qwen3-0.6B values: hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072,
+vocab 151,936, tied embeddings, rope_theta 1e6, rms_norm_eps 1e-6), bf16 weights, fused AdamW (lr 1e-5),
+``use_cache=False``, trained for the same optimizer steps on the same samples by each configuration:
+
+* ``padded``  (a): HF ``DataCollatorForSeq2Seq`` padding (right padding, labels padded with -100) and
+  ``attn_implementation="sdpa"`` with the attention mask; each optimizer step's samples are split in
+  micro-batches of ``--pad-batch`` (gradient accumulation, HF ``num_items_in_batch`` token mean).
+* ``hf_fa4`` / ``hf_flex`` / ``hf_sdpa`` (b): HF ``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
+  return_seq_idx=True)`` with HF's own attention ``flash_attention_4`` / ``flex_attention`` / ``sdpa``
+  (position-id packed-sequence detection); FA4 and flex are tried, sdpa is added when neither runs.
+* ``varpack`` (c): ``plan_packs`` (best-fit decreasing) + ``PackedDataset`` + ``PaddingFreeCollator`` +
+  ``enable_varpack(model, backend="auto")`` and the plain loss (full logits, ``varpack.loss.causal_lm_loss``).
+* ``varpack_lce`` (d): the same with ``varpack.linear_ce.causal_lm_forward_with_linear_ce`` (no ``[T, V]``
+  logits; backend ``--lce-backend``, the resolved one is reported). ``varpack_lce_chunked`` forces the
+  chunked PyTorch backend (useful when ``auto`` picked Liger).
+
+Workload: the first samples of ``--samples`` (pre-encoded ../shared/data, see ``benchmarks/_common.py``)
+are planned into packs of ``--packing-length`` tokens with best-fit decreasing; the ``--steps`` fullest packs
+are the optimizer steps. Every configuration trains on exactly those samples, grouped the same way (one
+pack = one optimizer step), so tokens per step are identical and only the step's execution differs. Batches
+are collated before timing (a DataLoader would overlap it); host-to-device copies are timed. The first
+``--warmup`` steps are excluded.
+
+Reported per configuration: real tokens/s (all tokens of the samples, no padding), supervised tokens/s
+(labels != -100), MFU = 6 * N_params * real tokens/s / 989e12 (H200 dense bf16 peak; N counts each
+parameter once, tied embeddings once; attention FLOPs are not counted), peak memory
+(``torch.cuda.max_memory_allocated``, weights + optimizer state + activations), the loss of the first step
+(all configurations see the same samples and the same init, so equal values say the paths compute the same
+loss), and the ratios vs (a) and vs the best (b).
+
+Run (GPU; carry the samples file, e.g. ``.gpu/samples.npz``)::
+
+    python benchmarks/train.py --samples .gpu/samples.npz --out runs/train.json
+    python benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --configs varpack,varpack_lce
+    python benchmarks/train.py --device cpu --small            # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (  # noqa: E402
+    H200_BF16_DENSE_PEAK_FLOPS,
+    load_samples,
+    machine_info,
+    markdown_table,
+    sync,
+    synthetic_samples,
+    write_json,
+)
+
+#: Published Qwen3-0.6B architecture (its config.json); random init here.
+QWEN3_0_6B = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960,
+}
+#: Smoke-test model (CPU).
+TINY = dict(
+    QWEN3_0_6B,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+)
+
+ALL_CONFIGS = ("padded", "hf_fa4", "hf_flex", "hf_sdpa", "varpack", "varpack_lce", "varpack_lce_chunked")
+DEFAULT_CONFIGS = "padded,hf_fa4,hf_flex,varpack,varpack_lce"
+HF_ATTN = {"hf_fa4": "flash_attention_4", "hf_flex": "flex_attention", "hf_sdpa": "sdpa"}
+IGNORE = -100
+
+
+# ----------------------------------------------------------------------------------------------------------
+# model
+# ----------------------------------------------------------------------------------------------------------
+
+
+def qwen3_config(values: dict[str, Any]):
+    """``Qwen3Config`` from plain values; ``rope_theta`` goes into ``rope_parameters`` where the config has it
+    (transformers 5.x) and stays a plain field otherwise."""
+    from transformers import Qwen3Config
+
+    kw = dict(values)
+    theta = kw.pop("rope_theta")
+    if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    else:
+        kw["rope_theta"] = theta
+    return Qwen3Config(**kw)
+
+
+def build_model(values: dict[str, Any], *, device, dtype, attn_implementation: str, seed: int = 0):
+    """Random-init ``Qwen3ForCausalLM`` on ``device`` in ``dtype``, same weights for the same seed.
+
+    Raises:
+        ValueError / ImportError: transformers refuses ``attn_implementation`` (e.g. flash-attn 4 missing).
+    """
+    from transformers import Qwen3ForCausalLM
+
+    config = qwen3_config(values)
+    config.use_cache = False
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    model.to(dtype)
+    model.set_attn_implementation(attn_implementation)
+    model.train()
+    return model
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+def make_optimizer(model: torch.nn.Module, device) -> torch.optim.Optimizer:
+    fused = torch.device(device).type == "cuda"
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=fused, foreach=not fused)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# workload: the same samples, grouped into the same optimizer steps, for every configuration
+# ----------------------------------------------------------------------------------------------------------
+
+
+def build_workload(
+    samples: list[dict[str, Any]], packing_length: int, steps: int
+) -> tuple[Any, list[int], dict[str, Any]]:
+    """Plan packs over a prefix of ``samples`` with best-fit decreasing and pick the ``steps`` fullest.
+
+    Returns:
+        ``(PackedDataset over the prefix (plan order), indices of the chosen packs, info)``.
+
+    Raises:
+        ValueError: not enough tokens for ``steps`` packs.
+    """
+    from varpack.data.dataset import PackedDataset
+    from varpack.plan import plan_packs
+
+    usable = [s for s in samples if s["length"] <= packing_length]
+    dropped = len(samples) - len(usable)
+    need = int(steps * packing_length * 1.1)
+    prefix, total = [], 0
+    for s in usable:
+        prefix.append(s)
+        total += s["length"]
+        if total >= need:
+            break
+    if total < steps * packing_length * 0.9:
+        raise ValueError(
+            f"{len(usable)} samples hold {total} tokens: not enough for {steps} packs of {packing_length}"
+        )
+    lengths = np.asarray([s["length"] for s in prefix], dtype=np.int64)
+    plan = plan_packs(lengths, packing_length, strategy="bfd")
+    ds = PackedDataset(prefix, plan, shuffle=False)
+    fill = np.asarray([int(lengths[np.asarray(p)].sum()) for p in plan.packs])
+    chosen = sorted(np.argsort(-fill, kind="stable")[:steps].tolist())
+    info = {
+        "samples_considered": len(prefix),
+        "samples_longer_than_packing_length_skipped": dropped,
+        "packs_planned": plan.num_packs,
+        "steps": len(chosen),
+        "tokens_per_step_mean": float(fill[chosen].mean()),
+        "fill_mean": float(fill[chosen].mean() / packing_length),
+        "samples_per_step_mean": float(np.mean([len(plan.packs[i]) for i in chosen])),
+    }
+    return ds, chosen, info
+
+
+def _pad_tokenizer(pad_token_id: int):
+    """A minimal HF fast tokenizer whose only job is ``tokenizer.pad`` (the GPU machine has no tokenizer files):
+    ``DataCollatorForSeq2Seq`` pads ``input_ids`` with its ``pad_token_id`` and builds the attention mask."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({"<pad>": pad_token_id, "<unk>": 0 if pad_token_id else 1}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+
+
+def collate_steps(
+    config: str, ds: Any, chosen: list[int], args: argparse.Namespace
+) -> list[list[dict[str, Any]]]:
+    """Per optimizer step, the list of micro-batches (CPU tensors) a configuration feeds the model."""
+    steps: list[list[dict[str, Any]]] = []
+    if config == "padded":
+        from transformers import DataCollatorForSeq2Seq
+
+        collator = DataCollatorForSeq2Seq(
+            _pad_tokenizer(args.pad_token_id), padding=True, label_pad_token_id=IGNORE
+        )
+        for i in chosen:
+            pack = [{"input_ids": s["input_ids"].tolist(), "labels": s["labels"].tolist()} for s in ds[i]]
+            size = args.pad_batch or len(pack)
+            steps.append([dict(collator(pack[j : j + size])) for j in range(0, len(pack), size)])
+    elif config.startswith("hf_"):
+        from transformers import DataCollatorWithFlattening
+
+        collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
+        for i in chosen:
+            pack = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in ds[i]]
+            steps.append([dict(collator(pack))])
+    else:
+        from varpack.collate import PaddingFreeCollator
+
+        collator = PaddingFreeCollator()
+        for i in chosen:
+            batch = dict(collator([ds[i]]))
+            batch.pop("sample_ids", None)
+            steps.append([batch])
+    if torch.cuda.is_available() and torch.device(args.device).type == "cuda":
+        steps = [
+            [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in st]
+            for st in steps
+        ]
+    return steps
+
+
+def supervised_count(micro_batches: list[dict[str, Any]]) -> int:
+    """Supervised predictions of a step: labels != -100 after the causal shift (what HF's loss divides by)."""
+    return sum(int((mb["labels"][..., 1:] != IGNORE).sum()) for mb in micro_batches)
+
+
+def real_token_count(micro_batches: list[dict[str, Any]]) -> int:
+    total = 0
+    for mb in micro_batches:
+        if "attention_mask" in mb:
+            total += int(mb["attention_mask"].sum())
+        else:
+            total += int(mb["input_ids"].numel())
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------------
+# steps
+# ----------------------------------------------------------------------------------------------------------
+
+
+def to_device(mb: dict[str, Any], device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+
+
+def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., torch.Tensor], str]:
+    """``loss_fn(model, micro_batch_on_device, num_items) -> loss`` for a configuration, and a note."""
+    if config == "padded" or config.startswith("hf_"):
+
+        def hf_loss(model, mb, num_items):
+            return model(**mb, use_cache=False, num_items_in_batch=num_items).loss
+
+        return hf_loss, "HF ForCausalLMLoss (full fp32 logits)"
+    if config == "varpack":
+        from varpack.loss import causal_lm_loss
+
+        def plain(model, mb, num_items):
+            inputs = {k: v for k, v in mb.items() if k != "labels"}
+            logits = model(**inputs, use_cache=False).logits
+            return causal_lm_loss(
+                logits, mb["labels"], seq_idx=mb.get("seq_idx"), num_items_in_batch=num_items
+            )
+
+        return plain, "varpack.loss.causal_lm_loss (full fp32 logits)"
+    from varpack.linear_ce import causal_lm_forward_with_linear_ce, resolve_linear_ce_backend
+
+    backend = "chunked" if config == "varpack_lce_chunked" else args.lce_backend
+    name, reason = resolve_linear_ce_backend(backend, args.device, uniform_weights=True)
+
+    def fused(model, mb, num_items):
+        return causal_lm_forward_with_linear_ce(
+            model,
+            dict(mb, use_cache=False),
+            num_items_in_batch=num_items,
+            backend=backend,
+            chunk_size=args.chunk_size,
+        )
+
+    fused.reason = reason  # type: ignore[attr-defined]
+    return fused, f"linear_ce {name} (chunk {args.chunk_size})"
+
+
+def run_config(
+    config: str, ds: Any, chosen: list[int], args: argparse.Namespace, values: dict[str, Any]
+) -> dict[str, Any]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    row: dict[str, Any] = {"config": config}
+    model = opt = None
+    try:
+        steps = collate_steps(config, ds, chosen, args)
+        attn = "sdpa" if config == "padded" else HF_ATTN.get(config, "sdpa")
+        model = build_model(values, device=device, dtype=dtype, attn_implementation=attn, seed=args.seed)
+        if config.startswith("varpack"):
+            from varpack.integrations.transformers import enable_varpack
+
+            enable_varpack(model, backend=args.attn_backend)
+            attn = f"varpack {args.attn_backend}"
+            row["attn_resolved"] = _resolved_varpack_backend(model, steps[0][0], device, dtype)
+        row["attention"] = attn
+        loss_fn, row["loss"] = make_loss_fn(config, args)
+        if hasattr(loss_fn, "reason"):
+            row["loss_backend_reason"] = loss_fn.reason
+        opt = make_optimizer(model, device)
+        n_params = count_params(model)
+        row["n_params"] = n_params
+        counts = [(real_token_count(st), supervised_count(st)) for st in steps]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        losses: list[float] = []
+        t0 = None
+        for i, st in enumerate(steps):
+            if i == args.warmup:
+                sync(device)
+                t0 = time.perf_counter()
+            num_items = counts[i][1]
+            step_loss = torch.zeros((), device=device)
+            for mb in st:
+                loss = loss_fn(model, to_device(mb, device), num_items)
+                loss.backward()
+                step_loss += loss.detach()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i == 0 or i == len(steps) - 1:
+                losses.append(float(step_loss))
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        timed = counts[args.warmup :]
+        real = sum(c[0] for c in timed)
+        sup = sum(c[1] for c in timed)
+        row.update(
+            timed_steps=len(timed),
+            seconds=elapsed,
+            step_ms=1e3 * elapsed / len(timed),
+            real_tokens_per_s=real / elapsed,
+            supervised_tokens_per_s=sup / elapsed,
+            mfu=6.0 * n_params * real / elapsed / args.peak_flops,
+            loss_first=losses[0],
+            loss_last=losses[-1],
+            micro_batches_per_step=float(np.mean([len(st) for st in steps])),
+        )
+        if config == "padded":
+            padded = sum(int(mb["input_ids"].numel()) for st in steps[args.warmup :] for mb in st)
+            row["padding_fraction"] = 1.0 - real / padded
+        if device.type == "cuda":
+            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            row["peak_over_start_gb"] = (torch.cuda.max_memory_allocated(device) - start_mem) / 2**30
+    except Exception as exc:  # OOM, a missing attention implementation: recorded, the run goes on
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    finally:
+        del model, opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def _resolved_varpack_backend(model, mb, device, dtype) -> str:
+    """Which varpack attention backend ``auto`` runs for this model's attention shape (for the report)."""
+    try:
+        from varpack.attn import resolve_backend
+
+        cfg = model.config
+        t = int(mb["input_ids"].shape[-1])
+        q = torch.empty(
+            t, cfg.num_attention_heads, cfg.head_dim, device=device, dtype=dtype, requires_grad=True
+        )
+        k = torch.empty(t, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+        return str(resolve_backend("auto", q, k, k, cu_seqlens_q=mb["cu_seq_lens_q"]))
+    except Exception as exc:
+        return f"? ({type(exc).__name__}: {exc})"
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    by = {r["config"]: r for r in rows if "real_tokens_per_s" in r}
+    hf = [r for r in by.values() if r["config"].startswith("hf_")]
+    best_hf = max(hf, key=lambda r: r["real_tokens_per_s"]) if hf else None
+    for r in by.values():
+        if "padded" in by:
+            r["vs_padded"] = r["real_tokens_per_s"] / by["padded"]["real_tokens_per_s"]
+        if best_hf is not None:
+            r["vs_best_hf"] = r["real_tokens_per_s"] / best_hf["real_tokens_per_s"]
+            r["best_hf"] = best_hf["config"]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    nan = float("nan")
+    headers = [
+        "config",
+        "attention",
+        "loss",
+        "step ms",
+        "real tok/s",
+        "sup. tok/s",
+        "MFU",
+        "peak GB",
+        "vs (a) padded",
+        "vs best (b)",
+        "loss@1st",
+        "note",
+    ]
+    out = []
+    for r in rows:
+        note = r.get("error", "")
+        if not note and "attn_resolved" in r:
+            note = f"auto -> {r['attn_resolved']}"
+        if not note and "padding_fraction" in r:
+            note = f"padding {100 * r['padding_fraction']:.0f}%, {r['micro_batches_per_step']:.1f} micro-batches/step"
+        out.append(
+            [
+                r["config"],
+                r.get("attention", "-"),
+                r.get("loss", "-"),
+                r.get("step_ms", nan),
+                r.get("real_tokens_per_s", nan),
+                r.get("supervised_tokens_per_s", nan),
+                f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-",
+                r.get("peak_mem_gb", nan),
+                r.get("vs_padded", nan),
+                r.get("vs_best_hf", nan),
+                f"{r['loss_first']:.4f}" if "loss_first" in r else "-",
+                note,
+            ]
+        )
+    return markdown_table(headers, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="bfloat16 (cuda default) / float32 (cpu default)")
+    p.add_argument(
+        "--samples", default=None, help="pre-encoded samples (.npz / .jsonl from benchmarks/_common.py)"
+    )
+    p.add_argument("--packing-length", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per configuration (incl. warm-up)")
+    p.add_argument("--warmup", type=int, default=5, help="steps excluded from the timing")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated, from {ALL_CONFIGS}")
+    p.add_argument(
+        "--pad-batch", type=int, default=8, help="padded micro-batch size (0: a whole step at once)"
+    )
+    p.add_argument("--pad-token-id", type=int, default=151643, help="Qwen3 <|endoftext|>")
+    p.add_argument("--attn-backend", default="auto", help="varpack attention backend for (c)/(d)")
+    p.add_argument("--lce-backend", default="auto", help="linear cross-entropy backend for (d)")
+    p.add_argument("--chunk-size", type=int, default=4096, help="linear cross-entropy chunk (tokens)")
+    p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE_PEAK_FLOPS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--small", action="store_true", help="smoke mode: tiny model, packing 512, 4 steps")
+    p.add_argument("--out", default=None, help="write rows + machine facts as JSON here")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available; use --device cpu --small for a smoke run")
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    values = dict(QWEN3_0_6B)
+    if args.small:
+        values = dict(TINY)
+        args.packing_length, args.steps, args.warmup = min(args.packing_length, 512), 4, 1
+        args.chunk_size = min(args.chunk_size, 128)
+    configs = [c for c in args.configs.split(",") if c]
+    for c in configs:
+        if c not in ALL_CONFIGS:
+            p.error(f"unknown config {c!r}; choose from {ALL_CONFIGS}")
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} must be < --steps {args.steps}")
+
+    if args.samples:
+        samples = load_samples(args.samples)
+        source = args.samples
+        if args.small:
+            values["vocab_size"] = QWEN3_0_6B["vocab_size"]
+    else:
+        from benchmarks.attention import DEFAULT_MU, DEFAULT_SIGMA
+
+        n = int(args.steps * args.packing_length * 1.2 / np.exp(DEFAULT_MU + DEFAULT_SIGMA**2 / 2)) + 16
+        samples = synthetic_samples(
+            n,
+            vocab=values["vocab_size"],
+            mu=DEFAULT_MU,
+            sigma=DEFAULT_SIGMA,
+            hi=args.packing_length,
+            seed=args.seed,
+        )
+        source = f"synthetic lognormal({DEFAULT_MU}, {DEFAULT_SIGMA}) random tokens"
+    if args.pad_token_id >= values["vocab_size"]:
+        args.pad_token_id = 0  # tiny smoke vocabulary
+    ds, chosen, info = build_workload(samples, args.packing_length, args.steps)
+
+    print(f"# SFT step throughput, {args.device} {args.dtype}, packing_length {args.packing_length}")
+    print(f"- samples: {source}; workload: {info}")
+    rows = []
+    for c in configs:
+        print(f"  running {c} ...", file=sys.stderr, flush=True)
+        rows.append(run_config(c, ds, chosen, args, values))
+        if c in ("hf_fa4", "hf_flex") and "error" in rows[-1]:
+            print(f"  {c}: {rows[-1]['error']}", file=sys.stderr, flush=True)
+    hf_ok = [r for r in rows if r["config"].startswith("hf_") and "error" not in r]
+    if not hf_ok and any(c.startswith("hf_") for c in configs) and "hf_sdpa" not in configs:
+        print("  running hf_sdpa (neither FA4 nor flex ran) ...", file=sys.stderr, flush=True)
+        rows.append(run_config("hf_sdpa", ds, chosen, args, values))
+    add_ratios(rows)
+    print()
+    print(table(rows))
+    print()
+    n_params = next((r["n_params"] for r in rows if "n_params" in r), None)
+    print(
+        f"MFU = 6 * N * real tokens/s / {args.peak_flops:.3g} (N = {n_params}, attention FLOPs not counted). "
+        f"Timed steps: {args.steps - args.warmup} of {args.steps} ({args.warmup} warm-up)."
+    )
+    write_json(
+        args.out, {"machine": machine_info(device), "args": vars(args), "workload": info, "rows": rows}
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
