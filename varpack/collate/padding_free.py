@@ -43,7 +43,7 @@ _LABEL_IGNORE = -100
 
 
 def _is_sample(x: Any) -> bool:
-    return isinstance(x, Mapping)
+    return type(x) is dict or isinstance(x, Mapping)
 
 
 def _flatten(features: Sequence[Any]) -> list[Mapping[str, Any]]:
@@ -88,6 +88,13 @@ def _seq_len(value: Any) -> int:
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return int(value.shape[0]) if value.ndim == 1 else -1
     return len(value)
+
+
+def _lengths_of(values: list[Any]) -> np.ndarray:
+    """Token count of each value (``-1`` for an array or tensor that is not 1-D), as int64 ``[len(values)]``."""
+    if all(type(v) is list for v in values):
+        return np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    return np.fromiter(map(_seq_len, values), dtype=np.int64, count=len(values))
 
 
 def _concat_token_field(values: list[Any], total: int, dtype: type | None) -> np.ndarray:
@@ -245,10 +252,15 @@ class PaddingFreeCollator:
     # ------------------------------------------------------------------ checks
     def _fields(self, samples: list[Mapping[str, Any]], names: list[Any]) -> dict[str, list[int]]:
         """field -> indices of the samples that carry it; unknown fields raise."""
-        present: dict[str, list[int]] = {}
-        for i, sample in enumerate(samples):
-            for key in sample:
-                present.setdefault(key, []).append(i)
+        first = samples[0].keys()
+        if all(s.keys() == first for s in samples):  # the usual case: one shared index list
+            everyone = list(range(len(samples)))
+            present: dict[str, list[int]] = dict.fromkeys(first, everyone)
+        else:
+            present = {}
+            for i, sample in enumerate(samples):
+                for key in sample:
+                    present.setdefault(key, []).append(i)
         unknown = sorted(set(present) - self._known)
         if unknown:
             field = unknown[0]
@@ -285,7 +297,8 @@ class PaddingFreeCollator:
         names = [s.get("sample_id") for s in samples]
         present = self._fields(samples, names)
 
-        lengths = np.fromiter((_seq_len(s["input_ids"]) for s in samples), dtype=np.int64, count=n)
+        columns = {f: [samples[i][f] for i in have] for f, have in present.items() if f in self._token_fields}
+        lengths = _lengths_of(columns["input_ids"])
         if (lengths <= 0).any():
             i = int(np.flatnonzero(lengths <= 0)[0])
             if lengths[i] < 0:
@@ -295,25 +308,30 @@ class PaddingFreeCollator:
 
         for field, have in present.items():
             if field in self._token_fields or field == "attention_mask":
-                for i in have:
-                    got = _seq_len(samples[i][field])
-                    if got != lengths[i]:
-                        detail = (
-                            f"has length {got}"
-                            if got >= 0
-                            else f"has shape {tuple(np.shape(_as_array(samples[i][field])))}"
-                        )
-                        raise ValueError(
-                            f"{_name(names, i)}: token-aligned field {field!r} {detail}, but input_ids has "
-                            f"{int(lengths[i])} tokens"
-                        )
+                values = columns[field] if field in columns else [samples[i][field] for i in have]
+                got = _lengths_of(values)
+                expected = lengths if len(have) == n else lengths[have]
+                if not np.array_equal(got, expected):
+                    bad = np.flatnonzero(got != expected)
+                    i, value = have[bad[0]], values[bad[0]]
+                    detail = (
+                        f"has length {int(got[bad[0]])}"
+                        if got[bad[0]] >= 0
+                        else f"has shape {tuple(np.shape(_as_array(value)))}"
+                    )
+                    raise ValueError(
+                        f"{_name(names, i)}: token-aligned field {field!r} {detail}, but input_ids has "
+                        f"{int(lengths[i])} tokens"
+                    )
             elif field == "length":
-                for i in have:
-                    if int(samples[i]["length"]) != lengths[i]:
-                        raise ValueError(
-                            f"{_name(names, i)}: field 'length' is {int(samples[i]['length'])} but input_ids has "
-                            f"{int(lengths[i])} tokens (stale length column or plan?)"
-                        )
+                got = np.fromiter((int(samples[i]["length"]) for i in have), dtype=np.int64, count=len(have))
+                bad = np.flatnonzero(got != lengths[have])
+                if bad.size:
+                    i = have[bad[0]]
+                    raise ValueError(
+                        f"{_name(names, i)}: field 'length' is {int(got[bad[0]])} but input_ids has "
+                        f"{int(lengths[i])} tokens (stale length column or plan?)"
+                    )
 
         total = int(lengths.sum())
         pad = 0 if self.pad_to_multiple_of is None else (-total) % self.pad_to_multiple_of
@@ -332,14 +350,14 @@ class PaddingFreeCollator:
             if have is None:
                 continue
             if len(have) == n:
-                values = _concat_token_field([s[field] for s in samples], total, dtype)
+                values = _concat_token_field(columns[field], total, dtype)
             else:  # mm_token_type_ids absent from text-only samples: zeros
                 values = np.zeros(total, dtype=np.int64)
-                cols = [samples[i][field] for i in have]
+                cols = columns[field]
                 mask = np.zeros(n, dtype=bool)
                 mask[have] = True
                 values[np.repeat(mask, lengths)] = _concat_token_field(cols, int(lengths[have].sum()), dtype)
-            if field == "labels":
+            if field == "labels" and (values[starts[:n]] != _LABEL_IGNORE).any():
                 bad = np.flatnonzero(values[starts[:n]] != _LABEL_IGNORE)
                 if bad.size:
                     i = int(bad[0])
@@ -397,6 +415,8 @@ class PaddingFreeCollator:
     ) -> torch.Tensor:
         """``[1, T]`` restarting positions, or ``[P, 1, T]`` with the samples' own planes where they give them."""
         have = present.get("position_ids", [])
+        if not have and self.position_planes is None:
+            return torch.from_numpy(positions).unsqueeze(0)
         given = {i: _as_array(samples[i]["position_ids"]) for i in have}
         planes = self.position_planes
         if planes is None:

@@ -110,6 +110,12 @@ class PackedDataset(Dataset):
     updated, ``position_ids`` shifted so their text plane starts at 0 (RoPE is relative, so scores inside the
     piece are those of the uncut sample), and ``piece_id`` / ``piece_range`` added.
 
+    From a HF ``datasets.Dataset`` a pack is read with one Arrow call; flat numeric list columns
+    (``input_ids``, ``labels``, ``loss_scale``, ...) arrive as read-only numpy arrays (views of the Arrow
+    buffers, no per-token Python work), scalars as Python values, and nested or special columns
+    (``position_ids`` ``[P, L]``, images) through the dataset's own decoding. A sequence of dicts gives
+    shallow copies of its dicts.
+
     Every packed id is visited exactly once per epoch, because the plan's packs partition its ids and the
     order is a permutation. Works with ``torch.utils.data.DataLoader`` (any ``num_workers``; the dataset is
     picklable; call :meth:`set_epoch` before each epoch's iterator is created, as workers copy the dataset
@@ -176,6 +182,9 @@ class PackedDataset(Dataset):
         self.text_plane = int(text_plane)
         self._num_samples = int(plan.num_samples)
         self._is_hf = _is_hf_dataset(samples)
+        self._arrow_view: Any = None
+        self._slow_view: Any = None
+        self._fast_columns: dict[str, bool] = {}
         if check:
             self._check_plan()
         self.epoch = 0
@@ -254,9 +263,7 @@ class PackedDataset(Dataset):
     # ------------------------------------------------------------------ access
     def _fetch(self, sample_ids: list[int]) -> list[dict[str, Any]]:
         if self._is_hf:
-            cols = self.samples[sample_ids]  # one Arrow read for the whole pack
-            keys = list(cols)
-            return [{k: cols[k][j] for k in keys} for j in range(len(sample_ids))]
+            return self._fetch_hf(sample_ids)
         out = []
         for sid in sample_ids:
             sample = self.samples[sid]
@@ -264,6 +271,56 @@ class PackedDataset(Dataset):
                 raise TypeError(f"sample {sid} is a {type(sample).__name__}, expected a dict")
             out.append(dict(sample))
         return out
+
+    def _fetch_hf(self, sample_ids: list[int]) -> list[dict[str, Any]]:
+        """One Arrow read per pack; flat numeric list columns become numpy views (no per-token Python)."""
+        if self._arrow_view is None:
+            self._setup_arrow()
+        rows: list[dict[str, Any]] = [{} for _ in sample_ids]
+        if self._fast_columns:
+            table = self._arrow_view[sample_ids]
+            for name in self._fast_columns:
+                col = table.column(name).combine_chunks()
+                if self._fast_columns[name] and col.null_count == 0:
+                    offsets = col.offsets.to_numpy()
+                    values = col.flatten().to_numpy(zero_copy_only=False)
+                    parts: Any = np.split(values, offsets[1:-1] - offsets[0])
+                else:
+                    parts = col.to_pylist()
+                for row, value in zip(rows, parts):
+                    row[name] = value
+        if self._slow_view is not None:  # nested lists, images, ...: the dataset's own decoding
+            cols = self._slow_view[sample_ids]
+            for name, values in cols.items():
+                for row, value in zip(rows, values):
+                    row[name] = value
+        return rows
+
+    def _setup_arrow(self) -> None:
+        import pyarrow as pa
+
+        fast: dict[str, bool] = {}
+        slow: list[str] = []
+        scalar = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean, pa.types.is_string)
+        for field in self.samples.features.arrow_schema:
+            t = field.type
+            if (pa.types.is_list(t) or pa.types.is_large_list(t)) and any(
+                f(t.value_type) for f in scalar[:3]
+            ):
+                fast[field.name] = True
+            elif any(f(t) for f in scalar) or pa.types.is_large_string(t):
+                fast[field.name] = False
+            else:
+                slow.append(field.name)
+        self._fast_columns = fast
+        self._arrow_view = self.samples.with_format("arrow")
+        self._slow_view = self.samples.select_columns(slow) if slow else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_arrow_view"] = state["_slow_view"] = None  # rebuilt lazily in each worker
+        state["_fast_columns"] = {}
+        return state
 
     def __getitem__(self, index: int) -> list[dict[str, Any]]:
         ids = self.pack_ids(index)
