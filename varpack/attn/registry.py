@@ -137,6 +137,8 @@ def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
             why = f"auto on {spec.device.type}: {candidate} is the first backend in AUTO_PRIORITY that runs this call"
             if skipped:
                 why += " (skipped " + "; ".join(skipped) + ")"
+            if spec.device.type != "cpu" and BACKENDS[candidate].capabilities.host_sync:
+                why += f"; note: {candidate} reads cu_seqlens on the host, one device sync per call"
             return ResolvedBackend(candidate, why)
         skipped.append(f"{candidate}: {reason}")
     raise BackendUnavailableError(
