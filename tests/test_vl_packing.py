@@ -25,6 +25,8 @@ from varpack.integrations.vision import (  # noqa: E402
     check_media,
     image_processor_for,
     install_media_guard,
+    isolate_vision_tower,
+    prepare_vl_model,
     tiny_config,
     tiny_model,
 )
@@ -141,7 +143,8 @@ def varpack_model(ref_model):
 
     model = copy.deepcopy(ref_model)
     try:
-        return enable_varpack(model)
+        # no media guard here: the negative controls must show a mismatch, not a refusal by the guard
+        return prepare_vl_model(enable_varpack(model), media_guard=False)
     except PackingGuardError as exc:
         if "linear-attention" in str(exc):
             pytest.xfail(f"Qwen3.5 linear-attention layers need varpack.integrations.gated_delta (H6): {exc}")
@@ -284,3 +287,26 @@ def test_slots_features_mismatch_raises_before_forward(setup):
     pixels_off = dict(batch, pixel_values=batch["pixel_values"][:-1])
     with pytest.raises(ValueError, match=r"pixel_values has .* rows but image_grid_thw describes"):
         check_media(pixels_off, ref_model)
+
+
+def test_vision_tower_isolated_from_text_boundaries(vp):
+    """transformers 5.17 forwards the text stream's varlen kwargs into the vision tower; the hook drops them."""
+    name, model, samples, _ = vp
+    batch = PaddingFreeCollator()(samples)
+    text_kw = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    visual = model.model.visual
+    args = (batch["pixel_values"],)
+    with torch.no_grad():
+        alone = visual(*args, grid_thw=batch["image_grid_thw"]).pooler_output
+        for h in model._varpack_vl_handles:
+            h.remove()
+        try:  # unprotected: the image tokens would be split by the text stream's boundaries
+            leaked = visual(*args, grid_thw=batch["image_grid_thw"], **text_kw).pooler_output
+            assert (leaked - alone).abs().max() > 1e-4
+        except (ValueError, RuntimeError, TypeError):
+            pass
+        handle = isolate_vision_tower(model)
+        guarded = visual(*args, grid_thw=batch["image_grid_thw"], **text_kw).pooler_output
+        handle.remove()
+        prepare_vl_model(model, media_guard=False)
+    torch.testing.assert_close(guarded, alone, rtol=0, atol=0)

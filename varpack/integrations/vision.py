@@ -26,6 +26,8 @@ __all__ = [
     "image_processor_for",
     "install_media_guard",
     "is_vl_model",
+    "isolate_vision_tower",
+    "prepare_vl_model",
     "tiny_config",
     "tiny_model",
 ]
@@ -333,3 +335,64 @@ def install_media_guard(model: torch.nn.Module) -> torch.utils.hooks.RemovableHa
             )
 
     return model.register_forward_pre_hook(_hook, with_kwargs=True)
+
+
+#: the text stream's boundary kwargs (transformers ``FlashAttentionKwargs`` + varpack's ``seq_idx``)
+TEXT_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _vision_tower(model: torch.nn.Module) -> torch.nn.Module:
+    for owner in (model, getattr(model, "model", None)):
+        visual = getattr(owner, "visual", None) if owner is not None else None
+        if isinstance(visual, torch.nn.Module):
+            return visual
+    raise TypeError(f"{type(model).__name__} has no vision tower (.visual or .model.visual)")
+
+
+def isolate_vision_tower(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+    """Keep the packed text stream's boundary kwargs out of the vision tower.
+
+    ``Qwen3VLModel.forward`` / ``Qwen3_5Model.forward`` pass their ``**kwargs`` on to
+    ``get_image_features`` and so to every vision attention layer. transformers 5.24 drops the text varlen
+    kwargs there (``accepts_precomputed_kwargs``); 5.17 does not, so a vision layer would receive the text
+    stream's ``cu_seq_lens_q`` (a different token count) next to its own per-image ``cu_seqlens``. This
+    forward pre-hook on the vision tower removes :data:`TEXT_VARLEN_KWARGS` from its call, on every version;
+    the tower then attends within each image (its own ``cu_seqlens`` from ``image_grid_thw``).
+
+    Returns:
+        the hook handle.
+
+    Raises:
+        TypeError: no vision tower found.
+    """
+    visual = _vision_tower(model)
+
+    def _hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not any(k in kwargs for k in TEXT_VARLEN_KWARGS):
+            return None
+        return args, {k: v for k, v in kwargs.items() if k not in TEXT_VARLEN_KWARGS}
+
+    return visual.register_forward_pre_hook(_hook, with_kwargs=True)
+
+
+def prepare_vl_model(model: torch.nn.Module, *, media_guard: bool = True) -> torch.nn.Module:
+    """Make a Qwen-VL model ready for packed batches (call after or before ``enable_varpack``).
+
+    Installs :func:`isolate_vision_tower` and (``media_guard``) :func:`install_media_guard`. Idempotent: the
+    previous hooks of this function are removed first. Handles are kept in ``model._varpack_vl_handles``.
+
+    Returns:
+        the same model.
+
+    Raises:
+        TypeError: not a Qwen-VL model.
+    """
+    if not is_vl_model(model):
+        raise TypeError(f"{type(model).__name__} is not a Qwen-VL model (no vision_config / image_token_id)")
+    for handle in getattr(model, "_varpack_vl_handles", ()):
+        handle.remove()
+    handles = [isolate_vision_tower(model)]
+    if media_guard:
+        handles.append(install_media_guard(model))
+    model._varpack_vl_handles = handles
+    return model
