@@ -208,10 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     _print(rows)
     big = [r for r in rows if r["method"] == "varpack bfd" and r["items"] >= 10_000_000]
     for r in big:
-        verdict = "met" if r["seconds"] <= 3.0 else "NOT met"
+        verdict = "met" if r["cpu"] <= 3.0 else "NOT met"
         print(
-            f"\ngoal 10M samples <= 3 s: varpack bfd {r['items']:,} samples in {r['seconds']:.2f} s -> {verdict}"
+            f"\ngoal 10M samples <= 3 s on one core: varpack bfd {r['items']:,} samples in {r['cpu']:.2f} s CPU "
+            f"({r['wall']:.2f} s wall) -> {verdict}"
         )
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     return 0
 
 

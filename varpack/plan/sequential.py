@@ -1,9 +1,9 @@
 """Order-preserving next-fit packing.
 
 Source: next-fit, the simplest on-line bin-packing rule (Johnson 1973; Coffman, Garey, Johnson 1996):
-items are taken in their given order and a new bin is opened as soon as the next item does not fit. This is
-what "concatenate and cut at sample boundaries" pipelines do (e.g. TRL's ``pack_dataset(...,
-strategy="wrapped")`` without cutting samples). It keeps the data order, at the cost of fill.
+items are taken in their given order and a new bin is opened as soon as the next item does not fit. It is
+"concatenate in data order and cut at sample boundaries" (unlike TRL's ``strategy="wrapped"``, which cuts
+samples at the row end). It keeps the data order (curricula, deterministic streams) at the cost of fill.
 """
 
 from __future__ import annotations
