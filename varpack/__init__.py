@@ -22,6 +22,16 @@ _EXPORTS = {
     "seq_idx_from_cu_seqlens": "varpack.varlen",
     "validate_cu_seqlens": "varpack.varlen",
     "varlen_attention": "varpack.attn",
+    "available_backends": "varpack.attn",
+    "resolve_backend": "varpack.attn",
+    "load_tokenizer": "varpack.tokenizer",
+    "load_chat_data": "varpack.encode",
+    "encode_chat": "varpack.encode",
+    "encode_dataset": "varpack.encode",
+    "builtin_chats": "varpack.data.builtin",
+    "enable_varpack": "varpack.integrations.transformers",
+    "causal_lm_loss": "varpack.loss",
+    "linear_cross_entropy": "varpack.linear_ce",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
