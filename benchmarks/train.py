@@ -262,8 +262,16 @@ def real_token_count(micro_batches: list[dict[str, Any]]) -> int:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def to_device(mb: dict[str, Any], device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+#: Keys varpack keeps on the CPU: enable_varpack's guard validates them there and varlen_attention copies them
+#: to the device once per batch (cached by tensor identity, reused by every layer).
+VARPACK_CPU_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def to_device(mb: dict[str, Any], device, keep_cpu: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in keep_cpu else v
+        for k, v in mb.items()
+    }
 
 
 def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., torch.Tensor], str]:
@@ -328,6 +336,7 @@ def run_config(
         n_params = count_params(model)
         row["n_params"] = n_params
         counts = [(real_token_count(st), supervised_count(st)) for st in steps]
+        keep_cpu = VARPACK_CPU_KEYS if config.startswith("varpack") else ()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -340,7 +349,7 @@ def run_config(
             num_items = counts[i][1]
             step_loss = torch.zeros((), device=device)
             for mb in st:
-                loss = loss_fn(model, to_device(mb, device), num_items)
+                loss = loss_fn(model, to_device(mb, device, keep_cpu), num_items)
                 loss.backward()
                 step_loss += loss.detach()
             opt.step()

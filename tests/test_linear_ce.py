@@ -429,6 +429,9 @@ def test_hf_model_packed_with_varpack_attention_equals_per_sample():
     dense["position_ids"] = torch.arange(sum(lengths))[None]
     leaked = causal_lm_forward_with_linear_ce(plain, dense, reduction="sample")
     assert abs(leaked.item() - ref.item()) > 1e-3
+    # the top model's packing guards run although the base model is called directly
+    with pytest.raises(ValueError, match="use_cache"):
+        causal_lm_forward_with_linear_ce(packed_model, dict(batch, use_cache=True), reduction="sample")
 
 
 # ---------------------------------------------------------------------------------------------------------

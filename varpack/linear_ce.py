@@ -576,6 +576,32 @@ def _base_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mo
     return base, head
 
 
+def _run_forward_pre_hooks(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Run the top model's forward pre-hooks on ``kwargs`` as ``model(**kwargs)`` would (varpack's packing
+    guards live there), since the base model is called directly. Hooks that rewrite keyword arguments (e.g.
+    ``use_cache=False`` for packed batches) are honoured."""
+    hooks = getattr(model, "_forward_pre_hooks", None)
+    if not hooks:
+        return kwargs
+    with_kwargs = getattr(model, "_forward_pre_hooks_with_kwargs", {})
+    args: tuple = ()
+    for hook_id, hook in list(hooks.items()):
+        if hook_id in with_kwargs:
+            result = hook(model, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(model, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    if args:
+        raise ValueError(
+            f"a forward pre-hook of {type(model).__name__} produced positional arguments {len(args)}; "
+            "causal_lm_forward_with_linear_ce passes keyword arguments only"
+        )
+    return dict(kwargs)
+
+
 def causal_lm_forward_with_linear_ce(
     model: torch.nn.Module,
     batch: dict[str, Any],
@@ -597,8 +623,9 @@ def causal_lm_forward_with_linear_ce(
 
     Every batch key except ``labels`` and ``loss_scale`` is passed to the base model unchanged
     (``input_ids``, ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx``, media: the
-    collated batch of ARCHITECTURE.md), and nothing is added: the base model sees exactly what
-    ``model(**batch)`` would give it. Put ``use_cache=False`` in the batch (or the config) for training: seen
+    collated batch of ARCHITECTURE.md), after the top model's forward pre-hooks ran on them (so the packing
+    guards of :func:`varpack.integrations.transformers.enable_varpack` apply, as in ``model(**batch)``);
+    nothing else is added: the base model sees what ``model(**batch)`` would give it. Put ``use_cache=False`` in the batch (or the config) for training: seen
     with transformers 5.24 and sdpa, a Qwen3 model that builds a cache does not detect packed sequences from
     ``position_ids`` and attends across samples, while ``use_cache=False`` keeps them apart.
 
@@ -618,7 +645,7 @@ def causal_lm_forward_with_linear_ce(
     if "labels" not in batch:
         raise ValueError(f"batch has no 'labels' (keys: {sorted(batch)})")
     base, head = _base_and_head(model)
-    model_inputs = {k: v for k, v in batch.items() if k not in _LOSS_KEYS}
+    model_inputs = _run_forward_pre_hooks(model, {k: v for k, v in batch.items() if k not in _LOSS_KEYS})
     outputs = base(**model_inputs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     labels = batch["labels"]
