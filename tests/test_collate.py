@@ -246,6 +246,9 @@ def test_one_d_position_ids_are_checked():
     s = make_sample(0, 3)
     s["position_ids"] = [0, 1, 2]
     assert PaddingFreeCollator()([s])["position_ids"].tolist() == [[0, 1, 2]]
+    s["position_ids"] = [[0, 1, 2]]  # one plane given as [1, L]: still a [1, T] row
+    assert PaddingFreeCollator()([s])["position_ids"].tolist() == [[0, 1, 2]]
+    assert PaddingFreeCollator(position_planes=1)([s])["position_ids"].shape == (1, 1, 3)
     s["position_ids"] = [0, 1, 1]
     with pytest.raises(ValueError, match="text plane"):
         PaddingFreeCollator()([s])

@@ -150,7 +150,8 @@ def test_split_pieces_are_cut_on_every_token_field(kind):
         assert L(s["loss_scale"]) == src["loss_scale"][a:b]
         assert L(s["labels"]) == [-100] + src["labels"][a + 1 : b]
         assert s["length"] == b - a
-        assert np.asarray(s["position_ids"]).tolist() == [list(range(b - a))] * 4
+        # text plane restarts, the other planes keep the whole sample's values (as slice_mm_sample does)
+        assert np.asarray(s["position_ids"]).tolist() == [list(range(b - a))] + [list(range(a, b))] * 3
         covered.setdefault(s["sample_id"], []).append((a, b))
     # every token of every sample is in exactly one item
     for sid, ranges in covered.items():
@@ -181,13 +182,28 @@ def test_truncate_keeps_the_head_and_numpy_fields():
     np.testing.assert_array_equal(rows[1]["labels"], before)  # a copy was cut, not a view
 
 
-def test_piece_of_a_media_sample_is_refused():
-    rows = encoded([2, 8])
-    rows[1]["pixel_values"] = [[0.0] * 4] * 4
-    rows[1]["image_grid_thw"] = [[1, 2, 2]]
-    ds = PackedDataset(rows, plan_packs([2, 8], 4, overflow="split"), shuffle=False)
-    with pytest.raises(ValueError, match=r"sample 1 carries media \['pixel_values', 'image_grid_thw'\]"):
-        [ds[i] for i in range(len(ds))]
+def test_pieces_of_media_samples_go_through_the_multimodal_slicer():
+    """An image sample is cut by varpack.encode.multimodal.slice_mm_sample: never through an image."""
+    # 11 tokens: text, <vision_start> image (4 pad tokens: grid 1x4x4 = 16 patches, merge 2x2) <vision_end>,
+    # text; the image span with its delimiters is tokens [2, 8)
+    mm = [0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+    rows = encoded([2, 11])
+    rows[1]["mm_token_type_ids"] = mm
+    rows[1]["pixel_values"] = [[float(k)] * 3 for k in range(16)]
+    rows[1]["image_grid_thw"] = [[1, 4, 4]]
+    ok = PackedDataset(rows, plan_packs([2, 11], 8, overflow="split"), shuffle=False)  # cut at 8: legal
+    pieces = sorted(
+        (s for i in range(len(ok)) for s in ok[i] if "piece_id" in s), key=lambda s: s["piece_range"]
+    )
+    head, tail = pieces
+    assert head["piece_range"] == (0, 8) and np.asarray(head["image_grid_thw"]).tolist() == [[1, 4, 4]]
+    assert len(head["pixel_values"]) == 16 and "pixel_values" not in tail
+    assert L(head["labels"])[0] == -100 and L(tail["labels"])[0] == -100
+    batch = PaddingFreeCollator()([ok[i] for i in range(len(ok))])
+    assert batch["pixel_values"].shape == (16, 3)
+    bad = PackedDataset(rows, plan_packs([2, 11], 5, overflow="split"), shuffle=False)  # cut at 5: inside
+    with pytest.raises(ValueError, match=r"sample 1: cut at token 5 .* falls inside image"):
+        [bad[i] for i in range(len(bad))]
 
 
 # ---------------------------------------------------------------- plan check

@@ -438,7 +438,8 @@ class PaddingFreeCollator:
         if have:
             stacked = np.concatenate([given[i] for i in have], axis=1).astype(np.int64, copy=False)
             self._check_text_plane(stacked[text_plane], positions, lengths, have, names, total)
-        if planes is None:  # text-only: [1, T]
+        if planes is None or (planes == 1 and self.position_planes is None):
+            # text-only, or one plane that (checked above) equals the restarting positions: [1, T]
             return torch.from_numpy(positions).unsqueeze(0)
         out = np.broadcast_to(positions, (planes, positions.size)).copy()
         if have:

@@ -78,19 +78,20 @@ def _slice(value: Any, start: int, stop: int) -> Any:
     return list(value[start:stop])
 
 
-def _shift_positions(value: Any, text_plane: int) -> Any:
-    """Shift a piece's positions so that its text plane starts at 0 (RoPE is relative: scores unchanged)."""
-    arr = value if isinstance(value, torch.Tensor) else np.asarray(value)
+def _restart_text_plane(value: Any, text_plane: int) -> Any:
+    """A piece's positions: the text plane restarts at ``0..L-1``; other (mRoPE) planes keep their values,
+    as in ``varpack.encode.multimodal.slice_mm_sample``."""
+    arr = value.clone() if isinstance(value, torch.Tensor) else np.array(value, dtype=np.int64)
+    n = arr.shape[-1]
     if arr.ndim == 1:
-        first = arr[0]
+        arr[:] = torch.arange(n) if isinstance(arr, torch.Tensor) else np.arange(n)
     elif arr.ndim == 2:
-        first = arr[text_plane, 0]
+        arr[text_plane] = torch.arange(n) if isinstance(arr, torch.Tensor) else np.arange(n)
     else:
         raise ValueError(f"position_ids must be [L] or [P, L], got shape {tuple(arr.shape)}")
-    shifted = arr - first
     if isinstance(value, (torch.Tensor, np.ndarray)):
-        return shifted
-    return shifted.tolist()
+        return arr
+    return arr.tolist()
 
 
 def _set_first_label(labels: Any) -> Any:
@@ -107,8 +108,10 @@ class PackedDataset(Dataset):
     overlong sample (plan id ``>= num_samples``, ``plan.pieces[id] = (sample_id, start, stop)``) is that
     sample's token range ``[start, stop)`` cut on every token-aligned field (:data:`TOKEN_ALIGNED_FIELDS` and
     ``token_fields``), with ``labels[0] = -100`` (the token before the cut is in another piece), ``length``
-    updated, ``position_ids`` shifted so their text plane starts at 0 (RoPE is relative, so scores inside the
-    piece are those of the uncut sample), and ``piece_id`` / ``piece_range`` added.
+    updated, the text plane of ``position_ids`` restarted at ``0..L-1`` (mRoPE planes kept as in the whole
+    sample), and ``piece_id`` / ``piece_range`` added. A sample with images or videos is cut by
+    ``varpack.encode.multimodal.slice_mm_sample``: the piece keeps the media wholly inside it, and a cut
+    through an image raises.
 
     From a HF ``datasets.Dataset`` a pack is read with one Arrow call; flat numeric list columns
     (``input_ids``, ``labels``, ``loss_scale``, ...) arrive as read-only numpy arrays (views of the Arrow
@@ -137,8 +140,8 @@ class PackedDataset(Dataset):
     Raises:
         TypeError: ``samples`` is not a dataset / sequence, or ``plan`` lacks the PackPlan interface.
         ValueError: (``check``) the plan's sample count, fingerprint or packed lengths disagree with the
-            samples, naming the first sample that differs; at access time, a piece of a sample that carries
-            media (image patches cannot be cut by token ranges) or a piece range beyond the sample.
+            samples, naming the first sample that differs; at access time, a piece that cuts through an
+            image/video span (``varpack.encode.multimodal.validate_cut``) or a piece range beyond the sample.
         IndexError: ``index`` out of range.
 
     Example:
@@ -336,12 +339,19 @@ class PackedDataset(Dataset):
         return rows
 
     def _cut(self, row: dict[str, Any], piece_id: int, sample_id: int, start: int, stop: int) -> None:
-        media = [f for f in _MEDIA_FIELDS if f in row and row[f] is not None]
-        if media:
-            raise ValueError(
-                f"sample {sample_id} carries media {media} and cannot be cut into pieces (piece {piece_id}, "
-                f"tokens [{start}, {stop})); plan it with overflow='error' or 'drop' or a larger packing_length"
-            )
+        if any(row.get(f) is not None for f in _MEDIA_FIELDS):
+            # image/video pieces keep only the media wholly inside them; a cut inside an image raises
+            from varpack.encode import multimodal
+
+            piece = multimodal.slice_mm_sample(row, start, stop, sample_id=sample_id)
+            for f in self.token_fields:  # extra token fields that the multimodal slicer does not know
+                if f in row and f != "position_ids" and f not in multimodal.TOKEN_ALIGNED_FIELDS:
+                    piece[f] = _slice(row[f], start, stop)
+            row.clear()
+            row.update(piece)
+            row["piece_id"] = piece_id
+            row["piece_range"] = (start, stop)
+            return
         length = len(row["input_ids"])
         if not 0 <= start < stop <= length:
             raise ValueError(
@@ -354,7 +364,7 @@ class PackedDataset(Dataset):
         if "labels" in row:
             row["labels"] = _set_first_label(row["labels"])
         if "position_ids" in row and row["position_ids"] is not None:
-            row["position_ids"] = _shift_positions(row["position_ids"], self.text_plane)
+            row["position_ids"] = _restart_text_plane(row["position_ids"], self.text_plane)
         if "length" in row:
             row["length"] = stop - start
         row["piece_id"] = piece_id
