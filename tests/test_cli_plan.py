@@ -120,3 +120,18 @@ def test_plan_builtin_data(capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["num_samples"] == len(builtin_chats())
     assert summary["data"] == "builtin"
+
+
+def test_plan_routes_image_chats(tmp_path, capsys):
+    pytest.importorskip("PIL")
+    pytest.importorskip("skimage")
+    vl = pytest.importorskip("varpack.data.vl_builtin")
+    path = vl.write_vl_jsonl(tmp_path / "vl.jsonl", limit=3)
+    rc = main(["plan", str(path), "--packing-length", "4096", "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_samples"] == len(vl.builtin_vl_chats(limit=3))
+    # a budget far below the image spans: split pieces would cut images -> refused, not silently planned
+    rc = main(["plan", str(path), "--packing-length", "40", "--overflow", "split", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out == "" and "cut through an image" in captured.err

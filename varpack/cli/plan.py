@@ -77,6 +77,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 _EMBEDDED_CACHE: dict[str, Any] = {}
 
 
+def _has_mm_chats(paths: list[str]) -> bool:
+    """True when the files hold image/video chats (needs varpack.encode.multimodal; False without it)."""
+    try:
+        from varpack.encode.multimodal import has_mm_chats
+    except ImportError:
+        return False
+    return has_mm_chats(list(paths))
+
+
 def _tokenizer(name_or_dir: str) -> Any:
     """``load_tokenizer``, keeping embedded tokenizers (not directories) for later calls in this process."""
     from varpack.tokenizer import load_tokenizer
@@ -151,15 +160,24 @@ def run(args: argparse.Namespace) -> int:
         with quiet:
             from varpack.encode import encode_dataset, load_chat_data
 
-            if args.data:
-                data: Any = load_chat_data(list(args.data))  # bad paths fail before the tokenizer loads
-            else:
-                from varpack.data.builtin import builtin_chats
+            mm_samples = None
+            if args.data and _has_mm_chats(args.data):
+                # image/video chats: the vision-language encoder expands the placeholders (lengths only)
+                from varpack.encode.multimodal import encode_any
 
-                data = builtin_chats()
-            tokenizer = _tokenizer(args.tokenizer)
-            encoded = encode_dataset(data, tokenizer, num_proc=args.num_proc, desc="encode")
-            lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
+                tokenizer = _tokenizer(args.tokenizer)
+                mm_samples = encode_any(list(args.data), tokenizer, with_pixels=False, progress=True)
+                lengths = np.asarray([int(s["length"]) for s in mm_samples], dtype=np.int64)
+            else:
+                if args.data:
+                    data: Any = load_chat_data(list(args.data))  # bad paths fail before the tokenizer loads
+                else:
+                    from varpack.data.builtin import builtin_chats
+
+                    data = builtin_chats()
+                tokenizer = _tokenizer(args.tokenizer)
+                encoded = encode_dataset(data, tokenizer, num_proc=args.num_proc, desc="encode")
+                lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
     except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
         print(f"varpack plan: error: {exc}", file=sys.stderr)
         return 1
@@ -176,6 +194,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"varpack plan: error: {exc}", file=sys.stderr)
         return 1
     t2 = time.perf_counter()
+    if mm_samples is not None and plan.pieces:
+        from varpack.encode.multimodal import check_plan_cuts
+
+        bad = check_plan_cuts(mm_samples, plan.pieces)
+        if bad:
+            shown = "; ".join(
+                f"piece {b['piece_id']} = sample {b['sample_id']} [{b['start']}, {b['stop']})"
+                for b in bad[:20]
+            )
+            print(
+                f"varpack plan: error: {len(bad)} piece(s) of overlong samples would cut through an image or "
+                f"video ({shown}); use --overflow drop or a larger --packing-length",
+                file=sys.stderr,
+            )
+            return 1
     if args.report:
         from varpack.report import plot_plan_report
 
