@@ -176,10 +176,23 @@ def test_enable_varpack_names_and_idempotence():
     assert model.config._attn_implementation == "varpack_reference"
     assert attn_implementation_name("flash_attn_4") == "varpack_fa_4"  # no "flash" in the name
     assert is_varpack_attention("varpack_reference") and not is_varpack_attention("sdpa")
-    assert len(model._forward_pre_hooks) == 1  # the old hook was replaced, not stacked
+    assert len(model.model._forward_pre_hooks) == 1 and not model._forward_pre_hooks  # replaced, not stacked
     assert model._varpack_state.original_attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="unknown attention backend"):
         enable_varpack(model, backend="nope")
+
+
+def test_deepcopy_keeps_the_original_guarded():
+    import copy
+
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    clone = enable_varpack(copy.deepcopy(model), backend="reference")
+    assert len(model.model._forward_pre_hooks) == 1 and len(clone.model._forward_pre_hooks) == 1
+    batch = model_inputs(PaddingFreeCollator()([make_samples()]))
+    batch["input_ids"] = batch["input_ids"].repeat(2, 1)
+    for m in (model, clone):
+        with pytest.raises(PackingGuardError):
+            m(**batch)
 
 
 # ------------------------------------------------------------------------------------------------ guards
@@ -213,6 +226,7 @@ def test_guard_attention_mask_with_packed(qwen, batch):
         qwen(**batch)
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_guard_cache(qwen, batch):
     from transformers import DynamicCache
 
@@ -232,6 +246,13 @@ def test_guard_not_varpack_attention(batch):
     model.set_attn_implementation("sdpa")
     with pytest.raises(PackingGuardError, match="not varpack's"):
         model(**batch)
+
+
+def test_guard_base_model_call(qwen, batch):
+    """Calling the base model directly (as linear-CE losses do) is guarded too."""
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with pytest.raises(PackingGuardError, match="attention_mask"):
+        qwen.model(**batch)
 
 
 def test_guard_no_position_ids(qwen, batch):

@@ -183,3 +183,13 @@ def test_errors():
         causal_lm_loss(pl, plab, num_items_in_batch=0)
     with pytest.raises(ValueError, match="needs seq_idx"):
         count_loss_items(plab, reduction="sample")
+
+
+def test_count_tensor_matches_count():
+    from varpack.loss import count_loss_items_tensor
+
+    _, _, _, plab, seq = make()
+    for reduction in ("token", "sample"):
+        n = count_loss_items(plab, reduction=reduction, seq_idx=seq)
+        t = count_loss_items_tensor(plab, reduction=reduction, seq_idx=seq)
+        assert t.dim() == 0 and int(t) == n

@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_lm_loss", "count_loss_items"]
+__all__ = ["causal_lm_loss", "count_loss_items", "count_loss_items_tensor"]
 
 Reduction = Literal["token", "sample"]
 
@@ -206,3 +206,32 @@ def count_loss_items(
         return int(valid.sum())
     assert segment is not None
     return int(torch.unique(segment[valid]).numel())
+
+
+def count_loss_items_tensor(
+    labels: torch.Tensor,
+    *,
+    reduction: Reduction = "token",
+    seq_idx: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """:func:`count_loss_items` as a 0-d int64 tensor on ``labels``' device, computed without reading any
+    value back to the host (safe on GPU batches inside a training step).
+
+    Raises:
+        ValueError: ``"sample"`` without ``seq_idx``; an unknown ``reduction``.
+    """
+    if reduction not in ("token", "sample"):
+        raise ValueError(f"reduction must be 'token' or 'sample', got {reduction!r}")
+    labels = _as_rows(labels, "labels", 1)
+    if seq_idx is not None:
+        seq_idx = _as_rows(seq_idx, "seq_idx", 1).to(labels.device)
+    if reduction == "sample" and seq_idx is None:
+        raise ValueError("reduction='sample' needs seq_idx")
+    _, valid, segment = _shifted_targets(labels, seq_idx, ignore_index)
+    if reduction == "token":
+        return valid.sum()
+    assert segment is not None
+    slots = torch.zeros(labels.numel(), dtype=torch.int64, device=labels.device)
+    slots.index_add_(0, segment.reshape(-1), valid.reshape(-1).to(torch.int64))
+    return (slots > 0).sum()

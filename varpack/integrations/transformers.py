@@ -3,8 +3,9 @@
 :func:`enable_varpack` registers an attention function in transformers' ``AttentionInterface`` (name
 ``"varpack"`` for ``backend="auto"``, ``"varpack_<backend>"`` for a forced backend), switches the model to it
 with ``model.set_attn_implementation``, patches linear-attention (gated-delta) layers through
-:mod:`varpack.integrations.gated_delta`, and installs a forward pre-hook on the top model that refuses every
-batch that would reach a path mixing samples.
+:mod:`varpack.integrations.gated_delta`, and installs a forward pre-hook on the base model
+(``model.base_model``, which every forward path reaches with the same keywords) that refuses every batch
+that would reach a path mixing samples.
 
 How a packed batch flows (ARCHITECTURE.md, "Collated batch"): the collator emits ``cu_seq_lens_q/k``
 (``[N+1]`` int32) and ``max_length_q/k`` (Python ints), transformers' ``FlashAttentionKwargs`` names, so every
@@ -238,17 +239,16 @@ def is_varpack_attention(attn_implementation: str | None) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the packing guard (forward pre-hook on the top model)
+# the packing guard (forward pre-hook on the base model)
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
 class _GuardState:
-    """What :func:`enable_varpack` installed on a model (kept as ``model._varpack_state``)."""
+    """What :func:`enable_varpack` installed (``model._varpack_state`` and ``model.base_model._varpack_state``)."""
 
     backend: str
     attn_implementation: str
     original_attn_implementation: str | None
     positional_names: tuple[str, ...]
-    handle: Any = None
     linear_layers_patched: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -404,6 +404,14 @@ def _linear_attention_layers(model: torch.nn.Module) -> int:
     return count
 
 
+def _remove_guard(model: torch.nn.Module) -> None:
+    """Drop varpack's pre-hook (found by function identity, so that deep copies of a model are handled too)."""
+    hooks = model._forward_pre_hooks
+    for hook_id in [i for i, fn in hooks.items() if fn is _packing_guard]:
+        del hooks[hook_id]
+        model._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+
+
 def enable_varpack(
     model: torch.nn.Module,
     *,
@@ -456,9 +464,12 @@ def enable_varpack(
                 f"{type(model).__name__} has {num_linear} linear-attention layers but only {patched} were patched"
             )
 
-    if old is not None and old.handle is not None:
-        old.handle.remove()
-    params = inspect.signature(model.forward).parameters.values()
+    # The guard sits on the base model (``model.model`` of a *ForCausalLM): every path reaches it with the
+    # same keywords -- model(**batch), and base-model-only calls such as varpack.linear_ce's.
+    base = getattr(model, "base_model", model)
+    for module in {id(model): model, id(base): base}.values():
+        _remove_guard(module)
+    params = inspect.signature(base.forward).parameters.values()
     positional = tuple(
         p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
     )
@@ -470,5 +481,6 @@ def enable_varpack(
         linear_layers_patched=patched,
     )
     model._varpack_state = state
-    state.handle = model.register_forward_pre_hook(_packing_guard, with_kwargs=True)
+    base._varpack_state = state
+    base.register_forward_pre_hook(_packing_guard, with_kwargs=True)
     return model

@@ -1,0 +1,134 @@
+"""check_exactness: passes on real models, fails when the boundaries are sabotaged; `varpack check` CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import varpack.collate
+from varpack.check import check_exactness
+from varpack.models import load_model
+
+VOCAB = 512
+KEYS = {"max_abs_logit_diff", "loss_packed", "loss_unpacked", "max_abs_grad_diff", "backend", "passed"}
+
+
+def samples(lengths=(9, 1, 6, 4), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        labels = [-100] + ids[1:]
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+class _Sabotaged(varpack.collate.PaddingFreeCollator):
+    """Drops the boundaries of multi-sample batches: one segment spanning the whole row."""
+
+    def __call__(self, features):
+        batch = super().__call__(features)
+        t = batch["input_ids"].shape[1]
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, t], dtype=torch.int32)
+        batch["max_length_q"] = batch["max_length_k"] = t
+        batch["seq_idx"] = torch.zeros_like(batch["seq_idx"])
+        return batch
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+
+
+def test_check_passes_fp32(qwen):
+    res = check_exactness(qwen, samples(), backend="reference")
+    assert KEYS <= res.keys()
+    assert res["passed"], res["failures"]
+    assert res["max_abs_logit_diff"] <= 1e-5
+    assert res["backend"] == "reference" and res["reference_attn"] == "sdpa"
+    assert res["num_tokens"] == 20 and res["num_samples"] == 4
+    assert res["num_params"] == len(list(qwen.parameters()))
+    assert not qwen.training and qwen.config._attn_implementation == "varpack_reference"
+
+
+def test_check_auto_reports_reason(qwen):
+    res = check_exactness(qwen, samples(), backend="auto")
+    from varpack.attn import BACKENDS
+
+    assert res["passed"], res["failures"]
+    assert res["backend"] in BACKENDS and res["backend"] != "auto"
+    assert "auto" in res["backend_reason"]
+
+
+def test_check_fails_when_boundaries_are_sabotaged(qwen, monkeypatch):
+    monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
+    res = check_exactness(qwen, samples(), backend="reference")
+    assert not res["passed"]
+    assert res["max_abs_logit_diff"] > 1e-3 and res["max_abs_grad_diff"] > 1e-3
+    assert any("logit" in f for f in res["failures"])
+
+
+def test_check_bf16_fp32_truth_rule(qwen, monkeypatch):
+    res = check_exactness(qwen, samples(), backend="reference", dtype=torch.bfloat16)
+    assert res["passed"], res["failures"]
+    assert res["dtype"] == "bfloat16" and res["logit_err_unpacked"] > 0  # bf16 noise is real, and tolerated
+    assert next(qwen.parameters()).dtype == torch.float32  # the caller's model was not cast
+    monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
+    bad = check_exactness(qwen, samples(), backend="reference", dtype=torch.bfloat16)
+    assert not bad["passed"]
+
+
+def test_check_llama_eval_mode_restored():
+    model = load_model("tiny-llama", vocab_size=VOCAB, attn_backend="reference").train()
+    res = check_exactness(model, samples(lengths=(3, 5, 1)), backend="reference")
+    assert res["passed"], res["failures"]
+    assert model.training and all(p.grad is None for p in model.parameters())
+
+
+def test_check_bad_samples(qwen):
+    with pytest.raises(ValueError, match="at least one sample"):
+        check_exactness(qwen, [])
+    with pytest.raises(ValueError, match="labels"):
+        check_exactness(qwen, [{"input_ids": [1, 2], "labels": [1, 2]}])  # first label must be -100
+
+
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory):
+    data = tmp_path_factory.mktemp("chats") / "chats.jsonl"
+    turns = [("Say hi.", "Hi!"), ("2+2?", "4"), ("Name a color.", "Blue.")]
+    rows = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in turns
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(data)
+
+
+def test_cli_check_json(chat_file, capsys):
+    from varpack.cli.main import main
+
+    code = main(["check", "--model", "tiny-llama", "--data", chat_file, "--json", "--num-samples", "3"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["passed"] is True
+    assert KEYS <= out.keys() and out["num_samples"] == 3
+
+
+def test_cli_check_text_fail_exit_code(chat_file, monkeypatch, capsys):
+    from varpack.cli.main import main
+
+    monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
+    args = [
+        "check",
+        "--model",
+        "tiny-qwen3",
+        "--data",
+        chat_file,
+        "--num-samples",
+        "3",
+        "--attn-backend",
+        "reference",
+    ]
+    code = main(args)
+    out = capsys.readouterr().out
+    assert code == 1 and "FAIL" in out and "max |logit diff|" in out

@@ -1,0 +1,265 @@
+"""``check_exactness``: prove on a given model that a packed step equals the unpacked step.
+
+The samples are packed into ONE padding-free row with :class:`varpack.collate.PaddingFreeCollator` and run
+through varpack attention (the *packed* run); then each sample runs alone through the model's own attention
+(sdpa / eager, no boundary kwargs: the *unpacked* run). Both runs compute the token-mean causal-LM loss over
+all samples (:func:`varpack.loss.causal_lm_loss`) and its gradient w.r.t. every parameter. Compared:
+
+* ``max_abs_logit_diff``: max |logit difference| over every real token of every sample;
+* ``loss_packed`` / ``loss_unpacked``;
+* ``max_abs_grad_diff``: max |gradient difference| over every element of every parameter.
+
+Pass rule:
+
+* float32: ``max_abs_logit_diff <= atol`` (default 1e-4), ``|loss diff| <= 1e-5 * max(1, |loss|)``, and per
+  parameter ``|g_packed - g_unpacked| <= 1e-4 + 1e-3 * max|g_unpacked|``;
+* bfloat16 / float16 (the fp32-truth rule, as in flash-attn's tests): an fp32 copy of the model runs unpacked
+  (the truth); the packed low-precision run must be as close to the truth as the unpacked low-precision run
+  is, within a factor 2 plus a small ``atol``: ``err(packed) <= 2 * err(unpacked) + atol``, for the logits,
+  the loss and every parameter's gradient (max abs error each). Low-precision noise is then never mistaken
+  for a leak, and a leak (errors of order 0.1-1) is never mistaken for noise.
+
+A model whose boundaries were sabotaged (e.g. one segment over the whole row) fails this check.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["check_exactness"]
+
+_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_NOT_MODEL_INPUTS = ("labels", "loss_scale", "sample_ids")
+_LOW_PRECISION_ATOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _as_sample_list(samples: Any) -> list[dict[str, Any]]:
+    if isinstance(samples, Mapping):
+        raise TypeError("samples must be a sequence of encoded samples (dicts), got one dict")
+    out = []
+    for i, s in enumerate(samples):
+        if not isinstance(s, Mapping):
+            raise TypeError(f"sample {i} is a {type(s).__name__}, expected a dict with input_ids and labels")
+        row = dict(s)
+        row.setdefault("sample_id", i)
+        out.append(row)
+    if not out:
+        raise ValueError("check_exactness needs at least one sample")
+    return out
+
+
+def _model_inputs(batch: Mapping[str, Any], device: torch.device, *, packed: bool) -> dict[str, Any]:
+    out = {}
+    for key, value in batch.items():
+        if key in _NOT_MODEL_INPUTS or (not packed and key in _BOUNDARY_KEYS):
+            continue
+        if isinstance(value, torch.Tensor) and not key.startswith("cu_seq_lens"):
+            value = value.to(device)  # boundaries stay on the CPU: varlen_attention copies them once
+        out[key] = value
+    return out
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (
+            p.grad.detach().float().clone()
+            if p.grad is not None
+            else torch.zeros_like(p, dtype=torch.float32)
+        )
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def _packed_run(model: Any, collate: Any, samples: list[dict], device: torch.device) -> tuple:
+    from varpack.loss import causal_lm_loss
+
+    batch = collate([samples])
+    model.zero_grad(set_to_none=True)
+    logits = model(**_model_inputs(batch, device, packed=True)).logits
+    loss = causal_lm_loss(logits, batch["labels"].to(device), seq_idx=batch["seq_idx"].to(device))
+    loss.backward()
+    return logits[0].detach().float(), loss.detach().float(), _grads(model)
+
+
+def _unpacked_run(model: Any, collate: Any, samples: list[dict], device: torch.device, attn: str) -> tuple:
+    from varpack.loss import causal_lm_loss
+
+    current = model.config._attn_implementation
+    model.set_attn_implementation(attn)
+    try:
+        model.zero_grad(set_to_none=True)
+        batches = [collate([[s]]) for s in samples]
+        count = sum(int((b["labels"][0, 1:] != -100).sum()) for b in batches)
+        logits_all, total = [], None
+        for batch in batches:
+            logits = model(**_model_inputs(batch, device, packed=False)).logits
+            part = causal_lm_loss(logits, batch["labels"].to(device), num_items_in_batch=1)  # per-sample sum
+            total = part if total is None else total + part
+            logits_all.append(logits[0].detach().float())
+        loss = total / max(count, 1)
+        loss.backward()
+        return torch.cat(logits_all), loss.detach().float(), _grads(model)
+    finally:
+        model.set_attn_implementation(current)
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def _resolved_backend(model: Any, backend: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """Which backend a full-attention layer of this model runs, and why (varpack.attn.resolve_backend)."""
+    from varpack.attn import resolve_backend
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    q = torch.empty(1, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.empty(1, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
+    softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
+    resolved = resolve_backend(backend, q, k, k, causal=True, softcap=softcap)
+    return str(resolved), resolved.reason
+
+
+def check_exactness(
+    model: Any,
+    samples: Sequence[Mapping[str, Any]],
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype | None = None,
+    atol: float | None = None,
+    reference_attn: str | None = None,
+) -> dict[str, Any]:
+    """Run ``samples`` packed (varpack attention, one row) and one by one (the model's own attention) and
+    compare logits, loss and every parameter's gradient.
+
+    Args:
+        model: a transformers causal LM (:func:`varpack.integrations.transformers.enable_varpack` is applied
+            with ``backend``; the model is left on varpack attention, in its original train/eval mode, with
+            its gradients cleared).
+        samples: encoded samples (dicts with ``input_ids`` and ``labels``, ``labels[0] == -100``; optional
+            ``position_ids``, ``loss_scale``, ...), e.g. rows of :func:`varpack.encode.encode_dataset`.
+        backend: varpack attention backend for the packed run.
+        dtype: run in this dtype (a copy of the model is cast when it differs); default: the model's dtype.
+        atol: absolute tolerance on logits (float32; default 1e-4) or the additive term of the fp32-truth
+            rule (bf16 default 2e-2, fp16 2e-3).
+        reference_attn: attention implementation of the unpacked run; default the model's own from before
+            :func:`enable_varpack` (``sdpa`` for most models, ``eager`` where sdpa is unsupported).
+
+    Returns:
+        dict with ``max_abs_logit_diff``, ``loss_packed``, ``loss_unpacked``, ``max_abs_grad_diff``,
+        ``backend`` (what ``auto`` resolved to), ``backend_reason``, ``passed`` (bool), ``failures`` (list of
+        the violated criteria), ``dtype``, ``num_samples``, ``num_tokens``, ``num_params``,
+        ``worst_grad_param``, ``tolerance``; for bf16/fp16 also ``logit_err_packed`` / ``logit_err_unpacked``
+        (vs the fp32 truth), ``loss_err_*`` and ``grad_err_*``.
+
+    Raises:
+        TypeError / ValueError: malformed samples (the collator names the sample and field), a model that is
+            not a transformers model; varpack.attn.BackendUnavailableError: the backend cannot run here.
+    """
+    from varpack.collate import PaddingFreeCollator
+    from varpack.integrations.transformers import enable_varpack
+
+    rows = _as_sample_list(samples)
+    model_dtype = next(model.parameters()).dtype
+    dtype = dtype or model_dtype
+    if dtype != model_dtype:
+        model = copy.deepcopy(model).to(dtype)
+    enable_varpack(model, backend=backend)
+    ref_attn = reference_attn or model._varpack_state.original_attn_implementation or "sdpa"
+    device = next(model.parameters()).device
+    collate = PaddingFreeCollator()
+    was_training = model.training
+    model.eval()  # no dropout: the two runs must see the same function
+    try:
+        logits_p, loss_p, grads_p = _packed_run(model, collate, rows, device)
+        logits_u, loss_u, grads_u = _unpacked_run(model, collate, rows, device, ref_attn)
+        truth = None
+        if dtype in _LOW_PRECISION_ATOL:
+            fp32 = copy.deepcopy(model).float()
+            truth = _unpacked_run(fp32, collate, rows, device, ref_attn)
+            del fp32
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+
+    logit_diff = _max_abs(logits_p, logits_u)
+    grad_diffs = {n: _max_abs(grads_p[n], grads_u[n]) for n in grads_p}
+    worst = max(grad_diffs, key=grad_diffs.get) if grad_diffs else None
+    grad_diff = grad_diffs[worst] if worst else 0.0
+    loss_packed, loss_unpacked = float(loss_p), float(loss_u)
+    failures: list[str] = []
+    result: dict[str, Any] = {
+        "max_abs_logit_diff": logit_diff,
+        "loss_packed": loss_packed,
+        "loss_unpacked": loss_unpacked,
+        "max_abs_grad_diff": grad_diff,
+    }
+    if truth is None:
+        tol = 1e-4 if atol is None else float(atol)
+        if not logit_diff <= tol:
+            failures.append(f"max_abs_logit_diff {logit_diff:.3g} > {tol:.3g}")
+        loss_tol = 1e-5 * max(1.0, abs(loss_unpacked))
+        if not abs(loss_packed - loss_unpacked) <= loss_tol:
+            failures.append(f"|loss diff| {abs(loss_packed - loss_unpacked):.3g} > {loss_tol:.3g}")
+        for name, diff in grad_diffs.items():
+            bound = 1e-4 + 1e-3 * float(grads_u[name].abs().max())
+            if not diff <= bound:
+                failures.append(f"grad of {name}: max abs diff {diff:.3g} > {bound:.3g}")
+        result["tolerance"] = {"logits_atol": tol, "loss": loss_tol, "grad": "1e-4 + 1e-3 * max|g|"}
+    else:
+        tol = _LOW_PRECISION_ATOL[dtype] if atol is None else float(atol)
+        logits_t, loss_t, grads_t = truth
+        err_p, err_u = _max_abs(logits_p, logits_t), _max_abs(logits_u, logits_t)
+        lerr_p, lerr_u = abs(loss_packed - float(loss_t)), abs(loss_unpacked - float(loss_t))
+        gerr_p = {n: _max_abs(grads_p[n], grads_t[n]) for n in grads_p}
+        gerr_u = {n: _max_abs(grads_u[n], grads_t[n]) for n in grads_p}
+        if not err_p <= 2 * err_u + tol:
+            failures.append(f"logits: err(packed) {err_p:.3g} > 2 * err(unpacked) {err_u:.3g} + {tol:.3g}")
+        loss_atol = tol * 0.1
+        if not lerr_p <= 2 * lerr_u + loss_atol:
+            failures.append(
+                f"loss: err(packed) {lerr_p:.3g} > 2 * err(unpacked) {lerr_u:.3g} + {loss_atol:.3g}"
+            )
+        for name in grads_p:
+            scale = float(grads_t[name].abs().max())
+            bound = 2 * gerr_u[name] + tol * max(scale, 1e-6)
+            if not gerr_p[name] <= bound:
+                failures.append(
+                    f"grad of {name}: err(packed) {gerr_p[name]:.3g} > 2 * err(unpacked) {gerr_u[name]:.3g} "
+                    f"+ {tol:.3g} * max|g| {scale:.3g}"
+                )
+        result.update(
+            logit_err_packed=err_p,
+            logit_err_unpacked=err_u,
+            loss_err_packed=lerr_p,
+            loss_err_unpacked=lerr_u,
+            grad_err_packed=max(gerr_p.values(), default=0.0),
+            grad_err_unpacked=max(gerr_u.values(), default=0.0),
+            loss_fp32=float(loss_t),
+            tolerance={"rule": "err(packed) <= 2 * err(unpacked) + atol (vs fp32 truth)", "atol": tol},
+        )
+    for key in ("loss_packed", "loss_unpacked"):
+        if not math.isfinite(result[key]):
+            failures.append(f"{key} is not finite ({result[key]})")
+    name, reason = _resolved_backend(model, backend, device, dtype)
+    result.update(
+        backend=name,
+        backend_reason=reason,
+        reference_attn=ref_attn,
+        dtype=str(dtype).replace("torch.", ""),
+        num_samples=len(rows),
+        num_tokens=int(logits_p.shape[0]),
+        num_params=len(grads_p),
+        worst_grad_param=worst,
+        failures=failures,
+        passed=not failures,
+    )
+    return result
