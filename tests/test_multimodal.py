@@ -20,6 +20,7 @@ from varpack.encode.multimodal import (  # noqa: E402
     encode_any,
     encode_mm_chat,
     encode_mm_dataset,
+    has_mm_chats,
     image_spans,
     is_mm_chat,
     legal_cut,
@@ -210,6 +211,27 @@ def test_type_errors(tok, proc):
         encode_mm_chat([{"role": "user", "content": [{"type": "text", "text": 3}]}], tok, proc, sample_id=2)
     with pytest.raises(ValueError, match=r"image part but no image processor"):
         encode_mm_chat(chat_two_images(), tok, None, sample_id=2)
+
+
+def test_video_processor_contract(tok, proc):
+    msgs = [
+        {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]},
+        {"role": "assistant", "content": "x"},
+    ]
+    with pytest.raises(
+        TypeError, match=r"sample 6: messages\[0\]\.content\[0\]: video_processor must be a full Qwen-VL"
+    ):
+        encode_mm_chat(msgs, tok, proc, sample_id=6, video_processor=object())
+
+
+def test_has_mm_chats(tmp_path):
+    rows = [{"messages": chat_two_images()}, {"messages": [{"role": "user", "content": "x"}]}]
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = tmp_path / "b.jsonl"
+    text.write_text(json.dumps(rows[1]) + "\n")
+    assert has_mm_chats(path) and has_mm_chats([str(text), str(path)]) and has_mm_chats(rows)
+    assert not has_mm_chats(text) and not has_mm_chats(rows[1:]) and not has_mm_chats(tmp_path / "c.parquet")
 
 
 def test_unreadable_image(tok, proc, tmp_path):
