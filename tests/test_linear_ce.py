@@ -223,6 +223,27 @@ def test_batched_rows_flatten_like_one_stream():
     torch.testing.assert_close(got, want, **_tol(torch.float64))
 
 
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_fused_chunk_step_matches_unfused(monkeypatch, reduction):
+    """The out-of-place chunk step that torch.compile fuses on CUDA, run eagerly here (compiling on the CPU
+    takes ~30 s): same loss and gradients as the unfused reference."""
+    import varpack.linear_ce as lce
+
+    monkeypatch.setattr(lce, "_compiled_chunk_fn", lambda: lce._chunk_loss_and_grad_fused)
+    hidden, weight, b, labels, seq_idx = _problem(T=15, bias=True, n_samples=3)
+    loss = linear_cross_entropy(
+        hidden, weight, labels, bias=b, reduction=reduction, seq_idx=seq_idx, chunk_size=4, compile=True
+    )
+    ref = (
+        ref_token_mean(hidden, weight, labels, bias=b)
+        if reduction == "token"
+        else ref_sample_mean(hidden, weight, labels, seq_idx, bias=b)
+    )
+    torch.testing.assert_close(loss, ref, **_tol(torch.float64))
+    for got, want in zip(_grads(loss, hidden, weight, b), _grads(ref, hidden, weight, b)):
+        torch.testing.assert_close(got, want, **_tol(torch.float64))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # negative controls: the comparisons above can fail
 # ---------------------------------------------------------------------------------------------------------
@@ -469,6 +490,24 @@ def test_gpu_bf16_close_to_fp32_reference(backend, reduction):
     for got, want in zip(_grads(loss, hb, wb), _grads(unfused, hr, wr)):
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert err < 2e-2, err
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_chunk_equals_eager_chunk():
+    T, D, V = 2500, 128, 5000
+    hidden, weight, _, labels, _ = _problem(T=T, D=D, V=V, dtype=torch.float32)
+    h, w, lab = (
+        hidden.detach().cuda().requires_grad_(),
+        weight.detach().cuda().requires_grad_(),
+        labels.cuda(),
+    )
+    eager = linear_cross_entropy(h, w, lab, chunk_size=1000, compile=False)
+    ge = _grads(eager, h, w)
+    fused = linear_cross_entropy(h, w, lab, chunk_size=1000, compile=True)
+    gf = _grads(fused, h, w)
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(gf, ge):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -237,6 +239,100 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.add_(torch.mm(a, b).to(acc.dtype))
 
 
+def _chunk_loss_and_grad_inplace(
+    logits: torch.Tensor,
+    safe_target: torch.Tensor,
+    tw: torch.Tensor,
+    want_grad: bool,
+    want_bias: bool,
+    grad_dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Eager chunk step: ``(sum_t w_t CE_t, w_t * (softmax - onehot) in grad_dtype, its column sum)``.
+
+    ``logits`` ``[C, V]`` in the accumulation dtype is overwritten (softmax computed in place: one ``C x V``
+    buffer). ``safe_target`` ``[C, 1]`` int64 (ignored labels clamped to a valid index; their weight is 0).
+    """
+    lse = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(1, safe_target).squeeze(1)
+    loss = ((lse - target_logit) * tw).sum()
+    if not want_grad:
+        return loss, None, None
+    probs = logits.sub_(lse.unsqueeze(1)).exp_()
+    probs.scatter_add_(1, safe_target, torch.full_like(target_logit, -1.0).unsqueeze(1))
+    probs.mul_(tw.unsqueeze(1))
+    grad_bias = probs.sum(dim=0) if want_bias else None
+    return loss, probs.to(grad_dtype), grad_bias
+
+
+def _chunk_loss_and_grad_fused(
+    logits: torch.Tensor,
+    safe_target: torch.Tensor,
+    tw: torch.Tensor,
+    want_grad: bool,
+    want_bias: bool,
+    grad_dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The same step written out of place for ``torch.compile``: Inductor fuses it into a reduction (the
+    log-sum-exp) and one pointwise pass that reads the matmul's ``logits`` (any dtype, upcast to float32 in
+    registers) and writes the gradient in ``grad_dtype``; no float32 ``C x V`` buffer is materialized."""
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    target_logit = x.gather(1, safe_target).squeeze(1)
+    loss = ((lse - target_logit) * tw).sum()
+    if not want_grad:
+        return loss, None, None
+    onehot = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == safe_target  # pointwise, fusable
+    probs = (torch.exp(x - lse.unsqueeze(1)) - onehot.to(x.dtype)) * tw.unsqueeze(1)
+    grad_bias = probs.sum(dim=0) if want_bias else None
+    return loss, probs.to(grad_dtype), grad_bias
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled_chunk_fn():
+    """``torch.compile`` of :func:`_chunk_loss_and_grad_fused` (dynamic chunk length: one graph for every
+    chunk), or None when compilation fails (reported once as a warning; the eager path is then used)."""
+    if "fn" not in _COMPILED:
+        try:
+            _COMPILED["fn"] = torch.compile(_chunk_loss_and_grad_fused, dynamic=True)
+        except Exception as exc:  # torch.compile unavailable on this platform
+            warnings.warn(
+                f"linear_ce: torch.compile unavailable ({exc}); using the eager chunk", stacklevel=3
+            )
+            _COMPILED["fn"] = None
+    return _COMPILED["fn"]
+
+
+def _run_compiled(step, *args):
+    """Call the compiled chunk step; if its first compilation fails, warn once and return None (eager from
+    then on). A failure after a successful first call is raised."""
+    if _COMPILED.get("ok"):
+        return step(*args)
+    try:
+        out = step(*args)
+    except Exception as exc:
+        warnings.warn(
+            f"linear_ce: torch.compile of the chunk step failed ({type(exc).__name__}: {exc}); using the eager "
+            "chunk step",
+            stacklevel=4,
+        )
+        _COMPILED["fn"] = None
+        return None
+    _COMPILED["ok"] = True
+    return out
+
+
+def _use_compile(compile: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
+    if compile is None:  # auto: CUDA (Triton) only, never for float64
+        return (
+            device.type == "cuda"
+            and dtype != torch.float64
+            and os.environ.get("VARPACK_LINEAR_CE_COMPILE", "1") != "0"
+        )
+    return bool(compile)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``sum_t w_t * CE(hidden[t] @ W.T + b, labels[t])`` with the gradients computed in the forward pass."""
 
@@ -250,6 +346,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         token_weight: torch.Tensor,
         chunk_size: int,
         grad_enabled: bool,
+        compiled: bool,
     ) -> torch.Tensor:
         # needs_input_grad reflects requires_grad even under torch.no_grad(): also ask the caller's grad mode
         needs_h, needs_w, needs_b = (grad_enabled and ctx.needs_input_grad[i] for i in range(3))
@@ -264,6 +361,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if needs_w else None
         grad_b = torch.zeros(bias.shape, device=bias.device, dtype=acc_dtype) if needs_b else None
         any_grad = needs_h or needs_w or needs_b
+        step = _compiled_chunk_fn() if compiled else None
 
         for start in range(0, num_tokens, chunk_size):
             stop = min(start + chunk_size, num_tokens)
@@ -271,23 +369,25 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = h @ w_c.T
             if b_c is not None:
                 logits = logits + b_c
-            logits = logits.to(acc_dtype)  # no copy when already acc_dtype; then used in place below
-            target = labels[start:stop]
+            safe_target = labels[start:stop].clamp(min=0).unsqueeze(1)  # ignored labels: weight 0, any index
             tw = token_weight[start:stop].to(acc_dtype)
-            safe_target = target.clamp(min=0).unsqueeze(1)  # ignored labels: weight 0, any valid index
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, safe_target).squeeze(1)
-            loss += ((lse - target_logit) * tw).sum()
-            if not any_grad:
+            result = None
+            if step is not None:
+                result = _run_compiled(step, logits, safe_target, tw, any_grad, needs_b, compute_dtype)
+                step = step if result is not None else None
+            if result is not None:
+                loss_c, grad_logits, gb = result
+            else:  # upcast (no copy when already acc_dtype), then softmax in place
+                logits = logits.to(acc_dtype)
+                loss_c, grad_logits, gb = _chunk_loss_and_grad_inplace(
+                    logits, safe_target, tw, any_grad, needs_b, compute_dtype
+                )
+            del logits
+            loss += loss_c
+            if gb is not None:
+                grad_b += gb
+            if grad_logits is None:
                 continue
-            # d CE_t / d logits = softmax - onehot(target); scaled by the token weight; in place
-            probs = logits.sub_(lse.unsqueeze(1)).exp_()
-            probs.scatter_add_(1, safe_target, torch.full_like(target_logit, -1.0).unsqueeze(1))
-            probs.mul_(tw.unsqueeze(1))
-            if needs_b:
-                grad_b += probs.sum(dim=0)
-            grad_logits = probs.to(compute_dtype)
-            del probs, logits
             if needs_h:
                 torch.mm(grad_logits, w_c, out=grad_h[start:stop])
             if needs_w:
@@ -307,7 +407,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         out = []
         for g in (grad_h, grad_w, grad_b):
             out.append(None if g is None else g * grad_output.to(g.dtype))
-        return out[0], out[1], out[2], None, None, None, None
+        return out[0], out[1], out[2], None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -436,6 +536,7 @@ def linear_cross_entropy(
     loss_scale: torch.Tensor | None = None,
     chunk_size: int = 4096,
     backend: str = "auto",
+    compile: bool | None = None,
 ) -> torch.Tensor:
     """Cross entropy of ``hidden @ weight.T + bias`` against already-shifted labels, without the logits.
 
@@ -466,6 +567,10 @@ def linear_cross_entropy(
         chunk_size: tokens per chunk; peak extra memory is about ``chunk_size * V * 6`` bytes for bf16
             (bf16 + fp32 chunk logits) and ``chunk_size * V * 4`` for fp32.
         backend: ``"auto"``, ``"chunked"`` or ``"liger"`` (see the module docstring).
+        compile: chunked backend only: fuse each chunk's softmax / loss / gradient with ``torch.compile``
+            (one reduction + one pointwise kernel, no float32 chunk buffer). None (default): on CUDA for
+            16/32-bit inputs unless ``VARPACK_LINEAR_CE_COMPILE=0``; the eager path computes the same values
+            in place.
 
     Returns:
         The scalar loss. 0 with zero gradients when nothing is supervised.
@@ -537,8 +642,9 @@ def linear_cross_entropy(
                 else _denominator(num_items_in_batch, hidden.device)
             )
         return _liger_loss(hidden, weight, bias, labels, token_weight, denom, ignore_index)
+    compiled = _use_compile(compile, hidden.device, hidden.dtype)
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, bias, labels, token_weight, chunk_size, torch.is_grad_enabled()
+        hidden, weight, bias, labels, token_weight, chunk_size, torch.is_grad_enabled(), compiled
     )
 
 
