@@ -6,8 +6,9 @@ vocab 151,936, tied embeddings, rope_theta 1e6, rms_norm_eps 1e-6), bf16 weights
 ``use_cache=False``, trained for the same optimizer steps on the same samples by each configuration:
 
 * ``padded``  (a): HF ``DataCollatorForSeq2Seq`` padding (right padding, labels padded with -100) and
-  ``attn_implementation="sdpa"`` with the attention mask; each optimizer step's samples are split in
-  micro-batches of ``--pad-batch`` (gradient accumulation, HF ``num_items_in_batch`` token mean).
+  ``attn_implementation="sdpa"`` with the attention mask; each optimizer step's samples, in random order
+  (HF's random sampler; the packs list them by decreasing length), are split in micro-batches of
+  ``--pad-batch`` (gradient accumulation, HF ``num_items_in_batch`` token mean).
 * ``hf_fa4`` / ``hf_flex`` / ``hf_sdpa`` (b): HF ``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
   return_seq_idx=True)`` with HF's own attention ``flash_attention_4`` / ``flex_attention`` / ``sdpa``
   (position-id packed-sequence detection); FA4 and flex are tried, sdpa is added when neither runs.
@@ -215,8 +216,10 @@ def collate_steps(
         collator = DataCollatorForSeq2Seq(
             _pad_tokenizer(args.pad_token_id), padding=True, label_pad_token_id=IGNORE
         )
+        rng = np.random.default_rng(args.seed)
         for i in chosen:
             pack = [{"input_ids": s["input_ids"].tolist(), "labels": s["labels"].tolist()} for s in ds[i]]
+            pack = [pack[j] for j in rng.permutation(len(pack))]  # random batches, as HF's random sampler
             size = args.pad_batch or len(pack)
             steps.append([dict(collator(pack[j : j + size])) for j in range(0, len(pack), size)])
     elif config.startswith("hf_"):

@@ -357,7 +357,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         num_tokens = hidden.shape[0]
 
         loss = torch.zeros((), device=hidden.device, dtype=acc_dtype)
-        grad_h = torch.empty_like(hidden) if needs_h else None
+        grad_h = torch.empty(hidden.shape, device=hidden.device, dtype=hidden.dtype) if needs_h else None
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if needs_w else None
         grad_b = torch.zeros(bias.shape, device=bias.device, dtype=acc_dtype) if needs_b else None
         any_grad = needs_h or needs_w or needs_b
