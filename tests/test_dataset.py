@@ -8,6 +8,8 @@ from collections import Counter
 import datasets
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from varpack.collate import PaddingFreeCollator
@@ -23,7 +25,7 @@ def encoded(lengths, seed=0):
     for i, n in enumerate(lengths):
         ids = (i * 1000 + np.arange(n)).tolist()
         labels = [t if rng.random() < 0.6 else -100 for t in ids]
-        labels[0] = -100
+        labels[:1] = [-100] * min(n, 1)
         out.append({"input_ids": ids, "labels": labels, "length": n, "source": f"doc{i}"})
     return out
 
@@ -167,6 +169,41 @@ def test_split_pieces_are_cut_on_every_token_field(kind):
         == batch["cu_seq_lens_q"].tolist()
     )
     assert Counter(batch["sample_ids"]) == Counter({0: 1, 1: 3, 2: 1, 3: 3})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 30), min_size=1, max_size=25),
+    st.integers(4, 24),
+    st.sampled_from(["drop", "truncate", "split"]),
+    st.integers(0, 3),
+)
+def test_every_token_once_per_epoch_or_reported(lengths, packing_length, overflow, epoch):
+    """Property: each epoch covers every kept token of every sample exactly once; the rest is reported."""
+    rows = encoded(lengths)
+    plan = plan_packs(lengths, packing_length, overflow=overflow, seed=1)
+    ds = PackedDataset(rows, plan, epoch=epoch)
+    tokens: Counter = Counter()
+    for i in range(len(ds)):
+        pack = ds[i]
+        assert sum(len(s["input_ids"]) for s in pack) <= packing_length
+        for s in pack:
+            assert L(s["labels"])[0] == -100
+            a, b = s.get("piece_range", (0, lengths[s["sample_id"]]))
+            assert L(s["input_ids"]) == rows[s["sample_id"]]["input_ids"][a:b]
+            tokens.update((s["sample_id"], t) for t in range(a, b))
+    assert max(tokens.values(), default=1) == 1
+    report = plan.overflow
+    for sid, n in enumerate(lengths):
+        kept = sum(1 for t in range(n) if (sid, t) in tokens)
+        if n == 0:
+            assert sid in report["empty_ids"]
+        elif n <= packing_length or overflow == "split":
+            assert kept == n
+        elif overflow == "truncate":
+            assert kept == packing_length and sid in report["truncated_ids"]
+        else:
+            assert kept == 0 and sid in report["dropped_ids"]
 
 
 def test_truncate_keeps_the_head_and_numpy_fields():

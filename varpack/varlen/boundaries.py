@@ -143,8 +143,8 @@ def cu_seqlens_from_position_ids(
     - models whose positions start at an offset (RoBERTa-like models start at ``padding_idx + 1 = 2``);
     - a row that contains no 0 at all (e.g. ``[[2, 3, 2, 3, 4]]``).
 
-    transformers <= 4.54 located starts with ``position_ids == 0``, which breaks on rows without a 0
-    (huggingface/transformers#39814); since #47525 its ``prepare_fa_kwargs_from_position_ids`` uses
+    transformers located starts with ``position_ids == 0`` until huggingface/transformers#47525 (2026), which
+    breaks on rows without a 0 (#39814, 4.54); its ``prepare_fa_kwargs_from_position_ids`` (5.24) now uses
     ``== position_ids.min()`` as here, but it does not add index 0 when the row begins inside a sample, and its
     sdpa/eager mask path (``masking_utils.find_packed_sequence_indices``) uses a different rule (a new sample
     wherever the position does not grow by exactly 1). With ``strict=True`` (default) varpack refuses rows on
