@@ -1,0 +1,316 @@
+"""Packed == per-sample for Gated DeltaNet layers and whole tiny Qwen3.5 / Qwen3-Next models.
+
+Two negative controls, each of which must make the equivalence check fail: the recurrence without
+boundaries, the short convolution without boundaries (the integration module's ops are monkeypatched to
+drop them). Whole-model runs use varpack's own attention for the full-attention layers
+(``enable_varpack``); the per-sample reference is the unmodified transformers forward on each sample.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import varpack.integrations.gated_delta as gd
+from varpack.collate import PaddingFreeCollator
+from varpack.integrations.gated_delta import patch_linear_attention, tiny_model
+from varpack.integrations.transformers import enable_varpack
+
+MODELS = ["tiny-qwen3.5", "tiny-qwen3-next"]
+LENGTHS = [5, 1, 30, 66, 2]  # 1-token sample, lengths across the 64-token chunk size
+TOL = 1e-4  # fp32: packed (chunked, varlen) vs per-sample (transformers' chunked) rounding
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: tiny_model(name, seed=1) for name in MODELS}
+
+
+def _samples(lengths=LENGTHS, vocab=512, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for L in lengths:
+        ids = torch.randint(1, vocab, (L,), generator=gen)
+        labels = ids.clone()
+        labels[0] = -100
+        out.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return out
+
+
+def _gdn_layers(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+
+
+# ------------------------------------------------------------------------------------------------------
+# one layer
+
+
+@pytest.mark.parametrize(
+    "name, boundary",
+    [("tiny-qwen3.5", "cu_seq_lens_q"), ("tiny-qwen3-next", "cu_seq_lens_q"), ("tiny-qwen3.5", "seq_idx")],
+)
+def test_layer_packed_equals_per_sample(name, boundary):
+    layer = _gdn_layers(tiny_model(name, seed=1))[0]
+    T = sum(LENGTHS)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(len(LENGTHS), dtype=torch.int32), torch.tensor(LENGTHS))[
+        None
+    ]
+    x = torch.randn(1, T, layer.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    dy = torch.randn(1, T, layer.hidden_size, generator=torch.Generator().manual_seed(1))
+    params = [p for p in layer.parameters()]
+
+    ref = torch.cat([layer(x[:, a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+    ref_grads = torch.autograd.grad((ref * dy).sum(), [x, *params])
+    assert patch_linear_attention(layer, backend="chunk") == 1
+    kw = {"cu_seq_lens_q": cu} if boundary == "cu_seq_lens_q" else {"seq_idx": seq_idx}
+    out = layer(x, **kw)
+    grads = torch.autograd.grad((out * dy).sum(), [x, *params])
+    unpacked = layer(x[:, :5])  # no boundaries: the original forward, unchanged
+    torch.testing.assert_close(out, ref, atol=TOL, rtol=1e-4)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=1e-3)
+    assert torch.equal(unpacked, ref[:, :5])
+
+
+# ------------------------------------------------------------------------------------------------------
+# whole models
+
+
+def _per_sample(model, samples):
+    """Reference: each sample alone through the unmodified forward; token-mean loss over all samples."""
+    model.zero_grad(set_to_none=True)
+    logits, total, count = [], 0.0, 0
+    for s in samples:
+        ids = torch.tensor([s["input_ids"]])
+        labels = torch.tensor(s["labels"])
+        lg = model(input_ids=ids).logits[0]
+        logits.append(lg.detach())
+        total = total + F.cross_entropy(lg[:-1], labels[1:], ignore_index=-100, reduction="sum")
+        count += int((labels[1:] != -100).sum())
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.cat(logits), loss.detach(), grads
+
+
+def _packed(model, samples):
+    model.zero_grad(set_to_none=True)
+    batch = PaddingFreeCollator()(samples)
+    batch.pop("sample_ids", None)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits[0].detach(), out.loss.detach(), grads
+
+
+def _passes(diffs):
+    return diffs["logits"] < TOL and diffs["loss"] < TOL and diffs["grad"] < TOL
+
+
+_REFERENCES: dict = {}
+
+
+def _max_diffs(model, samples, key=None):
+    """Max |packed - per-sample| of logits, loss and every parameter gradient (reference cached by key)."""
+    if key is None or key not in _REFERENCES:
+        ref = _per_sample(model, samples)
+        if key is not None:
+            _REFERENCES[key] = ref
+    logits_ref, loss_ref, grads_ref = _REFERENCES[key] if key is not None else ref
+    logits, loss, grads = _packed(model, samples)
+    assert grads.keys() == grads_ref.keys()
+    return {
+        "logits": float((logits - logits_ref).abs().max()),
+        "loss": abs(float(loss - loss_ref)),
+        "grad": max(float((grads[n] - grads_ref[n]).abs().max()) for n in grads),
+    }
+
+
+@pytest.fixture(params=MODELS)
+def packed_model(request, models):
+    model = models[request.param]
+    enable_varpack(model, linear_backend="chunk")
+    model._test_name = request.param
+    return model
+
+
+def test_whole_model_packed_equals_per_sample(packed_model):
+    diffs = _max_diffs(packed_model, _samples(), key=packed_model._test_name)
+    assert _passes(diffs), diffs
+
+
+def test_negative_control_recurrence_without_boundaries(packed_model, monkeypatch):
+    real = gd.gated_delta_rule
+
+    def one_sequence(q, k, v, g, beta, **kw):
+        kw.pop("layout", None)
+        kw["cu_seqlens"] = torch.tensor([0, q.shape[1]])
+        return real(q, k, v, g, beta, **kw)
+
+    monkeypatch.setattr(gd, "gated_delta_rule", one_sequence)
+    diffs = _max_diffs(packed_model, _samples(), key=packed_model._test_name)
+    assert not _passes(diffs) and diffs["logits"] > 10 * TOL, diffs  # the equivalence check fails
+
+
+def test_negative_control_conv_without_boundaries(packed_model, monkeypatch):
+    real = gd.short_conv
+
+    def no_boundaries(x, weight, bias=None, activation=None, **kw):
+        kw.pop("seq_idx", None)
+        kw.pop("cu_seqlens", None)
+        kw.pop("cu_seqlens_cpu", None)
+        return real(x, weight, bias, activation, **kw)
+
+    monkeypatch.setattr(gd, "short_conv", no_boundaries)
+    diffs = _max_diffs(packed_model, _samples(), key=packed_model._test_name)
+    assert not _passes(diffs) and diffs["logits"] > 10 * TOL, diffs
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3.5"])
+def test_boundaries_reach_layers_only_through_the_model_hook(models, name):
+    """transformers releases whose decoder layer calls linear_attn without **kwargs (5.17): the
+    per-forward context still delivers the boundaries, also to gradient-checkpointing recomputation."""
+    model = models[name]
+    enable_varpack(model, linear_backend="chunk")
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda mod, a, kw: (a, {k: v for k, v in kw.items() if k not in ("cu_seq_lens_q", "seq_idx")}),
+            with_kwargs=True,
+        )
+        for layer in _gdn_layers(model)
+    ]
+    try:
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        diffs = _max_diffs(model, _samples(), key=name)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+        for h in handles:
+            h.remove()
+    assert _passes(diffs), diffs
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_unpacked_forward_is_unchanged(name):
+    a = tiny_model(name, seed=2)
+    b = tiny_model(name, seed=2)
+    assert patch_linear_attention(b) == 3
+    assert patch_linear_attention(b, backend="naive") == 3  # idempotent
+    ids = torch.randint(1, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
+
+
+def test_packed_guards():
+    model = tiny_model("tiny-qwen3.5")
+    patch_linear_attention(model, backend="chunk")
+    ids = torch.randint(1, 512, (1, 10))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="one row"):
+        model(input_ids=torch.randint(1, 512, (2, 10)), cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match="use_cache=True"):
+        model(input_ids=ids, cu_seq_lens_q=cu, use_cache=True)
+    from transformers import DynamicCache
+
+    with pytest.raises(ValueError, match="cache"):
+        model(input_ids=ids, cu_seq_lens_q=cu, past_key_values=DynamicCache(config=model.config))
+    with pytest.raises(
+        ValueError, match=r"must start at 0, never decrease and end at the row's token count T=10"
+    ):
+        model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 4, 9], dtype=torch.int32))
+    layer = _gdn_layers(model)[0]
+    with pytest.raises(ValueError, match="incremental decoding cannot be combined with packing"):
+        layer(torch.randn(1, 10, 64), cache=DynamicCache(config=model.config), cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match="unknown linear-attention backend 'triton'"):
+        patch_linear_attention(model, backend="triton")
+
+
+def test_tiny_model_names_and_overrides():
+    m = tiny_model(
+        "tiny-qwen3-next",
+        vocab_size=1000,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    assert m.config.vocab_size == 1000 and len(_gdn_layers(m)) == 1
+    assert type(tiny_model("tiny-qwen3.5")).__name__ == "Qwen3_5ForCausalLM"
+    with pytest.raises(ValueError, match="unknown tiny linear-attention model 'tiny-mamba'"):
+        tiny_model("tiny-mamba")
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("linear_backend", ["auto", "chunk"])
+def test_gpu_whole_model_packed_equals_per_sample(name, linear_backend):
+    model = tiny_model(name, seed=1).cuda()
+    enable_varpack(model, linear_backend=linear_backend)
+    samples = _samples(LENGTHS * 3)
+    logits_ref, loss_ref, grads_ref = _per_sample_on(model, samples, "cuda")
+    model.zero_grad(set_to_none=True)
+    batch = PaddingFreeCollator()(samples)
+    batch.pop("sample_ids", None)
+    batch = {
+        k: (v.cuda() if isinstance(v, torch.Tensor) and k not in ("cu_seq_lens_q", "cu_seq_lens_k") else v)
+        for k, v in batch.items()
+    }
+    out = model(**batch)
+    out.loss.backward()
+    assert float((out.logits[0].detach() - logits_ref).abs().max()) < 1e-3
+    assert abs(float(out.loss - loss_ref)) < 1e-4
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert float((p.grad - grads_ref[n]).abs().max()) < 1e-3, n
+
+
+def _per_sample_on(model, samples, device):
+    model.zero_grad(set_to_none=True)
+    logits, total, count = [], 0.0, 0
+    for s in samples:
+        ids = torch.tensor([s["input_ids"]], device=device)
+        labels = torch.tensor(s["labels"], device=device)
+        lg = model(input_ids=ids).logits[0]
+        logits.append(lg.detach())
+        total = total + F.cross_entropy(lg[:-1], labels[1:], ignore_index=-100, reduction="sum")
+        count += int((labels[1:] != -100).sum())
+    (total / count).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.cat(logits), (total / count).detach(), grads
+
+
+@pytest.mark.gpu
+def test_gpu_packed_forward_has_no_host_sync_per_layer():
+    model = tiny_model(
+        "tiny-qwen3.5", num_hidden_layers=6, layer_types=["linear_attention"] * 5 + ["full_attention"]
+    ).cuda()
+    patch_linear_attention(model, backend="chunk")
+    samples = _samples([100, 3, 300, 64])
+    batch = PaddingFreeCollator()(samples)
+    ids = batch["input_ids"].cuda()
+    cu = batch["cu_seq_lens_q"]
+    model(input_ids=ids, cu_seq_lens_q=cu)  # warm-up: kernels, allocator
+    torch.cuda.synchronize()
+    layers = _gdn_layers(model)
+    # the model hook prepares the boundaries once per forward; the 5 linear layers then never sync
+    calls = []
+
+    def strict(*_):
+        torch.cuda.set_sync_debug_mode("error")
+        calls.append(1)
+
+    def relaxed(*_):
+        torch.cuda.set_sync_debug_mode("default")
+
+    for layer in layers[1:]:
+        layer.register_forward_pre_hook(strict)
+        layer.register_forward_hook(relaxed)
+    try:
+        model(input_ids=ids, cu_seq_lens_q=cu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(calls) == len(layers) - 1
