@@ -1,0 +1,173 @@
+"""`varpack sft` / training: CLI end to end, sampler and epoch order, gradient accumulation semantics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from varpack.models import load_model
+from varpack.train import SFTConfig, build_sft
+
+VOCAB = 512
+
+
+def synthetic_samples(n=12, seed=0):
+    """Encoded samples (input_ids, labels, length) of odd lengths 1..23, a prompt part unsupervised."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 1 + (7 * i + 3) % 23
+        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        labels = [-100] * max(1, length // 3) + ids[max(1, length // 3) :]
+        out.append({"input_ids": ids, "labels": labels[:length], "length": length})
+    return out
+
+
+class _Tok:
+    """The few tokenizer attributes build_sft needs when samples are pre-encoded."""
+
+    pad_token_id = 0
+
+    def save_pretrained(self, path):
+        return None
+
+
+def _build(tmp_path, **cfg):
+    kw = dict(
+        model="tiny-qwen3",
+        output_dir=str(tmp_path / "out"),
+        packing_length=32,
+        attn_backend="reference",
+        save=False,
+        extra_training_args={"optim": "sgd", "max_grad_norm": 0.0, "use_cpu": True},
+    )
+    kw.update(cfg)
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    return build_sft(SFTConfig(**kw), model=model, tokenizer=_Tok(), encoded=synthetic_samples())
+
+
+def test_sampler_visits_every_pack_once_per_epoch_in_plan_order(tmp_path):
+    run = _build(tmp_path, packs_per_step=1)
+    loader = run.trainer.get_train_dataloader()
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)  # what Trainer does before each epoch (and PackEpochCallback)
+        seen = [tuple(b["sample_ids"]) for b in loader]
+        expected = [tuple(run.dataset.pack_ids(i).tolist()) for i in range(len(run.dataset))]
+        assert seen == expected
+        ids = sorted(s for pack in seen for s in pack)
+        assert ids == list(range(run.plan.num_samples))  # every sample exactly once
+    assert run.dataset.epoch == 1
+    assert not torch.equal(torch.as_tensor(run.plan.pack_order(0)), torch.as_tensor(run.plan.pack_order(1)))
+
+
+def test_ranks_get_disjoint_shares(tmp_path):
+    """Under W ranks accelerate shards the sequential batches of packs: rank r takes batches r, r+W, ..."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    run = _build(tmp_path)
+    n = len(run.dataset)
+    shares = []
+    for rank in range(2):
+        shard = BatchSamplerShard(
+            BatchSampler(SequentialSampler(run.dataset), 1, False), num_processes=2, process_index=rank
+        )
+        shares.append([i for batch in shard for i in batch])
+    assert set(shares[0]) | set(shares[1]) == set(range(n))
+    overlap = set(shares[0]) & set(shares[1])
+    assert len(overlap) <= 1  # even_batches may repeat at most W - 1 = 1 pack in the last step
+
+
+def test_epoch_callback_sets_dataset_epoch(tmp_path):
+    from varpack.train import PackEpochCallback
+
+    run = _build(tmp_path)
+    cb = next(c for c in run.trainer.callback_handler.callbacks if isinstance(c, PackEpochCallback))
+
+    class State:
+        epoch = 2.0
+
+    cb.on_epoch_begin(None, State(), None)
+    assert run.dataset.epoch == 2
+
+
+def _step_delta(tmp_path, name, **cfg):
+    run = _build(tmp_path / name, max_steps=1, lr=1.0, **cfg)
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    run.trainer.train()
+    return {n: p.detach() - before[n] for n, p in run.model.named_parameters()}, run
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, reduction):
+    """One SGD step over packs {a, b} as ONE row == as 2 accumulation micro-batches (num_items_in_batch)."""
+    big, run_big = _step_delta(tmp_path, "big", packs_per_step=2, grad_accum=1, loss_reduction=reduction)
+    acc, run_acc = _step_delta(tmp_path, "acc", packs_per_step=1, grad_accum=2, loss_reduction=reduction)
+    assert run_big.trainer.loss_impl_used == run_acc.trainer.loss_impl_used == "linear_ce"
+    worst = max((big[n] - acc[n]).abs().max().item() for n in big)
+    scale = max(big[n].abs().max().item() for n in big)
+    assert scale > 1e-4 and worst <= 1e-6 + 1e-5 * scale
+    # and the loss logged for the step is the same global mean
+    assert run_big.trainer.state.log_history[0]["loss"] == pytest.approx(
+        run_acc.trainer.state.log_history[0]["loss"], rel=1e-5
+    )
+
+
+def test_linear_ce_and_logits_give_the_same_step(tmp_path):
+    a, _ = _step_delta(tmp_path, "lce", packs_per_step=2, loss_impl="linear_ce")
+    b, run = _step_delta(tmp_path, "logits", packs_per_step=2, loss_impl="logits")
+    assert run.trainer.loss_impl_used == "logits"
+    assert max((a[n] - b[n]).abs().max().item() for n in a) <= 1e-6
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="overflow"):
+        SFTConfig(overflow="nope")
+    with pytest.raises(ValueError, match="loss_reduction"):
+        SFTConfig(loss_reduction="mean")
+    with pytest.raises(ValueError, match="packing_length"):
+        SFTConfig(packing_length=0)
+
+
+def test_cli_sft_three_steps(tmp_path, capsys):
+    """`varpack sft --max-steps 3` with the embedded Qwen3 tokenizer and tiny-qwen3: report, logs, saved model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from varpack.cli.main import main
+
+    data = tmp_path / "chats.jsonl"
+    topics = ["lists", "tuples", "sets", "dicts", "loops", "functions", "classes", "modules"]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Explain Python {t} in one sentence."},
+                {
+                    "role": "assistant",
+                    "content": f"Python {t} are a core part of the language; " * (1 + i % 3),
+                },
+            ]
+        }
+        for i, t in enumerate(topics)
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out_dir = tmp_path / "model"
+    code = main(
+        [
+            "sft",
+            "--model", "tiny-qwen3",
+            "--data", str(data),
+            "--packing-length", "128",
+            "--max-steps", "3",
+            "--lr", "3e-3",
+            "--output-dir", str(out_dir),
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "packing report" in out and "samples   8" in out and "fill" in out
+    assert "done: 3 steps, loss" in out
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    assert model.config.vocab_size == 151936 and tok("Hello, world!")["input_ids"] == [9707, 11, 1879, 0]

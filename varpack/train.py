@@ -1,0 +1,482 @@
+"""Supervised fine-tuning with padding-free packing through Hugging Face ``Trainer`` (``varpack sft``).
+
+Pipeline (ARCHITECTURE.md): chat data -> :func:`varpack.encode.encode_dataset` (cached) ->
+:func:`varpack.plan.plan_packs` -> :class:`varpack.data.dataset.PackedDataset` (one item = one pack) ->
+:class:`varpack.collate.PaddingFreeCollator` (the packs of one micro-batch become ONE row with
+``cu_seq_lens_q/k``) -> a model on varpack attention (:func:`varpack.integrations.transformers.enable_varpack`)
+-> :func:`varpack.loss.causal_lm_loss` (or the chunked linear cross entropy of :mod:`varpack.linear_ce`, which
+never builds the ``[T, V]`` logits).
+
+Sampling. The Trainer visits the dataset sequentially (``train_sampling_strategy="sequential"``); the order
+of the packs is the plan's per-epoch permutation (``PackPlan.pack_order(epoch)``), switched every epoch by
+:class:`PackEpochCallback` (and by accelerate's ``DataLoaderShard.set_epoch``, which forwards to the dataset).
+Under ``torchrun`` / ``accelerate launch`` accelerate shards the batches of packs across ranks (rank r takes
+micro-batches r, r + W, ...), so every rank trains on its own share of packs; with ``even_batches`` (the
+default) the last step of an epoch may repeat up to W - 1 packs so that all ranks step together.
+
+Loss. ``loss_reduction="token"``: the global token mean of the optimizer step, with transformers'
+``num_items_in_batch`` (supervised tokens of all accumulation micro-batches, summed over ranks when
+``average_tokens_across_devices``); ``"sample"``: the global sample mean, ``num_items_in_batch`` then counting
+samples with a supervised token (see :mod:`varpack.loss`). Either way a step with gradient accumulation has
+the gradient of one big batch.
+
+Host syncs. Boundaries are built on the CPU by the collator, ``max_length_*`` are Python ints, the loss and
+the sample counts stay on the device, and ``logging_nan_inf_filter`` is off (it reads the loss every step):
+varpack adds no host sync per step; Trainer reads the loss at logging steps only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+__all__ = [
+    "PackEpochCallback",
+    "PackedSFTTrainer",
+    "SFTConfig",
+    "build_sft",
+    "encode_chat_data",
+    "format_packing_report",
+    "run_sft",
+]
+
+_NOT_MODEL_INPUTS = ("labels", "loss_scale", "sample_ids", "num_packs")
+
+
+def encode_chat_data(data: Sequence[str] | str | None, tokenizer: Any, *, num_proc: int | None = None) -> Any:
+    """Encode chat data files (or the built-in chats when ``data`` is empty / None) with ``tokenizer``.
+
+    Returns:
+        ``datasets.Dataset`` with ``input_ids``, ``labels``, ``length``, ``sample_id`` (cached as Arrow).
+
+    Raises:
+        ValueError / TypeError / FileNotFoundError: bad paths or rows (naming the sample and field).
+    """
+    from varpack.encode import encode_dataset, load_chat_data
+
+    if isinstance(data, str):
+        data = [data]
+    if data:
+        rows: Any = load_chat_data(list(data))
+    else:
+        from varpack.data.builtin import builtin_chats
+
+        rows = builtin_chats()
+    return encode_dataset(rows, tokenizer, num_proc=num_proc, desc="encode")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """Settings of a packed SFT run (the ``varpack sft`` flags carry the same names).
+
+    Attributes:
+        model: model directory, ``.gguf`` file / package, or a built-in name (``tiny-qwen3``, ``tiny-llama``,
+            ``qwen3-0.6b-shape``, ...).
+        data: chat data files (JSON / JSONL / parquet with ``messages``); empty: the built-in chats.
+        output_dir: where the final model + tokenizer (and the Trainer's files) are written.
+        packing_length: tokens per pack (the row length budget of one pack).
+        packing_strategy: ``bfd`` (best-fit decreasing) or ``sequential`` (order-preserving next-fit).
+        overflow: samples longer than ``packing_length``: ``error``, ``drop``, ``truncate`` or ``split``.
+        packs_per_step: packs per micro-batch per device (all flattened into one row).
+        grad_accum: gradient-accumulation micro-batches per optimizer step.
+        epochs: passes over the packs (ignored when ``max_steps > 0``).
+        max_steps: optimizer steps; ``-1``: run ``epochs``.
+        lr: peak learning rate (AdamW).
+        lr_scheduler: transformers scheduler name (``constant``, ``linear``, ``cosine``, ...).
+        warmup_steps: linear warm-up steps.
+        weight_decay: AdamW weight decay.
+        loss_reduction: ``token`` (global token mean) or ``sample`` (global sample mean).
+        loss_impl: ``auto`` (``linear_ce`` when the model allows it and runs unwrapped, else ``logits``),
+            ``linear_ce`` (chunked, no ``[T, V]`` logits) or ``logits``.
+        attn_backend: varpack attention backend (``auto``, ``reference``, ``flex``, ...).
+        bf16: train in bfloat16 autocast (mixed precision; master weights stay float32).
+        dtype: parameter dtype of built-in models (``float32`` default).
+        seed: random-init seed of built-in models, plan seed and Trainer seed.
+        logging_steps: log every N optimizer steps.
+        num_proc: encoding worker processes.
+        dataloader_num_workers: DataLoader workers.
+        gradient_checkpointing: recompute activations in backward.
+        save: save model + tokenizer at the end.
+        report_to: Trainer integrations (``none`` by default).
+    """
+
+    model: str = "tiny-qwen3"
+    data: tuple[str, ...] = ()
+    output_dir: str = "varpack-sft"
+    packing_length: int = 2048
+    packing_strategy: str = "bfd"
+    overflow: str = "split"
+    packs_per_step: int = 1
+    grad_accum: int = 1
+    epochs: float = 1.0
+    max_steps: int = -1
+    lr: float = 1e-4
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    loss_reduction: str = "token"
+    loss_impl: str = "auto"
+    attn_backend: str = "auto"
+    bf16: bool = False
+    dtype: str = "float32"
+    seed: int = 0
+    logging_steps: int = 1
+    num_proc: int | None = None
+    dataloader_num_workers: int = 0
+    gradient_checkpointing: bool = False
+    save: bool = True
+    report_to: str = "none"
+    extra_training_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from varpack.plan import OVERFLOW_POLICIES, STRATEGIES
+
+        if isinstance(self.data, str):
+            object.__setattr__(self, "data", (self.data,))
+        else:
+            object.__setattr__(self, "data", tuple(self.data))
+        checks = [
+            ("packing_length", self.packing_length >= 1),
+            ("packs_per_step", self.packs_per_step >= 1),
+            ("grad_accum", self.grad_accum >= 1),
+            ("epochs", self.epochs > 0 or self.max_steps > 0),
+            ("max_steps", self.max_steps == -1 or self.max_steps >= 1),
+            ("lr", self.lr > 0 and math.isfinite(self.lr)),
+            ("logging_steps", self.logging_steps >= 1),
+            ("packing_strategy", self.packing_strategy in STRATEGIES),
+            ("overflow", self.overflow in OVERFLOW_POLICIES),
+            ("loss_reduction", self.loss_reduction in ("token", "sample")),
+            ("loss_impl", self.loss_impl in ("auto", "linear_ce", "logits")),
+            ("dtype", self.dtype in ("float32", "bfloat16", "float16")),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trainer pieces
+# ---------------------------------------------------------------------------------------------------------
+class PackEpochCallback(TrainerCallback):
+    """Calls ``dataset.set_epoch(epoch)`` at the start of every epoch: the plan's per-epoch pack order."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        epoch = int(math.floor((state.epoch or 0.0) + 1e-6))
+        self.dataset.set_epoch(epoch)
+
+
+class PackedSFTTrainer(Trainer):
+    """``Trainer`` whose loss is varpack's packed causal-LM loss with ``num_items_in_batch``.
+
+    Also logs ``tokens_per_second`` (real tokens of the packed rows, all ranks) and ``pack_fill``
+    (real tokens / (packs x packing_length)) averaged since the previous log.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_reduction: str = "token",
+        loss_impl: str = "auto",
+        packing_length: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.loss_reduction = loss_reduction
+        self.loss_impl = loss_impl
+        self.packing_length = packing_length
+        self.model_accepts_loss_kwargs = True  # our compute_loss divides by num_items_in_batch itself
+        self._window_tokens = 0
+        self._window_slots = 0
+        self._window_start = time.perf_counter()
+        self.loss_impl_used: str | None = None
+
+    # -- num_items_in_batch for the "sample" reduction --------------------------------------------
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.loss_reduction == "sample" and batch_samples:
+            from varpack.loss import count_loss_items_tensor
+
+            n = sum(
+                count_loss_items_tensor(b["labels"], reduction="sample", seq_idx=b["seq_idx"])
+                for b in batch_samples
+            )
+            n = n.to(device)
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                n = self.accelerator.gather(n.reshape(1)).sum()
+            num_items = n
+        return batch_samples, num_items
+
+    # -- loss --------------------------------------------------------------------------------------
+    def _use_linear_ce(self, model: Any) -> bool:
+        if self.loss_impl == "logits":
+            return False
+        unwrapped = self.accelerator.unwrap_model(model)
+        if self.loss_impl == "linear_ce":
+            if unwrapped is not model:
+                raise ValueError(
+                    "loss_impl='linear_ce' needs an unwrapped model (it calls the base model and the head "
+                    "separately); under DDP/FSDP use loss_impl='logits' or 'auto'"
+                )
+            return True
+        cfg = getattr(unwrapped, "config", None)
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        transformed = getattr(text_cfg, "final_logit_softcapping", None) or getattr(
+            text_cfg, "logit_scale", None
+        )
+        return unwrapped is model and not transformed
+
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        from varpack.loss import causal_lm_loss
+
+        labels = inputs["labels"]
+        num_packs = inputs.get("num_packs")
+        self._window_tokens += int(labels.shape[-1])
+        if num_packs is not None and self.packing_length:
+            self._window_slots += int(num_packs) * int(self.packing_length)
+        outputs = None
+        if self._use_linear_ce(model):
+            from varpack.linear_ce import causal_lm_forward_with_linear_ce
+
+            batch = {k: v for k, v in inputs.items() if k not in ("sample_ids", "num_packs")}
+            loss = causal_lm_forward_with_linear_ce(
+                model, batch, reduction=self.loss_reduction, num_items_in_batch=num_items_in_batch
+            )
+            self.loss_impl_used = "linear_ce"
+        else:
+            model_inputs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+            outputs = model(**model_inputs)
+            loss = causal_lm_loss(
+                outputs.logits,
+                labels,
+                reduction=self.loss_reduction,
+                seq_idx=inputs.get("seq_idx"),
+                num_items_in_batch=num_items_in_batch,
+                loss_scale=inputs.get("loss_scale"),
+            )
+            self.loss_impl_used = "logits"
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # DDP averages gradients over ranks; the global count already divides by all ranks' items
+            loss = loss * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
+
+    # -- logging -----------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        now = time.perf_counter()
+        if "loss" in logs and self._window_tokens:
+            elapsed = max(now - self._window_start, 1e-9)
+            world = max(1, self.args.world_size)
+            logs["tokens_per_second"] = round(self._window_tokens * world / elapsed, 1)
+            if self._window_slots:
+                logs["pack_fill"] = round(self._window_tokens / self._window_slots, 4)
+            self._window_tokens = self._window_slots = 0
+            self._window_start = now
+        super().log(logs, *args, **kwargs)
+
+
+class _CountingCollator:
+    """PaddingFreeCollator plus ``num_packs`` (an int, for the pack-fill log; popped before the model)."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+
+    def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
+        batch = self.collator(features)
+        packs = sum(1 for f in features if isinstance(f, (list, tuple)))
+        batch["num_packs"] = packs or 1
+        return batch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# building a run
+# ---------------------------------------------------------------------------------------------------------
+def format_packing_report(plan: Any, *, data: str, input_tokens: int) -> str:
+    """The packing report printed before training: samples, packs, fill, overflow."""
+    st = plan.stats
+    ov = plan.overflow
+    if ov["overlong_ids"]:
+        action = {"drop": "dropped", "truncate": "truncated", "split": "split"}.get(
+            ov["policy"], ov["policy"]
+        )
+        over = f"{len(ov['overlong_ids']):,} overlong ({action}"
+        over += f" into {ov['num_pieces']:,} pieces)" if ov["policy"] == "split" else ")"
+    else:
+        over = "none overlong"
+    over += f", {len(ov['empty_ids']):,} empty, {ov['tokens_dropped']:,} tokens dropped"
+    lines = [
+        f"packing report ({st['strategy']}, packing_length={st['packing_length']:,}, overflow={ov['policy']})",
+        f"  data      {data}",
+        f"  samples   {st['num_samples']:,} ({input_tokens:,} tokens)",
+        f"  packs     {st['num_packs']:,} (lower bound {st['lower_bound_packs']:,})",
+        f"  tokens    {st['total_tokens']:,} packed",
+        f"  fill      {st['fill_ratio']:.2%}",
+        f"  overflow  {over}",
+    ]
+    return "\n".join(lines)
+
+
+@dataclass
+class SFTRun:
+    """What :func:`build_sft` assembled: ready to ``trainer.train()``."""
+
+    config: SFTConfig
+    model: Any
+    tokenizer: Any
+    encoded: Any
+    plan: Any
+    dataset: Any
+    trainer: Any
+    report: str
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, encoded: Any = None) -> SFTRun:
+    """Encode, plan, and build the model, dataset, collator and Trainer of a packed SFT run.
+
+    Args:
+        config: the run settings.
+        model, tokenizer, encoded: optional pre-built objects (tests, notebooks); default: loaded from
+            ``config.model`` / ``config.data``.
+
+    Raises:
+        ValueError: bad settings, data, or overlong samples with ``overflow="error"``.
+    """
+    import numpy as np
+    from transformers import TrainingArguments
+
+    from varpack.collate import PaddingFreeCollator
+    from varpack.data.dataset import PackedDataset
+    from varpack.integrations.transformers import enable_varpack
+    from varpack.models import load_model, load_tokenizer_for
+    from varpack.plan import plan_packs
+
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
+    encoded = (
+        encoded if encoded is not None else encode_chat_data(config.data, tokenizer, num_proc=config.num_proc)
+    )
+    if hasattr(encoded, "with_format"):
+        lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
+    else:
+        lengths = np.asarray([len(s["input_ids"]) for s in encoded], dtype=np.int64)
+    plan = plan_packs(
+        lengths,
+        config.packing_length,
+        strategy=config.packing_strategy,
+        overflow=config.overflow,
+        seed=config.seed,
+    )
+    dataset = PackedDataset(encoded, plan)
+    report = format_packing_report(
+        plan,
+        data=", ".join(config.data) if config.data else "built-in chats",
+        input_tokens=int(lengths.sum()),
+    )
+    if model is None:
+        model = load_model(
+            config.model,
+            dtype=getattr(torch, config.dtype),
+            seed=config.seed,
+            attn_backend=config.attn_backend,
+        )
+    else:
+        enable_varpack(model, backend=config.attn_backend)
+    model.config.use_cache = False
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    collator = _CountingCollator(PaddingFreeCollator(pad_token_id=pad_id))
+    args_kw: dict[str, Any] = dict(
+        output_dir=config.output_dir,
+        per_device_train_batch_size=config.packs_per_step,
+        gradient_accumulation_steps=config.grad_accum,
+        num_train_epochs=config.epochs,
+        max_steps=config.max_steps,
+        learning_rate=config.lr,
+        lr_scheduler_type=config.lr_scheduler,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        logging_steps=config.logging_steps,
+        logging_nan_inf_filter=False,
+        save_strategy="no",
+        report_to=config.report_to,
+        remove_unused_columns=False,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=config.dataloader_num_workers,
+        bf16=config.bf16,
+        seed=config.seed,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        disable_tqdm=False,
+    )
+    if config.gradient_checkpointing:  # the flag is renamed in newer transformers; pass it only when used
+        args_kw["gradient_checkpointing"] = True
+    args_kw.update(config.extra_training_args)
+    training_args = TrainingArguments(**args_kw)
+    trainer = PackedSFTTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=dataset,
+        data_collator=collator,
+        processing_class=tokenizer,
+        callbacks=[PackEpochCallback(dataset)],
+        loss_reduction=config.loss_reduction,
+        loss_impl=config.loss_impl,
+        packing_length=config.packing_length,
+    )
+    return SFTRun(
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
+        encoded=encoded,
+        plan=plan,
+        dataset=dataset,
+        trainer=trainer,
+        report=report,
+    )
+
+
+def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFTRun:
+    """Build and train a packed SFT run; print the packing report first and a summary at the end.
+
+    Returns:
+        The :class:`SFTRun`; ``run.history`` holds the Trainer's log entries (``loss``, ``tokens_per_second``,
+        ``pack_fill``, ...).
+    """
+    run = build_sft(config, **build_kw)
+    if run.trainer.is_world_process_zero():
+        print_fn(run.report)
+        n_params = sum(p.numel() for p in run.model.parameters())
+        print_fn(
+            f"model     {config.model} ({type(run.model).__name__}, {n_params / 1e6:.1f}M params, "
+            f"attention {run.model.config._attn_implementation}, loss {config.loss_reduction} mean)"
+        )
+    run.trainer.train()
+    run.history = [h for h in run.trainer.state.log_history if "loss" in h]
+    if config.save:
+        run.trainer.save_model(config.output_dir)
+        if run.trainer.is_world_process_zero():
+            run.tokenizer.save_pretrained(config.output_dir)
+    if run.trainer.is_world_process_zero() and run.history:
+        first, last = run.history[0]["loss"], run.history[-1]["loss"]
+        print_fn(
+            f"done: {run.trainer.state.global_step} steps, loss {first:.4f} -> {last:.4f}"
+            + (f"; saved to {os.path.abspath(config.output_dir)}" if config.save else "")
+        )
+    return run
+
+
+def config_dict(config: SFTConfig) -> dict[str, Any]:
+    """``SFTConfig`` as a JSON-ready dict."""
+    return asdict(config)
