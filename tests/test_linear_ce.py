@@ -290,6 +290,71 @@ def test_backend_resolution_on_cpu():
         linear_cross_entropy(hidden, weight, labels, backend="cuda-magic")
 
 
+def _fake_liger(monkeypatch, calls):
+    """A stand-in for liger_kernel.transformers.functional with Liger's documented semantics (reduction
+    "sum" / "none" over non-ignored targets), to check varpack's wrapping arithmetic without CUDA."""
+    import sys
+    import types
+
+    def liger_fused_linear_cross_entropy(
+        input,
+        weight,
+        target,
+        bias=None,
+        ignore_index=-100,
+        reduction="mean",
+        accum_dtype=None,
+        chunk_mem_const=1,
+    ):
+        calls.append({"reduction": reduction, "chunk_mem_const": chunk_mem_const})
+        logits = input @ weight.T if bias is None else input @ weight.T + bias
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    mod = types.ModuleType("liger_kernel.transformers.functional")
+    mod.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", mod)
+
+
+def test_liger_wrapping_is_exact_for_token_and_per_token_weights(monkeypatch):
+    import varpack.linear_ce as lce
+
+    calls = []
+    _fake_liger(monkeypatch, calls)
+    hidden, weight, b, labels, seq_idx = _problem(T=17, bias=True, n_samples=3)
+    tw = lce.token_loss_weights(labels, num_items_in_batch=9, dtype=torch.float64)
+    got = lce._liger_loss(hidden, weight, b, labels, tw, torch.tensor(9.0, dtype=torch.float64), IGNORE, 8)
+    want = ref_token_mean(hidden, weight, labels, bias=b, num_items=9)
+    torch.testing.assert_close(got.double(), want, **_tol(torch.float32))
+    assert calls[-1]["reduction"] == "sum" and calls[-1]["chunk_mem_const"] == 1  # V / (D * chunks) < 1
+    tw = lce.token_loss_weights(labels, reduction="sample", seq_idx=seq_idx, dtype=torch.float64)
+    got = lce._liger_loss(hidden, weight, b, labels, tw, None, IGNORE, 8)
+    torch.testing.assert_close(
+        got.double(), ref_sample_mean(hidden, weight, labels, seq_idx, bias=b), **_tol(torch.float32)
+    )
+    assert calls[-1]["reduction"] == "none"
+
+
+@pytest.mark.parametrize(("tokens", "chunk"), [(8192, 4096), (16384, 4096), (8192, 2048), (12000, 4096)])
+def test_liger_chunk_mem_const_gives_the_requested_chunk(tokens, chunk):
+    from varpack.linear_ce import _liger_chunk_kwargs
+
+    def fn(input, weight, target, bias=None, chunk_mem_const=1):
+        pass
+
+    V, D = 151936, 1024  # Qwen3-0.6B head
+    c = _liger_chunk_kwargs(
+        fn, torch.empty(tokens, D, device="meta"), torch.empty(V, D, device="meta"), chunk
+    )["chunk_mem_const"]
+    inc_factor = -(-V // (c * D))  # Liger 0.8.5: chunk = next_pow2(cdiv(BT, cdiv(V, C * H)))
+    liger_chunk = 1 << (-(-tokens // inc_factor) - 1).bit_length()
+    assert chunk <= liger_chunk <= 2 * chunk
+    assert (
+        _liger_chunk_kwargs(lambda input, weight, target: None, torch.empty(4, 2), torch.empty(3, 2), 2) == {}
+    )
+
+
 def test_bad_inputs_raise_with_values():
     hidden, weight, _, labels, seq_idx = _problem()
     with pytest.raises(ValueError, match="seq_idx"):

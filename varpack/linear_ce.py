@@ -490,6 +490,23 @@ def resolve_linear_ce_backend(
     return "chunked", f"auto: chunked ({reason})"
 
 
+def _liger_chunk_kwargs(
+    fn: Any, hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int
+) -> dict[str, Any]:
+    """Liger sizes its token chunks as ``next_pow2(T / ceil(V / (chunk_mem_const * D)))``; with the default
+    ``chunk_mem_const=1`` and Qwen3's V / D = 148 that is 64 tokens, so each chunk re-reads the whole
+    ``[V, D]`` head three times. Pick ``chunk_mem_const`` so its chunks are about ``chunk_size`` tokens (when
+    the installed Liger has the argument)."""
+    try:
+        if "chunk_mem_const" not in inspect.signature(fn).parameters:
+            return {}
+    except (TypeError, ValueError):
+        return {}
+    num_tokens, dim = hidden.shape
+    num_chunks = max(1, -(-num_tokens // chunk_size))
+    return {"chunk_mem_const": max(1, -(-weight.shape[0] // (dim * num_chunks)))}
+
+
 def _liger_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -498,23 +515,16 @@ def _liger_loss(
     token_weight: torch.Tensor,
     denom: torch.Tensor | None,
     ignore_index: int,
+    chunk_size: int,
 ) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
+    kw = dict(ignore_index=ignore_index, accum_dtype=torch.float32)
+    kw.update(_liger_chunk_kwargs(liger_fused_linear_cross_entropy, hidden, weight, chunk_size))
     if denom is not None:  # uniform weights: sum / num_items (exact: grad_output scales the stored grads)
-        total = liger_fused_linear_cross_entropy(
-            hidden,
-            weight,
-            labels,
-            bias,
-            ignore_index=ignore_index,
-            reduction="sum",
-            accum_dtype=torch.float32,
-        )
+        total = liger_fused_linear_cross_entropy(hidden, weight, labels, bias, reduction="sum", **kw)
         return total.float() / denom
-    per_token = liger_fused_linear_cross_entropy(
-        hidden, weight, labels, bias, ignore_index=ignore_index, reduction="none", accum_dtype=torch.float32
-    )
+    per_token = liger_fused_linear_cross_entropy(hidden, weight, labels, bias, reduction="none", **kw)
     return (per_token.float() * token_weight).sum()
 
 
@@ -641,7 +651,7 @@ def linear_cross_entropy(
                 if num_items_in_batch is None
                 else _denominator(num_items_in_batch, hidden.device)
             )
-        return _liger_loss(hidden, weight, bias, labels, token_weight, denom, ignore_index)
+        return _liger_loss(hidden, weight, bias, labels, token_weight, denom, ignore_index, chunk_size)
     compiled = _use_compile(compile, hidden.device, hidden.dtype)
     return _ChunkedLinearCrossEntropy.apply(
         hidden, weight, bias, labels, token_weight, chunk_size, torch.is_grad_enabled(), compiled
