@@ -24,7 +24,7 @@ TOL = 1e-4  # fp32: packed (chunked, varlen) vs per-sample (transformers' chunke
 
 @pytest.fixture(scope="module")
 def models():
-    return {name: tiny_model(name, seed=1) for name in MODELS}
+    return {name: tiny_model(name, seed=1, vocab_size=512) for name in MODELS}
 
 
 def _samples(lengths=LENGTHS, vocab=512, seed=0):
@@ -51,7 +51,7 @@ def _gdn_layers(model):
     [("tiny-qwen3.5", "cu_seq_lens_q"), ("tiny-qwen3-next", "cu_seq_lens_q"), ("tiny-qwen3.5", "seq_idx")],
 )
 def test_layer_packed_equals_per_sample(name, boundary):
-    layer = _gdn_layers(tiny_model(name, seed=1))[0]
+    layer = _gdn_layers(tiny_model(name, seed=1, vocab_size=512))[0]
     T = sum(LENGTHS)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     seq_idx = torch.repeat_interleave(torch.arange(len(LENGTHS), dtype=torch.int32), torch.tensor(LENGTHS))[
@@ -195,8 +195,8 @@ def test_boundaries_reach_layers_only_through_the_model_hook(models, name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_unpacked_forward_is_unchanged(name):
-    a = tiny_model(name, seed=2)
-    b = tiny_model(name, seed=2)
+    a = tiny_model(name, seed=2, vocab_size=512)
+    b = tiny_model(name, seed=2, vocab_size=512)
     assert patch_linear_attention(b) == 3
     assert patch_linear_attention(b, backend="naive") == 3  # idempotent
     ids = torch.randint(1, 512, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -204,7 +204,7 @@ def test_unpacked_forward_is_unchanged(name):
 
 
 def test_packed_guards():
-    model = tiny_model("tiny-qwen3.5")
+    model = tiny_model("tiny-qwen3.5", vocab_size=512)
     patch_linear_attention(model, backend="chunk")
     ids = torch.randint(1, 512, (1, 10))
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
@@ -235,7 +235,8 @@ def test_tiny_model_names_and_overrides():
         layer_types=["linear_attention", "full_attention"],
     )
     assert m.config.vocab_size == 1000 and len(_gdn_layers(m)) == 1
-    assert type(tiny_model("tiny-qwen3.5")).__name__ == "Qwen3_5ForCausalLM"
+    big = tiny_model("tiny-qwen3.5")  # default vocabulary: the real Qwen3.5 one, so real tokens fit
+    assert type(big).__name__ == "Qwen3_5ForCausalLM" and big.config.vocab_size == 248320
     with pytest.raises(ValueError, match="unknown tiny linear-attention model 'tiny-mamba'"):
         tiny_model("tiny-mamba")
 
@@ -248,7 +249,7 @@ def test_tiny_model_names_and_overrides():
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("linear_backend", ["auto", "chunk"])
 def test_gpu_whole_model_packed_equals_per_sample(name, linear_backend):
-    model = tiny_model(name, seed=1).cuda()
+    model = tiny_model(name, seed=1, vocab_size=512).cuda()
     enable_varpack(model, linear_backend=linear_backend)
     samples = _samples(LENGTHS * 3)
     logits_ref, loss_ref, grads_ref = _per_sample_on(model, samples, "cuda")
@@ -286,7 +287,10 @@ def _per_sample_on(model, samples, device):
 @pytest.mark.gpu
 def test_gpu_packed_forward_has_no_host_sync_per_layer():
     model = tiny_model(
-        "tiny-qwen3.5", num_hidden_layers=6, layer_types=["linear_attention"] * 5 + ["full_attention"]
+        "tiny-qwen3.5",
+        vocab_size=512,
+        num_hidden_layers=6,
+        layer_types=["linear_attention"] * 5 + ["full_attention"],
     ).cuda()
     patch_linear_attention(model, backend="chunk")
     samples = _samples([100, 3, 300, 64])

@@ -229,8 +229,12 @@ def _packed_forward(
 
     backend = getattr(layer, "_varpack_gdn_backend", "auto")
     device = hidden_states.device
-    needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in layer.parameters())
-    needs_grad = needs_grad or (torch.is_grad_enabled() and hidden_states.requires_grad)
+    # training mode counts as needing gradients even under no_grad (reentrant gradient checkpointing runs
+    # the first forward without grad): the recomputation must use the same backend as the first pass
+    needs_grad = layer.training or (
+        torch.is_grad_enabled()
+        and (hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters()))
+    )
     rule_backend = resolve_backend(backend, device, needs_grad=needs_grad)
     conv_backend = "auto" if backend in ("auto", "fla") and device.type == "cuda" else "torch"
     if conv_backend != "torch":
@@ -415,7 +419,9 @@ def tiny_model(
         name: ``"tiny-qwen3.5"`` or ``"tiny-qwen3-next"``.
         dtype: parameter dtype.
         seed: ``torch.manual_seed`` for the initialisation.
-        vocab_size: vocabulary size (default 512); pass the tokenizer's size to train on real text.
+        vocab_size: vocabulary size; default the real model's (248320 for Qwen3.5, whose tokenizer
+            varpack's ``load_tokenizer("qwen3.5")`` embeds; 151936 for Qwen3-Next, Qwen3 tokenizer), so real
+            tokenized text fits. Tests pass a small one.
         **kw: overrides of config fields (e.g. ``num_hidden_layers=6, layer_types=[...]``).
 
     Returns:
@@ -427,7 +433,7 @@ def tiny_model(
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
 
     common: dict[str, Any] = dict(
-        vocab_size=vocab_size or 512,
+        vocab_size=vocab_size or (248320 if name == "tiny-qwen3.5" else 151936),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
