@@ -355,6 +355,20 @@ def test_liger_chunk_mem_const_gives_the_requested_chunk(tokens, chunk):
     )
 
 
+def test_auto_resolution_on_cuda_with_liger(monkeypatch):
+    import varpack.linear_ce as lce
+
+    monkeypatch.setattr(lce, "_liger_probe", lambda: (True, "liger-kernel importable", True))
+    assert resolve_linear_ce_backend("auto", "cuda", uniform_weights=True)[0] == "liger"
+    assert resolve_linear_ce_backend("auto", "cuda", uniform_weights=False)[0] == "chunked"
+    assert resolve_linear_ce_backend("liger", "cuda", uniform_weights=False)[0] == "liger"
+    monkeypatch.setattr(lce, "AUTO_PREFERS_LIGER", False)
+    assert resolve_linear_ce_backend("auto", "cuda", uniform_weights=True)[0] == "chunked"
+    monkeypatch.setattr(lce, "_liger_probe", lambda: (True, "liger-kernel importable", False))
+    with pytest.raises(ValueError, match="per-token"):
+        resolve_linear_ce_backend("liger", "cuda", uniform_weights=False)
+
+
 def test_bad_inputs_raise_with_values():
     hidden, weight, _, labels, seq_idx = _problem()
     with pytest.raises(ValueError, match="seq_idx"):

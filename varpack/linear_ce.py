@@ -34,7 +34,11 @@ Nothing supervised (all labels ignored): the loss is 0 and every gradient is 0 (
 
 Backends
 --------
-* ``"chunked"``: the PyTorch implementation here (any device, fp64/fp32/bf16/fp16).
+* ``"chunked"``: the PyTorch implementation here (any device, fp64/fp32/bf16/fp16). Per chunk: one GEMM for
+  the logits, then the log-sum-exp, the loss and ``w_t * (softmax - onehot)`` -- on CUDA fused by
+  ``torch.compile`` into one reduction and one pointwise kernel over the bf16 logits (no float32 chunk
+  buffer), elsewhere eagerly in place on a float32 chunk -- then two GEMMs for the gradients (the weight
+  gradient accumulated in float32). No host sync.
 * ``"liger"``: Liger-Kernel's fused linear cross entropy (``liger_kernel.transformers.functional.
   liger_fused_linear_cross_entropy``, pure Triton, CUDA only). It is used only where it computes exactly
   this loss: with ``reduction="sum"`` its gradient is ``softmax - onehot`` summed over tokens and its backward
@@ -44,7 +48,8 @@ Backends
   recomputes the logits in backward; it is used only when forced and when the installed Liger has that path
   (0.8.5 does), else refused with the reason. Liger reads the supervised-token count with ``.item()`` (one
   host sync per call).
-* ``"auto"``: ``liger`` for uniform token weights on CUDA when importable, otherwise ``chunked``.
+* ``"auto"``: ``liger`` for uniform token weights on CUDA when importable and :data:`AUTO_PREFERS_LIGER`,
+  otherwise ``chunked``.
 
 Source: the chunked "compute the gradient in the forward pass" scheme of Liger-Kernel's
 ``fused_linear_cross_entropy`` (after mgmalek/efficient_cross_entropy) and Apple's Cut Cross-Entropy
@@ -63,6 +68,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = [
+    "AUTO_PREFERS_LIGER",
     "causal_lm_forward_with_linear_ce",
     "linear_cross_entropy",
     "linear_ce_backends",
@@ -73,6 +79,11 @@ __all__ = [
 
 Reduction = Literal["token", "sample"]
 _BACKENDS = ("auto", "chunked", "liger")
+
+#: Whether ``auto`` takes Liger (when importable on CUDA, uniform weights) over the chunked implementation.
+#: Issue 7 asks to prefer the maintained library; ``benchmarks/train.py`` measures both
+#: (``varpack_lce`` vs ``varpack_lce_chunked``) on the H200 -- flip this from those figures.
+AUTO_PREFERS_LIGER = True
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -480,8 +491,10 @@ def resolve_linear_ce_backend(
         if not ok:
             raise ValueError(f"linear cross-entropy backend 'liger' cannot run this call: {reason}")
         return "liger", "liger: forced by the caller"
-    if ok and uniform_weights:
+    if ok and uniform_weights and AUTO_PREFERS_LIGER:
         return "liger", "auto: liger-kernel on CUDA with uniform token weights (reduction='sum' / num_items)"
+    if ok and uniform_weights:
+        return "chunked", "auto: chunked (AUTO_PREFERS_LIGER is False)"
     if ok:
         return (
             "chunked",
