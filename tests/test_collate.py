@@ -376,6 +376,15 @@ def test_length_field_checked():
         PaddingFreeCollator()([s])
 
 
+@pytest.mark.parametrize(
+    "bad", [[1, 2**70], [1, "x"], [1, 2.5], np.array([1.0, 2.0]), torch.tensor([1.0, 2.0])]
+)
+def test_non_integer_token_ids_are_refused_not_truncated(bad):
+    s = {"input_ids": bad, "labels": [-100, 2], "sample_id": 3}
+    with pytest.raises(ValueError, match=r"sample 3: field 'input_ids' cannot be converted to int64"):
+        PaddingFreeCollator()([make_sample(0, 2), s])
+
+
 def test_bad_types_and_shapes():
     with pytest.raises(TypeError, match="wrap it in a list"):
         PaddingFreeCollator()(make_sample(0, 2))

@@ -171,7 +171,7 @@ def test_split_pieces_are_cut_on_every_token_field(kind):
     assert Counter(batch["sample_ids"]) == Counter({0: 1, 1: 3, 2: 1, 3: 3})
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.integers(0, 30), min_size=1, max_size=25),
     st.integers(4, 24),

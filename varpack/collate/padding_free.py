@@ -9,7 +9,7 @@ and axolotl#2739 (padding as one segment rather than many 1-token segments).
 
 from __future__ import annotations
 
-import itertools
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +38,7 @@ IGNORED_FIELDS: frozenset[str] = frozenset(
     {"length", "sample_id", "source", "messages", "piece_id", "piece_range"}
 )
 
+_STRUCT_CODES: dict[type, str] = {np.int64: "q", np.float32: "f"}
 _MEDIA_PAIRS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
 _LABEL_IGNORE = -100
 
@@ -98,17 +99,45 @@ def _lengths_of(values: list[Any]) -> np.ndarray:
 
 
 def _concat_token_field(values: list[Any], total: int, dtype: type | None) -> np.ndarray:
-    """One concatenation for the whole batch: a C-level pass over lists, or np.concatenate over arrays."""
+    """One concatenation for the whole batch: one ``struct.pack`` over lists of Python numbers (it unboxes
+    them faster than ``np.fromiter``), or ``np.concatenate`` over arrays / tensors.
+
+    Raises:
+        TypeError: an integer field holds non-integers (floats are never truncated silently).
+        struct.error / OverflowError / ValueError: values that do not fit ``dtype``.
+    """
     if dtype is not None and all(type(v) is list for v in values):
-        return np.fromiter(itertools.chain.from_iterable(values), dtype=dtype, count=total)
+        flat: list[Any] = []
+        for v in values:
+            flat += v
+        try:
+            return np.frombuffer(struct.pack(f"={total}{_STRUCT_CODES[dtype]}", *flat), dtype=dtype).copy()
+        except struct.error:
+            pass  # a float in an int field, an int beyond int64, ...: the checked path below says which
     out = np.concatenate([_as_array(v).reshape(-1) for v in values])
     if dtype is not None:
+        if np.dtype(dtype).kind in "iu" and out.dtype.kind not in "iub":
+            raise TypeError(f"expected integers, got values of dtype {out.dtype}")
         return out.astype(dtype, copy=False)
     if out.dtype.kind == "f":
         return out.astype(np.float32, copy=False)
     if out.dtype.kind in "iu":
         return out.astype(np.int64, copy=False)
     return out
+
+
+def _bad_values(
+    field: str, dtype: type | None, have: list[int], values: list[Any], names: list[Any], exc: Exception
+) -> ValueError:
+    """Locate the sample whose ``field`` cannot be converted (error path only: one sample at a time)."""
+    for i, value in zip(have, values):
+        try:
+            _concat_token_field([value], _seq_len(value), dtype)
+        except (TypeError, ValueError, OverflowError) as err:
+            return ValueError(
+                f"{_name(names, i)}: field {field!r} cannot be converted to {np.dtype(dtype)}: {err}"
+            )
+    return ValueError(f"field {field!r} cannot be converted: {type(exc).__name__}: {exc}")
 
 
 def _concat_media(values: list[Any]) -> torch.Tensor:
@@ -349,14 +378,18 @@ class PaddingFreeCollator:
             have = present.get(field)
             if have is None:
                 continue
-            if len(have) == n:
-                values = _concat_token_field(columns[field], total, dtype)
-            else:  # mm_token_type_ids absent from text-only samples: zeros
-                values = np.zeros(total, dtype=np.int64)
-                cols = columns[field]
-                mask = np.zeros(n, dtype=bool)
-                mask[have] = True
-                values[np.repeat(mask, lengths)] = _concat_token_field(cols, int(lengths[have].sum()), dtype)
+            try:
+                if len(have) == n:
+                    values = _concat_token_field(columns[field], total, dtype)
+                else:  # mm_token_type_ids absent from text-only samples: zeros
+                    values = np.zeros(total, dtype=np.int64)
+                    mask = np.zeros(n, dtype=bool)
+                    mask[have] = True
+                    values[np.repeat(mask, lengths)] = _concat_token_field(
+                        columns[field], int(lengths[have].sum()), dtype
+                    )
+            except (TypeError, ValueError, OverflowError, struct.error) as exc:
+                raise _bad_values(field, dtype, have, columns[field], names, exc) from exc
             if field == "labels" and (values[starts[:n]] != _LABEL_IGNORE).any():
                 bad = np.flatnonzero(values[starts[:n]] != _LABEL_IGNORE)
                 if bad.size:
