@@ -80,6 +80,22 @@ def test_ranks_get_disjoint_shares(tmp_path):
     assert len(overlap) <= 1  # even_batches may repeat at most W - 1 = 1 pack in the last step
 
 
+def test_boundaries_stay_on_the_host(tmp_path):
+    """accelerate's device placement moves the batch but not the CPU boundaries (validated for free there)."""
+    from accelerate.utils import send_to_device
+
+    from varpack.train import HostBoundaries, _unwrap_boundaries
+
+    run = _build(tmp_path)
+    batch = next(iter(run.trainer.get_train_dataloader()))
+    assert "cu_seq_lens_q" not in batch and isinstance(batch["host_boundaries"], HostBoundaries)
+    moved = send_to_device(batch, "meta")
+    assert moved["input_ids"].device.type == "meta"
+    inputs = _unwrap_boundaries(moved)
+    assert inputs["cu_seq_lens_q"].device.type == "cpu" and inputs["cu_seq_lens_q"].dtype == torch.int32
+    assert int(inputs["cu_seq_lens_q"][-1]) == batch["input_ids"].shape[1]
+
+
 def test_epoch_callback_sets_dataset_epoch(tmp_path):
     from varpack.train import PackEpochCallback
 

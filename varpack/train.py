@@ -20,7 +20,8 @@ Loss. ``loss_reduction="token"``: the global token mean of the optimizer step, w
 samples with a supervised token (see :mod:`varpack.loss`). Either way a step with gradient accumulation has
 the gradient of one big batch.
 
-Host syncs. Boundaries are built on the CPU by the collator, ``max_length_*`` are Python ints, the loss and
+Host syncs. Boundaries are built on the CPU by the collator and stay there (:class:`HostBoundaries`: the
+guard validates them for free, the attention copies them once per batch), ``max_length_*`` are Python ints, the loss and
 the sample counts stay on the device, and ``logging_nan_inf_filter`` is off (it reads the loss every step):
 varpack adds no host sync per step; Trainer reads the loss at logging steps only.
 """
@@ -38,9 +39,11 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 __all__ = [
+    "HostBoundaries",
     "PackEpochCallback",
     "PackedSFTTrainer",
     "SFTConfig",
+    "TrainCollator",
     "build_sft",
     "encode_chat_data",
     "format_packing_report",
@@ -48,6 +51,15 @@ __all__ = [
 ]
 
 _NOT_MODEL_INPUTS = ("labels", "loss_scale", "sample_ids", "num_packs")
+
+
+def _unwrap_boundaries(inputs: dict[str, Any]) -> dict[str, Any]:
+    holder = inputs.get("host_boundaries")
+    if holder is None:
+        return inputs
+    out = {k: v for k, v in inputs.items() if k != "host_boundaries"}
+    out.update(holder.tensors)
+    return out
 
 
 def encode_chat_data(data: Sequence[str] | str | None, tokenizer: Any, *, num_proc: int | None = None) -> Any:
@@ -197,7 +209,7 @@ class PackedSFTTrainer(Trainer):
         self.model_accepts_loss_kwargs = True  # our compute_loss divides by num_items_in_batch itself
         self._window_tokens = 0
         self._window_slots = 0
-        self._window_start = time.perf_counter()
+        self._window_start: float | None = None  # set by the first micro-batch of a logging window
         self.loss_impl_used: str | None = None
 
     # -- num_items_in_batch for the "sample" reduction --------------------------------------------
@@ -244,8 +256,11 @@ class PackedSFTTrainer(Trainer):
     ) -> Any:
         from varpack.loss import causal_lm_loss
 
+        inputs = _unwrap_boundaries(inputs)
         labels = inputs["labels"]
         num_packs = inputs.get("num_packs")
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
         self._window_tokens += int(labels.shape[-1])
         if num_packs is not None and self.packing_length:
             self._window_slots += int(num_packs) * int(self.packing_length)
@@ -278,19 +293,35 @@ class PackedSFTTrainer(Trainer):
     # -- logging -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         now = time.perf_counter()
-        if "loss" in logs and self._window_tokens:
+        if "loss" in logs and self._window_tokens and self._window_start is not None:
             elapsed = max(now - self._window_start, 1e-9)
             world = max(1, self.args.world_size)
             logs["tokens_per_second"] = round(self._window_tokens * world / elapsed, 1)
             if self._window_slots:
                 logs["pack_fill"] = round(self._window_tokens / self._window_slots, 4)
             self._window_tokens = self._window_slots = 0
-            self._window_start = now
+            self._window_start = None
         super().log(logs, *args, **kwargs)
 
 
-class _CountingCollator:
-    """PaddingFreeCollator plus ``num_packs`` (an int, for the pack-fill log; popped before the model)."""
+class HostBoundaries:
+    """Carries the collator's CPU ``cu_seq_lens_q/k`` past accelerate's / Trainer's device placement.
+
+    ``send_to_device`` and ``Trainer._prepare_inputs`` move tensors (and objects with ``.to``) to the GPU; this
+    holder has neither, so the boundaries stay on the CPU, where the packing guard validates them for free and
+    :func:`varpack.attn.varlen_attention` copies them to the device once per batch (cached by tensor
+    identity, reused by every layer). :meth:`PackedSFTTrainer.compute_loss` unwraps it.
+    """
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+
+class TrainCollator:
+    """``PaddingFreeCollator`` for the Trainer: adds ``num_packs`` (an int, for the pack-fill log) and wraps
+    the boundaries in :class:`HostBoundaries` (both unwrapped / popped before the model sees the batch)."""
 
     def __init__(self, collator: Any) -> None:
         self.collator = collator
@@ -299,6 +330,9 @@ class _CountingCollator:
         batch = self.collator(features)
         packs = sum(1 for f in features if isinstance(f, (list, tuple)))
         batch["num_packs"] = packs or 1
+        cu = {k: batch.pop(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k") if k in batch}
+        if cu:
+            batch["host_boundaries"] = HostBoundaries(cu)
         return batch
 
 
@@ -397,7 +431,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         enable_varpack(model, backend=config.attn_backend)
     model.config.use_cache = False
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    collator = _CountingCollator(PaddingFreeCollator(pad_token_id=pad_id))
+    collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id))
     args_kw: dict[str, Any] = dict(
         output_dir=config.output_dir,
         per_device_train_batch_size=config.packs_per_step,
@@ -409,6 +443,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         warmup_steps=config.warmup_steps,
         weight_decay=config.weight_decay,
         logging_steps=config.logging_steps,
+        logging_first_step=True,
         logging_nan_inf_filter=False,
         save_strategy="no",
         report_to=config.report_to,

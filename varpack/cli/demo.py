@@ -21,7 +21,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "output_dir": "varpack-demo",
     "packing_length": 512,
     "overflow": "split",
-    "max_steps": 60,
+    "max_steps": 80,
     "lr": 3e-3,
     "lr_scheduler": "cosine",
     "warmup_steps": 5,
