@@ -193,10 +193,14 @@ def test_layout_reuse_and_cpu_layout():
     layout = prepare_chunk_layout(cu)
     assert layout.chunk_size == 64 and layout.num_chunks == 1 + 3 + 1 + 1
     assert layout.active == (4, 1, 1) and layout.offsets == (0, 4, 5)
-    ins, _ = _inputs(lengths)
-    a, _ = chunk_gated_delta_rule(*ins, cu_seqlens=cu, layout=layout)
-    b, _ = chunk_gated_delta_rule(*ins, cu_seqlens=cu)
-    assert torch.equal(a, b)
+    ins, h0 = _inputs(lengths, initial=True)
+    a, sa = chunk_gated_delta_rule(
+        *ins, cu_seqlens=cu, layout=layout, initial_state=h0, output_final_state=True
+    )
+    b, sb = chunk_gated_delta_rule(*ins, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    assert torch.equal(a, b) and torch.equal(sa, sb)
+    with pytest.raises(ValueError, match=r"initial_state must be \[N=4"):
+        chunk_gated_delta_rule(*ins, layout=layout, initial_state=h0[:3])
     with pytest.raises(ValueError, match="layout describes 198 tokens"):
         chunk_gated_delta_rule(*(x[:, :100] for x in ins), layout=layout)
 

@@ -313,7 +313,10 @@ def chunk_gated_delta_rule(
             ``initial_state`` shape.
         TypeError: non-tensor or integer inputs.
     """
-    B, T, Hk, H, K, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens if layout is None else None)
+    if layout is None:
+        B, T, Hk, H, K, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    else:  # cu_seqlens and initial_state are checked against the layout below
+        B, T, Hk, H, K, V = check_inputs(q, k, v, g, beta, None, None)
     if layout is not None and B != 1:
         raise ValueError(f"with a packed layout the batch dimension must be 1, got B={B}")
     if layout is None:
