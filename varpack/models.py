@@ -279,6 +279,11 @@ def load_model(
         from varpack.integrations.transformers import enable_varpack
 
         enable_varpack(model, backend=attn_backend)
+        if getattr(model.config, "vision_config", None) is not None:
+            from varpack.integrations.vision import is_vl_model, prepare_vl_model
+
+            if is_vl_model(model):  # keep the text stream's boundaries out of the vision tower
+                prepare_vl_model(model)
     return model
 
 

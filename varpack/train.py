@@ -399,14 +399,28 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     from varpack.models import load_model, load_tokenizer_for
     from varpack.plan import plan_packs
 
+    def _load() -> Any:
+        return load_model(
+            config.model,
+            dtype=getattr(torch, config.dtype),
+            seed=config.seed,
+            attn_backend=config.attn_backend,
+        )
+
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
-    encoded = (
-        encoded if encoded is not None else encode_chat_data(config.data, tokenizer, num_proc=config.num_proc)
-    )
+    if encoded is None:
+        from varpack.encode.multimodal import encode_any, has_mm_chats
+
+        if config.data and has_mm_chats(list(config.data)):
+            # image/video chats: placeholders expanded to the model's patch grid, mRoPE positions per sample
+            model = model if model is not None else _load()
+            encoded = encode_any(list(config.data), tokenizer, rope_model=model)
+        else:
+            encoded = encode_chat_data(config.data, tokenizer, num_proc=config.num_proc)
     if hasattr(encoded, "with_format"):
         lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
     else:
-        lengths = np.asarray([len(s["input_ids"]) for s in encoded], dtype=np.int64)
+        lengths = np.asarray([s.get("length", len(s["input_ids"])) for s in encoded], dtype=np.int64)
     plan = plan_packs(
         lengths,
         config.packing_length,
@@ -421,12 +435,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         input_tokens=int(lengths.sum()),
     )
     if model is None:
-        model = load_model(
-            config.model,
-            dtype=getattr(torch, config.dtype),
-            seed=config.seed,
-            attn_backend=config.attn_backend,
-        )
+        model = _load()
     else:
         enable_varpack(model, backend=config.attn_backend)
     model.config.use_cache = False
