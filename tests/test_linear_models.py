@@ -203,6 +203,26 @@ def test_unpacked_forward_is_unchanged(name):
     assert torch.equal(a(input_ids=ids).logits, b(input_ids=ids).logits)
 
 
+def test_unpacked_rows_through_varpack_path_where_fla_cannot_train(monkeypatch):
+    """Where the original forward would call an fla whose backward refuses (Hopper + Triton < 3.7.1), the
+    unpacked call takes varpack's path, one sequence per row: same values and gradients as the original."""
+    a = tiny_model("tiny-qwen3.5", seed=2, vocab_size=512)
+    b = tiny_model("tiny-qwen3.5", seed=2, vocab_size=512)
+    patch_linear_attention(b, backend="chunk")
+    calls = []
+    real = gd._packed_forward
+    monkeypatch.setattr(gd, "_original_cannot_train", lambda layer, h: True)
+    monkeypatch.setattr(gd, "_packed_forward", lambda *args: calls.append(1) or real(*args))
+    ids = torch.randint(1, 512, (2, 70), generator=torch.Generator().manual_seed(0))
+    out_a, out_b = a(input_ids=ids).logits, b(input_ids=ids).logits
+    assert len(calls) == 3
+    torch.testing.assert_close(out_b, out_a, atol=TOL, rtol=1e-4)
+    out_a.square().mean().backward()
+    out_b.square().mean().backward()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, atol=TOL, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_packed_guards():
     model = tiny_model("tiny-qwen3.5", vocab_size=512)
     patch_linear_attention(model, backend="chunk")

@@ -6,7 +6,10 @@ the recurrent state of the gated delta rule. :func:`patch_linear_attention` repl
 every ``Qwen3_5GatedDeltaNet`` / ``Qwen3NextGatedDeltaNet`` instance with one that, on a packed batch,
 runs the same projections and parameters through :func:`varpack.ops.short_conv` and
 :func:`varpack.ops.gated_delta_rule` with the batch's boundaries; without boundaries it calls the original
-``forward`` unchanged (an unpacked sample, generation with a cache).
+``forward`` unchanged (an unpacked sample, generation with a cache). One exception: where transformers'
+own forward would dispatch to an installed fla whose backward cannot run on the device (fla 0.6.0 on
+Hopper with Triton < 3.7.1) and gradients are needed, an unpacked cache-free call takes varpack's path with
+one sequence per row (same math) so that training, and ``varpack check``'s unpacked reference, still run.
 
 Where the boundaries come from: the same kwargs the attention layers get, ``cu_seq_lens_q`` (``[N+1]``
 int32, CPU-built by varpack's collator) and/or ``seq_idx`` (``[1, T]``), passed to the model's forward. Some
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from varpack.ops._fla import fla_status, load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
 from varpack.ops.gated_delta_rule.dispatch import resolve_backend
 from varpack.ops.short_conv import short_conv
@@ -229,13 +233,7 @@ def _packed_forward(
 
     backend = getattr(layer, "_varpack_gdn_backend", "auto")
     device = hidden_states.device
-    # training mode counts as needing gradients even under no_grad (reentrant gradient checkpointing runs
-    # the first forward without grad): the recomputation must use the same backend as the first pass
-    needs_grad = layer.training or (
-        torch.is_grad_enabled()
-        and (hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters()))
-    )
-    rule_backend = resolve_backend(backend, device, needs_grad=needs_grad)
+    rule_backend = resolve_backend(backend, device, needs_grad=_needs_grad(layer, hidden_states))
     conv_backend = "auto" if backend in ("auto", "fla") and device.type == "cuda" else "torch"
     if conv_backend != "torch":
         conv_kwargs = {"cu_seqlens": bd.cu_on(device), "cu_seqlens_cpu": bd.cu_seqlens}
@@ -268,23 +266,52 @@ def _packed_forward(
     return layer.out_proj(core.reshape(B, T, -1))
 
 
+def _needs_grad(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    # training mode counts as needing gradients even under no_grad (reentrant gradient checkpointing runs
+    # the first forward without grad): the recomputation must use the same backend as the first pass
+    return layer.training or (
+        torch.is_grad_enabled()
+        and (hidden_states.requires_grad or any(p.requires_grad for p in layer.parameters()))
+    )
+
+
+def _original_cannot_train(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    """True where transformers' own forward would dispatch to fla (installed) but fla's backward cannot run
+    on this device (fla 0.6.0 on Hopper with Triton < 3.7.1): training through the original would fail."""
+    if hidden_states.device.type != "cuda" or not _needs_grad(layer, hidden_states):
+        return False
+    if load_fla()[0] is None:
+        return False
+    return not fla_status(hidden_states.device).backward[0]
+
+
 def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
-    T = hidden_states.shape[1]
+    B, T = hidden_states.shape[:2]
+    cache = args[0] if args else next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
+    attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
     bd = _current_boundaries(self, T, kwargs)
     if bd is None:
+        if cache is None and _original_cannot_train(self, hidden_states):
+            # each row is one sequence: the same math through varpack's path, whose backward runs here
+            rows = PackedBoundaries(torch.arange(B + 1, dtype=torch.int64) * T, B * T)
+            mask = (
+                attention_mask.reshape(1, B * T)
+                if attention_mask is not None and attention_mask.dim() == 2
+                else None
+            )
+            out = _packed_forward(self, hidden_states.reshape(1, B * T, -1), mask, rows)
+            return out.reshape(B, T, -1)
         return self._varpack_gdn_original_forward(hidden_states, *args, **kwargs)
     where = f"{type(self).__name__}(layer_idx={getattr(self, 'layer_idx', '?')})"
-    if hidden_states.shape[0] != 1:
+    if B != 1:
         raise ValueError(
             f"{where}: packed boundaries need one row [1, T], got hidden_states {tuple(hidden_states.shape)}"
         )
-    cache = args[0] if args else next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
     if cache is not None:
         raise ValueError(
             f"{where}: packed batch with a cache ({type(cache).__name__}); incremental decoding cannot be "
             "combined with packing (use_cache=False for packed training batches)"
         )
-    attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
     return _packed_forward(self, hidden_states, attention_mask, bd)
 
 
