@@ -95,6 +95,8 @@ def _lengths_of(values: list[Any]) -> np.ndarray:
     """Token count of each value (``-1`` for an array or tensor that is not 1-D), as int64 ``[len(values)]``."""
     if all(type(v) is list for v in values):
         return np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    if all(type(v) is np.ndarray and v.ndim == 1 for v in values):
+        return np.fromiter(map(len, values), dtype=np.int64, count=len(values))
     return np.fromiter(map(_seq_len, values), dtype=np.int64, count=len(values))
 
 
@@ -114,7 +116,10 @@ def _concat_token_field(values: list[Any], total: int, dtype: type | None) -> np
             return np.frombuffer(struct.pack(f"={total}{_STRUCT_CODES[dtype]}", *flat), dtype=dtype).copy()
         except struct.error:
             pass  # a float in an int field, an int beyond int64, ...: the checked path below says which
-    out = np.concatenate([_as_array(v).reshape(-1) for v in values])
+    if all(type(v) is np.ndarray for v in values):  # 1-D already checked by the caller
+        out = np.concatenate(values)
+    else:
+        out = np.concatenate([_as_array(v).reshape(-1) for v in values])
     if dtype is not None:
         if np.dtype(dtype).kind in "iu" and out.dtype.kind not in "iub":
             raise TypeError(f"expected integers, got values of dtype {out.dtype}")

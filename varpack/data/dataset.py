@@ -283,11 +283,12 @@ class PackedDataset(Dataset):
         if self._fast_columns:
             table = self._arrow_view[sample_ids]
             for name in self._fast_columns:
-                col = table.column(name).combine_chunks()
+                chunked = table.column(name)
+                col = chunked.chunks[0] if chunked.num_chunks == 1 else chunked.combine_chunks()
                 if self._fast_columns[name] and col.null_count == 0:
-                    offsets = col.offsets.to_numpy()
+                    offsets = (col.offsets.to_numpy() - col.offsets[0].as_py()).tolist()
                     values = col.flatten().to_numpy(zero_copy_only=False)
-                    parts: Any = np.split(values, offsets[1:-1] - offsets[0])
+                    parts: Any = [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
                 else:
                     parts = col.to_pylist()
                 for row, value in zip(rows, parts):
