@@ -114,6 +114,8 @@ def test_gpu_conv_matches_reference_and_fla_if_usable():
         pytest.skip(f"fla conv unusable here: {st.conv_forward[1]}")
     xb, wb = x.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
     with torch.no_grad():
-        y_fla = short_conv(xb, wb, None, "silu", cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu.long(), backend="fla")
+        y_fla = short_conv(
+            xb, wb, None, "silu", cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu.long(), backend="fla"
+        )
     y32 = short_conv_reference(xb.float(), wb.float(), None, "silu", cu_seqlens=cu)
     assert (y_fla.float() - y32).abs().max() < 2e-2 * y32.abs().max() + 1e-3
