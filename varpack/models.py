@@ -216,6 +216,20 @@ def _call_external(name: str, **kw: Any) -> Any:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _drop_gguf_quantizer(model: Any) -> None:
+    """GGUF weights are dequantized to dense ``dtype`` tensors on load; transformers still tags the model with
+    its GGUF "quantizer", which makes ``Trainer`` refuse to fine-tune it and ``save_pretrained`` write a GGUF
+    quantization config. Drop the tag: the model is an ordinary dense model from here on."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or type(quantizer).__name__ != "GgufHfQuantizer":
+        return
+    quantizer.remove_quantization_config(model)  # HfQuantizer API (5.17 and 5.24): drops the tags
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if getattr(cfg, "_is_quantized", False):
+            cfg._is_quantized = False
+
+
 def load_model(
     name_or_dir: str | os.PathLike[str],
     *,
@@ -270,6 +284,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             str(source.parent), gguf_file=source.name, dtype=dtype, local_files_only=True
         )
+        _drop_gguf_quantizer(model)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, local_files_only=True)
     if device is not None:
