@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -187,3 +188,49 @@ def test_cli_sft_three_steps(tmp_path, capsys):
     model = AutoModelForCausalLM.from_pretrained(out_dir)
     tok = AutoTokenizer.from_pretrained(out_dir)
     assert model.config.vocab_size == 151936 and tok("Hello, world!")["input_ids"] == [9707, 11, 1879, 0]
+
+
+_DDP_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_cli_sft import _build
+import pathlib
+out = pathlib.Path({out!r})
+run = _build(out, max_steps=1, lr=1.0, packs_per_step={pps}, loss_reduction={red!r})
+run.trainer.train()
+if run.trainer.is_world_process_zero():
+    torch.save({{n: p.detach() for n, p in run.model.named_parameters()}}, out / "params.pt")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_torchrun_two_ranks_equal_one_process(tmp_path, reduction):
+    """torchrun with 2 CPU ranks (one pack each, DDP over gloo) makes the same SGD step as one process with
+    both packs in one row: each rank trains on its share, and the loss is the global mean."""
+    import pathlib
+    import subprocess
+
+    tests = str(pathlib.Path(__file__).parent)
+    params = {}
+    for name, nproc, pps in (("ddp", 2, 1), ("single", 1, 2)):
+        out = tmp_path / name
+        out.mkdir()
+        script = out / "run.py"
+        script.write_text(_DDP_SCRIPT.format(tests=tests, out=str(out), pps=pps, red=reduction))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            str(script),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        params[name] = torch.load(out / "params.pt")
+    start = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend=None).state_dict()
+    moved = max((params["single"][n] - start[n]).abs().max().item() for n in params["single"])
+    worst = max((params["ddp"][n] - params["single"][n]).abs().max().item() for n in params["single"])
+    assert moved > 1e-4 and worst <= 1e-6 + 1e-5 * moved

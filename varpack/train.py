@@ -464,6 +464,9 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         dataloader_pin_memory=torch.cuda.is_available(),
         disable_tqdm=False,
     )
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun / accelerate launch on CPUs: transformers needs use_cpu to set up a (gloo) process group
+        args_kw.update(use_cpu=True, ddp_backend="gloo")
     if config.gradient_checkpointing:  # the flag is renamed in newer transformers; pass it only when used
         args_kw["gradient_checkpointing"] = True
     args_kw.update(config.extra_training_args)
