@@ -132,3 +132,22 @@ def test_cli_check_text_fail_exit_code(chat_file, monkeypatch, capsys):
     code = main(args)
     out = capsys.readouterr().out
     assert code == 1 and "FAIL" in out and "max |logit diff|" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-qwen3", "qwen3-0.6b-shape"])
+def test_gpu_check_bf16_auto(name, monkeypatch):
+    """On the GPU: bf16, backend auto, by the fp32-truth rule; the sabotaged run fails."""
+    model = load_model(name, dtype=torch.bfloat16, device="cuda", attn_backend="auto")
+    vocab = model.config.vocab_size
+    rows = samples(lengths=(300, 1, 717, 77, 129)) if name != "tiny-qwen3" else samples()
+    rows = [{**r, "input_ids": [t % vocab for t in r["input_ids"]]} for r in rows]
+    res = check_exactness(model, rows, backend="auto")
+    assert res["passed"], res["failures"]
+    assert res["backend"] != "reference", res["backend_reason"]  # a real kernel ran
+    print(
+        f"{name}: backend {res['backend']} ({res['backend_reason']}); logit err packed/unpacked vs fp32 "
+        f"{res['logit_err_packed']:.3g}/{res['logit_err_unpacked']:.3g}"
+    )
+    monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
+    assert not check_exactness(model, rows, backend="auto")["passed"]
