@@ -62,6 +62,15 @@ def _unwrap_boundaries(inputs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _has_mm_chats(probe: Any, paths: list[str]) -> bool:
+    """``has_mm_chats`` that leaves JSON errors to the text loader, which names them precisely (the probe's
+    line reader also splits on U+2028 inside JSON strings, e.g. gsm8k.jsonl line 2382)."""
+    try:
+        return bool(probe(paths))
+    except ValueError:
+        return False
+
+
 def encode_chat_data(data: Sequence[str] | str | None, tokenizer: Any, *, num_proc: int | None = None) -> Any:
     """Encode chat data files (or the built-in chats when ``data`` is empty / None) with ``tokenizer``.
 
@@ -411,7 +420,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     if encoded is None:
         from varpack.encode.multimodal import encode_any, has_mm_chats
 
-        if config.data and has_mm_chats(list(config.data)):
+        if config.data and _has_mm_chats(has_mm_chats, list(config.data)):
             # image/video chats: placeholders expanded to the model's patch grid, mRoPE positions per sample
             model = model if model is not None else _load()
             encoded = encode_any(list(config.data), tokenizer, rope_model=model)

@@ -19,9 +19,9 @@ __all__ = ["DEMO_DEFAULTS", "register", "run"]
 DEMO_DEFAULTS: dict[str, Any] = {
     "model": "tiny-qwen3",
     "output_dir": "varpack-demo",
-    "packing_length": 512,
+    "packing_length": 1024,
     "overflow": "split",
-    "max_steps": 80,
+    "max_steps": 100,
     "lr": 3e-3,
     "lr_scheduler": "cosine",
     "warmup_steps": 5,
