@@ -87,6 +87,16 @@ def test_check_llama_eval_mode_restored():
     assert model.training and all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3-next"])
+def test_check_linear_attention_models(name, monkeypatch):
+    """Hybrid models (gated-delta linear attention + full attention) through the same check."""
+    model = load_model(name, vocab_size=VOCAB, attn_backend="reference")
+    res = check_exactness(model, samples(lengths=(6, 1, 9)), backend="reference")
+    assert res["passed"], res["failures"]
+    monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
+    assert not check_exactness(model, samples(lengths=(6, 1, 9)), backend="reference")["passed"]
+
+
 def test_check_bad_samples(qwen):
     with pytest.raises(ValueError, match="at least one sample"):
         check_exactness(qwen, [])

@@ -145,6 +145,19 @@ def test_negative_control_without_boundaries(model_and_ref):
     assert max_grad_diff(grads_p, grads_u) > 1e-3
 
 
+def test_gradient_checkpointing_keeps_exactness():
+    """Layers recomputed in backward see the same boundary kwargs: grads still equal the unpacked ones."""
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    samples = make_samples()
+    _, _, grads_u = unpacked_run(model, samples)
+    model.gradient_checkpointing_enable()
+    model.train()
+    _, _, grads_p = packed_run(model, samples)
+    assert max_grad_diff(grads_p, grads_u) <= 1e-5
+    _, _, grads_bad = packed_run(model, samples, sabotage=True)
+    assert max_grad_diff(grads_bad, grads_u) > 1e-3
+
+
 def test_unpacked_path_matches_native_attention():
     """Without boundary kwargs varpack attention is an ordinary causal model (rows = sequences, B > 1)."""
     model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
