@@ -46,6 +46,11 @@ BACKENDS: dict[str, Backend] = {
 #: shared/ASSETS.md 2026-11-29): lognormal(6.5, 1) lengths: torch varlen_attn 284/243, flex 303/283,
 #: flash-attn-4 540/458; GQA H=32 Hkv=8: 293/249, 310/293, 550/451. FA3 and FA2 are not installed there;
 #: they are placed by their published figures (FA3 > FA2 on Hopper; FA2 >= flex).
+#: Measured by benchmarks/attention.py on the H200 (benchmarks/RESULTS.md, 2026-11-29, H=16 Hkv=4, fwd+bwd
+#: useful TFLOP/s): real chat lengths of ../shared/data (median ~150 tokens): flash-attn-4 135, torch varlen_attn
+#: 98.7, flex 60.7; uniform 512: 182 / 131 / 98; uniform 2048: 437 / 251 / 244. So on SFT-like mixes
+#: torch_varlen beats flex for training and comes first; flex only led on long documents (the lognormal(6.5, 1)
+#: mix in ASSETS.md) and stays next (it also covers fp32 and softcap, which torch_varlen refuses).
 #: ``sdpa`` and ``reference`` read cu_seqlens on the host (a sync per layer on a GPU): last resorts on CUDA.
 #: CPU: ``sdpa`` (a per-segment SDPA loop, 2.4x faster than ``reference`` fwd+bwd on a 2,048-token pack of 6
 #: samples, H=8, Hkv=4, D=64, same results to 1e-6), then ``reference`` for what SDPA lacks (softcap).
@@ -53,7 +58,7 @@ BACKENDS: dict[str, Backend] = {
 #: the forward (tests/test_attn.py), but torch refuses its backward on the CPU and it materializes the
 #: [H, Tq, Tk] score matrix of the whole stream; it stays available by name for CPU inference.
 AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
-    "cuda": ("flash_attn_4", "flash_attn_3", "flash_attn", "flex", "torch_varlen", "sdpa", "reference"),
+    "cuda": ("flash_attn_4", "flash_attn_3", "flash_attn", "torch_varlen", "flex", "sdpa", "reference"),
     "cpu": ("sdpa", "reference"),
 }
 #: Device types not listed above.
