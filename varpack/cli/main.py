@@ -25,13 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Padding-free sequence packing for LLM fine-tuning (packed step == unpacked step).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in SUBCOMMANDS.items():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name == module:  # sub-command not implemented yet
-                continue
-            raise
+    for module in SUBCOMMANDS.values():
+        mod = importlib.import_module(module)
         p = mod.register(sub)
         p.set_defaults(_run=mod.run)
     return parser
