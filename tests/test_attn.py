@@ -413,3 +413,19 @@ def test_exported_from_varpack():
     import varpack.attn
 
     assert varpack.varlen_attention is varpack.attn.varlen_attention
+
+
+def test_auto_min_head_dim_for_grad_applies_only_to_training(monkeypatch, fake_registry):
+    """A backend listed in AUTO_MIN_HEAD_DIM_FOR_GRAD is skipped by auto for a gradient-needing call below its
+    verified head dim (the H200's FA4 gave wrong gradients at D=16), but still chosen for inference and when
+    forced."""
+    from varpack.attn import registry
+
+    monkeypatch.setitem(registry.AUTO_MIN_HEAD_DIM_FOR_GRAD, "fake_fast", 32)
+    q, k, v, _, _ = make_inputs([4, 3], d=16)  # leaf tensors that require grad
+    assert resolve_backend("auto", q.detach(), k.detach(), v.detach()) == "fake_fast"  # no grad needed
+    with torch.no_grad():
+        assert resolve_backend("auto", q, k, v) == "fake_fast"
+    chosen = resolve_backend("auto", q, k, v)
+    assert chosen == "reference" and "verified head dims D >= 32, got D=16" in chosen.reason
+    assert resolve_backend("fake_fast", q, k, v) == "fake_fast"

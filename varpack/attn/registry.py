@@ -61,6 +61,11 @@ AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("flash_attn_4", "flash_attn_3", "flash_attn", "torch_varlen", "flex", "sdpa", "reference"),
     "cpu": ("sdpa", "reference"),
 }
+#: ``auto`` takes these backends for a call that needs gradients only from this head dim up: the head dims
+#: whose backward was verified against ``reference`` on the H200 (tests/test_attn_gpu.py, D = 64 and 128).
+#: Smaller heads (the tiny test models use D = 16 / 32) go to ``flex``, whose gradients `varpack check`
+#: verified there at D = 16 and 32. FA4 refuses D < 64 itself (its sm90 backward was wrong at D = 16).
+AUTO_MIN_HEAD_DIM_FOR_GRAD: dict[str, int] = {"torch_varlen": 64}
 #: Device types not listed above.
 AUTO_PRIORITY_DEFAULT: tuple[str, ...] = ("sdpa", "reference")
 
@@ -138,6 +143,9 @@ def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
     skipped: list[str] = []
     for candidate in order:
         ok, reason = BACKENDS[candidate].supports(spec)
+        min_d = AUTO_MIN_HEAD_DIM_FOR_GRAD.get(candidate)
+        if ok and min_d is not None and spec.needs_grad and spec.head_dim < min_d:
+            ok, reason = False, f"auto uses it for training only at verified head dims D >= {min_d}, got D={spec.head_dim}"
         if ok:
             why = f"auto on {spec.device.type}: {candidate} is the first backend in AUTO_PRIORITY that runs this call"
             if skipped:
