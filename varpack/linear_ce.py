@@ -149,7 +149,9 @@ def _denominator(
     num_items: torch.Tensor | int | float, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     if isinstance(num_items, torch.Tensor):
-        return num_items.to(device=device, dtype=dtype).reshape(())
+        # 0 supervised items in the whole step: the numerator is 0 too; clamp so the loss is 0 with zero
+        # gradients, never 0/0 = NaN (no host-side check: that would sync).
+        return num_items.to(device=device, dtype=dtype).reshape(()).clamp_min(1.0)
     if isinstance(num_items, bool) or not isinstance(num_items, (int, float)):
         raise TypeError(f"num_items_in_batch must be an int, float or tensor, got {type(num_items).__name__}")
     if num_items <= 0:

@@ -172,7 +172,10 @@ def causal_lm_loss(
 
 def _as_denominator(num_items: torch.Tensor | int | float, like: torch.Tensor) -> torch.Tensor | float:
     if isinstance(num_items, torch.Tensor):
-        return num_items.to(device=like.device, dtype=torch.float32)
+        # A step with no supervised item at all (e.g. only prompt pieces of split samples) has a zero numerator;
+        # clamping keeps it 0 with zero gradients instead of 0/0 = NaN poisoning every weight. (A tensor is
+        # not checked for <= 0 here: that would be a host sync.)
+        return num_items.to(device=like.device, dtype=torch.float32).clamp_min(1.0)
     if num_items <= 0:
         raise ValueError(f"num_items_in_batch must be > 0, got {num_items}")
     return float(num_items)

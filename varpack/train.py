@@ -63,12 +63,9 @@ def _unwrap_boundaries(inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _has_mm_chats(probe: Any, paths: list[str]) -> bool:
-    """``has_mm_chats`` that leaves JSON errors to the text loader, which names them precisely (the probe's
-    line reader also splits on U+2028 inside JSON strings, e.g. gsm8k.jsonl line 2382)."""
-    try:
-        return bool(probe(paths))
-    except ValueError:
-        return False
+    """``has_mm_chats``; its JSON errors name ``file:line`` and propagate (a bad line is never re-read as
+    another format)."""
+    return bool(probe(paths))
 
 
 def encode_chat_data(data: Sequence[str] | str | None, tokenizer: Any, *, num_proc: int | None = None) -> Any:
@@ -104,7 +101,8 @@ class SFTConfig:
         output_dir: where the final model + tokenizer (and the Trainer's files) are written.
         packing_length: tokens per pack (the row length budget of one pack).
         packing_strategy: ``bfd`` (best-fit decreasing) or ``sequential`` (order-preserving next-fit).
-        overflow: samples longer than ``packing_length``: ``error``, ``drop``, ``truncate`` or ``split``.
+        overflow: samples longer than ``packing_length``: ``error`` (default: refuse, listing their ids and
+            lengths), ``drop``, ``truncate`` or ``split``; whatever happens is in the packing report.
         packs_per_step: packs per micro-batch per device (all flattened into one row).
         grad_accum: gradient-accumulation micro-batches per optimizer step.
         epochs: passes over the packs (ignored when ``max_steps > 0``).
@@ -133,7 +131,7 @@ class SFTConfig:
     output_dir: str = "varpack-sft"
     packing_length: int = 2048
     packing_strategy: str = "bfd"
-    overflow: str = "split"
+    overflow: str = "error"
     packs_per_step: int = 1
     grad_accum: int = 1
     epochs: float = 1.0
@@ -437,6 +435,20 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         overflow=config.overflow,
         seed=config.seed,
     )
+    if plan.pieces and not hasattr(encoded, "with_format"):
+        # image/video chats: refuse before training (not when the bad pack is reached) any split/truncate
+        # piece that would cut through a placeholder span; the same check as `varpack plan`
+        from varpack.encode.multimodal import check_plan_cuts
+
+        bad = check_plan_cuts(encoded, plan.pieces)
+        if bad:
+            shown = "; ".join(
+                f"piece {b['piece_id']} = sample {b['sample_id']} [{b['start']}, {b['stop']})" for b in bad[:20]
+            )
+            raise ValueError(
+                f"{len(bad)} piece(s) of overlong samples would cut through an image or video ({shown}); "
+                "use overflow='drop' or a larger packing_length"
+            )
     dataset = PackedDataset(encoded, plan)
     report = format_packing_report(
         plan,

@@ -84,6 +84,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "sft",
         help="fine-tune with padding-free packing (HF Trainer)",
         description="Supervised fine-tuning on chat data with padding-free packing; packed == unpacked.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_sft_arguments(p)
     return p

@@ -338,6 +338,11 @@ def load_chat_data(
             kinds.add("parquet")
         else:
             raise ValueError(f"{os.fspath(p)!r}: unknown chat data type (use .json, .jsonl or .parquet)")
+        if path.stat().st_size == 0 or (
+            name.endswith(_JSON_SUFFIXES) and name == path.name.lower() and not path.read_bytes().strip()
+        ):
+            # datasets' JSON builder dies with a bare StopIteration on such a file
+            raise ValueError(f"chat data file {os.fspath(p)!r} contains no rows (it is empty)")
         files.append(str(path.resolve()))
     if len(kinds) > 1:
         raise ValueError(f"load_chat_data: files mix JSON and parquet ({files}); load them separately")

@@ -446,7 +446,9 @@ def load_mm_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
             for i, row in enumerate(items):
                 rows.append((_check_row(row, f"{path}[{i}]"), base))
         else:
-            for lineno, line in enumerate(text.splitlines(), 1):
+            # JSON Lines are separated by '\n' only: str.splitlines() would also split on U+2028/U+2029
+            # inside JSON strings (../shared/data/gsm8k.jsonl line 2382 has one).
+            for lineno, line in enumerate(text.split("\n"), 1):
                 if not line.strip():
                     continue
                 try:
