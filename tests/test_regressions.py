@@ -116,3 +116,22 @@ def test_sft_refuses_image_cuts_before_training(tmp_path):
         ok = SFTConfig(model="tiny-qwen3-vl", packing_length=budget, overflow="drop", max_steps=1,
                        output_dir=str(tmp_path), save=False)  # fmt: skip
         build_sft(ok, model=model, tokenizer=load_tokenizer("qwen3"), encoded=samples)
+
+
+def test_report_names_pieces_that_keep_no_supervised_token():
+    """Truncating a sample whose long prompt fills the budget leaves a piece that trains nothing: the packing
+    report says so by sample id (it used to say only how many tokens were dropped)."""
+    from varpack.plan import plan_packs
+    from varpack.train import format_packing_report, unsupervised_pieces
+
+    long_prompt = {"input_ids": list(range(10)), "labels": [-100] * 8 + [5, 6], "length": 10}
+    short = {"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "length": 3}
+    samples = [short, long_prompt]
+    plan = plan_packs([3, 10], 6, overflow="truncate")
+    bad = unsupervised_pieces(samples, plan)
+    assert [(sid, a, b) for _, sid, a, b in bad] == [(1, 0, 6)]
+    report = format_packing_report(plan, data="toy", input_tokens=13, unsupervised=bad)
+    assert "1 piece(s) of overlong samples keep no supervised token" in report and "sample 1 [0, 6)" in report
+    # negative control: with the answer inside the budget nothing is reported
+    plan_ok = plan_packs([3, 10], 10, overflow="truncate")
+    assert unsupervised_pieces(samples, plan_ok) == []

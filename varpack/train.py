@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
@@ -346,8 +347,23 @@ class TrainCollator:
 # ---------------------------------------------------------------------------------------------------------
 # building a run
 # ---------------------------------------------------------------------------------------------------------
-def format_packing_report(plan: Any, *, data: str, input_tokens: int) -> str:
-    """The packing report printed before training: samples, packs, fill, overflow."""
+def unsupervised_pieces(encoded: Any, plan: Any, *, ignore_index: int = -100) -> list[tuple[int, int, int, int]]:
+    """Pieces of truncated / split samples that keep no supervised token (e.g. a long prompt cut away from
+    its answer): ``[(piece_id, sample_id, start, stop), ...]``. They train nothing, so the packing report
+    names them. A piece's first label becomes ``ignore_index`` when it is cut, so it is not counted."""
+    out: list[tuple[int, int, int, int]] = []
+    for pid, (sid, start, stop) in sorted(plan.pieces.items()):
+        labels = np.asarray(encoded[int(sid)]["labels"][int(start) : int(stop)])
+        if not (labels[1:] != ignore_index).any():
+            out.append((int(pid), int(sid), int(start), int(stop)))
+    return out
+
+
+def format_packing_report(
+    plan: Any, *, data: str, input_tokens: int, unsupervised: list[tuple[int, int, int, int]] | None = None
+) -> str:
+    """The packing report printed before training: samples, packs, fill, overflow, and pieces of overlong
+    samples that keep no supervised token (``unsupervised``, from :func:`unsupervised_pieces`)."""
     st = plan.stats
     ov = plan.overflow
     if ov["overlong_ids"]:
@@ -368,6 +384,13 @@ def format_packing_report(plan: Any, *, data: str, input_tokens: int) -> str:
         f"  fill      {st['fill_ratio']:.2%}",
         f"  overflow  {over}",
     ]
+    if unsupervised:
+        shown = ", ".join(f"sample {sid} [{a}, {b})" for _, sid, a, b in unsupervised[:10])
+        more = f" and {len(unsupervised) - 10} more" if len(unsupervised) > 10 else ""
+        lines.append(
+            f"  warning   {len(unsupervised):,} piece(s) of overlong samples keep no supervised token and train "
+            f"nothing: {shown}{more}"
+        )
     return "\n".join(lines)
 
 
@@ -397,7 +420,6 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     Raises:
         ValueError: bad settings, data, or overlong samples with ``overflow="error"``.
     """
-    import numpy as np
     from transformers import TrainingArguments
 
     from varpack.collate import PaddingFreeCollator
@@ -454,6 +476,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         plan,
         data=", ".join(config.data) if config.data else "built-in chats",
         input_tokens=int(lengths.sum()),
+        unsupervised=unsupervised_pieces(encoded, plan) if plan.pieces else None,
     )
     if model is None:
         model = _load()
