@@ -135,3 +135,17 @@ def test_report_names_pieces_that_keep_no_supervised_token():
     # negative control: with the answer inside the budget nothing is reported
     plan_ok = plan_packs([3, 10], 10, overflow="truncate")
     assert unsupervised_pieces(samples, plan_ok) == []
+
+
+def test_sft_on_a_vl_model_without_data_uses_the_builtin_image_captions(tmp_path, monkeypatch):
+    """`varpack sft --model tiny-qwen3-vl` with no --data trains on the built-in image-caption chats (real
+    package images), not on text-only chats that would never exercise the vision path."""
+    from varpack.train import SFTConfig, build_sft
+
+    monkeypatch.setenv("VARPACK_CACHE", str(tmp_path / "cache"))
+    config = SFTConfig(model="tiny-qwen3-vl", packing_length=2048, max_steps=1, output_dir=str(tmp_path), save=False)
+    run = build_sft(config)
+    assert "built-in image-caption chats" in run.report
+    with_images = [s for s in run.encoded if "image_grid_thw" in s]
+    assert with_images and len(with_images) < len(run.encoded)  # images and text-only chats mixed
+    assert run.config.data and run.config.data[0].endswith("vl_builtin.jsonl")

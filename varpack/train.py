@@ -32,7 +32,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -437,9 +437,21 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         )
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
+    data_label = ", ".join(config.data) if config.data else "built-in chats"
     if encoded is None:
         from varpack.encode.multimodal import encode_any, has_mm_chats
 
+        if not config.data:
+            model = model if model is not None else _load()
+            from varpack.integrations.vision import is_vl_model
+
+            if is_vl_model(model):  # a vision-language model without --data: the built-in image-caption chats
+                from varpack.data.vl_builtin import write_vl_jsonl
+                from varpack.tokenizer import varpack_cache_root
+
+                path = write_vl_jsonl(varpack_cache_root() / "data" / "vl_builtin.jsonl")
+                config = replace(config, data=(path,))
+                data_label = "built-in image-caption chats"
         if config.data and _has_mm_chats(has_mm_chats, list(config.data)):
             # image/video chats: placeholders expanded to the model's patch grid, mRoPE positions per sample
             model = model if model is not None else _load()
@@ -474,7 +486,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     dataset = PackedDataset(encoded, plan)
     report = format_packing_report(
         plan,
-        data=", ".join(config.data) if config.data else "built-in chats",
+        data=data_label,
         input_tokens=int(lengths.sum()),
         unsupervised=unsupervised_pieces(encoded, plan) if plan.pieces else None,
     )
