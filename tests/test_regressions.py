@@ -149,3 +149,17 @@ def test_sft_on_a_vl_model_without_data_uses_the_builtin_image_captions(tmp_path
     with_images = [s for s in run.encoded if "image_grid_thw" in s]
     assert with_images and len(with_images) < len(run.encoded)  # images and text-only chats mixed
     assert run.config.data and run.config.data[0].endswith("vl_builtin.jsonl")
+
+
+def test_bad_row_error_names_file_and_line_across_several_files(tmp_path):
+    """With several data files the global sample id alone does not tell the user where to look."""
+    from varpack.encode import encode_dataset, load_chat_data
+    from varpack.tokenizer import load_tokenizer
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(json.dumps(good) for _ in range(3)) + "\n")
+    b.write_text(json.dumps(good) + "\n\n" + json.dumps(bad) + "\n")  # the bad row is on line 3 of b
+    with pytest.raises((ValueError, TypeError), match=r"sample 4: messages\[1\]\.content is missing \[.*b\.jsonl:3\]"):
+        encode_dataset(load_chat_data([str(a), str(b)]), load_tokenizer("qwen3"))

@@ -351,7 +351,36 @@ def load_chat_data(
     )
     if len(ds) == 0:
         raise ValueError(f"load_chat_data: {files} contain no rows")
+    ds._varpack_files = (next(iter(_kinds_of(files))), files)  # for error locations only
     return ds
+
+
+def _kinds_of(files: list[str]) -> set[str]:
+    return {"parquet" if f.lower().endswith(".parquet") else "json" for f in files}
+
+
+def locate_row(kind: str, files: list[str], row: int) -> str | None:
+    """``"FILE:LINE"`` (JSON Lines) or ``"FILE row K"`` for row ``row`` (0-based) of the concatenation of
+    ``files`` as :func:`load_chat_data` reads them; ``None`` if it cannot be told. Runs on error paths only
+    (it reads the files again)."""
+    import datasets
+
+    offset = 0
+    for f in files:
+        n = len(datasets.load_dataset(kind, data_files=[f], split="train"))
+        if row < offset + n:
+            k = row - offset
+            if kind == "json" and f.lower().endswith((".jsonl", ".ndjson")):
+                seen = -1
+                with open(f, encoding="utf-8") as fh:
+                    for lineno, line in enumerate(fh.read().split("\n"), 1):
+                        if line.strip():
+                            seen += 1
+                            if seen == k:
+                                return f"{f}:{lineno}"
+            return f"{f} row {k}"
+        offset += n
+    return None
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -454,6 +483,18 @@ def encode_dataset(
             "sample_id": datasets.Value("int64"),
         }
     )
+    try:
+        return _map_encode(ds, tokenizer, batch_size, features, num_proc, desc, fingerprint, cache_file_name)
+    except (ValueError, TypeError) as exc:  # name the file and line of a bad row (error path only)
+        m = re.match(r"sample (\d+): ", str(exc))
+        sources = getattr(ds, "_varpack_files", None)
+        where = locate_row(*sources, int(m.group(1))) if (m and sources) else None
+        if where is None:
+            raise
+        raise type(exc)(f"{exc} [{where}]") from exc
+
+
+def _map_encode(ds, tokenizer, batch_size, features, num_proc, desc, fingerprint, cache_file_name):  # noqa: ANN001
     return ds.map(
         _EncodeBatch(tokenizer),
         batched=True,
