@@ -67,6 +67,8 @@ from typing import Any, Literal
 
 import torch
 
+from varpack.loss import loss_denominator
+
 __all__ = [
     "AUTO_PREFERS_LIGER",
     "causal_lm_forward_with_linear_ce",
@@ -145,20 +147,6 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     raise ValueError(f"{name} must be [T] or [B, T], got shape {tuple(x.shape)}")
 
 
-def _denominator(
-    num_items: torch.Tensor | int | float, device: torch.device, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    if isinstance(num_items, torch.Tensor):
-        # 0 supervised items in the whole step: the numerator is 0 too; clamp so the loss is 0 with zero
-        # gradients, never 0/0 = NaN (no host-side check: that would sync).
-        return num_items.to(device=device, dtype=dtype).reshape(()).clamp_min(1.0)
-    if isinstance(num_items, bool) or not isinstance(num_items, (int, float)):
-        raise TypeError(f"num_items_in_batch must be an int, float or tensor, got {type(num_items).__name__}")
-    if num_items <= 0:
-        raise ValueError(f"num_items_in_batch must be > 0, got {num_items}")
-    return torch.tensor(float(num_items), device=device, dtype=dtype)
-
-
 def token_loss_weights(
     labels: torch.Tensor,
     *,
@@ -204,7 +192,7 @@ def token_loss_weights(
         if num_items_in_batch is None:
             denom = valid.sum().to(dtype).clamp(min=1.0)
         else:
-            denom = _denominator(num_items_in_batch, device, dtype)
+            denom = loss_denominator(num_items_in_batch, device, dtype)
         return weight / denom
     if seq_idx is None:
         raise ValueError(
@@ -225,7 +213,7 @@ def token_loss_weights(
     if num_items_in_batch is None:
         n_samples = (counts > 0).sum().to(dtype).clamp(min=1.0)
     else:
-        n_samples = _denominator(num_items_in_batch, device, dtype)
+        n_samples = loss_denominator(num_items_in_batch, device, dtype)
     return weight / (per_token_count * n_samples)
 
 
@@ -664,7 +652,7 @@ def linear_cross_entropy(
             denom = (
                 valid.sum().to(torch.float32).clamp(min=1.0)
                 if num_items_in_batch is None
-                else _denominator(num_items_in_batch, hidden.device)
+                else loss_denominator(num_items_in_batch, hidden.device)
             )
         return _liger_loss(hidden, weight, bias, labels, token_weight, denom, ignore_index, chunk_size)
     compiled = _use_compile(compile, hidden.device, hidden.dtype)

@@ -154,7 +154,7 @@ def causal_lm_loss(
         if num_items_in_batch is None:
             count = valid.sum().to(torch.float32)
             return total / count.clamp(min=1.0)
-        return total / _as_denominator(num_items_in_batch, total)
+        return total / loss_denominator(num_items_in_batch, total.device)
 
     # "sample": per-segment mean, then mean over segments that have a supervised token.
     assert segment is not None
@@ -167,18 +167,30 @@ def causal_lm_loss(
     if num_items_in_batch is None:
         num_samples = (counts > 0).sum().to(torch.float32)
         return total / num_samples.clamp(min=1.0)
-    return total / _as_denominator(num_items_in_batch, total)
+    return total / loss_denominator(num_items_in_batch, total.device)
 
 
-def _as_denominator(num_items: torch.Tensor | int | float, like: torch.Tensor) -> torch.Tensor | float:
+def loss_denominator(
+    num_items: torch.Tensor | int | float, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``num_items_in_batch`` as a 0-d ``dtype`` tensor on ``device``: the divisor of a whole optimizer step
+    (HF Trainer semantics), shared by :func:`causal_lm_loss` and :func:`varpack.linear_ce.linear_cross_entropy`.
+
+    A tensor is clamped to >= 1 instead of checked (a check would be a host sync): a step with no supervised
+    item at all (e.g. only prompt pieces of split samples) has a zero numerator too, so its loss is 0 with zero
+    gradients rather than 0/0 = NaN poisoning every weight.
+
+    Raises:
+        TypeError: not an int, float or tensor.
+        ValueError: a Python number <= 0.
+    """
     if isinstance(num_items, torch.Tensor):
-        # A step with no supervised item at all (e.g. only prompt pieces of split samples) has a zero numerator;
-        # clamping keeps it 0 with zero gradients instead of 0/0 = NaN poisoning every weight. (A tensor is
-        # not checked for <= 0 here: that would be a host sync.)
-        return num_items.to(device=like.device, dtype=torch.float32).clamp_min(1.0)
+        return num_items.to(device=device, dtype=dtype).reshape(()).clamp_min(1.0)
+    if isinstance(num_items, bool) or not isinstance(num_items, (int, float)):
+        raise TypeError(f"num_items_in_batch must be an int, float or tensor, got {type(num_items).__name__}")
     if num_items <= 0:
         raise ValueError(f"num_items_in_batch must be > 0, got {num_items}")
-    return float(num_items)
+    return torch.tensor(float(num_items), device=device, dtype=dtype)
 
 
 def count_loss_items(
@@ -197,18 +209,7 @@ def count_loss_items(
     Raises:
         ValueError: ``"sample"`` without ``seq_idx``; an unknown ``reduction``.
     """
-    if reduction not in ("token", "sample"):
-        raise ValueError(f"reduction must be 'token' or 'sample', got {reduction!r}")
-    labels = _as_rows(labels, "labels", 1)
-    if seq_idx is not None:
-        seq_idx = _as_rows(seq_idx, "seq_idx", 1).to(labels.device)
-    if reduction == "sample" and seq_idx is None:
-        raise ValueError("reduction='sample' needs seq_idx")
-    _, valid, segment = _shifted_targets(labels, seq_idx, ignore_index)
-    if reduction == "token":
-        return int(valid.sum())
-    assert segment is not None
-    return int(torch.unique(segment[valid]).numel())
+    return int(count_loss_items_tensor(labels, reduction=reduction, seq_idx=seq_idx, ignore_index=ignore_index))
 
 
 def count_loss_items_tensor(
