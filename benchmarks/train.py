@@ -1,7 +1,7 @@
 """End-to-end SFT step throughput (issue 6 item 2, issue 7 item 4): padded vs HF flattening vs varpack.
 
 A Qwen3-0.6B-shaped model (random init, same seed for every configuration; the config is built from the
-published Qwen3-0.6B values: hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072,
+published Qwen3-0.6B values (varpack.models "qwen3-0.6b-shape"): hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072,
 vocab 151,936, tied embeddings, rope_theta 1e6, rms_norm_eps 1e-6), bf16 weights, fused AdamW (lr 1e-5),
 ``use_cache=False``, trained for the same optimizer steps on the same samples by each configuration:
 
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import sys
 import time
 from collections.abc import Callable
@@ -65,32 +64,11 @@ from benchmarks._common import (  # noqa: E402
     write_json,
 )
 
-#: Published Qwen3-0.6B architecture (its config.json); random init here.
-QWEN3_0_6B = {
-    "hidden_size": 1024,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 3072,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-    "rope_theta": 1_000_000.0,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960,
-}
-#: Smoke-test model (CPU).
-TINY = dict(
-    QWEN3_0_6B,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=1024,
-    max_position_embeddings=4096,
-)
+#: The model: varpack's built-in ``qwen3-0.6b-shape`` config (Qwen3-0.6B's published config.json values,
+#: defined once in ``varpack.models``); random init here.
+QWEN3_0_6B = {"name": "qwen3-0.6b-shape", "vocab_size": 151936}
+#: Smoke-test model (CPU): varpack's ``tiny-qwen3`` with a small vocabulary.
+TINY = {"name": "tiny-qwen3", "vocab_size": 1024}
 
 ALL_CONFIGS = ("padded", "hf_fa4", "hf_flex", "hf_sdpa", "varpack", "varpack_lce", "varpack_lce_chunked")
 DEFAULT_CONFIGS = "padded,hf_fa4,hf_flex,varpack,varpack_lce"
@@ -104,17 +82,10 @@ IGNORE = -100
 
 
 def qwen3_config(values: dict[str, Any]):
-    """``Qwen3Config`` from plain values; ``rope_theta`` goes into ``rope_parameters`` where the config has it
-    (transformers 5.x) and stays a plain field otherwise."""
-    from transformers import Qwen3Config
+    """The ``Qwen3Config`` of ``values`` (``name`` of a varpack built-in config and ``vocab_size``)."""
+    from varpack.models import model_config
 
-    kw = dict(values)
-    theta = kw.pop("rope_theta")
-    if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters:
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-    else:
-        kw["rope_theta"] = theta
-    return Qwen3Config(**kw)
+    return model_config(values["name"], vocab_size=values["vocab_size"])
 
 
 def build_model(values: dict[str, Any], *, device, dtype, attn_implementation: str, seed: int = 0):
