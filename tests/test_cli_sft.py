@@ -200,6 +200,8 @@ run = _build(out, max_steps=1, lr=1.0, packs_per_step={pps}, loss_reduction={red
 run.trainer.train()
 if run.trainer.is_world_process_zero():
     torch.save({{n: p.detach() for n, p in run.model.named_parameters()}}, out / "params.pt")
+from varpack.cli.sft import _close_process_group
+_close_process_group()  # what `varpack sft` does: an open gloo group can abort the process at exit
 """
 
 

@@ -133,4 +133,16 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as exc:
         print(f"varpack sft: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Tear down the process group torchrun/accelerate opened (the Trainer leaves it open): a gloo group
+    left to the interpreter's exit can abort the process ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
