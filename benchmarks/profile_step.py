@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default=None)
     p.add_argument("--samples", default=None)
-    p.add_argument("--config", default="varpack", choices=("varpack", "varpack_lce", "varpack_lce_chunked"))
+    p.add_argument(
+        "--config", default="varpack", choices=[c for c in T.ALL_CONFIGS if c.startswith("varpack")]
+    )
     p.add_argument("--packing-length", type=int, default=8192)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="steps timed without, then with the profiler")
@@ -259,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     from varpack.integrations.transformers import enable_varpack
 
     enable_varpack(model, backend=args.attn_backend)
+    options = T.apply_step_options(model, args.config)
     loss_fn, loss_note = T.make_loss_fn(args.config, args)
     opt = T.make_optimizer(model, device)
     counts = [T.supervised_count(st) for st in steps]
@@ -299,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# profile of one {args.config} step, {args.device} {args.dtype}, packing_length {args.packing_length}"
     )
-    print(f"- loss: {loss_note}; attention: varpack {args.attn_backend}; ~{tokens:.0f} tokens/step; {info}")
+    print(
+        f"- loss: {loss_note}; attention: varpack {args.attn_backend}; options: {options or 'none'}; ~{tokens:.0f} tokens/step; {info}"
+    )
     print(
         f"- step time without profiler {plain_ms:.1f} ms, with profiler {summary['wall_ms_per_step']:.1f} ms; "
         f"{summary['kernels_per_step']:.0f} {'kernels' if device.type == 'cuda' else 'ATen ops'} per step; "

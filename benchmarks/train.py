@@ -70,7 +70,20 @@ QWEN3_0_6B = {"name": "qwen3-0.6b-shape", "vocab_size": 151936}
 #: Smoke-test model (CPU): varpack's ``tiny-qwen3`` with a small vocabulary.
 TINY = {"name": "tiny-qwen3", "vocab_size": 1024}
 
-ALL_CONFIGS = ("padded", "hf_fa4", "hf_flex", "hf_sdpa", "varpack", "varpack_lce", "varpack_lce_chunked")
+ALL_CONFIGS = (
+    "padded",
+    "hf_fa4",
+    "hf_flex",
+    "hf_sdpa",
+    "varpack",
+    "varpack_lce",
+    "varpack_lce_chunked",
+    "varpack_lce_liger",
+    "varpack_lce_compile",
+    "varpack_lce_liger_compile",
+)
+#: suffixes of a varpack config that switch on a step option of varpack.integrations.kernels
+STEP_OPTIONS = ("_liger", "_compile")
 DEFAULT_CONFIGS = "padded,hf_fa4,hf_flex,varpack,varpack_lce"
 HF_ATTN = {"hf_fa4": "flash_attention_4", "hf_flex": "flex_attention", "hf_sdpa": "sdpa"}
 IGNORE = -100
@@ -248,8 +261,33 @@ def to_device(mb: dict[str, Any], device, keep_cpu: tuple[str, ...] = ()) -> dic
     }
 
 
+def split_config(config: str) -> tuple[str, set[str]]:
+    """``"varpack_lce_liger_compile"`` -> ``("varpack_lce", {"liger", "compile"})``."""
+    options = set()
+    for suffix in STEP_OPTIONS:
+        if config.endswith(suffix) or f"{suffix}_" in config:
+            options.add(suffix[1:])
+            config = config.replace(suffix, "")
+    return config, options
+
+
+def apply_step_options(model: torch.nn.Module, config: str) -> list[str]:
+    """Liger-Kernel layers and/or regional torch.compile (varpack.integrations.kernels) for ``*_liger`` /
+    ``*_compile`` configs, after enable_varpack. Returns what was applied, for the report."""
+    from varpack.integrations.kernels import apply_liger_kernels, compile_layers
+
+    _, options = split_config(config)
+    done = []
+    if "liger" in options:
+        done.append("liger " + "+".join(apply_liger_kernels(model)))
+    if "compile" in options:
+        done.append(f"compile x{compile_layers(model)}")
+    return done
+
+
 def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., torch.Tensor], str]:
     """``loss_fn(model, micro_batch_on_device, num_items) -> loss`` for a configuration, and a note."""
+    config, _ = split_config(config)
     if config == "padded" or config.startswith("hf_"):
 
         def hf_loss(model, mb, num_items):
@@ -302,6 +340,7 @@ def run_config(
             enable_varpack(model, backend=args.attn_backend)
             attn = f"varpack {args.attn_backend}"
             row["attn_resolved"] = _resolved_varpack_backend(model, steps[0][0], device, dtype)
+            row["step_options"] = apply_step_options(model, config)
         row["attention"] = attn
         loss_fn, row["loss"] = make_loss_fn(config, args)
         if hasattr(loss_fn, "reason"):
@@ -410,7 +449,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         note = r.get("error", "")
         if not note and "attn_resolved" in r:
-            note = f"auto -> {r['attn_resolved']}"
+            note = "; ".join([f"auto -> {r['attn_resolved']}", *r.get("step_options", [])])
         if not note and "padding_fraction" in r:
             note = f"padding {100 * r['padding_fraction']:.0f}%, {r['micro_batches_per_step']:.1f} micro-batches/step"
         out.append(

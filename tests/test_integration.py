@@ -35,13 +35,19 @@ def model_inputs(batch):
     return {k: v for k, v in batch.items() if k not in ("labels", "sample_ids", "loss_scale")}
 
 
-def packed_run(model, samples, *, sabotage=False):
-    """Forward + backward of the packed row; returns (logits [T, V], loss, grads)."""
+def packed_run(model, samples, *, sabotage=False, device=None):
+    """Forward + backward of the packed row; returns (logits [T, V], loss, grads). ``device``: where the
+    token tensors go (the boundaries stay on the CPU, as the trainer keeps them)."""
     batch = PaddingFreeCollator()([samples])
     if sabotage:  # one segment spanning the whole row: the boundaries are gone
         t = batch["input_ids"].shape[1]
         batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, t], dtype=torch.int32)
         batch["max_length_q"] = batch["max_length_k"] = t
+    if device is not None:
+        batch = {
+            k: v.to(device) if isinstance(v, torch.Tensor) and not k.startswith("cu_seq_lens") else v
+            for k, v in batch.items()
+        }
     model.zero_grad(set_to_none=True)
     logits = model(**model_inputs(batch)).logits
     loss = causal_lm_loss(logits, batch["labels"], seq_idx=batch["seq_idx"])
@@ -50,7 +56,7 @@ def packed_run(model, samples, *, sabotage=False):
     return logits[0].detach(), loss.detach(), grads
 
 
-def unpacked_run(model, samples, attn="sdpa"):
+def unpacked_run(model, samples, attn="sdpa", device=None):
     """Each sample alone through the model's own attention; loss = token mean over all samples."""
     current = model.config._attn_implementation
     model.set_attn_implementation(attn)
@@ -59,8 +65,8 @@ def unpacked_run(model, samples, attn="sdpa"):
         n_sup = sum(sum(x != -100 for x in s["labels"][1:]) for s in samples)
         logits_all, total = [], 0.0
         for s in samples:
-            ids = torch.tensor([s["input_ids"]])
-            labels = torch.tensor([s["labels"]])
+            ids = torch.tensor([s["input_ids"]], device=device)
+            labels = torch.tensor([s["labels"]], device=device)
             logits = model(input_ids=ids).logits
             loss_sum = causal_lm_loss(logits, labels, num_items_in_batch=1)  # per-sample sum
             total = total + loss_sum

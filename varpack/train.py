@@ -123,6 +123,10 @@ class SFTConfig:
         num_proc: encoding worker processes.
         dataloader_num_workers: DataLoader workers.
         gradient_checkpointing: recompute activations in backward.
+        use_liger_kernel: replace RMSNorm / RoPE / SwiGLU by Liger-Kernel's fused Triton kernels (CUDA; needs
+            ``liger-kernel``): :func:`varpack.integrations.kernels.apply_liger_kernels`. The loss stays varpack's.
+        torch_compile: ``torch.compile`` each decoder layer, varpack attention outside the graph
+            (:func:`varpack.integrations.kernels.compile_layers`); compiles in the first step.
         save: save model + tokenizer at the end.
         report_to: Trainer integrations (``none`` by default).
     """
@@ -151,6 +155,8 @@ class SFTConfig:
     num_proc: int | None = None
     dataloader_num_workers: int = 0
     gradient_checkpointing: bool = False
+    use_liger_kernel: bool = False
+    torch_compile: bool = False
     save: bool = True
     report_to: str = "none"
     extra_training_args: dict[str, Any] = field(default_factory=dict)
@@ -495,6 +501,13 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     else:
         enable_varpack(model, backend=config.attn_backend)
     model.config.use_cache = False
+    if config.use_liger_kernel or config.torch_compile:
+        from varpack.integrations.kernels import apply_liger_kernels, compile_layers
+
+        if config.use_liger_kernel:
+            apply_liger_kernels(model)
+        if config.torch_compile:
+            compile_layers(model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id))
     args_kw: dict[str, Any] = dict(

@@ -75,6 +75,18 @@ def add_sft_arguments(p: argparse.ArgumentParser, *, defaults: dict[str, Any] | 
     p.add_argument("--logging-steps", dest="logging_steps", type=int, default=dflt("logging_steps"))
     p.add_argument("--num-proc", dest="num_proc", type=int, default=None, help="encoding worker processes")
     p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true")
+    p.add_argument(
+        "--use-liger-kernel",
+        dest="use_liger_kernel",
+        action="store_true",
+        help="Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (CUDA, pip install liger-kernel); the loss stays varpack's",
+    )
+    p.add_argument(
+        "--torch-compile",
+        dest="torch_compile",
+        action="store_true",
+        help="torch.compile each decoder layer (varpack attention stays outside the graph); compiles in step 1",
+    )
     p.add_argument("--no-save", dest="save", action="store_false", help="do not save the model at the end")
 
 
@@ -116,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         logging_steps=args.logging_steps,
         num_proc=args.num_proc,
         gradient_checkpointing=args.gradient_checkpointing,
+        use_liger_kernel=args.use_liger_kernel,
+        torch_compile=args.torch_compile,
         save=args.save,
     )
 

@@ -136,6 +136,13 @@ def varpack_attention_forward(
         ValueError: dropout > 0, bad sliding window; TypeError: ``max_length_*`` not an int.
         varpack.attn.BackendUnavailableError: the backend cannot run this call.
     """
+    if torch.compiler.is_compiling():
+        # inside a torch.compile'd layer (varpack.integrations.kernels.compile_layers): the attention call is
+        # a graph break, run eagerly with concrete ints (kernels such as FA4's are not traceable)
+        return _attention_outside_graph(
+            module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, is_causal,
+            backend=backend, **kwargs,
+        )  # fmt: skip
     from varpack.attn import varlen_attention
 
     if dropout:
@@ -197,6 +204,11 @@ def varpack_attention_forward(
         backend=backend,
     )
     return out.reshape(bsz, len_q, num_heads, out.shape[-1]), None
+
+
+#: varpack_attention_forward as torch.compile sees it: never traced, so a compiled decoder layer breaks its
+#: graph here and the varlen kernel gets Python ints and the per-batch boundary cache.
+_attention_outside_graph = torch.compiler.disable(varpack_attention_forward)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,138 @@
+"""varpack.integrations.kernels: regional torch.compile (attention outside the graph) and Liger-Kernel layers keep
+packed == unpacked (logits and every gradient), with a negative control; one graph serves packs of any shape."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_integration import VOCAB, make_samples, max_grad_diff, packed_run, unpacked_run
+
+from varpack.integrations.kernels import apply_liger_kernels, compile_layers, decoder_layers, liger_available
+from varpack.models import load_model
+
+# pack shapes chosen so no token count equals a model width (16 = head_dim of tiny-qwen3): torch's "duck
+# sizing" would otherwise tie the two symbols and recompile once they differ
+SHAPES = [(5, 1, 7, 4), (9, 4), (2, 3, 2, 3, 2, 3, 6)]
+
+
+def _compiled_pair(backend):
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    ref = copy.deepcopy(model)  # uncompiled, run with its own sdpa attention one sample at a time
+    assert (
+        compile_layers(model, backend=backend) == len(decoder_layers(model)) == model.config.num_hidden_layers
+    )
+    return model, ref
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_layers_packed_equals_unpacked(backend):
+    torch._dynamo.reset()
+    model, ref = _compiled_pair(backend)
+    shapes = (
+        SHAPES if backend == "aot_eager" else SHAPES[:2]
+    )  # inductor compiles C++ on the CPU: keep it short
+    for lengths in shapes:
+        samples = make_samples(lengths)
+        logits_p, loss_p, grads_p = packed_run(model, samples)
+        logits_u, loss_u, grads_u = unpacked_run(ref, samples)
+        assert (logits_p - logits_u).abs().max().item() <= 1e-5, lengths
+        torch.testing.assert_close(loss_p, loss_u, rtol=1e-6, atol=1e-6)
+        assert len(grads_p) == len(list(model.parameters()))
+        assert max_grad_diff(grads_p, grads_u) <= 1e-5, lengths
+        # negative control: the same compiled model with the boundaries dropped must differ clearly
+        logits_b, _, grads_b = packed_run(model, samples, sabotage=True)
+        assert (logits_b - logits_u).abs().max().item() > 1e-3
+        assert max_grad_diff(grads_b, grads_u) > 1e-3
+
+
+def test_one_graph_for_every_pack_shape():
+    """dynamic=True: after the first pack, packs with other token and sample counts add no graph (and the
+    attention call is the one graph break per layer, not a trace of the varlen kernel)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, _ = _compiled_pair("aot_eager")
+    packed_run(model, make_samples(SHAPES[0]))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for lengths in SHAPES[1:] + [(3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 7)]:
+        packed_run(model, make_samples(lengths, seed=len(lengths)))
+    assert counters["stats"]["unique_graphs"] == graphs
+    breaks = counters["graph_break"]
+    assert breaks and all("torch.compiler.disable" in reason for reason in breaks), dict(breaks)
+
+
+def test_compile_layers_refuses_a_model_without_varpack_attention():
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend=None)  # plain sdpa model
+    with pytest.raises(ValueError, match="varpack attention"):
+        compile_layers(model, backend="aot_eager")
+    assert not any(getattr(layer, "_compiled_call_impl", None) for layer in decoder_layers(model))
+
+
+def test_sft_config_switches_compile_on(tmp_path):
+    from test_cli_sft import _build
+
+    run = _build(tmp_path, torch_compile=True)
+    layers = decoder_layers(run.model)
+    assert layers and all(layer._compiled_call_impl is not None for layer in layers)
+    assert run.model._varpack_compiled["layers"] == len(layers)
+    plain = _build(tmp_path / "plain")
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(plain.model))
+
+
+@pytest.mark.skipif(not liger_available(), reason="liger-kernel not installed (pip install liger-kernel)")
+def test_liger_refuses_an_unsupported_family():
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    class Odd(nn.Module):
+        config = PretrainedConfig()
+
+    Odd.config.model_type = "not-a-family"
+    with pytest.raises(ValueError, match="no kernels for model_type 'not-a-family'"):
+        apply_liger_kernels(Odd())
+
+
+def test_liger_missing_is_a_clear_error(monkeypatch):
+    import varpack.integrations.kernels as K
+
+    monkeypatch.setattr(K, "liger_available", lambda: False)
+    with pytest.raises(ImportError, match="pip install liger-kernel"):
+        K.apply_liger_kernels(load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: Liger's Triton kernels and inductor's CUDA code, in float32 so the packed/unpacked tolerance is tight
+# ---------------------------------------------------------------------------------------------------------
+def _gpu_pair(liger: bool, compile_: bool):
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="auto").cuda()
+    if liger:
+        apply_liger_kernels(model)
+    ref = copy.deepcopy(model)
+    if compile_:
+        compile_layers(model)
+    return model, ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("liger,compile_", [(True, False), (False, True), (True, True)])
+def test_gpu_liger_and_compile_packed_equals_unpacked(liger, compile_):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine)")
+    if liger and not liger_available():
+        pytest.skip("liger-kernel not installed")
+    torch._dynamo.reset()
+    model, ref = _gpu_pair(liger, compile_)
+    for lengths in SHAPES[:2]:
+        samples = make_samples(lengths)
+        logits_p, loss_p, grads_p = packed_run(model, samples, device="cuda")
+        logits_u, loss_u, grads_u = unpacked_run(ref, samples, device="cuda")
+        assert (logits_p - logits_u).abs().max().item() <= 1e-4, lengths
+        torch.testing.assert_close(loss_p, loss_u, rtol=1e-5, atol=1e-5)
+        assert max_grad_diff(grads_p, grads_u) <= 1e-4, lengths
+        logits_b, _, grads_b = packed_run(model, samples, sabotage=True, device="cuda")
+        assert (logits_b - logits_u).abs().max().item() > 1e-3
+        assert max_grad_diff(grads_b, grads_u) > 1e-3

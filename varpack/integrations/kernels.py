@@ -1,0 +1,122 @@
+"""Step-time options outside attention: Liger-Kernel's fused layers and regional ``torch.compile``.
+
+Issue 7's profile of a packed SFT step (benchmarks/RESULTS.md) shows that once samples are packed, most of a
+small model's step is spent outside attention: in many small element-wise kernels (RMSNorm, RoPE, SiLU·mul,
+casts, residual adds) and in the host time to launch them. Two well-kept remedies, both opt-in
+(``varpack sft --liger-kernels`` / ``--compile``) and both leaving varpack's boundaries untouched:
+
+* :func:`apply_liger_kernels` swaps a model's RMSNorm, RoPE and SwiGLU MLP for Liger-Kernel's fused Triton
+  kernels (``liger_kernel.transformers._apply_liger_kernel_to_instance``; Hsu et al., "Liger Kernel: Efficient
+  Triton Kernels for LLM Training", 2024). These layers act on each token alone (RoPE reads the token's own
+  ``position_ids``, which restart per sample), so packing cannot leak through them. The loss stays varpack's
+  (:mod:`varpack.loss` / :mod:`varpack.linear_ce`): Liger's own loss patches are not applied.
+* :func:`compile_layers` compiles every decoder layer with ``torch.compile`` ("regional compilation", the
+  PyTorch recipe for repeated blocks: one compiled graph reused by every layer). varpack's attention function
+  is a graph break (``torch.compiler.disable``): the varlen kernel runs eagerly with the batch's Python-int
+  ``max_seqlen`` and its once-per-batch device copy of ``cu_seqlens``, and is never traced or specialised.
+  ``dynamic=True`` by default, so packs of different lengths and sample counts reuse one graph.
+
+Both keep packed == unpacked (tests/test_kernels.py, with a negative control); neither changes the attention
+backend ``auto`` picks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+__all__ = ["apply_liger_kernels", "compile_layers", "decoder_layers", "liger_available"]
+
+
+def liger_available() -> bool:
+    """True when ``liger_kernel`` is importable (``pip install liger-kernel``; its kernels need a CUDA GPU)."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers model: modules whose class name ends in ``DecoderLayer``, in
+    order (``Qwen3DecoderLayer``, ``LlamaDecoderLayer``, ``Qwen3_5DecoderLayer``, ...)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def apply_liger_kernels(
+    model: torch.nn.Module, *, rope: bool = True, rms_norm: bool = True, swiglu: bool = True
+) -> list[str]:
+    """Replace RMSNorm / RoPE / SwiGLU of ``model`` (in place) by Liger-Kernel's fused Triton kernels.
+
+    Args:
+        model: a transformers model of a family Liger supports (``config.model_type`` in Liger's
+            ``MODEL_TYPE_TO_APPLY_LIGER_FN``: llama, qwen2, qwen3, mistral, gemma, ...), on a CUDA device
+            when run.
+        rope / rms_norm / swiglu: which layers to replace.
+
+    Returns:
+        The names of the replaced layer kinds (e.g. ``["rope", "rms_norm", "swiglu"]``).
+
+    Raises:
+        ImportError: ``liger_kernel`` is not installed (``pip install liger-kernel``).
+        ValueError: Liger has no kernels for this ``model_type`` (nothing would be replaced: refused rather
+            than silently training without them).
+
+    Note: Liger patches RoPE at module level (``modeling_<family>.apply_rotary_pos_emb``), so every model of
+    that family built later in the process uses it too. Liger's loss patches are never applied here.
+    """
+    if not liger_available():
+        raise ImportError("liger_kernels needs Liger-Kernel: pip install liger-kernel")
+    from liger_kernel.transformers.monkey_patch import (
+        MODEL_TYPE_TO_APPLY_LIGER_FN,
+        _apply_liger_kernel_to_instance,
+    )
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ValueError(
+            f"Liger-Kernel has no kernels for model_type {model_type!r} ({type(model).__name__}); "
+            f"supported: {sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)}"
+        )
+    kinds = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu}
+    _apply_liger_kernel_to_instance(
+        model=model, cross_entropy=False, fused_linear_cross_entropy=False, **kinds
+    )
+    model._varpack_liger = [k for k, v in kinds.items() if v]
+    return model._varpack_liger
+
+
+def compile_layers(
+    model: torch.nn.Module, *, backend: str = "inductor", dynamic: bool | None = True, **compile_kw: Any
+) -> int:
+    """``torch.compile`` every decoder layer of ``model`` in place (``nn.Module.compile``).
+
+    Args:
+        model: a transformers model already switched to varpack attention
+            (:func:`varpack.integrations.transformers.enable_varpack`): its attention call is a graph break.
+        backend: ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` traces without code generation,
+            which the CPU tests use).
+        dynamic: ``True`` (default) compiles for symbolic token counts once, so packs of every length reuse
+            the graph; ``None`` lets torch decide after the first recompilation.
+        **compile_kw: passed to ``torch.compile`` (``mode``, ``fullgraph=False`` ...).
+
+    Returns:
+        The number of layers compiled.
+
+    Raises:
+        ValueError: the model has no ``*DecoderLayer`` modules, or its attention is not varpack's (a compiled
+            layer would otherwise trace whatever attention it has, masks included, unchecked by varpack).
+    """
+    from varpack.integrations.transformers import is_varpack_attention
+
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not is_varpack_attention(impl):
+        raise ValueError(
+            f"compile_layers needs a model on varpack attention (enable_varpack first); {type(model).__name__} "
+            f"uses {impl!r}"
+        )
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no *DecoderLayer modules to compile")
+    for layer in layers:
+        layer.compile(backend=backend, dynamic=dynamic, **compile_kw)
+    model._varpack_compiled = {"backend": backend, "dynamic": dynamic, "layers": len(layers)}
+    return len(layers)
