@@ -359,6 +359,26 @@ def test_auto_skips_backends_that_cannot_run_the_call(fake_registry):
     assert _NoSoftcapBackend.calls == 1
 
 
+def test_auto_short_documents_class_uses_its_own_order(fake_registry, monkeypatch):
+    """max_seqlen <= AUTO_SHORT_MAX_SEQLEN (a Python int, no sync) switches auto to AUTO_PRIORITY_SHORT; longer
+    calls and device types without a short order keep AUTO_PRIORITY."""
+    from varpack.attn import AUTO_PRIORITY_SHORT, AUTO_SHORT_MAX_SEQLEN
+
+    assert AUTO_PRIORITY_SHORT["cuda"][0] == "torch_varlen"  # the H200 measurement (ASSETS.md)
+    q, k, v, cu, _ = make_inputs([4, 3])
+    assert resolve_backend("auto", q, k, v, cu_seqlens_q=cu) == "fake_fast"  # no short order for cpu yet
+    monkeypatch.setitem(AUTO_PRIORITY_SHORT, "cpu", ("reference", "fake_fast"))
+    chosen = resolve_backend("auto", q, k, v, cu_seqlens_q=cu)  # longest segment 4 from the CPU offsets
+    assert chosen == "reference" and "AUTO_PRIORITY_SHORT" in chosen.reason and "max_seqlen 4" in chosen.reason
+    long_ = AUTO_SHORT_MAX_SEQLEN + 1
+    assert resolve_backend("auto", q, k, v, max_seqlen=long_) == "fake_fast"
+    # through varlen_attention: the call's max_seqlen (an upper bound is fine) decides, with no tensor read
+    varlen_attention(q, k, v, cu, cu, 4, 4)
+    assert _NoSoftcapBackend.calls == 0
+    varlen_attention(q, k, v, cu, cu, long_, long_)
+    assert _NoSoftcapBackend.calls == 1
+
+
 def test_forced_backend_raises_with_reason(fake_registry):
     q, k, v, cu, _ = make_inputs([4, 3])
     with pytest.raises(BackendUnavailableError, match="softcap=2.0 not supported"):

@@ -8,7 +8,8 @@ Public names:
     available_backends: ``{name: (ok, reason)}`` for a device / dtype.
     resolve_backend: which backend ``auto`` (or a forced name) runs a call, with ``.reason``.
     BackendUnavailableError: raised when a forced backend (or every ``auto`` candidate) cannot run a call.
-    AUTO_PRIORITY: the ``auto`` order per device type (one table, updated by benchmarks).
+    AUTO_PRIORITY: the ``auto`` order per device type (one table, updated by benchmarks);
+        AUTO_PRIORITY_SHORT: the order for short documents (``max_seqlen <= AUTO_SHORT_MAX_SEQLEN``).
     reference_varlen_attention: the per-segment reference (the truth in tests).
 """
 
@@ -19,6 +20,8 @@ from .interface import varlen_attention
 from .reference import reference_varlen_attention, segment_mask
 from .registry import (
     AUTO_PRIORITY,
+    AUTO_PRIORITY_SHORT,
+    AUTO_SHORT_MAX_SEQLEN,
     BACKENDS,
     ResolvedBackend,
     available_backends,
@@ -28,6 +31,8 @@ from .registry import (
 
 __all__ = [
     "AUTO_PRIORITY",
+    "AUTO_PRIORITY_SHORT",
+    "AUTO_SHORT_MAX_SEQLEN",
     "BACKENDS",
     "Backend",
     "BackendUnavailableError",

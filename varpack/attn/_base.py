@@ -84,6 +84,8 @@ class CallSpec:
     softcap: float = 0.0
     needs_grad: bool = False
     has_empty_segments: bool | None = None
+    #: longest segment (max of max_seqlen_q/k, a Python int) or None when unknown: picks ``auto``'s shape class
+    max_seqlen: int | None = None
 
     @classmethod
     def from_tensors(
@@ -96,6 +98,7 @@ class CallSpec:
         window_size: tuple[int, int] = (-1, -1),
         softcap: float = 0.0,
         has_empty_segments: bool | None = None,
+        max_seqlen: int | None = None,
     ) -> CallSpec:
         k = q if k is None else k
         tensors = [t for t in (q, k, v) if t is not None]
@@ -111,6 +114,7 @@ class CallSpec:
             softcap=float(softcap),
             needs_grad=needs_grad,
             has_empty_segments=has_empty_segments,
+            max_seqlen=max_seqlen,
         )
 
 

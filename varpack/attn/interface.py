@@ -163,6 +163,7 @@ def varlen_attention(
         window_size=window_size,
         softcap=softcap,
         has_empty_segments=info.has_empty,
+        max_seqlen=max(max_seqlen_q, max_seqlen_k),
     )
     name = resolve_spec(backend, spec)
     return BACKENDS[name].forward(

@@ -20,6 +20,8 @@ from .torch_varlen import TorchVarlenBackend
 
 __all__ = [
     "AUTO_PRIORITY",
+    "AUTO_PRIORITY_SHORT",
+    "AUTO_SHORT_MAX_SEQLEN",
     "BACKENDS",
     "ResolvedBackend",
     "available_backends",
@@ -68,6 +70,16 @@ AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
 AUTO_MIN_HEAD_DIM_FOR_GRAD: dict[str, int] = {"torch_varlen": 64}
 #: Device types not listed above.
 AUTO_PRIORITY_DEFAULT: tuple[str, ...] = ("sdpa", "reference")
+#: The "short documents" shape class: calls whose ``max_seqlen`` (the longest segment, a Python int: no sync)
+#: is at most this many tokens.
+AUTO_SHORT_MAX_SEQLEN: int = 128
+#: ``auto`` order for the short-documents class, per device type (absent: :data:`AUTO_PRIORITY`). Measured on
+#: the H200 (../shared/ASSETS.md, 2026-11-29: T = 65,536 of 927 documents of 16..128 tokens, H = 16, D = 128,
+#: bf16, useful TFLOP/s fwd / fwd+bwd): torch_varlen 40 / 26, flex 32 / 26, flash_attn_4 22 / 24. Every kernel
+#: is launch/memory bound there and FA4, first for every longer mix (benchmarks/RESULTS.md), is last.
+AUTO_PRIORITY_SHORT: dict[str, tuple[str, ...]] = {
+    "cuda": ("torch_varlen", "flex", "flash_attn_4", "flash_attn_3", "flash_attn", "sdpa", "reference"),
+}
 
 
 class ResolvedBackend(str):
@@ -140,6 +152,10 @@ def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
             raise BackendUnavailableError(f"attention backend {name!r} cannot run this call: {reason}")
         return ResolvedBackend(name, f"{name}: forced by the caller")
     order = AUTO_PRIORITY.get(spec.device.type, AUTO_PRIORITY_DEFAULT)
+    table = "AUTO_PRIORITY"
+    short = spec.max_seqlen is not None and spec.max_seqlen <= AUTO_SHORT_MAX_SEQLEN
+    if short and spec.device.type in AUTO_PRIORITY_SHORT:
+        order, table = AUTO_PRIORITY_SHORT[spec.device.type], "AUTO_PRIORITY_SHORT"
     skipped: list[str] = []
     for candidate in order:
         ok, reason = BACKENDS[candidate].supports(spec)
@@ -147,7 +163,9 @@ def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
         if ok and min_d is not None and spec.needs_grad and spec.head_dim < min_d:
             ok, reason = False, f"auto uses it for training only at verified head dims D >= {min_d}, got D={spec.head_dim}"
         if ok:
-            why = f"auto on {spec.device.type}: {candidate} is the first backend in AUTO_PRIORITY that runs this call"
+            why = f"auto on {spec.device.type}: {candidate} is the first backend in {table} that runs this call"
+            if table == "AUTO_PRIORITY_SHORT":
+                why += f" (short documents: max_seqlen {spec.max_seqlen} <= {AUTO_SHORT_MAX_SEQLEN})"
             if skipped:
                 why += " (skipped " + "; ".join(skipped) + ")"
             if spec.device.type != "cpu" and BACKENDS[candidate].capabilities.host_sync:
@@ -170,6 +188,7 @@ def resolve_backend(
     softcap: float = 0.0,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> ResolvedBackend:
     """Which backend ``name`` (``"auto"`` or a backend name) runs a call with these tensors, and why.
 
@@ -178,7 +197,10 @@ def resolve_backend(
         q: ``[Tq, H, D]`` (only its device, dtype, shape and ``requires_grad`` are used); k, v: ``[Tk, Hkv, D]``
             (default: same head count as q).
         causal, window_size, softcap: as in :func:`varpack.attn.varlen_attention`.
-        cu_seqlens_q, cu_seqlens_k: optional; when on the CPU they are checked for zero-length segments.
+        cu_seqlens_q, cu_seqlens_k: optional; when on the CPU they are checked for zero-length segments and
+            give the longest segment if ``max_seqlen`` is not given.
+        max_seqlen: the longest segment (Python int) or None: decides the short-documents shape class
+            (:data:`AUTO_SHORT_MAX_SEQLEN`, :data:`AUTO_PRIORITY_SHORT`).
 
     Returns:
         A :class:`ResolvedBackend`: the chosen name (a ``str``) with ``.reason``.
@@ -192,8 +214,17 @@ def resolve_backend(
     cus = [c for c in (cu_seqlens_q, cu_seqlens_k) if c is not None]
     if cus and all(c.device.type == "cpu" for c in cus):
         has_empty = any(bool((c[1:] == c[:-1]).any()) for c in cus)
+        if max_seqlen is None:
+            max_seqlen = max(int((c[1:] - c[:-1]).max()) if c.numel() > 1 else 0 for c in cus)
     spec = CallSpec.from_tensors(
-        q, k, v, causal=causal, window_size=window_size, softcap=softcap, has_empty_segments=has_empty
+        q,
+        k,
+        v,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        has_empty_segments=has_empty,
+        max_seqlen=max_seqlen,
     )
     return resolve_spec(name, spec)
 

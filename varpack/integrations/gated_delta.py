@@ -286,6 +286,10 @@ def _original_cannot_train(layer: torch.nn.Module, hidden_states: torch.Tensor) 
 
 
 def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    if torch.compiler.is_compiling():
+        # inside a torch.compile'd decoder layer (varpack.integrations.kernels.compile_layers): the mixer is a
+        # graph break, like varpack attention; traced, its data-dependent chunking recompiles for every pack
+        return _patched_forward_outside_graph(self, hidden_states, *args, **kwargs)
     B, T = hidden_states.shape[:2]
     cache = args[0] if args else next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
     attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
@@ -313,6 +317,9 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, 
             "combined with packing (use_cache=False for packed training batches)"
         )
     return _packed_forward(self, hidden_states, attention_mask, bd)
+
+
+_patched_forward_outside_graph = torch.compiler.disable(_patched_forward)
 
 
 # ---------------------------------------------------------------------------------------------------------
