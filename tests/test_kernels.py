@@ -181,3 +181,30 @@ def test_compiled_linear_attention_model_packed_equals_per_sample():
         assert counters["stats"]["unique_graphs"] == graphs, lengths
     logits_b, _, grads_b = packed(model, samples, sabotage=True)
     assert (logits_b - logits_r).abs().max().item() > 1e-3 and max_grad_diff(grads_b, grads_r) > 1e-3
+
+
+def test_cli_flags_reach_the_config():
+    from varpack.cli.main import build_parser
+    from varpack.cli.sft import config_from_args
+
+    args = build_parser().parse_args(["sft", "--torch-compile", "--use-liger-kernel", "--max-steps", "1"])
+    config = config_from_args(args)
+    assert config.torch_compile and config.use_liger_kernel
+    config = config_from_args(build_parser().parse_args(["sft", "--max-steps", "1"]))
+    assert not config.torch_compile and not config.use_liger_kernel
+
+
+def test_compiled_layers_with_gradient_checkpointing():
+    """Recomputed compiled layers see the same boundaries: grads equal the unpacked ones; without boundaries not."""
+    torch._dynamo.reset()
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    ref = copy.deepcopy(model)
+    model.gradient_checkpointing_enable()
+    model.train()
+    compile_layers(model, backend="aot_eager")
+    samples = make_samples(SHAPES[0])
+    _, _, grads_u = unpacked_run(ref, samples)
+    _, _, grads_p = packed_run(model, samples)
+    assert max_grad_diff(grads_p, grads_u) <= 1e-5
+    _, _, grads_b = packed_run(model, samples, sabotage=True)
+    assert max_grad_diff(grads_b, grads_u) > 1e-3
