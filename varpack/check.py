@@ -114,8 +114,11 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def _resolved_backend(model: Any, backend: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    """Which backend a full-attention layer of this model runs, and why (varpack.attn.resolve_backend)."""
+def _resolved_backend(
+    model: Any, backend: str, device: torch.device, dtype: torch.dtype, max_seqlen: int | None = None
+) -> tuple[str, str]:
+    """Which backend a full-attention layer of this model runs for a pack whose longest sample has
+    ``max_seqlen`` tokens, and why (varpack.attn.resolve_backend: auto's order depends on the shape class)."""
     from varpack.attn import resolve_backend
 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -125,7 +128,7 @@ def _resolved_backend(model: Any, backend: str, device: torch.device, dtype: tor
     q = torch.empty(1, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
     k = torch.empty(1, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
     softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
-    resolved = resolve_backend(backend, q, k, k, causal=True, softcap=softcap)
+    resolved = resolve_backend(backend, q, k, k, causal=True, softcap=softcap, max_seqlen=max_seqlen)
     return str(resolved), resolved.reason
 
 
@@ -251,7 +254,8 @@ def check_exactness(
     for key in ("loss_packed", "loss_unpacked"):
         if not math.isfinite(result[key]):
             failures.append(f"{key} is not finite ({result[key]})")
-    name, reason = _resolved_backend(model, backend, device, dtype)
+    longest = max((len(r["input_ids"]) for r in rows), default=None)
+    name, reason = _resolved_backend(model, backend, device, dtype, longest)
     result.update(
         backend=name,
         backend_reason=reason,
