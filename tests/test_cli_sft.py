@@ -236,3 +236,20 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path, reduction):
     moved = max((params["single"][n] - start[n]).abs().max().item() for n in params["single"])
     worst = max((params["ddp"][n] - params["single"][n]).abs().max().item() for n in params["single"])
     assert moved > 1e-4 and worst <= 1e-6 + 1e-5 * moved
+
+
+def test_liger_refused_before_encoding_without_cuda(tmp_path, capsys, monkeypatch):
+    """--use-liger-kernel on a machine without CUDA (or without liger) is a clear error before any encoding."""
+    import varpack.integrations.kernels as K
+    import varpack.train as vt
+    from varpack.cli.main import main
+
+    def no_encoding(*a, **k):
+        raise AssertionError("encoded before refusing")
+
+    monkeypatch.setattr(vt, "encode_chat_data", no_encoding)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for installed, expected in ((True, "needs a CUDA GPU"), (False, "pip install liger-kernel")):
+        monkeypatch.setattr(K, "liger_available", lambda installed=installed: installed)
+        code = main(["sft", "--use-liger-kernel", "--max-steps", "1", "--output-dir", str(tmp_path / "o")])
+        assert code == 1 and expected in capsys.readouterr().err

@@ -442,6 +442,16 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
             attn_backend=config.attn_backend,
         )
 
+    if config.use_liger_kernel:  # refused before minutes of encoding, not at the first forward
+        from varpack.integrations.kernels import liger_available
+
+        if not liger_available():
+            raise ValueError("use_liger_kernel needs Liger-Kernel: pip install liger-kernel")
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "use_liger_kernel needs a CUDA GPU (Liger-Kernel's kernels are Triton GPU kernels); "
+                "this machine has none"
+            )
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
     data_label = ", ".join(config.data) if config.data else "built-in chats"
     if encoded is None:
