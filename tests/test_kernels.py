@@ -7,13 +7,11 @@ import copy
 
 import pytest
 import torch
-from test_integration import VOCAB, make_samples, max_grad_diff, packed_run, unpacked_run
+from test_integration import VOCAB, gemma2_model, make_samples, max_grad_diff, packed_run, unpacked_run
 
 from varpack.integrations.kernels import apply_liger_kernels, compile_layers, decoder_layers, liger_available
 from varpack.models import load_model
 
-# pack shapes chosen so no token count equals a model width (16 = head_dim of tiny-qwen3): torch's "duck
-# sizing" would otherwise tie the two symbols and recompile once they differ
 SHAPES = [(5, 1, 7, 4), (9, 4), (2, 3, 2, 3, 2, 3, 6)]
 
 
@@ -49,18 +47,23 @@ def test_compiled_layers_packed_equals_unpacked(backend):
 
 def test_one_graph_for_every_pack_shape():
     """dynamic=True: after the first pack, packs with other token and sample counts add no graph (and the
-    attention call is the one graph break per layer, not a trace of the varlen kernel)."""
+    attention call is the one graph break per layer, not a trace of the varlen kernel). The first pack's sizes
+    equal model widths (T = 16 = head_dim, N + 1 = 4 = heads): compile_layers traces without duck sizing, so
+    such a coincidence is not baked into the graph's guards."""
     from torch._dynamo.utils import counters
+    from torch.fx.experimental import _config as fx_config
 
     torch._dynamo.reset()
     counters.clear()
     model, _ = _compiled_pair("aot_eager")
-    packed_run(model, make_samples(SHAPES[0]))
+    assert model.config.head_dim == 16 and model.config.num_attention_heads == 4
+    packed_run(model, make_samples((5, 6, 5)))
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
-    for lengths in SHAPES[1:] + [(3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 7)]:
+    for lengths in SHAPES + [(16,), (7, 9), (3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 7)]:
         packed_run(model, make_samples(lengths, seed=len(lengths)))
-    assert counters["stats"]["unique_graphs"] == graphs
+        assert counters["stats"]["unique_graphs"] == graphs, lengths
+    assert fx_config.use_duck_shape  # off only while a compiled layer runs
     breaks = counters["graph_break"]
     assert breaks and all("torch.compiler.disable" in reason for reason in breaks), dict(breaks)
 
@@ -138,9 +141,11 @@ def test_gpu_liger_and_compile_packed_equals_unpacked(liger, compile_):
         assert max_grad_diff(grads_b, grads_u) > 1e-3
 
 
-def test_compiled_linear_attention_model_packed_equals_per_sample():
-    """Qwen3.5 (gated delta + full attention): both mixers stay outside the compiled graph (traced, the
-    gated-delta chunking is data dependent and recompiled for every pack), exact, one graph set for all packs."""
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3-next"])
+def test_compiled_linear_attention_model_packed_equals_per_sample(name):
+    """Qwen3.5 / Qwen3-Next (gated delta + full attention; Qwen3-Next adds a mixture of experts): both mixers
+    stay outside the compiled graph (traced, the gated-delta chunking is data dependent and recompiled for every
+    pack), exact, one graph set for all packs."""
     from test_linear_models import _passes, _per_sample, _samples
     from torch._dynamo.utils import counters
 
@@ -162,7 +167,7 @@ def test_compiled_linear_attention_model_packed_equals_per_sample():
 
     torch._dynamo.reset()
     counters.clear()
-    model = tiny_model("tiny-qwen3.5", seed=1, vocab_size=VOCAB)
+    model = tiny_model(name, seed=1, vocab_size=VOCAB)
     ref = copy.deepcopy(model)  # transformers' own forward, one sample at a time
     enable_varpack(model, linear_backend="chunk")
     compile_layers(model, backend="aot_eager")
@@ -177,6 +182,7 @@ def test_compiled_linear_attention_model_packed_equals_per_sample():
             "grad": max_grad_diff(grads_p, grads_r),
         }
         assert _passes(diffs), (lengths, diffs)
+        assert grads_p.keys() == {n for n, _ in model.named_parameters()}
         graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs, lengths
     logits_b, _, grads_b = packed(model, samples, sabotage=True)
@@ -208,3 +214,93 @@ def test_compiled_layers_with_gradient_checkpointing():
     assert max_grad_diff(grads_p, grads_u) <= 1e-5
     _, _, grads_b = packed_run(model, samples, sabotage=True)
     assert max_grad_diff(grads_b, grads_u) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the other families: Llama, Gemma2-style (softcap + alternating sliding window), vision-language
+# ---------------------------------------------------------------------------------------------------------
+TEXT_FAMILIES = {  # name: (build, the reference's own attention), as in test_integration.MODELS
+    "tiny-llama": (lambda: load_model("tiny-llama", vocab_size=VOCAB, attn_backend="reference"), "sdpa"),
+    "gemma2": (gemma2_model, "eager"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TEXT_FAMILIES))
+def test_compiled_text_families_packed_equals_unpacked(name):
+    """Every pack is exact (test_integration's tolerances), the packs after the first add no graph, and the
+    same compiled model without boundaries fails."""
+    from torch._dynamo.utils import counters
+
+    build, ref_attn = TEXT_FAMILIES[name]
+    torch._dynamo.reset()
+    counters.clear()
+    model = build()
+    ref = copy.deepcopy(model)
+    assert compile_layers(model, backend="aot_eager") == model.config.num_hidden_layers
+    graphs = None
+    for lengths in SHAPES:
+        samples = make_samples(lengths)
+        logits_p, loss_p, grads_p = packed_run(model, samples)
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs > 0, lengths
+        logits_u, loss_u, grads_u = unpacked_run(ref, samples, ref_attn)
+        assert (logits_p - logits_u).abs().max().item() <= 1e-5, lengths
+        torch.testing.assert_close(loss_p, loss_u, rtol=1e-6, atol=1e-6)
+        assert len(grads_p) == len(list(model.parameters()))
+        for n in grads_p:
+            torch.testing.assert_close(grads_p[n], grads_u[n], rtol=1e-4, atol=1e-6, msg=n)
+    logits_b, _, grads_b = packed_run(model, samples, sabotage=True)
+    assert (logits_b - logits_u).abs().max().item() > 1e-3
+    assert max_grad_diff(grads_b, grads_u) > 1e-3
+    assert counters["stats"]["unique_graphs"] == graphs
+    breaks = counters["graph_break"]
+    assert breaks and all("torch.compiler.disable" in reason for reason in breaks), dict(breaks)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen3.5-vl"])
+def test_compiled_vl_model_packed_equals_per_sample(name):
+    """Qwen3-VL / Qwen3.5-VL with real images: only the text decoder layers are compiled (the vision tower
+    stays eager), each pack equals its samples run alone (test_vl_packing's tolerances), the packs after the
+    first add no graph (the first has 3 samples: N + 1 = 4 = the mRoPE planes of position_ids), and the same
+    compiled model without boundaries fails."""
+    pytest.importorskip("PIL")
+    pytest.importorskip("skimage")
+    from test_vl_packing import CHATS, diffs, encode, exact, per_sample_run, varpack_model
+    from test_vl_packing import packed_run as vl_packed_run
+    from torch._dynamo.utils import counters
+
+    from varpack.collate import PaddingFreeCollator
+    from varpack.integrations.vision import image_processor_for, tiny_config, tiny_model
+    from varpack.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("qwen3")
+    proc = image_processor_for(tiny_config("tiny-qwen3-vl"), min_pixels=32 * 32, max_pixels=128 * 128)
+    torch._dynamo.reset()
+    counters.clear()
+    ref_model = tiny_model(name)
+    model = varpack_model(ref_model)
+    assert compile_layers(model, backend="aot_eager") == model.config.text_config.num_hidden_layers
+    assert decoder_layers(model) == list(model.model.language_model.layers)
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(model))
+    visual = model.model.visual
+    assert not any(getattr(m, "_compiled_call_impl", None) for m in visual.modules())
+    graphs = None
+    for chats in ([CHATS[0], CHATS[1], CHATS[2]], [CHATS[4], CHATS[3]], [CHATS[5], CHATS[1]]):
+        samples = encode(chats, tok, proc, ref_model)
+        batch = PaddingFreeCollator()(samples)
+        got = vl_packed_run(model, batch)
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs > 0, chats
+        ref = per_sample_run(ref_model, samples)
+        d = diffs(ref, got)
+        assert exact(d), f"{name}: compiled packed != per-sample: {d}"
+        assert any(n.startswith("model.visual.") for n in got[2])  # the images went through the tower
+    t = batch["input_ids"].shape[1]
+    bad = dict(batch, cu_seq_lens_q=torch.tensor([0, t], dtype=torch.int32), max_length_q=t, max_length_k=t)
+    bad["cu_seq_lens_k"] = bad["cu_seq_lens_q"]
+    d = diffs(ref, vl_packed_run(model, bad))
+    assert d["logits"] > 1e-3 and d["grad"] > 1e-3, d
+    assert counters["stats"]["unique_graphs"] == graphs
+    breaks = counters["graph_break"]
+    assert breaks and all("torch.compiler.disable" in reason for reason in breaks), dict(breaks)
+    assert not any(getattr(m, "_compiled_call_impl", None) for m in visual.modules())

@@ -14,7 +14,8 @@ casts, residual adds) and in the host time to launch them. Two well-kept remedie
   PyTorch recipe for repeated blocks: one compiled graph reused by every layer). varpack's attention function
   is a graph break (``torch.compiler.disable``): the varlen kernel runs eagerly with the batch's Python-int
   ``max_seqlen`` and its once-per-batch device copy of ``cu_seqlens``, and is never traced or specialised.
-  ``dynamic=True`` by default, so packs of different lengths and sample counts reuse one graph.
+  ``dynamic=True`` by default, so packs of different lengths and sample counts reuse one graph; layers are
+  traced without duck sizing, so a pack whose sizes happen to equal a model width does not specialise it.
 
 Both keep packed == unpacked (tests/test_kernels.py, with a negative control); neither changes the attention
 backend ``auto`` picks.
@@ -23,6 +24,7 @@ backend ``auto`` picks.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,6 +86,32 @@ def apply_liger_kernels(
     return model._varpack_liger
 
 
+def _without_duck_shapes(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` (a layer's ``torch.compile``'d call) run with duck shaping off while dynamo traces it.
+
+    With duck shaping (torch's default) two input sizes that happen to be equal when a frame is first traced
+    share one symbol, and the graph is guarded on their equality. A pack's sizes are arbitrary: its token
+    count ``T`` or its ``cu_seq_lens_q`` length ``N + 1`` can equal a model width (head count, head dim,
+    the 4 planes of VL ``position_ids``) in one pack and not in the next, which then recompiled every layer
+    (past ``torch._dynamo.config.recompile_limit`` a frame runs eagerly). Off, every dynamic size gets its own
+    symbol, so one graph serves every pack. ``use_duck_shape`` is read when a frame is traced (the layer and the frames
+    resumed after its graph breaks, all inside this call), so the patch is scoped to the layer's calls.
+    """
+    from torch.fx.experimental import _config as fx_config
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # inlined into an outer compile: its settings apply
+            return compiled(*args, **kwargs)
+        duck = fx_config.use_duck_shape  # set and restored directly: a few us per call, less than .patch()
+        fx_config.use_duck_shape = False
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            fx_config.use_duck_shape = duck
+
+    return call
+
+
 def compile_layers(
     model: torch.nn.Module, *, backend: str = "inductor", dynamic: bool | None = True, **compile_kw: Any
 ) -> int:
@@ -95,7 +123,8 @@ def compile_layers(
         backend: ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` traces without code generation,
             which the CPU tests use).
         dynamic: ``True`` (default) compiles for symbolic token counts once, so packs of every length reuse
-            the graph; ``None`` lets torch decide after the first recompilation.
+            the graph (traced without duck sizing: see :func:`_without_duck_shapes`); ``None`` lets torch
+            decide after the first recompilation.
         **compile_kw: passed to ``torch.compile`` (``mode``, ``fullgraph=False`` ...).
 
     Returns:
@@ -118,5 +147,6 @@ def compile_layers(
         raise ValueError(f"{type(model).__name__} has no *DecoderLayer modules to compile")
     for layer in layers:
         layer.compile(backend=backend, dynamic=dynamic, **compile_kw)
+        layer._compiled_call_impl = _without_duck_shapes(layer._compiled_call_impl)
     model._varpack_compiled = {"backend": backend, "dynamic": dynamic, "layers": len(layers)}
     return len(layers)
