@@ -176,3 +176,17 @@ def test_smollm2_real_model_exact_and_trains(tmp_path):
     run.trainer.train()
     losses = [h["loss"] for h in run.trainer.state.log_history if "loss" in h]
     assert len(losses) >= 3 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name", [n for n in BUILTIN_MODELS if n.startswith("tiny")])
+def test_builtin_model_and_its_tokenizer_agree(name):
+    """Every built-in tiny model's embedding holds every id of the tokenizer load_tokenizer_for gives it,
+    and a VL model's image placeholder id is the tokenizer's <|image_pad|> (tiny-qwen3.5-vl once got the
+    Qwen3.5 tokenizer, whose ids do not fit its Qwen3-vocabulary config)."""
+    model = load_model(name)
+    tok = load_tokenizer_for(name)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    assert len(tok) <= cfg.vocab_size, (len(tok), cfg.vocab_size)
+    image_id = getattr(model.config, "image_token_id", None)
+    if image_id is not None:
+        assert tok.convert_ids_to_tokens(image_id) == "<|image_pad|>"

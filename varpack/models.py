@@ -321,7 +321,7 @@ def load_tokenizer_for(name_or_dir: str | os.PathLike[str]) -> Any:
         return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     from varpack.tokenizer import load_tokenizer
 
-    if kind == "external" and source.startswith("tiny-qwen3.5"):
+    if kind == "external" and source == "tiny-qwen3.5":  # tiny-qwen3.5-vl is built on the Qwen3 vocabulary
         try:
             return load_tokenizer("qwen3.5")
         except (ValueError, KeyError):
