@@ -161,3 +161,27 @@ def test_gpu_check_bf16_auto(name, monkeypatch):
     )
     monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
     assert not check_exactness(model, rows, backend="auto")["passed"]
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--data", "/no/such/file.jsonl"], "/no/such/file.jsonl"),
+        (["--attn-backend", "no-such-backend"], "no-such-backend"),
+        (["--device", "cuda"], "CUDA is not available"),
+    ],
+)
+def test_cli_check_bad_input_is_a_clear_error(extra, expected, capsys, monkeypatch):
+    """Bad settings give `varpack check: error: ...` naming what was wrong and exit code 2, not a traceback."""
+    import torch
+
+    from varpack.cli.main import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["check", "--model", "tiny-qwen3", "--num-samples", "2", *extra]
+    if "--model" in extra:
+        args = ["check", *extra]
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("varpack check: error:") and expected in err, err

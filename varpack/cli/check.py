@@ -87,12 +87,19 @@ def run(args: argparse.Namespace) -> int:
     from varpack.train import encode_chat_data
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        print(f"varpack check: error: --device {device} but CUDA is not available here", file=sys.stderr)
+        return 2
     dtype = getattr(torch, _DTYPES[args.dtype])
-    tokenizer = load_tokenizer_for(args.model)
-    encoded = encode_chat_data(args.data, tokenizer)
-    rows = select_samples(encoded, args.num_samples, args.max_sample_length)
-    model = load_model(args.model, dtype=dtype, seed=args.seed, attn_backend=args.attn_backend, device=device)
-    result = check_exactness(model, rows, backend=args.attn_backend, atol=args.atol)
+    try:
+        tokenizer = load_tokenizer_for(args.model)
+        encoded = encode_chat_data(args.data, tokenizer)
+        rows = select_samples(encoded, args.num_samples, args.max_sample_length)
+        model = load_model(args.model, dtype=dtype, seed=args.seed, attn_backend=args.attn_backend, device=device)
+        result = check_exactness(model, rows, backend=args.attn_backend, atol=args.atol)
+    except (ValueError, TypeError, FileNotFoundError) as exc:  # BackendUnavailableError is a ValueError
+        print(f"varpack check: error: {exc}", file=sys.stderr)
+        return 2
     result["model"] = args.model
     result["device"] = str(device)
     if args.json:
