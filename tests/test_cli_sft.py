@@ -253,3 +253,26 @@ def test_liger_refused_before_encoding_without_cuda(tmp_path, capsys, monkeypatc
         monkeypatch.setattr(K, "liger_available", lambda installed=installed: installed)
         code = main(["sft", "--use-liger-kernel", "--max-steps", "1", "--output-dir", str(tmp_path / "o")])
         assert code == 1 and expected in capsys.readouterr().err
+
+
+def test_sft_refuses_early_and_clearly(tmp_path, capsys):
+    """An unknown attention backend is refused before encoding; a plan with no pack (every sample dropped) is
+    an error naming the samples, not an exit 0 that saves the untrained model."""
+    from varpack.cli.main import main
+
+    out = tmp_path / "o"
+    code = main(["sft", "--attn-backend", "no-such", "--max-steps", "1", "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "attn_backend" in err and "'flex'" in err
+    data = tmp_path / "long.jsonl"
+    long_answer = "word " * 200
+    rows = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": long_answer}]}
+        for _ in range(2)
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    args = ["sft", "--data", str(data), "--packing-length", "64", "--overflow", "drop", "--max-steps", "1"]
+    code = main([*args, "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1 and "no pack to train on" in err and "sample ids 0, 1" in err
+    assert not out.exists()

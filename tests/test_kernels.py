@@ -304,3 +304,17 @@ def test_compiled_vl_model_packed_equals_per_sample(name):
     breaks = counters["graph_break"]
     assert breaks and all("torch.compiler.disable" in reason for reason in breaks), dict(breaks)
     assert not any(getattr(m, "_compiled_call_impl", None) for m in visual.modules())
+
+
+@pytest.mark.skipif(not liger_available(), reason="liger-kernel not installed (pip install liger-kernel)")
+def test_liger_patch_failure_is_a_clear_error(monkeypatch):
+    """A family Liger lists but cannot patch (its own NotImplementedError / ImportError) is a ValueError naming
+    the model type, not a raw traceback from inside liger."""
+    from liger_kernel.transformers import monkey_patch
+
+    def refuse(model=None, **kw):
+        raise NotImplementedError("liger_rotary_pos_emb is not available for Qwen3 models")
+
+    monkeypatch.setitem(monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN, "qwen3", refuse)
+    with pytest.raises(ValueError, match="cannot patch Qwen3ForCausalLM \\(model_type 'qwen3'\\).*not available"):
+        apply_liger_kernels(load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference"))

@@ -181,10 +181,18 @@ class SFTConfig:
             ("loss_reduction", self.loss_reduction in ("token", "sample")),
             ("loss_impl", self.loss_impl in ("auto", "linear_ce", "logits")),
             ("dtype", self.dtype in ("float32", "bfloat16", "float16")),
+            ("attn_backend", self.attn_backend == "auto" or self.attn_backend in _attn_backends()),
         ]
         for name, ok in checks:
             if not ok:
-                raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}")
+                hint = f"; choose 'auto' or one of {sorted(_attn_backends())}" if name == "attn_backend" else ""
+                raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}{hint}")
+
+
+def _attn_backends() -> tuple[str, ...]:
+    from varpack.attn import BACKENDS
+
+    return tuple(BACKENDS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -485,6 +493,14 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         overflow=config.overflow,
         seed=config.seed,
     )
+    if plan.num_packs == 0:  # training would do nothing and save the untrained model as if it had trained
+        ov = plan.overflow
+        gone = ", ".join(str(i) for i in (ov["dropped_ids"] + ov["empty_ids"])[:20])
+        raise ValueError(
+            f"no pack to train on: all {plan.num_samples} samples of {data_label} were dropped or empty "
+            f"(sample ids {gone}{', ...' if len(ov['dropped_ids']) + len(ov['empty_ids']) > 20 else ''}); "
+            f"raise packing_length={config.packing_length} or use overflow='split' / 'truncate'"
+        )
     if plan.pieces and not hasattr(encoded, "with_format"):
         # image/video chats: refuse before training (not when the bad pack is reached) any split/truncate
         # piece that would cut through a placeholder span; the same check as `varpack plan`
@@ -546,6 +562,8 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # torchrun / accelerate launch on CPUs: transformers needs use_cpu to set up a (gloo) process group
         args_kw.update(use_cpu=True, ddp_backend="gloo")
+    elif not torch.cuda.is_available() and config.bf16:
+        args_kw.update(use_cpu=True)  # transformers refuses bf16 without a GPU unless told to run on the CPU
     if config.gradient_checkpointing:  # the flag is renamed in newer transformers; pass it only when used
         args_kw["gradient_checkpointing"] = True
     args_kw.update(config.extra_training_args)

@@ -3,7 +3,7 @@
 Issue 7's profile of a packed SFT step (benchmarks/RESULTS.md) shows that once samples are packed, most of a
 small model's step is spent outside attention: in many small element-wise kernels (RMSNorm, RoPE, SiLU·mul,
 casts, residual adds) and in the host time to launch them. Two well-kept remedies, both opt-in
-(``varpack sft --liger-kernels`` / ``--compile``) and both leaving varpack's boundaries untouched:
+(``varpack sft --use-liger-kernel`` / ``--torch-compile``) and both leaving varpack's boundaries untouched:
 
 * :func:`apply_liger_kernels` swaps a model's RMSNorm, RoPE and SwiGLU MLP for Liger-Kernel's fused Triton
   kernels (``liger_kernel.transformers._apply_liger_kernel_to_instance``; Hsu et al., "Liger Kernel: Efficient
@@ -37,6 +37,15 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def _liger_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("liger-kernel")
+    except PackageNotFoundError:
+        return "?"
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of a transformers model: modules whose class name ends in ``DecoderLayer``, in
     order (``Qwen3DecoderLayer``, ``LlamaDecoderLayer``, ``Qwen3_5DecoderLayer``, ...)."""
@@ -60,7 +69,8 @@ def apply_liger_kernels(
     Raises:
         ImportError: ``liger_kernel`` is not installed (``pip install liger-kernel``).
         ValueError: Liger has no kernels for this ``model_type`` (nothing would be replaced: refused rather
-            than silently training without them).
+            than silently training without them), or its patch fails for this model (Liger-Kernel 0.8.5 has no
+            RoPE for Qwen3.5 and does not import against transformers 5.24's Qwen3-VL).
 
     Note: Liger patches RoPE at module level (``modeling_<family>.apply_rotary_pos_emb``), so every model of
     that family built later in the process uses it too. Liger's loss patches are never applied here.
@@ -79,9 +89,17 @@ def apply_liger_kernels(
             f"supported: {sorted(MODEL_TYPE_TO_APPLY_LIGER_FN)}"
         )
     kinds = {"rope": rope, "rms_norm": rms_norm, "swiglu": swiglu}
-    _apply_liger_kernel_to_instance(
-        model=model, cross_entropy=False, fused_linear_cross_entropy=False, **kinds
-    )
+    try:
+        _apply_liger_kernel_to_instance(
+            model=model, cross_entropy=False, fused_linear_cross_entropy=False, **kinds
+        )
+    except (NotImplementedError, ImportError, AttributeError) as exc:
+        # e.g. liger-kernel 0.8.5: "liger_rotary_pos_emb is not available for Qwen3_5 models", or a name
+        # missing from the installed transformers (Qwen3-VL on transformers 5.24)
+        raise ValueError(
+            f"Liger-Kernel {_liger_version()} cannot patch {type(model).__name__} (model_type {model_type!r}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     model._varpack_liger = [k for k, v in kinds.items() if v]
     return model._varpack_liger
 
