@@ -87,7 +87,7 @@ def add_sft_arguments(p: argparse.ArgumentParser, *, defaults: dict[str, Any] | 
         action="store_true",
         help="torch.compile each decoder layer (varpack attention stays outside the graph); compiles in step 1",
     )
-    p.add_argument("--no-save", dest="save", action="store_false", help="do not save the model at the end")
+    p.add_argument("--no-save", dest="save", action="store_false", help="do not save the model at the end (the default saves: save=True)")
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
