@@ -330,6 +330,11 @@ def run_config(
     dtype = getattr(torch, args.dtype)
     row: dict[str, Any] = {"config": config}
     model = opt = None
+    # Liger patches the modeling module itself (RoPE function, RMSNorm / MLP classes): restore it afterwards,
+    # or every configuration run after a *_liger one would silently use Liger's layers too
+    from transformers.models.qwen3 import modeling_qwen3
+
+    module_state = dict(vars(modeling_qwen3))
     try:
         steps = collate_steps(config, ds, chosen, args)
         attn = "sdpa" if config == "padded" else HF_ATTN.get(config, "sdpa")
@@ -395,6 +400,9 @@ def run_config(
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     finally:
         del model, opt
+        for name, value in module_state.items():
+            if vars(modeling_qwen3).get(name) is not value:
+                setattr(modeling_qwen3, name, value)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
