@@ -185,3 +185,20 @@ def test_cli_check_bad_input_is_a_clear_error(extra, expected, capsys, monkeypat
     code = main(args)
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("varpack check: error:") and expected in err, err
+
+
+@pytest.mark.parametrize("sabotage", [False, True])
+def test_cli_check_vl_model_runs_on_images(sabotage, monkeypatch, capsys):
+    """`varpack check` on a VL model packs the built-in image chats (whole, with their media and mRoPE
+    positions) and passes; with the boundaries dropped it fails."""
+    from varpack.cli.main import main
+
+    if sabotage:
+        monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
+    code = main(["check", "--model", "tiny-qwen3-vl", "--num-samples", "4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["samples_with_media"] >= 2 and out["num_samples"] == 4
+    if sabotage:
+        assert code == 1 and out["passed"] is False and out["max_abs_logit_diff"] > 1e-3
+    else:
+        assert code == 0 and out["passed"] is True and out["max_abs_logit_diff"] < 1e-5

@@ -4,8 +4,9 @@
                   [--dtype fp32|bf16|fp16] [--device cpu|cuda] [--num-samples N] [--max-sample-length L]
                   [--seed S] [--json]
 
-Encodes chat data (default: the built-in chats) with the model's tokenizer, takes the first
-``--num-samples`` conversations (each cut to ``--max-sample-length`` tokens), runs them packed in one
+Encodes chat data (default: the built-in chats; for a vision-language model the built-in image-caption
+chats) with the model's tokenizer, takes the first ``--num-samples`` conversations (each cut to
+``--max-sample-length`` tokens; image chats are never cut), runs them packed in one
 padding-free row (varpack attention) and one by one (the model's own attention), and prints max |logit
 diff|, the two losses and max |grad diff| with PASS / FAIL (:func:`varpack.check.check_exactness`). Exit
 status 0 on PASS, 1 on FAIL. With ``--json`` stdout carries exactly one JSON object.
@@ -79,11 +80,29 @@ def select_samples(encoded: Any, num_samples: int, max_length: int) -> list[dict
     return rows
 
 
+def select_mm_samples(encoded: list[dict[str, Any]], num_samples: int) -> list[dict[str, Any]]:
+    """The first ``num_samples`` samples of image/video chats, whole (a cut could split an image's
+    placeholder span; ``--max-sample-length`` does not apply), with every field (media, mRoPE positions).
+
+    Raises:
+        ValueError: ``num_samples < 1`` or more than the data holds.
+    """
+    if num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {num_samples}")
+    if num_samples > len(encoded):
+        raise ValueError(f"--num-samples {num_samples} but the data has only {len(encoded)} samples")
+    return [dict(encoded[i]) for i in range(num_samples)]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from varpack.check import check_exactness
+    from varpack.data.vl_builtin import write_vl_jsonl
+    from varpack.encode.multimodal import encode_any, has_mm_chats
+    from varpack.integrations.vision import is_vl_model
     from varpack.models import load_model, load_tokenizer_for
+    from varpack.tokenizer import varpack_cache_root
     from varpack.train import encode_chat_data
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,10 +112,18 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, _DTYPES[args.dtype])
     try:
         tokenizer = load_tokenizer_for(args.model)
-        encoded = encode_chat_data(args.data, tokenizer)
-        rows = select_samples(encoded, args.num_samples, args.max_sample_length)
+        # the model comes first: image chats are encoded with its own mRoPE function and patch grid
         model = load_model(args.model, dtype=dtype, seed=args.seed, attn_backend=args.attn_backend, device=device)
+        data = list(args.data or [])
+        if not data and is_vl_model(model):  # a VL model is checked on images: the built-in image chats
+            data = [write_vl_jsonl(varpack_cache_root() / "data" / "vl_builtin.jsonl")]
+        if data and has_mm_chats(data):
+            rows = select_mm_samples(encode_any(data, tokenizer, rope_model=model), args.num_samples)
+        else:
+            encoded = encode_chat_data(data, tokenizer)
+            rows = select_samples(encoded, args.num_samples, args.max_sample_length)
         result = check_exactness(model, rows, backend=args.attn_backend, atol=args.atol)
+        result["samples_with_media"] = sum(1 for r in rows if "pixel_values" in r or "pixel_values_videos" in r)
     except (ValueError, TypeError, FileNotFoundError) as exc:  # BackendUnavailableError is a ValueError
         print(f"varpack check: error: {exc}", file=sys.stderr)
         return 2
@@ -113,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
 def _print_table(r: dict[str, Any], model_class: str, num_params: int) -> None:
     print(
         f"varpack check: {r['model']} ({model_class}, {num_params / 1e6:.1f}M params), {r['num_samples']} "
-        f"samples, {r['num_tokens']} tokens in one packed row, {r['dtype']} on {r['device']}"
+        f"samples ({r.get('samples_with_media', 0)} with images/video), {r['num_tokens']} tokens in one "
+        f"packed row, {r['dtype']} on {r['device']}"
     )
     print(
         f"attention backend: {r['backend']} ({r['backend_reason']}); unpacked reference: {r['reference_attn']}"
