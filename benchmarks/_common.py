@@ -39,6 +39,17 @@ H200_BF16_DENSE_PEAK_FLOPS = 989e12
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _is_chat_file(path: Path) -> bool:
+    """True when the first row of a JSONL file is a chat (``messages``); preference pairs
+    (``mt_bench_pairs.jsonl``: ``prompt`` / ``chosen`` / ``rejected``) are not SFT samples and are skipped."""
+    with path.open(encoding="utf-8") as fh:
+        first = fh.readline()
+    is_chat = bool(first.strip()) and "messages" in json.loads(first)
+    if not is_chat:
+        print(f"encode: skipping {path.name} (not a chat file: no 'messages' in its first row)", file=sys.stderr)
+    return is_chat
+
+
 def encode_shared_data(
     out_path: str | os.PathLike[str],
     max_samples: int | None = None,
@@ -75,9 +86,9 @@ def encode_shared_data(
     if out_path.suffix not in (".npz", ".jsonl"):
         raise ValueError(f"out_path must end in .npz or .jsonl, got {out_path}")
     d = Path(data_dir) if data_dir is not None else DEFAULT_DATA_DIR
-    files = sorted(d.glob("*.jsonl"))
+    files = sorted(f for f in d.glob("*.jsonl") if _is_chat_file(f))
     if not files:
-        raise FileNotFoundError(f"no *.jsonl files in {d} (set VARPACK_SHARED_DATA)")
+        raise FileNotFoundError(f"no chat *.jsonl files in {d} (set VARPACK_SHARED_DATA)")
     tok = load_tokenizer(tokenizer)
     ids: list[np.ndarray] = []
     labels: list[np.ndarray] = []
