@@ -1,41 +1,58 @@
-"""End-to-end SFT step throughput (issue 6 item 2, issue 7 item 4): padded vs HF flattening vs varpack.
+"""End-to-end SFT step throughput, steady state and cold: varpack vs the peers a user would configure.
 
 A Qwen3-0.6B-shaped model (random init, same seed for every configuration; the config is built from the
-published Qwen3-0.6B values (varpack.models "qwen3-0.6b-shape"): hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128, intermediate 3072,
-vocab 151,936, tied embeddings, rope_theta 1e6, rms_norm_eps 1e-6), bf16 weights, fused AdamW (lr 1e-5),
-``use_cache=False``, trained for the same optimizer steps on the same samples by each configuration:
+published Qwen3-0.6B values (varpack.models "qwen3-0.6b-shape"): hidden 1024, 28 layers, 16 heads, 8 KV heads,
+head_dim 128, intermediate 3072, vocab 151,936, tied embeddings, rope_theta 1e6, rms_norm_eps 1e-6), bf16
+weights, fused AdamW (lr 1e-5), ``use_cache=False``, trained on the same samples by each configuration.
 
-* ``padded``  (a): HF ``DataCollatorForSeq2Seq`` padding (right padding, labels padded with -100) and
+Peers (the best peer is the fastest of those run):
+
+* ``padded``: HF ``DataCollatorForSeq2Seq`` padding (right padding, labels padded with -100) and
   ``attn_implementation="sdpa"`` with the attention mask; each optimizer step's samples, in random order
   (HF's random sampler; the packs list them by decreasing length), are split in micro-batches of
   ``--pad-batch`` (gradient accumulation, HF ``num_items_in_batch`` token mean).
-* ``hf_fa4`` / ``hf_flex`` / ``hf_sdpa`` (b): HF ``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
+* ``hf_fa4`` / ``hf_flex`` / ``hf_sdpa``: HF ``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
   return_seq_idx=True)`` with HF's own attention ``flash_attention_4`` / ``flex_attention`` / ``sdpa``
-  (position-id packed-sequence detection); FA4 and flex are tried, sdpa is added when neither runs.
-* ``varpack`` (c): ``plan_packs`` (best-fit decreasing) + ``PackedDataset`` + ``PaddingFreeCollator`` +
+  (position-id packed-sequence detection); sdpa is added when neither FA4 nor flex runs.
+* ``hf_fa4_liger``: ``hf_fa4`` plus Liger-Kernel applied as transformers' Trainer does for
+  ``use_liger_kernel=True`` (what TRL's ``SFTConfig(use_liger_kernel=True)`` turns on):
+  ``_apply_liger_kernel_to_instance(model)`` with its defaults, i.e. RoPE, RMSNorm, SwiGLU and the fused
+  linear cross-entropy loss.
+
+varpack:
+
+* ``varpack``: ``plan_packs`` (best-fit decreasing) + ``PackedDataset`` + ``PaddingFreeCollator`` +
   ``enable_varpack(model, backend="auto")`` and the plain loss (full logits, ``varpack.loss.causal_lm_loss``).
-* ``varpack_lce`` (d): the same with ``varpack.linear_ce.causal_lm_forward_with_linear_ce`` (no ``[T, V]``
+* ``varpack_lce``: the same with ``varpack.linear_ce.causal_lm_forward_with_linear_ce`` (no ``[T, V]``
   logits; backend ``--lce-backend``, the resolved one is reported). ``varpack_lce_chunked`` forces the
-  chunked PyTorch backend (useful when ``auto`` picked Liger).
+  chunked PyTorch backend.
+* ``*_liger`` / ``*_compile`` suffixes: the step options of ``varpack.integrations.kernels`` (Liger
+  RMSNorm/RoPE/SwiGLU; regional ``torch.compile`` of the decoder layers). They are exclusive.
 
 Workload: the first samples of ``--samples`` (pre-encoded ../shared/data, see ``benchmarks/_common.py``)
 are planned into packs of ``--packing-length`` tokens with best-fit decreasing; the ``--steps`` fullest packs
-are the optimizer steps. Every configuration trains on exactly those samples, grouped the same way (one
-pack = one optimizer step), so tokens per step are identical and only the step's execution differs. Batches
-are collated before timing (a DataLoader would overlap it); host-to-device copies are timed. The first
-``--warmup`` steps are excluded.
+are the optimizer steps (one pack = one optimizer step), so every configuration trains on exactly those
+samples, grouped the same way. Batches are collated before timing; host-to-device copies are timed.
+
+Measurement (steady state first, cold reported separately): each configuration runs one whole **untimed cold
+pass** over all its packs (every JIT kernel compile — FlashAttention-4's per-key CuTe compiles, Triton
+autotuning, ``torch.compile`` — happens there), then a **timed pass** over the same packs. The cold pass is
+reported as seconds to the first step and seconds for the whole pass. With ``--rounds 2`` (default) every
+configuration is run again in the reverse order; the steady figure is the mean of the rounds, each round's
+ratio to the best peer of that round is reported, and a ratio that lands on different sides of 1 in the two
+rounds is flagged (order-dependent: not a result).
 
 Reported per configuration: real tokens/s (all tokens of the samples, no padding), supervised tokens/s
 (labels != -100), MFU = 6 * N_params * real tokens/s / 989e12 (H200 dense bf16 peak; N counts each
 parameter once, tied embeddings once; attention FLOPs are not counted), peak memory
-(``torch.cuda.max_memory_allocated``, weights + optimizer state + activations), the loss of the first step
-(all configurations see the same samples and the same init, so equal values say the paths compute the same
-loss), and the ratios vs (a) and vs the best (b).
+(``torch.cuda.max_memory_allocated``: weights + optimizer state + activations), the loss of the first step
+(same samples and init everywhere: equal values say the paths compute the same loss), and the ratios to
+``padded`` and to the best peer.
 
 Run (GPU; carry the samples file, e.g. ``.gpu/samples.npz``)::
 
     python benchmarks/train.py --samples .gpu/samples.npz --out runs/train.json
-    python benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --configs varpack,varpack_lce
+    python benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --configs hf_fa4_liger,varpack_lce
     python benchmarks/train.py --device cpu --small            # smoke test
 """
 
@@ -75,17 +92,25 @@ ALL_CONFIGS = (
     "hf_fa4",
     "hf_flex",
     "hf_sdpa",
+    "hf_fa4_liger",
     "varpack",
     "varpack_lce",
     "varpack_lce_chunked",
     "varpack_lce_liger",
+    "varpack_compile",
     "varpack_lce_compile",
-    "varpack_lce_liger_compile",
 )
+#: the peers: what a user of HF / TRL would configure; the best peer is the fastest of those run
+PEERS = ("padded", "hf_fa4", "hf_flex", "hf_sdpa", "hf_fa4_liger")
 #: suffixes of a varpack config that switch on a step option of varpack.integrations.kernels
 STEP_OPTIONS = ("_liger", "_compile")
-DEFAULT_CONFIGS = "padded,hf_fa4,hf_flex,varpack,varpack_lce"
-HF_ATTN = {"hf_fa4": "flash_attention_4", "hf_flex": "flex_attention", "hf_sdpa": "sdpa"}
+DEFAULT_CONFIGS = "padded,hf_fa4,hf_flex,hf_fa4_liger,varpack,varpack_lce,varpack_lce_compile"
+HF_ATTN = {
+    "hf_fa4": "flash_attention_4",
+    "hf_flex": "flex_attention",
+    "hf_sdpa": "sdpa",
+    "hf_fa4_liger": "flash_attention_4",
+}
 IGNORE = -100
 
 
@@ -323,15 +348,48 @@ def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., t
     return fused, f"linear_ce {name} (chunk {args.chunk_size})"
 
 
+def _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu) -> tuple[float, float, list[float]]:
+    """One pass over ``steps`` (one optimizer step each): ``(seconds to the first step, seconds, losses)``."""
+    losses: list[float] = []
+    sync(device)
+    t0 = time.perf_counter()
+    first = None
+    for i, st in enumerate(steps):
+        step_loss = torch.zeros((), device=device)
+        for mb in st:
+            loss = loss_fn(model, to_device(mb, device, keep_cpu), counts[i][1])
+            loss.backward()
+            step_loss += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i == 0:
+            losses.append(float(step_loss))  # a sync: the first step's wall time
+            first = time.perf_counter() - t0
+    if len(steps) > 1:
+        losses.append(float(step_loss))
+    sync(device)
+    return first, time.perf_counter() - t0, losses
+
+
+def _apply_trl_liger(model) -> str:
+    """Liger-Kernel on an HF model the way transformers' Trainer applies ``use_liger_kernel=True`` (TRL's
+    ``SFTConfig(use_liger_kernel=True)``): ``_apply_liger_kernel_to_instance(model=model)`` with its defaults."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model)
+    return "liger defaults (rope, rms_norm, swiglu, fused linear CE)"
+
+
 def run_config(
     config: str, ds: Any, chosen: list[int], args: argparse.Namespace, values: dict[str, Any]
 ) -> dict[str, Any]:
+    """Build a fresh model for ``config``, run the untimed cold pass over all packs, then the timed pass."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     row: dict[str, Any] = {"config": config}
     model = opt = None
-    # Liger patches the modeling module itself (RoPE function, RMSNorm / MLP classes): restore it afterwards,
-    # or every configuration run after a *_liger one would silently use Liger's layers too
+    # Liger patches the modeling module itself (RoPE function, RMSNorm / MLP classes, the forward): restore it
+    # afterwards, or every configuration run after a Liger one would silently use Liger's layers too
     from transformers.models.qwen3 import modeling_qwen3
 
     module_state = dict(vars(modeling_qwen3))
@@ -346,8 +404,12 @@ def run_config(
             attn = f"varpack {args.attn_backend}"
             row["attn_resolved"] = _resolved_varpack_backend(model, steps[0][0], device, dtype)
             row["step_options"] = apply_step_options(model, config)
+        elif config.endswith("_liger"):
+            row["step_options"] = [_apply_trl_liger(model)]
         row["attention"] = attn
         loss_fn, row["loss"] = make_loss_fn(config, args)
+        if config == "hf_fa4_liger":
+            row["loss"] = "Liger fused linear CE (HF forward patched by Liger)"
         if hasattr(loss_fn, "reason"):
             row["loss_backend_reason"] = loss_fn.reason
         opt = make_optimizer(model, device)
@@ -358,40 +420,27 @@ def run_config(
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        losses: list[float] = []
-        t0 = None
-        for i, st in enumerate(steps):
-            if i == args.warmup:
-                sync(device)
-                t0 = time.perf_counter()
-            num_items = counts[i][1]
-            step_loss = torch.zeros((), device=device)
-            for mb in st:
-                loss = loss_fn(model, to_device(mb, device, keep_cpu), num_items)
-                loss.backward()
-                step_loss += loss.detach()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if i == 0 or i == len(steps) - 1:
-                losses.append(float(step_loss))
-        sync(device)
-        elapsed = time.perf_counter() - t0
-        timed = counts[args.warmup :]
-        real = sum(c[0] for c in timed)
-        sup = sum(c[1] for c in timed)
+        # cold pass: every JIT compile / autotune of this configuration's shapes happens here, untimed for the
+        # steady figure and reported on its own (what a user waits for before the first steps)
+        cold_first, cold_s, losses = _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)
+        _, elapsed, _ = _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)
+        real = sum(c[0] for c in counts)
+        sup = sum(c[1] for c in counts)
         row.update(
-            timed_steps=len(timed),
+            timed_steps=len(steps),
             seconds=elapsed,
-            step_ms=1e3 * elapsed / len(timed),
+            step_ms=1e3 * elapsed / len(steps),
             real_tokens_per_s=real / elapsed,
             supervised_tokens_per_s=sup / elapsed,
             mfu=6.0 * n_params * real / elapsed / args.peak_flops,
+            cold_first_step_s=cold_first,
+            cold_pass_s=cold_s,
             loss_first=losses[0],
-            loss_last=losses[-1],
+            loss_last_cold=losses[-1],
             micro_batches_per_step=float(np.mean([len(st) for st in steps])),
         )
         if config == "padded":
-            padded = sum(int(mb["input_ids"].numel()) for st in steps[args.warmup :] for mb in st)
+            padded = sum(int(mb["input_ids"].numel()) for st in steps for mb in st)
             row["padding_fraction"] = 1.0 - real / padded
         if device.type == "cuda":
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -425,16 +474,53 @@ def _resolved_varpack_backend(model, mb, device, dtype) -> str:
         return f"? ({type(exc).__name__}: {exc})"
 
 
-def add_ratios(rows: list[dict[str, Any]]) -> None:
-    by = {r["config"]: r for r in rows if "real_tokens_per_s" in r}
-    hf = [r for r in by.values() if r["config"].startswith("hf_")]
-    best_hf = max(hf, key=lambda r: r["real_tokens_per_s"]) if hf else None
-    for r in by.values():
-        if "padded" in by:
-            r["vs_padded"] = r["real_tokens_per_s"] / by["padded"]["real_tokens_per_s"]
-        if best_hf is not None:
-            r["vs_best_hf"] = r["real_tokens_per_s"] / best_hf["real_tokens_per_s"]
-            r["best_hf"] = best_hf["config"]
+def add_ratios(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Merge the rounds into one row per configuration: steady tokens/s = the mean over rounds; each round's
+    ratio to ``padded`` and to that round's best peer; ``order_dependent`` when the ratios to the best peer
+    fall on both sides of 1."""
+    merged: dict[str, dict[str, Any]] = {}
+    per_round_best: list[dict[str, Any] | None] = []
+    for rows in rounds:
+        ok = {r["config"]: r for r in rows if "real_tokens_per_s" in r}
+        peers = [r for c, r in ok.items() if c in PEERS]
+        best = max(peers, key=lambda r: r["real_tokens_per_s"]) if peers else None
+        per_round_best.append(best)
+        for r in rows:
+            m = merged.setdefault(r["config"], {"config": r["config"], "rounds": []})
+            m["rounds"].append(r)
+            if best is not None and "real_tokens_per_s" in r:
+                m.setdefault("vs_best_peer_rounds", []).append(r["real_tokens_per_s"] / best["real_tokens_per_s"])
+                m.setdefault("best_peer_rounds", []).append(best["config"])
+            if "padded" in ok and "real_tokens_per_s" in r:
+                m.setdefault("vs_padded_rounds", []).append(
+                    r["real_tokens_per_s"] / ok["padded"]["real_tokens_per_s"]
+                )
+    out = []
+    for m in merged.values():
+        good = [r for r in m["rounds"] if "real_tokens_per_s" in r]
+        first = m["rounds"][0]
+        row = {k: v for k, v in first.items() if k not in ("seconds", "step_ms", "real_tokens_per_s")}
+        row["rounds"] = m["rounds"]
+        if not good:
+            out.append(row)
+            continue
+        row.pop("error", None)
+        for key in ("step_ms", "real_tokens_per_s", "supervised_tokens_per_s", "mfu"):
+            row[key] = float(np.mean([r[key] for r in good]))
+        row["peak_mem_gb"] = max((r.get("peak_mem_gb", float("nan")) for r in good), default=float("nan"))
+        row["cold_first_step_s"] = good[0]["cold_first_step_s"]  # the first round: nothing compiled before
+        row["cold_pass_s"] = good[0]["cold_pass_s"]
+        for key in ("vs_best_peer_rounds", "vs_padded_rounds", "best_peer_rounds"):
+            if key in m:
+                row[key] = m[key]
+        if "vs_best_peer_rounds" in row:
+            v = row["vs_best_peer_rounds"]
+            row["vs_best_peer"] = float(np.mean(v))
+            row["order_dependent"] = min(v) < 1.0 < max(v)
+        if "vs_padded_rounds" in row:
+            row["vs_padded"] = float(np.mean(row["vs_padded_rounds"]))
+        out.append(row)
+    return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -443,13 +529,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         "config",
         "attention",
         "loss",
-        "step ms",
+        "steady ms/step",
         "real tok/s",
         "sup. tok/s",
         "MFU",
-        "peak GB",
-        "vs (a) padded",
-        "vs best (b)",
+        "peak GiB",
+        "cold 1st step s",
+        "cold pass s",
+        "vs padded",
+        "vs best peer (per round)",
         "loss@1st",
         "note",
     ]
@@ -458,8 +546,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         note = r.get("error", "")
         if not note and "attn_resolved" in r:
             note = "; ".join([f"auto -> {r['attn_resolved']}", *r.get("step_options", [])])
+        elif not note and r.get("step_options"):
+            note = "; ".join(r["step_options"])
         if not note and "padding_fraction" in r:
             note = f"padding {100 * r['padding_fraction']:.0f}%, {r['micro_batches_per_step']:.1f} micro-batches/step"
+        vs = "-"
+        if "vs_best_peer" in r:
+            vs = f"{r['vs_best_peer']:.2f} (" + " / ".join(f"{x:.2f}" for x in r["vs_best_peer_rounds"]) + ")"
+            if r.get("order_dependent"):
+                vs += " ORDER-DEPENDENT"
         out.append(
             [
                 r["config"],
@@ -470,8 +565,10 @@ def table(rows: list[dict[str, Any]]) -> str:
                 r.get("supervised_tokens_per_s", nan),
                 f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-",
                 r.get("peak_mem_gb", nan),
+                r.get("cold_first_step_s", nan),
+                r.get("cold_pass_s", nan),
                 r.get("vs_padded", nan),
-                r.get("vs_best_hf", nan),
+                vs,
                 f"{r['loss_first']:.4f}" if "loss_first" in r else "-",
                 note,
             ]
@@ -487,8 +584,12 @@ def main(argv: list[str] | None = None) -> int:
         "--samples", default=None, help="pre-encoded samples (.npz / .jsonl from benchmarks/_common.py)"
     )
     p.add_argument("--packing-length", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per configuration (incl. warm-up)")
-    p.add_argument("--warmup", type=int, default=5, help="steps excluded from the timing")
+    p.add_argument(
+        "--steps", type=int, default=14, help="packs (= optimizer steps) per pass; each config runs 2 passes"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=2, help="1: configs once in the given order; 2: then again reversed"
+    )
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated, from {ALL_CONFIGS}")
     p.add_argument(
         "--pad-batch", type=int, default=8, help="padded micro-batch size (0: a whole step at once)"
@@ -510,14 +611,14 @@ def main(argv: list[str] | None = None) -> int:
     values = dict(QWEN3_0_6B)
     if args.small:
         values = dict(TINY)
-        args.packing_length, args.steps, args.warmup = min(args.packing_length, 512), 4, 1
+        args.packing_length, args.steps = min(args.packing_length, 512), 4
         args.chunk_size = min(args.chunk_size, 128)
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
         if c not in ALL_CONFIGS:
             p.error(f"unknown config {c!r}; choose from {ALL_CONFIGS}")
-    if args.warmup >= args.steps:
-        p.error(f"--warmup {args.warmup} must be < --steps {args.steps}")
+    if args.rounds not in (1, 2):
+        p.error("--rounds must be 1 or 2")
 
     if args.samples:
         samples = load_samples(args.samples)
@@ -543,24 +644,31 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# SFT step throughput, {args.device} {args.dtype}, packing_length {args.packing_length}")
     print(f"- samples: {source}; workload: {info}")
-    rows = []
-    for c in configs:
-        print(f"  running {c} ...", file=sys.stderr, flush=True)
-        rows.append(run_config(c, ds, chosen, args, values))
-        if c in ("hf_fa4", "hf_flex") and "error" in rows[-1]:
-            print(f"  {c}: {rows[-1]['error']}", file=sys.stderr, flush=True)
-    hf_ok = [r for r in rows if r["config"].startswith("hf_") and "error" not in r]
-    if not hf_ok and any(c.startswith("hf_") for c in configs) and "hf_sdpa" not in configs:
-        print("  running hf_sdpa (neither FA4 nor flex ran) ...", file=sys.stderr, flush=True)
-        rows.append(run_config("hf_sdpa", ds, chosen, args, values))
-    add_ratios(rows)
+    rounds: list[list[dict[str, Any]]] = []
+    for rnd in range(args.rounds):
+        order = configs if rnd == 0 else configs[::-1]
+        rows = []
+        for c in order:
+            print(f"  round {rnd + 1}: running {c} ...", file=sys.stderr, flush=True)
+            rows.append(run_config(c, ds, chosen, args, values))
+            if "error" in rows[-1]:
+                print(f"  {c}: {rows[-1]['error']}", file=sys.stderr, flush=True)
+        hf_ok = [r for r in rows if r["config"].startswith("hf_") and "error" not in r]
+        if not hf_ok and any(c.startswith("hf_") for c in configs) and "hf_sdpa" not in configs:
+            print("  running hf_sdpa (no HF flattening config ran) ...", file=sys.stderr, flush=True)
+            rows.append(run_config("hf_sdpa", ds, chosen, args, values))
+        rounds.append(rows)
+    rows = add_ratios(rounds)
     print()
     print(table(rows))
     print()
     n_params = next((r["n_params"] for r in rows if "n_params" in r), None)
+    best = next((r["best_peer_rounds"] for r in rows if "best_peer_rounds" in r), None)
     print(
         f"MFU = 6 * N * real tokens/s / {args.peak_flops:.3g} (N = {n_params}, attention FLOPs not counted). "
-        f"Timed steps: {args.steps - args.warmup} of {args.steps} ({args.warmup} warm-up)."
+        f"Each config: one untimed cold pass over its {args.steps} packs, then a timed pass over the same packs; "
+        f"{args.rounds} round(s) ({'given order, then reversed' if args.rounds == 2 else 'given order'}); "
+        f"best peer per round: {best}."
     )
     write_json(
         args.out, {"machine": machine_info(device), "args": vars(args), "workload": info, "rows": rows}

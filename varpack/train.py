@@ -126,7 +126,8 @@ class SFTConfig:
         use_liger_kernel: replace RMSNorm / RoPE / SwiGLU by Liger-Kernel's fused Triton kernels (CUDA; needs
             ``liger-kernel``): :func:`varpack.integrations.kernels.apply_liger_kernels`. The loss stays varpack's.
         torch_compile: ``torch.compile`` each decoder layer, varpack attention outside the graph
-            (:func:`varpack.integrations.kernels.compile_layers`); compiles in the first step.
+            (:func:`varpack.integrations.kernels.compile_layers`); compiles in the first step. Not together with
+            ``use_liger_kernel`` (refused: :data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`).
         save: save model + tokenizer at the end.
         report_to: Trainer integrations (``none`` by default).
     """
@@ -451,7 +452,10 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         )
 
     if config.use_liger_kernel:  # refused before minutes of encoding, not at the first forward
-        from varpack.integrations.kernels import liger_available
+        from varpack.integrations.kernels import LIGER_COMPILE_REFUSAL, liger_available
+
+        if config.torch_compile:
+            raise ValueError(LIGER_COMPILE_REFUSAL)
 
         if not liger_available():
             raise ValueError("use_liger_kernel needs Liger-Kernel: pip install liger-kernel")

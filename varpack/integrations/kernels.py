@@ -18,7 +18,7 @@ casts, residual adds) and in the host time to launch them. Two well-kept remedie
   traced without duck sizing, so a pack whose sizes happen to equal a model width does not specialise it.
 
 Both keep packed == unpacked (tests/test_kernels.py, with a negative control); neither changes the attention
-backend ``auto`` picks.
+backend ``auto`` picks. They are exclusive: :data:`LIGER_COMPILE_REFUSAL` says why.
 """
 
 from __future__ import annotations
@@ -29,7 +29,26 @@ from typing import Any
 
 import torch
 
-__all__ = ["apply_liger_kernels", "compile_layers", "decoder_layers", "liger_available"]
+__all__ = [
+    "LIGER_COMPILE_REFUSAL",
+    "apply_liger_kernels",
+    "compile_layers",
+    "decoder_layers",
+    "liger_available",
+]
+
+#: Why Liger's layers and regional ``torch.compile`` are refused together. Seen on the H200 (torch 2.11,
+#: Triton 3.6, liger-kernel 0.8.5): dynamo fails while tracing Liger's ``autograd.Function`` s inside a
+#: compiled decoder layer (``AssertionError`` in ``torch/_dynamo/variables/higher_order_ops.py``). Running them
+#: as graph breaks instead would split every layer into ~7 graphs. Inductor already fuses RMSNorm, RoPE and
+#: SwiGLU into its own Triton kernels, and varpack's fused loss (``loss_impl="linear_ce"``) uses Liger's fused
+#: linear cross-entropy on CUDA either way, so one of the two options is enough.
+LIGER_COMPILE_REFUSAL = (
+    "Liger-Kernel layers and torch.compile are not combined: dynamo cannot trace Liger's autograd functions "
+    "inside a compiled layer (torch 2.11 / liger-kernel 0.8.5, AssertionError in dynamo's higher_order_ops). "
+    "Choose one: torch_compile (--torch-compile; inductor fuses RMSNorm / RoPE / SwiGLU itself) or "
+    "use_liger_kernel (--use-liger-kernel)"
+)
 
 
 def liger_available() -> bool:
@@ -70,11 +89,14 @@ def apply_liger_kernels(
         ImportError: ``liger_kernel`` is not installed (``pip install liger-kernel``).
         ValueError: Liger has no kernels for this ``model_type`` (nothing would be replaced: refused rather
             than silently training without them), or its patch fails for this model (Liger-Kernel 0.8.5 has no
-            RoPE for Qwen3.5 and does not import against transformers 5.24's Qwen3-VL).
+            RoPE for Qwen3.5 and does not import against transformers 5.24's Qwen3-VL), or its layers are
+            already compiled by :func:`compile_layers` (:data:`LIGER_COMPILE_REFUSAL`).
 
     Note: Liger patches RoPE at module level (``modeling_<family>.apply_rotary_pos_emb``), so every model of
     that family built later in the process uses it too. Liger's loss patches are never applied here.
     """
+    if getattr(model, "_varpack_compiled", None):
+        raise ValueError(LIGER_COMPILE_REFUSAL)
     if not liger_available():
         raise ImportError("liger_kernels needs Liger-Kernel: pip install liger-kernel")
     from liger_kernel.transformers.monkey_patch import (
@@ -150,7 +172,8 @@ def compile_layers(
 
     Raises:
         ValueError: the model has no ``*DecoderLayer`` modules, or its attention is not varpack's (a compiled
-            layer would otherwise trace whatever attention it has, masks included, unchecked by varpack).
+            layer would otherwise trace whatever attention it has, masks included, unchecked by varpack), or
+            Liger-Kernel's layers are on it (:func:`apply_liger_kernels`; :data:`LIGER_COMPILE_REFUSAL`).
     """
     from varpack.integrations.transformers import is_varpack_attention
 
@@ -160,6 +183,8 @@ def compile_layers(
             f"compile_layers needs a model on varpack attention (enable_varpack first); {type(model).__name__} "
             f"uses {impl!r}"
         )
+    if getattr(model, "_varpack_liger", None):
+        raise ValueError(LIGER_COMPILE_REFUSAL)
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no *DecoderLayer modules to compile")
