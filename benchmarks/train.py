@@ -37,7 +37,8 @@ samples, grouped the same way. Batches are collated before timing; host-to-devic
 Measurement (steady state first, cold reported separately): each configuration runs one whole **untimed cold
 pass** over all its packs (every JIT kernel compile — FlashAttention-4's per-key CuTe compiles, Triton
 autotuning, ``torch.compile`` — happens there), then a **timed pass** over the same packs. The cold pass is
-reported as seconds to the first step and seconds for the whole pass. With ``--rounds 2`` (default) every
+reported as seconds to the first step and seconds for the whole pass; the steady figure is the median of
+``--timed-passes`` (3) timed passes. With ``--rounds 2`` (default) every
 configuration is run again in the reverse order; the steady figure is the mean of the rounds, each round's
 ratio to the best peer of that round is reported, and a ratio that lands on different sides of 1 in the two
 rounds is flagged (order-dependent: not a result).
@@ -423,7 +424,11 @@ def run_config(
         # cold pass: every JIT compile / autotune of this configuration's shapes happens here, untimed for the
         # steady figure and reported on its own (what a user waits for before the first steps)
         cold_first, cold_s, losses = _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)
-        _, elapsed, _ = _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)
+        passes = [
+            _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)[1] for _ in range(args.timed_passes)
+        ]
+        elapsed = float(np.median(passes))
+        row["timed_pass_s"] = passes
         real = sum(c[0] for c in counts)
         sup = sum(c[1] for c in counts)
         row.update(
@@ -588,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=int, default=14, help="packs (= optimizer steps) per pass; each config runs 2 passes"
     )
     p.add_argument(
+        "--timed-passes", type=int, default=3, help="timed passes after the cold one; the median is reported"
+    )
+    p.add_argument(
         "--rounds", type=int, default=2, help="1: configs once in the given order; 2: then again reversed"
     )
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated, from {ALL_CONFIGS}")
@@ -666,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     best = next((r["best_peer_rounds"] for r in rows if "best_peer_rounds" in r), None)
     print(
         f"MFU = 6 * N * real tokens/s / {args.peak_flops:.3g} (N = {n_params}, attention FLOPs not counted). "
-        f"Each config: one untimed cold pass over its {args.steps} packs, then a timed pass over the same packs; "
+        f"Each config: one untimed cold pass over its {args.steps} packs, then {args.timed_passes} timed passes "
+        f"over the same packs (median); "
         f"{args.rounds} round(s) ({'given order, then reversed' if args.rounds == 2 else 'given order'}); "
         f"best peer per round: {best}."
     )
