@@ -180,7 +180,8 @@ def video_chat(video, question: str, answer: str) -> list[dict]:
 
 # ------------------------------------------------------------------------------- item 4: second_per_grid_ts
 def test_issue_example_half_second_per_grid():
-    """The issue's case: 4 temporal grids at 0.5 s (tokens_per_second 2) -> the model's [2, 3, 4, 5]."""
+    """The issue's case: 4 temporal grids at 0.5 s (tokens_per_second 2) are 1 position apart, as the model's
+    own function gives them (the issue's [2, 3, 4, 5]; here the video starts at 3), not 2 apart."""
     cfg = tiny_config("tiny-qwen2.5-vl")
     assert cfg.vision_config.tokens_per_second == 2
     ids, mm = sample_tokens([video_run([4, 2, 2], per_frame=False)])
@@ -299,7 +300,7 @@ def test_encode_collate_positions_end_to_end(tok, processors):
     assert "second_per_grid_ts" not in slice_mm_sample(samples[0], 0, span["start"], sample_id=0)
 
 
-def test_collator_and_media_check_keep_timing_aligned(tok):
+def test_collator_and_media_check_keep_timing_aligned():
     """second_per_grid_ts must have one entry per video, and all video samples of a batch carry it or none."""
     cfg = tiny_config("tiny-qwen2.5-vl")
 
@@ -330,6 +331,55 @@ def test_collator_and_media_check_keep_timing_aligned(tok):
         PaddingFreeCollator()([a, sample(5, [2, 2, 2], None)])
     with pytest.raises(ValueError, match=r"second_per_grid_ts has 1 entries but video_grid_thw has 2 videos"):
         check_media(dict(batch, second_per_grid_ts=batch["second_per_grid_ts"][:1]), cfg)
+
+
+FAMILIES = {  # name -> (layout its rope function takes, reads second_per_grid_ts)
+    "tiny-qwen2-vl": ("video", False),
+    "tiny-qwen2.5-vl": ("video", True),
+    "tiny-qwen3-vl": ("frame", False),
+    "tiny-qwen3.5-vl": ("frame", False),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_family_video_positions_and_wrong_layout(name):
+    """Images and multi-frame videos in one sample: positions == the model's own function in the layout the
+    family takes; the other layout is refused naming the sample (the model's own function fails on it)."""
+    cfg = config(name)
+    layout, timed = FAMILIES[name]
+    grids = [[3, 2, 4], [2, 4, 2]]
+    stamps = [[[27, 15 + k] for k in range(g[0])] for g in grids]
+
+    def tokens(per_frame):
+        return sample_tokens(
+            [
+                image_run([1, 4, 2]),
+                video_run(grids[0], per_frame=per_frame, timestamps=stamps[0]),
+                video_run(grids[1], per_frame=per_frame, timestamps=stamps[1]),
+            ]
+        )
+
+    kw = {"image_grid_thw": torch.tensor([[1, 4, 2]]), "video_grid_thw": torch.tensor(grids)}
+    if timed:
+        kw["second_per_grid_ts"] = torch.tensor([0.25, 1.5])
+    ids, mm = tokens(layout == "frame")
+    pos = mrope_position_ids(ids, mm, model=cfg, sample_id=8, **kw)
+    assert torch.equal(pos[1:], own(cfg, ids, mm, **kw))
+    bad_ids, bad_mm = tokens(layout != "frame")
+    with pytest.raises((RuntimeError, StopIteration)):
+        own(cfg, bad_ids, bad_mm, **kw)
+    with pytest.raises(ValueError, match=r"sample 8: .*(timestamp text|ONE run)"):
+        mrope_position_ids(bad_ids, bad_mm, model=cfg, sample_id=8, **kw)
+
+
+def test_image_processor_follows_the_family():
+    """Qwen2-VL / Qwen2.5-VL images are normalised with that processor's own defaults (CLIP mean/std)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    q25 = image_processor_for(tiny_config("tiny-qwen2.5-vl"))
+    assert q25.patch_size == 14 and list(q25.image_mean) == list(Qwen2VLImageProcessorPil().image_mean)
+    q3 = image_processor_for(tiny_config("tiny-qwen3-vl"))
+    assert q3.patch_size == 16 and list(q3.image_mean) == [0.5, 0.5, 0.5]
 
 
 # ------------------------------------------------------------------------- packed == per-sample (model path)

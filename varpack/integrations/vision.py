@@ -241,18 +241,21 @@ def image_processor_for(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
 ) -> Any:
-    """An image processor matching a Qwen3-VL / Qwen3.5 vision tower, built offline without torchvision.
+    """An image processor matching a Qwen-VL vision tower, built offline without torchvision.
 
     Returns transformers' ``Qwen2VLImageProcessorPil`` (the PIL/numpy backend of the Qwen2-VL..Qwen3.5
     image processor) with the model's ``patch_size``, ``spatial_merge_size`` and ``temporal_patch_size``
-    and the Qwen3-VL normalisation (mean = std = 0.5). Each image is resized so that both sides are
-    multiples of ``patch_size * merge_size`` with ``min_pixels <= h * w <= max_pixels``; its
-    ``image_grid_thw`` is ``(1, h / patch, w / patch)`` and it fills ``h * w / (patch * merge)**2`` LLM slots.
+    and the Qwen3-VL normalisation (mean = std = 0.5); for a Qwen2-VL / Qwen2.5-VL config, the
+    normalisation (CLIP mean/std) and pixel bounds are that class's own defaults (the Qwen2-VL values).
+    Each image is resized so that both sides are multiples of ``patch_size * merge_size`` with
+    ``min_pixels <= h * w <= max_pixels``; its ``image_grid_thw`` is ``(1, h / patch, w / patch)`` and it
+    fills ``h * w / (patch * merge)**2`` LLM slots.
 
     Args:
         model_or_config: a VL model/config (None: the released Qwen3-VL values, patch 16, merge 2).
-        min_pixels / max_pixels: resize bounds in pixels (defaults 65,536 / 16,777,216 as released; tests
-            use small bounds to keep sequences short).
+        min_pixels / max_pixels: resize bounds in pixels (defaults 65,536 / 16,777,216 as released for
+            Qwen3-VL, 3,136 / 1,003,520 for Qwen2-VL / Qwen2.5-VL; tests use small bounds to keep sequences
+            short).
 
     Raises:
         TypeError: the config has no ``vision_config``.
@@ -265,6 +268,14 @@ def image_processor_for(
         vision = getattr(config, "vision_config", None)
         if vision is None:
             raise TypeError(f"{type(config).__name__} has no vision_config: not a vision-language model")
+        if getattr(config, "model_type", None) in ("qwen2_vl", "qwen2_5_vl"):
+            own = Qwen2VLImageProcessorPil()
+            params.update(
+                image_mean=list(own.image_mean),
+                image_std=list(own.image_std),
+                min_pixels=int(own.size.shortest_edge),
+                max_pixels=int(own.size.longest_edge),
+            )
         params["patch_size"] = int(vision.patch_size)
         params["merge_size"] = int(vision.spatial_merge_size)
         params["temporal_patch_size"] = int(vision.temporal_patch_size)
