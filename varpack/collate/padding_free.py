@@ -31,8 +31,15 @@ TOKEN_FIELDS: dict[str, type] = {
     "token_type_ids": np.int64,
     "mm_token_type_ids": np.int64,
 }
-#: media fields, concatenated along dim 0 in pack order (Qwen-VL layout: patches x features, grids N x 3)
-MEDIA_FIELDS: tuple[str, ...] = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+#: media fields, concatenated along dim 0 in pack order (Qwen-VL layout: patches x features, grids N x 3,
+#: Qwen2.5-VL's ``second_per_grid_ts``: one float per video, seconds per temporal grid)
+MEDIA_FIELDS: tuple[str, ...] = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
 #: per-sample bookkeeping fields that never reach the model
 IGNORED_FIELDS: frozenset[str] = frozenset(
     {"length", "sample_id", "source", "messages", "piece_id", "piece_range"}
@@ -145,7 +152,9 @@ def _bad_values(
     return ValueError(f"field {field!r} cannot be converted: {type(exc).__name__}: {exc}")
 
 
-def _concat_media(values: list[Any]) -> torch.Tensor:
+def _concat_media(values: list[Any], field: str = "") -> torch.Tensor:
+    if field == "second_per_grid_ts":  # as the processor's BatchFeature makes it: float list -> float32
+        return torch.cat([torch.as_tensor(v).reshape(-1) for v in values], dim=0)
     tensors = [v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for v in values]
     return torch.cat(tensors, dim=0)
 
@@ -158,7 +167,8 @@ class PaddingFreeCollator:
     sample is an encoded sample (docs/ARCHITECTURE.md): ``input_ids`` and ``labels`` (lists, numpy arrays or
     1-D tensors of length ``L``, ``labels[0] == -100``), optionally ``loss_scale``, ``token_type_ids``,
     ``mm_token_type_ids``, ``attention_mask`` (must be all 1; dropped), ``position_ids`` ``[P, L]`` (or
-    ``[L]``), media (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``),
+    ``[L]``), media (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
+    ``second_per_grid_ts``),
     bookkeeping that is not passed on (``length`` -- checked against ``len(input_ids)``, ``sample_id``,
     ``source``, ``messages``, ``piece_id``, ``piece_range``), and the fields named in ``extra_fields`` /
     ``media_fields``. Any other field is an error, never silently dropped.
@@ -177,7 +187,8 @@ class PaddingFreeCollator:
     ``seq_idx``                ``[1, T]`` int32             segment index of every token, ``0..N-1``
     optional token fields      ``[1, T]``                   ``loss_scale`` float32, ``token_type_ids``,
                                                             ``mm_token_type_ids`` int64, ``extra_fields``
-    media                      concatenated on dim 0        ``pixel_values``, ``image_grid_thw``, ...
+    media                      concatenated on dim 0        ``pixel_values``, ``image_grid_thw``, ...,
+                                                            ``second_per_grid_ts`` (one float per video)
     ``sample_ids``             list (length N)              each sample's ``sample_id`` (None if absent)
     ========================== ============================ ===============================================
 
@@ -212,7 +223,9 @@ class PaddingFreeCollator:
             that disagrees, with an ``attention_mask`` containing 0, with a text plane that is not
             ``0..L-1``, with ``position_ids`` of a different ``P``; an unknown field; a field present in only
             some samples (except ``position_ids``, ``mm_token_type_ids`` and media); Qwen-VL media whose
-            patch count disagrees with its grid. Each message names the sample (``sample_id``) and field.
+            patch count disagrees with its grid; ``second_per_grid_ts`` whose length is not the sample's video
+            count, or missing from a video sample while others carry it. Each message names the sample
+            (``sample_id``) and field.
 
     Example (a toy batch of two packs; compare TRL's ``pack_dataset`` docstring):
 
@@ -438,7 +451,7 @@ class PaddingFreeCollator:
         for field in self.media_fields:
             have = present.get(field)
             if have:
-                batch[field] = _concat_media([samples[i][field] for i in have])
+                batch[field] = _concat_media([samples[i][field] for i in have], field)
         batch["sample_ids"] = names
         return batch
 
@@ -530,3 +543,24 @@ class PaddingFreeCollator:
                         f"{_name(names, i)}: {pixels!r} has {rows} patch rows but {grid!r} = {thw.tolist()} "
                         f"gives {expected}"
                     )
+        # Qwen2.5-VL: one second_per_grid_ts entry per video; the model reads the concatenated list in video
+        # order, so either every sample with videos carries it or none does
+        with_seconds = present.get("second_per_grid_ts", [])
+        with_videos = set(present.get("video_grid_thw", ()))
+        for i in with_seconds:
+            count = int(np.size(_as_array(samples[i]["second_per_grid_ts"])))
+            videos = 0
+            if i in with_videos:
+                videos = int(_as_array(samples[i]["video_grid_thw"]).reshape(-1, 3).shape[0])
+            if count != videos:
+                raise ValueError(
+                    f"{_name(names, i)}: 'second_per_grid_ts' has {count} entries but 'video_grid_thw' has "
+                    f"{videos} videos (one entry, seconds per temporal grid, per video)"
+                )
+        lacking = sorted(with_videos - set(with_seconds))
+        if with_seconds and lacking:
+            raise ValueError(
+                f"{_name(names, lacking[0])} has 'video_grid_thw' but no 'second_per_grid_ts' while "
+                f"{len(with_seconds)} other samples of the batch carry it; the model would give this sample's "
+                "videos another sample's timing"
+            )

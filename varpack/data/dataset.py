@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from varpack.collate.padding_free import MEDIA_FIELDS
+
 __all__ = ["PackedDataset", "TOKEN_ALIGNED_FIELDS", "sample_lengths"]
 
 #: fields sliced along the token axis when a piece of an overlong sample is cut (``position_ids``: last axis)
@@ -26,7 +28,7 @@ TOKEN_ALIGNED_FIELDS: tuple[str, ...] = (
     "attention_mask",
     "position_ids",
 )
-_MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+_MEDIA_FIELDS = MEDIA_FIELDS  # one list: the collator's (Qwen2.5-VL's second_per_grid_ts included)
 _LABEL_IGNORE = -100
 
 

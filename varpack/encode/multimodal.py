@@ -14,7 +14,9 @@ as text chats), then the single ``<|image_pad|>`` of image ``i`` is expanded to
 that image's merged features (transformers ``Qwen3VLProcessor.replace_image_token``). Labels are -100
 over the whole span ``<|vision_start|> ... <|vision_end|>``; ``mm_token_type_ids`` is 1 on image slots,
 2 on video slots, 0 elsewhere (what ``Qwen3VLModel.get_rope_index`` / ``Qwen3_5Model.get_rope_index``
-read). ``length`` is the final LLM token length, which is what the planner packs.
+read). Videos are expanded by the processor's own video step; Qwen2.5-VL's ``second_per_grid_ts`` (seconds
+per temporal grid) is kept on the sample as a media field, for its rope function. ``length`` is the final LLM
+token length, which is what the planner packs.
 
 Cuts (overflow ``truncate`` / ``split``) must never fall inside a span: :func:`image_spans`,
 :func:`legal_cut`, :func:`validate_cut`, :func:`nearest_legal_cut`, :func:`slice_mm_sample` and
@@ -258,8 +260,10 @@ def encode_mm_chat(
             chats.
         sample_id: the sample's index (named in every error).
         image_root: directory that relative media paths are resolved against.
-        video_processor: a full Qwen-VL processor (e.g. ``Qwen3VLProcessor``: has ``.video_processor`` and
-            ``replace_video_token``); video parts without one raise ``ValueError`` naming the sample.
+        video_processor: a full Qwen-VL processor (e.g. ``Qwen3VLProcessor``, ``Qwen2_5_VLProcessor``: has
+            ``.video_processor`` and ``replace_video_token``); its own video step runs (frame timestamps for
+            Qwen3-VL, ``second_per_grid_ts`` for Qwen2.5-VL); video parts without one raise ``ValueError``
+            naming the sample.
         rope_model: a VL model or config; when given, ``position_ids`` ``[4, L]`` (text plane + the model's own
             mRoPE planes, :func:`varpack.rope.mrope.mrope_position_ids`) is added.
         with_pixels: False computes only lengths (image headers are read, pixels are not decoded); no media
@@ -270,8 +274,9 @@ def encode_mm_chat(
         every vision span), ``mm_token_type_ids`` list[int] (L), ``length`` int (L), any other token-aligned
         field of the text encoder expanded alike, and when the chat has media: ``pixel_values``
         ``torch.float32 [patches, C * temporal_patch * patch**2]`` and ``image_grid_thw``
-        ``torch.int64 [n_images, 3]`` (videos: ``pixel_values_videos``, ``video_grid_thw``); plus
-        ``position_ids`` when ``rope_model`` is given.
+        ``torch.int64 [n_images, 3]`` (videos: ``pixel_values_videos``, ``video_grid_thw`` and, when the
+        processor makes it (Qwen2.5-VL), ``second_per_grid_ts`` float ``[n_videos]``, seconds per temporal
+        grid); plus ``position_ids`` when ``rope_model`` is given.
 
     Raises:
         ValueError: bad structure, unknown part type, missing/unreadable image file, reserved vision tokens in
@@ -364,12 +369,13 @@ def encode_mm_chat(
                     raise ValueError(f"{where}: video file not found: {str(path)!r}")
                 ref = str(path)
             refs.append(ref)
-        vout = vid_proc(videos=refs, return_metadata=True, return_tensors="pt")
-        video_strings = [video_processor.replace_video_token(vout, i) for i in range(len(refs))]
+        vout, video_strings = _process_videos(video_processor, vid_proc, refs, sample_id)
         video_iter = iter(tokenizer(video_strings, add_special_tokens=False)["input_ids"])
         if with_pixels:
             out["pixel_values_videos"] = torch.as_tensor(vout["pixel_values_videos"], dtype=torch.float32)
             out["video_grid_thw"] = torch.as_tensor(vout["video_grid_thw"], dtype=torch.long).reshape(-1, 3)
+            if vout.get("second_per_grid_ts") is not None:
+                out["second_per_grid_ts"] = vout["second_per_grid_ts"]
     for kind in pad_kinds:
         replacements.append([ipad] * next(image_iter) if kind == "image" else list(next(video_iter)))
 
@@ -414,6 +420,46 @@ def encode_mm_chat(
 
         out = add_mrope_position_ids(out, rope_model, sample_id=sample_id)
     return out
+
+
+def _process_videos(processor: Any, vid_proc: Any, refs: list, sample_id: Any) -> tuple[Any, list[str]]:
+    """Run the processor's own video step: (tensors, one placeholder string per video).
+
+    ``ProcessorMixin._process_videos`` (transformers 5.24 has it) is what ``processor(text=..., videos=...)``
+    runs: the video processor, ``replace_video_token`` per video and model extras — Qwen2.5-VL adds
+    ``second_per_grid_ts`` (``temporal_patch_size / sampled_fps`` per video) there. Without it, the video
+    processor and ``replace_video_token`` are called directly, and a processor that lists
+    ``second_per_grid_ts`` among its outputs but did not produce it is refused (the model would time the
+    frames at its 1.0 s default). ``second_per_grid_ts`` is returned as ``BatchFeature`` makes it for the
+    model (a float32 tensor ``[n_videos]`` for a list of floats).
+    """
+    from transformers import BatchFeature
+
+    try:
+        if callable(getattr(processor, "_process_videos", None)):
+            vout, strings = processor._process_videos(refs, return_metadata=True, return_tensors="pt")
+        else:
+            vout = vid_proc(videos=refs, return_metadata=True, return_tensors="pt")
+            strings = [processor.replace_video_token(vout, i) for i in range(len(refs))]
+    except Exception as exc:  # decoding / processing errors of the library, named by sample
+        raise ValueError(
+            f"sample {sample_id}: the video processor failed on {refs}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if len(strings) != len(refs):
+        raise ValueError(
+            f"sample {sample_id}: the video processor returned {len(strings)} placeholders for {len(refs)} videos"
+        )
+    seconds = vout.get("second_per_grid_ts")
+    if seconds is None and "second_per_grid_ts" in getattr(processor, "model_input_names", ()):
+        raise ValueError(
+            f"sample {sample_id}: {type(processor).__name__} lists second_per_grid_ts among its outputs but "
+            "produced none for these videos (this transformers version has no ProcessorMixin._process_videos); "
+            "the model would time the frames at 1.0 s per grid, so the sample is refused"
+        )
+    if seconds is not None:
+        seconds = BatchFeature({"s": seconds}, tensor_type="pt")["s"].reshape(-1)
+        vout = dict(vout, second_per_grid_ts=seconds)
+    return vout, list(strings)
 
 
 def _is_aligned(value: Any, length: int) -> bool:
@@ -734,9 +780,10 @@ def slice_mm_sample(sample: dict, start: int, stop: int, *, sample_id: Any = Non
     :func:`validate_cut`.
 
     Token-aligned fields are sliced; ``labels[0]`` of the piece is set to -100 (every sample's first label is
-    ignored); ``pixel_values`` / ``image_grid_thw`` (and video tensors) keep only the media whose spans lie in
-    the piece, in order; ``position_ids [4, L]`` keeps its mRoPE planes as in the whole sample and restarts
-    the text plane at 0 (so boundaries stay correct); ``length`` is ``stop - start``.
+    ignored); ``pixel_values`` / ``image_grid_thw`` (and video tensors with their ``second_per_grid_ts``) keep
+    only the media whose spans lie in the piece, in order; ``position_ids [4, L]`` keeps its mRoPE planes as
+    in the whole sample and restarts the text plane at 0 (so boundaries stay correct); ``length`` is
+    ``stop - start``.
 
     Raises:
         ValueError: as :func:`validate_cut`.
@@ -767,6 +814,17 @@ def slice_mm_sample(sample: dict, start: int, stop: int, *, sample_id: Any = Non
         else:
             out.pop(grid_key, None)
             out.pop(pix_key, None)
+        if grid_key == "video_grid_thw" and sample.get("second_per_grid_ts") is not None:
+            seconds = torch.as_tensor(sample["second_per_grid_ts"]).reshape(-1)
+            if seconds.numel() != grid.shape[0]:
+                raise ValueError(
+                    f"sample {sample_id}: second_per_grid_ts has {seconds.numel()} entries for "
+                    f"{grid.shape[0]} videos"
+                )
+            if chosen:
+                out["second_per_grid_ts"] = seconds[chosen].clone()
+            else:
+                out.pop("second_per_grid_ts", None)
     out["length"] = stop - start
     return out
 

@@ -42,7 +42,7 @@ QWEN3_VISION_TOKENS = {
 #: Qwen3 vocab size as configured in Qwen3 / Qwen3-VL checkpoints (151,669 used ids, padded)
 QWEN3_VOCAB_SIZE = 151936
 
-TINY_VL_MODELS = ("tiny-qwen3-vl", "tiny-qwen3.5-vl")
+TINY_VL_MODELS = ("tiny-qwen3-vl", "tiny-qwen3.5-vl", "tiny-qwen2.5-vl")
 
 # Qwen3-VL / Qwen3.5 image preprocessing (preprocessor_config.json of the released checkpoints):
 # patch 16, merge 2, temporal patch 2, mean = std = 0.5, pixels between 64K and 16M.
@@ -80,9 +80,11 @@ def tiny_config(name: str, *, vocab_size: int | None = None) -> Any:
     :func:`varpack.encode.multimodal.encode_mm_chat` produce.
 
     Args:
-        name: ``"tiny-qwen3-vl"`` (``Qwen3VLConfig``: 2 full-attention layers, DeepStack at vision layer 1)
-            or ``"tiny-qwen3.5-vl"`` (``Qwen3_5Config``: one ``linear_attention`` (gated delta) and one
-            ``full_attention`` layer).
+        name: ``"tiny-qwen3-vl"`` (``Qwen3VLConfig``: 2 full-attention layers, DeepStack at vision layer 1),
+            ``"tiny-qwen3.5-vl"`` (``Qwen3_5Config``: one ``linear_attention`` (gated delta) and one
+            ``full_attention`` layer) or ``"tiny-qwen2.5-vl"`` (``Qwen2_5_VLConfig``: 2 full-attention layers,
+            patch 14, windowed vision attention, ``tokens_per_second = 2`` as released: video frames are timed
+            by ``second_per_grid_ts``).
         vocab_size: defaults to 151936 (Qwen3); must exceed the largest special-token id (151656).
 
     Raises:
@@ -145,6 +147,36 @@ def tiny_config(name: str, *, vocab_size: int | None = None) -> Any:
         }
         vision = _vision_common(16, 64)
         return Qwen3_5Config(text_config=text, vision_config=vision, **QWEN3_VISION_TOKENS)
+    if name == "tiny-qwen2.5-vl":
+        from transformers import Qwen2_5_VLConfig
+
+        text = {
+            "vocab_size": vocab,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            # head_dim 16 -> 8 rotary frequencies split temporal/height/width 2:3:3 as in Qwen2.5-VL
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "tie_word_embeddings": False,
+        }
+        vision = {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "in_channels": 3,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 64,
+            "tokens_per_second": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": [1],
+        }
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **QWEN3_VISION_TOKENS)
     raise ValueError(f"unknown tiny vision-language model {name!r}; known: {', '.join(TINY_VL_MODELS)}")
 
 
@@ -156,7 +188,8 @@ def tiny_model(
     vocab_size: int | None = None,
     attn_implementation: str = "sdpa",
 ) -> torch.nn.Module:
-    """Tiny random-init ``Qwen3VLForConditionalGeneration`` / ``Qwen3_5ForConditionalGeneration``.
+    """Tiny random-init ``Qwen3VLForConditionalGeneration`` / ``Qwen3_5ForConditionalGeneration`` /
+    ``Qwen2_5_VLForConditionalGeneration``.
 
     Weights are drawn under ``torch.manual_seed(seed)`` (the global RNG state is restored afterwards), so
     the same (name, seed) gives the same model. The model is in eval mode (no dropout) — call ``.train()``
@@ -172,13 +205,21 @@ def tiny_model(
     Raises:
         ValueError: unknown name.
     """
-    from transformers import Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+    )
 
     config = tiny_config(name, vocab_size=vocab_size)
     config._attn_implementation = attn_implementation
     for sub in ("text_config", "vision_config"):
         getattr(config, sub)._attn_implementation = attn_implementation
-    cls = Qwen3VLForConditionalGeneration if name == "tiny-qwen3-vl" else Qwen3_5ForConditionalGeneration
+    cls = {
+        "tiny-qwen3-vl": Qwen3VLForConditionalGeneration,
+        "tiny-qwen3.5-vl": Qwen3_5ForConditionalGeneration,
+        "tiny-qwen2.5-vl": Qwen2_5_VLForConditionalGeneration,
+    }[name]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
@@ -200,18 +241,21 @@ def image_processor_for(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
 ) -> Any:
-    """An image processor matching a Qwen3-VL / Qwen3.5 vision tower, built offline without torchvision.
+    """An image processor matching a Qwen-VL vision tower, built offline without torchvision.
 
     Returns transformers' ``Qwen2VLImageProcessorPil`` (the PIL/numpy backend of the Qwen2-VL..Qwen3.5
     image processor) with the model's ``patch_size``, ``spatial_merge_size`` and ``temporal_patch_size``
-    and the Qwen3-VL normalisation (mean = std = 0.5). Each image is resized so that both sides are
-    multiples of ``patch_size * merge_size`` with ``min_pixels <= h * w <= max_pixels``; its
-    ``image_grid_thw`` is ``(1, h / patch, w / patch)`` and it fills ``h * w / (patch * merge)**2`` LLM slots.
+    and the Qwen3-VL normalisation (mean = std = 0.5); for a Qwen2-VL / Qwen2.5-VL config, the
+    normalisation (CLIP mean/std) and pixel bounds are that class's own defaults (the Qwen2-VL values).
+    Each image is resized so that both sides are multiples of ``patch_size * merge_size`` with
+    ``min_pixels <= h * w <= max_pixels``; its ``image_grid_thw`` is ``(1, h / patch, w / patch)`` and it
+    fills ``h * w / (patch * merge)**2`` LLM slots.
 
     Args:
         model_or_config: a VL model/config (None: the released Qwen3-VL values, patch 16, merge 2).
-        min_pixels / max_pixels: resize bounds in pixels (defaults 65,536 / 16,777,216 as released; tests
-            use small bounds to keep sequences short).
+        min_pixels / max_pixels: resize bounds in pixels (defaults 65,536 / 16,777,216 as released for
+            Qwen3-VL, 3,136 / 1,003,520 for Qwen2-VL / Qwen2.5-VL; tests use small bounds to keep sequences
+            short).
 
     Raises:
         TypeError: the config has no ``vision_config``.
@@ -224,6 +268,14 @@ def image_processor_for(
         vision = getattr(config, "vision_config", None)
         if vision is None:
             raise TypeError(f"{type(config).__name__} has no vision_config: not a vision-language model")
+        if getattr(config, "model_type", None) in ("qwen2_vl", "qwen2_5_vl"):
+            own = Qwen2VLImageProcessorPil()
+            params.update(
+                image_mean=list(own.image_mean),
+                image_std=list(own.image_std),
+                min_pixels=int(own.size.shortest_edge),
+                max_pixels=int(own.size.longest_edge),
+            )
         params["patch_size"] = int(vision.patch_size)
         params["merge_size"] = int(vision.spatial_merge_size)
         params["temporal_patch_size"] = int(vision.temporal_patch_size)
@@ -247,6 +299,7 @@ def check_media(batch: dict, model_or_config: Any) -> dict[str, int]:
     and ``pixel_values.shape[0] == image_grid_thw.prod(-1).sum()``; the same for videos
     (``video_token_id``, ``pixel_values_videos``, ``video_grid_thw``). When ``mm_token_type_ids`` is
     present it must be 1 exactly on image slots and 2 on video slots (the model's rope index reads it).
+    ``second_per_grid_ts`` (Qwen2.5-VL), when present, has one entry per row of ``video_grid_thw``.
 
     Args:
         batch: dict with ``input_ids [B, T]`` and optional media tensors.
@@ -256,8 +309,9 @@ def check_media(batch: dict, model_or_config: Any) -> dict[str, int]:
         ``{"image_slots", "image_features", "video_slots", "video_features"}``.
 
     Raises:
-        ValueError: slots != features (both counts given), pixel rows != grid patches, or
-            ``mm_token_type_ids`` disagreeing with the placeholder tokens.
+        ValueError: slots != features (both counts given), pixel rows != grid patches,
+            ``mm_token_type_ids`` disagreeing with the placeholder tokens, or a ``second_per_grid_ts`` count
+            that is not the video count.
     """
     config = getattr(model_or_config, "config", model_or_config)
     merge = int(config.vision_config.spatial_merge_size)
@@ -304,6 +358,16 @@ def check_media(batch: dict, model_or_config: Any) -> dict[str, int]:
                 )
         report[f"{kind}_slots"] = slots
         report[f"{kind}_features"] = features
+    seconds = batch.get("second_per_grid_ts")
+    if seconds is not None:
+        videos = batch.get("video_grid_thw")
+        n_videos = 0 if videos is None else int(torch.as_tensor(videos).reshape(-1, 3).shape[0])
+        n_seconds = int(torch.as_tensor(seconds).numel())
+        if n_seconds != n_videos:
+            raise ValueError(
+                f"second_per_grid_ts has {n_seconds} entries but video_grid_thw has {n_videos} videos; "
+                "concatenate both in pack order, one entry per video"
+            )
     return report
 
 

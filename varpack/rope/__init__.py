@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from varpack.rope.mrope import (
     NUM_PLANES,
+    SUPPLIED_ARGS,
     TEXT_PLANE,
     add_mrope_position_ids,
     mrope_position_ids,
+    rope_args,
     rope_index_fn,
     spatial_merge_size,
     split_planes,
@@ -14,9 +16,11 @@ from varpack.rope.mrope import (
 
 __all__ = [
     "NUM_PLANES",
+    "SUPPLIED_ARGS",
     "TEXT_PLANE",
     "add_mrope_position_ids",
     "mrope_position_ids",
+    "rope_args",
     "rope_index_fn",
     "spatial_merge_size",
     "split_planes",
