@@ -2,8 +2,10 @@
 
 Loops over the segments of ``cu_seqlens`` (reading their values with ``.tolist()``: a host sync, acceptable
 for the reference), computes ``softmax(mask(softcap(q k^T * scale))) v`` for each with explicit PyTorch ops,
-and concatenates. Supports every feature (GQA, causal / non-causal with bottom-right alignment, sliding
-window, softcap, zero-length segments), any device, any floating dtype, and autograd.
+and concatenates. The segments are cut with one ``torch.split`` per tensor (:func:`split_segments`), so the
+backward is one concatenation, O(T): a slice per segment would add a full-size zero gradient per segment in
+the backward, O(N * T) for N segments. Supports every feature (GQA, causal / non-causal with bottom-right
+alignment, sliding window, softcap, zero-length segments), any device, any floating dtype, and autograd.
 
 Semantics follow flash-attn's ``flash_attn_varlen_func`` (Dao-AILab/flash-attention,
 flash_attn/flash_attn_interface.py), including its convention that a query row with no visible key
@@ -24,6 +26,7 @@ __all__ = [
     "reference_varlen_attention",
     "segment_attention",
     "segment_mask",
+    "split_segments",
 ]
 
 
@@ -89,17 +92,17 @@ def reference_varlen_attention(
     compute_dtype = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
     outs = [
         segment_attention(
-            q[cu_q[n] : cu_q[n + 1]],
-            k[cu_k[n] : cu_k[n + 1]],
-            v[cu_k[n] : cu_k[n + 1]],
+            qs,
+            ks,
+            vs,
             causal=causal,
             window_size=window_size,
             scale=scale,
             softcap=softcap,
             compute_dtype=compute_dtype,
         )
-        for n in range(len(cu_q) - 1)
-        if cu_q[n + 1] > cu_q[n]
+        for qs, ks, vs in split_segments(q, k, v, cu_q, cu_k)
+        if qs.shape[0] > 0
     ]
     if not outs:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
@@ -124,6 +127,26 @@ def read_offsets(
                 f"{name}={cu} must start at 0, never decrease and end at the token count {total}"
             )
     return cu_q, cu_k
+
+
+def split_segments(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int]
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The ``(q, k, v)`` views of every segment, zero-length ones included: ``N`` triples of ``[Lq_n, H, D]``,
+    ``[Lk_n, Hkv, D]``, ``[Lk_n, Hkv, D]``.
+
+    One ``torch.split`` per tensor (lengths from the host offsets ``cu_q`` / ``cu_k`` of
+    :func:`read_offsets`, which must end at ``q.shape[0]`` / ``k.shape[0]``). Autograd then runs one
+    ``split`` backward per tensor, a single concatenation of the segment gradients (O(T)); slicing
+    ``q[cu_q[n]:cu_q[n + 1]]`` per segment makes each slice's backward allocate and add a zero-filled gradient
+    of the whole ``q`` (O(N * T) time and memory traffic for N segments). The views and so the results are
+    the same.
+    """
+    if len(cu_q) < 2:
+        return []
+    lens_q = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    lens_k = [b - a for a, b in zip(cu_k, cu_k[1:])]
+    return list(zip(q.split(lens_q), k.split(lens_k), v.split(lens_k)))
 
 
 def segment_attention(

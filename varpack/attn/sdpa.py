@@ -2,10 +2,12 @@
 
 The fast exact path where no varlen kernel exists (the CPU; ``auto``'s first choice there). Like the
 reference it reads cu_seqlens on the host (a device sync per layer on a GPU, so on CUDA ``auto`` places it
-after every varlen kernel). Segments with as many queries as keys go through SDPA (``is_causal`` is exact
-there because top-left and bottom-right alignment coincide; a window becomes an explicit boolean mask, which
-always keeps the diagonal, so no row is empty). Segments with ``Lq != Lk`` use the reference's explicit math
-(bottom-right alignment, empty rows -> 0). No softcap (SDPA has no score modifier).
+after every varlen kernel) and cuts the segments with one ``torch.split`` per tensor
+(``reference.split_segments``), so the backward is O(T) where a slice per segment would cost O(N * T).
+Segments with as many queries as keys go through SDPA (``is_causal`` is exact there because top-left and
+bottom-right alignment coincide; a window becomes an explicit boolean mask, which always keeps the diagonal,
+so no row is empty). Segments with ``Lq != Lk`` use the reference's explicit math (bottom-right alignment,
+empty rows -> 0). No softcap (SDPA has no score modifier).
 
 Source: ``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa`` since torch 2.5).
 """
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ._base import Backend, Capabilities
-from .reference import read_offsets, segment_attention, segment_mask
+from .reference import read_offsets, segment_attention, segment_mask, split_segments
 
 __all__ = ["SdpaBackend"]
 
@@ -57,16 +59,17 @@ class SdpaBackend(Backend):
         windowed = left >= 0 or (right >= 0 and not causal)
         gqa = q.shape[1] != k.shape[1]
         outs: list[torch.Tensor] = []
-        for n in range(len(cu_q) - 1):
-            qs, qe, ks, ke = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
-            if qe == qs:
+        # one split per tensor, not a slice per segment: the backward stays O(T) (see split_segments)
+        for qs, ks, vs in split_segments(q, k, v, cu_q, cu_k):
+            len_q, len_k = qs.shape[0], ks.shape[0]
+            if len_q == 0:
                 continue
-            if qe - qs != ke - ks:
+            if len_q != len_k:
                 outs.append(
                     segment_attention(
-                        q[qs:qe],
-                        k[ks:ke],
-                        v[ks:ke],
+                        qs,
+                        ks,
+                        vs,
                         causal=causal,
                         window_size=window_size,
                         scale=softmax_scale,
@@ -77,11 +80,11 @@ class SdpaBackend(Backend):
                 continue
             mask = None
             if windowed:
-                mask = segment_mask(qe - qs, ke - ks, causal=causal, window_size=window_size, device=q.device)
+                mask = segment_mask(len_q, len_k, causal=causal, window_size=window_size, device=q.device)
             out = F.scaled_dot_product_attention(
-                q[qs:qe].transpose(0, 1),
-                k[ks:ke].transpose(0, 1),
-                v[ks:ke].transpose(0, 1),
+                qs.transpose(0, 1),
+                ks.transpose(0, 1),
+                vs.transpose(0, 1),
                 attn_mask=mask,
                 is_causal=causal and not windowed,
                 scale=softmax_scale,

@@ -205,20 +205,27 @@ def short_conv_reference(
     W = weight.shape[1]
     act = _activation(activation)
     if cu_seqlens is None:
-        spans = [(b, 0, T) for b in range(B)]
+        segments = list(x.split(1, dim=0))  # [1, T, D] each
     else:
         cu = cu_seqlens.tolist()
-        spans = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+        if B != 1 or not cu or cu[0] != 0 or cu[-1] != T:
+            raise ValueError(
+                f"cu_seqlens {cu[:8]} needs x of shape [1, T, D] and offsets from 0 to T={T}, "
+                f"got x {tuple(x.shape)}"
+            )
+        # one split (its backward is one cat, O(T)), not a slice per sample (a full-size zero gradient each)
+        segments = list(x.split([b - a for a, b in zip(cu, cu[1:])], dim=1))
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w_acc = weight.to(acc).unsqueeze(1)  # [D, 1, W]
+    b_acc = None if bias is None else bias.to(acc)
     pieces = []
-    for b, start, stop in spans:
-        if stop == start:
+    for seg in segments:
+        length = seg.shape[1]
+        if length == 0:
             continue
-        xs = x[b : b + 1, start:stop].to(acc).transpose(1, 2)  # [1, D, L]
-        y = F.conv1d(
-            xs, weight.to(acc).unsqueeze(1), None if bias is None else bias.to(acc), padding=W - 1, groups=D
-        )
-        y = y[:, :, : stop - start].transpose(1, 2)
+        xs = seg.to(acc).transpose(1, 2)  # [1, D, L]
+        y = F.conv1d(xs, w_acc, b_acc, padding=W - 1, groups=D)
+        y = y[:, :, :length].transpose(1, 2)
         pieces.append(act(y) if act is not None else y)
     out = torch.cat(pieces, dim=1) if pieces else x.new_zeros(1, 0, D, dtype=acc)
     return out.reshape(B, T, D).to(x.dtype)

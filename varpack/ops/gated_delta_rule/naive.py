@@ -83,19 +83,25 @@ def naive_recurrent_gated_delta_rule(
     else:
         rows = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
 
+    # per-token views from one unbind per tensor (and per row): their backward is one stack, O(T); indexing
+    # x[b, t] per token would add a zero-filled gradient of the whole tensor per token, O(T^2)
+    q_tok, k_tok, v_tok, g_tok, beta_tok = (
+        [row.unbind(0) for row in x.unbind(0)] for x in (q, k, v, g, beta)
+    )
+    h0 = initial_state.unbind(0) if initial_state is not None else None
     outputs: list[torch.Tensor] = []
     finals: list[torch.Tensor] = []
     for n, (b, start, stop) in enumerate(rows):
-        if initial_state is not None:
-            S = initial_state[n].to(acc)
+        if h0 is not None:
+            S = h0[n].to(acc)
         else:
             S = q.new_zeros(H, K, V)
         for t in range(start, stop):
-            S = S * g[b, t].exp()[:, None, None]
-            kt = k[b, t]  # [H, K]
-            delta = beta[b, t][:, None] * (v[b, t] - torch.einsum("hk,hkv->hv", kt, S))
+            S = S * g_tok[b][t].exp()[:, None, None]
+            kt = k_tok[b][t]  # [H, K]
+            delta = beta_tok[b][t][:, None] * (v_tok[b][t] - torch.einsum("hk,hkv->hv", kt, S))
             S = S + kt[:, :, None] * delta[:, None, :]
-            outputs.append(torch.einsum("hk,hkv->hv", q[b, t], S))
+            outputs.append(torch.einsum("hk,hkv->hv", q_tok[b][t], S))
         finals.append(S)
 
     if outputs:
