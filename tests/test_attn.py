@@ -211,7 +211,8 @@ def _ok_inputs():
         ),
         (lambda a: a.update(v=a["v"].double()), TypeError, "one dtype"),
         (lambda a: a.update(q=a["q"][None]), ValueError, r"shape \(T, heads, D\)"),
-        (lambda a: a.update(max_seqlen_q=torch.tensor(3)), TypeError, "Python int"),
+        (lambda a: a.update(max_seqlen_q=torch.tensor(3, device="meta")), TypeError, "Python int.*on meta"),
+        (lambda a: a.update(max_seqlen_q=3.0), TypeError, "max_seqlen_q must be an integer"),
         (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].float()), TypeError, "int32"),
         (
             lambda a: a.update(cu_seqlens_q=torch.tensor([0, 1, 5], dtype=torch.int32)),

@@ -219,11 +219,13 @@ def test_text_plane_must_restart_per_sample():
     s = mrope_sample(5, 6)
     s["position_ids"][0] = [3, 4, 5, 6, 7, 8]  # text plane continues from a previous sample
     with pytest.raises(
-        ValueError, match=r"sample 5: the text plane of position_ids is 3 at token 0, expected 0"
+        ValueError,
+        match=r"sample 5 \(#1 of the batch\): the text plane of position_ids is 3 at token 0, expected 0",
     ):
         PaddingFreeCollator()([make_sample(0, 3), s])
     with pytest.raises(
-        ValueError, match=r"sample 6: the text plane of position_ids is 1 at token 2, expected 2"
+        ValueError,
+        match=r"sample 6 \(#0 of the batch\): the text plane of position_ids is 1 at token 2, expected 2",
     ):
         PaddingFreeCollator(text_plane=1)([mrope_sample(6, 6, vision_at=(1, 5))])
 
@@ -233,11 +235,13 @@ def test_position_plane_count_mismatch():
     b = make_sample(1, 3)
     b["position_ids"] = [[0, 1, 2]] * 3
     with pytest.raises(
-        ValueError, match=r"sample 1: field 'position_ids' has shape \(3, 3\), expected \[4, 3\]"
+        ValueError,
+        match=r"sample 1 \(#1 of the batch\): field 'position_ids' has shape \(3, 3\), expected \[4, 3\]",
     ):
         PaddingFreeCollator()([a, b])
     with pytest.raises(
-        ValueError, match=r"sample 0: field 'position_ids' has shape \(4, 4\), expected \[3, 4\]"
+        ValueError,
+        match=r"sample 0 \(#0 of the batch\): field 'position_ids' has shape \(4, 4\), expected \[3, 4\]",
     ):
         PaddingFreeCollator(position_planes=3)([a])
 
@@ -288,10 +292,15 @@ def test_media_consistency_errors():
     s = make_sample(8, 3)
     s["pixel_values"] = torch.zeros(5, 6)
     s["image_grid_thw"] = torch.tensor([[1, 2, 2]])
-    with pytest.raises(ValueError, match=r"sample 8: 'pixel_values' has 5 patch rows but 'image_grid_thw'"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 8 \(#0 of the batch\): 'pixel_values' has 5 patch rows but 'image_grid_thw'",
+    ):
         PaddingFreeCollator()([s])
     del s["image_grid_thw"]
-    with pytest.raises(ValueError, match=r"sample 8 has 'pixel_values' but no 'image_grid_thw'"):
+    with pytest.raises(
+        ValueError, match=r"sample 8 \(#0 of the batch\) has 'pixel_values' but no 'image_grid_thw'"
+    ):
         PaddingFreeCollator()([s])
 
 
@@ -300,7 +309,8 @@ def test_extra_and_ignored_fields():
     s["advantages"] = [0.5, 0.5, 0.5]
     s["id"] = "row-17"
     with pytest.raises(
-        ValueError, match=r"sample 0 has unknown field 'advantages' \(all unknown: \['advantages', 'id'\]\)"
+        ValueError,
+        match=r"sample 0 \(#0 of the batch\) has unknown field 'advantages' \(all unknown: \['advantages', 'id'\]\)",
     ):
         PaddingFreeCollator()([s])
     batch = PaddingFreeCollator(extra_fields=["advantages"], ignore_fields=["id"])([s])
@@ -315,7 +325,7 @@ def test_attention_mask_all_ones_is_dropped_zero_is_refused():
     s["attention_mask"] = [1, 1, 1]
     assert "attention_mask" not in PaddingFreeCollator()([s])
     s["attention_mask"] = [1, 1, 0]
-    with pytest.raises(ValueError, match=r"sample 2: attention_mask contains 0"):
+    with pytest.raises(ValueError, match=r"sample 2 \(#1 of the batch\): attention_mask contains 0"):
         PaddingFreeCollator()([make_sample(0, 2), s])
 
 
@@ -324,29 +334,34 @@ def test_token_field_length_mismatch_names_sample_and_field():
     s = make_sample(42, 5, loss_scale=True)
     s["loss_scale"] = s["loss_scale"][:4]
     with pytest.raises(
-        ValueError, match=r"sample 42: token-aligned field 'loss_scale' has length 4, but input_ids has 5"
+        ValueError,
+        match=r"sample 42 \(#1 of the batch\): token-aligned field 'loss_scale' has length 4, but input_ids has 5",
     ):
         PaddingFreeCollator()([make_sample(0, 2, loss_scale=True), s])
     s = make_sample(43, 5)
     s["labels"] = s["labels"] + [-100]
-    with pytest.raises(ValueError, match=r"sample 43: token-aligned field 'labels' has length 6"):
+    with pytest.raises(
+        ValueError, match=r"sample 43 \(#0 of the batch\): token-aligned field 'labels' has length 6"
+    ):
         PaddingFreeCollator()([s])
 
 
 def test_first_label_must_be_ignored():
     s = make_sample(9, 4)
     s["labels"][0] = 5
-    with pytest.raises(ValueError, match=r"sample 9: labels\[0\] is 5, must be -100"):
+    with pytest.raises(ValueError, match=r"sample 9 \(#1 of the batch\): labels\[0\] is 5, must be -100"):
         PaddingFreeCollator()([[make_sample(0, 3)], [s]])
 
 
 def test_missing_and_partial_fields():
     s = make_sample(3, 4)
     del s["labels"]
-    with pytest.raises(ValueError, match=r"sample 3 has no 'labels'"):
+    with pytest.raises(ValueError, match=r"sample 3 \(#1 of the batch\) has no 'labels'"):
         PaddingFreeCollator()([make_sample(0, 2), s])
     a, b = make_sample(0, 2, loss_scale=True), make_sample(1, 2)
-    with pytest.raises(ValueError, match=r"sample 1 has no 'loss_scale' while 1 other samples"):
+    with pytest.raises(
+        ValueError, match=r"sample 1 \(#1 of the batch\) has no 'loss_scale' while 1 other samples"
+    ):
         PaddingFreeCollator()([a, b])
 
 
@@ -365,14 +380,16 @@ def test_empty_inputs():
         PaddingFreeCollator()([[], []])
     s = make_sample(4, 1)
     s["input_ids"], s["labels"], s["length"] = [], [], 0
-    with pytest.raises(ValueError, match=r"sample 4 has 0 tokens"):
+    with pytest.raises(ValueError, match=r"sample 4 \(#1 of the batch\) has 0 tokens"):
         PaddingFreeCollator()([make_sample(0, 2), s])
 
 
 def test_length_field_checked():
     s = make_sample(6, 4)
     s["length"] = 5
-    with pytest.raises(ValueError, match=r"sample 6: field 'length' is 5 but input_ids has 4 tokens"):
+    with pytest.raises(
+        ValueError, match=r"sample 6 \(#0 of the batch\): field 'length' is 5 but input_ids has 4 tokens"
+    ):
         PaddingFreeCollator()([s])
 
 
@@ -381,7 +398,9 @@ def test_length_field_checked():
 )
 def test_non_integer_token_ids_are_refused_not_truncated(bad):
     s = {"input_ids": bad, "labels": [-100, 2], "sample_id": 3}
-    with pytest.raises(ValueError, match=r"sample 3: field 'input_ids' cannot be converted to int64"):
+    with pytest.raises(
+        ValueError, match=r"sample 3 \(#1 of the batch\): field 'input_ids' cannot be converted to int64"
+    ):
         PaddingFreeCollator()([make_sample(0, 2), s])
 
 
@@ -394,5 +413,7 @@ def test_bad_types_and_shapes():
         PaddingFreeCollator()([[make_sample(0, 2), "x"]])
     s = make_sample(7, 3, kind="tensor")
     s["input_ids"] = s["input_ids"][None]
-    with pytest.raises(ValueError, match=r"sample 7: field 'input_ids' must be 1-D, got shape \(1, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"sample 7 \(#0 of the batch\): field 'input_ids' must be 1-D .* has shape \(1, 3\)"
+    ):
         PaddingFreeCollator()([s])

@@ -257,7 +257,14 @@ def test_max_seqlen_errors():
             ValueError,
             r"max_seqlen=3 but the longest segment .* 4 tokens",
         ),
-        (i32([0, 3, 7]), 7, {"max_seqlen": torch.tensor(4)}, TypeError, r"max_seqlen must be a Python int"),
+        (
+            i32([0, 3, 7]),
+            7,
+            {"max_seqlen": torch.tensor(4, device="meta")},  # a device tensor: reading it would sync
+            TypeError,
+            r"max_seqlen must be a Python int .* tensor on meta",
+        ),
+        (i32([0, 3, 7]), 7, {"max_seqlen": 4.0}, TypeError, r"max_seqlen must be an integer .* float 4.0"),
         ([0, 3, 7], 7, {}, TypeError, r"must be a torch.Tensor, got list"),
     ],
 )

@@ -324,10 +324,10 @@ def test_collator_and_media_check_keep_timing_aligned():
     batch = PaddingFreeCollator()([a, b])
     assert batch["second_per_grid_ts"].tolist() == [0.5, 1.0]
     with pytest.raises(
-        ValueError, match=r"sample 4: 'second_per_grid_ts' has 2 entries but 'video_grid_thw' has 1"
+        ValueError, match=r"sample 4 \(#1 of the batch\): 'second_per_grid_ts' has 2 entries but 'video_grid_thw' has 1"
     ):
         PaddingFreeCollator()([a, dict(b, second_per_grid_ts=torch.tensor([1.0, 2.0]))])
-    with pytest.raises(ValueError, match=r"sample 5 has 'video_grid_thw' but no 'second_per_grid_ts'"):
+    with pytest.raises(ValueError, match=r"sample 5 \(#1 of the batch\) has 'video_grid_thw' but no 'second_per_grid_ts'"):
         PaddingFreeCollator()([a, sample(5, [2, 2, 2], None)])
     with pytest.raises(ValueError, match=r"second_per_grid_ts has 1 entries but video_grid_thw has 2 videos"):
         check_media(dict(batch, second_per_grid_ts=batch["second_per_grid_ts"][:1]), cfg)

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
+from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
+
 from ._base import CallSpec
 from ._cache import TensorCache
 from .registry import BACKENDS, normalize_mask_args, resolve_spec
 
 __all__ = ["varlen_attention"]
-
-_INT_DTYPES = (torch.int32, torch.int64)
 
 
 def varlen_attention(
@@ -44,7 +44,7 @@ def varlen_attention(
     q                     ``(Tq, H, D)``               fp16 / bf16 / fp32 (fp64: ``reference`` only)
     k, v                  ``(Tk, Hkv, D)``             same dtype and device as q; ``H % Hkv == 0`` (GQA/MQA)
     cu_seqlens_q, _k      ``(N + 1,)``                 int32 (int64 accepted), ``[0, ..., Tq]`` / ``[.., Tk]``
-    max_seqlen_q, _k      Python ``int``               longest segment (an upper bound is fine)
+    max_seqlen_q, _k      host ``int``                 longest segment (an upper bound is fine)
     return                ``(Tq, H, D)``               q's dtype
     ====================  ===========================  =====================================================
 
@@ -85,7 +85,12 @@ def varlen_attention(
         cu_seqlens_q, cu_seqlens_k: segment offsets, same length. On the CPU they are validated (start at 0,
             non-decreasing, end at Tq / Tk, max_seqlen large enough). On the GPU their values are never read
             here (no device-to-host sync per layer): validate them once per batch where they are built.
-        max_seqlen_q, max_seqlen_k: Python ints (never a tensor: reading one would sync with the host).
+            A list / tuple / NumPy array of integers is converted to a CPU int32 tensor (on every call:
+            pass a tensor to reuse the per-batch device copy across layers)
+            (:func:`varpack.varlen.normalize_cu_seqlens`).
+        max_seqlen_q, max_seqlen_k: host integers of any integral type -- Python int, NumPy integer,
+            one-element CPU integer tensor -- read as Python ints; never a device tensor, whose reading
+            would sync with the host in every layer (:func:`varpack.varlen.normalize_max_seqlen`).
         causal: causal mask per segment (bottom-right aligned).
         window_size: sliding window ``(left, right)``; ``(-1, -1)`` = no window.
         softmax_scale: scale of ``q.k``; default ``1 / sqrt(D)``.
@@ -98,8 +103,8 @@ def varlen_attention(
         Tensor ``(Tq, H, D)``: the attention output of every query token, in q's dtype.
 
     Raises:
-        TypeError: a non-tensor input, mismatched q/k/v dtypes, non-integer cu_seqlens, a tensor
-            max_seqlen, non-bool causal.
+        TypeError: a non-tensor q/k/v, mismatched q/k/v dtypes, non-integer cu_seqlens, a max_seqlen that
+            is not a host integer (a device tensor, a float, a bool), non-bool causal.
         ValueError: wrong ranks or shapes (``H % Hkv != 0``, k/v shape mismatch, head dims differ),
             mismatched devices, cu_seqlens of different lengths, invalid CPU cu_seqlens values,
             ``window_size`` entries below -1, negative softcap, non-positive softmax_scale, unknown backend.
@@ -136,8 +141,8 @@ def varlen_attention(
         raise ValueError(
             f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has {cu_seqlens_k.shape[0]}"
         )
-    max_seqlen_q = _check_int("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = _check_int("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = normalize_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = normalize_max_seqlen(max_seqlen_k, "max_seqlen_k")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     window_size = _check_window(window_size)
@@ -213,29 +218,10 @@ def _check_tensors(q: Any, k: Any, v: Any) -> None:
 
 
 def _check_cu(name: str, cu: Any, q: torch.Tensor) -> torch.Tensor:
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be a 1-D int32 torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype not in _INT_DTYPES:
-        raise TypeError(f"{name} must be int32 (or int64), got {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 1:
-        raise ValueError(f"{name} must have shape (N + 1,), got {tuple(cu.shape)}")
+    cu = normalize_cu_seqlens(cu, name, min_entries=1)
     if cu.device != q.device and cu.device.type != "cpu":
         raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
     return cu
-
-
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"{name} must be a Python int, got a tensor (reading it would sync with the host every layer)"
-        )
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
 
 
 def _check_window(window_size: Any) -> tuple[int, int]:

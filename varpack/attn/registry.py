@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
+
 from ._base import Backend, BackendUnavailableError, CallSpec
 from .flash_attn2 import FlashAttn2Backend
 from .flash_attn3 import FlashAttn3Backend
@@ -199,19 +201,28 @@ def resolve_backend(
         causal, window_size, softcap: as in :func:`varpack.attn.varlen_attention`.
         cu_seqlens_q, cu_seqlens_k: optional; when on the CPU they are checked for zero-length segments and
             give the longest segment if ``max_seqlen`` is not given.
-        max_seqlen: the longest segment (Python int) or None: decides the short-documents shape class
-            (:data:`AUTO_SHORT_MAX_SEQLEN`, :data:`AUTO_PRIORITY_SHORT`).
+        max_seqlen: the longest segment (a host integer, :func:`varpack.varlen.normalize_max_seqlen`) or
+            None: decides the short-documents shape class (:data:`AUTO_SHORT_MAX_SEQLEN`,
+            :data:`AUTO_PRIORITY_SHORT`).
 
     Returns:
         A :class:`ResolvedBackend`: the chosen name (a ``str``) with ``.reason``.
 
     Raises:
         ValueError: unknown backend name.
+        TypeError / ValueError: cu_seqlens or max_seqlen refused by :func:`varpack.varlen.normalize_cu_seqlens`
+            / :func:`varpack.varlen.normalize_max_seqlen`.
         BackendUnavailableError: the forced backend cannot run the call, or (``auto``) none can.
     """
     causal, window_size = normalize_mask_args(causal, window_size)
     has_empty = None
-    cus = [c for c in (cu_seqlens_q, cu_seqlens_k) if c is not None]
+    cus = [
+        normalize_cu_seqlens(c, n, min_entries=1)
+        for n, c in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+        if c is not None
+    ]
+    if max_seqlen is not None:
+        max_seqlen = normalize_max_seqlen(max_seqlen, "max_seqlen")
     if cus and all(c.device.type == "cpu" for c in cus):
         has_empty = any(bool((c[1:] == c[:-1]).any()) for c in cus)
         if max_seqlen is None:

@@ -9,6 +9,7 @@ and axolotl#2739 (padding as one segment rather than many 1-token segments).
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -81,8 +82,11 @@ def _flatten(features: Sequence[Any]) -> list[Mapping[str, Any]]:
 
 
 def _name(sample_ids: list[Any], i: int) -> str:
+    """How an error names sample ``i`` of the flattened batch: its ``sample_id`` and its index."""
     sid = sample_ids[i]
-    return f"sample {sid}" if sid is not None else f"sample #{i} of the batch (no sample_id)"
+    return (
+        f"sample {sid} (#{i} of the batch)" if sid is not None else f"sample #{i} of the batch (no sample_id)"
+    )
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -92,10 +96,29 @@ def _as_array(value: Any) -> np.ndarray:
 
 
 def _seq_len(value: Any) -> int:
-    """Length along the token axis of a 1-D token field (tensor, array or list)."""
+    """Length along the token axis of a 1-D token field (tensor, array, list or tuple); ``-1`` for anything
+    else (a scalar, ``None``, a string, an array or tensor that is not 1-D)."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return int(value.shape[0]) if value.ndim == 1 else -1
-    return len(value)
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return -1
+
+
+def _describe(value: Any) -> str:
+    """What a token field holds instead of a 1-D sequence (for error messages)."""
+    if value is None:
+        return "is None"
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        shape = tuple(value.shape)
+        if len(shape) == 1:
+            return f"has length {shape[0]}"
+        return f"is a scalar {type(value).__name__} (shape ())" if not shape else f"has shape {shape}"
+    if isinstance(value, (list, tuple)):
+        return f"has length {len(value)}"
+    text, kind = repr(value), type(value).__name__
+    article = "an" if kind[:1] in "aeiou" else "a"
+    return f"is {article} {kind} ({text[:40]}{'...' if len(text) > 40 else ''})"
 
 
 def _lengths_of(values: list[Any]) -> np.ndarray:
@@ -127,6 +150,10 @@ def _concat_token_field(values: list[Any], total: int, dtype: type | None) -> np
         out = np.concatenate(values)
     else:
         out = np.concatenate([_as_array(v).reshape(-1) for v in values])
+    if out.size != total:  # nested lists ([[1, 2, 3]]): one entry per token is required
+        raise ValueError(f"expected one value per token ({total}), got {out.size} values (nested sequences?)")
+    if out.dtype.kind not in "biuf":
+        raise TypeError(f"expected numbers, got values of dtype {out.dtype}")
     if dtype is not None:
         if np.dtype(dtype).kind in "iu" and out.dtype.kind not in "iub":
             raise TypeError(f"expected integers, got values of dtype {out.dtype}")
@@ -150,6 +177,18 @@ def _bad_values(
                 f"{_name(names, i)}: field {field!r} cannot be converted to {np.dtype(dtype)}: {err}"
             )
     return ValueError(f"field {field!r} cannot be converted: {type(exc).__name__}: {exc}")
+
+
+def _length_value(value: Any, names: list[Any], i: int) -> int:
+    """A sample's ``length`` bookkeeping field as an int (an integer of any integral type)."""
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(
+        f"{_name(names, i)}: field 'length' must be an integer token count, but it {_describe(value)}"
+    )
 
 
 def _concat_media(values: list[Any], field: str = "") -> torch.Tensor:
@@ -219,13 +258,18 @@ class PaddingFreeCollator:
     Raises (from ``__call__``):
         TypeError: the batch is not a list of sample dicts / packs.
         ValueError: an empty batch; a sample without ``input_ids``/``labels``, with 0 tokens, with a token
-            field whose length differs from ``len(input_ids)``, with ``labels[0] != -100``, with a ``length``
-            that disagrees, with an ``attention_mask`` containing 0, with a text plane that is not
-            ``0..L-1``, with ``position_ids`` of a different ``P``; an unknown field; a field present in only
-            some samples (except ``position_ids``, ``mm_token_type_ids`` and media); Qwen-VL media whose
-            patch count disagrees with its grid; ``second_per_grid_ts`` whose length is not the sample's video
-            count, or missing from a video sample while others carry it. Each message names the sample
-            (``sample_id``) and field.
+            field (``input_ids``, ``labels``, ``loss_scale``, ``token_type_ids``, ``mm_token_type_ids``,
+            ``attention_mask``, ``extra_fields``) that is not a 1-D sequence of numbers -- a scalar (``labels=1``
+            as in classification rows), ``None``, a string, a nested list, a 2-D array -- or whose length
+            differs from ``len(input_ids)``, with ``labels[0] != -100``, with a ``length`` that is not an
+            integer or disagrees, with an ``attention_mask`` containing 0, with ``position_ids`` that are not
+            integers ``[L]`` / ``[P, L]``, with a text plane that is not ``0..L-1``, with ``position_ids`` of a
+            different ``P``; an unknown field; a field present in only some samples (except ``position_ids``,
+            ``mm_token_type_ids`` and media); a media field that is not an array with the media along dim 0;
+            Qwen-VL media whose patch count disagrees with its grid; ``second_per_grid_ts`` whose length is not
+            the sample's video count, or missing from a video sample while others carry it. Each message names
+            the sample (its ``sample_id`` and its index in the flattened batch: ``sample 7 (#2 of the batch)``,
+            or ``sample #2 of the batch (no sample_id)``) and the field.
 
     Example (a toy batch of two packs; compare TRL's ``pack_dataset`` docstring):
 
@@ -349,8 +393,10 @@ class PaddingFreeCollator:
         if (lengths <= 0).any():
             i = int(np.flatnonzero(lengths <= 0)[0])
             if lengths[i] < 0:
-                shape = tuple(np.shape(_as_array(samples[i]["input_ids"])))
-                raise ValueError(f"{_name(names, i)}: field 'input_ids' must be 1-D, got shape {shape}")
+                raise ValueError(
+                    f"{_name(names, i)}: field 'input_ids' must be 1-D (a list, array or tensor of token ids), "
+                    f"but it {_describe(samples[i]['input_ids'])}"
+                )
             raise ValueError(f"{_name(names, i)} has 0 tokens; empty samples cannot be collated")
 
         for field, have in present.items():
@@ -361,17 +407,21 @@ class PaddingFreeCollator:
                 if not np.array_equal(got, expected):
                     bad = np.flatnonzero(got != expected)
                     i, value = have[bad[0]], values[bad[0]]
-                    detail = (
-                        f"has length {int(got[bad[0]])}"
-                        if got[bad[0]] >= 0
-                        else f"has shape {tuple(np.shape(_as_array(value)))}"
-                    )
+                    if got[bad[0]] >= 0:
+                        raise ValueError(
+                            f"{_name(names, i)}: token-aligned field {field!r} {_describe(value)}, but "
+                            f"input_ids has {int(lengths[i])} tokens"
+                        )
                     raise ValueError(
-                        f"{_name(names, i)}: token-aligned field {field!r} {detail}, but input_ids has "
-                        f"{int(lengths[i])} tokens"
+                        f"{_name(names, i)}: token-aligned field {field!r} must be a 1-D sequence with one value "
+                        f"per token (input_ids has {int(lengths[i])} tokens), but it {_describe(value)}"
                     )
             elif field == "length":
-                got = np.fromiter((int(samples[i]["length"]) for i in have), dtype=np.int64, count=len(have))
+                got = np.fromiter(
+                    (_length_value(samples[i]["length"], names, i) for i in have),
+                    dtype=np.int64,
+                    count=len(have),
+                )
                 bad = np.flatnonzero(got != lengths[have])
                 if bad.size:
                     i = have[bad[0]]
@@ -469,6 +519,13 @@ class PaddingFreeCollator:
         if not have and self.position_planes is None:
             return torch.from_numpy(positions).unsqueeze(0)
         given = {i: _as_array(samples[i]["position_ids"]) for i in have}
+        for i in have:
+            if given[i].dtype.kind not in "iu" or given[i].ndim == 0:
+                raise ValueError(
+                    f"{_name(names, i)}: field 'position_ids' must be integer positions [L] or [P, L] "
+                    f"(P planes x the sample's tokens), but it {_describe(samples[i]['position_ids'])}"
+                    + (f" of dtype {given[i].dtype}" if given[i].ndim else "")
+                )
         planes = self.position_planes
         if planes is None:
             multi = [i for i in have if given[i].ndim == 2]
@@ -523,10 +580,26 @@ class PaddingFreeCollator:
                 f"expected {offset}; the text plane must restart at 0 and count up by 1 inside every sample"
             )
 
-    @staticmethod
     def _check_media(
-        samples: list[Mapping[str, Any]], names: list[Any], present: dict[str, list[int]]
+        self, samples: list[Mapping[str, Any]], names: list[Any], present: dict[str, list[int]]
     ) -> None:
+        for field in self.media_fields:
+            for i in present.get(field, ()):
+                value = samples[i][field]
+                arr = value if isinstance(value, torch.Tensor) else None
+                if arr is None:
+                    try:
+                        arr = np.asarray(value)
+                    except (TypeError, ValueError) as exc:
+                        raise ValueError(
+                            f"{_name(names, i)}: media field {field!r} is not an array: {exc}"
+                        ) from exc
+                if arr.ndim == 0 or (not isinstance(arr, torch.Tensor) and arr.dtype.kind not in "biuf"):
+                    raise ValueError(
+                        f"{_name(names, i)}: media field {field!r} must be an array or tensor with the media "
+                        f"along dim 0 (e.g. pixel_values [patches, features], image_grid_thw [images, 3]), "
+                        f"but it {_describe(value)}"
+                    )
         for pixels, grid in _MEDIA_PAIRS:
             with_pixels = set(present.get(pixels, ()))
             with_grid = set(present.get(grid, ()))
@@ -536,7 +609,13 @@ class PaddingFreeCollator:
                 raise ValueError(f"{_name(names, i)} has {has!r} but no {lacks!r}")
             for i in sorted(with_pixels):
                 rows = int(np.shape(_as_array(samples[i][pixels]))[0])
-                thw = _as_array(samples[i][grid]).reshape(-1, 3)
+                thw = _as_array(samples[i][grid])
+                if thw.dtype.kind not in "iu" or thw.shape[-1] != 3 or thw.ndim > 2:
+                    raise ValueError(
+                        f"{_name(names, i)}: {grid!r} must be integer (t, h, w) rows [N, 3], got shape "
+                        f"{tuple(thw.shape)} of dtype {thw.dtype}"
+                    )
+                thw = thw.reshape(-1, 3)
                 expected = int(np.prod(thw, axis=1).sum())
                 if rows != expected:
                     raise ValueError(

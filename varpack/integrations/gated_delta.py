@@ -40,6 +40,7 @@ from varpack.ops._fla import fla_status, load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
 from varpack.ops.gated_delta_rule.dispatch import resolve_backend
 from varpack.ops.short_conv import short_conv
+from varpack.varlen.boundaries import normalize_cu_seqlens
 
 __all__ = ["TINY_MODELS", "patch_linear_attention", "tiny_model"]
 
@@ -91,19 +92,18 @@ class PackedBoundaries:
 def _boundaries_from(cu: Any, seq_idx: Any, total: int, where: str) -> PackedBoundaries:
     """Validate the boundary kwargs of a row of ``total`` tokens; build :class:`PackedBoundaries`.
 
-    ``cu_seq_lens_q`` wins; ``seq_idx`` alone is turned into ``cu_seqlens`` (one device->host copy if it
-    lives on a device: once per forward).
+    ``cu_seq_lens_q`` wins (an integer tensor, list or NumPy array: :func:`varpack.varlen.normalize_cu_seqlens`);
+    ``seq_idx`` alone is turned into ``cu_seqlens`` (one device->host copy if it lives on a device: once per
+    forward).
     """
     if cu is not None:
-        if not isinstance(cu, torch.Tensor):
-            cu = torch.as_tensor(cu)
-        if cu.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{where}: cu_seq_lens_q must be an int32/int64 tensor, got dtype {cu.dtype}")
+        try:
+            cu = normalize_cu_seqlens(cu, "cu_seq_lens_q")
+        except TypeError as exc:
+            raise TypeError(f"{where}: {exc}") from exc
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
         cu = cu.detach().to("cpu", torch.int64)
-        if cu.dim() != 1 or cu.numel() < 2:
-            raise ValueError(
-                f"{where}: cu_seq_lens_q must be 1-D [N+1] with N >= 1, got shape {tuple(cu.shape)}"
-            )
         vals = cu.tolist()
         if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in zip(vals, vals[1:])):
             shown = vals[:8] + (["..."] if len(vals) > 8 else [])
@@ -113,7 +113,11 @@ def _boundaries_from(cu: Any, seq_idx: Any, total: int, where: str) -> PackedBou
             )
         return PackedBoundaries(cu, total)
     if not isinstance(seq_idx, torch.Tensor):
-        seq_idx = torch.as_tensor(seq_idx)
+        seq_idx = torch.as_tensor(np.asarray(seq_idx))
+    if seq_idx.dtype == torch.bool or seq_idx.is_floating_point() or seq_idx.is_complex():
+        raise TypeError(
+            f"{where}: seq_idx must hold integers (a [1, T] int32 tensor), got dtype {seq_idx.dtype}"
+        )
     si = seq_idx.detach().to("cpu", torch.int64).reshape(-1)
     if si.numel() != total:
         raise ValueError(

@@ -21,7 +21,10 @@ to the host. No ``[T, T]`` mask is ever built: the name is deliberately *not* re
 Guards (raised as ``ValueError`` from the pre-hook, once per forward, from shapes and CPU-side values only):
 
 * boundary kwargs with a batch of B > 1 rows, with an ``attention_mask``, with a KV cache or
-  ``use_cache=True``, without ``position_ids``, with a non-int ``max_length_*``;
+  ``use_cache=True``, without ``position_ids``, with a ``max_length_*`` that is not a host integer (a device
+  tensor, a float, a bool: :func:`varpack.varlen.normalize_max_seqlen`), with ``cu_seq_lens_*`` that are not
+  integer offsets ``[N+1]`` (:func:`varpack.varlen.normalize_cu_seqlens`; a list or NumPy array is converted
+  once to a CPU int32 tensor) or that do not cover the row;
 * ``position_ids`` that restart inside a row (several samples) but no boundary kwargs;
 * a packed batch reaching a model whose attention implementation is no longer varpack's (sdpa/eager);
 * an ``attention_mask`` with padding (varpack attention is padding-free);
@@ -45,6 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -87,17 +92,6 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
     return (w - 1, 0) if causal else (w - 1, w - 1)
 
 
-def _as_int(value: Any, name: str) -> int:
-    if isinstance(value, int):
-        return value
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
-        return int(value)
-    raise TypeError(
-        f"{name} must be a Python int (reading a device tensor would sync with the host in every layer), "
-        f"got {type(value).__name__}" + (f" on {value.device}" if isinstance(value, torch.Tensor) else "")
-    )
-
-
 def varpack_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -125,15 +119,17 @@ def varpack_attention_forward(
         sliding_window: transformers' window W (a query sees its W most recent keys) or None.
         softcap: tanh soft-capping of the scores (Gemma 2) or None.
         backend: varpack attention backend (bound at registration).
-        **kwargs: ``cu_seq_lens_q/k`` (``[N+1]`` int32, CPU or q's device) and ``max_length_q/k`` (Python int)
-            for a packed batch (B must be 1); absent for unpacked rows. Other keys are ignored.
+        **kwargs: ``cu_seq_lens_q/k`` (``[N+1]`` int32, CPU or q's device) and ``max_length_q/k`` (a host
+            integer: Python int, NumPy integer or one-element CPU tensor, never a device tensor; see
+            :func:`varpack.varlen.normalize_max_seqlen`) for a packed batch (B must be 1); absent for
+            unpacked rows. Other keys are ignored.
 
     Returns:
         ``(out [B, Tq, H, D], None)`` in q's dtype.
 
     Raises:
         PackingGuardError: boundary kwargs with B > 1, or an attention mask.
-        ValueError: dropout > 0, bad sliding window; TypeError: ``max_length_*`` not an int.
+        ValueError: dropout > 0, bad sliding window; TypeError: ``max_length_*`` not a host integer.
         varpack.attn.BackendUnavailableError: the backend cannot run this call.
     """
     if torch.compiler.is_compiling():
@@ -176,8 +172,8 @@ def varpack_attention_forward(
         max_k = kwargs.get("max_length_k")
         if max_q is None:
             raise PackingGuardError("cu_seq_lens_q given without max_length_q (the longest segment, an int)")
-        max_q = _as_int(max_q, "max_length_q")
-        max_k = max_q if max_k is None else _as_int(max_k, "max_length_k")
+        max_q = normalize_max_seqlen(max_q, "max_length_q")
+        max_k = max_q if max_k is None else normalize_max_seqlen(max_k, "max_length_k")
         q = query[0].transpose(0, 1)  # [T, H, D]
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
@@ -306,6 +302,27 @@ def _check_cpu_boundaries(cu: torch.Tensor, name: str, total: int, max_len: int 
             raise PackingGuardError(f"{name} has a segment of {longest} tokens but max_length is {max_len}")
 
 
+def _normalize_boundary_kwargs(kwargs: dict, where: str) -> None:
+    """Bring the boundary kwargs to the one contract of :mod:`varpack.varlen.boundaries`, in place, once per
+    forward: ``max_length_q/k`` -> Python int (:func:`~varpack.varlen.normalize_max_seqlen`),
+    ``cu_seq_lens_q/k`` -> an integer tensor, a list / array converted once to a CPU int32 tensor
+    (:func:`~varpack.varlen.normalize_cu_seqlens`; one object given for both stays one tensor for both).
+    A refusal is a :class:`PackingGuardError` naming the key."""
+    try:
+        for key in ("max_length_q", "max_length_k"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = normalize_max_seqlen(kwargs[key], key)
+        raw_q, raw_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if raw_q is not None:
+            kwargs["cu_seq_lens_q"] = normalize_cu_seqlens(raw_q, "cu_seq_lens_q")
+        if raw_k is not None:
+            kwargs["cu_seq_lens_k"] = (
+                kwargs["cu_seq_lens_q"] if raw_k is raw_q else normalize_cu_seqlens(raw_k, "cu_seq_lens_k")
+            )
+    except (TypeError, ValueError) as exc:
+        raise PackingGuardError(f"{where}: {exc}") from exc
+
+
 def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     state: _GuardState = model._varpack_state
     kwargs = dict(kwargs)
@@ -357,9 +374,7 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
                 "(the collator provides them)"
             )
         total = ref.shape[1] if ref is not None and ref.dim() >= 2 else None
-        for key in ("max_length_q", "max_length_k"):
-            if kwargs.get(key) is not None:
-                kwargs[key] = _as_int(kwargs[key], key)
+        _normalize_boundary_kwargs(kwargs, where)
         for key, mkey in (("cu_seq_lens_q", "max_length_q"), ("cu_seq_lens_k", "max_length_k")):
             cu = kwargs.get(key)
             if key == "cu_seq_lens_k" and cu is kwargs.get("cu_seq_lens_q"):

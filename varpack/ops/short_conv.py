@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from varpack.varlen.boundaries import normalize_cu_seqlens
+
 __all__ = ["resolve_conv_backend", "seq_idx_for_conv", "short_conv", "short_conv_reference"]
 
 CONV_BACKENDS = ("torch", "fla")
@@ -74,12 +76,10 @@ def seq_idx_for_conv(cu_seqlens: torch.Tensor | np.ndarray | list[int], device=N
 
     Raises:
         ValueError: ``cu_seqlens`` not 1-D, not starting at 0, or decreasing.
+        TypeError: ``cu_seqlens`` not integers (:func:`varpack.varlen.normalize_cu_seqlens`).
     """
-    if isinstance(cu_seqlens, torch.Tensor):
-        cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
-    else:
-        cu = np.asarray(cu_seqlens, dtype=np.int64)
-    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0:
+    cu = normalize_cu_seqlens(cu_seqlens, "cu_seqlens").detach().to("cpu", torch.int64).numpy()
+    if cu[0] != 0:
         raise ValueError(
             f"cu_seqlens must be 1-D [N+1] starting at 0, got {cu[:8].tolist()} (shape {cu.shape})"
         )
@@ -110,7 +110,8 @@ def short_conv(
         bias: ``[D]`` or ``None``.
         activation: ``None``, ``"silu"`` / ``"swish"`` or a callable, applied after the bias.
         cu_seqlens: ``[N+1]`` boundaries of the samples packed along ``T`` (needs ``B == 1``); a CPU tensor
-            is turned into ``seq_idx`` here (one host->device copy). Zero-length samples allowed.
+            is turned into ``seq_idx`` here (one host->device copy). Zero-length samples allowed. A list /
+            NumPy array of integers is converted once (:func:`varpack.varlen.normalize_cu_seqlens`).
         seq_idx: ``[B, T]`` or ``[T]`` integer sample index of every token (e.g. the collator's ``seq_idx``),
             any device, no host sync; a new sample starts wherever the index changes. Wins over
             ``cu_seqlens`` when both are given.
@@ -126,11 +127,17 @@ def short_conv(
     Raises:
         ValueError: wrong shapes, ``B > 1`` with ``cu_seqlens``, ``cu_seqlens`` that does not cover ``T``
             tokens, an unknown activation or backend, ``backend="fla"`` with only ``seq_idx``.
-        TypeError: non-integer ``seq_idx``.
+        TypeError: non-integer ``seq_idx`` or ``cu_seqlens``.
         RuntimeError: ``backend="fla"`` where fla cannot run (the reason is given).
     """
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, D], got shape {tuple(x.shape)}")
+    if cu_seqlens is not None:
+        cu_seqlens = normalize_cu_seqlens(cu_seqlens, "cu_seqlens")
+    if cu_seqlens_cpu is not None:
+        cu_seqlens_cpu = normalize_cu_seqlens(cu_seqlens_cpu, "cu_seqlens_cpu")
+    if seq_idx is not None and not isinstance(seq_idx, torch.Tensor):
+        seq_idx = torch.as_tensor(np.asarray(seq_idx))
     B, T, D = x.shape
     weight = _weight_2d(weight, D)
     W = weight.shape[1]

@@ -8,6 +8,8 @@ from varpack.varlen.boundaries import (
     cu_seqlens_from_segment_ids,
     lengths_from_cu_seqlens,
     max_seqlen_from_cu_seqlens,
+    normalize_cu_seqlens,
+    normalize_max_seqlen,
     seq_idx_from_cu_seqlens,
     validate_cu_seqlens,
 )
@@ -18,6 +20,8 @@ __all__ = [
     "cu_seqlens_from_segment_ids",
     "lengths_from_cu_seqlens",
     "max_seqlen_from_cu_seqlens",
+    "normalize_cu_seqlens",
+    "normalize_max_seqlen",
     "seq_idx_from_cu_seqlens",
     "validate_cu_seqlens",
 ]

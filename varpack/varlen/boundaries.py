@@ -11,6 +11,7 @@ Vocabulary: **T** tokens in the flat stream, **N** samples (documents, segments)
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,8 @@ __all__ = [
     "cu_seqlens_from_segment_ids",
     "lengths_from_cu_seqlens",
     "max_seqlen_from_cu_seqlens",
+    "normalize_cu_seqlens",
+    "normalize_max_seqlen",
     "seq_idx_from_cu_seqlens",
     "validate_cu_seqlens",
 ]
@@ -39,6 +42,161 @@ def _to_numpy_int(values: Any, name: str) -> np.ndarray:
     if arr.size and not (np.issubdtype(arr.dtype, np.integer)):
         raise TypeError(f"{name} must hold integers, got an array of dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
+
+
+def normalize_max_seqlen(value: Any, name: str = "max_seqlen") -> int:
+    """A longest-segment length (``max_seqlen``; transformers' ``max_length_q/k``) as a Python int.
+
+    The one contract of every varpack entry point that takes it: the packing guard of
+    :func:`varpack.integrations.transformers.enable_varpack` and its attention function,
+    :func:`varpack.attn.varlen_attention`, :func:`varpack.attn.resolve_backend` and
+    :func:`validate_cu_seqlens`. Varlen kernels (flash-attn's ``flash_attn_varlen_func``) take it as a host
+    int; every attention layer reads it, so it must never be a value that lives on a device.
+
+    Accepted, a host integer of any integral type, returned as ``int``:
+
+    * a Python ``int`` (or any object with ``__index__``), not ``bool``;
+    * a NumPy integer scalar (``np.int64(3)``, what ``np.max(lengths)`` gives) or a one-element integer
+      ``ndarray``;
+    * a one-element integer tensor on the CPU (``torch.tensor(3)``, what ``int(cu.diff().max())`` would read
+      from a CPU ``cu_seqlens``): reading it is a host read, free.
+
+    Refused:
+
+    * a tensor on any other device (``TypeError``): reading it is a device-to-host sync, once per layer;
+      compute ``max_seqlen`` once per batch on the CPU (the collator does);
+    * ``bool``, floats (even ``3.0``), strings, ``None``, arrays / tensors of more than one element or of a
+      non-integer dtype (``TypeError``);
+    * a negative value (``ValueError``).
+
+    Args:
+        value: the value to normalise.
+        name: the argument's name, used in the error messages (e.g. ``"max_length_q"``).
+
+    Returns:
+        ``value`` as a non-negative Python int.
+
+    Raises:
+        TypeError / ValueError: as above, naming ``name``, the type and the value.
+
+    Example:
+        >>> normalize_max_seqlen(np.int64(3), "max_length_q")
+        3
+        >>> normalize_max_seqlen(3.0, "max_length_q")
+        Traceback (most recent call last):
+        ...
+        TypeError: max_length_q must be an integer (a Python int, a NumPy integer or a one-element CPU integer tensor), got float 3.0
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise TypeError(
+                f"{name} must be a Python int (a host integer), got a tensor on {value.device}: reading it "
+                f"would sync the host with the device in every layer; compute it once per batch on the CPU "
+                f"(e.g. the longest segment of a CPU cu_seqlens, as varpack's collator does)"
+            )
+        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            raise TypeError(f"{name} must be an integer, got a tensor of dtype {value.dtype}")
+        if value.numel() != 1:
+            raise TypeError(f"{name} must be one integer, got a tensor of shape {tuple(value.shape)}")
+        result = int(value.reshape(()).item())
+    elif isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be an integer, got an array of dtype {value.dtype}")
+        if value.size != 1:
+            raise TypeError(f"{name} must be one integer, got an array of shape {value.shape}")
+        result = int(value.reshape(()))
+    else:
+        try:
+            result = operator.index(value)
+        except TypeError:
+            raise TypeError(
+                f"{name} must be an integer (a Python int, a NumPy integer or a one-element CPU integer "
+                f"tensor), got {type(value).__name__} {value!r}"
+            ) from None
+    if result < 0:
+        raise ValueError(f"{name} must be >= 0 (the longest segment, in tokens), got {result}")
+    return result
+
+
+def normalize_cu_seqlens(value: Any, name: str = "cu_seqlens", *, min_entries: int = 2) -> torch.Tensor:
+    """Segment offsets ``cu_seqlens`` (transformers' ``cu_seq_lens_q/k``) as an integer tensor ``[N+1]``.
+
+    The one contract of every varpack entry point that takes them: the packing guard of
+    :func:`varpack.integrations.transformers.enable_varpack`, :func:`varpack.attn.varlen_attention`,
+    :func:`varpack.attn.resolve_backend`, the patched Gated DeltaNet layers, the gated delta rule ops
+    (:mod:`varpack.ops.gated_delta_rule`), :func:`varpack.ops.short_conv` and the readers of this module.
+
+    * An int32 / int64 tensor, on any device, is returned as is (the same object, so the per-batch caches
+      keyed by tensor identity keep working; a device tensor's values are not read here).
+    * A tensor of another integer dtype is cast to int32 on its device (no host read).
+    * A list, tuple or NumPy array of integers (Python ints or NumPy integers) is converted once to a CPU
+      int32 tensor (the varlen kernels' dtype).
+
+    Only types and shape are checked here; the values (``cu[0] == 0``, non-decreasing, ``cu[-1] == T``) are
+    checked by the callers, which know ``T``.
+
+    Args:
+        value: the offsets.
+        name: the argument's name, used in the error messages (e.g. ``"cu_seq_lens_q"``).
+        min_entries: the fewest entries accepted (2: ``[0, T]``, one segment).
+
+    Returns:
+        An int32 / int64 tensor ``[N+1]``.
+
+    Raises:
+        TypeError: ``None``, a scalar, a string, a ragged nesting, or a tensor / array / list holding
+            non-integers (floats, even integral ones, bools, complex, objects).
+        ValueError: not 1-D, fewer than ``min_entries`` entries, or (list / array) a value outside int32.
+
+    Example:
+        >>> normalize_cu_seqlens([0, 3, 4, 7], "cu_seq_lens_q")
+        tensor([0, 3, 4, 7], dtype=torch.int32)
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            raise TypeError(
+                f"{name} must be an int32/int64 tensor [N+1] (or a list / NumPy array of integers), got a "
+                f"tensor of dtype {value.dtype}"
+            )
+        shape = tuple(value.shape)
+        if value.dtype not in (torch.int32, torch.int64):
+            value = value.to(torch.int32)
+        out = value
+    else:
+        if value is None or isinstance(value, (str, bytes, bool, np.bool_, int, float, np.generic)):
+            raise TypeError(
+                f"{name} must be an int32 tensor [N+1] (or a list / NumPy array of integers), got "
+                f"{type(value).__name__} {value!r}"
+            )
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"{name} must be a 1-D sequence of integers [N+1], got {type(value).__name__}: {exc}"
+            ) from exc
+        shape = tuple(arr.shape)
+        if arr.ndim == 1 and arr.size and arr.dtype.kind not in "iu":
+            kind = "a NumPy array" if isinstance(value, np.ndarray) else f"a {type(value).__name__}"
+            raise TypeError(f"{name} must hold integers, got {kind} of dtype {arr.dtype} ({_fmt_any(arr)})")
+        out = None
+    if len(shape) != 1 or shape[0] < min_entries:
+        raise ValueError(
+            f"{name} must be 1-D [N+1] with at least {min_entries} entries ([0, ..., T]), got shape {shape}"
+        )
+    if out is not None:
+        return out
+    if arr.size and (int(arr.min()) < -_INT32_MAX - 1 or int(arr.max()) > _INT32_MAX):
+        raise ValueError(
+            f"{name} has values outside int32 ({_fmt(arr)}); the varlen kernels index with int32"
+        )
+    return torch.from_numpy(arr.astype(np.int32))
+
+
+def _fmt_any(values: np.ndarray, limit: int = 8) -> str:
+    head = ", ".join(repr(v) for v in values.tolist()[:limit])
+    return f"[{head}{', ...' if values.size > limit else ''}]"
 
 
 def _check_fits_int32(total: int, name: str) -> None:
@@ -261,8 +419,10 @@ def cu_seqlens_from_segment_ids(segment_ids: Any) -> tuple[torch.Tensor, torch.T
     return torch.from_numpy(cu), torch.from_numpy(indices.astype(np.int64))
 
 
-def _cu_numpy(cu_seqlens: Any) -> np.ndarray:
-    return _to_numpy_int(cu_seqlens, "cu_seqlens")
+def _cu_numpy(cu_seqlens: Any, min_entries: int = 2) -> np.ndarray:
+    """CPU int64 values of ``cu_seqlens`` (types and shape checked by :func:`normalize_cu_seqlens`)."""
+    cu = normalize_cu_seqlens(cu_seqlens, "cu_seqlens", min_entries=min_entries)
+    return cu.detach().to("cpu", torch.int64).numpy()
 
 
 def max_seqlen_from_cu_seqlens(cu_seqlens: Any) -> int:
@@ -360,10 +520,13 @@ def validate_cu_seqlens(
         cu_seqlens: ``[N+1]`` int32 tensor.
         total_tokens: ``T``, the number of tokens in the stream (a Python int).
         allow_empty: accept zero-length segments.
-        max_seqlen: the ``max_seqlen`` that travels with ``cu_seqlens`` (a Python int), or ``None``.
+        max_seqlen: the ``max_seqlen`` that travels with ``cu_seqlens``, or ``None``: a host integer of any
+            integral type (:func:`normalize_max_seqlen`).
 
     Raises:
-        TypeError: ``cu_seqlens`` is not a tensor, or ``max_seqlen`` / ``total_tokens`` is not an int.
+        TypeError: ``cu_seqlens`` is not a tensor (this checks the collated form; :func:`normalize_cu_seqlens`
+            converts a list), ``total_tokens`` is not an int, or ``max_seqlen`` is refused by
+            :func:`normalize_max_seqlen` (a device tensor, a float, a bool, ...).
         ValueError: dtype not int32, not 1-D, fewer than 2 entries, first != 0, last != T, not (strictly)
             increasing, max_seqlen inconsistent.
 
@@ -378,10 +541,8 @@ def validate_cu_seqlens(
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, (int, np.integer)):
         raise TypeError(f"total_tokens must be an int, got {type(total_tokens).__name__}")
-    if max_seqlen is not None and (
-        isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer))
-    ):
-        raise TypeError(f"max_seqlen must be a Python int, got {type(max_seqlen).__name__}: {max_seqlen!r}")
+    if max_seqlen is not None:
+        max_seqlen = normalize_max_seqlen(max_seqlen, "max_seqlen")
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"cu_seqlens dtype is {cu_seqlens.dtype}, must be torch.int32")
     cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
@@ -389,13 +550,13 @@ def validate_cu_seqlens(
         cu,
         int(total_tokens),
         allow_empty=allow_empty,
-        max_seqlen=None if max_seqlen is None else int(max_seqlen),
+        max_seqlen=max_seqlen,
     )
 
 
 def lengths_from_cu_seqlens(cu_seqlens: Any) -> np.ndarray:
     """Segment lengths ``cu[1:] - cu[:-1]`` as an int64 numpy array ``[N]`` (a convenience for reports)."""
-    cu = _cu_numpy(cu_seqlens)
+    cu = _cu_numpy(cu_seqlens, min_entries=1)
     if cu.ndim != 1 or cu.size < 1:
         raise ValueError(f"cu_seqlens must be 1-D and non-empty, got shape {tuple(cu.shape)}")
     return np.diff(cu)

@@ -10,9 +10,20 @@ Shapes (one letter vocabulary of docs/ARCHITECTURE.md):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["acc_dtype", "check_inputs", "cu_seqlens_to_cpu", "expand_heads", "l2norm"]
+from varpack.varlen.boundaries import normalize_cu_seqlens
+
+__all__ = [
+    "acc_dtype",
+    "check_inputs",
+    "cu_seqlens_to_cpu",
+    "expand_heads",
+    "l2norm",
+    "normalize_optional_cu",
+]
 
 
 def acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -37,13 +48,18 @@ def expand_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x.repeat_interleave(num_heads // hk, dim=-2)
 
 
-def cu_seqlens_to_cpu(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """A CPU int64 copy of ``cu_seqlens`` (one device->host copy, hence one sync, if it lives on a device)."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = torch.as_tensor(cu_seqlens)
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be an int32/int64 tensor, got dtype {cu_seqlens.dtype}")
-    return cu_seqlens.detach().to("cpu", torch.int64)
+def cu_seqlens_to_cpu(cu_seqlens: Any) -> torch.Tensor:
+    """A CPU int64 copy of ``cu_seqlens`` (one device->host copy, hence one sync, if it lives on a device).
+
+    Types and shape as :func:`varpack.varlen.normalize_cu_seqlens` (a list / NumPy array of integers is
+    accepted; floats, bools and non-1-D input raise naming ``cu_seqlens``).
+    """
+    return normalize_cu_seqlens(cu_seqlens, "cu_seqlens").detach().to("cpu", torch.int64)
+
+
+def normalize_optional_cu(cu_seqlens: Any, name: str = "cu_seqlens") -> torch.Tensor | None:
+    """``None`` or :func:`varpack.varlen.normalize_cu_seqlens` of ``cu_seqlens`` (the ops' entry check)."""
+    return None if cu_seqlens is None else normalize_cu_seqlens(cu_seqlens, name)
 
 
 def check_inputs(
@@ -61,7 +77,8 @@ def check_inputs(
         ValueError: a shape mismatch, ``B > 1`` together with ``cu_seqlens``, ``H`` not a multiple of
             ``Hk``, an ``initial_state`` of the wrong shape, or ``cu_seqlens`` that does not describe the
             ``T`` tokens (must start at 0, never decrease, end at ``T``).
-        TypeError: non floating inputs or integer-free ``cu_seqlens``.
+        TypeError: non floating inputs or ``cu_seqlens`` that are not integers
+            (:func:`varpack.varlen.normalize_cu_seqlens`).
     """
     for name, x, nd in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
         if not isinstance(x, torch.Tensor):
@@ -82,13 +99,12 @@ def check_inputs(
         if tuple(x.shape) != (B, T, H):
             raise ValueError(f"{name} must be [B={B}, T={T}, H={H}], got {tuple(x.shape)}")
     if cu_seqlens is not None:
+        cu_seqlens = normalize_cu_seqlens(cu_seqlens, "cu_seqlens")
         if B != 1:
             raise ValueError(
                 f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={B}; flatten the batch "
                 f"to [1, B*T, ...] and describe the sequences with cu_seqlens"
             )
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
         if cu_seqlens.device.type == "cpu":
             cu = cu_seqlens.to(torch.int64)
             if int(cu[0]) != 0:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, expand_heads, l2norm
+from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, expand_heads, l2norm, normalize_optional_cu
 
 __all__ = ["ChunkLayout", "chunk_gated_delta_rule", "prepare_chunk_layout"]
 
@@ -114,15 +114,11 @@ def prepare_chunk_layout(
     Raises:
         ValueError: ``cu_seqlens`` not 1-D with >= 2 entries, not starting at 0, or decreasing;
             ``chunk_size`` not a positive power of two.
+        TypeError: ``cu_seqlens`` not integers (:func:`varpack.varlen.normalize_cu_seqlens`).
     """
     if chunk_size <= 0 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size}")
-    if isinstance(cu_seqlens, torch.Tensor):
-        cu = cu_seqlens_to_cpu(cu_seqlens).numpy()
-    else:
-        cu = np.asarray(cu_seqlens, dtype=np.int64)
-    if cu.ndim != 1 or cu.size < 2:
-        raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1, got shape {tuple(cu.shape)}")
+    cu = cu_seqlens_to_cpu(cu_seqlens).numpy()  # types and shape: varpack.varlen.normalize_cu_seqlens
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens[0]={int(cu[0])}, must be 0")
     lengths = np.diff(cu)
@@ -297,7 +293,8 @@ def chunk_gated_delta_rule(
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[N, H, K, V]`` state at each sequence start (zero when ``None``).
         output_final_state: also return the ``[N, H, K, V]`` fp32 final state of every sequence.
-        cu_seqlens: ``[N+1]`` int32/int64 boundaries of the sequences packed along ``T`` (needs ``B == 1``).
+        cu_seqlens: ``[N+1]`` int32/int64 boundaries of the sequences packed along ``T`` (needs ``B == 1``);
+            a list / NumPy array of integers is converted once (:func:`varpack.varlen.normalize_cu_seqlens`).
             Best a CPU tensor (the layout is built on the CPU); a device tensor costs one device->host
             copy unless ``layout`` is given. ``None``: every batch row is one sequence.
         use_qk_l2norm_in_kernel: L2-normalise q and k over ``K`` first (eps 1e-6, as fla).
@@ -318,6 +315,7 @@ def chunk_gated_delta_rule(
             ``initial_state`` shape.
         TypeError: non-tensor or integer inputs.
     """
+    cu_seqlens = normalize_optional_cu(cu_seqlens)
     if layout is None:
         B, T, Hk, H, K, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     else:  # cu_seqlens and initial_state are checked against the layout below

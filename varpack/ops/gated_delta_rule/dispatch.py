@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .._fla import fla_chunk_gated_delta_rule, fla_status
+from ._common import normalize_optional_cu
 from .chunk import ChunkLayout, chunk_gated_delta_rule
 from .naive import naive_recurrent_gated_delta_rule
 
@@ -104,7 +105,8 @@ def gated_delta_rule(
 
     Arguments, shapes and results as :func:`chunk_gated_delta_rule` / fla's ``chunk_gated_delta_rule``:
     q/k ``[1, T, Hk, K]``, v ``[1, T, H, V]``, g/beta ``[1, T, H]``, cu_seqlens ``[N+1]``,
-    initial/final state ``[N, H, K, V]``; returns ``(o [1, T, H, V], final_state | None)``.
+    initial/final state ``[N, H, K, V]``; returns ``(o [1, T, H, V], final_state | None)``. ``cu_seqlens``
+    may be a list / NumPy array of integers, converted once (:func:`varpack.varlen.normalize_cu_seqlens`).
 
     Args:
         backend: ``"auto"``, ``"fla"``, ``"chunk"``, ``"chunk_compiled"`` or ``"naive"`` (module docstring).
@@ -113,8 +115,15 @@ def gated_delta_rule(
 
     Raises:
         ValueError: invalid shapes / ``cu_seqlens`` / backend name (see :func:`chunk_gated_delta_rule`).
+        TypeError: ``cu_seqlens`` not integers.
         RuntimeError: a forced backend that cannot run here, with its reason.
     """
+    cu_seqlens = normalize_optional_cu(cu_seqlens)
+    cu_seqlens_cpu = normalize_optional_cu(cu_seqlens_cpu, "cu_seqlens_cpu")
+    if cu_seqlens_cpu is not None and cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError(
+            f"cu_seqlens_cpu must be a CPU copy of cu_seqlens, got a tensor on {cu_seqlens_cpu.device}"
+        )
     name = resolve_backend(backend, q.device, needs_grad=_needs_grad(q, k, v, g, beta, initial_state))
     if name == "fla":
         if cu_seqlens is not None and q.shape[0] != 1:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, expand_heads, l2norm
+from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, expand_heads, l2norm, normalize_optional_cu
 
 __all__ = ["naive_recurrent_gated_delta_rule"]
 
@@ -49,7 +49,8 @@ def naive_recurrent_gated_delta_rule(
         initial_state: ``[N, H, K, V]`` state at the start of each sequence (zero when ``None``).
         output_final_state: also return the ``[N, H, K, V]`` fp32 state after each sequence's last token.
         cu_seqlens: ``[N+1]`` int32/int64 cumulative lengths of the sequences packed along ``T``
-            (requires ``B == 1``). Zero-length sequences are allowed (their final state is their
+            (requires ``B == 1``); a list / NumPy array of integers is converted once
+            (:func:`varpack.varlen.normalize_cu_seqlens`). Zero-length sequences are allowed (their final state is their
             initial state). ``None``: every batch row is one sequence (``N = B``).
         use_qk_l2norm_in_kernel: L2-normalise q and k over ``K`` first (eps 1e-6, as fla).
 
@@ -62,6 +63,7 @@ def naive_recurrent_gated_delta_rule(
             a wrong ``initial_state`` shape.
         TypeError: non-tensor or integer inputs.
     """
+    cu_seqlens = normalize_optional_cu(cu_seqlens)
     B, T, Hk, H, K, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if cu_seqlens is not None:
         cu = cu_seqlens_to_cpu(cu_seqlens).tolist()
