@@ -26,7 +26,8 @@ an ``assistant`` message with ``content=""`` and ``tool_calls=[{"type": "functio
 "arguments"}}]`` (transformers' tool-call format). The Alpaca join is LLaMA-Factory's
 (``AlpacaDatasetConverter``: the non-empty ones of ``instruction`` and ``input`` joined with ``"\\n"``; ms-swift's
 ``AlpacaPreprocessor`` also joins with ``"\\n"``); its ``history`` pairs come first, as user/assistant turns.
-A top-level ``system`` string (any format) becomes a first ``system`` message.
+A top-level ``system`` string (any format) becomes a first ``system`` message. A row with ``messages`` is a
+``messages`` row whatever else it holds (UltraChat's ``prompt``, UltraFeedback's ``chosen``/``rejected``).
 
 Refused with an error that names the format and what to do (never converted silently): preference rows
 (``chosen``/``rejected``, DPO), unpaired preference rows (``prompt``/``completion``/``label``, KTO),
