@@ -5,14 +5,16 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch==2.13.0 is a local CPU build on the project machines (a plain `torch` would pull a multi-GB CUDA build).
+# Elsewhere, PyTorch's CPU wheels: make demo TORCH_SPEC=torch TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 
 .PHONY: venv demo test lint bench-planner bench-collate clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(BIN)/python -m pip install -q -e ".[test,bench,vision,gguf]"
 	touch $@
 

@@ -243,8 +243,10 @@ def test_load_errors(tmp_path):
         load_chat_data([])
     with pytest.raises(TypeError, match="int"):
         load_chat_data(3)
-    with pytest.raises(ValueError, match=r"sample 1: row has no 'messages'"):
+    with pytest.raises(ValueError, match=r"sample 1: language-modeling row \(field 'text'\)"):
         load_chat_data([_rows()[0], {"text": "x"}])
+    with pytest.raises(ValueError, match=r"sample 1: row has none of the fields of a supported chat format"):
+        load_chat_data([_rows()[0], {"question": "x"}])
     bad = [_rows()[0], {"messages": [{"role": "user", "content": 3}]}]
     with pytest.raises(TypeError, match=r"sample 1: messages\[0\]\.content must be a str"):
         load_chat_data(bad)
@@ -307,7 +309,7 @@ def test_encode_dataset_bad_row_names_it(tmp_path, tok):
     path = _write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(ValueError, match=r"sample 3: no assistant message"):
         encode_dataset(load_chat_data(path, cache_dir=tmp_path / "hf"), tok)
-    with pytest.raises(ValueError, match="no 'messages' column"):
+    with pytest.raises(ValueError, match=r"sample 0: language-modeling row \(field 'text'\)"):
         encode_dataset(datasets.Dataset.from_list([{"text": "x"}]), tok)
 
 

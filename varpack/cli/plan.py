@@ -97,6 +97,28 @@ def _tokenizer(name_or_dir: str) -> Any:
     return load_tokenizer(name_or_dir)
 
 
+def _formats(data: Any) -> dict[str, int]:
+    """Rows per data format (``varpack.encode.formats``); a refused row's error names its file and line."""
+    from varpack.encode.chat import locate_error
+    from varpack.encode.formats import data_formats
+
+    try:
+        return data_formats(data)
+    except (ValueError, TypeError) as exc:
+        located = locate_error(exc, data)
+        if located is exc:
+            raise
+        raise located from exc
+
+
+def _format_label(formats: dict[str, int]) -> str:
+    """``messages``, ``sharegpt (converted)`` or ``messages 120, alpaca 30 (converted)``."""
+    if len(formats) == 1:
+        fmt = next(iter(formats))
+        return fmt if fmt == "messages" else f"{fmt} (converted)"
+    return ", ".join(f"{f} {n:,}" + ("" if f == "messages" else " (converted)") for f, n in formats.items())
+
+
 def _summary(args: argparse.Namespace, plan: Any, input_tokens: int, seconds: dict[str, float]) -> dict:
     out: dict[str, Any] = dict(plan.stats)
     out["input_tokens"] = input_tokens
@@ -135,6 +157,8 @@ def _print_table(summary: dict[str, Any]) -> None:
     table.add_column("quantity")
     table.add_column("value", justify="right")
     table.add_row("data", "built-in chats" if data == "builtin" else ", ".join(data))
+    if summary.get("formats"):
+        table.add_row("format", _format_label(summary["formats"]))
     table.add_row("samples", f"{summary['num_samples']:,}")
     table.add_row("tokens (input)", f"{summary['input_tokens']:,}")
     table.add_row("tokens (packed)", f"{summary['total_tokens']:,}")
@@ -161,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
             from varpack.encode import encode_dataset, load_chat_data
 
             mm_samples = None
+            formats = None
             if args.data and _has_mm_chats(args.data):
                 # image/video chats: the vision-language encoder expands the placeholders (lengths only)
                 from varpack.encode.multimodal import encode_any
@@ -175,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
                     from varpack.data.builtin import builtin_chats
 
                     data = builtin_chats()
+                formats = _formats(data)  # refused formats (preference, text, ...) fail before the tokenizer
                 tokenizer = _tokenizer(args.tokenizer)
                 encoded = encode_dataset(data, tokenizer, num_proc=args.num_proc, desc="encode")
                 lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
@@ -216,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
     if args.save:
         args.save = str(plan.save(args.save))
     summary = _summary(args, plan, int(lengths.sum()), {"encode": t1 - t0, "plan": t2 - t1})
+    if formats is not None:
+        summary["formats"] = formats
     if args.json:
         sys.stdout.write(json.dumps(summary) + "\n")
         sys.stdout.flush()

@@ -51,7 +51,7 @@ __all__ = [
 IGNORE_INDEX = -100
 #: Roles a message may have.
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
-_ENCODE_VERSION = "1"  # bump when the encoding of a chat changes (invalidates Arrow caches)
+_ENCODE_VERSION = "2"  # bump when the encoding of a chat changes (invalidates Arrow caches)
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
@@ -285,18 +285,22 @@ def load_chat_data(
         paths_or_rows: a path or a list of paths of JSON / JSON Lines (``.json``, ``.jsonl``,
             ``.ndjson``, optionally compressed ``.gz``/``.bz2``/``.xz``/``.zst``) or parquet files, all of
             one kind, read with ``datasets.load_dataset("json"|"parquet", data_files=...)`` (cached as
-            Arrow; rows in file order); or an in-memory list of dicts (``{"messages": [...]}``, validated
-            first so that a bad row is named); or a ``datasets.Dataset`` (returned as is).
+            Arrow; rows in file order; files whose columns or nested fields differ are read with
+            ``datasets.Json()`` for the columns that differ, which needs datasets >= 4.7); or an in-memory
+            list of dicts (validated and converted first so that a bad row is named); or a
+            ``datasets.Dataset`` (returned as is). Rows may have any format of
+            :mod:`varpack.encode.formats` (``messages``, ShareGPT, Alpaca, TRL prompt-completion), mixed.
         cache_dir: ``datasets`` cache folder for files (default: HF_DATASETS_CACHE).
 
     Returns:
-        ``datasets.Dataset`` with a ``messages`` column (plus any other columns of the input).
+        ``datasets.Dataset`` with the input's columns (the union of the rows' fields for in-memory rows);
+        the encoder converts each row to messages (:func:`varpack.encode.formats.row_to_messages`).
 
     Raises:
         FileNotFoundError: a path does not exist.
-        ValueError: unknown file type, mixed JSON and parquet, no rows, an in-memory row without a valid
-            ``messages`` list (names the row).
-        TypeError: unsupported input type.
+        ValueError: unknown file type, mixed JSON and parquet, no rows, files with different columns on
+            datasets < 4.7, an in-memory row that is not a supported chat (names the row and field).
+        TypeError: unsupported input type, an in-memory row with a field of the wrong type (named).
     """
     import datasets
 
@@ -313,11 +317,11 @@ def load_chat_data(
     if not items:
         raise ValueError("load_chat_data: no paths or rows given")
     if all(isinstance(x, Mapping) for x in items):
+        from varpack.encode.formats import row_to_messages
+
         for i, row in enumerate(items):
-            if "messages" not in row:
-                raise ValueError(f"sample {i}: row has no 'messages' field (keys: {sorted(row)})")
-            validate_messages(row["messages"], i)
-        return datasets.Dataset.from_list([dict(row) for row in items])
+            validate_messages(row_to_messages(row, i)[0], i)
+        return _dataset_from_rows(items)
     if not all(isinstance(x, (str, os.PathLike)) for x in items):
         kinds = sorted({type(x).__name__ for x in items})
         raise TypeError(f"load_chat_data: mix of paths and other objects ({kinds})")
@@ -346,13 +350,59 @@ def load_chat_data(
         files.append(str(path.resolve()))
     if len(kinds) > 1:
         raise ValueError(f"load_chat_data: files mix JSON and parquet ({files}); load them separately")
-    ds = datasets.load_dataset(
-        kinds.pop(), data_files=files, split="train", cache_dir=None if cache_dir is None else str(cache_dir)
-    )
+    ds = _load_files(kinds.pop(), files, None if cache_dir is None else str(cache_dir))
     if len(ds) == 0:
         raise ValueError(f"load_chat_data: {files} contain no rows")
     ds._varpack_files = (next(iter(_kinds_of(files))), files)  # for error locations only
     return ds
+
+
+def _dataset_from_rows(items: list[Mapping[str, Any]]) -> datasets.Dataset:
+    """``Dataset.from_list`` over the union of the rows' fields (``from_list`` takes the columns of the first
+    row only, which would drop the fields of rows of another format); fields that Arrow cannot type across
+    rows (a ``prompt`` that is a string here and a list there) are stored as ``datasets.Json()``."""
+    import datasets
+    import pyarrow as pa
+
+    keys = list(dict.fromkeys(k for row in items for k in row))
+    rows = [{k: row.get(k) for k in keys} for row in items]
+    try:
+        return datasets.Dataset.from_list(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+        if not hasattr(datasets, "Json"):
+            raise
+        return datasets.Dataset.from_list(rows, on_mixed_types="use_json")
+
+
+def _load_files(kind: str, files: list[str], cache_dir: str | None) -> datasets.Dataset:
+    """``datasets.load_dataset(kind, data_files=files)``; when the files' columns or nested fields differ
+    (``datasets`` then fails to write them into one table), each file is read alone to find the columns that
+    differ, and the files are read together again with those columns typed ``datasets.Json()`` (missing
+    columns are filled with ``None``)."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
+    except datasets.exceptions.DatasetGenerationError:
+        if len(files) == 1:
+            raise
+    per_file = [
+        datasets.load_dataset(kind, data_files=[f], split="train", cache_dir=cache_dir).features for f in files
+    ]
+    names = list(dict.fromkeys(name for features in per_file for name in features))
+    if not hasattr(datasets, "Json"):
+        columns = {f: sorted(features) for f, features in zip(files, per_file)}
+        raise ValueError(
+            f"the data files have different columns or nested fields ({columns}); datasets >= 4.7 reads them "
+            f"together (datasets.Json), or load them separately"
+        )
+    unified = {}
+    for name in names:
+        types = [features[name] for features in per_file if name in features]
+        unified[name] = types[0] if all(t == types[0] for t in types) else datasets.Json()
+    return datasets.load_dataset(
+        kind, data_files=files, split="train", cache_dir=cache_dir, features=datasets.Features(unified)
+    )
 
 
 def _kinds_of(files: list[str]) -> set[str]:
@@ -417,7 +467,10 @@ class _EncodeBatch:
         return _encoder_from_bytes, (pickle.dumps(self.tokenizer, protocol=pickle.HIGHEST_PROTOCOL),)
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        results = _encode_many(batch["messages"], self.tokenizer, indices)
+        from varpack.encode.formats import row_to_messages
+
+        messages = [row_to_messages({k: v[j] for k, v in batch.items()}, sid)[0] for j, sid in enumerate(indices)]
+        results = _encode_many(messages, self.tokenizer, indices)
         return {
             "input_ids": [r["input_ids"] for r in results],
             "labels": [r["labels"] for r in results],
@@ -438,8 +491,8 @@ def encode_dataset(
     """Encode every conversation once with ``Dataset.map`` and cache the result as Arrow.
 
     Args:
-        data: anything :func:`load_chat_data` accepts (paths, rows, a ``datasets.Dataset``) with a
-            ``messages`` column.
+        data: anything :func:`load_chat_data` accepts (paths, rows, a ``datasets.Dataset``) in any format of
+            :mod:`varpack.encode.formats`; each row is converted to messages as it is encoded.
         tokenizer: any Hugging Face tokenizer with a chat template.
         num_proc: worker processes for ``Dataset.map`` (``None``: in this process).
         desc: label of the ``datasets`` progress bar.
@@ -456,15 +509,14 @@ def encode_dataset(
 
     Raises:
         ValueError / TypeError: a bad row (the error names its sample id and field, see
-            :func:`encode_chat`), or no ``messages`` column.
+            :func:`encode_chat` and :func:`varpack.encode.formats.row_to_messages`, and its ``FILE:LINE``
+            for files), or a row of no supported format.
     """
     import datasets
 
     from varpack.tokenizer import varpack_cache_root
 
     ds = load_chat_data(data)
-    if "messages" not in ds.column_names:
-        raise ValueError(f"chat data has no 'messages' column (columns: {ds.column_names})")
     if len(ds) == 0:
         raise ValueError("chat data has no rows")
     fingerprint = hashlib.sha256(
@@ -486,12 +538,21 @@ def encode_dataset(
     try:
         return _map_encode(ds, tokenizer, batch_size, features, num_proc, desc, fingerprint, cache_file_name)
     except (ValueError, TypeError) as exc:  # name the file and line of a bad row (error path only)
-        m = re.match(r"sample (\d+): ", str(exc))
-        sources = getattr(ds, "_varpack_files", None)
-        where = locate_row(*sources, int(m.group(1))) if (m and sources) else None
-        if where is None:
+        located = locate_error(exc, ds)
+        if located is exc:
             raise
-        raise type(exc)(f"{exc} [{where}]") from exc
+        raise located from exc
+
+
+def locate_error(exc: Exception, data: Any) -> Exception:
+    """``exc`` with ``[FILE:LINE]`` appended when its message starts with ``sample N:`` and ``data`` is a
+    dataset read from files by :func:`load_chat_data`; otherwise ``exc`` itself. Runs on error paths only."""
+    m = re.match(r"sample (\d+): ", str(exc))
+    sources = getattr(data, "_varpack_files", None)
+    where = locate_row(*sources, int(m.group(1))) if (m and sources) else None
+    if where is None:
+        return exc
+    return type(exc)(f"{exc} [{where}]")
 
 
 def _map_encode(ds, tokenizer, batch_size, features, num_proc, desc, fingerprint, cache_file_name):  # noqa: ANN001

@@ -475,7 +475,8 @@ def load_mm_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
         ``[(row, directory_of_its_file), ...]`` in file order.
 
     Raises:
-        ValueError: unreadable file or invalid JSON (file and line named), a row without ``messages``.
+        ValueError / TypeError: unreadable file or invalid JSON (file and line named), a row of no supported
+            format or a bad field (sample, field, file and line named; see :mod:`varpack.encode.formats`).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -490,7 +491,7 @@ def load_mm_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
             data = json.loads(text)
             items = data if isinstance(data, list) else [data]
             for i, row in enumerate(items):
-                rows.append((_check_row(row, f"{path}[{i}]"), base))
+                rows.append((_check_row(row, len(rows), f"{path}[{i}]"), base))
         else:
             # JSON Lines are separated by '\n' only: str.splitlines() would also split on U+2028/U+2029
             # inside JSON strings (../shared/data/gsm8k.jsonl line 2382 has one).
@@ -501,18 +502,32 @@ def load_mm_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{lineno}: invalid JSON: {exc}") from exc
-                rows.append((_check_row(row, f"{path}:{lineno}"), base))
+                rows.append((_check_row(row, len(rows), f"{path}:{lineno}"), base))
     return rows
 
 
-def _check_row(row: Any, where: str) -> dict:
+def _check_row(row: Any, sample_id: int, where: str | None = None) -> dict:
+    """A row ``{"messages": [...]}`` (a bare message list is wrapped); rows of the other formats of
+    :mod:`varpack.encode.formats` (ShareGPT, Alpaca, TRL prompt-completion) become ``{"messages": ...}``.
+    Errors name the sample and field, and ``where`` (``FILE:LINE``) when given."""
+    from varpack.encode.formats import row_to_messages
+
     if isinstance(row, list):
         return {"messages": row}
-    if not isinstance(row, dict) or "messages" not in row:
-        raise ValueError(
-            f"{where}: a row must be {{'messages': [...]}} or a message list, got {type(row).__name__}"
-        )
-    return row
+    try:
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"sample {sample_id}: a row must be a JSON object (e.g. {{'messages': [...]}}) or a message "
+                f"list, got {type(row).__name__}"
+            )
+        messages, fmt = row_to_messages(row, sample_id)
+    except (ValueError, TypeError) as exc:
+        if where is None:
+            raise
+        raise type(exc)(f"{exc} [{where}]") from exc
+    if fmt == "messages":
+        return row if messages is row["messages"] else {**row, "messages": messages}
+    return {"messages": messages}
 
 
 def _rows_with_roots(
@@ -522,7 +537,7 @@ def _rows_with_roots(
         isinstance(data, (list, tuple)) and data and all(isinstance(d, (str, os.PathLike)) for d in data)
     ):
         return [(row, image_root if image_root is not None else base) for row, base in load_mm_rows(data)]
-    return [(_check_row(row, f"row {i}"), image_root) for i, row in enumerate(data)]
+    return [(_check_row(row, i), image_root) for i, row in enumerate(data)]
 
 
 def encode_mm_dataset(

@@ -1,0 +1,308 @@
+"""Data formats (varpack.encode.formats): ShareGPT, Alpaca and TRL prompt-completion rows encode exactly like
+the hand-written ``messages`` row (LLaMA-Factory's / ms-swift's field mapping); refused formats and bad fields
+are errors naming the sample, the field and the file line; files of different formats mix."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from varpack.cli.main import main
+from varpack.encode import data_formats, detect_format, encode_chat, encode_dataset, load_chat_data
+from varpack.encode.formats import row_to_messages
+from varpack.tokenizer import load_tokenizer
+
+
+def _u(text):
+    return {"role": "user", "content": text}
+
+
+def _a(text):
+    return {"role": "assistant", "content": text}
+
+
+def _s(text):
+    return {"role": "system", "content": text}
+
+
+CALL = {"name": "weather", "arguments": {"city": "Paris"}}
+
+# (format, row, the messages row a user would write by hand for it)
+CASES = [
+    (
+        "sharegpt",
+        {
+            "conversations": [
+                {"from": "human", "value": "Name a prime."},
+                {"from": "gpt", "value": "7"},
+                {"from": "human", "value": "Another?"},
+                {"from": "gpt", "value": "11"},
+            ],
+            "system": "You are terse.",
+        },
+        [_s("You are terse."), _u("Name a prime."), _a("7"), _u("Another?"), _a("11")],
+    ),
+    (
+        "sharegpt",  # the aliases ms-swift accepts, and a system turn inside the conversation
+        {
+            "conversations": [
+                {"from": "system", "value": "Be kind."},
+                {"from": "user", "value": "hi"},
+                {"from": "model", "value": "hello"},
+                {"from": "human", "value": "bye"},
+                {"from": "bot", "value": "see you"},
+            ]
+        },
+        [_s("Be kind."), _u("hi"), _a("hello"), _u("bye"), _a("see you")],
+    ),
+    (
+        "sharegpt",  # LLaMA-Factory's tool turns
+        {
+            "conversations": [
+                {"from": "human", "value": "Weather in Paris?"},
+                {"from": "function_call", "value": json.dumps(CALL)},
+                {"from": "observation", "value": '{"temp": 21}'},
+                {"from": "gpt", "value": "21 °C."},
+            ]
+        },
+        [
+            _u("Weather in Paris?"),
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]},
+            {"role": "tool", "content": '{"temp": 21}'},
+            _a("21 °C."),
+        ],
+    ),
+    (
+        "sharegpt",  # the variant with role/content inside 'conversations'
+        {"conversations": [_u("2+2?"), _a("4")]},
+        [_u("2+2?"), _a("4")],
+    ),
+    (
+        "alpaca",
+        {"instruction": "Add the numbers.", "input": "1 2", "output": "3"},
+        [_u("Add the numbers.\n1 2"), _a("3")],  # LLaMA-Factory / ms-swift: instruction + "\n" + input
+    ),
+    (
+        "alpaca",  # empty input: the instruction alone (LLaMA-Factory joins the non-empty parts)
+        {"instruction": "Say hi.", "input": "", "output": "hi"},
+        [_u("Say hi."), _a("hi")],
+    ),
+    (
+        "alpaca",  # system and history pairs (LLaMA-Factory's optional columns)
+        {
+            "instruction": "And 3+3?",
+            "output": "6",
+            "system": "Math tutor.",
+            "history": [["1+1?", "2"], ["2+2?", "4"]],
+        },
+        [_s("Math tutor."), _u("1+1?"), _a("2"), _u("2+2?"), _a("4"), _u("And 3+3?"), _a("6")],
+    ),
+    (
+        "prompt-completion",  # TRL standard: plain strings
+        {"prompt": "The capital of France is", "completion": " Paris."},
+        [_u("The capital of France is"), _a(" Paris.")],
+    ),
+    (
+        "prompt-completion",  # TRL conversational: message lists, concatenated
+        {"prompt": [_s("Geography."), _u("Capital of France?")], "completion": [_a("Paris.")]},
+        [_s("Geography."), _u("Capital of France?"), _a("Paris.")],
+    ),
+    (
+        "messages",  # a top-level system (ms-swift's column) is the first message
+        {"messages": [_u("hi"), _a("yo")], "system": "Short answers."},
+        [_s("Short answers."), _u("hi"), _a("yo")],
+    ),
+]
+IDS = [f"{fmt}-{i}" for i, (fmt, _, _) in enumerate(CASES)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("qwen3")
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(("fmt", "row", "expected"), CASES, ids=IDS)
+def test_row_converts_to_the_hand_written_messages(fmt, row, expected):
+    assert detect_format(row) == fmt
+    messages, got_fmt = row_to_messages(row, 0)
+    assert got_fmt == fmt
+    assert messages == expected
+
+
+@pytest.mark.parametrize(("fmt", "row", "expected"), CASES, ids=IDS)
+def test_file_of_each_format_encodes_like_messages(tmp_path, tok, fmt, row, expected):
+    """Through a JSONL file (Arrow, datasets cache) and as in-memory rows: the same input_ids and labels as
+    encode_chat on the hand-written messages, which have supervised tokens."""
+    want = encode_chat(expected, tok)
+    assert any(label != -100 for label in want["labels"])
+    path = _write_jsonl(tmp_path / f"{fmt}.jsonl", [row, row])
+    from_file = encode_dataset(load_chat_data(path, cache_dir=tmp_path / "hf"), tok)
+    from_rows = encode_dataset([row], tok, cache_dir=tmp_path / "enc")
+    for encoded in (from_file[0], from_file[1], from_rows[0]):
+        assert encoded["input_ids"] == want["input_ids"]
+        assert encoded["labels"] == want["labels"]
+        assert encoded["length"] == want["length"]
+
+
+def test_formats_mix_across_and_within_files(tmp_path, tok):
+    """Each row is detected on its own: files with different columns (and different message fields) load
+    together, and one file may mix formats; sample ids follow file order."""
+    rows = [row for _, row, _ in CASES]
+    expected = [messages for _, _, messages in CASES]
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"messages": expected[0], "source": "x"}])
+    b = _write_jsonl(tmp_path / "b.jsonl", rows)  # all formats in one file
+    c = _write_jsonl(tmp_path / "c.jsonl", [{"messages": [_u("hi"), {**_a("yo"), "name": "bot"}]}])
+    ds = load_chat_data([a, b, c], cache_dir=tmp_path / "hf")
+    assert len(ds) == 2 + len(rows)
+    counts = data_formats(ds)
+    assert counts == {"messages": 3, "sharegpt": 4, "alpaca": 3, "prompt-completion": 2}
+    assert data_formats(rows) == {"messages": 1, "sharegpt": 4, "alpaca": 3, "prompt-completion": 2}
+    encoded = encode_dataset(ds, tok)
+    want = [expected[0], *expected, [_u("hi"), {**_a("yo"), "name": "bot"}]]
+    assert encoded["sample_id"] == list(range(len(want)))
+    for got, messages in zip(encoded, want):
+        ref = encode_chat(messages, tok)
+        assert (got["input_ids"], got["labels"]) == (ref["input_ids"], ref["labels"])
+
+
+# (row, error type, regex on the message): every error names the sample and the field
+BAD = [
+    (
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]},
+        TypeError,
+        r"conversations\[1\]\.value is missing",
+    ),
+    (
+        {"conversations": [{"from": "narrator", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+        ValueError,
+        r"conversations\[0\]\.from='narrator' is not a ShareGPT role",
+    ),
+    (
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]},
+        ValueError,
+        r"conversations\[1\]\.value is empty",
+    ),
+    (
+        {"conversations": [{"from": "human", "value": "hi"}]},
+        ValueError,
+        r"conversations has no assistant turn",
+    ),
+    (
+        {"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "f(x)"}]},
+        ValueError,
+        r"conversations\[1\]\.value of a function_call turn must be JSON",
+    ),
+    (
+        {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y", "weight": 0}]},
+        ValueError,
+        r"conversations\[1\]\.weight=0 switches training on this turn off",
+    ),
+    ({"instruction": "Add.", "input": "1 2", "output": ""}, ValueError, r"output is empty"),
+    ({"instruction": "Add.", "input": "1 2"}, TypeError, r"output is missing"),
+    ({"instruction": "Add.", "output": 3}, TypeError, r"output must be a str, got int"),
+    ({"instruction": "q", "output": "a", "history": [["q0"]]}, TypeError, r"history\[0\] must be a \[query"),
+    ({"prompt": "hi", "completion": ""}, ValueError, r"completion is empty"),
+    (
+        {"prompt": "hi", "completion": [_a("yo")]},
+        TypeError,
+        r"prompt and completion must both be strings or both be message lists",
+    ),
+    (
+        {"prompt": [_u("hi"), _a("yo"), _u("more")], "completion": [_a("ok")]},
+        ValueError,
+        r"prompt\[1\] is an assistant turn; TRL trains only on 'completion'",
+    ),
+    (
+        {"prompt": "hi", "chosen": "good", "rejected": "bad"},
+        ValueError,
+        r"preference data \(fields 'chosen'/'rejected', as for DPO\) is not supported by varpack sft yet",
+    ),
+    ({"prompt": "hi", "completion": "yo", "label": False}, ValueError, r"unpaired preference data .* KTO"),
+    ({"prompt": "hi"}, ValueError, r"prompt-only row"),
+    ({"text": "Once upon a time"}, ValueError, r"language-modeling row \(field 'text'\)"),
+    (
+        {"question": "q", "answer": "a"},
+        ValueError,
+        r"row has none of the fields of a supported chat format \(keys: \['answer', 'question'\]\)",
+    ),
+    (
+        {"messages": [_u("hi"), _a("yo")], "conversations": [_u("hi")]},
+        ValueError,
+        r"row has both 'messages' and 'conversations'",
+    ),
+    ({"messages": [_u("hi"), _a("yo")], "tools": [{"name": "f"}]}, ValueError, r"'tools' .* not passed"),
+    (
+        {"conversations": [_u("<image>hi"), _a("yo")], "images": ["a.png"]},
+        ValueError,
+        r"field 'images' .* not converted",
+    ),
+    (
+        {"messages": [_s("b"), _u("hi"), _a("yo")], "system": "a"},
+        ValueError,
+        r"a top-level 'system' and a system turn that differs",
+    ),
+]
+BAD_IDS = [f"bad-{i}" for i in range(len(BAD))]
+
+
+@pytest.mark.parametrize(("row", "exc", "pattern"), BAD, ids=BAD_IDS)
+def test_bad_row_names_sample_and_field(tmp_path, tok, row, exc, pattern):
+    good = {"messages": [_u("hi"), _a("yo")]}
+    with pytest.raises(exc, match=r"^sample 1: " + pattern):
+        load_chat_data([good, row])
+    # from a file: the encoder names the sample, the field and FILE:LINE (the bad row is on line 3)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(good) + "\n\n" + json.dumps(row) + "\n", encoding="utf-8")
+    with pytest.raises(exc, match=r"^sample 1: " + pattern + r".*\[.*d\.jsonl:3\]$"):
+        encode_dataset(load_chat_data(path, cache_dir=tmp_path / "hf"), tok)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "row", "expected"), [CASES[i] for i in (0, 4, 7, 8)], ids=[IDS[i] for i in (0, 4, 7, 8)]
+)
+def test_plan_cli_on_a_file_of_each_format(tmp_path, capsys, fmt, row, expected):
+    """`varpack plan FILE` reports the format and plans the same tokens as the hand-written messages file."""
+    converted = _write_jsonl(tmp_path / f"{fmt}.jsonl", [row] * 3)
+    reference = _write_jsonl(tmp_path / "messages.jsonl", [{"messages": expected}] * 3)
+    summaries = []
+    for path in (converted, reference):
+        assert main(["plan", str(path), "--packing-length", "512", "--json"]) == 0
+        summaries.append(json.loads(capsys.readouterr().out))
+    assert summaries[0]["formats"] == {fmt: 3} and summaries[1]["formats"] == {"messages": 3}
+    assert summaries[0]["input_tokens"] == summaries[1]["input_tokens"] > 0
+    assert summaries[0]["fingerprint"] == summaries[1]["fingerprint"]  # same lengths, same plan
+    assert main(["plan", str(converted), "--packing-length", "512"]) == 0
+    table = capsys.readouterr().out
+    assert f"{fmt} (converted)" in table
+
+
+def test_plan_cli_mixed_files_and_refused_preference_file(tmp_path, capsys):
+    files = [_write_jsonl(tmp_path / f"f{i}.jsonl", [row]) for i, (_, row, _) in enumerate(CASES)]
+    assert main(["plan", *map(str, files), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_samples"] == len(CASES)
+    assert summary["formats"] == {"messages": 1, "sharegpt": 4, "alpaca": 3, "prompt-completion": 2}
+    # TRL's conversational preference rows (as in ../shared/data/mt_bench_pairs.jsonl): refused, not converted
+    pairs = _write_jsonl(
+        tmp_path / "pairs.jsonl", [{"prompt": [_u("hi")], "chosen": [_a("hello")], "rejected": [_a("go")]}]
+    )
+    assert main(["plan", str(pairs), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "sample 0: preference data" in captured.err and "pairs.jsonl:1]" in captured.err
+
+
+def test_refused_rows_in_parquet_name_the_file_row(tmp_path, capsys):
+    """Parquet (no JSON line to name): the refusal still names the sample and its file row."""
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_list([{"text": "a"}, {"text": "b"}]).to_parquet(str(path))
+    assert main(["plan", str(path), "--json"]) == 1
+    err = capsys.readouterr().err
+    assert "sample 0: language-modeling row" in err and "d.parquet row 0]" in err
