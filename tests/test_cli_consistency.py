@@ -342,7 +342,7 @@ def test_default_lr_depends_on_model_kind(tmp_path):
 
 def test_run_uses_and_reports_the_lr(tmp_path):
     """The Trainer gets the per-kind default (its optimizer's lr is checked, not only the config), the report
-    names it and why; a given --lr is kept and reported as given."""
+    names it and why; a set lr is kept and reported as set."""
     run, report = _run_sft(tmp_path, save=False)
     assert run.config.lr == 3e-3 and run.lr_default_kind == "random-init"
     assert run.trainer.args.learning_rate == 3e-3
@@ -351,7 +351,7 @@ def test_run_uses_and_reports_the_lr(tmp_path):
     run, report = _run_sft(tmp_path, save=False, lr=5e-4)
     assert run.config.lr == 5e-4 and run.lr_default_kind is None
     assert run.trainer.optimizer.param_groups[0]["initial_lr"] == 5e-4
-    assert "peak lr 0.0005 (given)" in report, report
+    assert "peak lr 0.0005 (set)" in report, report
 
 
 def test_lr_default_in_help():

@@ -551,7 +551,7 @@ def _describe_lr(run: SFTRun) -> str:
 
     c = run.config
     if run.lr_default_kind is None:
-        source = "given"
+        source = "set"
     else:
         other = "pretrained" if run.lr_default_kind == "random-init" else "random-init"
         source = f"default for a {run.lr_default_kind} model; {other}: {DEFAULT_LR[other]:g}"
