@@ -164,16 +164,17 @@ def test_gpu_check_bf16_auto(name, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "extra,expected",
+    "extra,expected,exit_code",
     [
-        (["--model", "no-such-model"], "no-such-model"),
-        (["--data", "/no/such/file.jsonl"], "/no/such/file.jsonl"),
-        (["--attn-backend", "no-such-backend"], "no-such-backend"),
-        (["--device", "cuda"], "CUDA is not available"),
+        (["--model", "no-such-model"], "no-such-model", 1),
+        (["--data", "/no/such/file.jsonl"], "/no/such/file.jsonl", 1),
+        (["--attn-backend", "no-such-backend"], "no-such-backend", 2),  # a usage error (argparse)
+        (["--device", "cuda"], "CUDA is not available", 1),
     ],
 )
-def test_cli_check_bad_input_is_a_clear_error(extra, expected, capsys, monkeypatch):
-    """Bad settings give `varpack check: error: ...` naming what was wrong and exit code 2, not a traceback."""
+def test_cli_check_bad_input_is_a_clear_error(extra, expected, exit_code, capsys, monkeypatch):
+    """Bad settings give `varpack check: error: ...` naming what was wrong, not a traceback: exit code 2 for a
+    usage error (after the usage line), 1 for one found while running (tests/test_cli_consistency.py)."""
     import torch
 
     from varpack.cli.main import main
@@ -184,7 +185,9 @@ def test_cli_check_bad_input_is_a_clear_error(extra, expected, capsys, monkeypat
         args = ["check", *extra]
     code = main(args)
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("varpack check: error:") and expected in err, err
+    last = err.strip().splitlines()[-1]
+    assert code == exit_code and last.startswith("varpack check: error:") and expected in last, err
+    assert err.startswith("usage: varpack check" if exit_code == 2 else "varpack check: error:"), err
 
 
 @pytest.mark.parametrize("sabotage", [False, True])

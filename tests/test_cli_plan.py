@@ -90,7 +90,7 @@ def test_plan_overlong_error_then_split(tmp_path, capsys, tokenizer):
     rc = main(["plan", str(data), "--packing-length", "256", "--json"])
     captured = capsys.readouterr()
     assert rc == 1 and captured.out == ""
-    assert f"4: {lengths[4]}" in captured.err and "packing_length=256" in captured.err
+    assert f"4: {lengths[4]}" in captured.err and "--packing-length 256" in captured.err
 
     saved = tmp_path / "plan.npz"
     rc = main(

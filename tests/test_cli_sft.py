@@ -263,7 +263,7 @@ def test_sft_refuses_early_and_clearly(tmp_path, capsys):
     out = tmp_path / "o"
     code = main(["sft", "--attn-backend", "no-such", "--max-steps", "1", "--output-dir", str(out)])
     err = capsys.readouterr().err
-    assert code == 2 and "attn_backend" in err and "'flex'" in err
+    assert code == 2 and "--attn-backend" in err and "'flex'" in err
     data = tmp_path / "long.jsonl"
     long_answer = "word " * 200
     rows = [

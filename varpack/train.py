@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
+from varpack.train_config import SFTConfig, default_lr
+
 __all__ = [
     "HostBoundaries",
     "PackEpochCallback",
@@ -89,111 +91,6 @@ def encode_chat_data(data: Sequence[str] | str | None, tokenizer: Any, *, num_pr
 
         rows = builtin_chats()
     return encode_dataset(rows, tokenizer, num_proc=num_proc, desc="encode")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SFTConfig:
-    """Settings of a packed SFT run (the ``varpack sft`` flags carry the same names).
-
-    Attributes:
-        model: model directory, ``.gguf`` file / package, or a built-in name (``tiny-qwen3``, ``tiny-llama``,
-            ``qwen3-0.6b-shape``, ...).
-        data: chat data files (JSON / JSONL / parquet with ``messages``); empty: the built-in chats.
-        output_dir: where the final model + tokenizer (and the Trainer's files) are written.
-        packing_length: tokens per pack (the row length budget of one pack).
-        packing_strategy: ``bfd`` (best-fit decreasing) or ``sequential`` (order-preserving next-fit).
-        overflow: samples longer than ``packing_length``: ``error`` (default: refuse, listing their ids and
-            lengths), ``drop``, ``truncate`` or ``split``; whatever happens is in the packing report.
-        packs_per_step: packs per micro-batch per device (all flattened into one row).
-        grad_accum: gradient-accumulation micro-batches per optimizer step.
-        epochs: passes over the packs (ignored when ``max_steps > 0``).
-        max_steps: optimizer steps; ``-1``: run ``epochs``.
-        lr: peak learning rate (AdamW).
-        lr_scheduler: transformers scheduler name (``constant``, ``linear``, ``cosine``, ...).
-        warmup_steps: linear warm-up steps.
-        weight_decay: AdamW weight decay.
-        loss_reduction: ``token`` (global token mean) or ``sample`` (global sample mean).
-        loss_impl: ``auto`` (``linear_ce`` when the model allows it and runs unwrapped, else ``logits``),
-            ``linear_ce`` (chunked, no ``[T, V]`` logits) or ``logits``.
-        attn_backend: varpack attention backend (``auto``, ``reference``, ``flex``, ...).
-        bf16: train in bfloat16 autocast (mixed precision; master weights stay float32).
-        dtype: parameter dtype of built-in models (``float32`` default).
-        seed: random-init seed of built-in models, plan seed and Trainer seed.
-        logging_steps: log every N optimizer steps.
-        num_proc: encoding worker processes.
-        dataloader_num_workers: DataLoader workers.
-        gradient_checkpointing: recompute activations in backward.
-        use_liger_kernel: replace RMSNorm / RoPE / SwiGLU by Liger-Kernel's fused Triton kernels (CUDA; needs
-            ``liger-kernel``): :func:`varpack.integrations.kernels.apply_liger_kernels`. The loss stays varpack's.
-        torch_compile: ``torch.compile`` each decoder layer, varpack attention outside the graph
-            (:func:`varpack.integrations.kernels.compile_layers`); compiles in the first step. Not together with
-            ``use_liger_kernel`` (refused: :data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`).
-        save: save model + tokenizer at the end.
-        report_to: Trainer integrations (``none`` by default).
-    """
-
-    model: str = "tiny-qwen3"
-    data: tuple[str, ...] = ()
-    output_dir: str = "varpack-sft"
-    packing_length: int = 2048
-    packing_strategy: str = "bfd"
-    overflow: str = "error"
-    packs_per_step: int = 1
-    grad_accum: int = 1
-    epochs: float = 1.0
-    max_steps: int = -1
-    lr: float = 1e-4
-    lr_scheduler: str = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    loss_reduction: str = "token"
-    loss_impl: str = "auto"
-    attn_backend: str = "auto"
-    bf16: bool = False
-    dtype: str = "float32"
-    seed: int = 0
-    logging_steps: int = 1
-    num_proc: int | None = None
-    dataloader_num_workers: int = 0
-    gradient_checkpointing: bool = False
-    use_liger_kernel: bool = False
-    torch_compile: bool = False
-    save: bool = True
-    report_to: str = "none"
-    extra_training_args: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        from varpack.plan import OVERFLOW_POLICIES, STRATEGIES
-
-        if isinstance(self.data, str):
-            object.__setattr__(self, "data", (self.data,))
-        else:
-            object.__setattr__(self, "data", tuple(self.data))
-        checks = [
-            ("packing_length", self.packing_length >= 1),
-            ("packs_per_step", self.packs_per_step >= 1),
-            ("grad_accum", self.grad_accum >= 1),
-            ("epochs", self.epochs > 0 or self.max_steps > 0),
-            ("max_steps", self.max_steps == -1 or self.max_steps >= 1),
-            ("lr", self.lr > 0 and math.isfinite(self.lr)),
-            ("logging_steps", self.logging_steps >= 1),
-            ("packing_strategy", self.packing_strategy in STRATEGIES),
-            ("overflow", self.overflow in OVERFLOW_POLICIES),
-            ("loss_reduction", self.loss_reduction in ("token", "sample")),
-            ("loss_impl", self.loss_impl in ("auto", "linear_ce", "logits")),
-            ("dtype", self.dtype in ("float32", "bfloat16", "float16")),
-            ("attn_backend", self.attn_backend == "auto" or self.attn_backend in _attn_backends()),
-        ]
-        for name, ok in checks:
-            if not ok:
-                hint = f"; choose 'auto' or one of {sorted(_attn_backends())}" if name == "attn_backend" else ""
-                raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}{hint}")
-
-
-def _attn_backends() -> tuple[str, ...]:
-    from varpack.attn import BACKENDS
-
-    return tuple(BACKENDS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -260,7 +157,7 @@ class PackedSFTTrainer(Trainer):
             if unwrapped is not model:
                 raise ValueError(
                     "loss_impl='linear_ce' needs an unwrapped model (it calls the base model and the head "
-                    "separately); under DDP/FSDP use loss_impl='logits' or 'auto'"
+                    "separately); under DDP/FSDP use loss_impl='logits' or loss_impl='auto'"
                 )
             return True
         cfg = getattr(unwrapped, "config", None)
@@ -422,6 +319,11 @@ class SFTRun:
     trainer: Any
     report: str
     history: list[dict[str, float]] = field(default_factory=list)
+    #: ``"random-init"`` / ``"pretrained"`` when ``config.lr`` was left to :func:`default_lr` (``config.lr``
+    #: then holds the rate chosen), ``None`` when it was given.
+    lr_default_kind: str | None = None
+    #: whether ``config.output_dir`` did not exist before this run (``Trainer`` creates it)
+    created_output_dir: bool = False
 
 
 def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, encoded: Any = None) -> SFTRun:
@@ -431,6 +333,10 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         config: the run settings.
         model, tokenizer, encoded: optional pre-built objects (tests, notebooks); default: loaded from
             ``config.model`` / ``config.data``.
+
+    ``config.lr=None`` is resolved here to :func:`varpack.train_config.default_lr` of ``config.model`` (the
+    returned ``run.config`` holds the rate used, ``run.lr_default_kind`` the model kind it was chosen for).
+    ``Trainer`` creates ``config.output_dir`` (``run.created_output_dir`` says whether it was new).
 
     Raises:
         ValueError: bad settings, data, or overlong samples with ``overflow="error"``.
@@ -464,6 +370,10 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
                 "use_liger_kernel needs a CUDA GPU (Liger-Kernel's kernels are Triton GPU kernels); "
                 "this machine has none"
             )
+    lr_default_kind = None
+    if config.lr is None:
+        lr, lr_default_kind = default_lr(config.model)
+        config = replace(config, lr=lr)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
     data_label = ", ".join(config.data) if config.data else "built-in chats"
     if encoded is None:
@@ -503,7 +413,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         raise ValueError(
             f"no pack to train on: all {plan.num_samples} samples of {data_label} were dropped or empty "
             f"(sample ids {gone}{', ...' if len(ov['dropped_ids']) + len(ov['empty_ids']) > 20 else ''}); "
-            f"raise packing_length={config.packing_length} or use overflow='split' / 'truncate'"
+            f"raise packing_length={config.packing_length} or use overflow='split' or overflow='truncate'"
         )
     if plan.pieces and not hasattr(encoded, "with_format"):
         # image/video chats: refuse before training (not when the bad pack is reached) any split/truncate
@@ -572,6 +482,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         args_kw["gradient_checkpointing"] = True
     args_kw.update(config.extra_training_args)
     training_args = TrainingArguments(**args_kw)
+    created_output_dir = not os.path.exists(training_args.output_dir)
     trainer = PackedSFTTrainer(
         model=model,
         args=training_args,
@@ -592,30 +503,42 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         dataset=dataset,
         trainer=trainer,
         report=report,
+        lr_default_kind=lr_default_kind,
+        created_output_dir=created_output_dir,
     )
 
 
 def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFTRun:
     """Build and train a packed SFT run; print the packing report first and a summary at the end.
 
+    The report names the learning rate and, when ``config.lr`` was left to the default, the model kind it
+    was chosen for (:data:`varpack.train_config.DEFAULT_LR`). An output directory this run created is removed
+    again when nothing was saved into it (``save=False``, or training failed).
+
     Returns:
         The :class:`SFTRun`; ``run.history`` holds the Trainer's log entries (``loss``, ``tokens_per_second``,
-        ``pack_fill``, ...).
+        ``pack_fill``, ...); ``run.config`` the settings used (``lr`` resolved).
     """
     run = build_sft(config, **build_kw)
-    if run.trainer.is_world_process_zero():
-        print_fn(run.report)
-        n_params = sum(p.numel() for p in run.model.parameters())
-        print_fn(
-            f"model     {config.model} ({type(run.model).__name__}, {n_params / 1e6:.1f}M params, "
-            f"attention {run.model.config._attn_implementation}, loss {config.loss_reduction} mean)"
-        )
-    run.trainer.train()
-    run.history = [h for h in run.trainer.state.log_history if "loss" in h]
-    if config.save:
-        run.trainer.save_model(config.output_dir)
+    config = run.config
+    try:
         if run.trainer.is_world_process_zero():
-            run.tokenizer.save_pretrained(config.output_dir)
+            print_fn(run.report)
+            n_params = sum(p.numel() for p in run.model.parameters())
+            print_fn(
+                f"model     {config.model} ({type(run.model).__name__}, {n_params / 1e6:.1f}M params, "
+                f"attention {run.model.config._attn_implementation}, loss {config.loss_reduction} mean)"
+            )
+            print_fn(f"optimizer {_describe_lr(run)}")
+        run.trainer.train()
+        run.history = [h for h in run.trainer.state.log_history if "loss" in h]
+        if config.save:
+            run.trainer.save_model(config.output_dir)
+            if run.trainer.is_world_process_zero():
+                run.tokenizer.save_pretrained(config.output_dir)
+    finally:
+        if run.created_output_dir:
+            _remove_if_empty(config.output_dir)
     if run.trainer.is_world_process_zero() and run.history:
         first, last = run.history[0]["loss"], run.history[-1]["loss"]
         print_fn(
@@ -623,6 +546,30 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
             + (f"; saved to {os.path.abspath(config.output_dir)}" if config.save else "")
         )
     return run
+
+
+def _describe_lr(run: SFTRun) -> str:
+    """``AdamW, peak lr 0.003 (default for a random-init model), constant schedule, 0 warm-up steps``."""
+    from varpack.train_config import DEFAULT_LR
+
+    c = run.config
+    if run.lr_default_kind is None:
+        source = "set"
+    else:
+        other = "pretrained" if run.lr_default_kind == "random-init" else "random-init"
+        source = f"default for a {run.lr_default_kind} model; {other}: {DEFAULT_LR[other]:g}"
+    return (
+        f"AdamW, peak lr {c.lr:g} ({source}), {c.lr_scheduler} schedule, {c.warmup_steps} warm-up steps, "
+        f"weight decay {c.weight_decay:g}"
+    )
+
+
+def _remove_if_empty(path: str) -> None:
+    """Remove the directory ``path`` if it exists and holds nothing (never deletes a file)."""
+    try:
+        os.rmdir(path)
+    except OSError:  # not empty, already gone, or not ours to remove
+        pass
 
 
 def config_dict(config: SFTConfig) -> dict[str, Any]:

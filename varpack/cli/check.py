@@ -9,7 +9,7 @@ chats) with the model's tokenizer, takes the first ``--num-samples`` conversatio
 ``--max-sample-length`` tokens; image chats are never cut), runs them packed in one
 padding-free row (varpack attention) and one by one (the model's own attention), and prints max |logit
 diff|, the two losses and max |grad diff| with PASS / FAIL (:func:`varpack.check.check_exactness`). Exit
-status 0 on PASS, 1 on FAIL. With ``--json`` stdout carries exactly one JSON object.
+status 0 on PASS, 1 on FAIL or an error (bad data, unknown model, no CUDA), 2 on a usage error. With ``--json`` stdout carries exactly one JSON object.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from varpack.cli._common import ATTN_BACKENDS, check_data_files, int_at_least
 
 __all__ = ["register", "run"]
 
@@ -40,21 +42,47 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         metavar="DIR|NAME",
         help="model directory, .gguf file / package, or a built-in name (default: tiny-qwen3)",
     )
-    p.add_argument("--data", nargs="+", default=None, metavar="PATH", help="chat data (default: built-in)")
-    p.add_argument("--attn-backend", dest="attn_backend", default="auto", help="varpack attention backend")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of the run (default fp32)")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="chat data files (default: the built-in chats; image-caption chats for a vision-language model)",
+    )
+    p.add_argument(
+        "--attn-backend",
+        dest="attn_backend",
+        choices=ATTN_BACKENDS,
+        default="auto",
+        help="varpack attention backend (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of the run (default: %(default)s)"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument(
-        "--num-samples", dest="num_samples", type=int, default=4, help="samples to pack (default 4)"
+        "--num-samples",
+        dest="num_samples",
+        type=int_at_least(1),
+        default=4,
+        metavar="N",
+        help="samples to pack (default: %(default)s)",
     )
     p.add_argument(
         "--max-sample-length",
         dest="max_sample_length",
-        type=int,
+        type=int_at_least(0),
         default=128,
-        help="cut each sample to this many tokens (default 128; 0 = no cut)",
+        metavar="L",
+        help="cut each sample to this many tokens; 0: no cut (default: %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random-init seed of built-in models")
+    p.add_argument(
+        "--seed",
+        type=int_at_least(0),
+        default=0,
+        metavar="S",
+        help="random-init seed of built-in models (default: %(default)s)",
+    )
     p.add_argument("--atol", type=float, default=None, help="override the logit tolerance (see docs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
@@ -95,6 +123,8 @@ def select_mm_samples(encoded: list[dict[str, Any]], num_samples: int) -> list[d
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``varpack check``: 0 on PASS, 1 on FAIL; errors propagate to ``varpack.cli.main`` (exit 1)."""
+    check_data_files(args.data)  # a missing file is reported before torch and transformers are imported
     import torch
 
     from varpack.check import check_exactness
@@ -106,27 +136,26 @@ def run(args: argparse.Namespace) -> int:
     from varpack.train import encode_chat_data
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        print(f"varpack check: error: --device {device} but CUDA is not available here", file=sys.stderr)
-        return 2
-    dtype = getattr(torch, _DTYPES[args.dtype])
     try:
-        tokenizer = load_tokenizer_for(args.model)
-        # the model comes first: image chats are encoded with its own mRoPE function and patch grid
-        model = load_model(args.model, dtype=dtype, seed=args.seed, attn_backend=args.attn_backend, device=device)
-        data = list(args.data or [])
-        if not data and is_vl_model(model):  # a VL model is checked on images: the built-in image chats
-            data = [write_vl_jsonl(varpack_cache_root() / "data" / "vl_builtin.jsonl")]
-        if data and has_mm_chats(data):
-            rows = select_mm_samples(encode_any(data, tokenizer, rope_model=model), args.num_samples)
-        else:
-            encoded = encode_chat_data(data, tokenizer)
-            rows = select_samples(encoded, args.num_samples, args.max_sample_length)
-        result = check_exactness(model, rows, backend=args.attn_backend, atol=args.atol)
-        result["samples_with_media"] = sum(1 for r in rows if "pixel_values" in r or "pixel_values_videos" in r)
-    except (ValueError, TypeError, FileNotFoundError) as exc:  # BackendUnavailableError is a ValueError
-        print(f"varpack check: error: {exc}", file=sys.stderr)
-        return 2
+        device_type = torch.device(device).type
+    except RuntimeError as exc:  # torch's own message lists the device types
+        raise ValueError(f"--device {device!r} is not a device: {exc}") from exc
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} but CUDA is not available here")
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    tokenizer = load_tokenizer_for(args.model)
+    # the model comes first: image chats are encoded with its own mRoPE function and patch grid
+    model = load_model(args.model, dtype=dtype, seed=args.seed, attn_backend=args.attn_backend, device=device)
+    data = list(args.data or [])
+    if not data and is_vl_model(model):  # a VL model is checked on images: the built-in image chats
+        data = [write_vl_jsonl(varpack_cache_root() / "data" / "vl_builtin.jsonl")]
+    if data and has_mm_chats(data):
+        rows = select_mm_samples(encode_any(data, tokenizer, rope_model=model), args.num_samples)
+    else:
+        encoded = encode_chat_data(data, tokenizer)
+        rows = select_samples(encoded, args.num_samples, args.max_sample_length)
+    result = check_exactness(model, rows, backend=args.attn_backend, atol=args.atol)
+    result["samples_with_media"] = sum(1 for r in rows if "pixel_values" in r or "pixel_values_videos" in r)
     result["model"] = args.model
     result["device"] = str(device)
     if args.json:

@@ -43,26 +43,31 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_sft_arguments(p, defaults=DEMO_DEFAULTS)
     p.set_defaults(save=False)
-    p.add_argument("--save", dest="save", action="store_true", help="save model + tokenizer at the end")
+    p.add_argument(
+        "--save",
+        dest="save",
+        action="store_true",
+        help="save the model and tokenizer to --output-dir at the end",
+    )
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``varpack demo``: 0 when the loss fell, 1 otherwise; errors propagate to ``varpack.cli.main``."""
+    from varpack.cli._common import check_data_files
     from varpack.cli.sft import config_from_args
+
+    config = config_from_args(args)
+    check_data_files(config.data)
     from varpack.train import run_sft
 
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        print(f"varpack demo: error: {exc}", file=sys.stderr)
-        return 2
     print(
         "varpack demo: padding-free packed fine-tuning of a tiny random-init Qwen3 (real Qwen3 vocabulary) "
         "on chats made from Python's documentation\n"
     )
     run = run_sft(config)
     if not run.history:
-        print("varpack demo: no loss was logged", file=sys.stderr)
+        print("varpack demo: error: no loss was logged", file=sys.stderr)
         return 1
     first, last = run.history[0], run.history[-1]
     print(

@@ -18,12 +18,14 @@ import sys
 import time
 from typing import Any
 
+from varpack.cli._common import check_data_files, int_at_least
+
 __all__ = ["register", "run"]
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` sub-command to ``subparsers`` and return its parser."""
-    from varpack.plan import OVERFLOW_POLICIES, STRATEGIES
+    from varpack.plan import DEFAULT_PACKING_LENGTH, OVERFLOW_POLICIES, STRATEGIES
 
     p = subparsers.add_parser(
         "plan",
@@ -48,26 +50,39 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--packing-length",
         dest="packing_length",
-        type=int,
-        default=4096,
+        type=int_at_least(1),
+        default=DEFAULT_PACKING_LENGTH,
         metavar="N",
-        help="tokens per pack (default: 4096)",
+        help="tokens per pack (default: %(default)s)",
     )
     p.add_argument(
         "--packing-strategy",
         dest="packing_strategy",
         choices=STRATEGIES,
         default="bfd",
-        help="bfd: global best-fit decreasing (default); sequential: order-preserving next-fit",
+        help="bfd: global best-fit decreasing; sequential: order-preserving next-fit (default: %(default)s)",
     )
     p.add_argument(
         "--overflow",
         choices=OVERFLOW_POLICIES,
         default="error",
-        help="samples longer than --packing-length: error (default), drop, truncate or split",
+        help="samples longer than --packing-length (default: %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the per-epoch pack order (default: 0)")
-    p.add_argument("--num-proc", dest="num_proc", type=int, default=None, help="encoding worker processes")
+    p.add_argument(
+        "--seed",
+        type=int_at_least(0),
+        default=0,
+        metavar="S",
+        help="seed of the per-epoch pack order (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-proc",
+        dest="num_proc",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="encoding worker processes",
+    )
     p.add_argument("--report", metavar="PATH.png", default=None, help="write length / fill histograms")
     p.add_argument("--save", metavar="PATH.npz", default=None, help="save the plan (npz with JSON header)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of a table")
@@ -172,7 +187,13 @@ def _print_table(summary: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``varpack plan``; returns the process exit code (0 ok, 1 bad input such as overlong samples)."""
+    """Run ``varpack plan``; returns the process exit code (0 ok).
+
+    Raises:
+        ValueError / TypeError / OSError: bad data or overlong samples (``varpack.cli.main`` prints them as
+            ``varpack plan: error: ...`` and exits 1).
+    """
+    check_data_files(args.data)  # a missing file is reported before the encoder's imports
     import numpy as np
 
     from varpack.plan import plan_packs
@@ -180,45 +201,37 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # with --json, stdout is reserved for the JSON object: anything printed while encoding goes to stderr
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
-    try:
-        with quiet:
-            from varpack.encode import encode_dataset, load_chat_data
+    with quiet:
+        from varpack.encode import encode_dataset, load_chat_data
 
-            mm_samples = None
-            formats = None
-            if args.data and _has_mm_chats(args.data):
-                # image/video chats: the vision-language encoder expands the placeholders (lengths only)
-                from varpack.encode.multimodal import encode_any
+        mm_samples = None
+        formats = None
+        if args.data and _has_mm_chats(args.data):
+            # image/video chats: the vision-language encoder expands the placeholders (lengths only)
+            from varpack.encode.multimodal import encode_any
 
-                tokenizer = _tokenizer(args.tokenizer)
-                mm_samples = encode_any(list(args.data), tokenizer, with_pixels=False, progress=True)
-                lengths = np.asarray([int(s["length"]) for s in mm_samples], dtype=np.int64)
+            tokenizer = _tokenizer(args.tokenizer)
+            mm_samples = encode_any(list(args.data), tokenizer, with_pixels=False, progress=True)
+            lengths = np.asarray([int(s["length"]) for s in mm_samples], dtype=np.int64)
+        else:
+            if args.data:
+                data: Any = load_chat_data(list(args.data))  # bad rows fail before the tokenizer loads
             else:
-                if args.data:
-                    data: Any = load_chat_data(list(args.data))  # bad paths fail before the tokenizer loads
-                else:
-                    from varpack.data.builtin import builtin_chats
+                from varpack.data.builtin import builtin_chats
 
-                    data = builtin_chats()
-                formats = _formats(data)  # refused formats (preference, text, ...) fail before the tokenizer
-                tokenizer = _tokenizer(args.tokenizer)
-                encoded = encode_dataset(data, tokenizer, num_proc=args.num_proc, desc="encode")
-                lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
-    except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
-        print(f"varpack plan: error: {exc}", file=sys.stderr)
-        return 1
+                data = builtin_chats()
+            formats = _formats(data)  # refused formats (preference, text, ...) fail before the tokenizer
+            tokenizer = _tokenizer(args.tokenizer)
+            encoded = encode_dataset(data, tokenizer, num_proc=args.num_proc, desc="encode")
+            lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
     t1 = time.perf_counter()
-    try:
-        plan = plan_packs(
-            lengths,
-            args.packing_length,
-            strategy=args.packing_strategy,
-            overflow=args.overflow,
-            seed=args.seed,
-        )
-    except (ValueError, TypeError) as exc:
-        print(f"varpack plan: error: {exc}", file=sys.stderr)
-        return 1
+    plan = plan_packs(
+        lengths,
+        args.packing_length,
+        strategy=args.packing_strategy,
+        overflow=args.overflow,
+        seed=args.seed,
+    )
     t2 = time.perf_counter()
     if mm_samples is not None and plan.pieces:
         from varpack.encode.multimodal import check_plan_cuts
@@ -229,12 +242,10 @@ def run(args: argparse.Namespace) -> int:
                 f"piece {b['piece_id']} = sample {b['sample_id']} [{b['start']}, {b['stop']})"
                 for b in bad[:20]
             )
-            print(
-                f"varpack plan: error: {len(bad)} piece(s) of overlong samples would cut through an image or "
-                f"video ({shown}); use --overflow drop or a larger --packing-length",
-                file=sys.stderr,
+            raise ValueError(
+                f"{len(bad)} piece(s) of overlong samples would cut through an image or video ({shown}); "
+                "choose overflow='drop' or a larger packing_length"
             )
-            return 1
     if args.report:
         from varpack.report import plot_plan_report
 

@@ -15,79 +15,197 @@ packs).
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
+
+from varpack.cli._common import (
+    ATTN_BACKENDS,
+    UsageError,
+    check_data_files,
+    float_above,
+    int_at_least,
+    max_steps_type,
+)
 
 __all__ = ["add_sft_arguments", "config_from_args", "register", "run"]
 
 
+def _config_defaults() -> dict[str, Any]:
+    """``SFTConfig``'s field defaults, read without instantiating it (nothing heavy is imported)."""
+    import dataclasses
+
+    from varpack.train_config import SFTConfig
+
+    return {f.name: f.default for f in dataclasses.fields(SFTConfig) if f.default is not dataclasses.MISSING}
+
+
 def add_sft_arguments(p: argparse.ArgumentParser, *, defaults: dict[str, Any] | None = None) -> None:
-    """The flags of ``varpack sft`` (shared with ``varpack demo``, which changes some defaults)."""
+    """The flags of ``varpack sft`` (shared with ``varpack demo``, which changes some defaults).
+
+    Every help text shows its default once (``%(default)s``, so ``varpack demo --help`` shows the demo's).
+    """
     from varpack.plan import OVERFLOW_POLICIES, STRATEGIES
-    from varpack.train import SFTConfig
+    from varpack.train_config import DEFAULT_LR
 
-    d = SFTConfig()
-    defaults = defaults or {}
-
-    def dflt(name: str) -> Any:
-        return defaults.get(name, getattr(d, name))
-
-    p.add_argument(
-        "--model", default=dflt("model"), metavar="DIR|NAME", help="model dir, .gguf, or built-in name"
+    d = {**_config_defaults(), **(defaults or {})}
+    lr_help = (
+        "peak learning rate (AdamW) (default: %(default)s)"
+        if d["lr"] is not None
+        else f"peak learning rate (AdamW) (default: {DEFAULT_LR['random-init']:g} for a random-init built-in "
+        f"model, {DEFAULT_LR['pretrained']:g} for a model directory or GGUF file)"
     )
-    p.add_argument(
-        "--data", nargs="+", default=None, metavar="PATH", help="chat data files (default: built-in)"
+    add = p.add_argument
+    add(
+        "--model",
+        default=d["model"],
+        metavar="DIR|NAME",
+        help="model directory, .gguf file / package, or a built-in name (default: %(default)s)",
     )
-    p.add_argument("--output-dir", dest="output_dir", default=dflt("output_dir"), help="where to save")
-    p.add_argument("--packing-length", dest="packing_length", type=int, default=dflt("packing_length"))
-    p.add_argument(
-        "--packing-strategy", dest="packing_strategy", choices=STRATEGIES, default=dflt("packing_strategy")
+    add(
+        "--data",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="chat data files (JSON/JSONL/parquet) (default: the built-in chats)",
     )
-    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=dflt("overflow"), help="overlong samples")
-    p.add_argument("--epochs", type=float, default=dflt("epochs"), help="passes over the packs")
-    p.add_argument(
-        "--max-steps", dest="max_steps", type=int, default=dflt("max_steps"), help="optimizer steps"
+    add(
+        "--output-dir",
+        dest="output_dir",
+        default=d["output_dir"],
+        metavar="DIR",
+        help="where the model and tokenizer are saved (default: %(default)s)",
     )
-    p.add_argument("--lr", type=float, default=dflt("lr"), help="peak learning rate (AdamW)")
-    p.add_argument("--lr-scheduler", dest="lr_scheduler", default=dflt("lr_scheduler"))
-    p.add_argument("--warmup-steps", dest="warmup_steps", type=int, default=dflt("warmup_steps"))
-    p.add_argument("--grad-accum", dest="grad_accum", type=int, default=dflt("grad_accum"))
-    p.add_argument(
+    add(
+        "--packing-length",
+        dest="packing_length",
+        type=int_at_least(1),
+        default=d["packing_length"],
+        metavar="N",
+        help="tokens per pack (default: %(default)s)",
+    )
+    add(
+        "--packing-strategy",
+        dest="packing_strategy",
+        choices=STRATEGIES,
+        default=d["packing_strategy"],
+        help="bfd: global best-fit decreasing; sequential: order-preserving next-fit (default: %(default)s)",
+    )
+    add(
+        "--overflow",
+        choices=OVERFLOW_POLICIES,
+        default=d["overflow"],
+        help="samples longer than --packing-length (default: %(default)s)",
+    )
+    add(
+        "--epochs",
+        type=float_above(0),
+        default=d["epochs"],
+        metavar="E",
+        help="passes over the packs, ignored with --max-steps (default: %(default)s)",
+    )
+    add(
+        "--max-steps",
+        dest="max_steps",
+        type=max_steps_type,
+        default=d["max_steps"],
+        metavar="N",
+        help="optimizer steps; -1: run --epochs (default: %(default)s)",
+    )
+    add("--lr", type=float_above(0), default=d["lr"], metavar="LR", help=lr_help)
+    add(
+        "--lr-scheduler",
+        dest="lr_scheduler",
+        default=d["lr_scheduler"],
+        metavar="NAME",
+        help="transformers scheduler name: constant, linear, cosine, ... (default: %(default)s)",
+    )
+    add(
+        "--warmup-steps",
+        dest="warmup_steps",
+        type=int_at_least(0),
+        default=d["warmup_steps"],
+        metavar="N",
+        help="linear warm-up steps (default: %(default)s)",
+    )
+    add(
+        "--grad-accum",
+        dest="grad_accum",
+        type=int_at_least(1),
+        default=d["grad_accum"],
+        metavar="K",
+        help="gradient-accumulation micro-batches per optimizer step (default: %(default)s)",
+    )
+    add(
         "--packs-per-step",
         dest="packs_per_step",
-        type=int,
-        default=dflt("packs_per_step"),
-        help="packs per micro-batch per device (flattened into one row)",
+        type=int_at_least(1),
+        default=d["packs_per_step"],
+        metavar="P",
+        help="packs per micro-batch per device, flattened into one row (default: %(default)s)",
     )
-    p.add_argument(
-        "--loss-reduction", dest="loss_reduction", choices=("token", "sample"), default=dflt("loss_reduction")
+    add(
+        "--loss-reduction",
+        dest="loss_reduction",
+        choices=("token", "sample"),
+        default=d["loss_reduction"],
+        help="token: global token mean; sample: global sample mean (default: %(default)s)",
     )
-    p.add_argument(
+    add(
         "--loss-impl",
         dest="loss_impl",
         choices=("auto", "linear_ce", "logits"),
-        default=dflt("loss_impl"),
-        help="linear_ce: chunked LM head + CE without [T, V] logits",
+        default=d["loss_impl"],
+        help="linear_ce: chunked LM head + CE without [T, V] logits (default: %(default)s)",
     )
-    p.add_argument("--attn-backend", dest="attn_backend", default=dflt("attn_backend"))
-    p.add_argument("--bf16", action="store_true", default=dflt("bf16"), help="bfloat16 mixed precision")
-    p.add_argument("--seed", type=int, default=dflt("seed"))
-    p.add_argument("--logging-steps", dest="logging_steps", type=int, default=dflt("logging_steps"))
-    p.add_argument("--num-proc", dest="num_proc", type=int, default=None, help="encoding worker processes")
-    p.add_argument("--gradient-checkpointing", dest="gradient_checkpointing", action="store_true")
-    p.add_argument(
+    add(
+        "--attn-backend",
+        dest="attn_backend",
+        choices=ATTN_BACKENDS,
+        default=d["attn_backend"],
+        help="varpack attention backend (default: %(default)s)",
+    )
+    add("--bf16", action="store_true", default=d["bf16"], help="bfloat16 mixed precision")
+    add(
+        "--seed",
+        type=int_at_least(0),
+        default=d["seed"],
+        metavar="S",
+        help="random-init seed of built-in models, plan and Trainer seed (default: %(default)s)",
+    )
+    add(
+        "--logging-steps",
+        dest="logging_steps",
+        type=int_at_least(1),
+        default=d["logging_steps"],
+        metavar="N",
+        help="log every N optimizer steps (default: %(default)s)",
+    )
+    add(
+        "--num-proc",
+        dest="num_proc",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="encoding worker processes",
+    )
+    add(
+        "--gradient-checkpointing",
+        dest="gradient_checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass",
+    )
+    add(
         "--use-liger-kernel",
         dest="use_liger_kernel",
         action="store_true",
-        help="Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (CUDA, pip install liger-kernel); the loss stays varpack's",
+        help="Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (CUDA, pip install liger-kernel); the loss stays "
+        "varpack's",
     )
-    p.add_argument(
+    add(
         "--torch-compile",
         dest="torch_compile",
         action="store_true",
         help="torch.compile each decoder layer (varpack attention stays outside the graph); compiles in step 1",
     )
-    p.add_argument("--no-save", dest="save", action="store_false", help="do not save the model at the end (the default saves: save=True)")
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -96,17 +214,23 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "sft",
         help="fine-tune with padding-free packing (HF Trainer)",
         description="Supervised fine-tuning on chat data with padding-free packing; packed == unpacked.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_sft_arguments(p)
+    p.add_argument(
+        "--no-save", dest="save", action="store_false", help="do not save the model and tokenizer at the end"
+    )
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    """``SFTConfig`` from parsed ``varpack sft`` flags."""
-    from varpack.train import SFTConfig
+    """``SFTConfig`` from parsed ``varpack sft`` flags.
 
-    return SFTConfig(
+    Raises:
+        UsageError: a combination of flags ``SFTConfig`` refuses (exit code 2).
+    """
+    from varpack.train_config import SFTConfig
+
+    kw = dict(
         model=args.model,
         data=tuple(args.data or ()),
         output_dir=args.output_dir,
@@ -132,21 +256,20 @@ def config_from_args(args: argparse.Namespace) -> Any:
         torch_compile=args.torch_compile,
         save=args.save,
     )
+    try:
+        return SFTConfig(**kw)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``varpack sft``; returns 0. Errors propagate to ``varpack.cli.main`` (exit codes 2 / 1)."""
+    config = config_from_args(args)
+    check_data_files(config.data)  # a missing file is reported before torch and transformers are imported
     from varpack.train import run_sft
 
     try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        print(f"varpack sft: error: {exc}", file=sys.stderr)
-        return 2
-    try:
         run_sft(config)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"varpack sft: error: {exc}", file=sys.stderr)
-        return 1
     finally:
         _close_process_group()
     return 0

@@ -6,10 +6,18 @@
 from __future__ import annotations
 
 from varpack.plan.bfd import best_fit_decreasing
-from varpack.plan.plan import OVERFLOW_POLICIES, STRATEGIES, PackPlan, lengths_fingerprint, plan_packs
+from varpack.plan.plan import (
+    DEFAULT_PACKING_LENGTH,
+    OVERFLOW_POLICIES,
+    STRATEGIES,
+    PackPlan,
+    lengths_fingerprint,
+    plan_packs,
+)
 from varpack.plan.sequential import next_fit
 
 __all__ = [
+    "DEFAULT_PACKING_LENGTH",
     "OVERFLOW_POLICIES",
     "STRATEGIES",
     "PackPlan",

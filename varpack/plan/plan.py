@@ -20,10 +20,19 @@ import numpy as np
 from varpack.plan.bfd import best_fit_decreasing
 from varpack.plan.sequential import next_fit
 
-__all__ = ["PackPlan", "plan_packs", "STRATEGIES", "OVERFLOW_POLICIES", "lengths_fingerprint"]
+__all__ = [
+    "DEFAULT_PACKING_LENGTH",
+    "OVERFLOW_POLICIES",
+    "PackPlan",
+    "STRATEGIES",
+    "lengths_fingerprint",
+    "plan_packs",
+]
 
 STRATEGIES = ("bfd", "sequential")
 OVERFLOW_POLICIES = ("error", "drop", "truncate", "split")
+#: Tokens per pack when none is given: the one default of ``varpack plan``, ``varpack sft`` and ``SFTConfig``.
+DEFAULT_PACKING_LENGTH = 4096
 _FORMAT = "varpack-plan/1"
 _MAX_LISTED = 20  # ids spelled out in error messages
 
@@ -421,8 +430,8 @@ def plan_packs(
         if over_ids.size and overflow == "error":
             raise ValueError(
                 f"{over_ids.size} sample(s) are longer than packing_length={L} (sample_id: length): "
-                f"{_listing(over_ids, arr)}; raise packing_length or pass overflow='drop', 'truncate' or "
-                "'split'"
+                f"{_listing(over_ids, arr)}; raise packing_length or choose overflow='drop', "
+                "overflow='truncate' or overflow='split'"
             )
         whole = np.flatnonzero((arr > 0) & (arr <= L))
         # pieces of overlong samples, ordered by (sample id, start)

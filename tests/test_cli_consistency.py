@@ -1,0 +1,363 @@
+"""One CLI convention for every sub-command (issue 11, items 8, 10, 12).
+
+* Building the parsers, ``--help`` and argument errors import no torch / transformers / datasets.
+* Exit codes: 2 for usage errors (argparse, with the usage line), 1 for errors found while running
+  (``varpack <command>: error: ...`` on stderr, no traceback), the same wording in every sub-command.
+* Errors raised by the library name the CLI's flags when they reach the command line.
+* One packing-length default for ``plan`` and ``sft``; every default shown once in ``--help``.
+* ``sft`` / ``demo`` without saving leave no empty output folder; the learning-rate default depends on the
+  kind of model (random-init built-in or loaded weights), and ``--help`` and the run's report say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from varpack.cli._common import ATTN_BACKENDS, flag_wording
+from varpack.cli.main import build_parser, main
+
+COMMANDS = ("plan", "sft", "check", "demo")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _chat_rows(n: int, long_id: int | None = None) -> list[dict]:
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"Question {i}?"},
+                {"role": "assistant", "content": ("ok " * (400 if i == long_id else 3)).strip()},
+            ]
+        }
+        for i in range(n)
+    ]
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 8: parsers, --help and argument errors without torch
+# ------------------------------------------------------------------------------------------------------
+def test_parsers_help_and_argument_errors_import_no_torch(tmp_path):
+    """In a fresh interpreter: build every parser, print every --help, and hit a usage error and a missing
+    data file in each sub-command; torch, transformers and datasets must stay unimported."""
+    missing = str(tmp_path / "missing.jsonl")
+    script = textwrap.dedent(
+        f"""
+        import contextlib, io, json, sys
+        from varpack.cli.main import build_parser, main
+
+        build_parser().format_help()
+        codes = {{}}
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            for argv in (["--help"], ["plan", "--help"], ["sft", "--help"], ["check", "--help"],
+                         ["demo", "--help"], ["plan", "--packing-length", "0"], ["sft", "--packing-length", "0"],
+                         ["demo", "--packing-length", "-1"], ["check", "--num-samples", "0"],
+                         ["sft", "--attn-backend", "nope"], ["plan", {missing!r}], ["sft", "--data", {missing!r}],
+                         ["check", "--data", {missing!r}], ["demo", "--data", {missing!r}]):
+                codes[" ".join(argv)] = main(argv)
+        heavy = [m for m in ("torch", "transformers", "datasets") if m in sys.modules]
+        print(json.dumps({{"codes": codes, "heavy": heavy}}))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300, check=True
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["heavy"] == [], out
+    codes = out["codes"]
+    assert [codes[k] for k in codes if k.endswith("--help")] == [0] * 5
+    assert {k: v for k, v in codes.items() if "missing" in k} == {k: 1 for k in codes if "missing" in k}, (
+        codes
+    )
+    assert {k: v for k, v in codes.items() if "help" not in k and "missing" not in k} == {
+        k: 2 for k in codes if "help" not in k and "missing" not in k
+    }, codes
+
+
+def test_attn_backend_choices_are_the_registry():
+    from varpack.attn import BACKENDS
+
+    assert sorted(ATTN_BACKENDS) == sorted(["auto", *BACKENDS])
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 10: exit codes and wording
+# ------------------------------------------------------------------------------------------------------
+def _run(argv, capsys):
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1.5", "many"])
+def test_nonpositive_packing_length_is_one_usage_error_everywhere(value, capsys):
+    """plan, sft and demo refuse a bad --packing-length with the same line and exit code 2 (argparse);
+    check's --num-samples, the same kind of flag, with the same wording."""
+    lines = {}
+    for cmd, flag in (
+        ("plan", "--packing-length"),
+        ("sft", "--packing-length"),
+        ("demo", "--packing-length"),
+        ("check", "--num-samples"),
+    ):
+        code, out, err = _run([cmd, flag, value], capsys)
+        assert code == 2 and out == "" and "Traceback" not in err, (cmd, err)
+        assert err.startswith(f"usage: varpack {cmd}"), err
+        last = err.strip().splitlines()[-1]
+        assert last == f"varpack {cmd}: error: argument {flag}: must be an integer >= 1, got {value!r}", last
+        lines[cmd] = last.split(": error: ", 1)[1].replace(flag, "FLAG")
+    assert len(set(lines.values())) == 1, lines
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_usage_errors_exit_2(cmd, capsys):
+    for argv in ([cmd, "--no-such-flag"], [cmd, "--overflow" if cmd != "check" else "--dtype", "nope"]):
+        code, out, err = _run(argv, capsys)
+        assert code == 2 and f"varpack {cmd}: error: " in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_missing_data_file_exits_1_with_one_error_line(cmd, tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    argv = [cmd, str(missing)] if cmd == "plan" else [cmd, "--data", str(missing)]
+    code, out, err = _run(argv, capsys)
+    assert code == 1 and out == "", err
+    assert err == f"varpack {cmd}: error: chat data file not found: {str(missing)!r}\n"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_bad_data_row_exits_1_naming_the_sample(cmd, tmp_path, capsys):
+    """A data error found while running (a row without messages) is exit 1, one line, no traceback, in every
+    sub-command (check used to exit 2)."""
+    path = tmp_path / "bad.jsonl"
+    _write(path, [*_chat_rows(3), {"text": "no messages here"}])
+    argv = {
+        "plan": ["plan", str(path)],
+        "sft": ["sft", "--data", str(path), "--max-steps", "1", "--no-save"],
+        "check": ["check", "--data", str(path)],
+        "demo": ["demo", "--data", str(path), "--max-steps", "1"],
+    }[cmd]
+    code, out, err = _run(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith(f"varpack {cmd}: error: ") and "messages" in lines[-1], err
+
+
+def test_check_without_cuda_is_a_run_error(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = _run(["check", "--device", "cuda"], capsys)
+    assert code == 1 and err == "varpack check: error: --device cuda but CUDA is not available here\n"
+    code, out, err = _run(["check", "--device", "gpu0"], capsys)
+    assert code == 1 and err.startswith("varpack check: error: --device 'gpu0' is not a device"), err
+
+
+@pytest.mark.parametrize("cmd", ["plan", "sft"])
+def test_overflow_error_names_the_cli_flags(cmd, tmp_path, capsys):
+    """The overlong-sample error reached through the CLI names --overflow / --packing-length, not the Python
+    arguments (which the library error keeps: see test_library_overflow_error_names_python_arguments)."""
+    path = _write(tmp_path / "long.jsonl", _chat_rows(4, long_id=2))
+    argv = (
+        [cmd, str(path), "--packing-length", "256"]
+        if cmd == "plan"
+        else [cmd, "--data", str(path), "--packing-length", "256", "--max-steps", "1", "--no-save"]
+    )
+    code, out, err = _run(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"varpack {cmd}: error: 1 sample(s) are longer than --packing-length 256"), line
+    assert "--overflow drop, --overflow truncate or --overflow split" in line, line
+    assert "overflow=" not in line and "packing_length" not in line, line
+
+
+def test_no_pack_error_names_the_cli_flags(tmp_path, capsys):
+    path = _write(tmp_path / "long.jsonl", _chat_rows(2, long_id=0)[:1])
+    argv = ["sft", "--data", str(path), "--packing-length", "64", "--overflow", "drop", "--no-save"]
+    code, out, err = _run(argv, capsys)
+    line = err.strip().splitlines()[-1]
+    assert code == 1 and line.startswith("varpack sft: error: no pack to train on"), err
+    assert "raise --packing-length 64 or use --overflow split or --overflow truncate" in line, line
+
+
+def test_library_overflow_error_names_python_arguments():
+    from varpack.plan import plan_packs
+
+    with pytest.raises(ValueError) as info:
+        plan_packs([3, 9], 4)
+    assert "packing_length=4" in str(info.value) and "overflow='drop'" in str(info.value)
+
+
+def test_flag_wording_rewrites_only_this_commands_flags():
+    sft = _subparsers()["sft"]
+    assert flag_wording("raise packing_length=64 or use overflow='split'", sft) == (
+        "raise --packing-length 64 or use --overflow split"
+    )
+    assert (
+        flag_wording("SFTConfig.grad_accum has an invalid value: 0", sft)
+        == "--grad-accum has an invalid value: 0"
+    )
+    assert flag_wording("use_liger_kernel needs a CUDA GPU", sft) == "--use-liger-kernel needs a CUDA GPU"
+    # prose words that are flags without an underscore, and names that are not flags, stay
+    text = "the model's seed; sample_id 3; reduction='sample'; --packing-length 5"
+    assert flag_wording(text, sft) == text
+    plan = _subparsers()["plan"]  # plan has no --grad-accum: nothing to rename
+    assert flag_wording("grad_accum=2", plan) == "grad_accum=2"
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 10: defaults in --help
+# ------------------------------------------------------------------------------------------------------
+def _help_of(parser: argparse.ArgumentParser) -> str:
+    return re.sub(r"\s+", " ", parser.format_help())
+
+
+def test_one_packing_length_default_shown_in_help():
+    from varpack.plan import DEFAULT_PACKING_LENGTH
+    from varpack.train_config import SFTConfig
+
+    subs = _subparsers()
+    plan_default = subs["plan"].get_default("packing_length")
+    sft_default = subs["sft"].get_default("packing_length")
+    assert plan_default == sft_default == SFTConfig().packing_length == DEFAULT_PACKING_LENGTH == 4096
+    for cmd in ("plan", "sft"):
+        assert f"--packing-length N tokens per pack (default: {DEFAULT_PACKING_LENGTH})" in _help_of(
+            subs[cmd]
+        )
+    from varpack.cli.demo import DEMO_DEFAULTS
+
+    assert subs["demo"].get_default("packing_length") == DEMO_DEFAULTS["packing_length"]
+    assert f"tokens per pack (default: {DEMO_DEFAULTS['packing_length']})" in _help_of(subs["demo"])
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_every_default_shown_once(cmd):
+    """Each option with a default worth showing says "(default: ...)" exactly once; none shows None/True/False."""
+    parser = _subparsers()[cmd]
+    for action in parser._actions:
+        if not action.option_strings or action.help in (None, argparse.SUPPRESS):
+            continue
+        n = action.help.count("(default:")
+        assert n <= 1, (cmd, action.option_strings, action.help)
+        shown = action.default not in (None, False, True, argparse.SUPPRESS)
+        if shown and action.nargs != 0:
+            assert n == 1, (cmd, action.option_strings, action.help)
+    text = _help_of(parser)
+    for bad in ("(default: None)", "(default: True)", "(default: False)"):
+        assert bad not in text, (cmd, bad)
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 10: no empty output folder; item 12: learning rate per model kind
+# ------------------------------------------------------------------------------------------------------
+VOCAB = 512
+
+
+class _Tok:
+    """The tokenizer attributes run_sft needs when the samples come pre-encoded."""
+
+    pad_token_id = 0
+
+    def save_pretrained(self, path):
+        Path(path, "tokenizer.json").write_text("{}")
+
+
+def _samples(n=8):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        length = 5 + (7 * i) % 20
+        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": [-100, *ids[1:]], "length": length})
+    return out
+
+
+def _run_sft(tmp_path, **cfg):
+    from varpack.models import load_model
+    from varpack.train import SFTConfig, run_sft
+
+    kw = dict(
+        output_dir=str(tmp_path / "out"),
+        packing_length=32,
+        attn_backend="reference",
+        max_steps=1,
+        extra_training_args={"use_cpu": True},
+    )
+    kw.update(cfg)
+    printed: list[str] = []
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    run = run_sft(SFTConfig(**kw), print_fn=printed.append, model=model, tokenizer=_Tok(), encoded=_samples())
+    return run, "\n".join(printed)
+
+
+def test_no_save_leaves_no_empty_output_dir(tmp_path):
+    """Trainer creates output_dir; a run that saves nothing removes it again (what `make demo` left behind).
+    Controls: with saving it holds the model; a folder that existed before is left alone."""
+    out = tmp_path / "out"
+    _run_sft(tmp_path, save=False)
+    assert not out.exists()
+    _run_sft(tmp_path, save=True)
+    assert out.is_dir() and any(out.iterdir())
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    _run_sft(tmp_path, save=False, output_dir=str(existing))
+    assert existing.is_dir()
+
+
+def test_default_lr_depends_on_model_kind(tmp_path):
+    from varpack.train_config import DEFAULT_LR, default_lr
+
+    assert DEFAULT_LR == {"random-init": 3e-3, "pretrained": 1e-4}
+    assert default_lr("tiny-qwen3") == (3e-3, "random-init")
+    assert default_lr("tiny-llama") == (3e-3, "random-init")
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    assert default_lr(str(model_dir)) == (1e-4, "pretrained")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    assert default_lr(str(gguf)) == (1e-4, "pretrained")
+    with pytest.raises(ValueError, match="no-such-model"):
+        default_lr("no-such-model")
+
+
+def test_run_uses_and_reports_the_lr(tmp_path):
+    """The Trainer gets the per-kind default (its optimizer's lr is checked, not only the config), the report
+    names it and why; a set lr is kept and reported as set."""
+    run, report = _run_sft(tmp_path, save=False)
+    assert run.config.lr == 3e-3 and run.lr_default_kind == "random-init"
+    assert run.trainer.args.learning_rate == 3e-3
+    assert run.trainer.optimizer.param_groups[0]["initial_lr"] == 3e-3
+    assert "peak lr 0.003 (default for a random-init model; pretrained: 0.0001)" in report, report
+    run, report = _run_sft(tmp_path, save=False, lr=5e-4)
+    assert run.config.lr == 5e-4 and run.lr_default_kind is None
+    assert run.trainer.optimizer.param_groups[0]["initial_lr"] == 5e-4
+    assert "peak lr 0.0005 (set)" in report, report
+
+
+def test_lr_default_in_help():
+    subs = _subparsers()
+    assert subs["sft"].get_default("lr") is None
+    assert "(default: 0.003 for a random-init built-in model, 0.0001 for a model directory or GGUF file)" in (
+        _help_of(subs["sft"])
+    )
+    assert "peak learning rate (AdamW) (default: 0.003)" in _help_of(subs["demo"])

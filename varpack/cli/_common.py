@@ -1,0 +1,131 @@
+"""What every ``varpack`` sub-command shares: argument types, the exit-code convention, error wording.
+
+Exit codes (all sub-commands): 0 success; 2 usage error (a bad flag or flag value, reported by ``argparse``
+with the sub-command's usage line); 1 an error found while running (a missing or bad data file, an unknown
+model, overlong samples, no CUDA for ``--device cuda``; and ``varpack check`` FAIL), reported as one line
+``varpack <command>: error: <message>`` on stderr, without a traceback.
+
+This module imports nothing heavy (no torch, transformers or datasets): the parsers are built from it, and
+``varpack --help`` and argument errors answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = [
+    "ATTN_BACKENDS",
+    "DATA_ERRORS",
+    "UsageError",
+    "check_data_files",
+    "flag_wording",
+    "float_above",
+    "int_at_least",
+    "max_steps_type",
+]
+
+#: ``--attn-backend`` values: ``auto`` and the names of :data:`varpack.attn.BACKENDS` (kept here because
+#: importing :mod:`varpack.attn` imports torch; tests/test_cli_consistency.py checks that they agree).
+ATTN_BACKENDS: tuple[str, ...] = (
+    "auto",
+    "reference",
+    "sdpa",
+    "torch_varlen",
+    "flex",
+    "flash_attn",
+    "flash_attn_3",
+    "flash_attn_4",
+)
+
+#: Exceptions that a sub-command's run reports as ``varpack <command>: error: ...`` with exit code 1.
+DATA_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError)
+
+
+class UsageError(ValueError):
+    """A flag value (or combination) that is wrong whatever the data: exit code 2 with the usage line."""
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """``argparse`` type: an integer ``>= minimum`` (the error names the value given)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int_at_least_{minimum}"
+    return parse
+
+
+def float_above(minimum: float) -> Callable[[str], float]:
+    """``argparse`` type: a finite number ``> minimum``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > minimum):
+            raise argparse.ArgumentTypeError(f"must be a finite number > {minimum:g}, got {text!r}")
+        return value
+
+    parse.__name__ = f"float_above_{minimum:g}"
+    return parse
+
+
+def max_steps_type(text: str) -> int:
+    """``argparse`` type of ``--max-steps``: ``-1`` (run ``--epochs``) or an integer ``>= 1``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value != -1 and value < 1:
+        raise argparse.ArgumentTypeError(f"must be -1 (run --epochs) or an integer >= 1, got {text!r}")
+    return value
+
+
+def check_data_files(paths: Sequence[str] | None) -> None:
+    """Refuse a ``--data`` / ``DATA`` path that is not a file before anything heavy is imported.
+
+    Raises:
+        FileNotFoundError: ``chat data file not found: 'PATH'`` (the wording of
+            :func:`varpack.encode.load_chat_data`).
+    """
+    for p in paths or ():
+        if not Path(p).expanduser().is_file():
+            raise FileNotFoundError(f"chat data file not found: {os.fspath(p)!r}")
+
+
+def _long_flag(action: argparse.Action) -> str:
+    return max(action.option_strings, key=len)
+
+
+def flag_wording(message: str, parser: argparse.ArgumentParser) -> str:
+    """Reword a library error for the command line: a setting named as its Python argument becomes the
+    sub-command's flag (``overflow='drop'`` -> ``--overflow drop``, ``packing_length=256`` ->
+    ``--packing-length 256``, ``SFTConfig.packing_length`` / ``use_liger_kernel`` -> ``--packing-length`` /
+    ``--use-liger-kernel``). Only names that are flags of ``parser`` are changed; a bare name is changed only
+    when it has an underscore (``model`` or ``seed`` in prose stay as they are).
+    """
+    for action in parser._actions:  # argparse keeps its actions here; there is no public accessor
+        if not action.option_strings or action.dest in (argparse.SUPPRESS, "help"):
+            continue
+        flag, dest = _long_flag(action), re.escape(action.dest)
+        if action.nargs != 0:  # takes a value: name=value -> --flag value
+            message = re.sub(
+                rf"(?<![\w.-])(?:SFTConfig\.)?{dest}=('[^']*'|\"[^\"]*\"|[^\s,;)]+)",
+                lambda m, flag=flag: f"{flag} {m.group(1).strip(chr(39) + chr(34))}",
+                message,
+            )
+        if "_" in action.dest:
+            message = re.sub(rf"(?<![\w.-])(?:SFTConfig\.)?{dest}(?![\w=])", flag, message)
+    return message
