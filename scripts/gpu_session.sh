@@ -49,11 +49,11 @@ case "$stage" in
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
     python3 -c 'import pyarrow, torch, transformers; print(pyarrow.__version__, torch.__version__, transformers.__version__)'
     ;;
-  tests)
+  tests)  # the whole -m gpu suite (no -x: every failure listed), then varpack check on three models
     setup
-    timeout 300 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -60
-    for m in tiny-qwen3 qwen3-0.6b-shape tiny-qwen3.5; do
-      timeout 80 python3 -m varpack.cli.main check --model $m --dtype bf16 --device cuda --json 2>&1 | tail -3 | tee -a "$OUT/check.log"
+    timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -60
+    for m in ${CHECK_MODELS:-tiny-qwen3 qwen3-0.6b-shape tiny-qwen3.5}; do
+      timeout 60 python3 -m varpack.cli.main check --model $m --dtype bf16 --device cuda --json 2>&1 | tail -3 | tee -a "$OUT/check.log"
     done
     ;;
   bench)
