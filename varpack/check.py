@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
+from varpack.schema import BOUNDARY_KEYS, CU_SEQ_LENS_K, CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, NOT_MODEL_INPUTS
+
 __all__ = ["check_exactness"]
 
-_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-_NOT_MODEL_INPUTS = ("labels", "loss_scale", "sample_ids")
 _LOW_PRECISION_ATOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
@@ -57,9 +57,9 @@ def _as_sample_list(samples: Any) -> list[dict[str, Any]]:
 def _model_inputs(batch: Mapping[str, Any], device: torch.device, *, packed: bool) -> dict[str, Any]:
     out = {}
     for key, value in batch.items():
-        if key in _NOT_MODEL_INPUTS or (not packed and key in _BOUNDARY_KEYS):
+        if key in NOT_MODEL_INPUTS or (not packed and key in BOUNDARY_KEYS):
             continue
-        if isinstance(value, torch.Tensor) and not key.startswith("cu_seq_lens"):
+        if isinstance(value, torch.Tensor) and key not in (CU_SEQ_LENS_Q, CU_SEQ_LENS_K):
             value = value.to(device)  # boundaries stay on the CPU: varlen_attention copies them once
         out[key] = value
     return out
@@ -96,7 +96,7 @@ def _unpacked_run(model: Any, collate: Any, samples: list[dict], device: torch.d
     try:
         model.zero_grad(set_to_none=True)
         batches = [collate([[s]]) for s in samples]
-        count = sum(int((b["labels"][0, 1:] != -100).sum()) for b in batches)
+        count = sum(int((b[LABELS][0, 1:] != IGNORE_INDEX).sum()) for b in batches)
         logits_all, total = [], None
         for batch in batches:
             logits = model(**_model_inputs(batch, device, packed=False)).logits

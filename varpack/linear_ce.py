@@ -68,6 +68,7 @@ from typing import Any, Literal
 import torch
 
 from varpack.loss import loss_denominator
+from varpack.schema import IGNORE_INDEX, LOSS_FIELDS, SEQ_IDX
 
 __all__ = [
     "AUTO_PREFERS_LIGER",
@@ -101,7 +102,7 @@ def _shift_tokens(x: torch.Tensor, fill: float | int) -> torch.Tensor:
 
 
 def shift_labels(
-    labels: torch.Tensor, *, seq_idx: torch.Tensor | None = None, ignore_index: int = -100
+    labels: torch.Tensor, *, seq_idx: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
     """Causal shift of padding-free labels: ``[1, T]`` (or ``[B, T]``, or ``[T]``) -> ``[B * T]``.
 
@@ -153,7 +154,7 @@ def token_loss_weights(
     reduction: Reduction = "token",
     seq_idx: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | float | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     loss_scale: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
@@ -545,7 +546,7 @@ def linear_cross_entropy(
     reduction: Reduction = "token",
     seq_idx: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | float | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     loss_scale: torch.Tensor | None = None,
     chunk_size: int = 4096,
     backend: str = "auto",
@@ -673,7 +674,6 @@ def _flat(x: torch.Tensor, shape: tuple[int, int], name: str) -> torch.Tensor:
 
 #: Config attributes that change the logits after the LM head (the loss here would not include them).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
-_LOSS_KEYS = ("labels", "loss_scale")
 
 
 def _base_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -727,7 +727,7 @@ def causal_lm_forward_with_linear_ce(
     *,
     reduction: Reduction = "token",
     num_items_in_batch: torch.Tensor | int | float | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int = 4096,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -764,7 +764,7 @@ def causal_lm_forward_with_linear_ce(
     if "labels" not in batch:
         raise ValueError(f"batch has no 'labels' (keys: {sorted(batch)})")
     base, head = _base_and_head(model)
-    model_inputs = _run_forward_pre_hooks(model, {k: v for k, v in batch.items() if k not in _LOSS_KEYS})
+    model_inputs = _run_forward_pre_hooks(model, {k: v for k, v in batch.items() if k not in LOSS_FIELDS})
     outputs = base(**model_inputs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     labels = batch["labels"]
@@ -773,7 +773,7 @@ def causal_lm_forward_with_linear_ce(
         raise ValueError(
             f"hidden states {tuple(hidden.shape)} do not match labels {tuple(labels.shape)} (one row per batch row)"
         )
-    seq_idx = batch.get("seq_idx")
+    seq_idx = batch.get(SEQ_IDX)
     shifted = shift_labels(rows, seq_idx=seq_idx, ignore_index=ignore_index)
     flat_seq_idx = None
     if seq_idx is not None:

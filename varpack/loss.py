@@ -33,6 +33,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from varpack.schema import IGNORE_INDEX
+
 __all__ = ["causal_lm_loss", "count_loss_items", "count_loss_items_tensor"]
 
 Reduction = Literal["token", "sample"]
@@ -92,7 +94,7 @@ def causal_lm_loss(
     reduction: Reduction = "token",
     seq_idx: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | int | float | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     loss_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next-token cross entropy of a packed (or ordinary) causal-LM batch.
@@ -198,7 +200,7 @@ def count_loss_items(
     *,
     reduction: Reduction = "token",
     seq_idx: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> int:
     """The denominator :func:`causal_lm_loss` uses for one batch: supervised predictions (``"token"``) or
     segments with at least one supervised prediction (``"sample"``). Sum it over the micro-batches (and
@@ -217,7 +219,7 @@ def count_loss_items_tensor(
     *,
     reduction: Reduction = "token",
     seq_idx: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """:func:`count_loss_items` as a 0-d int64 tensor on ``labels``' device, computed without reading any
     value back to the host (safe on GPU batches inside a training step).

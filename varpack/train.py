@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
+from varpack.schema import BOOKKEEPING_BATCH_KEYS, IGNORE_INDEX, NOT_MODEL_INPUTS
 from varpack.train_config import SFTConfig, default_lr
 
 __all__ = [
@@ -52,8 +53,6 @@ __all__ = [
     "format_packing_report",
     "run_sft",
 ]
-
-_NOT_MODEL_INPUTS = ("labels", "loss_scale", "sample_ids", "num_packs")
 
 
 def _unwrap_boundaries(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -188,13 +187,13 @@ class PackedSFTTrainer(Trainer):
         if self._use_linear_ce(model):
             from varpack.linear_ce import causal_lm_forward_with_linear_ce
 
-            batch = {k: v for k, v in inputs.items() if k not in ("sample_ids", "num_packs")}
+            batch = {k: v for k, v in inputs.items() if k not in BOOKKEEPING_BATCH_KEYS}
             loss = causal_lm_forward_with_linear_ce(
                 model, batch, reduction=self.loss_reduction, num_items_in_batch=num_items_in_batch
             )
             self.loss_impl_used = "linear_ce"
         else:
-            model_inputs = {k: v for k, v in inputs.items() if k not in _NOT_MODEL_INPUTS}
+            model_inputs = {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}
             outputs = model(**model_inputs)
             loss = causal_lm_loss(
                 outputs.logits,
@@ -259,7 +258,9 @@ class TrainCollator:
 # ---------------------------------------------------------------------------------------------------------
 # building a run
 # ---------------------------------------------------------------------------------------------------------
-def unsupervised_pieces(encoded: Any, plan: Any, *, ignore_index: int = -100) -> list[tuple[int, int, int, int]]:
+def unsupervised_pieces(
+    encoded: Any, plan: Any, *, ignore_index: int = IGNORE_INDEX
+) -> list[tuple[int, int, int, int]]:
     """Pieces of truncated / split samples that keep no supervised token (e.g. a long prompt cut away from
     its answer): ``[(piece_id, sample_id, start, stop), ...]``. They train nothing, so the packing report
     names them. A piece's first label becomes ``ignore_index`` when it is cut, so it is not counted."""

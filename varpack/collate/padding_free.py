@@ -17,6 +17,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from varpack.schema import (
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    LOSS_SCALE,
+    MEDIA_FIELDS,
+    MEDIA_PAIRS,
+    MM_TOKEN_TYPE_IDS,
+    SAMPLE_BOOKKEEPING_FIELDS,
+)
+from varpack.schema import TOKEN_FIELDS as _TOKEN_FIELD_NAMES
+
 __all__ = [
     "IGNORED_FIELDS",
     "MEDIA_FIELDS",
@@ -24,31 +36,13 @@ __all__ = [
     "PaddingFreeCollator",
 ]
 
-#: token-aligned fields known to varpack and their output dtype (numpy); every one has the sample's length
-TOKEN_FIELDS: dict[str, type] = {
-    "input_ids": np.int64,
-    "labels": np.int64,
-    "loss_scale": np.float32,
-    "token_type_ids": np.int64,
-    "mm_token_type_ids": np.int64,
-}
-#: media fields, concatenated along dim 0 in pack order (Qwen-VL layout: patches x features, grids N x 3,
-#: Qwen2.5-VL's ``second_per_grid_ts``: one float per video, seconds per temporal grid)
-MEDIA_FIELDS: tuple[str, ...] = (
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_values_videos",
-    "video_grid_thw",
-    "second_per_grid_ts",
-)
-#: per-sample bookkeeping fields that never reach the model
-IGNORED_FIELDS: frozenset[str] = frozenset(
-    {"length", "sample_id", "source", "messages", "piece_id", "piece_range"}
-)
+#: token-aligned fields known to varpack (:data:`varpack.schema.TOKEN_FIELDS`) and their output dtype (numpy);
+#: every one has the sample's length
+TOKEN_FIELDS: dict[str, type] = {f: np.float32 if f == LOSS_SCALE else np.int64 for f in _TOKEN_FIELD_NAMES}
+#: per-sample bookkeeping fields that never reach the model (:data:`varpack.schema.SAMPLE_BOOKKEEPING_FIELDS`)
+IGNORED_FIELDS: frozenset[str] = SAMPLE_BOOKKEEPING_FIELDS
 
 _STRUCT_CODES: dict[type, str] = {np.int64: "q", np.float32: "f"}
-_MEDIA_PAIRS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
-_LABEL_IGNORE = -100
 
 
 def _is_sample(x: Any) -> bool:
@@ -361,7 +355,7 @@ class PaddingFreeCollator:
                 f"bookkeeping with ignore_fields=... -- varpack never drops a field silently"
             )
         n = len(samples)
-        for field in ("input_ids", "labels"):
+        for field in (INPUT_IDS, LABELS):
             have = present.get(field, [])
             if len(have) != n:
                 missing = sorted(set(range(n)) - set(have))
@@ -369,7 +363,7 @@ class PaddingFreeCollator:
                     f"{_name(names, missing[0])} has no {field!r} ({n - len(have)} of {n} samples lack it)"
                 )
         optional_everywhere = [
-            f for f in self._token_fields if f not in ("input_ids", "labels", "mm_token_type_ids")
+            f for f in self._token_fields if f not in (INPUT_IDS, LABELS, MM_TOKEN_TYPE_IDS)
         ]
         for field in optional_everywhere:
             have = present.get(field)
@@ -458,16 +452,17 @@ class PaddingFreeCollator:
                     )
             except (TypeError, ValueError, OverflowError, struct.error) as exc:
                 raise _bad_values(field, dtype, have, columns[field], names, exc) from exc
-            if field == "labels" and (values[starts[:n]] != _LABEL_IGNORE).any():
-                bad = np.flatnonzero(values[starts[:n]] != _LABEL_IGNORE)
+            if field == "labels" and (values[starts[:n]] != IGNORE_INDEX).any():
+                bad = np.flatnonzero(values[starts[:n]] != IGNORE_INDEX)
                 if bad.size:
                     i = int(bad[0])
                     raise ValueError(
-                        f"{_name(names, i)}: labels[0] is {int(values[starts[i]])}, must be -100 (the first token "
-                        f"of a sample has no predecessor inside the sample; {bad.size} samples of the batch break this)"
+                        f"{_name(names, i)}: labels[0] is {int(values[starts[i]])}, must be {IGNORE_INDEX} "
+                        f"(the first token of a sample has no predecessor inside the sample; {bad.size} "
+                        f"samples of the batch break this)"
                     )
             if pad:
-                fill = {"input_ids": self.pad_token_id, "labels": _LABEL_IGNORE}.get(field, 0)
+                fill = {INPUT_IDS: self.pad_token_id, LABELS: IGNORE_INDEX}.get(field, 0)
                 values = np.concatenate([values, np.full(pad, fill, dtype=values.dtype)])
             batch[field] = torch.from_numpy(values).unsqueeze(0)
 
@@ -600,7 +595,7 @@ class PaddingFreeCollator:
                         f"along dim 0 (e.g. pixel_values [patches, features], image_grid_thw [images, 3]), "
                         f"but it {_describe(value)}"
                     )
-        for pixels, grid in _MEDIA_PAIRS:
+        for pixels, grid in MEDIA_PAIRS:
             with_pixels = set(present.get(pixels, ()))
             with_grid = set(present.get(grid, ()))
             if with_pixels != with_grid:

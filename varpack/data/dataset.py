@@ -14,22 +14,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from varpack.collate.padding_free import MEDIA_FIELDS
+from varpack.schema import IGNORE_INDEX, MEDIA_FIELDS, TOKEN_ALIGNED_FIELDS
 
 __all__ = ["PackedDataset", "TOKEN_ALIGNED_FIELDS", "sample_lengths"]
-
-#: fields sliced along the token axis when a piece of an overlong sample is cut (``position_ids``: last axis)
-TOKEN_ALIGNED_FIELDS: tuple[str, ...] = (
-    "input_ids",
-    "labels",
-    "loss_scale",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "attention_mask",
-    "position_ids",
-)
-_MEDIA_FIELDS = MEDIA_FIELDS  # one list: the collator's (Qwen2.5-VL's second_per_grid_ts included)
-_LABEL_IGNORE = -100
 
 
 def _is_hf_dataset(samples: Any) -> bool:
@@ -97,7 +84,7 @@ def _restart_text_plane(value: Any, text_plane: int) -> Any:
 
 
 def _set_first_label(labels: Any) -> Any:
-    labels[0] = _LABEL_IGNORE
+    labels[0] = IGNORE_INDEX
     return labels
 
 
@@ -342,13 +329,13 @@ class PackedDataset(Dataset):
         return rows
 
     def _cut(self, row: dict[str, Any], piece_id: int, sample_id: int, start: int, stop: int) -> None:
-        if any(row.get(f) is not None for f in _MEDIA_FIELDS):
+        if any(row.get(f) is not None for f in MEDIA_FIELDS):
             # image/video pieces keep only the media wholly inside them; a cut inside an image raises
             from varpack.encode import multimodal
 
             piece = multimodal.slice_mm_sample(row, start, stop, sample_id=sample_id)
             for f in self.token_fields:  # extra token fields that the multimodal slicer does not know
-                if f in row and f != "position_ids" and f not in multimodal.TOKEN_ALIGNED_FIELDS:
+                if f in row and f not in TOKEN_ALIGNED_FIELDS:
                     piece[f] = _slice(row[f], start, stop)
             row.clear()
             row.update(piece)

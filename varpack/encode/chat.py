@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from varpack.schema import IGNORE_INDEX  # re-exported: ``varpack.encode.IGNORE_INDEX``
+
 if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
@@ -47,8 +49,6 @@ __all__ = [
     "validate_messages",
 ]
 
-#: Label of tokens that are not trained on (PyTorch cross-entropy's ``ignore_index``).
-IGNORE_INDEX = -100
 #: Roles a message may have.
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 _ENCODE_VERSION = "2"  # bump when the encoding of a chat changes (invalidates Arrow caches)

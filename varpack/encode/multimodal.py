@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from varpack.schema import FLAT_TOKEN_FIELDS, IGNORE_INDEX, IMAGE_FIELDS, VIDEO_FIELDS
+
 __all__ = [
-    "TOKEN_ALIGNED_FIELDS",
     "VISION_TOKENS",
     "check_plan_cuts",
     "encode_any",
@@ -58,21 +59,11 @@ VISION_TOKENS = {
     "image_pad": "<|image_pad|>",
     "video_pad": "<|video_pad|>",
 }
-#: per-token fields sliced/expanded together with ``input_ids``
-TOKEN_ALIGNED_FIELDS = (
-    "input_ids",
-    "labels",
-    "mm_token_type_ids",
-    "loss_scale",
-    "token_type_ids",
-    "attention_mask",
-)
 
 _MEDIA_TYPES = ("image", "video")
 _PART_TYPES = ("text", "image", "video")
 _IMAGE_KEYS = ("image", "path", "url")
 _VIDEO_KEYS = ("video", "path", "url")
-IGNORE_INDEX = -100
 
 
 # --------------------------------------------------------------------------------------------- parsing
@@ -805,7 +796,7 @@ def slice_mm_sample(sample: dict, start: int, stop: int, *, sample_id: Any = Non
     """
     report = validate_cut(sample, start, stop, sample_id=sample_id)
     out = dict(sample)
-    for key in TOKEN_ALIGNED_FIELDS:
+    for key in FLAT_TOKEN_FIELDS:  # 1-D per-token fields; position_ids [P, L] below
         if key in sample and sample[key] is not None:
             out[key] = list(sample[key][start:stop])
     if "labels" in out and out["labels"]:
@@ -815,8 +806,8 @@ def slice_mm_sample(sample: dict, start: int, stop: int, *, sample_id: Any = Non
         pos[0] = torch.arange(stop - start)
         out["position_ids"] = pos.tolist()
     for _kind, pix_key, grid_key, chosen in (
-        ("image", "pixel_values", "image_grid_thw", report["images"]),
-        ("video", "pixel_values_videos", "video_grid_thw", report["videos"]),
+        ("image", *IMAGE_FIELDS, report["images"]),
+        ("video", *VIDEO_FIELDS, report["videos"]),
     ):
         grid = _grids(sample, grid_key)
         if grid is None:

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from varpack.schema import FLASH_ATTN_KWARGS
 from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
 
 __all__ = [
@@ -64,7 +65,6 @@ __all__ = [
 #: The attention implementation name of ``backend="auto"``.
 ATTN_IMPLEMENTATION = "varpack"
 
-_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _CACHE_KEYS = ("past_key_values", "cache")
 #: implementation name -> backend name, for every name registered by this module.
 _REGISTERED: dict[str, str] = {}
@@ -337,7 +337,7 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
     position_ids = kwargs.get("position_ids")
     attention_mask = kwargs.get("attention_mask")
     cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
-    packed = any(kwargs.get(k) is not None for k in _BOUNDARY_KEYS)
+    packed = any(kwargs.get(k) is not None for k in FLASH_ATTN_KWARGS)
     where = type(model).__name__
 
     if packed:
@@ -348,7 +348,8 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
             )
         if kwargs.get("cu_seq_lens_q") is None:
             raise PackingGuardError(
-                f"{where} got {[k for k in _BOUNDARY_KEYS if kwargs.get(k) is not None]} without cu_seq_lens_q"
+                f"{where} got {[k for k in FLASH_ATTN_KWARGS if kwargs.get(k) is not None]} "
+                "without cu_seq_lens_q"
             )
         if ref is not None and ref.dim() >= 2 and ref.shape[0] != 1:
             raise PackingGuardError(

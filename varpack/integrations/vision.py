@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from varpack.schema import BOUNDARY_KEYS, IMAGE_FIELDS, VIDEO_FIELDS
+
 __all__ = [
     "QWEN3_VISION_TOKENS",
     "TINY_VL_MODELS",
@@ -318,8 +320,8 @@ def check_media(batch: dict, model_or_config: Any) -> dict[str, int]:
     input_ids = torch.as_tensor(batch["input_ids"])
     report: dict[str, int] = {}
     for kind, token_id, pix_key, grid_key, code in (
-        ("image", config.image_token_id, "pixel_values", "image_grid_thw", 1),
-        ("video", config.video_token_id, "pixel_values_videos", "video_grid_thw", 2),
+        ("image", config.image_token_id, *IMAGE_FIELDS, 1),
+        ("video", config.video_token_id, *VIDEO_FIELDS, 2),
     ):
         slots = int((input_ids == token_id).sum())
         grid = batch.get(grid_key)
@@ -401,8 +403,9 @@ def install_media_guard(model: torch.nn.Module) -> torch.utils.hooks.RemovableHa
     return model.register_forward_pre_hook(_hook, with_kwargs=True)
 
 
-#: the text stream's boundary kwargs (transformers ``FlashAttentionKwargs`` + varpack's ``seq_idx``)
-TEXT_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+#: the text stream's boundary kwargs (transformers ``FlashAttentionKwargs`` + varpack's ``seq_idx``):
+#: :data:`varpack.schema.BOUNDARY_KEYS`
+TEXT_VARLEN_KWARGS = BOUNDARY_KEYS
 
 
 def _vision_tower(model: torch.nn.Module) -> torch.nn.Module:

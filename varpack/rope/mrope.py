@@ -31,6 +31,15 @@ from typing import Any
 
 import torch
 
+from varpack.schema import (
+    ATTENTION_MASK,
+    IMAGE_GRID_THW,
+    INPUT_IDS,
+    MM_TOKEN_TYPE_IDS,
+    SECOND_PER_GRID_TS,
+    VIDEO_GRID_THW,
+)
+
 __all__ = [
     "NUM_PLANES",
     "SUPPLIED_ARGS",
@@ -53,14 +62,14 @@ _PARAMS_CACHE: dict[Any, frozenset[str]] = {}
 
 #: rope-function arguments varpack supplies (``attention_mask`` is left at None: a sample has no padding)
 SUPPLIED_ARGS = (
-    "input_ids",
-    "mm_token_type_ids",
-    "image_grid_thw",
-    "video_grid_thw",
-    "second_per_grid_ts",
-    "attention_mask",
+    INPUT_IDS,
+    MM_TOKEN_TYPE_IDS,
+    IMAGE_GRID_THW,
+    VIDEO_GRID_THW,
+    SECOND_PER_GRID_TS,
+    ATTENTION_MASK,
 )
-_REQUIRED_ARGS = ("input_ids", "mm_token_type_ids", "image_grid_thw")
+_REQUIRED_ARGS = (INPUT_IDS, MM_TOKEN_TYPE_IDS, IMAGE_GRID_THW)
 
 
 def _fn_name(fn: Any) -> str:
