@@ -383,7 +383,7 @@ def test_gpu_chunk_is_sync_free():
 
 def _fla_or_skip(needs_backward: bool):
     pytest.importorskip("fla")
-    from varpack.ops._fla import fla_status
+    from varpack.ops.fla_probe import fla_status
 
     st = fla_status("cuda")
     if not st.forward[0]:

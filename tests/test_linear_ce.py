@@ -1,4 +1,4 @@
-"""Linear cross entropy (varpack.linear_ce) == the unfused computation (full logits + F.cross_entropy).
+"""Linear cross entropy (varpack.ops.linear_ce) == the unfused computation (full logits + F.cross_entropy).
 
 The references below are written independently of the code under test: plain ``hidden @ W.T`` logits,
 ``F.cross_entropy`` with PyTorch's own reductions, and a Python loop over samples for the sample mean.
@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from varpack.linear_ce import (
+from varpack.ops.linear_ce import (
     causal_lm_forward_with_linear_ce,
     linear_ce_backends,
     linear_cross_entropy,
+    naive_linear_cross_entropy,
     resolve_linear_ce_backend,
     shift_labels,
 )
@@ -227,9 +228,9 @@ def test_batched_rows_flatten_like_one_stream():
 def test_fused_chunk_step_matches_unfused(monkeypatch, reduction):
     """The out-of-place chunk step that torch.compile fuses on CUDA, run eagerly here (compiling on the CPU
     takes ~30 s): same loss and gradients as the unfused reference."""
-    import varpack.linear_ce as lce
+    import varpack.ops.linear_ce.chunked as chunked
 
-    monkeypatch.setattr(lce, "_compiled_chunk_fn", lambda: lce._chunk_loss_and_grad_fused)
+    monkeypatch.setattr(chunked, "_compiled_chunk_fn", lambda: chunked._chunk_loss_and_grad_fused)
     hidden, weight, b, labels, seq_idx = _problem(T=15, bias=True, n_samples=3)
     loss = linear_cross_entropy(
         hidden, weight, labels, bias=b, reduction=reduction, seq_idx=seq_idx, chunk_size=4, compile=True
@@ -242,6 +243,38 @@ def test_fused_chunk_step_matches_unfused(monkeypatch, reduction):
     torch.testing.assert_close(loss, ref, **_tol(torch.float64))
     for got, want in zip(_grads(loss, hidden, weight, b), _grads(ref, hidden, weight, b)):
         torch.testing.assert_close(got, want, **_tol(torch.float64))
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_naive_twin_matches_references_and_chunked(reduction):
+    """The package's naive twin (full logits) equals the independent references above, and the chunked
+    backend equals it in loss and gradients (bias, loss_scale / num_items_in_batch included)."""
+    hidden, weight, b, labels, seq_idx = _problem(T=15, bias=True, n_samples=3, seed=4)
+    if reduction == "token":
+        scale = torch.rand(labels.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        kw = dict(loss_scale=scale, num_items_in_batch=7)
+        ref = ref_token_mean(hidden, weight, labels, bias=b, num_items=7, loss_scale=scale)
+    else:
+        kw = dict(reduction="sample", seq_idx=seq_idx)
+        ref = ref_sample_mean(hidden, weight, labels, seq_idx, bias=b)
+    naive = naive_linear_cross_entropy(hidden, weight, labels, bias=b, **kw)
+    chunked = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=4, backend="chunked", **kw)
+    for got in (naive, chunked):
+        torch.testing.assert_close(got, ref, **_tol(torch.float64))
+    for got, want in zip(_grads(chunked, hidden, weight, b), _grads(naive, hidden, weight, b)):
+        torch.testing.assert_close(got, want, **_tol(torch.float64))
+
+
+def test_old_import_path_reexports_the_op():
+    """``varpack.linear_ce`` (README, benchmarks, users) is a re-export of :mod:`varpack.ops.linear_ce`."""
+    import varpack
+    import varpack.linear_ce as old
+    import varpack.ops.linear_ce as new
+
+    assert old.__all__ == new.__all__
+    for name in new.__all__:
+        assert getattr(old, name) is getattr(new, name), name
+    assert varpack.linear_cross_entropy is new.linear_cross_entropy
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -318,18 +351,19 @@ def _fake_liger(monkeypatch, calls):
 
 
 def test_liger_wrapping_is_exact_for_token_and_per_token_weights(monkeypatch):
-    import varpack.linear_ce as lce
+    import varpack.ops.linear_ce as lce
+    from varpack.ops.linear_ce.liger import _liger_loss
 
     calls = []
     _fake_liger(monkeypatch, calls)
     hidden, weight, b, labels, seq_idx = _problem(T=17, bias=True, n_samples=3)
     tw = lce.token_loss_weights(labels, num_items_in_batch=9, dtype=torch.float64)
-    got = lce._liger_loss(hidden, weight, b, labels, tw, torch.tensor(9.0, dtype=torch.float64), IGNORE, 8)
+    got = _liger_loss(hidden, weight, b, labels, tw, torch.tensor(9.0, dtype=torch.float64), IGNORE, 8)
     want = ref_token_mean(hidden, weight, labels, bias=b, num_items=9)
     torch.testing.assert_close(got.double(), want, **_tol(torch.float32))
     assert calls[-1]["reduction"] == "sum" and calls[-1]["chunk_mem_const"] == 1  # V / (D * chunks) < 1
     tw = lce.token_loss_weights(labels, reduction="sample", seq_idx=seq_idx, dtype=torch.float64)
-    got = lce._liger_loss(hidden, weight, b, labels, tw, None, IGNORE, 8)
+    got = _liger_loss(hidden, weight, b, labels, tw, None, IGNORE, 8)
     torch.testing.assert_close(
         got.double(), ref_sample_mean(hidden, weight, labels, seq_idx, bias=b), **_tol(torch.float32)
     )
@@ -338,7 +372,7 @@ def test_liger_wrapping_is_exact_for_token_and_per_token_weights(monkeypatch):
 
 @pytest.mark.parametrize(("tokens", "chunk"), [(8192, 4096), (16384, 4096), (8192, 2048), (12000, 4096)])
 def test_liger_chunk_mem_const_gives_the_requested_chunk(tokens, chunk):
-    from varpack.linear_ce import _liger_chunk_kwargs
+    from varpack.ops.linear_ce.liger import _liger_chunk_kwargs
 
     def fn(input, weight, target, bias=None, chunk_mem_const=1):
         pass
@@ -356,7 +390,7 @@ def test_liger_chunk_mem_const_gives_the_requested_chunk(tokens, chunk):
 
 
 def test_auto_resolution_on_cuda_with_liger(monkeypatch):
-    import varpack.linear_ce as lce
+    import varpack.ops.linear_ce.dispatch as lce
 
     monkeypatch.setattr(lce, "_liger_probe", lambda: (True, "liger-kernel importable", True))
     assert resolve_linear_ce_backend("auto", "cuda", uniform_weights=True)[0] == "liger"

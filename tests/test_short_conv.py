@@ -107,7 +107,7 @@ def test_gpu_conv_matches_reference_and_fla_if_usable():
     y = short_conv(x, w, b, "silu", cu_seqlens=cu)
     y_ref = short_conv_reference(x, w, b, "silu", cu_seqlens=cu)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
-    from varpack.ops._fla import fla_status
+    from varpack.ops.fla_probe import fla_status
 
     st = fla_status("cuda")
     if not st.conv_forward[0]:

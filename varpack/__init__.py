@@ -31,7 +31,7 @@ _EXPORTS = {
     "builtin_chats": "varpack.data.builtin",
     "enable_varpack": "varpack.integrations.transformers",
     "causal_lm_loss": "varpack.loss",
-    "linear_cross_entropy": "varpack.linear_ce",
+    "linear_cross_entropy": "varpack.ops.linear_ce",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

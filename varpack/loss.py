@@ -176,7 +176,7 @@ def loss_denominator(
     num_items: torch.Tensor | int | float, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``num_items_in_batch`` as a 0-d ``dtype`` tensor on ``device``: the divisor of a whole optimizer step
-    (HF Trainer semantics), shared by :func:`causal_lm_loss` and :func:`varpack.linear_ce.linear_cross_entropy`.
+    (HF Trainer semantics), shared by :func:`causal_lm_loss` and :func:`varpack.ops.linear_ce.linear_cross_entropy`.
 
     A tensor is clamped to >= 1 instead of checked (a check would be a host sync): a step with no supervised
     item at all (e.g. only prompt pieces of split samples) has a zero numerator too, so its loss is 0 with zero

@@ -4,7 +4,7 @@ Pipeline (ARCHITECTURE.md): chat data -> :func:`varpack.encode.encode_dataset` (
 :func:`varpack.plan.plan_packs` -> :class:`varpack.data.dataset.PackedDataset` (one item = one pack) ->
 :class:`varpack.collate.PaddingFreeCollator` (the packs of one micro-batch become ONE row with
 ``cu_seq_lens_q/k``) -> a model on varpack attention (:func:`varpack.integrations.transformers.enable_varpack`)
--> :func:`varpack.loss.causal_lm_loss` (or the chunked linear cross entropy of :mod:`varpack.linear_ce`, which
+-> :func:`varpack.loss.causal_lm_loss` (or the chunked linear cross entropy of :mod:`varpack.ops.linear_ce`, which
 never builds the ``[T, V]`` logits).
 
 Sampling. The Trainer visits the dataset sequentially (``train_sampling_strategy="sequential"``); the order
@@ -185,7 +185,7 @@ class PackedSFTTrainer(Trainer):
             self._window_slots += int(num_packs) * int(self.packing_length)
         outputs = None
         if self._use_linear_ce(model):
-            from varpack.linear_ce import causal_lm_forward_with_linear_ce
+            from varpack.ops.linear_ce import causal_lm_forward_with_linear_ce
 
             batch = {k: v for k, v in inputs.items() if k not in BOOKKEEPING_BATCH_KEYS}
             loss = causal_lm_forward_with_linear_ce(

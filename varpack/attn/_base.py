@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from varpack._probe import ProbeOnce, probe_failed
+
 __all__ = ["Backend", "BackendUnavailableError", "CallSpec", "Capabilities"]
 
 
@@ -151,15 +153,13 @@ class Backend:
         return True, "built in"
 
     def is_available(self) -> tuple[bool, str]:
-        """``(ok, reason)``: whether the backend's library is importable here (cached after the first call)."""
-        cached = getattr(self, "_probe_result", None)
-        if cached is None:
-            try:
-                cached = self._probe()
-            except Exception as exc:  # a broken install must not break dispatch
-                cached = (False, f"probe failed: {type(exc).__name__}: {exc}")
-            self._probe_result = cached
-        return cached
+        """``(ok, reason)``: whether the backend's library is importable here (probed once per backend object,
+        :class:`varpack._probe.ProbeOnce`; a probe that raises answers ``(False, "probe failed: ...")``)."""
+        probe = self.__dict__.get("_availability")
+        if probe is None:  # a broken install must not break dispatch: probe_failed turns it into a reason
+            probe = ProbeOnce(self._probe, on_error=probe_failed, name=f"attention backend {self.name!r}")
+            self._availability = probe
+        return probe()
 
     # -- one call --------------------------------------------------------------------------------------
     def supports_platform(

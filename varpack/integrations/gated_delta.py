@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from varpack.ops._fla import fla_status, load_fla
+from varpack.ops._fla import load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
-from varpack.ops.gated_delta_rule.dispatch import resolve_backend
+from varpack.ops.gated_delta_rule.dispatch import fla_gated_delta_status, resolve_backend
 from varpack.ops.short_conv import short_conv
 from varpack.varlen.boundaries import normalize_cu_seqlens
 
@@ -286,7 +286,8 @@ def _original_cannot_train(layer: torch.nn.Module, hidden_states: torch.Tensor) 
         return False
     if load_fla()[0] is None:
         return False
-    return not fla_status(hidden_states.device).backward[0]
+    _, backward = fla_gated_delta_status(hidden_states.device)
+    return not backward[0]
 
 
 def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs):

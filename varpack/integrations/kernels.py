@@ -9,7 +9,7 @@ casts, residual adds) and in the host time to launch them. Two well-kept remedie
   kernels (``liger_kernel.transformers._apply_liger_kernel_to_instance``; Hsu et al., "Liger Kernel: Efficient
   Triton Kernels for LLM Training", 2024). These layers act on each token alone (RoPE reads the token's own
   ``position_ids``, which restart per sample), so packing cannot leak through them. The loss stays varpack's
-  (:mod:`varpack.loss` / :mod:`varpack.linear_ce`): Liger's own loss patches are not applied.
+  (:mod:`varpack.loss` / :mod:`varpack.ops.linear_ce`): Liger's own loss patches are not applied.
 * :func:`compile_layers` compiles every decoder layer with ``torch.compile`` ("regional compilation", the
   PyTorch recipe for repeated blocks: one compiled graph reused by every layer). varpack's attention function
   is a graph break (``torch.compiler.disable``): the varlen kernel runs eagerly with the batch's Python-int

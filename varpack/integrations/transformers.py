@@ -493,7 +493,7 @@ def enable_varpack(
             )
 
     # The guard sits on the base model (``model.model`` of a *ForCausalLM): every path reaches it with the
-    # same keywords -- model(**batch), and base-model-only calls such as varpack.linear_ce's.
+    # same keywords -- model(**batch), and base-model-only calls such as varpack.ops.linear_ce's.
     base = getattr(model, "base_model", model)
     for module in {id(model): model, id(base): base}.values():
         _remove_guard(module)

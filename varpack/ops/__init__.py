@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .fla_probe import FlaStatus, fla_status
 from .gated_delta_rule import (
     ChunkLayout,
     available_backends,
@@ -15,8 +16,10 @@ from .short_conv import resolve_conv_backend, seq_idx_for_conv, short_conv, shor
 
 __all__ = [
     "ChunkLayout",
+    "FlaStatus",
     "available_backends",
     "chunk_gated_delta_rule",
+    "fla_status",
     "gated_delta_rule",
     "naive_recurrent_gated_delta_rule",
     "prepare_chunk_layout",

@@ -6,21 +6,37 @@ raises in the backward ("... produces incorrect results for gated chunk_bwd_dqkw
 runs a tiny packed problem through fla's forward AND backward (gated delta rule and causal conv) on the
 device, compares with varpack's own chunked path, and records ``(ok, reason)`` for each; callers pick
 fla only for what passed. Set ``VARPACK_DISABLE_FLA=1`` to never use fla.
+
+This module is the bottom floor of the fla path: it imports fla (lazily) and no varpack op. Each op probes
+its own fla kernel against its own PyTorch path, next to its dispatch, once per device
+(:class:`varpack._probe.ProbeOnce`): the gated delta rule in
+:func:`varpack.ops.gated_delta_rule.dispatch.fla_gated_delta_status`, the causal conv in
+:func:`varpack.ops.short_conv.fla_conv_status`; :func:`varpack.ops.fla_probe.fla_status` gathers both in a
+:class:`FlaStatus`.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FlaStatus", "fla_causal_conv1d", "fla_chunk_gated_delta_rule", "fla_status", "load_fla"]
+__all__ = [
+    "PROBE_TOL",
+    "FlaStatus",
+    "bf16_randn",
+    "fla_causal_conv1d",
+    "fla_chunk_gated_delta_rule",
+    "fla_device",
+    "first_line",
+    "load_fla",
+    "probe_key",
+    "probe_problem",
+    "rel_err",
+]
 
-_LOCK = threading.Lock()
-_STATUS: dict[str, FlaStatus] = {}
-_PROBE_TOL = 0.05  # relative max error allowed vs the fp32 reference (bf16 kernels)
+PROBE_TOL = 0.05  # relative max error allowed vs the fp32 reference (bf16 kernels)
 
 
 @dataclass(frozen=True)
@@ -56,122 +72,43 @@ def load_fla():
     return chunk_gated_delta_rule, conv, "ok"
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """``"<Type>: <first line of the message>"``: how a refusal raised by fla is reported."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max absolute error of ``a`` relative to the largest ``|b|`` (float32)."""
     a, b = a.float(), b.float()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
 
 
-def _probe(device: torch.device) -> FlaStatus:
-    rule, conv, reason = load_fla()
-    if device.type != "cuda":
-        no = (False, f"fla needs a CUDA device, got {device}")
-        return FlaStatus(no, no, no, no)
-    if rule is None:
-        no = (False, reason)
-        return FlaStatus(no, no, no, no)
-    from .gated_delta_rule.chunk import chunk_gated_delta_rule
-    from .short_conv import short_conv
-
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    lens = [67, 1, 130]
-    T, Hk, H, K, V = sum(lens), 1, 2, 64, 64
-    cu_cpu = torch.tensor([0, 67, 68, 198], dtype=torch.int64)
-    cu = cu_cpu.to(device)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
-
-    q, k, v = rnd(1, T, Hk, K), rnd(1, T, Hk, K), rnd(1, T, H, V)
-    g = torch.nn.functional.logsigmoid(rnd(1, T, H).float()).to(torch.bfloat16)
-    beta = torch.rand(1, T, H, generator=gen).to(device=device, dtype=torch.bfloat16)
-    do = rnd(1, T, H, V)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-    ref_leaves = [x.detach().float().requires_grad_() for x in (q, k, v, g, beta)]
-    ref_o, _ = chunk_gated_delta_rule(*ref_leaves, cu_seqlens=cu_cpu, use_qk_l2norm_in_kernel=True)
-    ref_grads = torch.autograd.grad((ref_o * do.float()).sum(), ref_leaves)
-
-    fwd = bwd = (False, "not run")
-    try:
-        o, _ = rule(*leaves, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=True)
-        err = _rel_err(o, ref_o)
-        fwd = (
-            (True, "ok")
-            if err < _PROBE_TOL
-            else (False, f"fla forward disagrees with the reference (rel err {err:.3g})")
-        )
-        if fwd[0]:
-            try:
-                grads = torch.autograd.grad((o.float() * do.float()).sum(), leaves)
-                errs = [_rel_err(a, b) for a, b in zip(grads, ref_grads)]
-                bad = max(errs)
-                bwd = (
-                    (True, "ok")
-                    if bad < _PROBE_TOL
-                    else (False, f"fla backward disagrees with the reference (rel err {bad:.3g})")
-                )
-            except Exception as exc:  # fla's own refusal, e.g. the Triton/Hopper check
-                bwd = (False, f"fla backward refused: {_first_line(exc)}")
-        else:
-            bwd = (False, "forward unusable")
-    except Exception as exc:
-        fwd = (False, f"fla forward failed: {_first_line(exc)}")
-        bwd = (False, "forward unusable")
-
-    cfwd = cbwd = (False, "fla causal_conv1d not found")
-    if conv is not None:
-        D = 64
-        x = rnd(1, T, D).requires_grad_()
-        w = (0.5 * rnd(D, 4)).requires_grad_()
-        x_ref, w_ref = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-        y_ref = short_conv(x_ref, w_ref, None, "silu", cu_seqlens=cu_cpu)
-        dy = rnd(1, T, D)
-        ref_g = torch.autograd.grad((y_ref * dy.float()).sum(), [x_ref, w_ref])
-        try:
-            y = conv(x, w, None, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
-            y = y[0] if isinstance(y, tuple) else y
-            err = _rel_err(y, y_ref)
-            cfwd = (
-                (True, "ok")
-                if err < _PROBE_TOL
-                else (False, f"fla conv disagrees with the reference (rel err {err:.3g})")
-            )
-            if cfwd[0]:
-                try:
-                    gx = torch.autograd.grad((y.float() * dy.float()).sum(), [x, w])
-                    bad = max(_rel_err(a, b) for a, b in zip(gx, ref_g))
-                    cbwd = (
-                        (True, "ok")
-                        if bad < _PROBE_TOL
-                        else (False, f"fla conv backward disagrees (rel err {bad:.3g})")
-                    )
-                except Exception as exc:
-                    cbwd = (False, f"fla conv backward refused: {_first_line(exc)}")
-            else:
-                cbwd = (False, "conv forward unusable")
-        except Exception as exc:
-            cfwd = (False, f"fla conv failed: {_first_line(exc)}")
-            cbwd = (False, "conv forward unusable")
-    return FlaStatus(fwd, bwd, cfwd, cbwd)
-
-
-def fla_status(device: torch.device | str | None = None) -> FlaStatus:
-    """Probe fla once per device (cached): forward/backward of the gated delta rule and the causal conv.
-
-    The first call on a CUDA device runs a tiny problem there (a few milliseconds plus Triton compiles).
-    """
+def fla_device(device: torch.device | str | None = None) -> torch.device:
+    """The device a probe is cached under: default CUDA if available, else CPU; ``cuda`` -> ``cuda:<current>``."""
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
-    with _LOCK:
-        if key not in _STATUS:
-            _STATUS[key] = _probe(device)
-        return _STATUS[key]
+    return device
+
+
+def probe_key(device: torch.device) -> str:
+    """Cache key of a per-device fla probe (:class:`varpack._probe.ProbeOnce`)."""
+    return str(device)
+
+
+def probe_problem(device: torch.device) -> tuple[torch.Generator, int, torch.Tensor, torch.Tensor]:
+    """The tiny packed problem every fla probe runs: ``(generator, T, cu_seqlens_cpu, cu_seqlens)`` -- a CPU
+    generator seeded with 0, T = 198 tokens in samples of 67, 1 and 130, ``cu_seqlens`` int64 on the CPU and
+    on ``device``."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    cu_cpu = torch.tensor([0, 67, 68, 198], dtype=torch.int64)
+    return gen, int(cu_cpu[-1]), cu_cpu, cu_cpu.to(device)
+
+
+def bf16_randn(gen: torch.Generator, device: torch.device, *shape: int) -> torch.Tensor:
+    """Standard normal bf16 tensor of ``shape`` on ``device``, drawn on the CPU from ``gen``."""
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
 
 
 def fla_chunk_gated_delta_rule(

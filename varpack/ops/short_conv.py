@@ -20,11 +20,94 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from varpack._probe import ProbeOnce
 from varpack.varlen.boundaries import normalize_cu_seqlens
 
-__all__ = ["resolve_conv_backend", "seq_idx_for_conv", "short_conv", "short_conv_reference"]
+from ._fla import (
+    PROBE_TOL,
+    bf16_randn,
+    first_line,
+    fla_causal_conv1d,
+    fla_device,
+    load_fla,
+    probe_key,
+    probe_problem,
+    rel_err,
+)
+
+__all__ = [
+    "fla_conv_status",
+    "resolve_conv_backend",
+    "seq_idx_for_conv",
+    "short_conv",
+    "short_conv_reference",
+]
 
 CONV_BACKENDS = ("torch", "fla")
+
+Capability = tuple[bool, str]
+
+
+def _probe_fla_conv(device: torch.device) -> tuple[Capability, Capability]:
+    """fla's ``causal_conv1d`` forward and backward on a tiny packed bf16 problem vs :func:`short_conv` (the
+    PyTorch path) in fp32: ``((ok, reason) forward, (ok, reason) backward)``."""
+    rule, conv, reason = load_fla()
+    if device.type != "cuda":
+        no = (False, f"fla needs a CUDA device, got {device}")
+        return no, no
+    if rule is None:
+        no = (False, reason)
+        return no, no
+    cfwd = cbwd = (False, "fla causal_conv1d not found")
+    if conv is None:
+        return cfwd, cbwd
+    gen, T, cu_cpu, cu = probe_problem(device)
+    D = 64
+    x = bf16_randn(gen, device, 1, T, D).requires_grad_()
+    w = (0.5 * bf16_randn(gen, device, D, 4)).requires_grad_()
+    x_ref, w_ref = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    y_ref = short_conv(x_ref, w_ref, None, "silu", cu_seqlens=cu_cpu)
+    dy = bf16_randn(gen, device, 1, T, D)
+    ref_g = torch.autograd.grad((y_ref * dy.float()).sum(), [x_ref, w_ref])
+    try:
+        y = conv(x, w, None, activation="silu", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        y = y[0] if isinstance(y, tuple) else y
+        err = rel_err(y, y_ref)
+        cfwd = (
+            (True, "ok")
+            if err < PROBE_TOL
+            else (False, f"fla conv disagrees with the reference (rel err {err:.3g})")
+        )
+        if cfwd[0]:
+            try:
+                gx = torch.autograd.grad((y.float() * dy.float()).sum(), [x, w])
+                bad = max(rel_err(a, b) for a, b in zip(gx, ref_g))
+                cbwd = (
+                    (True, "ok")
+                    if bad < PROBE_TOL
+                    else (False, f"fla conv backward disagrees (rel err {bad:.3g})")
+                )
+            except Exception as exc:
+                cbwd = (False, f"fla conv backward refused: {first_line(exc)}")
+        else:
+            cbwd = (False, "conv forward unusable")
+    except Exception as exc:
+        cfwd = (False, f"fla conv failed: {first_line(exc)}")
+        cbwd = (False, "conv forward unusable")
+    return cfwd, cbwd
+
+
+_FLA_CONV_PROBE = ProbeOnce(_probe_fla_conv, key=probe_key, name="fla causal_conv1d")
+
+
+def fla_conv_status(device: torch.device | str | None = None) -> tuple[Capability, Capability]:
+    """``((ok, reason) forward, (ok, reason) backward)`` of fla's ``causal_conv1d`` on ``device`` (default:
+    CUDA if available, else CPU), probed once per device (:class:`varpack._probe.ProbeOnce`).
+
+    The first call on a CUDA device runs a tiny packed problem there and compares it with this module's
+    PyTorch path in fp32; fla's own refusals become the reason.
+    """
+    return _FLA_CONV_PROBE(fla_device(device))
 
 
 def resolve_conv_backend(backend: str, device: torch.device | str, *, needs_grad: bool = True) -> str:
@@ -35,17 +118,15 @@ def resolve_conv_backend(backend: str, device: torch.device | str, *, needs_grad
         ValueError: an unknown backend name.
         RuntimeError: ``"fla"`` forced where it cannot run, with the reason.
     """
-    from ._fla import fla_status
-
     if backend != "auto" and backend not in CONV_BACKENDS:
         raise ValueError(f"unknown short conv backend {backend!r}; expected 'auto' or one of {CONV_BACKENDS}")
     device = torch.device(device)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return "torch"
-    st = fla_status(device)
-    ok, reason = st.conv_forward
+    conv_forward, conv_backward = fla_conv_status(device)
+    ok, reason = conv_forward
     if ok and needs_grad:
-        ok, reason = st.conv_backward
+        ok, reason = conv_backward
     if ok:
         return "fla"
     if backend == "auto":
@@ -156,8 +237,6 @@ def short_conv(
                 )
             if cu_seqlens is not None and B != 1:
                 raise ValueError(f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={B}")
-            from ._fla import fla_causal_conv1d
-
             if cu_seqlens_cpu is None and cu_seqlens is not None and cu_seqlens.device.type == "cpu":
                 cu_seqlens_cpu = cu_seqlens
             return fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu)

@@ -3,7 +3,7 @@
 Backends (``name -> what``):
 
 * ``"fla"``: flash-linear-attention's Triton ``chunk_gated_delta_rule`` with ``cu_seqlens`` (CUDA only;
-  usable for training only if its backward runs on this device, see :func:`varpack.ops._fla.fla_status`).
+  usable for training only if its backward runs on this device, see :func:`fla_gated_delta_status`).
 * ``"chunk"``: :func:`chunk_gated_delta_rule`, PyTorch, vectorized over sequences; any device.
 * ``"chunk_compiled"``: the same, with ``torch.compile(dynamic=True)`` on its two hot blocks.
 * ``"naive"``: :func:`naive_recurrent_gated_delta_rule`, token by token (the truth; slow).
@@ -18,14 +18,97 @@ from __future__ import annotations
 
 import torch
 
-from .._fla import fla_chunk_gated_delta_rule, fla_status
+from varpack._probe import ProbeOnce
+
+from .._fla import (
+    PROBE_TOL,
+    bf16_randn,
+    first_line,
+    fla_chunk_gated_delta_rule,
+    fla_device,
+    load_fla,
+    probe_key,
+    probe_problem,
+    rel_err,
+)
 from ._common import normalize_optional_cu
 from .chunk import ChunkLayout, chunk_gated_delta_rule
 from .naive import naive_recurrent_gated_delta_rule
 
-__all__ = ["BACKENDS", "available_backends", "gated_delta_rule", "resolve_backend"]
+__all__ = ["BACKENDS", "available_backends", "fla_gated_delta_status", "gated_delta_rule", "resolve_backend"]
 
 BACKENDS = ("fla", "chunk", "chunk_compiled", "naive")
+
+Capability = tuple[bool, str]
+
+
+def _probe_fla(device: torch.device) -> tuple[Capability, Capability]:
+    """fla's ``chunk_gated_delta_rule`` forward and backward on a tiny packed bf16 problem vs
+    :func:`chunk_gated_delta_rule` in fp32: ``((ok, reason) forward, (ok, reason) backward)``."""
+    rule, _, reason = load_fla()
+    if device.type != "cuda":
+        no = (False, f"fla needs a CUDA device, got {device}")
+        return no, no
+    if rule is None:
+        no = (False, reason)
+        return no, no
+
+    gen, T, cu_cpu, cu = probe_problem(device)
+    Hk, H, K, V = 1, 2, 64, 64
+
+    def rnd(*shape):
+        return bf16_randn(gen, device, *shape)
+
+    q, k, v = rnd(1, T, Hk, K), rnd(1, T, Hk, K), rnd(1, T, H, V)
+    g = torch.nn.functional.logsigmoid(rnd(1, T, H).float()).to(torch.bfloat16)
+    beta = torch.rand(1, T, H, generator=gen).to(device=device, dtype=torch.bfloat16)
+    do = rnd(1, T, H, V)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    ref_leaves = [x.detach().float().requires_grad_() for x in (q, k, v, g, beta)]
+    ref_o, _ = chunk_gated_delta_rule(*ref_leaves, cu_seqlens=cu_cpu, use_qk_l2norm_in_kernel=True)
+    ref_grads = torch.autograd.grad((ref_o * do.float()).sum(), ref_leaves)
+
+    fwd = bwd = (False, "not run")
+    try:
+        o, _ = rule(*leaves, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=True)
+        err = rel_err(o, ref_o)
+        fwd = (
+            (True, "ok")
+            if err < PROBE_TOL
+            else (False, f"fla forward disagrees with the reference (rel err {err:.3g})")
+        )
+        if fwd[0]:
+            try:
+                grads = torch.autograd.grad((o.float() * do.float()).sum(), leaves)
+                errs = [rel_err(a, b) for a, b in zip(grads, ref_grads)]
+                bad = max(errs)
+                bwd = (
+                    (True, "ok")
+                    if bad < PROBE_TOL
+                    else (False, f"fla backward disagrees with the reference (rel err {bad:.3g})")
+                )
+            except Exception as exc:  # fla's own refusal, e.g. the Triton/Hopper check
+                bwd = (False, f"fla backward refused: {first_line(exc)}")
+        else:
+            bwd = (False, "forward unusable")
+    except Exception as exc:
+        fwd = (False, f"fla forward failed: {first_line(exc)}")
+        bwd = (False, "forward unusable")
+    return fwd, bwd
+
+
+_FLA_PROBE = ProbeOnce(_probe_fla, key=probe_key, name="fla chunk_gated_delta_rule")
+
+
+def fla_gated_delta_status(device: torch.device | str | None = None) -> tuple[Capability, Capability]:
+    """``((ok, reason) forward, (ok, reason) backward)`` of fla's gated delta rule on ``device`` (default:
+    CUDA if available, else CPU), probed once per device (:class:`varpack._probe.ProbeOnce`).
+
+    The first call on a CUDA device runs a tiny problem there (a few milliseconds plus Triton compiles) and
+    compares it with :func:`chunk_gated_delta_rule` in fp32; fla's own refusals (e.g. its Triton/Hopper check
+    in the backward) become the reason.
+    """
+    return _FLA_PROBE(fla_device(device))
 
 
 def available_backends(
@@ -33,7 +116,7 @@ def available_backends(
 ) -> dict[str, tuple[bool, str]]:
     """``{backend: (ok, reason)}`` on ``device`` (default: CUDA if available, else CPU).
 
-    Probes fla once per device (see :func:`varpack.ops._fla.fla_status`).
+    Probes fla once per device (see :func:`fla_gated_delta_status`).
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     out: dict[str, tuple[bool, str]] = {
@@ -44,13 +127,13 @@ def available_backends(
         out["chunk_compiled"] = (True, "ok (first call per shape class compiles)")
     else:
         out["chunk_compiled"] = (False, f"torch {torch.__version__} has no torch.compile")
-    st = fla_status(device)
-    if not st.forward[0]:
-        out["fla"] = (False, st.forward[1])
-    elif needs_grad and not st.backward[0]:
-        out["fla"] = (False, f"fla forward runs but its backward cannot: {st.backward[1]}")
+    forward, backward = fla_gated_delta_status(device)
+    if not forward[0]:
+        out["fla"] = (False, forward[1])
+    elif needs_grad and not backward[0]:
+        out["fla"] = (False, f"fla forward runs but its backward cannot: {backward[1]}")
     else:
-        out["fla"] = (True, "ok" if st.backward[0] else "ok (forward only: no gradient needed)")
+        out["fla"] = (True, "ok" if backward[0] else "ok (forward only: no gradient needed)")
     return out
 
 

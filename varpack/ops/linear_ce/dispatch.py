@@ -1,0 +1,216 @@
+"""Backend choice and the public entry point of linear cross entropy.
+
+Backends (``name -> what``): ``"chunked"`` (:mod:`.chunked`, PyTorch, any device), ``"liger"``
+(:mod:`.liger`, Liger-Kernel, CUDA only), ``"auto"`` (``liger`` for uniform token weights on CUDA when
+importable and :data:`AUTO_PREFERS_LIGER`, otherwise ``chunked``). A forced backend that cannot compute the
+loss exactly here raises with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from varpack.loss import loss_denominator
+from varpack.schema import IGNORE_INDEX
+
+from .chunked import chunked_linear_cross_entropy
+from .liger import _liger_loss, _liger_probe
+from .weights import Reduction, token_loss_weights
+
+__all__ = ["AUTO_PREFERS_LIGER", "linear_ce_backends", "linear_cross_entropy", "resolve_linear_ce_backend"]
+
+_BACKENDS = ("auto", "chunked", "liger")
+
+#: Whether ``auto`` takes Liger (when importable on CUDA, uniform weights) over the chunked implementation.
+#: Issue 7 asks to prefer the maintained library; ``benchmarks/train.py`` measures both
+#: (``varpack_lce`` vs ``varpack_lce_chunked``) on the H200 -- flip this from those figures.
+AUTO_PREFERS_LIGER = True
+
+
+def linear_ce_backends(device: torch.device | str | None = None) -> dict[str, tuple[bool, str]]:
+    """``{name: (ok, reason)}`` for the concrete backends on ``device`` (None: installation only)."""
+    dev = None if device is None else torch.device(device).type
+    ok, reason, per_token = _liger_probe()
+    if ok and dev not in (None, "cuda"):
+        ok, reason = False, f"liger-kernel runs Triton kernels on CUDA only, not on {dev}"
+    elif ok:
+        reason += "; per-token weights (sample mean, loss_scale) " + (
+            "supported via reduction='none'" if per_token else "not supported by this version"
+        )
+    return {"chunked": (True, "PyTorch, any device"), "liger": (ok, reason)}
+
+
+def resolve_linear_ce_backend(
+    backend: str, device: torch.device | str, *, uniform_weights: bool
+) -> tuple[str, str]:
+    """Which concrete backend runs a call, and why.
+
+    Args:
+        backend: ``"auto"``, ``"chunked"`` or ``"liger"``.
+        device: the hidden states' device.
+        uniform_weights: True for token mean without ``loss_scale`` (every supervised token weighs the same).
+
+    Returns:
+        ``(name, reason)``.
+
+    Raises:
+        ValueError: an unknown backend, or ``"liger"`` forced where it cannot compute this loss exactly.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "chunked":
+        return "chunked", "chunked: forced by the caller"
+    ok, reason, per_token = _liger_probe()
+    dev = torch.device(device).type
+    if ok and dev != "cuda":
+        ok, reason = False, f"liger-kernel runs on CUDA only, not on {dev}"
+    if ok and not uniform_weights and not per_token:
+        ok, reason = (
+            False,
+            (
+                "per-token weights (reduction='sample' or loss_scale) need Liger's reduction='none' with a per-token "
+                "backward, which this liger-kernel version lacks"
+            ),
+        )
+    if backend == "liger":
+        if not ok:
+            raise ValueError(f"linear cross-entropy backend 'liger' cannot run this call: {reason}")
+        return "liger", "liger: forced by the caller"
+    if ok and uniform_weights and AUTO_PREFERS_LIGER:
+        return "liger", "auto: liger-kernel on CUDA with uniform token weights (reduction='sum' / num_items)"
+    if ok and uniform_weights:
+        return "chunked", "auto: chunked (AUTO_PREFERS_LIGER is False)"
+    if ok:
+        return (
+            "chunked",
+            "auto: per-token weights; liger would recompute the logits in backward, chunked does not",
+        )
+    return "chunked", f"auto: chunked ({reason})"
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    reduction: Reduction = "token",
+    seq_idx: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | float | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    loss_scale: torch.Tensor | None = None,
+    chunk_size: int = 4096,
+    backend: str = "auto",
+    compile: bool | None = None,
+) -> torch.Tensor:
+    """Cross entropy of ``hidden @ weight.T + bias`` against already-shifted labels, without the logits.
+
+    Equal (up to float rounding order) to
+    ``sum_t w_t * F.cross_entropy(hidden @ weight.T + bias, labels, reduction="none")[t]`` with the weights of
+    :func:`token_loss_weights`; gradients w.r.t. ``hidden``, ``weight`` and ``bias`` likewise.
+
+    ==================  ===============  ====================================================================
+    argument            shape            dtype / meaning
+    ==================  ===============  ====================================================================
+    hidden              ``(T, D)``       fp64 / fp32 / bf16 / fp16; the final hidden states (after the norm)
+    weight              ``(V, D)``       the LM head (cast to hidden's dtype for the matmul)
+    bias                ``(V,)``         optional
+    labels              ``(T,)``         int64, **already shifted**: target of hidden[t]; see shift_labels
+    seq_idx             ``(T,)``         int, sample index of hidden[t] (0..N-1); needed for "sample"
+    loss_scale          ``(T,)``         optional float per-token weight, aligned with labels
+    return              ``()``           float32 (float64 for fp64 input) scalar
+    ==================  ===============  ====================================================================
+
+    Args:
+        hidden, weight, labels, bias, seq_idx, loss_scale: see the table. ``hidden`` may also be ``(B, T, D)``
+            with labels / seq_idx / loss_scale ``(B, T)``: flattened, ``seq_idx`` made unique per row.
+        reduction: ``"token"`` (mean over supervised tokens) or ``"sample"`` (mean over samples of each
+            sample's token mean); see the module docstring.
+        num_items_in_batch: the denominator of the whole optimizer step (supervised tokens for ``"token"``,
+            samples with a supervised token for ``"sample"``); None: this batch's own count.
+        ignore_index: label value that is not scored.
+        chunk_size: tokens per chunk; peak extra memory is about ``chunk_size * V * 6`` bytes for bf16
+            (bf16 + fp32 chunk logits) and ``chunk_size * V * 4`` for fp32.
+        backend: ``"auto"``, ``"chunked"`` or ``"liger"`` (see the module docstring).
+        compile: chunked backend only: fuse each chunk's softmax / loss / gradient with ``torch.compile``
+            (one reduction + one pointwise kernel, no float32 chunk buffer). None (default): on CUDA for
+            16/32-bit inputs unless ``VARPACK_LINEAR_CE_COMPILE=0``; the eager path computes the same values
+            in place.
+
+    Returns:
+        The scalar loss. 0 with zero gradients when nothing is supervised.
+
+    Raises:
+        ValueError: bad shapes, an unknown reduction or backend, ``"sample"`` without ``seq_idx``, a
+            non-positive ``chunk_size`` / ``num_items_in_batch``, labels out of ``[0, V)`` (checked for CPU
+            labels only: reading GPU values would sync), or ``"liger"`` forced where it cannot run.
+        TypeError: non-integer labels, non-float hidden states.
+    """
+    if hidden.dim() == 3:
+        rows, t = hidden.shape[:2]
+        hidden = hidden.reshape(rows * t, hidden.shape[-1])
+        labels = _flat(labels, (rows, t), "labels")
+        loss_scale = None if loss_scale is None else _flat(loss_scale, (rows, t), "loss_scale")
+        if seq_idx is not None:
+            seq_idx = _flat(seq_idx, (rows, t), "seq_idx").to(torch.int64)
+            seq_idx = seq_idx + torch.arange(rows, device=seq_idx.device).repeat_interleave(t) * t
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, D] or [B, T, D], got shape {tuple(hidden.shape)}")
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden must be a float tensor, got {hidden.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, D={hidden.shape[1]}], got shape {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [V={weight.shape[0]}], got shape {tuple(bias.shape)}")
+    if labels.shape != (hidden.shape[0],):
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} does not match hidden's token count T={hidden.shape[0]}"
+        )
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if labels.device.type == "cpu" and labels.numel():
+        bad = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"labels[{pos}]={int(labels[pos])} is outside [0, V={weight.shape[0]}) and is not ignore_index={ignore_index}"
+            )
+    labels = labels.to(hidden.device, torch.int64)
+    if seq_idx is not None:
+        seq_idx = seq_idx.to(hidden.device)
+    if loss_scale is not None:
+        loss_scale = loss_scale.to(hidden.device)
+
+    token_weight = token_loss_weights(
+        labels,
+        reduction=reduction,
+        seq_idx=seq_idx,
+        num_items_in_batch=num_items_in_batch,
+        ignore_index=ignore_index,
+        loss_scale=loss_scale,
+        dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
+    )
+    uniform = reduction == "token" and loss_scale is None
+    name, _ = resolve_linear_ce_backend(backend, hidden.device, uniform_weights=uniform)
+    if name == "liger":
+        if weight.dtype != hidden.dtype:
+            weight = weight.to(hidden.dtype)
+            bias = None if bias is None else bias.to(hidden.dtype)
+        denom = None
+        if uniform:
+            valid = labels != ignore_index
+            denom = (
+                valid.sum().to(torch.float32).clamp(min=1.0)
+                if num_items_in_batch is None
+                else loss_denominator(num_items_in_batch, hidden.device)
+            )
+        return _liger_loss(hidden, weight, bias, labels, token_weight, denom, ignore_index, chunk_size)
+    return chunked_linear_cross_entropy(hidden, weight, bias, labels, token_weight, chunk_size, compile)
+
+
+def _flat(x: torch.Tensor, shape: tuple[int, int], name: str) -> torch.Tensor:
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} shape {tuple(x.shape)} does not match hidden's [B, T]={shape}")
+    return x.reshape(-1)
