@@ -1,6 +1,6 @@
 """Supervised fine-tuning with padding-free packing through Hugging Face ``Trainer`` (``varpack sft``).
 
-Pipeline (ARCHITECTURE.md): chat data -> :func:`varpack.encode.encode_dataset` (cached) ->
+Pipeline (ARCHITECTURE.md): chat data -> :func:`varpack.data.chat.encode_dataset` (cached) ->
 :func:`varpack.plan.plan_packs` -> :class:`varpack.data.dataset.PackedDataset` (one item = one pack) ->
 :class:`varpack.collate.PaddingFreeCollator` (the packs of one micro-batch become ONE row with
 ``cu_seq_lens_q/k``) -> a model on varpack attention (:func:`varpack.integrations.transformers.enable_varpack`)
@@ -80,7 +80,7 @@ def encode_chat_data(data: Sequence[str] | str | None, tokenizer: Any, *, num_pr
     Raises:
         ValueError / TypeError / FileNotFoundError: bad paths or rows (naming the sample and field).
     """
-    from varpack.encode import encode_dataset, load_chat_data
+    from varpack.data.chat import encode_dataset, load_chat_data
 
     if isinstance(data, str):
         data = [data]
@@ -377,7 +377,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
     data_label = ", ".join(config.data) if config.data else "built-in chats"
     if encoded is None:
-        from varpack.encode.multimodal import encode_any, has_mm_chats
+        from varpack.data.multimodal import encode_any, has_mm_chats
 
         if not config.data:
             model = model if model is not None else _load()
@@ -385,7 +385,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
 
             if is_vl_model(model):  # a vision-language model without --data: the built-in image-caption chats
                 from varpack.data.vl_builtin import write_vl_jsonl
-                from varpack.tokenizer import varpack_cache_root
+                from varpack.data.tokenizer import varpack_cache_root
 
                 path = write_vl_jsonl(varpack_cache_root() / "data" / "vl_builtin.jsonl")
                 config = replace(config, data=(path,))
@@ -418,7 +418,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     if plan.pieces and not hasattr(encoded, "with_format"):
         # image/video chats: refuse before training (not when the bad pack is reached) any split/truncate
         # piece that would cut through a placeholder span; the same check as `varpack plan`
-        from varpack.encode.multimodal import check_plan_cuts
+        from varpack.data.multimodal import check_plan_cuts
 
         bad = check_plan_cuts(encoded, plan.pieces)
         if bad:

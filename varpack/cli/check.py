@@ -129,10 +129,10 @@ def run(args: argparse.Namespace) -> int:
 
     from varpack.check import check_exactness
     from varpack.data.vl_builtin import write_vl_jsonl
-    from varpack.encode.multimodal import encode_any, has_mm_chats
+    from varpack.data.multimodal import encode_any, has_mm_chats
     from varpack.integrations.vision import is_vl_model
     from varpack.models import load_model, load_tokenizer_for
-    from varpack.tokenizer import varpack_cache_root
+    from varpack.data.tokenizer import varpack_cache_root
     from varpack.train import encode_chat_data
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -93,9 +93,9 @@ _EMBEDDED_CACHE: dict[str, Any] = {}
 
 
 def _has_mm_chats(paths: list[str]) -> bool:
-    """True when the files hold image/video chats (needs varpack.encode.multimodal; False without it)."""
+    """True when the files hold image/video chats (needs varpack.data.multimodal; False without it)."""
     try:
-        from varpack.encode.multimodal import has_mm_chats
+        from varpack.data.multimodal import has_mm_chats
     except ImportError:
         return False
     return has_mm_chats(list(paths))
@@ -103,7 +103,7 @@ def _has_mm_chats(paths: list[str]) -> bool:
 
 def _tokenizer(name_or_dir: str) -> Any:
     """``load_tokenizer``, keeping embedded tokenizers (not directories) for later calls in this process."""
-    from varpack.tokenizer import load_tokenizer
+    from varpack.data.tokenizer import load_tokenizer
 
     if name_or_dir in ("qwen3", "qwen3.5"):
         if name_or_dir not in _EMBEDDED_CACHE:
@@ -113,9 +113,9 @@ def _tokenizer(name_or_dir: str) -> Any:
 
 
 def _formats(data: Any) -> dict[str, int]:
-    """Rows per data format (``varpack.encode.formats``); a refused row's error names its file and line."""
-    from varpack.encode.chat import locate_error
-    from varpack.encode.formats import data_formats
+    """Rows per data format (``varpack.data.formats``); a refused row's error names its file and line."""
+    from varpack.data.chat import locate_error
+    from varpack.data.formats import data_formats
 
     try:
         return data_formats(data)
@@ -202,13 +202,13 @@ def run(args: argparse.Namespace) -> int:
     # with --json, stdout is reserved for the JSON object: anything printed while encoding goes to stderr
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     with quiet:
-        from varpack.encode import encode_dataset, load_chat_data
+        from varpack.data.chat import encode_dataset, load_chat_data
 
         mm_samples = None
         formats = None
         if args.data and _has_mm_chats(args.data):
             # image/video chats: the vision-language encoder expands the placeholders (lengths only)
-            from varpack.encode.multimodal import encode_any
+            from varpack.data.multimodal import encode_any
 
             tokenizer = _tokenizer(args.tokenizer)
             mm_samples = encode_any(list(args.data), tokenizer, with_pixels=False, progress=True)
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     )
     t2 = time.perf_counter()
     if mm_samples is not None and plan.pieces:
-        from varpack.encode.multimodal import check_plan_cuts
+        from varpack.data.multimodal import check_plan_cuts
 
         bad = check_plan_cuts(mm_samples, plan.pieces)
         if bad:

@@ -76,8 +76,8 @@ def tiny_config(name: str, *, vocab_size: int | None = None) -> Any:
     """Tiny random-init config of a Qwen vision-language model, built offline.
 
     The special-token ids are those of the embedded Qwen3 vocabulary (:data:`QWEN3_VISION_TOKENS`), so the
-    tiny models read what ``varpack.tokenizer.load_tokenizer("qwen3")`` and
-    :func:`varpack.encode.multimodal.encode_mm_chat` produce.
+    tiny models read what ``varpack.data.tokenizer.load_tokenizer("qwen3")`` and
+    :func:`varpack.data.multimodal.encode_mm_chat` produce.
 
     Args:
         name: ``"tiny-qwen3-vl"`` (``Qwen3VLConfig``: 2 full-attention layers, DeepStack at vision layer 1),

@@ -289,12 +289,12 @@ def load_chat_data(
             ``datasets.Json()`` for the columns that differ, which needs datasets >= 4.7); or an in-memory
             list of dicts (validated and converted first so that a bad row is named); or a
             ``datasets.Dataset`` (returned as is). Rows may have any format of
-            :mod:`varpack.encode.formats` (``messages``, ShareGPT, Alpaca, TRL prompt-completion), mixed.
+            :mod:`varpack.data.formats` (``messages``, ShareGPT, Alpaca, TRL prompt-completion), mixed.
         cache_dir: ``datasets`` cache folder for files (default: HF_DATASETS_CACHE).
 
     Returns:
         ``datasets.Dataset`` with the input's columns (the union of the rows' fields for in-memory rows);
-        the encoder converts each row to messages (:func:`varpack.encode.formats.row_to_messages`).
+        the encoder converts each row to messages (:func:`varpack.data.formats.row_to_messages`).
 
     Raises:
         FileNotFoundError: a path does not exist.
@@ -317,7 +317,7 @@ def load_chat_data(
     if not items:
         raise ValueError("load_chat_data: no paths or rows given")
     if all(isinstance(x, Mapping) for x in items):
-        from varpack.encode.formats import row_to_messages
+        from varpack.data.formats import row_to_messages
 
         for i, row in enumerate(items):
             validate_messages(row_to_messages(row, i)[0], i)
@@ -467,7 +467,7 @@ class _EncodeBatch:
         return _encoder_from_bytes, (pickle.dumps(self.tokenizer, protocol=pickle.HIGHEST_PROTOCOL),)
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        from varpack.encode.formats import row_to_messages
+        from varpack.data.formats import row_to_messages
 
         messages = [row_to_messages({k: v[j] for k, v in batch.items()}, sid)[0] for j, sid in enumerate(indices)]
         results = _encode_many(messages, self.tokenizer, indices)
@@ -492,7 +492,7 @@ def encode_dataset(
 
     Args:
         data: anything :func:`load_chat_data` accepts (paths, rows, a ``datasets.Dataset``) in any format of
-            :mod:`varpack.encode.formats`; each row is converted to messages as it is encoded.
+            :mod:`varpack.data.formats`; each row is converted to messages as it is encoded.
         tokenizer: any Hugging Face tokenizer with a chat template.
         num_proc: worker processes for ``Dataset.map`` (``None``: in this process).
         desc: label of the ``datasets`` progress bar.
@@ -509,12 +509,12 @@ def encode_dataset(
 
     Raises:
         ValueError / TypeError: a bad row (the error names its sample id and field, see
-            :func:`encode_chat` and :func:`varpack.encode.formats.row_to_messages`, and its ``FILE:LINE``
+            :func:`encode_chat` and :func:`varpack.data.formats.row_to_messages`, and its ``FILE:LINE``
             for files), or a row of no supported format.
     """
     import datasets
 
-    from varpack.tokenizer import varpack_cache_root
+    from varpack.data.tokenizer import varpack_cache_root
 
     ds = load_chat_data(data)
     if len(ds) == 0:

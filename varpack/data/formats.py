@@ -37,7 +37,7 @@ definitions are not passed to the chat template), LLaMA-Factory media fields (``
 (``weight: 0``, ``loss: false``: varpack supervises every assistant turn), and, for TRL conversational
 prompt-completion rows, an assistant turn inside ``prompt`` (TRL trains only on ``completion``; varpack would
 train on every assistant turn). Supervision after conversion is varpack's: every assistant turn
-(``varpack.encode.chat``).
+(``varpack.data.chat``).
 """
 
 from __future__ import annotations

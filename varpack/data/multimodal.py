@@ -8,7 +8,7 @@ Face / Qwen chat style::
      {"role": "assistant", "content": "A cat."}]
 
 Each image part is rendered as Qwen-VL does (``<|vision_start|><|image_pad|><|vision_end|>``), the chat is
-tokenized and supervised by :func:`varpack.encode.encode_chat` (assistant-only labels, the same template
+tokenized and supervised by :func:`varpack.data.chat.encode_chat` (assistant-only labels, the same template
 as text chats), then the single ``<|image_pad|>`` of image ``i`` is expanded to
 ``image_grid_thw[i].prod() // merge_size**2`` copies — the slots the model's ``masked_scatter`` fills with
 that image's merged features (transformers ``Qwen3VLProcessor.replace_image_token``). Labels are -100
@@ -106,7 +106,7 @@ def is_mm_chat(row_or_messages: Any) -> bool:
 
     Accepts a row ``{"messages": [...]}`` or the message list itself. Text-only chats (string contents, or
     lists of text parts only) return False. This is the test a CLI uses to route rows to
-    :func:`encode_mm_chat` instead of :func:`varpack.encode.encode_chat`.
+    :func:`encode_mm_chat` instead of :func:`varpack.data.chat.encode_chat`.
     """
     messages = row_or_messages.get("messages") if isinstance(row_or_messages, dict) else row_or_messages
     if not isinstance(messages, (list, tuple)):
@@ -253,7 +253,7 @@ def encode_mm_chat(
             ``{"type": "text", "text": str}`` / ``{"type": "image", "image": PATH | PIL.Image}`` /
             ``{"type": "video", "video": PATH}`` (``"path"`` / ``"url"`` accepted for the media key; local
             files only). Other message keys are passed to the text encoder unchanged.
-        tokenizer: the text tokenizer (e.g. ``varpack.tokenizer.load_tokenizer("qwen3")``); must hold the
+        tokenizer: the text tokenizer (e.g. ``varpack.data.tokenizer.load_tokenizer("qwen3")``); must hold the
             Qwen-VL special tokens ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``.
         image_processor: a Qwen-VL image processor (``image_processor_for(model)``); run once per sample on
             all its images (each keeps its own resolution and ``image_grid_thw``). May be None for text-only
@@ -284,7 +284,7 @@ def encode_mm_chat(
             does not keep the placeholders — each message names the sample, message and part.
         TypeError: wrong value types (non-dict message, non-str text, processor without ``merge_size``).
     """
-    from varpack.encode import encode_chat
+    from varpack.data.chat import encode_chat
 
     flat, media = _flatten_messages(messages, sample_id)
     images = [(ref, where) for kind, ref, where in media if kind == "image"]
@@ -476,7 +476,7 @@ def load_mm_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
 
     Raises:
         ValueError / TypeError: unreadable file or invalid JSON (file and line named), a row of no supported
-            format or a bad field (sample, field, file and line named; see :mod:`varpack.encode.formats`).
+            format or a bad field (sample, field, file and line named; see :mod:`varpack.data.formats`).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -508,9 +508,9 @@ def load_mm_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
 
 def _check_row(row: Any, sample_id: int, where: str | None = None) -> dict:
     """A row ``{"messages": [...]}`` (a bare message list is wrapped); rows of the other formats of
-    :mod:`varpack.encode.formats` (ShareGPT, Alpaca, TRL prompt-completion) become ``{"messages": ...}``.
+    :mod:`varpack.data.formats` (ShareGPT, Alpaca, TRL prompt-completion) become ``{"messages": ...}``.
     Errors name the sample and field, and ``where`` (``FILE:LINE``) when given."""
-    from varpack.encode.formats import row_to_messages
+    from varpack.data.formats import row_to_messages
 
     if isinstance(row, list):
         return {"messages": row}
@@ -627,7 +627,7 @@ def encode_any(
     :func:`encode_mm_dataset` (text rows too, so all samples carry ``mm_token_type_ids`` and, with
     ``rope_model``, ``[4, L]`` ``position_ids``); the image processor defaults to
     ``image_processor_for(rope_model)`` (Qwen3-VL values when ``rope_model`` is None). Otherwise the rows go
-    to :func:`varpack.encode.encode_dataset` unchanged.
+    to :func:`varpack.data.chat.encode_dataset` unchanged.
 
     Args:
         data: path(s) to JSON/JSONL chat files, or rows ``{"messages": [...]}``.
@@ -643,7 +643,7 @@ def encode_any(
     """
     rows = _rows_with_roots(data, image_root)
     if not any(is_mm_chat(row) for row, _ in rows):
-        from varpack.encode import encode_dataset
+        from varpack.data.chat import encode_dataset
 
         return encode_dataset([row for row, _ in rows], tokenizer)
     if image_processor is None:
