@@ -229,7 +229,7 @@ def _merge_size(image_processor: Any, where: str) -> int:
     if merge is None:
         raise TypeError(
             f"{where}: image processor {type(image_processor).__name__} has no merge_size; use a Qwen-VL image "
-            "processor (varpack.integrations.vision.image_processor_for)"
+            "processor (varpack.data.media.image_processor_for)"
         )
     return int(merge)
 
@@ -647,7 +647,7 @@ def encode_any(
 
         return encode_dataset([row for row, _ in rows], tokenizer)
     if image_processor is None:
-        from varpack.integrations.vision import image_processor_for
+        from varpack.data.media import image_processor_for
 
         image_processor = image_processor_for(rope_model)
     return _encode_rows(
