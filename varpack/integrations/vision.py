@@ -1,4 +1,5 @@
-"""Vision-language models under varpack: tiny offline configs, the image processor, media checks.
+"""Vision-language models under varpack: tiny offline configs, media checks (the image processor lives in
+:mod:`varpack.data.media`, imported here).
 
 Packing a Qwen3-VL / Qwen3.5 batch is exact when (a) every image's features land in that image's
 placeholder slots, (b) every token keeps the mRoPE position it has unpacked (``varpack.rope.mrope``) and
