@@ -1,7 +1,7 @@
 """Shared pieces of the GPU benchmarks: pre-encoded samples, length fits, timing, tables, machine facts.
 
 The GPU machine has no ``datasets`` package and cannot see ``../shared/``: encode the real chat data here on
-the CPU once with :func:`encode_shared_data` (H1's ``varpack.encode`` + ``varpack.tokenizer``), put the file in
+the CPU once with :func:`encode_shared_data` (:func:`varpack.data.load_and_encode`), put the file in
 a folder that ``.git/info/exclude`` ignores (e.g. ``.gpu/``) and carry it; :func:`load_samples` needs only
 ``json`` / ``numpy``::
 
@@ -69,7 +69,7 @@ def encode_shared_data(
             file index per sample; compressed) or ``.jsonl`` (one ``{"input_ids", "labels"}`` per line).
         max_samples: how many samples to keep (None: all).
         data_dir: the chat files (default ``../shared/data`` beside the repo or ``$VARPACK_SHARED_DATA``).
-        tokenizer: ``varpack.tokenizer.load_tokenizer`` name or directory.
+        tokenizer: ``varpack.data.tokenizer.load_tokenizer`` name or directory.
         seed: the subset draw.
 
     Returns:
@@ -79,8 +79,8 @@ def encode_shared_data(
         FileNotFoundError: no ``*.jsonl`` in ``data_dir``.
         ValueError: an unknown output suffix.
     """
-    from varpack.encode import encode_dataset
-    from varpack.tokenizer import load_tokenizer
+    from varpack.data import load_and_encode
+    from varpack.data.tokenizer import load_tokenizer
 
     out_path = Path(out_path)
     if out_path.suffix not in (".npz", ".jsonl"):
@@ -94,7 +94,7 @@ def encode_shared_data(
     labels: list[np.ndarray] = []
     source: list[int] = []
     for fi, f in enumerate(files):
-        ds = encode_dataset([str(f)], tok, desc=f"encode {f.name}").with_format("numpy")
+        ds = load_and_encode([str(f)], tok, desc=f"encode {f.name}").samples.with_format("numpy")
         for row in ds:
             ids.append(np.asarray(row["input_ids"], dtype=np.int32))
             labels.append(np.asarray(row["labels"], dtype=np.int32))

@@ -40,12 +40,13 @@ def data_files(data_dir: str | os.PathLike[str] | None = None) -> list[Path]:
 def real_lengths_per_file(
     data_dir: str | os.PathLike[str] | None = None, *, tokenizer: str = "qwen3", refresh: bool = False
 ) -> dict[str, np.ndarray]:
-    """``{file name: [N_file] int64 token lengths}``, encoded once with ``varpack.encode`` and cached.
+    """``{file name: [N_file] int64 token lengths}``, encoded once with
+    :func:`varpack.data.load_and_encode` and cached.
 
     Args:
         data_dir: folder with the ``*.jsonl`` chat files (default ``../shared/data`` next to the repo, or
             ``$VARPACK_SHARED_DATA``).
-        tokenizer: ``varpack.tokenizer.load_tokenizer`` argument (default the embedded ``qwen3``).
+        tokenizer: ``varpack.data.tokenizer.load_tokenizer`` argument (default the embedded ``qwen3``).
         refresh: re-encode even if a cache file exists.
     """
     files = data_files(data_dir)
@@ -59,13 +60,13 @@ def real_lengths_per_file(
         with np.load(cache, allow_pickle=False) as z:
             return {name: z[name] for name in z.files}
 
-    from varpack.encode import encode_dataset
-    from varpack.tokenizer import load_tokenizer
+    from varpack.data import load_and_encode
+    from varpack.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     out: dict[str, np.ndarray] = {}
     for f in files:
-        ds = encode_dataset([str(f)], tok, desc=f"encode {f.name}")
+        ds = load_and_encode([str(f)], tok, desc=f"encode {f.name}").samples
         out[f.name] = np.asarray(ds.with_format("numpy")["length"], dtype=np.int64)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".tmp.npz")

@@ -247,7 +247,7 @@ def test_liger_refused_before_encoding_without_cuda(tmp_path, capsys, monkeypatc
     def no_encoding(*a, **k):
         raise AssertionError("encoded before refusing")
 
-    monkeypatch.setattr(vt, "encode_chat_data", no_encoding)
+    monkeypatch.setattr(vt, "load_and_encode", no_encoding)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for installed, expected in ((True, "needs a CUDA GPU"), (False, "pip install liger-kernel")):
         monkeypatch.setattr(K, "liger_available", lambda installed=installed: installed)

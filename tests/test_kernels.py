@@ -346,7 +346,7 @@ def test_liger_and_compile_are_refused_together(tmp_path, capsys, monkeypatch):
     def no_encoding(*a, **k):
         raise AssertionError("encoded before refusing")
 
-    monkeypatch.setattr(vt, "encode_chat_data", no_encoding)
+    monkeypatch.setattr(vt, "load_and_encode", no_encoding)
     code = main(
         ["sft", "--use-liger-kernel", "--torch-compile", "--max-steps", "1", "--output-dir", str(tmp_path / "o")]
     )

@@ -149,7 +149,7 @@ def check_exactness(
             with ``backend``; the model is left on varpack attention, in its original train/eval mode, with
             its gradients cleared).
         samples: encoded samples (dicts with ``input_ids`` and ``labels``, ``labels[0] == -100``; optional
-            ``position_ids``, ``loss_scale``, ...), e.g. rows of :func:`varpack.encode.encode_dataset`.
+            ``position_ids``, ``loss_scale``, ...), e.g. rows of :func:`varpack.data.chat.encode_dataset`.
         backend: varpack attention backend for the packed run.
         dtype: run in this dtype (a copy of the model is cast when it differs); default: the model's dtype.
         atol: absolute term of the logit tolerance (float32; default 1e-4, plus 1e-5 * max|logit|) or the

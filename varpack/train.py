@@ -1,6 +1,6 @@
 """Supervised fine-tuning with padding-free packing through Hugging Face ``Trainer`` (``varpack sft``).
 
-Pipeline (ARCHITECTURE.md): chat data -> :func:`varpack.encode.encode_dataset` (cached) ->
+Pipeline (ARCHITECTURE.md): chat data -> :func:`varpack.data.chat.encode_dataset` (cached) ->
 :func:`varpack.plan.plan_packs` -> :class:`varpack.data.dataset.PackedDataset` (one item = one pack) ->
 :class:`varpack.collate.PaddingFreeCollator` (the packs of one micro-batch become ONE row with
 ``cu_seq_lens_q/k``) -> a model on varpack attention (:func:`varpack.integrations.transformers.enable_varpack`)
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback
 
+from varpack.data.load import load_and_encode
 from varpack.schema import BOOKKEEPING_BATCH_KEYS, IGNORE_INDEX, NOT_MODEL_INPUTS
 from varpack.train_config import SFTConfig, default_lr
 
@@ -64,32 +65,20 @@ def _unwrap_boundaries(inputs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _has_mm_chats(probe: Any, paths: list[str]) -> bool:
-    """``has_mm_chats``; its JSON errors name ``file:line`` and propagate (a bad line is never re-read as
-    another format)."""
-    return bool(probe(paths))
-
-
 def encode_chat_data(data: Sequence[str] | str | None, tokenizer: Any, *, num_proc: int | None = None) -> Any:
     """Encode chat data files (or the built-in chats when ``data`` is empty / None) with ``tokenizer``.
 
+    Kept for users' code: the samples of :func:`varpack.data.load_and_encode` (the loader ``varpack sft``
+    uses).
+
     Returns:
-        ``datasets.Dataset`` with ``input_ids``, ``labels``, ``length``, ``sample_id`` (cached as Arrow).
+        ``datasets.Dataset`` with ``input_ids``, ``labels``, ``length``, ``sample_id`` (cached as Arrow); for
+        files of image/video chats, the list of dicts of :func:`varpack.data.multimodal.encode_any`.
 
     Raises:
         ValueError / TypeError / FileNotFoundError: bad paths or rows (naming the sample and field).
     """
-    from varpack.encode import encode_dataset, load_chat_data
-
-    if isinstance(data, str):
-        data = [data]
-    if data:
-        rows: Any = load_chat_data(list(data))
-    else:
-        from varpack.data.builtin import builtin_chats
-
-        rows = builtin_chats()
-    return encode_dataset(rows, tokenizer, num_proc=num_proc, desc="encode")
+    return load_and_encode(data, tokenizer, num_proc=num_proc).samples
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -378,25 +367,27 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
     data_label = ", ".join(config.data) if config.data else "built-in chats"
     if encoded is None:
-        from varpack.encode.multimodal import encode_any, has_mm_chats
+        from varpack.integrations.vision import is_vl_model
 
-        if not config.data:
+        if not config.data:  # a vision-language model without --data: the built-in image-caption chats
             model = model if model is not None else _load()
-            from varpack.integrations.vision import is_vl_model
+        loaded = [model]
 
-            if is_vl_model(model):  # a vision-language model without --data: the built-in image-caption chats
-                from varpack.data.vl_builtin import write_vl_jsonl
-                from varpack.tokenizer import varpack_cache_root
+        def _rope_model() -> Any:  # loaded only for image/video chats (mRoPE positions, patch grid)
+            if loaded[0] is None:
+                loaded[0] = _load()
+            return loaded[0]
 
-                path = write_vl_jsonl(varpack_cache_root() / "data" / "vl_builtin.jsonl")
-                config = replace(config, data=(path,))
-                data_label = "built-in image-caption chats"
-        if config.data and _has_mm_chats(has_mm_chats, list(config.data)):
-            # image/video chats: placeholders expanded to the model's patch grid, mRoPE positions per sample
-            model = model if model is not None else _load()
-            encoded = encode_any(list(config.data), tokenizer, rope_model=model)
-        else:
-            encoded = encode_chat_data(config.data, tokenizer, num_proc=config.num_proc)
+        source = load_and_encode(
+            config.data,
+            tokenizer,
+            vl=not config.data and is_vl_model(model),
+            rope_model=_rope_model,
+            num_proc=config.num_proc,
+        )
+        model, encoded, data_label = loaded[0], source.samples, source.source
+        if not config.data and source.paths:
+            config = replace(config, data=source.paths)
     if hasattr(encoded, "with_format"):
         lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
     else:
@@ -419,7 +410,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     if plan.pieces and not hasattr(encoded, "with_format"):
         # image/video chats: refuse before training (not when the bad pack is reached) any split/truncate
         # piece that would cut through a placeholder span; the same check as `varpack plan`
-        from varpack.encode.multimodal import check_plan_cuts
+        from varpack.data.multimodal import check_plan_cuts
 
         bad = check_plan_cuts(encoded, plan.pieces)
         if bad:

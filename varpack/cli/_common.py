@@ -98,7 +98,7 @@ def check_data_files(paths: Sequence[str] | None) -> None:
 
     Raises:
         FileNotFoundError: ``chat data file not found: 'PATH'`` (the wording of
-            :func:`varpack.encode.load_chat_data`).
+            :func:`varpack.data.chat.load_chat_data`).
     """
     for p in paths or ():
         if not Path(p).expanduser().is_file():

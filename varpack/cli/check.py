@@ -128,12 +128,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from varpack.check import check_exactness
-    from varpack.data.vl_builtin import write_vl_jsonl
-    from varpack.encode.multimodal import encode_any, has_mm_chats
+    from varpack.data import load_and_encode
     from varpack.integrations.vision import is_vl_model
     from varpack.models import load_model, load_tokenizer_for
-    from varpack.tokenizer import varpack_cache_root
-    from varpack.train import encode_chat_data
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -146,14 +143,12 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer_for(args.model)
     # the model comes first: image chats are encoded with its own mRoPE function and patch grid
     model = load_model(args.model, dtype=dtype, seed=args.seed, attn_backend=args.attn_backend, device=device)
-    data = list(args.data or [])
-    if not data and is_vl_model(model):  # a VL model is checked on images: the built-in image chats
-        data = [write_vl_jsonl(varpack_cache_root() / "data" / "vl_builtin.jsonl")]
-    if data and has_mm_chats(data):
-        rows = select_mm_samples(encode_any(data, tokenizer, rope_model=model), args.num_samples)
+    # a VL model without --data is checked on images: the built-in image-caption chats
+    data = load_and_encode(args.data, tokenizer, vl=is_vl_model(model), rope_model=model)
+    if data.multimodal:
+        rows = select_mm_samples(data.samples, args.num_samples)
     else:
-        encoded = encode_chat_data(data, tokenizer)
-        rows = select_samples(encoded, args.num_samples, args.max_sample_length)
+        rows = select_samples(data.samples, args.num_samples, args.max_sample_length)
     result = check_exactness(model, rows, backend=args.attn_backend, atol=args.atol)
     result["samples_with_media"] = sum(1 for r in rows if "pixel_values" in r or "pixel_values_videos" in r)
     result["model"] = args.model

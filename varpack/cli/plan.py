@@ -92,38 +92,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 _EMBEDDED_CACHE: dict[str, Any] = {}
 
 
-def _has_mm_chats(paths: list[str]) -> bool:
-    """True when the files hold image/video chats (needs varpack.encode.multimodal; False without it)."""
-    try:
-        from varpack.encode.multimodal import has_mm_chats
-    except ImportError:
-        return False
-    return has_mm_chats(list(paths))
-
-
 def _tokenizer(name_or_dir: str) -> Any:
     """``load_tokenizer``, keeping embedded tokenizers (not directories) for later calls in this process."""
-    from varpack.tokenizer import load_tokenizer
+    from varpack.data.tokenizer import load_tokenizer
 
     if name_or_dir in ("qwen3", "qwen3.5"):
         if name_or_dir not in _EMBEDDED_CACHE:
             _EMBEDDED_CACHE[name_or_dir] = load_tokenizer(name_or_dir)
         return _EMBEDDED_CACHE[name_or_dir]
     return load_tokenizer(name_or_dir)
-
-
-def _formats(data: Any) -> dict[str, int]:
-    """Rows per data format (``varpack.encode.formats``); a refused row's error names its file and line."""
-    from varpack.encode.chat import locate_error
-    from varpack.encode.formats import data_formats
-
-    try:
-        return data_formats(data)
-    except (ValueError, TypeError) as exc:
-        located = locate_error(exc, data)
-        if located is exc:
-            raise
-        raise located from exc
 
 
 def _format_label(formats: dict[str, int]) -> str:
@@ -194,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
             ``varpack plan: error: ...`` and exits 1).
     """
     check_data_files(args.data)  # a missing file is reported before the encoder's imports
-    import numpy as np
 
     from varpack.plan import plan_packs
 
@@ -202,28 +178,21 @@ def run(args: argparse.Namespace) -> int:
     # with --json, stdout is reserved for the JSON object: anything printed while encoding goes to stderr
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     with quiet:
-        from varpack.encode import encode_dataset, load_chat_data
+        from varpack.data import load_and_encode
 
-        mm_samples = None
-        formats = None
-        if args.data and _has_mm_chats(args.data):
-            # image/video chats: the vision-language encoder expands the placeholders (lengths only)
-            from varpack.encode.multimodal import encode_any
-
-            tokenizer = _tokenizer(args.tokenizer)
-            mm_samples = encode_any(list(args.data), tokenizer, with_pixels=False, progress=True)
-            lengths = np.asarray([int(s["length"]) for s in mm_samples], dtype=np.int64)
-        else:
-            if args.data:
-                data: Any = load_chat_data(list(args.data))  # bad rows fail before the tokenizer loads
-            else:
-                from varpack.data.builtin import builtin_chats
-
-                data = builtin_chats()
-            formats = _formats(data)  # refused formats (preference, text, ...) fail before the tokenizer
-            tokenizer = _tokenizer(args.tokenizer)
-            encoded = encode_dataset(data, tokenizer, num_proc=args.num_proc, desc="encode")
-            lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
+        # image/video chats are encoded for their lengths only (placeholders expanded, pixels not decoded);
+        # bad rows and refused formats (preference, text, ...) fail before the tokenizer loads
+        data = load_and_encode(
+            args.data,
+            lambda: _tokenizer(args.tokenizer),
+            with_pixels=False,
+            num_proc=args.num_proc,
+            progress=True,
+            formats=True,
+        )
+        lengths = data.lengths()
+        mm_samples = data.samples if data.multimodal else None
+        formats = data.formats
     t1 = time.perf_counter()
     plan = plan_packs(
         lengths,
@@ -234,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     )
     t2 = time.perf_counter()
     if mm_samples is not None and plan.pieces:
-        from varpack.encode.multimodal import check_plan_cuts
+        from varpack.data.multimodal import check_plan_cuts
 
         bad = check_plan_cuts(mm_samples, plan.pieces)
         if bad:

@@ -69,7 +69,7 @@ def _slice(value: Any, start: int, stop: int) -> Any:
 
 def _restart_text_plane(value: Any, text_plane: int) -> Any:
     """A piece's positions: the text plane restarts at ``0..L-1``; other (mRoPE) planes keep their values,
-    as in ``varpack.encode.multimodal.slice_mm_sample``."""
+    as in ``varpack.data.multimodal.slice_mm_sample``."""
     arr = value.clone() if isinstance(value, torch.Tensor) else np.array(value, dtype=np.int64)
     n = arr.shape[-1]
     if arr.ndim == 1:
@@ -99,7 +99,7 @@ class PackedDataset(Dataset):
     ``token_fields``), with ``labels[0] = -100`` (the token before the cut is in another piece), ``length``
     updated, the text plane of ``position_ids`` restarted at ``0..L-1`` (mRoPE planes kept as in the whole
     sample), and ``piece_id`` / ``piece_range`` added. A sample with images or videos is cut by
-    ``varpack.encode.multimodal.slice_mm_sample``: the piece keeps the media wholly inside it, and a cut
+    ``varpack.data.multimodal.slice_mm_sample``: the piece keeps the media wholly inside it, and a cut
     through an image raises.
 
     From a HF ``datasets.Dataset`` a pack is read with one Arrow call; flat numeric list columns
@@ -130,7 +130,7 @@ class PackedDataset(Dataset):
         TypeError: ``samples`` is not a dataset / sequence, or ``plan`` lacks the PackPlan interface.
         ValueError: (``check``) the plan's sample count, fingerprint or packed lengths disagree with the
             samples, naming the first sample that differs; at access time, a piece that cuts through an
-            image/video span (``varpack.encode.multimodal.validate_cut``) or a piece range beyond the sample.
+            image/video span (``varpack.data.multimodal.validate_cut``) or a piece range beyond the sample.
         IndexError: ``index`` out of range.
 
     Example:
@@ -331,7 +331,7 @@ class PackedDataset(Dataset):
     def _cut(self, row: dict[str, Any], piece_id: int, sample_id: int, start: int, stop: int) -> None:
         if any(row.get(f) is not None for f in MEDIA_FIELDS):
             # image/video pieces keep only the media wholly inside them; a cut inside an image raises
-            from varpack.encode import multimodal
+            from varpack.data import multimodal
 
             piece = multimodal.slice_mm_sample(row, start, stop, sample_id=sample_id)
             for f in self.token_fields:  # extra token fields that the multimodal slicer does not know

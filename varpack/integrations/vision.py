@@ -1,4 +1,5 @@
-"""Vision-language models under varpack: tiny offline configs, the image processor, media checks.
+"""Vision-language models under varpack: tiny offline configs, media checks (the image processor lives in
+:mod:`varpack.data.media`, imported here).
 
 Packing a Qwen3-VL / Qwen3.5 batch is exact when (a) every image's features land in that image's
 placeholder slots, (b) every token keeps the mRoPE position it has unpacked (``varpack.rope.mrope``) and
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from varpack.data.media import image_processor_for
 from varpack.schema import BOUNDARY_KEYS, IMAGE_FIELDS, VIDEO_FIELDS
 
 __all__ = [
@@ -46,19 +48,6 @@ QWEN3_VOCAB_SIZE = 151936
 
 TINY_VL_MODELS = ("tiny-qwen3-vl", "tiny-qwen3.5-vl", "tiny-qwen2.5-vl")
 
-# Qwen3-VL / Qwen3.5 image preprocessing (preprocessor_config.json of the released checkpoints):
-# patch 16, merge 2, temporal patch 2, mean = std = 0.5, pixels between 64K and 16M.
-_QWEN3_VL_IMAGE = {
-    "patch_size": 16,
-    "merge_size": 2,
-    "temporal_patch_size": 2,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "min_pixels": 65536,
-    "max_pixels": 16777216,
-}
-
-
 def _vision_common(patch_size: int, out_hidden: int) -> dict[str, Any]:
     return {
         "depth": 2,
@@ -78,8 +67,8 @@ def tiny_config(name: str, *, vocab_size: int | None = None) -> Any:
     """Tiny random-init config of a Qwen vision-language model, built offline.
 
     The special-token ids are those of the embedded Qwen3 vocabulary (:data:`QWEN3_VISION_TOKENS`), so the
-    tiny models read what ``varpack.tokenizer.load_tokenizer("qwen3")`` and
-    :func:`varpack.encode.multimodal.encode_mm_chat` produce.
+    tiny models read what ``varpack.data.tokenizer.load_tokenizer("qwen3")`` and
+    :func:`varpack.data.multimodal.encode_mm_chat` produce.
 
     Args:
         name: ``"tiny-qwen3-vl"`` (``Qwen3VLConfig``: 2 full-attention layers, DeepStack at vision layer 1),
@@ -235,59 +224,6 @@ def is_vl_model(model_or_config: Any) -> bool:
         getattr(config, "vision_config", None) is not None
         and getattr(config, "image_token_id", None) is not None
     )
-
-
-def image_processor_for(
-    model_or_config: Any = None,
-    *,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-) -> Any:
-    """An image processor matching a Qwen-VL vision tower, built offline without torchvision.
-
-    Returns transformers' ``Qwen2VLImageProcessorPil`` (the PIL/numpy backend of the Qwen2-VL..Qwen3.5
-    image processor) with the model's ``patch_size``, ``spatial_merge_size`` and ``temporal_patch_size``
-    and the Qwen3-VL normalisation (mean = std = 0.5); for a Qwen2-VL / Qwen2.5-VL config, the
-    normalisation (CLIP mean/std) and pixel bounds are that class's own defaults (the Qwen2-VL values).
-    Each image is resized so that both sides are multiples of ``patch_size * merge_size`` with
-    ``min_pixels <= h * w <= max_pixels``; its ``image_grid_thw`` is ``(1, h / patch, w / patch)`` and it
-    fills ``h * w / (patch * merge)**2`` LLM slots.
-
-    Args:
-        model_or_config: a VL model/config (None: the released Qwen3-VL values, patch 16, merge 2).
-        min_pixels / max_pixels: resize bounds in pixels (defaults 65,536 / 16,777,216 as released for
-            Qwen3-VL, 3,136 / 1,003,520 for Qwen2-VL / Qwen2.5-VL; tests use small bounds to keep sequences
-            short).
-
-    Raises:
-        TypeError: the config has no ``vision_config``.
-    """
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    params = dict(_QWEN3_VL_IMAGE)
-    if model_or_config is not None:
-        config = getattr(model_or_config, "config", model_or_config)
-        vision = getattr(config, "vision_config", None)
-        if vision is None:
-            raise TypeError(f"{type(config).__name__} has no vision_config: not a vision-language model")
-        if getattr(config, "model_type", None) in ("qwen2_vl", "qwen2_5_vl"):
-            own = Qwen2VLImageProcessorPil()
-            params.update(
-                image_mean=list(own.image_mean),
-                image_std=list(own.image_std),
-                min_pixels=int(own.size.shortest_edge),
-                max_pixels=int(own.size.longest_edge),
-            )
-        params["patch_size"] = int(vision.patch_size)
-        params["merge_size"] = int(vision.spatial_merge_size)
-        params["temporal_patch_size"] = int(vision.temporal_patch_size)
-    if min_pixels is not None:
-        params["min_pixels"] = int(min_pixels)
-    if max_pixels is not None:
-        params["max_pixels"] = int(max_pixels)
-    if params["min_pixels"] > params["max_pixels"]:
-        raise ValueError(f"min_pixels={params['min_pixels']} > max_pixels={params['max_pixels']}")
-    return Qwen2VLImageProcessorPil(**params)
 
 
 def _count(x: Any) -> int:
