@@ -25,7 +25,7 @@ __all__ = ["register", "run"]
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` sub-command to ``subparsers`` and return its parser."""
-    from varpack.plan import DEFAULT_PACKING_LENGTH, OVERFLOW_POLICIES, STRATEGIES
+    from varpack.plan import DEFAULT_PACKING_LENGTH, OVERFLOW_POLICIES, STRATEGIES, strategies_help
 
     p = subparsers.add_parser(
         "plan",
@@ -60,7 +60,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         dest="packing_strategy",
         choices=STRATEGIES,
         default="bfd",
-        help="bfd: global best-fit decreasing; sequential: order-preserving next-fit (default: %(default)s)",
+        help=f"{strategies_help()} (default: %(default)s)",
     )
     p.add_argument(
         "--overflow",
