@@ -9,7 +9,7 @@ this one process, one thread. Baselines (measured in the same run):
 
 - ``segment-tree BFD``: best-fit decreasing with one Python step per sample and a segment tree over
   remaining capacities, the approach of TRL's ``pack_dataset(strategy="bfd")``; code in
-  ``tests/plan_reference.py`` (shared with the tests). It breaks ties like varpack, so its packs must be
+  ``varpack/plan/reference.py`` (shared with the tests). It breaks ties like varpack, so its packs must be
   *identical* to varpack's (checked, column "same packs").
 - ``binpacking.to_constant_volume``: the ``binpacking`` library (worst-fit decreasing, O(N * bins)); far too
   slow for 1M samples, so it is timed on a stated subset, next to varpack on the same subset.
@@ -33,12 +33,11 @@ import numpy as np  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
 
 from _lengths import real_lengths_per_file  # noqa: E402
-from plan_reference import segment_tree_bfd  # noqa: E402
 
 from varpack.plan import plan_packs  # noqa: E402
+from varpack.plan.reference import segment_tree_bfd  # noqa: E402
 
 
 def _timed(fn):

@@ -97,6 +97,17 @@ def test_attn_backend_choices_are_the_registry():
     assert sorted(ATTN_BACKENDS) == sorted(["auto", *BACKENDS])
 
 
+@pytest.mark.parametrize("cmd", ["plan", "sft", "demo"])
+def test_packing_strategy_choices_are_the_strategy_table(cmd):
+    """--packing-strategy offers exactly the names of varpack.plan's STRATEGY_TABLE, each with its summary."""
+    from varpack.plan import STRATEGY_TABLE
+
+    (action,) = [a for a in _subparsers()[cmd]._actions if a.dest == "packing_strategy"]
+    assert tuple(action.choices) == tuple(STRATEGY_TABLE)
+    for name, strategy in STRATEGY_TABLE.items():
+        assert f"{name}: {strategy.summary}" in action.help
+
+
 # ------------------------------------------------------------------------------------------------------
 # item 10: exit codes and wording
 # ------------------------------------------------------------------------------------------------------

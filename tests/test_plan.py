@@ -6,9 +6,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plan_reference import naive_bfd, naive_next_fit, segment_tree_bfd
 
-from varpack.plan import PackPlan, best_fit_decreasing, next_fit, plan_packs
+from varpack.plan import (
+    STRATEGIES,
+    STRATEGY_TABLE,
+    PackPlan,
+    Strategy,
+    best_fit_decreasing,
+    next_fit,
+    plan_packs,
+)
+from varpack.plan.reference import naive_bfd, naive_next_fit, segment_tree_bfd
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -174,7 +182,7 @@ lengths_strategy = st.integers(1, 50).flatmap(
 @settings(max_examples=200, deadline=None)
 @given(
     lengths_strategy,
-    st.sampled_from(["bfd", "sequential"]),
+    st.sampled_from(STRATEGIES),  # every registered strategy
     st.sampled_from(["drop", "truncate", "split"]),
 )
 def test_every_sample_accounted_once(case, strategy, overflow):
@@ -204,6 +212,55 @@ def test_bfd_plan_matches_naive_bfd_on_items(case):
             item_len.append(b - a)
     want = [[items[i] for i in b] for b in naive_bfd(item_len, L)]
     assert [p.tolist() for p in plan.packs] == want
+
+
+# ------------------------------------------------------------------------------------- strategy table
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_registered_strategy_keeps_the_contract(name):
+    """Every entry of STRATEGY_TABLE: CSR packs over a permutation of the items, none over budget,
+    deterministic, ValueError for a length outside 1..capacity (the contract in varpack.plan.strategies)."""
+    pack = STRATEGY_TABLE[name].pack
+    rng = np.random.default_rng(0)
+    for L in (1, 7, 64, 4096):
+        lengths = rng.integers(1, L + 1, size=500, dtype=np.int64)
+        offsets, items = pack(lengths, L)
+        assert offsets.dtype == np.int64 and items.dtype == np.int64
+        assert offsets[0] == 0 and offsets[-1] == lengths.size and (np.diff(offsets) > 0).all()
+        assert np.array_equal(np.sort(items), np.arange(lengths.size))
+        sums = np.add.reduceat(lengths[items], offsets[:-1])
+        assert (sums <= L).all()
+        again = pack(lengths.copy(), L)
+        assert np.array_equal(again[0], offsets) and np.array_equal(again[1], items)
+        for bad in (0, L + 1):
+            with pytest.raises(ValueError, match="item 3 has length"):
+                pack(np.concatenate([lengths[:3], [bad], lengths[3:]]), L)
+    empty_offsets, empty_items = pack(np.zeros(0, np.int64), 8)
+    assert empty_offsets.tolist() == [0] and empty_items.size == 0
+
+
+def test_plan_packs_dispatches_through_the_table_with_shared_overflow(monkeypatch):
+    """A strategy added to the table is reachable by name; it only sees items in 1..L (the overflow policy
+    ran before, the same for every strategy) and its packs become the plan's."""
+    seen: list[list[int]] = []
+
+    def one_per_pack(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+        seen.append(lengths.tolist())
+        n = lengths.shape[0]
+        return np.arange(n + 1, dtype=np.int64), np.arange(n, dtype=np.int64)[::-1].copy()
+
+    monkeypatch.setitem(STRATEGY_TABLE, "one-per-pack", Strategy(one_per_pack, "one item per pack"))
+    lengths = [3, 0, 11, 2]
+    plan = plan_packs(lengths, 4, strategy="one-per-pack", overflow="split")
+    assert seen == [[3, 4, 4, 3, 2]]  # sample 0, pieces of sample 2 (in place), sample 3; empty left out
+    assert [p.tolist() for p in plan.packs] == [[3], [6], [5], [4], [0]]
+    assert plan.strategy == "one-per-pack" and plan.pack_lengths.tolist() == [2, 3, 4, 4, 3]
+    ref = plan_packs(lengths, 4, strategy="bfd", overflow="split")
+    assert plan.overflow == ref.overflow and plan.pieces == ref.pieces
+    check_accounting(lengths, plan)
+    with pytest.raises(ValueError, match="packing_strategy must be one of"):
+        plan_packs(lengths, 4, strategy="nope")
 
 
 def test_one_token_samples():

@@ -40,6 +40,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from varpack.data.load import load_and_encode
+
+# format_packing_report: the packing report now lives in varpack.plan.report; re-exported here for callers
+from varpack.plan.report import format_packing_report, plan_summary, summary_text
 from varpack.schema import BOOKKEEPING_BATCH_KEYS, IGNORE_INDEX, NOT_MODEL_INPUTS
 from varpack.train_config import SFTConfig, default_lr
 
@@ -261,41 +264,6 @@ def unsupervised_pieces(
     return out
 
 
-def format_packing_report(
-    plan: Any, *, data: str, input_tokens: int, unsupervised: list[tuple[int, int, int, int]] | None = None
-) -> str:
-    """The packing report printed before training: samples, packs, fill, overflow, and pieces of overlong
-    samples that keep no supervised token (``unsupervised``, from :func:`unsupervised_pieces`)."""
-    st = plan.stats
-    ov = plan.overflow
-    if ov["overlong_ids"]:
-        action = {"drop": "dropped", "truncate": "truncated", "split": "split"}.get(
-            ov["policy"], ov["policy"]
-        )
-        over = f"{len(ov['overlong_ids']):,} overlong ({action}"
-        over += f" into {ov['num_pieces']:,} pieces)" if ov["policy"] == "split" else ")"
-    else:
-        over = "none overlong"
-    over += f", {len(ov['empty_ids']):,} empty, {ov['tokens_dropped']:,} tokens dropped"
-    lines = [
-        f"packing report ({st['strategy']}, packing_length={st['packing_length']:,}, overflow={ov['policy']})",
-        f"  data      {data}",
-        f"  samples   {st['num_samples']:,} ({input_tokens:,} tokens)",
-        f"  packs     {st['num_packs']:,} (lower bound {st['lower_bound_packs']:,})",
-        f"  tokens    {st['total_tokens']:,} packed",
-        f"  fill      {st['fill_ratio']:.2%}",
-        f"  overflow  {over}",
-    ]
-    if unsupervised:
-        shown = ", ".join(f"sample {sid} [{a}, {b})" for _, sid, a, b in unsupervised[:10])
-        more = f" and {len(unsupervised) - 10} more" if len(unsupervised) > 10 else ""
-        lines.append(
-            f"  warning   {len(unsupervised):,} piece(s) of overlong samples keep no supervised token and train "
-            f"nothing: {shown}{more}"
-        )
-    return "\n".join(lines)
-
-
 @dataclass
 class SFTRun:
     """What :func:`build_sft` assembled: ready to ``trainer.train()``."""
@@ -422,10 +390,8 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
                 "use overflow='drop' or a larger packing_length"
             )
     dataset = PackedDataset(encoded, plan)
-    report = format_packing_report(
-        plan,
-        data=data_label,
-        input_tokens=int(lengths.sum()),
+    report = summary_text(
+        plan_summary(plan, lengths, data=data_label),
         unsupervised=unsupervised_pieces(encoded, plan) if plan.pieces else None,
     )
     if model is None:

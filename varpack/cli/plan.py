@@ -25,7 +25,7 @@ __all__ = ["register", "run"]
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` sub-command to ``subparsers`` and return its parser."""
-    from varpack.plan import DEFAULT_PACKING_LENGTH, OVERFLOW_POLICIES, STRATEGIES
+    from varpack.plan import DEFAULT_PACKING_LENGTH, OVERFLOW_POLICIES, STRATEGIES, strategies_help
 
     p = subparsers.add_parser(
         "plan",
@@ -60,7 +60,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         dest="packing_strategy",
         choices=STRATEGIES,
         default="bfd",
-        help="bfd: global best-fit decreasing; sequential: order-preserving next-fit (default: %(default)s)",
+        help=f"{strategies_help()} (default: %(default)s)",
     )
     p.add_argument(
         "--overflow",
@@ -103,66 +103,6 @@ def _tokenizer(name_or_dir: str) -> Any:
     return load_tokenizer(name_or_dir)
 
 
-def _format_label(formats: dict[str, int]) -> str:
-    """``messages``, ``sharegpt (converted)`` or ``messages 120, alpaca 30 (converted)``."""
-    if len(formats) == 1:
-        fmt = next(iter(formats))
-        return fmt if fmt == "messages" else f"{fmt} (converted)"
-    return ", ".join(f"{f} {n:,}" + ("" if f == "messages" else " (converted)") for f, n in formats.items())
-
-
-def _summary(args: argparse.Namespace, plan: Any, input_tokens: int, seconds: dict[str, float]) -> dict:
-    out: dict[str, Any] = dict(plan.stats)
-    out["input_tokens"] = input_tokens
-    out["overflow"] = plan.overflow
-    out["data"] = list(args.data) if args.data else "builtin"
-    out["tokenizer"] = args.tokenizer
-    out["seed"] = plan.seed
-    out["seconds"] = seconds
-    if args.report:
-        out["report"] = args.report
-    if args.save:
-        out["plan_path"] = args.save
-    return out
-
-
-def _print_table(summary: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    ov = summary["overflow"]
-    if ov["overlong_ids"]:
-        action = {"drop": "dropped", "truncate": "truncated", "split": "split"}[ov["policy"]]
-        over = f"{len(ov['overlong_ids']):,} overlong ({action}"
-        over += f", {ov['num_pieces']:,} pieces)" if ov["policy"] == "split" else ")"
-    else:
-        over = "none overlong"
-    over += f", {len(ov['empty_ids']):,} empty, {ov['tokens_dropped']:,} tokens dropped"
-    data = summary["data"]
-    table = Table(
-        title=(
-            f"varpack plan: {summary['strategy']}, packing_length={summary['packing_length']:,}, "
-            f"overflow={ov['policy']}"
-        ),
-        show_header=True,
-    )
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
-    table.add_row("data", "built-in chats" if data == "builtin" else ", ".join(data))
-    if summary.get("formats"):
-        table.add_row("format", _format_label(summary["formats"]))
-    table.add_row("samples", f"{summary['num_samples']:,}")
-    table.add_row("tokens (input)", f"{summary['input_tokens']:,}")
-    table.add_row("tokens (packed)", f"{summary['total_tokens']:,}")
-    table.add_row("packs", f"{summary['num_packs']:,}")
-    table.add_row("lower bound", f"{summary['lower_bound_packs']:,}")
-    table.add_row("fill", f"{summary['fill_ratio']:.4%}")
-    table.add_row("overflow", over)
-    sec = summary["seconds"]
-    table.add_row("time", f"encode {sec['encode']:.2f} s, plan {sec['plan']:.3f} s")
-    Console().print(table)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``varpack plan``; returns the process exit code (0 ok).
 
@@ -173,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     check_data_files(args.data)  # a missing file is reported before the encoder's imports
 
     from varpack.plan import plan_packs
+    from varpack.plan.report import plan_summary, plot_plan_report, summary_table
 
     t0 = time.perf_counter()
     # with --json, stdout is reserved for the JSON object: anything printed while encoding goes to stderr
@@ -216,17 +157,27 @@ def run(args: argparse.Namespace) -> int:
                 "choose overflow='drop' or a larger packing_length"
             )
     if args.report:
-        from varpack.report import plot_plan_report
-
         plot_plan_report(lengths, plan, args.report)
     if args.save:
         args.save = str(plan.save(args.save))
-    summary = _summary(args, plan, int(lengths.sum()), {"encode": t1 - t0, "plan": t2 - t1})
+    context: dict[str, Any] = {
+        "data": list(args.data) if args.data else "builtin",
+        "tokenizer": args.tokenizer,
+        "seed": plan.seed,
+        "seconds": {"encode": t1 - t0, "plan": t2 - t1},
+    }
+    if args.report:
+        context["report"] = args.report
+    if args.save:
+        context["plan_path"] = args.save
     if formats is not None:
-        summary["formats"] = formats
+        context["formats"] = formats
+    summary = plan_summary(plan, lengths, **context)
     if args.json:
         sys.stdout.write(json.dumps(summary) + "\n")
         sys.stdout.flush()
     else:
-        _print_table(summary)
+        from rich.console import Console
+
+        Console().print(summary_table(summary))
     return 0

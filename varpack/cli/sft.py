@@ -43,7 +43,7 @@ def add_sft_arguments(p: argparse.ArgumentParser, *, defaults: dict[str, Any] | 
 
     Every help text shows its default once (``%(default)s``, so ``varpack demo --help`` shows the demo's).
     """
-    from varpack.plan import OVERFLOW_POLICIES, STRATEGIES
+    from varpack.plan import OVERFLOW_POLICIES, STRATEGIES, strategies_help
     from varpack.train_config import DEFAULT_LR
 
     d = {**_config_defaults(), **(defaults or {})}
@@ -87,7 +87,7 @@ def add_sft_arguments(p: argparse.ArgumentParser, *, defaults: dict[str, Any] | 
         dest="packing_strategy",
         choices=STRATEGIES,
         default=d["packing_strategy"],
-        help="bfd: global best-fit decreasing; sequential: order-preserving next-fit (default: %(default)s)",
+        help=f"{strategies_help()} (default: %(default)s)",
     )
     add(
         "--overflow",

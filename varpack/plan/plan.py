@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from varpack.plan.bfd import best_fit_decreasing
-from varpack.plan.sequential import next_fit
+from varpack.plan.strategies import STRATEGIES, STRATEGY_TABLE
 
 __all__ = [
     "DEFAULT_PACKING_LENGTH",
@@ -29,7 +28,6 @@ __all__ = [
     "plan_packs",
 ]
 
-STRATEGIES = ("bfd", "sequential")
 OVERFLOW_POLICIES = ("error", "drop", "truncate", "split")
 #: Tokens per pack when none is given: the one default of ``varpack plan``, ``varpack sft`` and ``SFTConfig``.
 DEFAULT_PACKING_LENGTH = 4096
@@ -43,7 +41,7 @@ def lengths_fingerprint(lengths: Any, packing_length: int, strategy: str, overfl
     Args:
         lengths: ``[N]`` integer sample lengths (tokens); the values are hashed, whatever their dtype.
         packing_length: tokens per pack.
-        strategy: ``"bfd"`` or ``"sequential"``.
+        strategy: a name in :data:`~varpack.plan.strategies.STRATEGIES`.
         overflow: the overflow policy.
 
     Returns:
@@ -80,7 +78,8 @@ class PackPlan:
     packing_length: int
     """Token budget of one pack (``L``)."""
     strategy: str
-    """``"bfd"`` (global best-fit decreasing) or ``"sequential"`` (order-preserving next-fit)."""
+    """A name in :data:`~varpack.plan.strategies.STRATEGY_TABLE`: ``"bfd"`` (global best-fit decreasing),
+    ``"sequential"`` (order-preserving next-fit), ..."""
     seed: int
     """Seed of the per-epoch pack order (:meth:`pack_order`); does not change the packs."""
     num_samples: int
@@ -353,7 +352,8 @@ def plan_packs(
 ) -> PackPlan:
     """Group samples into packs of at most ``packing_length`` tokens.
 
-    Strategies:
+    Strategies (the table :data:`varpack.plan.strategies.STRATEGY_TABLE`; every strategy sees the same items,
+    the overflow policy below being applied first, once for all):
 
     - ``"bfd"``: global best-fit decreasing over *all* samples (not per window of ~1000 samples like
       ms-swift / LLaMA-Factory): longest first (ties: lower id first), each into the fullest pack it fits
@@ -379,7 +379,7 @@ def plan_packs(
     Args:
         lengths: ``[N]`` non-negative integer sample lengths in tokens (list, numpy or torch).
         packing_length: ``L``, the token budget of one pack (one padding-free row), ``>= 1``.
-        strategy: ``"bfd"`` or ``"sequential"``.
+        strategy: a name in :data:`~varpack.plan.strategies.STRATEGIES` (``"bfd"``, ``"sequential"``).
         overflow: ``"error"``, ``"drop"``, ``"truncate"`` or ``"split"``.
         seed: non-negative int for :meth:`PackPlan.pack_order` (the packs themselves do not depend on it).
 
@@ -404,8 +404,8 @@ def plan_packs(
     L = int(packing_length)
     if L < 1:
         raise ValueError(f"packing_length must be >= 1 token, got {L}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"packing_strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy not in STRATEGY_TABLE:
+        raise ValueError(f"packing_strategy must be one of {tuple(STRATEGY_TABLE)}, got {strategy!r}")
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
@@ -458,10 +458,7 @@ def plan_packs(
             item_ids, item_len = item_ids[order], item_len[order]
     num_pieces = int(piece_sample.size)
 
-    if strategy == "bfd":
-        offsets, idx = best_fit_decreasing(item_len, L)
-    else:
-        offsets, idx = next_fit(item_len, L)
+    offsets, idx = STRATEGY_TABLE[strategy].pack(item_len, L)
 
     report = {
         "policy": overflow,

@@ -1,20 +1,30 @@
-"""Reference packers for tests and benchmarks (not part of the package).
+"""Reference packers: the naive, obviously-correct twins of :mod:`varpack.plan.bfd` and
+:mod:`varpack.plan.sequential`, for tests and benchmarks.
 
-- ``naive_bfd``: best-fit decreasing written the obvious way, O(I * bins): the definition varpack's
-  vectorized BFD must reproduce item for item.
-- ``segment_tree_bfd``: best-fit decreasing with one Python step per item and a segment tree over remaining
-  capacities ``0..L`` (the approach of TRL's ``pack_dataset(strategy="bfd")``), written here from the
-  algorithm's description. Ties go to the lowest bin index (a heap per capacity), so its output is identical
-  to ``naive_bfd`` and can be compared exactly at benchmark scale.
-- ``naive_next_fit``: order-preserving next-fit, one item at a time.
+Public so that tests, benchmarks and users' own checks compare against the same definition (as
+``varpack.ops.gated_delta_rule.naive`` is for the gated delta rule); ``plan_packs`` never uses them. They
+work on Python lists, one item at a time, and return the bins as lists of item indices in placement order,
+which is ``[items[offsets[p]:offsets[p+1]] for p ...]`` of the vectorized functions' CSR output.
 
-``benchmarks/planner.py`` imports these so the baseline and the tests cannot drift apart.
+- :func:`naive_bfd`: best-fit decreasing written the obvious way, O(I * bins): the definition varpack's
+  vectorized BFD (:func:`varpack.plan.bfd.best_fit_decreasing`) must reproduce item for item.
+- :func:`segment_tree_bfd`: best-fit decreasing with one Python step per item and a segment tree over
+  remaining capacities ``0..L`` (the approach of TRL's ``pack_dataset(strategy="bfd")``), written here from
+  the algorithm's description. Ties go to the lowest bin index (a heap per capacity), so its output is
+  identical to :func:`naive_bfd` and can be compared exactly at benchmark scale (``benchmarks/planner.py``).
+- :func:`naive_next_fit`: order-preserving next-fit (:func:`varpack.plan.sequential.next_fit`), one item at
+  a time.
+
+Every function takes ``lengths`` (a sequence of ints, each in ``1..capacity`` tokens) and ``capacity``
+(``L``, tokens per bin) and does not validate them.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+
+__all__ = ["bfd_item_order", "naive_bfd", "naive_next_fit", "segment_tree_bfd"]
 
 
 def bfd_item_order(lengths: Sequence[int]) -> list[int]:

@@ -1,0 +1,225 @@
+"""The packing report of a plan: what packing gives (samples, tokens, packs, fill, overflow), as data plus
+renderers.
+
+- :func:`plan_summary`: the data, one JSON-ready dict (``varpack plan --json`` prints it).
+- :func:`summary_table`: the rich table of ``varpack plan``.
+- :func:`summary_text`: the plain-text packing report that ``varpack sft`` / ``varpack demo`` print before
+  training (:func:`format_packing_report` builds it straight from a plan).
+- :func:`plot_plan_report`: PNG histograms of the sample lengths and the pack fill (``varpack plan --report``).
+
+Importing this module imports numpy only; the renderers import rich / matplotlib when called.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from varpack.plan.plan import PackPlan
+
+__all__ = ["format_packing_report", "plan_summary", "plot_plan_report", "summary_table", "summary_text"]
+
+_ACTION = {"drop": "dropped", "truncate": "truncated", "split": "split"}
+
+
+def _lengths_of(lengths: Any, plan: PackPlan) -> np.ndarray:
+    """``lengths`` as ``[N]`` int64, checked against the plan (ValueError when the count differs)."""
+    arr = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if arr.shape[0] != plan.num_samples:
+        raise ValueError(
+            f"lengths has {arr.shape[0]} entries but the plan was made for {plan.num_samples} samples"
+        )
+    return arr
+
+
+def _summary(plan: PackPlan, input_tokens: int, context: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(plan.stats)
+    out["input_tokens"] = int(input_tokens)
+    out["overflow"] = plan.overflow
+    out.update(context)
+    return out
+
+
+def plan_summary(plan: PackPlan, lengths: Any, **context: Any) -> dict[str, Any]:
+    """The packing report as data: one JSON-ready dict.
+
+    Args:
+        plan: the :class:`~varpack.plan.PackPlan`.
+        lengths: ``[N]`` integer sample lengths in tokens, the ones ``plan`` was made from.
+        **context: the caller's fields, added after the plan's own, in the given order. The renderers read
+            ``data`` (:func:`summary_table`: a list of file names or ``"builtin"``; :func:`summary_text`: a
+            label), and :func:`summary_table` also ``formats`` (rows per data format) and ``seconds``
+            (``{"encode": s, "plan": s}``) when present.
+
+    Returns:
+        ``plan.stats`` (counts, tokens, fill, overflow counts, fingerprint; see
+        :attr:`~varpack.plan.PackPlan.stats`), then ``input_tokens`` (tokens of all samples before packing,
+        ``sum(lengths)``), ``overflow`` (the plan's full overflow report, ids included), then ``context``.
+
+    Raises:
+        ValueError: if ``lengths`` does not have ``plan.num_samples`` entries.
+    """
+    return _summary(plan, int(_lengths_of(lengths, plan).sum()), context)
+
+
+def _overflow_line(ov: dict[str, Any], *, split: str) -> str:
+    """``"3 overlong (dropped), 1 empty, 42 tokens dropped"``; ``split`` formats the split case's pieces."""
+    if ov["overlong_ids"]:
+        over = f"{len(ov['overlong_ids']):,} overlong ({_ACTION.get(ov['policy'], ov['policy'])}"
+        over += split.format(ov["num_pieces"]) if ov["policy"] == "split" else ")"
+    else:
+        over = "none overlong"
+    return over + f", {len(ov['empty_ids']):,} empty, {ov['tokens_dropped']:,} tokens dropped"
+
+
+def _format_label(formats: dict[str, int]) -> str:
+    """``messages``, ``sharegpt (converted)`` or ``messages 120, alpaca 30 (converted)``."""
+    if len(formats) == 1:
+        fmt = next(iter(formats))
+        return fmt if fmt == "messages" else f"{fmt} (converted)"
+    return ", ".join(f"{f} {n:,}" + ("" if f == "messages" else " (converted)") for f, n in formats.items())
+
+
+def summary_table(summary: dict[str, Any]) -> Any:
+    """The ``varpack plan`` table of a :func:`plan_summary` (a ``rich.table.Table``; print it with
+    ``rich.console.Console().print``). Rows: data, format (when ``formats`` is given), samples, tokens,
+    packs, lower bound, fill, overflow, time (when ``seconds`` is given)."""
+    from rich.table import Table
+
+    ov = summary["overflow"]
+    over = _overflow_line(ov, split=", {:,} pieces)")
+    data = summary["data"]
+    table = Table(
+        title=(
+            f"varpack plan: {summary['strategy']}, packing_length={summary['packing_length']:,}, "
+            f"overflow={ov['policy']}"
+        ),
+        show_header=True,
+    )
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("data", "built-in chats" if data == "builtin" else ", ".join(data))
+    if summary.get("formats"):
+        table.add_row("format", _format_label(summary["formats"]))
+    table.add_row("samples", f"{summary['num_samples']:,}")
+    table.add_row("tokens (input)", f"{summary['input_tokens']:,}")
+    table.add_row("tokens (packed)", f"{summary['total_tokens']:,}")
+    table.add_row("packs", f"{summary['num_packs']:,}")
+    table.add_row("lower bound", f"{summary['lower_bound_packs']:,}")
+    table.add_row("fill", f"{summary['fill_ratio']:.4%}")
+    table.add_row("overflow", over)
+    if "seconds" in summary:
+        sec = summary["seconds"]
+        table.add_row("time", f"encode {sec['encode']:.2f} s, plan {sec['plan']:.3f} s")
+    return table
+
+
+def summary_text(
+    summary: dict[str, Any], *, unsupervised: list[tuple[int, int, int, int]] | None = None
+) -> str:
+    """The packing report printed before training, from a :func:`plan_summary` whose ``data`` is a label.
+
+    Args:
+        summary: from :func:`plan_summary`.
+        unsupervised: pieces of overlong samples that keep no supervised token,
+            ``[(piece_id, sample_id, start, stop), ...]`` (``varpack.train.unsupervised_pieces``); listed as
+            a warning (the first 10 by sample id and token range).
+
+    Returns:
+        Lines ``packing report (...)``, data, samples, packs, tokens, fill, overflow[, warning].
+    """
+    ov = summary["overflow"]
+    over = _overflow_line(ov, split=" into {:,} pieces)")
+    lines = [
+        f"packing report ({summary['strategy']}, packing_length={summary['packing_length']:,}, "
+        f"overflow={ov['policy']})",
+        f"  data      {summary['data']}",
+        f"  samples   {summary['num_samples']:,} ({summary['input_tokens']:,} tokens)",
+        f"  packs     {summary['num_packs']:,} (lower bound {summary['lower_bound_packs']:,})",
+        f"  tokens    {summary['total_tokens']:,} packed",
+        f"  fill      {summary['fill_ratio']:.2%}",
+        f"  overflow  {over}",
+    ]
+    if unsupervised:
+        shown = ", ".join(f"sample {sid} [{a}, {b})" for _, sid, a, b in unsupervised[:10])
+        more = f" and {len(unsupervised) - 10} more" if len(unsupervised) > 10 else ""
+        lines.append(
+            f"  warning   {len(unsupervised):,} piece(s) of overlong samples keep no supervised token and train "
+            f"nothing: {shown}{more}"
+        )
+    return "\n".join(lines)
+
+
+def format_packing_report(
+    plan: PackPlan,
+    *,
+    data: str,
+    input_tokens: int,
+    unsupervised: list[tuple[int, int, int, int]] | None = None,
+) -> str:
+    """:func:`summary_text` of ``plan`` when only the input token count is at hand (not the lengths).
+
+    Args:
+        plan: the :class:`~varpack.plan.PackPlan`.
+        data: label of the data source (file names, ``"built-in chats"``).
+        input_tokens: tokens of all samples before packing.
+        unsupervised: as in :func:`summary_text`.
+    """
+    return summary_text(_summary(plan, input_tokens, {"data": data}), unsupervised=unsupervised)
+
+
+def plot_plan_report(lengths: Any, plan: PackPlan, path: str | Path, *, title: str | None = None) -> Path:
+    """Write a PNG with two histograms: sample lengths (tokens) and pack fill (tokens / packing_length).
+
+    Uses matplotlib's Agg canvas directly (no display, no change of the global backend).
+
+    Args:
+        lengths: ``[N]`` integer sample lengths in tokens, the ones ``plan`` was made from.
+        plan: the :class:`~varpack.plan.PackPlan`.
+        path: output file (PNG); parent folders are created.
+        title: optional figure title (defaults to the strategy and packing_length).
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: if ``lengths`` does not have ``plan.num_samples`` entries.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    arr = _lengths_of(lengths, plan)
+    L = plan.packing_length
+    stats = plan.stats
+    fig = Figure(figsize=(11, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
+
+    bins = min(80, max(10, int(np.sqrt(max(arr.size, 1)))))
+    if arr.size:
+        ax1.hist(arr, bins=bins, color="#4c72b0")
+    ax1.axvline(L, color="#c44e52", linestyle="--", label=f"packing_length = {L}")
+    n_over = stats["num_overlong"]
+    ax1.set_title(f"sample lengths\nN = {arr.size:,}, overlong = {n_over:,}, empty = {stats['num_empty']:,}")
+    ax1.set_xlabel("tokens per sample")
+    ax1.set_ylabel("samples")
+    ax1.legend(loc="upper right")
+
+    fill = plan.pack_lengths / L if plan.num_packs else np.zeros(0)
+    if fill.size:
+        ax2.hist(fill, bins=np.linspace(0.0, 1.0, 51), color="#55a868", log=True)
+    ax2.set_xlim(0.0, 1.0)
+    ax2.set_title(
+        f"pack fill\npacks = {plan.num_packs:,}, lower bound = {plan.lower_bound_packs:,}, "
+        f"fill = {plan.fill_ratio:.2%}"
+    )
+    ax2.set_xlabel("tokens in pack / packing_length")
+    ax2.set_ylabel("packs (log scale)")
+    fig.suptitle(title or f"varpack plan: strategy={plan.strategy}, packing_length={L}")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
