@@ -34,6 +34,27 @@ def test_probe_runs_once_per_key_and_resets():
     assert probe.answers() == {}
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_probe_answer_does_not_depend_on_the_callers_grad_mode(mode):
+    """A probe that checks a backward (fla's gated delta rule, short conv) gives the same answer when its
+    first caller runs under ``torch.no_grad()`` / ``torch.inference_mode()`` (an evaluation forward): the
+    answer is cached for every later caller. Found on the H200: a VL eval forward made fla's probe raise."""
+    import torch
+
+    def backward_check():
+        x = torch.ones(3, requires_grad=True)
+        (g,) = torch.autograd.grad((x * x).sum(), [x])
+        return bool(torch.equal(g, 2 * torch.ones(3))), "backward ran"
+
+    probe = ProbeOnce(backward_check)
+    ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        assert probe() == (True, "backward ran")
+        assert not torch.is_grad_enabled()  # the caller's mode is restored
+    if mode == "inference_mode":
+        assert not torch.is_inference_mode_enabled()
+
+
 def test_probe_errors_become_reasons_or_propagate():
     def broken():
         raise ImportError("libbroken.so: cannot open shared object file")

@@ -18,10 +18,11 @@ Users: :meth:`varpack.attn._base.Backend.is_available` (one probe per attention 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Generic, TypeVar
 
 __all__ = ["ProbeOnce", "probe_failed", "probe_once", "reset_probes"]
@@ -37,8 +38,23 @@ def probe_failed(exc: BaseException) -> tuple[bool, str]:
     return False, f"probe failed: {type(exc).__name__}: {exc}"
 
 
+@contextlib.contextmanager
+def _probe_modes() -> Iterator[None]:
+    """Autograd on, inference mode off, while a probe runs: a probe checks a backward (fla's gated delta
+    rule and short conv run ``torch.autograd.grad``), and its answer is cached for every later caller, so
+    it must not depend on the grad mode of the first caller (a forward under ``torch.no_grad()`` or
+    ``torch.inference_mode()``, e.g. an evaluation, would otherwise make the probe itself fail)."""
+    import torch
+
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
 class ProbeOnce(Generic[R]):
     """Run ``probe(*args)`` once per key and cache its answer (thread-safe; other callers wait for it).
+
+    The probe runs with autograd enabled and outside inference mode whatever the caller's modes (the
+    answer is shared by every later caller).
 
     Args:
         probe: the check; returns ``(ok, reason)`` (or a record of such pairs). Called with the arguments
@@ -71,7 +87,8 @@ class ProbeOnce(Generic[R]):
         with self._lock:
             if key not in self._answers:
                 try:
-                    answer = self.probe(*args)
+                    with _probe_modes():
+                        answer = self.probe(*args)
                 except Exception as exc:
                     if self.on_error is None:
                         raise
