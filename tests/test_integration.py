@@ -428,6 +428,9 @@ def test_gpu_no_sync_per_layer(backend):
     ok, why = available_backends("cuda", torch.bfloat16).get(backend, (True, ""))
     if backend != "auto" and not ok:
         pytest.skip(f"{backend}: {why}")
+    # one model per process, as in training: earlier tests compiled FlexAttention for many head dims,
+    # dtypes and score mods; past dynamo's recompile limit it runs eagerly (math attention, host syncs)
+    torch.compiler.reset()
     model = load_model(
         "tiny-qwen3", vocab_size=VOCAB, attn_backend=backend, device="cuda", dtype=torch.bfloat16,
         config_overrides={"num_hidden_layers": 4},

@@ -38,7 +38,14 @@ def _flex_module():
 
 
 def _flex_attention_fn(device: torch.device):
-    """Compiled ``flex_attention`` on CUDA (compiled once per process), eager elsewhere."""
+    """Compiled ``flex_attention`` on CUDA (compiled once per process), eager elsewhere.
+
+    One model's training compiles it for a handful of shapes (the token count becomes a dynamic size after
+    the first change). A process that runs many different head dims / dtypes / score mods (a test suite)
+    can pass torch's recompile limit, after which ``torch.compile`` runs FlexAttention eagerly: still exact
+    (the block mask is applied) but the dense math path, with host syncs; ``torch.compiler.reset()``
+    starts a fresh cache.
+    """
     fa = _flex_module()
     if device.type != "cuda":
         return fa.flex_attention
