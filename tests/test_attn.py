@@ -252,13 +252,13 @@ def test_cu_seqlens_decreasing_raises_with_values():
 
 
 def test_in_place_change_of_cu_seqlens_is_seen():
-    """Boundary info is cached per tensor object, keyed on its in-place version counter too."""
+    """Without a meta, a call validates its own boundaries (nothing is served from a cache keyed by tensor
+    identity): an in-place edit of the same tensor is seen."""
     q, k, v, cu = _ok_inputs()
     varlen_attention(q, k, v, cu, cu, 3, 3)
-    cu[1] = 7  # now invalid: must be re-validated, not served from the cache
+    cu[1] = 7  # now invalid
     with pytest.raises(ValueError, match="never decrease"):
         varlen_attention(q, k, v, cu, cu, 7, 7)
-    attn_interface._clear_caches()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -333,7 +333,6 @@ def fake_registry(monkeypatch):
     monkeypatch.setitem(AUTO_PRIORITY, "cpu", ("broken", "fake_fast", "reference"))
     _NoSoftcapBackend.calls = 0
     yield fake
-    attn_interface._clear_caches()
 
 
 def test_auto_skips_backends_that_cannot_run_the_call(fake_registry):
@@ -404,29 +403,34 @@ def test_docstring_example_runs():
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_flex_block_mask_built_once_per_batch_and_reused_by_layers():
+def test_flex_block_mask_built_once_per_batch_and_reused_by_layers(monkeypatch):
+    """The block mask is built once per batch (kept on the batch's VarlenMeta) and reused by every layer;
+    other mask parameters or the next batch build their own; a call without a meta builds its own."""
     from varpack.attn import flex
+    from varpack.varlen import VarlenMeta
 
-    flex._clear_caches()
+    built = []
+    original = flex.document_block_mask
+    monkeypatch.setattr(flex, "document_block_mask", lambda *a, **kw: built.append(a) or original(*a, **kw))
     lens = [5, 1, 7]
     q, k, v, cu, _ = make_inputs(lens)
+    meta = VarlenMeta(cu)
     with torch.no_grad():
-        for _layer in range(3):  # the layers of one model see the same cu_seqlens tensor object
-            varlen_attention(q, k, v, cu, cu, 7, 7, backend="flex")
-        assert len(flex._BLOCK_MASK_CACHE._data) == 1
-        first = next(iter(flex._BLOCK_MASK_CACHE._data.values()))[1]
-        varlen_attention(q, k, v, cu, cu, 7, 7, backend="flex", window_size=(2, -1))  # other mask params
-        assert len(flex._BLOCK_MASK_CACHE._data) == 2
-        cu2 = cu.clone()  # next batch: a new tensor
-        varlen_attention(q, k, v, cu2, cu2, 7, 7, backend="flex")
-        assert len(flex._BLOCK_MASK_CACHE._data) == 3
-        cu2[1] = 6  # in-place edit: the cached mask must not be served
-        cu2[2] = 6
-        out = varlen_attention(q, k, v, cu2, cu2, 7, 7, backend="flex")
-        torch.testing.assert_close(out, reference_varlen_attention(q, k, v, cu2, cu2), rtol=1e-5, atol=1e-5)
-        assert len(flex._BLOCK_MASK_CACHE._data) == 4
-        assert flex._cached_block_mask(cu, cu, 13, 13, True, (-1, 0)) is first
-    flex._clear_caches()
+        outs = [varlen_attention(q, k, v, meta=meta, backend="flex") for _layer in range(3)]  # one step
+        assert len(built) == 1
+        varlen_attention(q, k, v, meta=meta, backend="flex", window_size=(2, -1))  # other mask params
+        assert len(built) == 2
+        varlen_attention(q, k, v, meta=meta, backend="flex")
+        assert len(built) == 2
+        cu2 = torch.tensor([0, 6, 6, 13], dtype=torch.int32)  # next batch: its own meta, its own mask
+        meta2 = VarlenMeta(cu2)
+        out2 = varlen_attention(q, k, v, meta=meta2, backend="flex")
+        assert len(built) == 3
+        torch.testing.assert_close(out2, reference_varlen_attention(q, k, v, cu2, cu2), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outs[0], reference_varlen_attention(q, k, v, cu, cu), rtol=1e-5, atol=1e-5)
+        varlen_attention(q, k, v, cu, cu, 7, 7, backend="flex")  # no meta: built for this call
+        varlen_attention(q, k, v, cu, cu, 7, 7, backend="flex")
+        assert len(built) == 5
 
 
 def test_exported_from_varpack():

@@ -184,16 +184,18 @@ def test_no_host_sync_per_layer(backend):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_flex_block_mask_reused_across_layers_on_gpu():
+def test_flex_block_mask_reused_across_layers_on_gpu(monkeypatch):
     from varpack.attn import flex
+    from varpack.varlen import VarlenMeta
 
     if not BACKENDS["flex"].is_available()[0]:
         pytest.skip("no FlexAttention")
-    flex._clear_caches()
+    built = []
+    original = flex.document_block_mask
+    monkeypatch.setattr(flex, "document_block_mask", lambda *a, **kw: built.append(a) or original(*a, **kw))
     q, k, v, _, cu, _, _ = _inputs([37, 1, 300], None, 4, 2, 128, torch.bfloat16)
-    cu = cu.to(DEVICE)
+    meta = VarlenMeta(cu.cpu(), max_seqlen_q=300)
     with torch.no_grad():
         for _ in range(4):
-            varlen_attention(q, k, v, cu, cu, 300, 300, backend="flex")
-    assert len(flex._BLOCK_MASK_CACHE._data) == 1
-    flex._clear_caches()
+            varlen_attention(q, k, v, meta=meta, backend="flex")
+    assert len(built) == 1

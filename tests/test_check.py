@@ -34,6 +34,7 @@ class _Sabotaged(varpack.collate.PaddingFreeCollator):
         batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, t], dtype=torch.int32)
         batch["max_length_q"] = batch["max_length_k"] = t
         batch["seq_idx"] = torch.zeros_like(batch["seq_idx"])
+        batch.pop("varlen_meta")
         return batch
 
 

@@ -95,8 +95,12 @@ def test_fields_aligned_and_boundaries_equal_position_resets(pack_lengths, multi
     assert batch["sample_ids"] == list(range(len(samples)))
     assert set(batch) <= {
         "input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-        "max_length_k", "seq_idx", "loss_scale", "sample_ids",
+        "max_length_k", "seq_idx", "loss_scale", "sample_ids", "varlen_meta",
     }  # fmt: skip
+    # the boundary object is the one the kwargs are views of
+    meta = batch["varlen_meta"]
+    assert meta.cu_seqlens_q is cu_t and meta.max_seqlen_q == batch["max_length_q"] and meta.total_q == total + pad
+    assert meta.seq_idx() is batch["seq_idx"]
 
 
 @settings(max_examples=40, deadline=None)

@@ -190,6 +190,7 @@ def _host_variants(batch):
     cu = [int(x) for x in batch["cu_seq_lens_q"]]
     out["cu_seq_lens_q"] = cu
     out["cu_seq_lens_k"] = list(cu)  # a different list object: converted separately, same values
+    out.pop("varlen_meta")  # a custom collator gives only transformers' kwargs
     return out
 
 
@@ -208,6 +209,7 @@ def test_guard_accepts_numpy_max_length_and_list_cu_seqlens_exactly(models, name
 
     # a NumPy array of offsets and 0-d CPU tensor max lengths: the same
     variant = dict(batch)
+    variant.pop("varlen_meta")
     variant["cu_seq_lens_q"] = variant["cu_seq_lens_k"] = batch["cu_seq_lens_q"].numpy().astype(np.int64)
     variant["max_length_q"] = variant["max_length_k"] = torch.tensor(batch["max_length_q"])
     assert torch.equal(_forward_loss(model, variant)[1], ref_loss)
@@ -215,6 +217,7 @@ def test_guard_accepts_numpy_max_length_and_list_cu_seqlens_exactly(models, name
     # negative control: the list is really read -- one segment over the row changes the loss
     t = batch["input_ids"].shape[1]
     wrong = dict(batch, cu_seq_lens_q=[0, t], cu_seq_lens_k=[0, t], max_length_q=np.int64(t))
+    wrong.pop("varlen_meta")
     wrong["max_length_k"] = np.int64(t)
     assert not torch.allclose(_forward_loss(model, wrong)[1], ref_loss)
 
@@ -246,6 +249,7 @@ def test_guard_checks_converted_list_values(models):
     batch = PaddingFreeCollator()([make_samples()])
     t = batch["input_ids"].shape[1]
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = [0, 4, t - 1]
+    batch.pop("varlen_meta")  # replaced boundaries: the collator's meta no longer describes them
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "sample_ids")}
     with pytest.raises(PackingGuardError, match=f"cu_seq_lens_q=.*T={t}"):
         models["tiny-qwen3"](**inputs)

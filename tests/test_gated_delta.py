@@ -250,9 +250,9 @@ def test_batch_dimension_with_cu_seqlens_is_refused():
 @pytest.mark.parametrize(
     "cu, msg",
     [
-        ([0, 5, 30], r"cu_seqlens\[-1\]=30 but the stream has T=20"),
+        ([0, 5, 30], r"cu_seqlens\[-1\]=30 but the stream has 20 tokens"),
         ([1, 20], r"cu_seqlens\[0\]=1"),
-        ([0, 15, 10, 20], "must not decrease"),
+        ([0, 15, 10, 20], r"\[0, 15, 10, 20\] must start at 0, never decrease"),
     ],
 )
 def test_bad_cu_seqlens(cu, msg):

@@ -15,6 +15,7 @@ from varpack.integrations.transformers import (
 )
 from varpack.loss import causal_lm_loss
 from varpack.models import load_model
+from varpack.schema import BOUNDARY_KEYS
 
 VOCAB = 512
 LENGTHS = (5, 1, 7, 3)  # odd lengths, a 1-token sample
@@ -43,6 +44,7 @@ def packed_run(model, samples, *, sabotage=False, device=None):
         t = batch["input_ids"].shape[1]
         batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, t], dtype=torch.int32)
         batch["max_length_q"] = batch["max_length_k"] = t
+        batch.pop("varlen_meta")  # the collator's meta would disagree with the replaced boundaries
     if device is not None:
         batch = {
             k: v.to(device) if isinstance(v, torch.Tensor) and not k.startswith("cu_seq_lens") else v
@@ -226,7 +228,7 @@ def batch():
 
 
 def test_guard_missing_boundaries(qwen, batch):
-    for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
+    for key in BOUNDARY_KEYS:  # varpack.schema: every boundary key, varlen_meta included
         batch.pop(key)
     with pytest.raises(PackingGuardError, match="restart inside a row"):
         qwen(**batch)
@@ -282,12 +284,17 @@ def test_guard_no_position_ids(qwen, batch):
 
 def test_guard_bad_boundaries(qwen, batch):
     t = batch["input_ids"].shape[1]
+    meta = batch.pop("varlen_meta")
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 4, t - 1], dtype=torch.int32)
     with pytest.raises(PackingGuardError, match=f"T={t}"):
         qwen(**batch)
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, t], dtype=torch.int32)
     batch["max_length_q"] = batch["max_length_k"] = 3
     with pytest.raises(PackingGuardError, match="max_length"):
+        qwen(**batch)
+    # the collator's meta beside boundaries that are not its own: refused, never a silent winner
+    batch["varlen_meta"] = meta
+    with pytest.raises(PackingGuardError, match="disagrees with varlen_meta"):
         qwen(**batch)
 
 
@@ -361,12 +368,9 @@ def _count_reads(num_layers, monkeypatch):
     real = varpack.attn.varlen_attention
     seen = []
 
-    def spy(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
-        seen.append((cu_q, type(max_q)))
-        # hand the kernel plain tensors: reads made by the backend itself are not ours to count here
-        return real(
-            q, k, v, cu_q.as_subclass(torch.Tensor), cu_k.as_subclass(torch.Tensor), max_q, max_k, **kw
-        )
+    def spy(q, k, v, *args, meta=None, **kw):
+        seen.append((meta, type(meta.max_seqlen_q)))
+        return real(q, k, v, *args, meta=meta, **kw)
 
     monkeypatch.setattr(varpack.attn, "varlen_attention", spy)
     model = load_model(
@@ -376,6 +380,7 @@ def _count_reads(num_layers, monkeypatch):
         config_overrides={"num_hidden_layers": num_layers},
     )
     batch = model_inputs(PaddingFreeCollator()([make_samples()]))
+    batch.pop("varlen_meta")  # built by the guard from the watched kwargs, once per forward
     cu = batch["cu_seq_lens_q"].as_subclass(_Watched)
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
     _Watched.reads = []
@@ -391,7 +396,9 @@ def _count_reads(num_layers, monkeypatch):
 
     with Scalars():
         model(**batch).logits.sum().backward()
-    assert len(seen) == num_layers and all(c is cu for c, _ in seen)  # the same tensor reaches every layer
+    # one boundary object, built from these very offsets, reaches every layer
+    assert len(seen) == num_layers and all(m is seen[0][0] for m, _ in seen)
+    assert seen[0][0].cu_seqlens_q is cu
     assert all(t is int for _, t in seen)
     return len(_Watched.reads), Scalars.count
 

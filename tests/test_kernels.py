@@ -165,6 +165,7 @@ def test_compiled_linear_attention_model_packed_equals_per_sample(name):
             t = batch["input_ids"].shape[1]
             batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, t], dtype=torch.int32)
             batch["max_length_q"] = batch["max_length_k"] = t
+            batch.pop("varlen_meta")
         out = model(**batch)
         out.loss.backward()
         return out.logits[0].detach(), out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -302,6 +303,7 @@ def test_compiled_vl_model_packed_equals_per_sample(name):
     t = batch["input_ids"].shape[1]
     bad = dict(batch, cu_seq_lens_q=torch.tensor([0, t], dtype=torch.int32), max_length_q=t, max_length_k=t)
     bad["cu_seq_lens_k"] = bad["cu_seq_lens_q"]
+    bad.pop("varlen_meta")
     d = diffs(ref, vl_packed_run(model, bad))
     assert d["logits"] > 1e-3 and d["grad"] > 1e-3, d
     assert counters["stats"]["unique_graphs"] == graphs

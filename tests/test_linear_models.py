@@ -237,7 +237,7 @@ def test_packed_guards():
     with pytest.raises(ValueError, match="cache"):
         model(input_ids=ids, cu_seq_lens_q=cu, past_key_values=DynamicCache(config=model.config))
     with pytest.raises(
-        ValueError, match=r"must start at 0, never decrease and end at the row's token count T=10"
+        ValueError, match=r"cu_seq_lens_q=\[0, 4, 9\] must start at 0, never decrease and end at the token count 10 \(T=10\)"
     ):
         model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 4, 9], dtype=torch.int32))
     layer = _gdn_layers(model)[0]

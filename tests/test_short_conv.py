@@ -84,7 +84,7 @@ def test_errors():
     x, w, b = _case([5, 5])
     with pytest.raises(ValueError, match="batch dimension must be 1.*B=2"):
         short_conv(torch.randn(2, 10, 12), w, b, cu_seqlens=_cu([5, 5]))
-    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=9 but x has T=10"):
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]=9 but the stream has 10 tokens"):
         short_conv(x, w, b, cu_seqlens=_cu([5, 4]))
     with pytest.raises(ValueError, match=r"weight must be \[D=12, W\]"):
         short_conv(x, w[:5], b)

@@ -12,6 +12,8 @@ import copy
 import pytest
 import torch
 
+from varpack.schema import BOUNDARY_KEYS
+
 pytestmark = pytest.mark.gpu
 
 
@@ -50,7 +52,7 @@ def _per_sample_logits(model, samples, device):
 def _packed_logits(model, batch, device, *, boundaries=True):
     kw = {k: v for k, v in batch.items() if k not in ("labels", "sample_ids", "loss_scale")}
     if not boundaries:
-        for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
+        for k in BOUNDARY_KEYS:  # varpack.schema: every boundary key, varlen_meta included
             kw.pop(k, None)
         kw["position_ids"] = kw["position_ids"][1:]
     kw = {

@@ -31,6 +31,7 @@ from varpack.integrations.vision import (  # noqa: E402
     tiny_model,
 )
 from varpack.loss import causal_lm_loss  # noqa: E402
+from varpack.schema import BOUNDARY_KEYS
 from varpack.tokenizer import load_tokenizer  # noqa: E402
 
 ATOL_LOGITS = 2e-5
@@ -111,7 +112,7 @@ def packed_run(model, batch, *, boundaries=True):
 def packed_inputs(batch, boundaries=True):
     kw = {k: v for k, v in batch.items() if k not in ("labels", "sample_ids", "loss_scale")}
     if not boundaries:
-        for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
+        for k in BOUNDARY_KEYS:  # varpack.schema: every boundary key, varlen_meta included
             kw.pop(k, None)
     return kw
 
@@ -237,6 +238,7 @@ def test_negative_control_boundaries_from_mrope_plane(vp):
     bad["cu_seq_lens_q"] = bad["cu_seq_lens_k"] = cu
     bad["max_length_q"] = bad["max_length_k"] = int((cu[1:] - cu[:-1]).max())
     bad["seq_idx"] = segments.to(torch.int32)
+    bad.pop("varlen_meta")
     failed, why = _fails(lambda: logits_diff(model, bad, ref))
     assert failed, f"{name}: mRoPE-plane boundaries unexpectedly exact ({why})"
 

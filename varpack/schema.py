@@ -42,6 +42,7 @@ __all__ = [
     "SAMPLE_IDS",
     "SECOND_PER_GRID_TS",
     "SEQ_IDX",
+    "VARLEN_META",
     "TOKEN_ALIGNED_FIELDS",
     "TOKEN_FIELDS",
     "TOKEN_TYPE_IDS",
@@ -127,13 +128,16 @@ MAX_LENGTH_Q = "max_length_q"
 MAX_LENGTH_K = "max_length_k"
 #: ``[1, T]`` int32 segment index of every token (0..N-1); read by gated delta, short conv and the loss.
 SEQ_IDX = "seq_idx"
+#: the batch's :class:`varpack.varlen.VarlenMeta` (built once by the collator): the boundaries every
+#: consumer reads; the four ``FlashAttentionKwargs`` above are a view of it.
+VARLEN_META = "varlen_meta"
 
 #: transformers' ``FlashAttentionKwargs`` boundary keys, as the collator emits them; any of them present in
 #: a model call means "this batch is packed" to the packing guard.
 FLASH_ATTN_KWARGS: tuple[str, ...] = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
-#: every boundary key of a collated batch (:data:`FLASH_ATTN_KWARGS` and ``seq_idx``): dropped for an
+#: every boundary key of a collated batch (:data:`FLASH_ATTN_KWARGS`, ``seq_idx``, ``varlen_meta``): dropped for an
 #: unpacked forward, and kept away from a vision tower (they describe the text stream).
-BOUNDARY_KEYS: tuple[str, ...] = FLASH_ATTN_KWARGS + (SEQ_IDX,)
+BOUNDARY_KEYS: tuple[str, ...] = FLASH_ATTN_KWARGS + (SEQ_IDX, VARLEN_META)
 
 # ----------------------------------------------------------------------------------- non-model keys
 #: per-sample id (an int, the row of the source data); carried by samples and pieces, named in errors.

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from varpack._probe import ProbeOnce, probe_failed
+
+if TYPE_CHECKING:
+    from varpack.varlen.meta import VarlenMeta
 
 __all__ = ["Backend", "BackendUnavailableError", "CallSpec", "Capabilities"]
 
@@ -235,6 +239,7 @@ class Backend:
         window_size: tuple[int, int],
         softmax_scale: float,
         softcap: float,
+        meta: VarlenMeta | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 

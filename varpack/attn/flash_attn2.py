@@ -12,10 +12,15 @@ Source: FlashAttention-2 (Dao, 2023, arXiv:2307.08691).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._base import Backend, CallSpec, Capabilities
 from ._flash_common import dist_version, first_output, import_function, parameters
+
+if TYPE_CHECKING:
+    from varpack.varlen.meta import VarlenMeta
 
 __all__ = ["FlashAttn2Backend"]
 
@@ -60,6 +65,7 @@ class FlashAttn2Backend(Backend):
         window_size: tuple[int, int],
         softmax_scale: float,
         softcap: float,
+        meta: VarlenMeta | None = None,
     ) -> torch.Tensor:
         kwargs: dict = {"dropout_p": 0.0, "softmax_scale": softmax_scale, "causal": causal}
         if "window_size" in self._params:

@@ -11,10 +11,15 @@ Source: FlashAttention-3 (Shah et al., 2024, arXiv:2407.08608).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._base import Backend, Capabilities
 from ._flash_common import dist_version, first_output, import_function
+
+if TYPE_CHECKING:
+    from varpack.varlen.meta import VarlenMeta
 
 __all__ = ["FlashAttn3Backend"]
 
@@ -58,6 +63,7 @@ class FlashAttn3Backend(Backend):
         window_size: tuple[int, int],
         softmax_scale: float,
         softcap: float,
+        meta: VarlenMeta | None = None,
     ) -> torch.Tensor:
         out = self._fn(
             q,

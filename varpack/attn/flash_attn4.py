@@ -14,10 +14,15 @@ Source: FlashAttention-4 (Dao-AILab/flash-attention, flash_attn/cute/interface.p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._base import Backend, CallSpec, Capabilities, _cuda_arch
 from ._flash_common import dist_version, first_output, import_function
+
+if TYPE_CHECKING:
+    from varpack.varlen.meta import VarlenMeta
 
 __all__ = ["FlashAttn4Backend", "fa4_window"]
 
@@ -84,6 +89,7 @@ class FlashAttn4Backend(Backend):
         window_size: tuple[int, int],
         softmax_scale: float,
         softcap: float,
+        meta: VarlenMeta | None = None,
     ) -> torch.Tensor:
         out = self._fn(
             q,

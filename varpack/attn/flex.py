@@ -4,9 +4,9 @@ The stream is viewed as one batch row ``[1, H, T, D]``; a ``mask_mod`` keeps que
 belong to the same segment and (optionally) the causal / window rule holds inside that segment, with
 flash-attn's bottom-right alignment. Softcap is a ``score_mod``. GQA goes through ``enable_gqa``.
 
-The BlockMask is built once per batch and reused by every layer: it is cached on the identity and in-place
-version of the cu_seqlens tensors (the same tensor objects reach all layers of a Hugging Face model through
-``cu_seq_lens_q/k``), plus the mask parameters. On CUDA, ``flex_attention`` is compiled once per process
+The BlockMask is built once per batch and reused by every layer: it is kept on the batch's
+:class:`varpack.varlen.VarlenMeta` (``meta.memo``, keyed by the mask parameters), the one object that reaches
+every layer of a step; a direct call without a meta builds it for that call. On CUDA, ``flex_attention`` is compiled once per process
 (module level) and the block mask is built with the compiled builder; nothing reads cu_seqlens values on the
 host. On the CPU flex runs eagerly and forward-only (torch raises on a CPU backward; it also materializes the
 masked ``[H, Tq, Tk]`` score matrix), so ``auto`` does not choose it there; it stays available by name for
@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._base import Backend, CallSpec, Capabilities
-from ._cache import TensorCache
+
+if TYPE_CHECKING:
+    from varpack.varlen.meta import VarlenMeta
 
 __all__ = ["FlexBackend", "document_block_mask"]
 
-_BLOCK_MASK_CACHE = TensorCache(maxsize=8)
 _COMPILED: dict[str, Any] = {}
 
 
@@ -129,13 +130,16 @@ def document_block_mask(
     )
 
 
-def _cached_block_mask(cu_q, cu_k, total_q, total_k, causal, window_size):
-    extra = (total_q, total_k, bool(causal), tuple(window_size), str(cu_q.device))
-    mask = _BLOCK_MASK_CACHE.get((cu_q, cu_k), extra)
-    if mask is None:
-        mask = document_block_mask(cu_q, cu_k, total_q, total_k, causal=causal, window_size=window_size)
-        _BLOCK_MASK_CACHE.put((cu_q, cu_k), extra, mask)
-    return mask
+def _block_mask(cu_q, cu_k, total_q, total_k, causal, window_size, meta):
+    """The document block mask: built once per batch and kept on the batch's :class:`VarlenMeta` (every layer
+    of a step reads the same one); without a meta, built for this call."""
+    if meta is None:
+        return document_block_mask(cu_q, cu_k, total_q, total_k, causal=causal, window_size=window_size)
+    key = ("flex_block_mask", str(cu_q.device), total_q, total_k, bool(causal), tuple(window_size))
+    return meta.memo(
+        key,
+        lambda: document_block_mask(cu_q, cu_k, total_q, total_k, causal=causal, window_size=window_size),
+    )
 
 
 def _softcap_score_mod(softcap: float):
@@ -189,11 +193,12 @@ class FlexBackend(Backend):
         window_size: tuple[int, int],
         softmax_scale: float,
         softcap: float,
+        meta: VarlenMeta | None = None,
     ) -> torch.Tensor:
         total_q, total_k = q.shape[0], k.shape[0]
         if total_q == 0:
             return q.new_zeros(0, q.shape[1], v.shape[-1])
-        block_mask = _cached_block_mask(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size)
+        block_mask = _block_mask(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, meta)
         fn = _flex_attention_fn(q.device)
         if q.device.type == "cpu" and not torch.is_grad_enabled():
             # eager CPU flex refuses inputs that require grad even under no_grad: nothing to track here
@@ -213,7 +218,3 @@ class FlexBackend(Backend):
                 enable_gqa=q.shape[1] != k.shape[1],
             )
         return out.squeeze(0).transpose(0, 1)
-
-
-def _clear_caches() -> None:
-    _BLOCK_MASK_CACHE.clear()

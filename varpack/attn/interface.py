@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
+from varpack.varlen.meta import VarlenMeta
 
 from ._base import CallSpec
-from ._cache import TensorCache
 from .registry import BACKENDS, normalize_mask_args, resolve_spec
 
 __all__ = ["varlen_attention"]
@@ -21,16 +21,17 @@ def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     *,
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     backend: str = "auto",
+    meta: VarlenMeta | None = None,
 ) -> torch.Tensor:
     """Attention over a packed (padding-free) stream of N independent segments; no token attends across
     a segment boundary.
@@ -82,11 +83,11 @@ def varlen_attention(
 
     Args:
         q, k, v: see the table.
-        cu_seqlens_q, cu_seqlens_k: segment offsets, same length. On the CPU they are validated (start at 0,
-            non-decreasing, end at Tq / Tk, max_seqlen large enough). On the GPU their values are never read
-            here (no device-to-host sync per layer): validate them once per batch where they are built.
-            A list / tuple / NumPy array of integers is converted to a CPU int32 tensor (on every call:
-            pass a tensor to reuse the per-batch device copy across layers)
+        cu_seqlens_q, cu_seqlens_k: segment offsets, same length (ignored when ``meta`` is given). On the CPU
+            they are validated (start at 0, non-decreasing, end at Tq / Tk, max_seqlen large enough) and
+            copied to q's device -- on every call: a model passes ``meta`` instead, so that this happens
+            once per batch. On the GPU their values are never read (no device-to-host sync). A list /
+            tuple / NumPy array of integers is converted to a CPU int32 tensor
             (:func:`varpack.varlen.normalize_cu_seqlens`).
         max_seqlen_q, max_seqlen_k: host integers of any integral type -- Python int, NumPy integer,
             one-element CPU integer tensor -- read as Python ints; never a device tensor, whose reading
@@ -98,6 +99,10 @@ def varlen_attention(
         backend: ``"auto"`` (fastest backend that supports this call: see
             :data:`varpack.attn.registry.AUTO_PRIORITY`) or a name: ``reference``, ``sdpa``, ``torch_varlen``,
             ``flex``, ``flash_attn`` (FA2), ``flash_attn_3``, ``flash_attn_4``.
+        meta: the batch's :class:`varpack.varlen.VarlenMeta` (validated once, when it was built): its offsets
+            and max_seqlen are used, its device copy is made once per batch and kept, as are the per-batch
+            objects a backend derives (FlexAttention's block mask, the host offsets of the per-segment
+            backends). Every layer of a model passes the same meta: nothing is re-validated or re-derived.
 
     Returns:
         Tensor ``(Tq, H, D)``: the attention output of every query token, in q's dtype.
@@ -135,14 +140,7 @@ def varlen_attention(
                 [5., 6.]])
     """
     _check_tensors(q, k, v)
-    cu_seqlens_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q)
-    cu_seqlens_k = _check_cu("cu_seqlens_k", cu_seqlens_k, q)
-    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
-        raise ValueError(
-            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has {cu_seqlens_k.shape[0]}"
-        )
-    max_seqlen_q = normalize_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    max_seqlen_k = normalize_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    meta = _call_meta(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, meta)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     window_size = _check_window(window_size)
@@ -157,9 +155,7 @@ def varlen_attention(
             raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
     causal, window_size = normalize_mask_args(causal, window_size)
 
-    info = _boundary_info(
-        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.device
-    )
+    cu_q, cu_k = meta.cu_seqlens_on(q.device)  # one host-to-device copy per batch, kept on the meta
     spec = CallSpec.from_tensors(
         q,
         k,
@@ -167,26 +163,63 @@ def varlen_attention(
         causal=causal,
         window_size=window_size,
         softcap=softcap,
-        has_empty_segments=info.has_empty,
-        max_seqlen=max(max_seqlen_q, max_seqlen_k),
+        has_empty_segments=meta.has_empty,
+        max_seqlen=max(meta.max_seqlen_q, meta.max_seqlen_k),
     )
     name = resolve_spec(backend, spec)
     return BACKENDS[name].forward(
         q,
         k,
         v,
-        info.cu_q,
-        info.cu_k,
-        max_seqlen_q,
-        max_seqlen_k,
+        cu_q,
+        cu_k,
+        meta.max_seqlen_q,
+        meta.max_seqlen_k,
         causal=causal,
         window_size=window_size,
         softmax_scale=softmax_scale,
         softcap=softcap,
+        meta=meta,
     )
 
 
 # -- validation (shapes, dtypes, devices: no tensor values on the GPU) ----------------------------------
+
+
+def _call_meta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    meta: VarlenMeta | None,
+) -> VarlenMeta:
+    """The call's boundaries: the given batch meta (its token counts checked against q / k), or a meta built
+    and validated from the offsets for this call (:class:`varpack.varlen.VarlenMeta`)."""
+    if meta is None:
+        same = cu_seqlens_k is cu_seqlens_q
+        cu_seqlens_q = normalize_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", min_entries=1)
+        cu_seqlens_k = (
+            cu_seqlens_q if same else normalize_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", min_entries=1)
+        )
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            _check_cu_device(name, cu, q)
+        meta = VarlenMeta(
+            cu_seqlens_q,
+            cu_seqlens_k,
+            normalize_max_seqlen(max_seqlen_q, "max_seqlen_q"),
+            normalize_max_seqlen(max_seqlen_k, "max_seqlen_k"),
+            total_q=q.shape[0],
+            total_k=k.shape[0],
+        )
+    elif not isinstance(meta, VarlenMeta):
+        raise TypeError(f"meta must be a varpack.varlen.VarlenMeta, got {type(meta).__name__}")
+    elif meta.total_q != q.shape[0] or meta.total_k != k.shape[0]:
+        raise ValueError(
+            f"meta covers Tq={meta.total_q}, Tk={meta.total_k} tokens but q has {q.shape[0]} and k {k.shape[0]}"
+        )
+    return meta
 
 
 def _check_tensors(q: Any, k: Any, v: Any) -> None:
@@ -217,11 +250,9 @@ def _check_tensors(q: Any, k: Any, v: Any) -> None:
         raise ValueError("head dim D must be > 0")
 
 
-def _check_cu(name: str, cu: Any, q: torch.Tensor) -> torch.Tensor:
-    cu = normalize_cu_seqlens(cu, name, min_entries=1)
-    if cu.device != q.device and cu.device.type != "cpu":
+def _check_cu_device(name: str, cu: Any, q: torch.Tensor) -> None:
+    if isinstance(cu, torch.Tensor) and cu.device != q.device and cu.device.type != "cpu":
         raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
-    return cu
 
 
 def _check_window(window_size: Any) -> tuple[int, int]:
@@ -232,71 +263,3 @@ def _check_window(window_size: Any) -> tuple[int, int]:
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {(left, right)}")
     return left, right
-
-
-# -- boundary info: validated once per cu_seqlens tensor, reused by every layer ---------------------------
-
-
-class _BoundaryInfo:
-    __slots__ = ("cu_q", "cu_k", "has_empty")
-
-    def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, has_empty: bool | None) -> None:
-        self.cu_q = cu_q
-        self.cu_k = cu_k
-        self.has_empty = has_empty
-
-
-_BOUNDARY_CACHE = TensorCache()
-
-
-def _boundary_info(
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    total_q: int,
-    total_k: int,
-    max_q: int,
-    max_k: int,
-    device: torch.device,
-) -> _BoundaryInfo:
-    extra = (total_q, total_k, max_q, max_k, str(device))
-    info = _BOUNDARY_CACHE.get((cu_q, cu_k), extra)
-    if info is not None:
-        return info
-    has_empty: bool | None = None
-    if cu_q.device.type == "cpu" and cu_k.device.type == "cpu":
-        has_empty = False
-        for name, cu, total, max_len in (
-            ("cu_seqlens_q", cu_q, total_q, max_q),
-            ("cu_seqlens_k", cu_k, total_k, max_k),
-        ):
-            values = cu.tolist()
-            lengths = [b - a for a, b in zip(values, values[1:])]
-            if values[0] != 0 or values[-1] != total or any(n < 0 for n in lengths):
-                raise ValueError(
-                    f"{name}={_short(values)} must start at 0, never decrease and end at the token count {total}"
-                )
-            longest = max(lengths, default=0)
-            if longest > max_len:
-                raise ValueError(
-                    f"max_seqlen_{name[-1]}={max_len} is smaller than the longest segment ({longest} tokens) "
-                    f"in {name}"
-                )
-            has_empty = has_empty or any(n == 0 for n in lengths)
-    cu_q_dev = cu_q.to(device=device, dtype=torch.int32, non_blocking=True)
-    cu_k_dev = cu_q_dev if cu_k is cu_q else cu_k.to(device=device, dtype=torch.int32, non_blocking=True)
-    info = _BoundaryInfo(cu_q_dev, cu_k_dev, has_empty)
-    _BOUNDARY_CACHE.put((cu_q, cu_k), extra, info)
-    return info
-
-
-def _short(values: list[int], limit: int = 12) -> str:
-    if len(values) <= limit:
-        return str(values)
-    return (
-        "[" + ", ".join(map(str, values[: limit // 2])) + ", ..., " + ", ".join(map(str, values[-3:])) + "]"
-    )
-
-
-def _clear_caches() -> None:
-    """Drop cached boundary info (tests)."""
-    _BOUNDARY_CACHE.clear()

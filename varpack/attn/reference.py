@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from varpack.varlen.meta import VarlenMeta
+
 from ._base import Backend, Capabilities
 
 __all__ = [
@@ -70,12 +72,14 @@ def reference_varlen_attention(
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     upcast: bool = True,
+    meta: VarlenMeta | None = None,
 ) -> torch.Tensor:
     """Per-segment attention loop (the truth). Shapes as :func:`varpack.attn.varlen_attention`.
 
     Args:
         q: ``[Tq, H, D]``; k, v: ``[Tk, Hkv, D]`` with ``H % Hkv == 0``.
         cu_seqlens_q, cu_seqlens_k: ``[N+1]`` integer offsets (read on the host).
+        meta: the batch's :class:`varpack.varlen.VarlenMeta` (its host offsets are read once per batch).
         upcast: compute in ``promote(dtype, float32)`` (default) and cast the output back; ``False`` computes
             in the input dtype, like a plain low-precision PyTorch implementation (the baseline of the
             fp32-truth tolerance rule: ``attention_ref(upcast=False)`` in flash-attn's tests).
@@ -87,7 +91,7 @@ def reference_varlen_attention(
         ValueError: cu_seqlens that do not start at 0, decrease, disagree in length, or do not end at
             Tq / Tk.
     """
-    cu_q, cu_k = read_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    cu_q, cu_k = read_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], meta)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     compute_dtype = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
     outs = [
@@ -110,23 +114,23 @@ def reference_varlen_attention(
 
 
 def read_offsets(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    total_q: int,
+    total_k: int,
+    meta: VarlenMeta | None = None,
 ) -> tuple[list[int], list[int]]:
-    """cu_seqlens as Python lists (a host read), checked.
+    """cu_seqlens as Python lists: the batch meta's host offsets (kept once per batch; no device read for a
+    meta built on the CPU), or, without a meta, a host copy validated by :class:`varpack.varlen.VarlenMeta`.
 
     Raises:
         ValueError: lengths differ, or offsets that do not start at 0, decrease, or miss Tq / Tk at the end.
     """
-    cu_q = [int(x) for x in cu_seqlens_q.tolist()]
-    cu_k = [int(x) for x in cu_seqlens_k.tolist()]
-    if len(cu_q) != len(cu_k):
-        raise ValueError(f"cu_seqlens_q has {len(cu_q)} entries but cu_seqlens_k has {len(cu_k)}")
-    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
-        if not cu or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(
-                f"{name}={cu} must start at 0, never decrease and end at the token count {total}"
-            )
-    return cu_q, cu_k
+    if meta is None:
+        host_q = cu_seqlens_q.detach().cpu()
+        host_k = host_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.detach().cpu()
+        meta = VarlenMeta(host_q, host_k, total_q=total_q, total_k=total_k)
+    return meta.host_offsets()
 
 
 def split_segments(
@@ -206,6 +210,7 @@ class ReferenceBackend(Backend):
         window_size: tuple[int, int],
         softmax_scale: float,
         softcap: float,
+        meta: VarlenMeta | None = None,
     ) -> torch.Tensor:
         return reference_varlen_attention(
             q,
@@ -217,4 +222,5 @@ class ReferenceBackend(Backend):
             window_size=window_size,
             softmax_scale=softmax_scale,
             softcap=softcap,
+            meta=meta,
         )

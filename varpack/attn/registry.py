@@ -163,9 +163,14 @@ def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
         ok, reason = BACKENDS[candidate].supports(spec)
         min_d = AUTO_MIN_HEAD_DIM_FOR_GRAD.get(candidate)
         if ok and min_d is not None and spec.needs_grad and spec.head_dim < min_d:
-            ok, reason = False, f"auto uses it for training only at verified head dims D >= {min_d}, got D={spec.head_dim}"
+            ok, reason = (
+                False,
+                f"auto uses it for training only at verified head dims D >= {min_d}, got D={spec.head_dim}",
+            )
         if ok:
-            why = f"auto on {spec.device.type}: {candidate} is the first backend in {table} that runs this call"
+            why = (
+                f"auto on {spec.device.type}: {candidate} is the first backend in {table} that runs this call"
+            )
             if table == "AUTO_PRIORITY_SHORT":
                 why += f" (short documents: max_seqlen {spec.max_seqlen} <= {AUTO_SHORT_MAX_SEQLEN})"
             if skipped:

@@ -14,11 +14,16 @@ Source: ``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa`` sin
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from ._base import Backend, Capabilities
 from .reference import read_offsets, segment_attention, segment_mask, split_segments
+
+if TYPE_CHECKING:
+    from varpack.varlen.meta import VarlenMeta
 
 __all__ = ["SdpaBackend"]
 
@@ -53,8 +58,9 @@ class SdpaBackend(Backend):
         window_size: tuple[int, int],
         softmax_scale: float,
         softcap: float,
+        meta: VarlenMeta | None = None,
     ) -> torch.Tensor:
-        cu_q, cu_k = read_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+        cu_q, cu_k = read_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], meta)
         left, right = window_size
         windowed = left >= 0 or (right >= 0 and not causal)
         gqa = q.shape[1] != k.shape[1]

@@ -13,10 +13,15 @@ limits).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._base import Backend, CallSpec, Capabilities
 from ._flash_common import first_output, import_function, parameters
+
+if TYPE_CHECKING:
+    from varpack.varlen.meta import VarlenMeta
 
 __all__ = ["TorchVarlenBackend"]
 
@@ -74,6 +79,7 @@ class TorchVarlenBackend(Backend):
         window_size: tuple[int, int],
         softmax_scale: float,
         softcap: float,
+        meta: VarlenMeta | None = None,
     ) -> torch.Tensor:
         params = self._params
         kwargs: dict = {}

@@ -26,8 +26,11 @@ from varpack.schema import (
     MEDIA_PAIRS,
     MM_TOKEN_TYPE_IDS,
     SAMPLE_BOOKKEEPING_FIELDS,
+    SEQ_IDX,
+    VARLEN_META,
 )
 from varpack.schema import TOKEN_FIELDS as _TOKEN_FIELD_NAMES
+from varpack.varlen.meta import VarlenMeta
 
 __all__ = [
     "IGNORED_FIELDS",
@@ -218,6 +221,8 @@ class PaddingFreeCollator:
     ``cu_seq_lens_q`` / ``_k`` ``[N+1]`` int32              ``[0, ..., T]``, strictly increasing (same tensor)
     ``max_length_q`` / ``_k``  Python int                   longest segment
     ``seq_idx``                ``[1, T]`` int32             segment index of every token, ``0..N-1``
+    ``varlen_meta``            ``VarlenMeta``               the boundaries above as one validated object,
+                                                            read by every consumer (varpack.varlen.meta)
     optional token fields      ``[1, T]``                   ``loss_scale`` float32, ``token_type_ids``,
                                                             ``mm_token_type_ids`` int64, ``extra_fields``
     media                      concatenated on dim 0        ``pixel_values``, ``image_grid_thw``, ...,
@@ -428,10 +433,10 @@ class PaddingFreeCollator:
         pad = 0 if self.pad_to_multiple_of is None else (-total) % self.pad_to_multiple_of
         seg_lengths = np.append(lengths, pad) if pad else lengths
         full = total + pad
-        if full > np.iinfo(np.int32).max:
-            raise ValueError(f"the batch has {full} tokens, more than int32 cu_seqlens can index")
-        cu = np.zeros(seg_lengths.size + 1, dtype=np.int64)
-        np.cumsum(seg_lengths, out=cu[1:])
+        meta = VarlenMeta.from_lengths(
+            seg_lengths
+        )  # the boundaries, once: validated, int32 (raises past int32)
+        cu = meta.cu_seqlens.numpy().astype(np.int64)
         starts = cu[:-1]
         positions = np.arange(full, dtype=np.int64) - np.repeat(starts, seg_lengths)
 
@@ -482,15 +487,9 @@ class PaddingFreeCollator:
 
         batch["position_ids"] = self._positions(samples, names, present, lengths, positions, total)
 
-        cu_t = torch.from_numpy(cu.astype(np.int32))
-        max_len = int(seg_lengths.max())
-        batch["cu_seq_lens_q"] = cu_t
-        batch["cu_seq_lens_k"] = cu_t
-        batch["max_length_q"] = max_len
-        batch["max_length_k"] = max_len
-        batch["seq_idx"] = torch.from_numpy(
-            np.repeat(np.arange(seg_lengths.size, dtype=np.int32), seg_lengths)
-        ).unsqueeze(0)
+        batch.update(meta.flash_attn_kwargs())  # cu_seq_lens_q/k (one tensor), max_length_q/k: views of meta
+        batch[SEQ_IDX] = meta.seq_idx()
+        batch[VARLEN_META] = meta
 
         self._check_media(samples, names, present)
         for field in self.media_fields:

@@ -11,15 +11,15 @@ own forward would dispatch to an installed fla whose backward cannot run on the 
 Hopper with Triton < 3.7.1) and gradients are needed, an unpacked cache-free call takes varpack's path with
 one sequence per row (same math) so that training, and ``varpack check``'s unpacked reference, still run.
 
-Where the boundaries come from: the same kwargs the attention layers get, ``cu_seq_lens_q`` (``[N+1]``
-int32, CPU-built by varpack's collator) and/or ``seq_idx`` (``[1, T]``), passed to the model's forward. Some
-transformers releases call the linear-attention module without those kwargs (5.17:
-``self.linear_attn(hidden_states, cache_params=..., attention_mask=...)``), so a forward pre-hook on the
-text model (the module owning ``layers``) captures them once per forward into a context shared by its
-patched layers; the per-batch work (chunk layout, ``seq_idx``, device copies) is done once, at the first
-linear layer, and reused by all the others: no host sync per layer. The context outlives the forward so
-that gradient-checkpointing recomputation in the backward sees the same boundaries; the next forward of the
-model replaces it.
+Where the boundaries come from: the batch's :class:`varpack.varlen.VarlenMeta` (``varlen_meta``, built once by
+the collator; or built once per forward from ``cu_seq_lens_q`` / ``seq_idx`` kwargs by a pre-hook on the text
+model, the module owning ``layers``). transformers hands it to every decoder layer; some releases call the
+linear-attention module itself without those kwargs (5.17: ``self.linear_attn(hidden_states, cache_params=...,
+attention_mask=...)``), so a pre-hook on each decoder layer hands the call's meta to its Gated DeltaNet for
+the duration of that call (a post-hook takes it back). Gradient-checkpointing recomputation calls the decoder
+layer again with the same kwargs, so it sees the same meta; no state outlives a call and no private torch API
+is needed. The per-batch work (chunk layout, ``seq_idx``, device copies) is done once, at the first linear
+layer, and kept on the meta for all the others: no host sync per layer.
 
 Limits (raised as ``ValueError``): boundaries with a batch of more than one row; boundaries together with a
 cache or ``use_cache=True`` (a cache would hold one state for the whole pack; packing is for training);
@@ -28,11 +28,10 @@ boundaries that do not cover the row's tokens.
 
 from __future__ import annotations
 
+import functools
 import types
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -40,7 +39,8 @@ from varpack.ops._fla import load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
 from varpack.ops.gated_delta_rule.dispatch import fla_gated_delta_status, resolve_backend
 from varpack.ops.short_conv import short_conv
-from varpack.varlen.boundaries import normalize_cu_seqlens
+from varpack.schema import SEQ_IDX, VARLEN_META
+from varpack.varlen.meta import VarlenMeta, varlen_meta_from_kwargs
 
 __all__ = ["TINY_MODELS", "patch_linear_attention", "tiny_model"]
 
@@ -49,95 +49,8 @@ _GDN_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3NextGatedDeltaNet", "Qwen3_5MoeGat
 
 
 # ---------------------------------------------------------------------------------------------------------
-# per-forward boundary context
+# how the batch's VarlenMeta reaches the layers
 # ---------------------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class PackedBoundaries:
-    """Boundaries of one packed row, computed once per forward on the CPU; device copies cached.
-
-    Attributes:
-        cu_seqlens: ``[N+1]`` int64, CPU.
-        total_tokens: ``T``.
-    """
-
-    cu_seqlens: torch.Tensor
-    total_tokens: int
-    _layout: ChunkLayout | None = None
-    _device: dict = field(default_factory=dict)
-
-    @property
-    def num_seqs(self) -> int:
-        return self.cu_seqlens.numel() - 1
-
-    def layout(self) -> ChunkLayout:
-        if self._layout is None:
-            self._layout = prepare_chunk_layout(self.cu_seqlens)
-        return self._layout
-
-    def seq_idx(self, device: torch.device) -> torch.Tensor:
-        key = ("seq_idx", str(device))
-        if key not in self._device:
-            lengths = np.diff(self.cu_seqlens.numpy())
-            si = torch.from_numpy(np.repeat(np.arange(lengths.size, dtype=np.int32), lengths))[None]
-            self._device[key] = si.to(device, non_blocking=True)
-        return self._device[key]
-
-    def cu_on(self, device: torch.device) -> torch.Tensor:
-        key = ("cu", str(device))
-        if key not in self._device:
-            self._device[key] = self.cu_seqlens.to(device, non_blocking=True)
-        return self._device[key]
-
-
-def _boundaries_from(cu: Any, seq_idx: Any, total: int, where: str) -> PackedBoundaries:
-    """Validate the boundary kwargs of a row of ``total`` tokens; build :class:`PackedBoundaries`.
-
-    ``cu_seq_lens_q`` wins (an integer tensor, list or NumPy array: :func:`varpack.varlen.normalize_cu_seqlens`);
-    ``seq_idx`` alone is turned into ``cu_seqlens`` (one device->host copy if it lives on a device: once per
-    forward).
-    """
-    if cu is not None:
-        try:
-            cu = normalize_cu_seqlens(cu, "cu_seq_lens_q")
-        except TypeError as exc:
-            raise TypeError(f"{where}: {exc}") from exc
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from exc
-        cu = cu.detach().to("cpu", torch.int64)
-        vals = cu.tolist()
-        if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in zip(vals, vals[1:])):
-            shown = vals[:8] + (["..."] if len(vals) > 8 else [])
-            raise ValueError(
-                f"{where}: cu_seq_lens_q={shown} must start at 0, never decrease and end at the row's "
-                f"token count T={total} (last value {vals[-1]})"
-            )
-        return PackedBoundaries(cu, total)
-    if not isinstance(seq_idx, torch.Tensor):
-        seq_idx = torch.as_tensor(np.asarray(seq_idx))
-    if seq_idx.dtype == torch.bool or seq_idx.is_floating_point() or seq_idx.is_complex():
-        raise TypeError(
-            f"{where}: seq_idx must hold integers (a [1, T] int32 tensor), got dtype {seq_idx.dtype}"
-        )
-    si = seq_idx.detach().to("cpu", torch.int64).reshape(-1)
-    if si.numel() != total:
-        raise ValueError(
-            f"{where}: seq_idx has {si.numel()} entries (shape {tuple(seq_idx.shape)}) but T={total}"
-        )
-    starts = torch.nonzero(si[1:] != si[:-1]).flatten() + 1
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), starts, torch.tensor([total])])
-    return PackedBoundaries(cu, total)
-
-
-@dataclass(eq=False)
-class _Context:
-    """Shared by the patched layers of one text model: the boundaries of its current forward."""
-
-    boundaries: PackedBoundaries | None = None
-    in_forward: bool = False
-    backend: str = "auto"
-    hooks: list = field(default_factory=list)
-
-
 def _row_tokens(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     ref = kwargs.get("input_ids")
     if ref is None:
@@ -149,11 +62,11 @@ def _row_tokens(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     return int(ref.shape[0]), int(ref.shape[1])
 
 
-def _pre_hook(ctx: _Context, module: torch.nn.Module, args: tuple, kwargs: dict):
-    ctx.boundaries = None
-    ctx.in_forward = True
-    cu, seq_idx = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx")
-    if cu is None and seq_idx is None:
+def _text_model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """On the text model (the module owning ``layers``), once per forward: a packed call's boundaries become
+    the batch's :class:`VarlenMeta` (the collator's, or built here from ``cu_seq_lens_q`` / ``seq_idx``),
+    passed on in ``kwargs["varlen_meta"]``, which transformers hands to every decoder layer. Stateless."""
+    if not any(kwargs.get(k) is not None for k in (VARLEN_META, "cu_seq_lens_q", SEQ_IDX)):
         return None
     where = type(module).__name__
     shape = _row_tokens(args, kwargs)
@@ -175,39 +88,41 @@ def _pre_hook(ctx: _Context, module: torch.nn.Module, args: tuple, kwargs: dict)
         )
     if kwargs.get("use_cache"):
         raise ValueError(f"{where}: packed batch with use_cache=True; packed batches need use_cache=False")
-    ctx.boundaries = _boundaries_from(cu, seq_idx, T, where)
     kwargs = dict(kwargs)
+    kwargs[VARLEN_META] = varlen_meta_from_kwargs(kwargs, T, where)
     kwargs["use_cache"] = False  # HF would otherwise build a DynamicCache from the packed row
     return args, kwargs
 
 
-def _post_hook(ctx: _Context, module, args, kwargs, output):
-    ctx.in_forward = False  # boundaries stay for gradient-checkpointing recomputation in the backward
-    return None
+def _decoder_layer_pre_hook(mixer: torch.nn.Module, module, args: tuple, kwargs: dict) -> None:
+    """On the decoder layer holding a Gated DeltaNet ``mixer``: hand the call's meta to the mixer (some
+    transformers releases call it without the layer's kwargs). Runs again when gradient checkpointing
+    recomputes the layer in the backward, with the same kwargs."""
+    mixer._varpack_meta = kwargs.get(VARLEN_META)
 
 
-def _in_backward() -> bool:
-    fn = getattr(torch._C, "_current_graph_task_id", None)
-    return fn is not None and fn() != -1
+def _decoder_layer_post_hook(mixer: torch.nn.Module, module, args, kwargs, output) -> None:
+    mixer._varpack_meta = None  # the meta lives for one call of the layer, never beyond
 
 
-# ---------------------------------------------------------------------------------------------------------
-# the patched GatedDeltaNet forward
-# ---------------------------------------------------------------------------------------------------------
-def _current_boundaries(layer: torch.nn.Module, T: int, kwargs: dict) -> PackedBoundaries | None:
-    ctx: _Context | None = getattr(layer, "_varpack_gdn_ctx", None)
+def _current_meta(layer: torch.nn.Module, T: int, kwargs: dict) -> VarlenMeta | None:
+    """The meta of this call: from the mixer's own kwargs, else the one its decoder layer handed over."""
     where = f"{type(layer).__name__}(layer_idx={getattr(layer, 'layer_idx', '?')})"
-    if ctx is not None and ctx.boundaries is not None and (ctx.in_forward or _in_backward()):
-        if ctx.boundaries.total_tokens != T:
-            raise ValueError(
-                f"{where}: the model's packed boundaries cover {ctx.boundaries.total_tokens} tokens but the "
-                f"layer got T={T}"
-            )
-        return ctx.boundaries
-    cu, seq_idx = kwargs.get("cu_seq_lens_q"), kwargs.get("seq_idx")
-    if cu is None and seq_idx is None:
-        return None
-    return _boundaries_from(cu, seq_idx, T, where)
+    meta = kwargs.get(VARLEN_META)
+    if meta is None:
+        meta = layer.__dict__.get("_varpack_meta")
+    if meta is None and (kwargs.get("cu_seq_lens_q") is not None or kwargs.get(SEQ_IDX) is not None):
+        return varlen_meta_from_kwargs(kwargs, T, where)  # called directly with boundaries
+    if meta is not None and meta.total_q != T:
+        raise ValueError(
+            f"{where}: the model's packed boundaries cover {meta.total_q} tokens but the layer got T={T}"
+        )
+    return meta
+
+
+def _chunk_layout(meta: VarlenMeta) -> ChunkLayout:
+    """The gated-delta chunk layout of this batch, built once (first linear layer) and kept on the meta."""
+    return meta.memo("gated_delta_chunk_layout", lambda: prepare_chunk_layout(meta.cu_seqlens_cpu()))
 
 
 def _conv_activation(name: Any):
@@ -218,9 +133,7 @@ def _conv_activation(name: Any):
     return ACT2FN[name]
 
 
-def _packed_forward(
-    layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask, bd: PackedBoundaries
-):
+def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask, meta: VarlenMeta):
     B, T, _ = hidden_states.shape
     if attention_mask is not None and attention_mask.dim() == 2:  # as apply_mask_to_padding_states
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
@@ -240,9 +153,9 @@ def _packed_forward(
     rule_backend = resolve_backend(backend, device, needs_grad=_needs_grad(layer, hidden_states))
     conv_backend = "auto" if backend in ("auto", "fla") and device.type == "cuda" else "torch"
     if conv_backend != "torch":
-        conv_kwargs = {"cu_seqlens": bd.cu_on(device), "cu_seqlens_cpu": bd.cu_seqlens}
+        conv_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
     else:
-        conv_kwargs = {"seq_idx": bd.seq_idx(device)}
+        conv_kwargs = {"seq_idx": meta.seq_idx_on(device)}
     weight = layer.conv1d.weight
     mixed = short_conv(
         mixed,
@@ -260,9 +173,9 @@ def _packed_forward(
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # as the model (fp32 decay)
 
     if rule_backend == "fla":
-        rule_kwargs = {"cu_seqlens": bd.cu_on(device), "cu_seqlens_cpu": bd.cu_seqlens}
+        rule_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
     else:
-        rule_kwargs = {"cu_seqlens": bd.cu_seqlens, "layout": bd.layout()}
+        rule_kwargs = {"cu_seqlens": meta.cu_seqlens_cpu(), "layout": _chunk_layout(meta)}
     core, _ = gated_delta_rule(
         query, key, value, g, beta, use_qk_l2norm_in_kernel=True, backend=rule_backend, **rule_kwargs
     )
@@ -298,11 +211,11 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, 
     B, T = hidden_states.shape[:2]
     cache = args[0] if args else next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
     attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
-    bd = _current_boundaries(self, T, kwargs)
-    if bd is None:
+    meta = _current_meta(self, T, kwargs)
+    if meta is None:
         if cache is None and _original_cannot_train(self, hidden_states):
             # each row is one sequence: the same math through varpack's path, whose backward runs here
-            rows = PackedBoundaries(torch.arange(B + 1, dtype=torch.int64) * T, B * T)
+            rows = VarlenMeta(torch.arange(B + 1, dtype=torch.int32) * T)
             mask = (
                 attention_mask.reshape(1, B * T)
                 if attention_mask is not None and attention_mask.dim() == 2
@@ -321,7 +234,7 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, 
             f"{where}: packed batch with a cache ({type(cache).__name__}); incremental decoding cannot be "
             "combined with packing (use_cache=False for packed training batches)"
         )
-    return _packed_forward(self, hidden_states, attention_mask, bd)
+    return _packed_forward(self, hidden_states, attention_mask, meta)
 
 
 _patched_forward_outside_graph = torch.compiler.disable(_patched_forward)
@@ -397,40 +310,33 @@ def patch_linear_attention(model: torch.nn.Module, *, backend: str = "auto") -> 
     if not layers:
         return 0
     layer_ids = {id(m) for m in layers}
-    # the text models: modules owning a `layers` list that holds the linear layers
-    owners = []
+    # the text models (modules owning a `layers` list that holds the linear layers): the meta, once per forward
     for m in model.modules():
         sub = getattr(m, "layers", None)
-        if isinstance(sub, torch.nn.ModuleList) and any(
-            id(x) in layer_ids for layer in sub for x in layer.modules()
+        if (
+            isinstance(sub, torch.nn.ModuleList)
+            and any(id(x) in layer_ids for layer in sub for x in layer.modules())
+            and not getattr(m, "_varpack_gdn_text_hook", False)
         ):
-            owners.append(m)
-    for owner in owners:
-        ctx: _Context | None = getattr(owner, "_varpack_gdn_ctx", None)
-        if ctx is None:
-            ctx = _Context(backend=backend)
-            ctx.hooks.append(
-                owner.register_forward_pre_hook(
-                    lambda mod, a, kw, _c=ctx: _pre_hook(_c, mod, a, kw), with_kwargs=True
+            m.register_forward_pre_hook(_text_model_pre_hook, with_kwargs=True)
+            m._varpack_gdn_text_hook = True
+    # the decoder layers holding a linear layer: hand the call's meta to it
+    for parent in model.modules():
+        for child in parent.children():
+            if id(child) in layer_ids and not getattr(parent, "_varpack_gdn_layer_hook", False):
+                parent.register_forward_pre_hook(
+                    functools.partial(_decoder_layer_pre_hook, child), with_kwargs=True
                 )
-            )
-            ctx.hooks.append(
-                owner.register_forward_hook(
-                    lambda mod, a, kw, out, _c=ctx: _post_hook(_c, mod, a, kw, out),
-                    with_kwargs=True,
-                    always_call=True,
+                parent.register_forward_hook(
+                    functools.partial(_decoder_layer_post_hook, child), with_kwargs=True, always_call=True
                 )
-            )
-            owner._varpack_gdn_ctx = ctx
-        ctx.backend = backend
-        for x in owner.modules():
-            if id(x) in layer_ids:
-                x._varpack_gdn_ctx = ctx
+                parent._varpack_gdn_layer_hook = True
     for m in layers:
         if "_varpack_gdn_original_forward" not in m.__dict__:
             m._varpack_gdn_original_forward = m.forward
             m.forward = types.MethodType(_patched_forward, m)
         m._varpack_gdn_backend = backend
+        m._varpack_meta = None
     return len(layers)
 
 

@@ -49,8 +49,9 @@ from typing import Any
 
 import torch
 
-from varpack.schema import FLASH_ATTN_KWARGS
+from varpack.schema import FLASH_ATTN_KWARGS, VARLEN_META
 from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
+from varpack.varlen.meta import varlen_meta_from_kwargs
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -159,32 +160,44 @@ def varpack_attention_forward(
     bsz, num_heads, len_q, head_dim = query.shape
     len_k = key.shape[2]
 
-    cu_q = kwargs.get("cu_seq_lens_q")
-    if cu_q is not None:
+    meta = kwargs.get(VARLEN_META)
+    if meta is None and kwargs.get("cu_seq_lens_q") is not None:
+        # boundary kwargs without the guard's meta (a model whose forward was not hooked): built here, once
+        # per call; enable_varpack's guard builds it once per forward instead
+        if kwargs.get("max_length_q") is None:
+            raise PackingGuardError("cu_seq_lens_q given without max_length_q (the longest segment, an int)")
+        try:
+            meta = varlen_meta_from_kwargs(kwargs, len_q if bsz == 1 else None, type(module).__name__)
+        except (TypeError, ValueError) as exc:
+            raise PackingGuardError(str(exc)) from exc
+    if meta is not None:
         if bsz != 1:
             raise PackingGuardError(
                 f"packed batch (cu_seq_lens_q given) must have one row, got query of shape "
                 f"{tuple(query.shape)} (B={bsz})"
             )
-        cu_k = kwargs.get("cu_seq_lens_k")
-        cu_k = cu_q if cu_k is None else cu_k
-        max_q = kwargs.get("max_length_q")
-        max_k = kwargs.get("max_length_k")
-        if max_q is None:
-            raise PackingGuardError("cu_seq_lens_q given without max_length_q (the longest segment, an int)")
-        max_q = normalize_max_seqlen(max_q, "max_length_q")
-        max_k = max_q if max_k is None else normalize_max_seqlen(max_k, "max_length_k")
         q = query[0].transpose(0, 1)  # [T, H, D]
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
-    else:
-        # unpacked: every row is one sequence; the offsets are built on the device (no host copy, no sync)
-        q = query.transpose(1, 2).reshape(bsz * len_q, num_heads, head_dim)
-        k = key.transpose(1, 2).reshape(bsz * len_k, key.shape[1], key.shape[3])
-        v = value.transpose(1, 2).reshape(bsz * len_k, value.shape[1], value.shape[3])
-        cu_q = torch.arange(0, (bsz + 1) * len_q, len_q, device=query.device, dtype=torch.int32)
-        cu_k = torch.arange(0, (bsz + 1) * len_k, len_k, device=query.device, dtype=torch.int32)
-        max_q, max_k = len_q, len_k
+        out = varlen_attention(
+            q,
+            k,
+            v,
+            causal=is_causal,
+            window_size=window,
+            softmax_scale=scaling,
+            softcap=softcap_f,
+            backend=backend,
+            meta=meta,
+        )
+        return out.reshape(bsz, len_q, num_heads, out.shape[-1]), None
+    # unpacked: every row is one sequence; the offsets are built on the device (no host copy, no sync)
+    q = query.transpose(1, 2).reshape(bsz * len_q, num_heads, head_dim)
+    k = key.transpose(1, 2).reshape(bsz * len_k, key.shape[1], key.shape[3])
+    v = value.transpose(1, 2).reshape(bsz * len_k, value.shape[1], value.shape[3])
+    cu_q = torch.arange(0, (bsz + 1) * len_q, len_q, device=query.device, dtype=torch.int32)
+    cu_k = torch.arange(0, (bsz + 1) * len_k, len_k, device=query.device, dtype=torch.int32)
+    max_q, max_k = len_q, len_k
     out = varlen_attention(
         q,
         k,
@@ -282,26 +295,6 @@ def _rows_restart(position_ids: torch.Tensor) -> bool:
     return bool((text[:, 1:] - text[:, :-1] != 1).any())
 
 
-def _check_cpu_boundaries(cu: torch.Tensor, name: str, total: int, max_len: int | None) -> None:
-    """Value checks of CPU boundaries (free: no device involved)."""
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise PackingGuardError(f"{name} must be a 1-D tensor [N+1] with N >= 1, got shape {tuple(cu.shape)}")
-    if cu.is_floating_point():
-        raise PackingGuardError(f"{name} must be an integer tensor, got {cu.dtype}")
-    if cu.device.type != "cpu":
-        return
-    vals = cu.tolist()
-    if vals[0] != 0 or vals[-1] != total or any(b < a for a, b in zip(vals, vals[1:])):
-        raise PackingGuardError(
-            f"{name}={vals[:8]}{'...' if len(vals) > 8 else ''} must start at 0, never decrease and end at "
-            f"the stream's token count T={total} (last value {vals[-1]})"
-        )
-    if max_len is not None:
-        longest = max(b - a for a, b in zip(vals, vals[1:]))
-        if longest > max_len:
-            raise PackingGuardError(f"{name} has a segment of {longest} tokens but max_length is {max_len}")
-
-
 def _normalize_boundary_kwargs(kwargs: dict, where: str) -> None:
     """Bring the boundary kwargs to the one contract of :mod:`varpack.varlen.boundaries`, in place, once per
     forward: ``max_length_q/k`` -> Python int (:func:`~varpack.varlen.normalize_max_seqlen`),
@@ -376,14 +369,15 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
             )
         total = ref.shape[1] if ref is not None and ref.dim() >= 2 else None
         _normalize_boundary_kwargs(kwargs, where)
-        for key, mkey in (("cu_seq_lens_q", "max_length_q"), ("cu_seq_lens_k", "max_length_k")):
-            cu = kwargs.get(key)
-            if key == "cu_seq_lens_k" and cu is kwargs.get("cu_seq_lens_q"):
-                continue  # the collator passes one tensor for both
-            if cu is not None and total is not None:
-                _check_cpu_boundaries(cu, key, total, kwargs.get(mkey))
-        # CPU boundaries stay on the CPU: varlen_attention copies them to the device once per batch (cached
-        # by tensor identity) and every layer reuses that copy.
+        if kwargs.get("varlen_meta") is None and kwargs.get("max_length_q") is None:
+            raise PackingGuardError(
+                f"{where}: cu_seq_lens_q given without max_length_q (the longest segment, an int)"
+            )
+        try:  # the batch's boundaries, validated once (the collator's meta, or built here from the kwargs)
+            kwargs[VARLEN_META] = varlen_meta_from_kwargs(kwargs, total, where)
+        except (TypeError, ValueError) as exc:
+            raise PackingGuardError(str(exc)) from exc
+        # every layer reads this one meta: one host-to-device copy of the offsets per batch, kept on it
         return args, kwargs
 
     # unpacked path: rows are whole sequences

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from varpack._probe import ProbeOnce
-from varpack.varlen.boundaries import normalize_cu_seqlens
+from varpack.varlen.boundaries import checked_host_cu_seqlens, normalize_cu_seqlens, seq_idx_from_cu_seqlens
 
 from ._fla import (
     PROBE_TOL,
@@ -159,15 +159,8 @@ def seq_idx_for_conv(cu_seqlens: torch.Tensor | np.ndarray | list[int], device=N
         ValueError: ``cu_seqlens`` not 1-D, not starting at 0, or decreasing.
         TypeError: ``cu_seqlens`` not integers (:func:`varpack.varlen.normalize_cu_seqlens`).
     """
-    cu = normalize_cu_seqlens(cu_seqlens, "cu_seqlens").detach().to("cpu", torch.int64).numpy()
-    if cu[0] != 0:
-        raise ValueError(
-            f"cu_seqlens must be 1-D [N+1] starting at 0, got {cu[:8].tolist()} (shape {cu.shape})"
-        )
-    lengths = np.diff(cu)
-    if (lengths < 0).any():
-        raise ValueError(f"cu_seqlens must not decrease, got {cu[:16].tolist()}")
-    seq_idx = torch.from_numpy(np.repeat(np.arange(lengths.size, dtype=np.int32), lengths))[None]
+    cu = checked_host_cu_seqlens(cu_seqlens)
+    seq_idx = seq_idx_from_cu_seqlens(cu, int(cu[-1]))  # varpack.varlen's one seq_idx builder
     return seq_idx if device is None else seq_idx.to(device, non_blocking=True)
 
 
@@ -245,8 +238,8 @@ def short_conv(
             raise ValueError(f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={B}")
         if cu_seqlens.dim() != 1:
             raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {tuple(cu_seqlens.shape)}")
-        if cu_seqlens.device.type == "cpu" and int(cu_seqlens[-1]) != T:
-            raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} but x has T={T} tokens")
+        if cu_seqlens.device.type == "cpu":
+            checked_host_cu_seqlens(cu_seqlens, T)
         seq_idx = seq_idx_for_conv(cu_seqlens, device=x.device)
     if seq_idx is not None:
         if seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:

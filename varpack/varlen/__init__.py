@@ -13,8 +13,10 @@ from varpack.varlen.boundaries import (
     seq_idx_from_cu_seqlens,
     validate_cu_seqlens,
 )
+from varpack.varlen.meta import VarlenMeta, varlen_meta_from_kwargs
 
 __all__ = [
+    "VarlenMeta",
     "cu_seqlens_from_lengths",
     "cu_seqlens_from_position_ids",
     "cu_seqlens_from_segment_ids",
@@ -24,4 +26,5 @@ __all__ = [
     "normalize_max_seqlen",
     "seq_idx_from_cu_seqlens",
     "validate_cu_seqlens",
+    "varlen_meta_from_kwargs",
 ]

@@ -472,31 +472,52 @@ def seq_idx_from_cu_seqlens(cu_seqlens: Any, total_tokens: int) -> torch.Tensor:
     return torch.from_numpy(seq_idx).unsqueeze(0)
 
 
-def _validate_values(cu: np.ndarray, total_tokens: int, *, allow_empty: bool, max_seqlen: int | None) -> None:
+def _validate_values(
+    cu: np.ndarray,
+    total_tokens: int,
+    *,
+    allow_empty: bool,
+    max_seqlen: int | None,
+    at_least: bool = False,
+    name: str = "cu_seqlens",
+) -> None:
     if cu.ndim != 1:
-        raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {tuple(cu.shape)}")
+        raise ValueError(f"{name} must be 1-D [N+1], got shape {tuple(cu.shape)}")
     if cu.size < 2:
-        raise ValueError(f"cu_seqlens must have at least 2 entries ([0, T]), got {cu.size}: {_fmt(cu)}")
+        raise ValueError(f"{name} must have at least 2 entries ([0, T]), got {cu.size}: {_fmt(cu)}")
+    rule = (
+        f"{name}={_fmt(cu)} must start at 0, "
+        + ("never decrease" if allow_empty else "increase strictly")
+        + f" and end at the token count {total_tokens} (T={total_tokens})"
+    )
     if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens[0]={int(cu[0])}, must be 0")
+        raise ValueError(f"{rule}: {name}[0]={int(cu[0])}, must be 0")
     if int(cu[-1]) != total_tokens:
-        raise ValueError(f"cu_seqlens[-1]={int(cu[-1])} but the stream has {total_tokens} tokens")
+        raise ValueError(f"{rule}: {name}[-1]={int(cu[-1])} but the stream has {total_tokens} tokens")
     steps = np.diff(cu)
     bad = np.flatnonzero(steps < 0 if allow_empty else steps <= 0)
     if bad.size:
         i = int(bad[0])
         what = "decreasing" if allow_empty else "not strictly increasing"
         raise ValueError(
-            f"cu_seqlens is {what}: cu_seqlens[{i}]={int(cu[i])}, cu_seqlens[{i + 1}]={int(cu[i + 1])} "
+            f"{rule}: {name} is {what}: {name}[{i}]={int(cu[i])}, {name}[{i + 1}]={int(cu[i + 1])} "
             f"({bad.size} such steps)"
             + ("" if allow_empty else "; zero-length segments need allow_empty=True")
         )
     if max_seqlen is not None:
         longest = int(steps.max())
-        if max_seqlen != longest:
+        if (max_seqlen < longest) if at_least else (max_seqlen != longest):
+            max_name = (
+                "max_seqlen" + name[len("cu_seqlens") :]
+                if name.startswith("cu_seqlens")
+                else "max_length" + name[len("cu_seq_lens") :]
+                if name.startswith("cu_seq_lens")
+                else "max_seqlen"
+            )
             raise ValueError(
-                f"max_seqlen={max_seqlen} but the longest segment of cu_seqlens has {longest} tokens "
+                f"{max_name}={max_seqlen} but the longest segment of {name} has {longest} tokens "
                 f"(segment {int(np.argmax(steps))})"
+                + ("; max_seqlen is smaller than the longest segment" if at_least else "")
             )
 
 
@@ -506,6 +527,8 @@ def validate_cu_seqlens(
     *,
     allow_empty: bool = False,
     max_seqlen: int | None = None,
+    at_least: bool = False,
+    name: str = "cu_seqlens",
 ) -> None:
     """Check that ``cu_seqlens`` is valid varlen metadata for a stream of ``total_tokens`` tokens.
 
@@ -516,12 +539,18 @@ def validate_cu_seqlens(
     derives it from ``cu_seqlens``, so any other value means the two come from different batches.
     A device tensor is copied to the CPU once: meant for collate time and tests, not inside layers.
 
+    This is varpack's one validator of ``cu_seqlens`` values: :class:`varpack.varlen.VarlenMeta` calls it
+    once per batch (with ``at_least=True``), and every consumer reads the validated meta.
+
     Args:
         cu_seqlens: ``[N+1]`` int32 tensor.
         total_tokens: ``T``, the number of tokens in the stream (a Python int).
         allow_empty: accept zero-length segments.
         max_seqlen: the ``max_seqlen`` that travels with ``cu_seqlens``, or ``None``: a host integer of any
             integral type (:func:`normalize_max_seqlen`).
+        at_least: accept a ``max_seqlen`` above the longest segment (an upper bound, as the varlen kernels
+            take it) instead of requiring equality.
+        name: the argument's name in the messages (e.g. ``"cu_seq_lens_q"``).
 
     Raises:
         TypeError: ``cu_seqlens`` is not a tensor (this checks the collated form; :func:`normalize_cu_seqlens`
@@ -535,7 +564,7 @@ def validate_cu_seqlens(
         >>> validate_cu_seqlens(torch.tensor([0, 3, 3, 7], dtype=torch.int32), 7)
         Traceback (most recent call last):
         ...
-        ValueError: cu_seqlens is not strictly increasing: cu_seqlens[1]=3, cu_seqlens[2]=3 (1 such steps); zero-length segments need allow_empty=True
+        ValueError: cu_seqlens=[0, 3, 3, 7] must start at 0, increase strictly and end at the token count 7 (T=7): cu_seqlens is not strictly increasing: cu_seqlens[1]=3, cu_seqlens[2]=3 (1 such steps); zero-length segments need allow_empty=True
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -544,14 +573,38 @@ def validate_cu_seqlens(
     if max_seqlen is not None:
         max_seqlen = normalize_max_seqlen(max_seqlen, "max_seqlen")
     if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens dtype is {cu_seqlens.dtype}, must be torch.int32")
+        raise ValueError(f"{name} dtype is {cu_seqlens.dtype}, must be torch.int32")
     cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
     _validate_values(
         cu,
         int(total_tokens),
         allow_empty=allow_empty,
         max_seqlen=max_seqlen,
+        at_least=at_least,
+        name=name,
     )
+
+
+def checked_host_cu_seqlens(
+    cu_seqlens: Any, total_tokens: int | None = None, name: str = "cu_seqlens"
+) -> np.ndarray:
+    """``cu_seqlens`` of any integer form (:func:`normalize_cu_seqlens`) read to the host as int64 NumPy and
+    checked by :func:`validate_cu_seqlens`' rules (zero-length segments allowed; ``total_tokens=None``: the
+    last offset is T). For the ops' direct callers (one host read per call); a model's layers read the
+    batch's :class:`varpack.varlen.VarlenMeta` instead.
+
+    Raises:
+        TypeError / ValueError: as :func:`normalize_cu_seqlens` and :func:`validate_cu_seqlens`.
+    """
+    cu = normalize_cu_seqlens(cu_seqlens, name).detach().to("cpu", torch.int64).numpy()
+    _validate_values(
+        cu,
+        int(cu[-1]) if total_tokens is None else int(total_tokens),
+        allow_empty=True,
+        max_seqlen=None,
+        name=name,
+    )
+    return cu
 
 
 def lengths_from_cu_seqlens(cu_seqlens: Any) -> np.ndarray:

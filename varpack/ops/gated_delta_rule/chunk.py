@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from varpack.varlen.boundaries import checked_host_cu_seqlens, seq_idx_from_cu_seqlens
+
 from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, expand_heads, l2norm, normalize_optional_cu
 
 __all__ = ["ChunkLayout", "chunk_gated_delta_rule", "prepare_chunk_layout"]
@@ -118,15 +120,8 @@ def prepare_chunk_layout(
     """
     if chunk_size <= 0 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size}")
-    cu = cu_seqlens_to_cpu(cu_seqlens).numpy()  # types and shape: varpack.varlen.normalize_cu_seqlens
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens[0]={int(cu[0])}, must be 0")
+    cu = checked_host_cu_seqlens(cu_seqlens)  # varpack.varlen's one set of rules
     lengths = np.diff(cu)
-    if (lengths < 0).any():
-        bad = int(np.nonzero(lengths < 0)[0][0])
-        raise ValueError(
-            f"cu_seqlens must not decrease: cu_seqlens[{bad}]={int(cu[bad])} > cu_seqlens[{bad + 1}]={int(cu[bad + 1])}"
-        )
     T = int(cu[-1])
     N = int(lengths.size)
     max_seqlen = int(lengths.max()) if N else 0
@@ -139,7 +134,7 @@ def prepare_chunk_layout(
     counts = np.bincount(nch, minlength=cmax + 1)
     active = N - np.cumsum(counts)[:cmax]  # active[j] = #sequences with more than j chunks
     offsets = np.concatenate([[0], np.cumsum(active)[:-1]]) if cmax else np.zeros(0, np.int64)
-    seq_of_tok = np.repeat(np.arange(N, dtype=np.int64), lengths)
+    seq_of_tok = seq_idx_from_cu_seqlens(cu, T)[0].numpy().astype(np.int64)  # varpack.varlen's builder
     pos = np.arange(T, dtype=np.int64) - cu[:-1][seq_of_tok]
     dest = (offsets[pos // BT] + rank[seq_of_tok]) * BT + pos % BT
     layout = ChunkLayout(
