@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     check_data_files(config.data)
-    from varpack.train import run_sft
+    from varpack.train.sft import run_sft
 
     print(
         "varpack demo: padding-free packed fine-tuning of a tiny random-init Qwen3 (real Qwen3 vocabulary) "

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``varpack sft``; returns 0. Errors propagate to ``varpack.cli.main`` (exit codes 2 / 1)."""
     config = config_from_args(args)
     check_data_files(config.data)  # a missing file is reported before torch and transformers are imported
-    from varpack.train import run_sft
+    from varpack.train.sft import run_sft
 
     try:
         run_sft(config)
