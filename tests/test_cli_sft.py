@@ -241,7 +241,7 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path, reduction):
 def test_liger_refused_before_encoding_without_cuda(tmp_path, capsys, monkeypatch):
     """--use-liger-kernel on a machine without CUDA (or without liger) is a clear error before any encoding."""
     import varpack.integrations.kernels as K
-    import varpack.train as vt
+    import varpack.train.sft as vt  # build_sft (and the load_and_encode it calls) live here
     from varpack.cli.main import main
 
     def no_encoding(*a, **k):

@@ -330,7 +330,7 @@ def test_liger_and_compile_are_refused_together(tmp_path, capsys, monkeypatch):
     """Liger's layers + regional compile fail inside dynamo (seen on the H200): refused both ways round, by the
     library calls and by `varpack sft` before any encoding, with the reason and the choice to make."""
     import varpack.integrations.kernels as K
-    import varpack.train as vt
+    import varpack.train.sft as vt  # build_sft (and the load_and_encode it calls) live here
     from varpack.cli.main import main
 
     model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")

@@ -106,7 +106,10 @@ def check_data_files(paths: Sequence[str] | None) -> None:
 
 
 def _long_flag(action: argparse.Action) -> str:
-    return max(action.option_strings, key=len)
+    """The flag named after the setting (``--use-liger-kernel``, not ``--no-use-liger-kernel`` of a
+    ``--flag/--no-flag`` pair), else the longest option string."""
+    named = "--" + action.dest.replace("_", "-")
+    return named if named in action.option_strings else max(action.option_strings, key=len)
 
 
 def flag_wording(message: str, parser: argparse.ArgumentParser) -> str:

@@ -26,6 +26,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "lr_scheduler": "cosine",
     "warmup_steps": 5,
     "logging_steps": 5,
+    "save": False,
 }
 
 
@@ -41,14 +42,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
             "report, falling loss, first-vs-last loss. Takes a few minutes on a CPU."
         ),
     )
-    add_sft_arguments(p, defaults=DEMO_DEFAULTS)
-    p.set_defaults(save=False)
-    p.add_argument(
-        "--save",
-        dest="save",
-        action="store_true",
-        help="save the model and tokenizer to --output-dir at the end",
-    )
+    add_sft_arguments(p, defaults=DEMO_DEFAULTS)  # --save/--no-save included, off by default here
     return p
 
 
@@ -59,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     check_data_files(config.data)
-    from varpack.train import run_sft
+    from varpack.train.sft import run_sft
 
     print(
         "varpack demo: padding-free packed fine-tuning of a tiny random-init Qwen3 (real Qwen3 vocabulary) "

@@ -1,0 +1,298 @@
+"""varpack.train: SFTConfig <-> `varpack sft` flags (generated from the fields), Literal choices, and the
+objectives seam (the SFT objective's loss is the packed causal-LM loss, equal to the unpacked one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from varpack.cli.main import build_parser, main
+from varpack.train.cli_flags import CLI_TYPES, _cli_types, config_from_args, config_to_argv, flag_name
+from varpack.train.config import SFTConfig, literal_choices
+
+FIELDS = [f.name for f in dataclasses.fields(SFTConfig)]
+HINTS = typing.get_type_hints(SFTConfig)
+LITERAL_FIELDS = [name for name in FIELDS if literal_choices(HINTS[name]) is not None]
+
+#: a value for every field, none of them the default
+NON_DEFAULT = dict(
+    model="tiny-llama",
+    data=("a.jsonl", "b.parquet"),
+    output_dir="elsewhere",
+    packing_length=77,
+    packing_strategy="sequential",
+    overflow="split",
+    packs_per_step=3,
+    grad_accum=2,
+    epochs=2.5,
+    max_steps=9,
+    lr=5e-4,
+    lr_scheduler="cosine",
+    warmup_steps=4,
+    weight_decay=0.1,
+    loss_reduction="sample",
+    loss_impl="logits",
+    attn_backend="flex",
+    bf16=True,
+    dtype="bfloat16",
+    seed=7,
+    logging_steps=3,
+    num_proc=2,
+    dataloader_num_workers=2,
+    gradient_checkpointing=True,
+    use_liger_kernel=True,
+    torch_compile=True,
+    save=False,
+    report_to="tensorboard",
+    extra_training_args={"max_grad_norm": 0.5, "optim": "sgd"},
+)
+
+
+def _subparser(cmd):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a.choices, dict))
+    return sub.choices[cmd]
+
+
+@pytest.mark.parametrize("cmd", ["sft", "demo"])
+def test_every_field_is_a_flag(cmd):
+    """Each SFTConfig field has its --kebab-case flag writing to the field's name (none unreachable)."""
+    by_flag = {s: a for a in _subparser(cmd)._actions for s in a.option_strings}
+    missing = [name for name in FIELDS if flag_name(name) not in by_flag]
+    assert not missing, missing
+    for name in FIELDS:
+        assert by_flag[flag_name(name)].dest == name
+        if HINTS[name] is bool:  # --flag / --no-flag
+            assert by_flag["--no-" + flag_name(name)[2:]].dest == name
+
+
+def test_non_default_values_round_trip_through_the_flags():
+    """config -> argv -> `varpack sft` parser -> config is the identity, for a non-default value of every field."""
+    assert set(NON_DEFAULT) == set(FIELDS)
+    default = SFTConfig()
+    assert [n for n in FIELDS if getattr(default, n) == NON_DEFAULT[n]] == []
+    direct = SFTConfig(**NON_DEFAULT)
+    argv = ["sft", *config_to_argv(direct)]
+    parsed = config_from_args(build_parser().parse_args(argv))
+    assert parsed == direct
+    # and with no flags at all: the dataclass defaults
+    assert config_from_args(build_parser().parse_args(["sft"])) == SFTConfig()
+
+
+def test_fields_the_old_cli_could_not_reach():
+    argv = ["sft", "--weight-decay", "0.05", "--dtype", "float16", "--dataloader-num-workers", "3"]
+    argv += ["--report-to", "wandb", "--extra-training-args", '{"max_grad_norm": 2.0}', "--no-bf16"]
+    c = config_from_args(build_parser().parse_args(argv))
+    assert (c.weight_decay, c.dtype, c.dataloader_num_workers, c.report_to) == (0.05, "float16", 3, "wandb")
+    assert c.extra_training_args == {"max_grad_norm": 2.0} and c.bf16 is False
+
+
+def test_demo_keeps_its_defaults_and_save_flag():
+    from varpack.cli.demo import DEMO_DEFAULTS
+
+    demo = config_from_args(build_parser().parse_args(["demo"]))
+    for name, value in DEMO_DEFAULTS.items():
+        assert getattr(demo, name) == value, name
+    assert demo.save is False
+    assert config_from_args(build_parser().parse_args(["demo", "--save"])).save is True
+    assert config_from_args(build_parser().parse_args(["sft", "--no-save"])).save is False
+
+
+@pytest.mark.parametrize("name", LITERAL_FIELDS)
+def test_literal_field_rejects_a_bad_value(name, capsys):
+    """The dataclass names the field and its choices; the command line names the flag (exit code 2)."""
+    choices = literal_choices(HINTS[name])
+    with pytest.raises(ValueError, match=rf"SFTConfig\.{name} has an invalid value: 'nope'; choose one of"):
+        SFTConfig(**{name: "nope"})
+    for good in choices:
+        assert getattr(SFTConfig(**{name: good}), name) == good
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["sft", flag_name(name), "nope"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and flag_name(name) in err and repr(choices[-1]) in err
+
+
+def test_literal_fields_cover_the_closed_choices():
+    assert set(LITERAL_FIELDS) >= {
+        "packing_strategy",
+        "overflow",
+        "loss_reduction",
+        "loss_impl",
+        "attn_backend",
+        "dtype",
+    }
+
+
+def test_literals_agree_with_the_registries():
+    """A planner strategy / overflow policy / attention backend added in its registry must be added here too."""
+    from varpack.cli._common import ATTN_BACKENDS
+    from varpack.plan import OVERFLOW_POLICIES, STRATEGIES
+
+    assert literal_choices(HINTS["packing_strategy"]) == STRATEGIES
+    assert literal_choices(HINTS["overflow"]) == OVERFLOW_POLICIES
+    assert literal_choices(HINTS["attn_backend"]) == ATTN_BACKENDS
+    assert set(CLI_TYPES) == set(_cli_types())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("weight_decay", -0.1), ("dataloader_num_workers", -1), ("warmup_steps", -2), ("num_proc", 0)],
+)
+def test_new_numeric_checks_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SFTConfig\.{field} has an invalid value"):
+        SFTConfig(**{field: value})
+
+
+def test_bad_value_of_a_new_flag_is_a_usage_error(capsys):
+    """--weight-decay has no argparse range check: SFTConfig refuses it and the CLI words it as the flag."""
+    assert main(["sft", "--weight-decay", "-1", "--max-steps", "1"]) == 2
+    assert "--weight-decay has an invalid value" in capsys.readouterr().err
+    assert main(["sft", "--extra-training-args", "[1]"]) == 2
+    assert "--extra-training-args" in capsys.readouterr().err
+
+
+def test_config_and_flags_import_no_torch():
+    code = (
+        "import sys; import varpack.train; from varpack.train import SFTConfig, default_lr; "
+        "import varpack.train.cli_flags, varpack.train_config; "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# objectives
+# ------------------------------------------------------------------------------------------------------
+VOCAB = 256
+
+
+def _packed_batch():
+    """A collated packed batch of 3 samples and the samples; each sample's first label is then made a real
+    token, so only ``seq_idx`` keeps the loss from scoring predictions across sample boundaries."""
+    import torch
+
+    from varpack.collate import PaddingFreeCollator
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for length in (5, 9, 4):
+        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        samples.append({"input_ids": ids, "labels": [-100, *ids[1:]]})
+    batch = PaddingFreeCollator()(samples)
+    starts = batch["cu_seq_lens_q"][:-1].long()
+    batch["labels"][0, starts] = batch["input_ids"][0, starts]
+    return batch, samples
+
+
+def _unpacked_loss(model, samples, reduction):
+    """Reference: each sample alone, plain torch cross entropy."""
+    import torch
+    import torch.nn.functional as F
+
+    sums, counts = [], []
+    for s in samples:
+        ids = torch.tensor([s["input_ids"]])
+        labels = torch.tensor(s["labels"][1:])
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        mask = labels != -100
+        sums.append(F.cross_entropy(logits[mask], labels[mask], reduction="sum"))
+        counts.append(int(mask.sum()))
+    if reduction == "token":
+        return sum(sums) / sum(counts)
+    return sum(s / c for s, c in zip(sums, counts, strict=True)) / len(samples)
+
+
+def test_registry_gives_the_sft_objective():
+    from varpack.train.objectives import OBJECTIVES, get_objective
+    from varpack.train.objectives.sft import CausalLMObjective
+
+    assert isinstance(get_objective("sft"), CausalLMObjective) and OBJECTIVES["sft"].name == "sft"
+    with pytest.raises(ValueError, match=r"unknown objective 'dpo'; choose one of \['sft'\]"):
+        get_objective("dpo")
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_sft_objective_loss_is_the_packed_causal_lm_loss(reduction):
+    """The objective's loss == varpack.loss.causal_lm_loss of the model's logits == the unpacked loss;
+    negative control: without seq_idx it scores the cross-boundary predictions and differs."""
+    import torch
+
+    from varpack.loss import causal_lm_loss
+    from varpack.models import load_model
+    from varpack.schema import NOT_MODEL_INPUTS
+    from varpack.train.objectives import get_objective
+
+    torch.manual_seed(0)
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference").eval()
+    batch, samples = _packed_batch()
+    objective = get_objective("sft")
+    with torch.no_grad():
+        result = objective.loss(model, batch, reduction=reduction)
+        assert result.impl == "logits"
+        expected = causal_lm_loss(
+            model(**{k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}).logits,
+            batch["labels"],
+            reduction=reduction,
+            seq_idx=batch["seq_idx"],
+        )
+        unpacked = _unpacked_loss(model, samples, reduction)
+        torch.testing.assert_close(result.loss, expected, rtol=0, atol=0)
+        torch.testing.assert_close(result.loss, unpacked, rtol=1e-5, atol=1e-5)
+        if reduction == "token":
+            no_boundaries = {k: v for k, v in batch.items() if k != "seq_idx"}
+            dropped = objective.loss(model, no_boundaries, reduction=reduction).loss
+            assert (dropped - unpacked).abs().item() > 1e-3
+        else:  # the sample mean cannot be taken without seq_idx: refused, not guessed
+            with pytest.raises(ValueError, match="seq_idx"):
+                objective.loss(model, {k: v for k, v in batch.items() if k != "seq_idx"}, reduction=reduction)
+    n = objective.count_items(batch, reduction=reduction)
+    assert int(n) == (sum(len(s["input_ids"]) - 1 for s in samples) if reduction == "token" else len(samples))
+
+
+def test_trainer_asks_its_objective_for_the_loss(tmp_path, monkeypatch):
+    """PackedSFTTrainer.compute_loss is the objective's loss (a scaled objective scales it)."""
+    import torch
+
+    from varpack.models import load_model
+    from varpack.train import SFTConfig as Cfg
+    from varpack.train import build_sft
+    from varpack.train.objectives import OBJECTIVES
+    from varpack.train.objectives.base import ObjectiveLoss
+
+    class _Tok:
+        pad_token_id = 0
+
+    samples = [dict(s, length=len(s["input_ids"])) for s in _packed_batch()[1]]
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    cfg = Cfg(
+        output_dir=str(tmp_path / "o"),
+        packing_length=32,
+        attn_backend="reference",
+        save=False,
+        loss_impl="logits",
+        extra_training_args={"use_cpu": True},
+    )
+    run = build_sft(cfg, model=model, tokenizer=_Tok(), encoded=samples)
+    assert run.trainer.objective is OBJECTIVES["sft"]
+    batch = next(iter(run.trainer.get_train_dataloader()))
+    with torch.no_grad():
+        base = run.trainer.compute_loss(model, batch)
+        from varpack.train.trainer import _unwrap_boundaries
+
+        direct = OBJECTIVES["sft"].loss(model, _unwrap_boundaries(batch)).loss
+
+        class Doubled:
+            name = "sft"
+
+            def loss(self, *a, **k):
+                r = OBJECTIVES["sft"].loss(*a, **k)
+                return ObjectiveLoss(2 * r.loss, r.outputs, r.impl)
+
+        monkeypatch.setattr(run.trainer, "objective", Doubled())
+        doubled = run.trainer.compute_loss(model, batch)
+    torch.testing.assert_close(base, direct, rtol=0, atol=0)
+    torch.testing.assert_close(doubled, 2 * base)

@@ -1,0 +1,332 @@
+"""Settings of a packed SFT run: :class:`SFTConfig` and its per-model-kind default learning rate.
+
+This module imports neither torch nor transformers (only numpy, through :mod:`varpack.plan`), so the
+``varpack sft`` / ``varpack demo`` parsers can read the fields and defaults without the seconds those imports
+take. Every closed choice is a ``typing.Literal`` annotation (the parser's ``choices`` and the check in
+``__post_init__`` both read it); every field carries its ``--help`` text in ``field(metadata={"help": ...})``
+and the flags of ``varpack sft`` are generated from the fields (:mod:`varpack.train.cli_flags`), so no field
+is unreachable from the command line.
+
+Field metadata keys (read by :mod:`varpack.train.cli_flags`):
+
+* ``help``: the flag's help text, or a callable ``defaults -> str`` (``defaults``: the parser's defaults).
+* ``metavar``: the flag's metavar.
+* ``cli_type``: the argparse value check, one of :data:`varpack.train.cli_flags.CLI_TYPES`
+  (``"int>=0"``, ``"int>=1"``, ``"float>0"``, ``"max_steps"``, ``"json_object"``); default: from the annotation.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from varpack.plan.plan import DEFAULT_PACKING_LENGTH
+
+__all__ = [
+    "DEFAULT_LR",
+    "AttnBackendName",
+    "DTypeName",
+    "LossImpl",
+    "LossReduction",
+    "OverflowPolicy",
+    "PackingStrategy",
+    "SFTConfig",
+    "default_lr",
+    "literal_choices",
+]
+
+#: Default peak learning rate by model kind. A random-init built-in model (``tiny-qwen3``, ...) learns from
+#: scratch: 30 steps of ``tiny-qwen3`` on the built-in chats (packing_length 1024, constant schedule, the last
+#: 16 chats held back) take the held-out loss from 11.95 to 11.71 at 1e-4 and to 6.95 at 3e-3 (the demo's
+#: rate), measured on a CPU. Loaded weights (a model directory or GGUF file) are fine-tuned: 1e-4, a
+#: common full fine-tuning rate for small models, and the rate of the README's SmolLM2 example. Every built-in
+#: name counts as random-init, also the benchmark shape ``qwen3-0.6b-shape`` (3e-3 was not tuned for it).
+DEFAULT_LR: dict[str, float] = {"random-init": 3e-3, "pretrained": 1e-4}
+
+#: :data:`varpack.plan.STRATEGIES` (tests/test_train_config.py checks that they agree).
+PackingStrategy = Literal["bfd", "sequential"]
+#: :data:`varpack.plan.OVERFLOW_POLICIES` (checked to agree, as above).
+OverflowPolicy = Literal["error", "drop", "truncate", "split"]
+#: :data:`varpack.loss.Reduction`.
+LossReduction = Literal["token", "sample"]
+LossImpl = Literal["auto", "linear_ce", "logits"]
+#: ``auto`` and the names of :data:`varpack.attn.BACKENDS` (== ``varpack.cli._common.ATTN_BACKENDS``; checked).
+AttnBackendName = Literal[
+    "auto", "reference", "sdpa", "torch_varlen", "flex", "flash_attn", "flash_attn_3", "flash_attn_4"
+]
+#: torch dtype names of the parameters of a built-in model.
+DTypeName = Literal["float32", "bfloat16", "float16"]
+
+
+def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values of a ``Literal[...]`` annotation (also inside ``Optional``), else ``None``."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    return None
+
+
+def default_lr(model: str) -> tuple[float, str]:
+    """The default peak learning rate for ``model`` and the kind it was chosen for.
+
+    Args:
+        model: what :func:`varpack.models.load_model` takes: a built-in name (random init) or a model
+            directory / ``.gguf`` file / package (loaded weights).
+
+    Returns:
+        ``(lr, kind)`` with ``kind`` ``"random-init"`` or ``"pretrained"`` (:data:`DEFAULT_LR`).
+
+    Raises:
+        ValueError: ``model`` names nothing (:func:`varpack.models.resolve_model_source`).
+    """
+    from varpack.models import resolve_model_source
+
+    source, _ = resolve_model_source(model)
+    kind = "random-init" if source in ("builtin", "external") else "pretrained"
+    return DEFAULT_LR[kind], kind
+
+
+def _lr_help(defaults: dict[str, Any]) -> str:
+    if defaults.get("lr") is not None:
+        return "peak learning rate (AdamW) (default: %(default)s)"
+    return (
+        f"peak learning rate (AdamW) (default: {DEFAULT_LR['random-init']:g} for a random-init built-in "
+        f"model, {DEFAULT_LR['pretrained']:g} for a model directory or GGUF file)"
+    )
+
+
+def _strategy_help(defaults: dict[str, Any]) -> str:
+    from varpack.plan import strategies_help
+
+    return f"{strategies_help()} (default: %(default)s)"
+
+
+def _opt(text: Any, **more: Any) -> dict[str, Any]:
+    """A field's metadata: ``help`` text and the other keys of the module docstring."""
+    return {"help": text, **more}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """Settings of a packed SFT run (the ``varpack sft`` flags carry the same names, ``_`` -> ``-``).
+
+    Attributes:
+        model: model directory, ``.gguf`` file / package, or a built-in name (``tiny-qwen3``, ``tiny-llama``,
+            ``qwen3-0.6b-shape``, ...).
+        data: chat data files (JSON / JSONL / parquet with ``messages``); empty: the built-in chats.
+        output_dir: where the final model + tokenizer (and the Trainer's files) are written.
+        packing_length: tokens per pack (the row length budget of one pack); default
+            :data:`varpack.plan.DEFAULT_PACKING_LENGTH` (4096), the same as ``varpack plan``.
+        packing_strategy: ``bfd`` (best-fit decreasing) or ``sequential`` (order-preserving next-fit).
+        overflow: samples longer than ``packing_length``: ``error`` (default: refuse, listing their ids and
+            lengths), ``drop``, ``truncate`` or ``split``; whatever happens is in the packing report.
+        packs_per_step: packs per micro-batch per device (all flattened into one row).
+        grad_accum: gradient-accumulation micro-batches per optimizer step.
+        epochs: passes over the packs (ignored when ``max_steps > 0``).
+        max_steps: optimizer steps; ``-1``: run ``epochs``.
+        lr: peak learning rate (AdamW); ``None`` (default): :func:`default_lr` of ``model``, i.e.
+            :data:`DEFAULT_LR` ``["random-init"]`` (3e-3) for a built-in random-init model and
+            ``["pretrained"]`` (1e-4) for loaded weights (a model directory or GGUF file).
+        lr_scheduler: transformers scheduler name (``constant``, ``linear``, ``cosine``, ...); an open set
+            (it grows with transformers), checked by ``TrainingArguments``.
+        warmup_steps: linear warm-up steps.
+        weight_decay: AdamW weight decay (``>= 0``).
+        loss_reduction: ``token`` (global token mean) or ``sample`` (global sample mean).
+        loss_impl: ``auto`` (``linear_ce`` when the model allows it and runs unwrapped, else ``logits``),
+            ``linear_ce`` (chunked, no ``[T, V]`` logits) or ``logits``.
+        attn_backend: varpack attention backend (``auto``, ``reference``, ``flex``, ...).
+        bf16: train in bfloat16 autocast (mixed precision; master weights stay float32).
+        dtype: parameter dtype of built-in models (``float32`` default).
+        seed: random-init seed of built-in models, plan seed and Trainer seed.
+        logging_steps: log every N optimizer steps.
+        num_proc: encoding worker processes.
+        dataloader_num_workers: DataLoader workers.
+        gradient_checkpointing: recompute activations in backward.
+        use_liger_kernel: replace RMSNorm / RoPE / SwiGLU by Liger-Kernel's fused Triton kernels (CUDA; needs
+            ``liger-kernel``): :func:`varpack.integrations.kernels.apply_liger_kernels`. The loss stays varpack's.
+        torch_compile: ``torch.compile`` each decoder layer, varpack attention outside the graph
+            (:func:`varpack.integrations.kernels.compile_layers`); compiles in the first step. Not together with
+            ``use_liger_kernel`` (refused: :data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`).
+        save: save model + tokenizer at the end.
+        report_to: Trainer integrations (``none`` by default); transformers' open set (``all``,
+            ``tensorboard``, ``wandb``, ...), checked by ``TrainingArguments``.
+        extra_training_args: more ``transformers.TrainingArguments`` keywords (applied last).
+
+    Raises:
+        ValueError: a field with an invalid value, as ``SFTConfig.<field> has an invalid value: <value>``
+            (a ``Literal`` field also lists its choices).
+    """
+
+    model: str = field(
+        default="tiny-qwen3",
+        metadata=_opt(
+            "model directory, .gguf file / package, or a built-in name (default: %(default)s)",
+            metavar="DIR|NAME",
+        ),
+    )
+    data: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt("chat data files (JSON/JSONL/parquet) (default: the built-in chats)", metavar="PATH"),
+    )
+    output_dir: str = field(
+        default="varpack-sft",
+        metadata=_opt("where the model and tokenizer are saved (default: %(default)s)", metavar="DIR"),
+    )
+    packing_length: int = field(
+        default=DEFAULT_PACKING_LENGTH,
+        metadata=_opt("tokens per pack (default: %(default)s)", metavar="N", cli_type="int>=1"),
+    )
+    packing_strategy: PackingStrategy = field(default="bfd", metadata=_opt(_strategy_help))
+    overflow: OverflowPolicy = field(
+        default="error", metadata=_opt("samples longer than --packing-length (default: %(default)s)")
+    )
+    packs_per_step: int = field(
+        default=1,
+        metadata=_opt(
+            "packs per micro-batch per device, flattened into one row (default: %(default)s)",
+            metavar="P",
+            cli_type="int>=1",
+        ),
+    )
+    grad_accum: int = field(
+        default=1,
+        metadata=_opt(
+            "gradient-accumulation micro-batches per optimizer step (default: %(default)s)",
+            metavar="K",
+            cli_type="int>=1",
+        ),
+    )
+    epochs: float = field(
+        default=1.0,
+        metadata=_opt(
+            "passes over the packs, ignored with --max-steps (default: %(default)s)",
+            metavar="E",
+            cli_type="float>0",
+        ),
+    )
+    max_steps: int = field(
+        default=-1,
+        metadata=_opt(
+            "optimizer steps; -1: run --epochs (default: %(default)s)", metavar="N", cli_type="max_steps"
+        ),
+    )
+    lr: float | None = field(default=None, metadata=_opt(_lr_help, metavar="LR", cli_type="float>0"))
+    lr_scheduler: str = field(
+        default="constant",
+        metadata=_opt(
+            "transformers scheduler name: constant, linear, cosine, ... (default: %(default)s)",
+            metavar="NAME",
+        ),
+    )
+    warmup_steps: int = field(
+        default=0,
+        metadata=_opt("linear warm-up steps (default: %(default)s)", metavar="N", cli_type="int>=0"),
+    )
+    weight_decay: float = field(
+        default=0.0, metadata=_opt("AdamW weight decay, >= 0 (default: %(default)s)", metavar="WD")
+    )
+    loss_reduction: LossReduction = field(
+        default="token",
+        metadata=_opt("token: global token mean; sample: global sample mean (default: %(default)s)"),
+    )
+    loss_impl: LossImpl = field(
+        default="auto",
+        metadata=_opt("linear_ce: chunked LM head + CE without [T, V] logits (default: %(default)s)"),
+    )
+    attn_backend: AttnBackendName = field(
+        default="auto", metadata=_opt("varpack attention backend (default: %(default)s)")
+    )
+    bf16: bool = field(default=False, metadata=_opt("bfloat16 mixed precision"))
+    dtype: DTypeName = field(
+        default="float32", metadata=_opt("parameter dtype of built-in models (default: %(default)s)")
+    )
+    seed: int = field(
+        default=0,
+        metadata=_opt(
+            "random-init seed of built-in models, plan and Trainer seed (default: %(default)s)",
+            metavar="S",
+            cli_type="int>=0",
+        ),
+    )
+    logging_steps: int = field(
+        default=1,
+        metadata=_opt("log every N optimizer steps (default: %(default)s)", metavar="N", cli_type="int>=1"),
+    )
+    num_proc: int | None = field(
+        default=None, metadata=_opt("encoding worker processes", metavar="N", cli_type="int>=1")
+    )
+    dataloader_num_workers: int = field(
+        default=0,
+        metadata=_opt("DataLoader worker processes (default: %(default)s)", metavar="N", cli_type="int>=0"),
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata=_opt("recompute activations in the backward pass")
+    )
+    use_liger_kernel: bool = field(
+        default=False,
+        metadata=_opt(
+            "Liger-Kernel's fused RMSNorm / RoPE / SwiGLU (CUDA, pip install liger-kernel); the loss stays "
+            "varpack's"
+        ),
+    )
+    torch_compile: bool = field(
+        default=False,
+        metadata=_opt(
+            "torch.compile each decoder layer (varpack attention stays outside the graph); compiles in step 1"
+        ),
+    )
+    save: bool = field(default=True, metadata=_opt("save the model and tokenizer to --output-dir at the end"))
+    report_to: str = field(
+        default="none",
+        metadata=_opt(
+            "Trainer logging integrations: none, all, tensorboard, wandb, ... (default: %(default)s)",
+            metavar="NAME",
+        ),
+    )
+    extra_training_args: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_opt(
+            "more transformers TrainingArguments keywords as a JSON object, applied last, e.g. "
+            "'{\"max_grad_norm\": 0.5}'",
+            metavar="JSON",
+            cli_type="json_object",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, str):
+            object.__setattr__(self, "data", (self.data,))
+        else:
+            object.__setattr__(self, "data", tuple(self.data))
+        checks = [
+            ("packing_length", self.packing_length >= 1),
+            ("packs_per_step", self.packs_per_step >= 1),
+            ("grad_accum", self.grad_accum >= 1),
+            ("epochs", self.epochs > 0 or self.max_steps > 0),
+            ("max_steps", self.max_steps == -1 or self.max_steps >= 1),
+            ("lr", self.lr is None or (self.lr > 0 and math.isfinite(self.lr))),
+            ("warmup_steps", self.warmup_steps >= 0),
+            ("weight_decay", self.weight_decay >= 0 and math.isfinite(self.weight_decay)),
+            ("logging_steps", self.logging_steps >= 1),
+            ("num_proc", self.num_proc is None or self.num_proc >= 1),
+            ("dataloader_num_workers", self.dataloader_num_workers >= 0),
+            ("extra_training_args", isinstance(self.extra_training_args, dict)),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}")
+        for name, annotation in _hints().items():
+            choices = literal_choices(annotation)
+            if choices is not None and getattr(self, name) not in choices:
+                shown = ", ".join(repr(c) for c in choices)
+                raise ValueError(
+                    f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}; choose one of {shown}"
+                )
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    """``SFTConfig``'s resolved field annotations (``from __future__ import annotations`` keeps them strings)."""
+    return typing.get_type_hints(SFTConfig)

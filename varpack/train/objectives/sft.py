@@ -1,0 +1,79 @@
+"""The SFT objective: next-token cross entropy of a packed causal-LM batch.
+
+``logits``: ``model(**inputs)`` then :func:`varpack.loss.causal_lm_loss` with the batch's ``seq_idx`` (no
+prediction crosses a sample boundary) and ``loss_scale``; ``linear_ce``:
+:func:`varpack.ops.linear_ce.causal_lm_forward_with_linear_ce` (chunked LM head + cross entropy, never the
+``[T, V]`` logits). Both divide by ``num_items_in_batch`` (supervised tokens, or samples with a supervised
+token for ``reduction="sample"``; see :mod:`varpack.loss`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from varpack.schema import BOOKKEEPING_BATCH_KEYS, NOT_MODEL_INPUTS
+from varpack.train.objectives.base import ObjectiveLoss
+
+__all__ = ["CausalLMObjective"]
+
+
+class CausalLMObjective:
+    """Packed causal-LM loss (registered as ``"sft"`` in :data:`varpack.train.objectives.OBJECTIVES`)."""
+
+    name = "sft"
+
+    def loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        *,
+        reduction: str = "token",
+        num_items_in_batch: Any = None,
+        linear_ce: bool = False,
+    ) -> ObjectiveLoss:
+        """Loss of one collated packed micro-batch.
+
+        Args:
+            model: a causal LM on varpack attention.
+            inputs: the collator's batch with the boundaries unwrapped: ``input_ids`` / ``labels`` /
+                ``seq_idx`` / ``position_ids`` ``[1, T]`` int64, ``cu_seq_lens_q/k`` ``[N+1]`` int32, optional
+                ``loss_scale`` ``[1, T]`` float and bookkeeping keys (dropped here).
+            reduction: ``"token"`` or ``"sample"``.
+            num_items_in_batch: the step's denominator (``None``: this batch's own count).
+            linear_ce: run the chunked linear cross entropy instead of materialising the logits.
+
+        Returns:
+            :class:`varpack.train.objectives.base.ObjectiveLoss` ``(loss, outputs, impl)``.
+
+        Raises:
+            ValueError: from :func:`varpack.loss.causal_lm_loss` (mismatched shapes, ``"sample"`` without
+                ``seq_idx``).
+        """
+        if linear_ce:
+            from varpack.ops.linear_ce import causal_lm_forward_with_linear_ce
+
+            batch = {k: v for k, v in inputs.items() if k not in BOOKKEEPING_BATCH_KEYS}
+            loss = causal_lm_forward_with_linear_ce(
+                model, batch, reduction=reduction, num_items_in_batch=num_items_in_batch
+            )
+            return ObjectiveLoss(loss, None, "linear_ce")
+        from varpack.loss import causal_lm_loss
+
+        model_inputs = {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}
+        outputs = model(**model_inputs)
+        loss = causal_lm_loss(
+            outputs.logits,
+            inputs["labels"],
+            reduction=reduction,
+            seq_idx=inputs.get("seq_idx"),
+            num_items_in_batch=num_items_in_batch,
+            loss_scale=inputs.get("loss_scale"),
+        )
+        return ObjectiveLoss(loss, outputs, "logits")
+
+    def count_items(self, batch: dict[str, Any], *, reduction: str) -> Any:
+        """Supervised tokens (``"token"``) or samples with a supervised token (``"sample"``) of ``batch``:
+        :func:`varpack.loss.count_loss_items_tensor` (a tensor on the batch's device, no host sync)."""
+        from varpack.loss import count_loss_items_tensor
+
+        return count_loss_items_tensor(batch["labels"], reduction=reduction, seq_idx=batch["seq_idx"])

@@ -1,0 +1,407 @@
+"""Build and run a packed SFT job (``varpack sft``): :func:`build_sft`, :func:`run_sft`.
+
+Pipeline (ARCHITECTURE.md): chat data -> :func:`varpack.data.chat.encode_dataset` (cached) ->
+:func:`varpack.plan.plan_packs` -> :class:`varpack.data.dataset.PackedDataset` (one item = one pack) ->
+:class:`varpack.collate.PaddingFreeCollator` (the packs of one micro-batch become ONE row with
+``cu_seq_lens_q/k``) -> a model on varpack attention (:func:`varpack.integrations.transformers.enable_varpack`)
+-> the objective's loss (:mod:`varpack.train.objectives`; SFT: :func:`varpack.loss.causal_lm_loss`, or the chunked linear cross entropy of :mod:`varpack.ops.linear_ce`, which
+never builds the ``[T, V]`` logits).
+
+Sampling. The Trainer visits the dataset sequentially (``train_sampling_strategy="sequential"``); the order
+of the packs is the plan's per-epoch permutation (``PackPlan.pack_order(epoch)``), switched every epoch by
+:class:`varpack.train.trainer.PackEpochCallback` (and by accelerate's ``DataLoaderShard.set_epoch``, which forwards to the dataset).
+Under ``torchrun`` / ``accelerate launch`` accelerate shards the batches of packs across ranks (rank r takes
+micro-batches r, r + W, ...), so every rank trains on its own share of packs; with ``even_batches`` (the
+default) the last step of an epoch may repeat up to W - 1 packs so that all ranks step together.
+
+Loss. ``loss_reduction="token"``: the global token mean of the optimizer step, with transformers'
+``num_items_in_batch`` (supervised tokens of all accumulation micro-batches, summed over ranks when
+``average_tokens_across_devices``); ``"sample"``: the global sample mean, ``num_items_in_batch`` then counting
+samples with a supervised token (see :mod:`varpack.loss`). Either way a step with gradient accumulation has
+the gradient of one big batch.
+
+Host syncs. Boundaries are built on the CPU by the collator and stay there
+(:class:`varpack.train.trainer.HostBoundaries`: the guard validates them for free, the attention copies them
+once per batch), ``max_length_*`` are Python ints, the loss and the sample counts stay on the device, and
+``logging_nan_inf_filter`` is off (it reads the loss every step): varpack adds no host sync per step; Trainer
+reads the loss at logging steps only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from varpack.data.load import load_and_encode
+from varpack.plan.report import plan_summary, summary_text
+from varpack.schema import IGNORE_INDEX
+from varpack.train.config import DEFAULT_LR, SFTConfig, default_lr
+from varpack.train.trainer import PackedSFTTrainer, PackEpochCallback, TrainCollator
+
+__all__ = [
+    "SFTRun",
+    "build_sft",
+    "config_dict",
+    "encode_chat_data",
+    "run_sft",
+    "training_arguments",
+    "unsupervised_pieces",
+]
+
+
+def encode_chat_data(data: Sequence[str] | str | None, tokenizer: Any, *, num_proc: int | None = None) -> Any:
+    """Encode chat data files (or the built-in chats when ``data`` is empty / None) with ``tokenizer``.
+
+    Kept for users' code: the samples of :func:`varpack.data.load_and_encode` (the loader ``varpack sft``
+    uses).
+
+    Returns:
+        ``datasets.Dataset`` with ``input_ids``, ``labels``, ``length``, ``sample_id`` (cached as Arrow); for
+        files of image/video chats, the list of dicts of :func:`varpack.data.multimodal.encode_any`.
+
+    Raises:
+        ValueError / TypeError / FileNotFoundError: bad paths or rows (naming the sample and field).
+    """
+    return load_and_encode(data, tokenizer, num_proc=num_proc).samples
+
+
+def unsupervised_pieces(
+    encoded: Any, plan: Any, *, ignore_index: int = IGNORE_INDEX
+) -> list[tuple[int, int, int, int]]:
+    """Pieces of truncated / split samples that keep no supervised token (e.g. a long prompt cut away from
+    its answer): ``[(piece_id, sample_id, start, stop), ...]``. They train nothing, so the packing report
+    names them. A piece's first label becomes ``ignore_index`` when it is cut, so it is not counted."""
+    out: list[tuple[int, int, int, int]] = []
+    for pid, (sid, start, stop) in sorted(plan.pieces.items()):
+        labels = np.asarray(encoded[int(sid)]["labels"][int(start) : int(stop)])
+        if not (labels[1:] != ignore_index).any():
+            out.append((int(pid), int(sid), int(start), int(stop)))
+    return out
+
+
+@dataclass
+class SFTRun:
+    """What :func:`build_sft` assembled: ready to ``trainer.train()``."""
+
+    config: SFTConfig
+    model: Any
+    tokenizer: Any
+    encoded: Any
+    plan: Any
+    dataset: Any
+    trainer: Any
+    report: str
+    history: list[dict[str, float]] = field(default_factory=list)
+    #: ``"random-init"`` / ``"pretrained"`` when ``config.lr`` was left to :func:`default_lr` (``config.lr``
+    #: then holds the rate chosen), ``None`` when it was given.
+    lr_default_kind: str | None = None
+    #: whether ``config.output_dir`` did not exist before this run (``Trainer`` creates it)
+    created_output_dir: bool = False
+
+
+def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, encoded: Any = None) -> SFTRun:
+    """Encode, plan, and build the model, dataset, collator and Trainer of a packed SFT run.
+
+    Args:
+        config: the run settings.
+        model, tokenizer, encoded: optional pre-built objects (tests, notebooks); default: loaded from
+            ``config.model`` / ``config.data``.
+
+    ``config.lr=None`` is resolved here to :func:`varpack.train.config.default_lr` of ``config.model`` (the
+    returned ``run.config`` holds the rate used, ``run.lr_default_kind`` the model kind it was chosen for).
+    ``Trainer`` creates ``config.output_dir`` (``run.created_output_dir`` says whether it was new).
+
+    Steps: refuse impossible kernel settings (before minutes of encoding), resolve the learning rate, load
+    and encode the data, plan the packs, prepare the model, then the Trainer.
+
+    Raises:
+        ValueError: bad settings, data, or overlong samples with ``overflow="error"``.
+    """
+    from varpack.collate import PaddingFreeCollator
+    from varpack.data.dataset import PackedDataset
+    from varpack.models import load_tokenizer_for
+
+    _refuse_kernel_settings(config)
+    lr_default_kind = None
+    if config.lr is None:
+        lr, lr_default_kind = default_lr(config.model)
+        config = replace(config, lr=lr)
+    load = _model_loader(config)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
+    data_label = ", ".join(config.data) if config.data else "built-in chats"
+    if encoded is None:
+        model, encoded, data_label, config = _load_samples(config, model, tokenizer, load)
+    lengths, plan = _plan_packs(config, encoded, data_label)
+    dataset = PackedDataset(encoded, plan)
+    report = summary_text(
+        plan_summary(plan, lengths, data=data_label),
+        unsupervised=unsupervised_pieces(encoded, plan) if plan.pieces else None,
+    )
+    model = _prepare_model(config, model, load)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id))
+    training_args = training_arguments(config)
+    created_output_dir = not os.path.exists(training_args.output_dir)
+    trainer = PackedSFTTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=dataset,
+        data_collator=collator,
+        processing_class=tokenizer,
+        callbacks=[PackEpochCallback(dataset)],
+        loss_reduction=config.loss_reduction,
+        loss_impl=config.loss_impl,
+        packing_length=config.packing_length,
+    )
+    return SFTRun(
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
+        encoded=encoded,
+        plan=plan,
+        dataset=dataset,
+        trainer=trainer,
+        report=report,
+        lr_default_kind=lr_default_kind,
+        created_output_dir=created_output_dir,
+    )
+
+
+def _refuse_kernel_settings(config: SFTConfig) -> None:
+    """Liger-Kernel refused before minutes of encoding, not at the first forward."""
+    if config.use_liger_kernel:
+        from varpack.integrations.kernels import LIGER_COMPILE_REFUSAL, liger_available
+
+        if config.torch_compile:
+            raise ValueError(LIGER_COMPILE_REFUSAL)
+
+        if not liger_available():
+            raise ValueError("use_liger_kernel needs Liger-Kernel: pip install liger-kernel")
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "use_liger_kernel needs a CUDA GPU (Liger-Kernel's kernels are Triton GPU kernels); "
+                "this machine has none"
+            )
+
+
+def _model_loader(config: SFTConfig) -> Callable[[], Any]:
+    """``config.model`` loaded on varpack attention (``config.dtype``, ``config.seed``, ``config.attn_backend``)."""
+    from varpack.models import load_model
+
+    def load() -> Any:
+        return load_model(
+            config.model,
+            dtype=getattr(torch, config.dtype),
+            seed=config.seed,
+            attn_backend=config.attn_backend,
+        )
+
+    return load
+
+
+def _load_samples(
+    config: SFTConfig, model: Any, tokenizer: Any, load: Callable[[], Any]
+) -> tuple[Any, Any, str, SFTConfig]:
+    """Load and encode ``config.data`` (the built-in chats when empty: the image-caption chats for a
+    vision-language model). The model is loaded here only when the data needs it (image/video chats: mRoPE
+    positions and the patch grid; no data: to tell a VL model). Returns ``(model or None, samples, data label,
+    config with the built-in data paths)``."""
+    from varpack.integrations.vision import is_vl_model
+
+    if not config.data:  # a vision-language model without --data: the built-in image-caption chats
+        model = model if model is not None else load()
+    loaded = [model]
+
+    def _rope_model() -> Any:  # loaded only for image/video chats (mRoPE positions, patch grid)
+        if loaded[0] is None:
+            loaded[0] = load()
+        return loaded[0]
+
+    source = load_and_encode(
+        config.data,
+        tokenizer,
+        vl=not config.data and is_vl_model(model),
+        rope_model=_rope_model,
+        num_proc=config.num_proc,
+    )
+    if not config.data and source.paths:
+        config = replace(config, data=source.paths)
+    return loaded[0], source.samples, source.source, config
+
+
+def _plan_packs(config: SFTConfig, encoded: Any, data_label: str) -> tuple[np.ndarray, Any]:
+    """``(lengths [N] int64, PackPlan)`` of the encoded samples.
+
+    Raises:
+        ValueError: no pack left to train on (every sample dropped or empty), or a split / truncated piece
+            that would cut through an image or video placeholder span.
+    """
+    from varpack.plan import plan_packs
+
+    if hasattr(encoded, "with_format"):
+        lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
+    else:
+        lengths = np.asarray([s.get("length", len(s["input_ids"])) for s in encoded], dtype=np.int64)
+    plan = plan_packs(
+        lengths,
+        config.packing_length,
+        strategy=config.packing_strategy,
+        overflow=config.overflow,
+        seed=config.seed,
+    )
+    if plan.num_packs == 0:  # training would do nothing and save the untrained model as if it had trained
+        ov = plan.overflow
+        gone = ", ".join(str(i) for i in (ov["dropped_ids"] + ov["empty_ids"])[:20])
+        raise ValueError(
+            f"no pack to train on: all {plan.num_samples} samples of {data_label} were dropped or empty "
+            f"(sample ids {gone}{', ...' if len(ov['dropped_ids']) + len(ov['empty_ids']) > 20 else ''}); "
+            f"raise packing_length={config.packing_length} or use overflow='split' or overflow='truncate'"
+        )
+    if plan.pieces and not hasattr(encoded, "with_format"):
+        # image/video chats: refuse before training (not when the bad pack is reached) any split/truncate
+        # piece that would cut through a placeholder span; the same check as `varpack plan`
+        from varpack.data.multimodal import check_plan_cuts
+
+        bad = check_plan_cuts(encoded, plan.pieces)
+        if bad:
+            shown = "; ".join(
+                f"piece {b['piece_id']} = sample {b['sample_id']} [{b['start']}, {b['stop']})"
+                for b in bad[:20]
+            )
+            raise ValueError(
+                f"{len(bad)} piece(s) of overlong samples would cut through an image or video ({shown}); "
+                "use overflow='drop' or a larger packing_length"
+            )
+    return lengths, plan
+
+
+def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any]) -> Any:
+    """The model on varpack attention (loaded now if not yet), without a KV cache, with the requested
+    Liger-Kernel / per-layer compile applied."""
+    from varpack.integrations.transformers import enable_varpack
+
+    if model is None:
+        model = load()
+    else:
+        enable_varpack(model, backend=config.attn_backend)
+    model.config.use_cache = False
+    if config.use_liger_kernel or config.torch_compile:
+        from varpack.integrations.kernels import apply_liger_kernels, compile_layers
+
+        if config.use_liger_kernel:
+            apply_liger_kernels(model)
+        if config.torch_compile:
+            compile_layers(model)
+    return model
+
+
+def training_arguments(config: SFTConfig) -> Any:
+    """``transformers.TrainingArguments`` of a packed run: sequential sampling (the plan orders the packs),
+    nothing saved by the Trainer, no per-step NaN filter (it reads the loss), ``config.extra_training_args``
+    applied last."""
+    from transformers import TrainingArguments
+
+    args_kw: dict[str, Any] = dict(
+        output_dir=config.output_dir,
+        per_device_train_batch_size=config.packs_per_step,
+        gradient_accumulation_steps=config.grad_accum,
+        num_train_epochs=config.epochs,
+        max_steps=config.max_steps,
+        learning_rate=config.lr,
+        lr_scheduler_type=config.lr_scheduler,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        logging_steps=config.logging_steps,
+        logging_first_step=True,
+        logging_nan_inf_filter=False,
+        save_strategy="no",
+        report_to=config.report_to,
+        remove_unused_columns=False,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=config.dataloader_num_workers,
+        bf16=config.bf16,
+        seed=config.seed,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        disable_tqdm=False,
+    )
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun / accelerate launch on CPUs: transformers needs use_cpu to set up a (gloo) process group
+        args_kw.update(use_cpu=True, ddp_backend="gloo")
+    elif not torch.cuda.is_available() and config.bf16:
+        args_kw.update(use_cpu=True)  # transformers refuses bf16 without a GPU unless told to run on the CPU
+    if config.gradient_checkpointing:  # the flag is renamed in newer transformers; pass it only when used
+        args_kw["gradient_checkpointing"] = True
+    args_kw.update(config.extra_training_args)
+    return TrainingArguments(**args_kw)
+
+
+def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFTRun:
+    """Build and train a packed SFT run; print the packing report first and a summary at the end.
+
+    The report names the learning rate and, when ``config.lr`` was left to the default, the model kind it
+    was chosen for (:data:`varpack.train.config.DEFAULT_LR`). An output directory this run created is removed
+    again when nothing was saved into it (``save=False``, or training failed).
+
+    Returns:
+        The :class:`SFTRun`; ``run.history`` holds the Trainer's log entries (``loss``, ``tokens_per_second``,
+        ``pack_fill``, ...); ``run.config`` the settings used (``lr`` resolved).
+    """
+    run = build_sft(config, **build_kw)
+    config = run.config
+    try:
+        if run.trainer.is_world_process_zero():
+            print_fn(run.report)
+            n_params = sum(p.numel() for p in run.model.parameters())
+            print_fn(
+                f"model     {config.model} ({type(run.model).__name__}, {n_params / 1e6:.1f}M params, "
+                f"attention {run.model.config._attn_implementation}, loss {config.loss_reduction} mean)"
+            )
+            print_fn(f"optimizer {_describe_lr(run)}")
+        run.trainer.train()
+        run.history = [h for h in run.trainer.state.log_history if "loss" in h]
+        if config.save:
+            run.trainer.save_model(config.output_dir)
+            if run.trainer.is_world_process_zero():
+                run.tokenizer.save_pretrained(config.output_dir)
+    finally:
+        if run.created_output_dir:
+            _remove_if_empty(config.output_dir)
+    if run.trainer.is_world_process_zero() and run.history:
+        first, last = run.history[0]["loss"], run.history[-1]["loss"]
+        print_fn(
+            f"done: {run.trainer.state.global_step} steps, loss {first:.4f} -> {last:.4f}"
+            + (f"; saved to {os.path.abspath(config.output_dir)}" if config.save else "")
+        )
+    return run
+
+
+def _describe_lr(run: SFTRun) -> str:
+    """``AdamW, peak lr 0.003 (default for a random-init model), constant schedule, 0 warm-up steps``."""
+    c = run.config
+    if run.lr_default_kind is None:
+        source = "set"
+    else:
+        other = "pretrained" if run.lr_default_kind == "random-init" else "random-init"
+        source = f"default for a {run.lr_default_kind} model; {other}: {DEFAULT_LR[other]:g}"
+    return (
+        f"AdamW, peak lr {c.lr:g} ({source}), {c.lr_scheduler} schedule, {c.warmup_steps} warm-up steps, "
+        f"weight decay {c.weight_decay:g}"
+    )
+
+
+def _remove_if_empty(path: str) -> None:
+    """Remove the directory ``path`` if it exists and holds nothing (never deletes a file)."""
+    try:
+        os.rmdir(path)
+    except OSError:  # not empty, already gone, or not ours to remove
+        pass
+
+
+def config_dict(config: SFTConfig) -> dict[str, Any]:
+    """``SFTConfig`` as a JSON-ready dict."""
+    return asdict(config)
