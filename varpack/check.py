@@ -120,8 +120,9 @@ def _resolved_backend(
     """Which backend a full-attention layer of this model runs for a pack whose longest sample has
     ``max_seqlen`` tokens, and why (varpack.attn.resolve_backend: auto's order depends on the shape class)."""
     from varpack.attn import resolve_backend
+    from varpack.models.registry import family_of
 
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = family_of(model).text_config(model)
     heads = int(cfg.num_attention_heads)
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)

@@ -129,8 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     from varpack.check import check_exactness
     from varpack.data import load_and_encode
-    from varpack.integrations.vision import is_vl_model
-    from varpack.models import load_model, load_tokenizer_for
+    from varpack.models import is_vl_model, load_model, load_tokenizer_for
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from varpack.models.gated_delta import TINY_MODELS, tiny_model  # re-exported: they live in varpack.models
+from varpack.models.registry import is_gated_delta_layer as _is_gdn
 from varpack.ops._fla import load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
 from varpack.ops.gated_delta_rule.dispatch import fla_gated_delta_status, resolve_backend
@@ -45,7 +47,8 @@ from varpack.varlen.meta import VarlenMeta, varlen_meta_from_kwargs
 __all__ = ["TINY_MODELS", "patch_linear_attention", "tiny_model"]
 
 _CACHE_KEYS = ("cache", "cache_params", "past_key_values")
-_GDN_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3NextGatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+# which modules are Gated DeltaNet layers (_is_gdn) is a model-family fact:
+# varpack.models.registry.is_gated_delta_layer
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -243,12 +246,6 @@ _patched_forward_outside_graph = torch.compiler.disable(_patched_forward)
 # ---------------------------------------------------------------------------------------------------------
 # public API
 # ---------------------------------------------------------------------------------------------------------
-def _is_gdn(module: torch.nn.Module) -> bool:
-    return type(module).__name__ in _GDN_CLASSES or (
-        type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "A_log")
-    )
-
-
 def _check_structure(module: torch.nn.Module) -> None:
     need = [
         "conv1d",
@@ -338,88 +335,3 @@ def patch_linear_attention(model: torch.nn.Module, *, backend: str = "auto") -> 
         m._varpack_gdn_backend = backend
         m._varpack_meta = None
     return len(layers)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# tiny random models (offline)
-# ---------------------------------------------------------------------------------------------------------
-TINY_MODELS = ("tiny-qwen3.5", "tiny-qwen3-next")
-
-
-def tiny_model(
-    name: str,
-    *,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    vocab_size: int | None = None,
-    **kw: Any,
-) -> torch.nn.Module:
-    """A tiny random-init ``Qwen3_5ForCausalLM`` or ``Qwen3NextForCausalLM`` (built offline, no hub).
-
-    Both mix linear-attention (Gated DeltaNet, grouped value heads: 2 key heads, 4 value heads, conv
-    kernel 4) and full-attention layers: ``layer_types = [linear, full, linear, linear]``; Qwen3-Next
-    also has a small mixture of experts (4 experts, top 2, shared expert). ``use_cache=False``.
-
-    Args:
-        name: ``"tiny-qwen3.5"`` or ``"tiny-qwen3-next"``.
-        dtype: parameter dtype.
-        seed: ``torch.manual_seed`` for the initialisation.
-        vocab_size: vocabulary size; default the real model's (248320 for Qwen3.5, whose tokenizer
-            varpack's ``load_tokenizer("qwen3.5")`` embeds; 151936 for Qwen3-Next, Qwen3 tokenizer), so real
-            tokenized text fits. Tests pass a small one.
-        **kw: overrides of config fields (e.g. ``num_hidden_layers=6, layer_types=[...]``).
-
-    Returns:
-        The model in eval mode, on the CPU.
-
-    Raises:
-        ValueError: an unknown name.
-    """
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
-
-    common: dict[str, Any] = dict(
-        vocab_size=vocab_size or (248320 if name == "tiny-qwen3.5" else 151936),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        max_position_embeddings=4096,
-        use_cache=False,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-    )
-    if name == "tiny-qwen3.5":
-        common["rope_parameters"] = {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [2, 1, 1],
-            "mrope_interleaved": True,
-        }
-        common.update(kw)
-        config, cls = Qwen3_5TextConfig(**common), Qwen3_5ForCausalLM
-    elif name == "tiny-qwen3-next":
-        common.update(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
-        common.update(kw)
-        config, cls = Qwen3NextConfig(**common), Qwen3NextForCausalLM
-    else:
-        raise ValueError(f"unknown tiny linear-attention model {name!r}; expected one of {TINY_MODELS}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(config)
-    return model.to(dtype).eval()

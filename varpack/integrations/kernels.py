@@ -66,9 +66,12 @@ def _liger_version() -> str:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a transformers model: modules whose class name ends in ``DecoderLayer``, in
-    order (``Qwen3DecoderLayer``, ``LlamaDecoderLayer``, ``Qwen3_5DecoderLayer``, ...)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    """The decoder layers of a transformers model, in order: its family's answer
+    (:meth:`varpack.models.ModelFamily.decoder_layers`: modules whose class name ends in ``DecoderLayer``,
+    ``Qwen3DecoderLayer``, ``LlamaDecoderLayer``, ``Qwen3_5DecoderLayer``, ...)."""
+    from varpack.models.registry import family_of
+
+    return family_of(model).decoder_layers(model)
 
 
 def apply_liger_kernels(

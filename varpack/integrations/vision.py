@@ -1,5 +1,7 @@
-"""Vision-language models under varpack: tiny offline configs, media checks (the image processor lives in
-:mod:`varpack.data.media`, imported here).
+"""Vision-language models under varpack: media checks, the vision tower kept out of the text boundaries (the
+image processor lives in :mod:`varpack.data.media`, the tiny offline configs and the family facts -- is it VL,
+where is its vision tower -- in :mod:`varpack.models.qwen_vl` / :mod:`varpack.models.registry`; all imported
+here, so the old names keep working).
 
 Packing a Qwen3-VL / Qwen3.5 batch is exact when (a) every image's features land in that image's
 placeholder slots, (b) every token keeps the mRoPE position it has unpacked (``varpack.rope.mrope``) and
@@ -21,6 +23,14 @@ from typing import Any
 import torch
 
 from varpack.data.media import image_processor_for
+from varpack.models.qwen_vl import (  # re-exported: they live in varpack.models.qwen_vl
+    QWEN3_VISION_TOKENS,
+    QWEN3_VOCAB_SIZE,  # noqa: F401 (old public name)
+    TINY_VL_MODELS,
+    tiny_config,
+    tiny_model,
+)
+from varpack.models.registry import family_of, is_vl_model
 from varpack.schema import BOUNDARY_KEYS, IMAGE_FIELDS, VIDEO_FIELDS
 
 __all__ = [
@@ -35,195 +45,6 @@ __all__ = [
     "tiny_config",
     "tiny_model",
 ]
-
-#: special-token ids of the Qwen2/2.5/3 vocabulary (the embedded ``qwen3`` tokenizer)
-QWEN3_VISION_TOKENS = {
-    "image_token_id": 151655,  # <|image_pad|>
-    "video_token_id": 151656,  # <|video_pad|>
-    "vision_start_token_id": 151652,  # <|vision_start|>
-    "vision_end_token_id": 151653,  # <|vision_end|>
-}
-#: Qwen3 vocab size as configured in Qwen3 / Qwen3-VL checkpoints (151,669 used ids, padded)
-QWEN3_VOCAB_SIZE = 151936
-
-TINY_VL_MODELS = ("tiny-qwen3-vl", "tiny-qwen3.5-vl", "tiny-qwen2.5-vl")
-
-def _vision_common(patch_size: int, out_hidden: int) -> dict[str, Any]:
-    return {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "in_channels": 3,
-        "patch_size": patch_size,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "out_hidden_size": out_hidden,
-        "num_position_embeddings": 256,
-    }
-
-
-def tiny_config(name: str, *, vocab_size: int | None = None) -> Any:
-    """Tiny random-init config of a Qwen vision-language model, built offline.
-
-    The special-token ids are those of the embedded Qwen3 vocabulary (:data:`QWEN3_VISION_TOKENS`), so the
-    tiny models read what ``varpack.data.tokenizer.load_tokenizer("qwen3")`` and
-    :func:`varpack.data.multimodal.encode_mm_chat` produce.
-
-    Args:
-        name: ``"tiny-qwen3-vl"`` (``Qwen3VLConfig``: 2 full-attention layers, DeepStack at vision layer 1),
-            ``"tiny-qwen3.5-vl"`` (``Qwen3_5Config``: one ``linear_attention`` (gated delta) and one
-            ``full_attention`` layer) or ``"tiny-qwen2.5-vl"`` (``Qwen2_5_VLConfig``: 2 full-attention layers,
-            patch 14, windowed vision attention, ``tokens_per_second = 2`` as released: video frames are timed
-            by ``second_per_grid_ts``).
-        vocab_size: defaults to 151936 (Qwen3); must exceed the largest special-token id (151656).
-
-    Raises:
-        ValueError: unknown name or a vocab_size too small for the special tokens.
-    """
-    vocab = QWEN3_VOCAB_SIZE if vocab_size is None else int(vocab_size)
-    needed = max(QWEN3_VISION_TOKENS.values()) + 1
-    if vocab < needed:
-        raise ValueError(f"vocab_size={vocab} is too small: the vision special tokens need at least {needed}")
-    if name == "tiny-qwen3-vl":
-        from transformers import Qwen3VLConfig
-
-        text = {
-            "vocab_size": vocab,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 4096,
-            # 8 rotary frequencies split temporal/height/width, interleaved as in Qwen3-VL
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [4, 2, 2],
-                "mrope_interleaved": True,
-            },
-            "tie_word_embeddings": False,
-        }
-        vision = _vision_common(16, 64) | {"deepstack_visual_indexes": [1]}
-        return Qwen3VLConfig(text_config=text, vision_config=vision, **QWEN3_VISION_TOKENS)
-    if name == "tiny-qwen3.5-vl":
-        from transformers import Qwen3_5Config
-
-        text = {
-            "vocab_size": vocab,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "layer_types": ["linear_attention", "full_attention"],
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "linear_conv_kernel_dim": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "max_position_embeddings": 4096,
-            # partial rotary 0.5 of head_dim 32 -> 8 frequencies, split as in Qwen3.5
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": 0.5,
-                "mrope_section": [4, 2, 2],
-                "mrope_interleaved": True,
-            },
-            "tie_word_embeddings": False,
-        }
-        vision = _vision_common(16, 64)
-        return Qwen3_5Config(text_config=text, vision_config=vision, **QWEN3_VISION_TOKENS)
-    if name == "tiny-qwen2.5-vl":
-        from transformers import Qwen2_5_VLConfig
-
-        text = {
-            "vocab_size": vocab,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            # head_dim 16 -> 8 rotary frequencies split temporal/height/width 2:3:3 as in Qwen2.5-VL
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            "tie_word_embeddings": False,
-        }
-        vision = {
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "in_channels": 3,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "out_hidden_size": 64,
-            "tokens_per_second": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": [1],
-        }
-        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **QWEN3_VISION_TOKENS)
-    raise ValueError(f"unknown tiny vision-language model {name!r}; known: {', '.join(TINY_VL_MODELS)}")
-
-
-def tiny_model(
-    name: str,
-    *,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    vocab_size: int | None = None,
-    attn_implementation: str = "sdpa",
-) -> torch.nn.Module:
-    """Tiny random-init ``Qwen3VLForConditionalGeneration`` / ``Qwen3_5ForConditionalGeneration`` /
-    ``Qwen2_5_VLForConditionalGeneration``.
-
-    Weights are drawn under ``torch.manual_seed(seed)`` (the global RNG state is restored afterwards), so
-    the same (name, seed) gives the same model. The model is in eval mode (no dropout) — call ``.train()``
-    to train.
-
-    Args:
-        name: see :func:`tiny_config`.
-        dtype: parameter dtype.
-        seed: init seed.
-        vocab_size: see :func:`tiny_config`.
-        attn_implementation: initial attention implementation (``enable_varpack`` switches it).
-
-    Raises:
-        ValueError: unknown name.
-    """
-    from transformers import (
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3VLForConditionalGeneration,
-    )
-
-    config = tiny_config(name, vocab_size=vocab_size)
-    config._attn_implementation = attn_implementation
-    for sub in ("text_config", "vision_config"):
-        getattr(config, sub)._attn_implementation = attn_implementation
-    cls = {
-        "tiny-qwen3-vl": Qwen3VLForConditionalGeneration,
-        "tiny-qwen3.5-vl": Qwen3_5ForConditionalGeneration,
-        "tiny-qwen2.5-vl": Qwen2_5_VLForConditionalGeneration,
-    }[name]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(config)
-    return model.to(dtype).eval()
-
-
-def is_vl_model(model_or_config: Any) -> bool:
-    """True for a model/config with a ``vision_config`` and an ``image_token_id`` (Qwen-VL family)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    return (
-        getattr(config, "vision_config", None) is not None
-        and getattr(config, "image_token_id", None) is not None
-    )
 
 
 def _count(x: Any) -> int:
@@ -345,11 +166,7 @@ TEXT_VARLEN_KWARGS = BOUNDARY_KEYS
 
 
 def _vision_tower(model: torch.nn.Module) -> torch.nn.Module:
-    for owner in (model, getattr(model, "model", None)):
-        visual = getattr(owner, "visual", None) if owner is not None else None
-        if isinstance(visual, torch.nn.Module):
-            return visual
-    raise TypeError(f"{type(model).__name__} has no vision tower (.visual or .model.visual)")
+    return family_of(model).vision_tower(model)  # a family fact: varpack.models.registry.ModelFamily
 
 
 def isolate_vision_tower(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:

@@ -211,7 +211,7 @@ def _load_samples(
     vision-language model). The model is loaded here only when the data needs it (image/video chats: mRoPE
     positions and the patch grid; no data: to tell a VL model). Returns ``(model or None, samples, data label,
     config with the built-in data paths)``."""
-    from varpack.integrations.vision import is_vl_model
+    from varpack.models import is_vl_model
 
     if not config.data:  # a vision-language model without --data: the built-in image-caption chats
         model = model if model is not None else load()
