@@ -132,14 +132,18 @@ def varpack_attention_forward(
         ValueError: dropout > 0, bad sliding window; TypeError: ``max_length_*`` not a host integer.
         varpack.attn.BackendUnavailableError: the backend cannot run this call.
     """
-    if torch.compiler.is_compiling():
+    through_op = getattr(module, "_varpack_custom_op", False)  # compile_layers(custom_ops=True)
+    if torch.compiler.is_compiling() and not through_op:
         # inside a torch.compile'd layer (varpack.integrations.kernels.compile_layers): the attention call is
         # a graph break, run eagerly with concrete ints (kernels such as FA4's are not traceable)
         return _attention_outside_graph(
             module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, is_causal,
             backend=backend, **kwargs,
         )  # fmt: skip
-    from varpack.attn import varlen_attention
+    if through_op:  # traced as the varpack::varlen_attention custom op: one graph node, no graph break
+        from varpack.attn.custom_op import varlen_attention_op as varlen_attention
+    else:
+        from varpack.attn import varlen_attention
 
     if dropout:
         raise ValueError(
@@ -172,8 +176,11 @@ def varpack_attention_forward(
         max_k = kwargs.get("max_length_k")
         if max_q is None:
             raise PackingGuardError("cu_seq_lens_q given without max_length_q (the longest segment, an int)")
-        max_q = normalize_max_seqlen(max_q, "max_length_q")
-        max_k = max_q if max_k is None else normalize_max_seqlen(max_k, "max_length_k")
+        if not through_op or not torch.compiler.is_compiling():  # traced: normalized by the packing guard
+            max_q = normalize_max_seqlen(max_q, "max_length_q")
+            max_k = max_q if max_k is None else normalize_max_seqlen(max_k, "max_length_k")
+        elif max_k is None:
+            max_k = max_q
         q = query[0].transpose(0, 1)  # [T, H, D]
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
