@@ -127,8 +127,8 @@ def read_offsets(
         ValueError: lengths differ, or offsets that do not start at 0, decrease, or miss Tq / Tk at the end.
     """
     if meta is None:
-        host_q = cu_seqlens_q.detach().cpu()
-        host_k = host_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.detach().cpu()
+        host_q = cu_seqlens_q.tolist()  # (tolist, not numpy: also works on functionalized tensors)
+        host_k = host_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.tolist()
         meta = VarlenMeta(host_q, host_k, total_q=total_q, total_k=total_k)
     return meta.host_offsets()
 

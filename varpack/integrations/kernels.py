@@ -156,7 +156,12 @@ def _without_duck_shapes(compiled: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def compile_layers(
-    model: torch.nn.Module, *, backend: str = "inductor", dynamic: bool | None = True, **compile_kw: Any
+    model: torch.nn.Module,
+    *,
+    backend: str = "inductor",
+    dynamic: bool | None = True,
+    custom_ops: bool = False,
+    **compile_kw: Any,
 ) -> int:
     """``torch.compile`` every decoder layer of ``model`` in place (``nn.Module.compile``).
 
@@ -168,6 +173,14 @@ def compile_layers(
         dynamic: ``True`` (default) compiles for symbolic token counts once, so packs of every length reuse
             the graph (traced without duck sizing: see :func:`_without_duck_shapes`); ``None`` lets torch
             decide after the first recompilation.
+        custom_ops: ``False`` (default): varpack attention is a graph break in every layer. ``True``: it is
+            traced as the ``varpack::varlen_attention`` custom op (:mod:`varpack.attn.custom_op`), one node
+            of the layer's graph, so a dense decoder layer compiles whole (``fullgraph=True`` works). The
+            backend is then resolved at trace time and CPU ``cu_seqlens`` are copied to the device in each
+            layer's graph; gradients: native FA4 backward, recomputation for the PyTorch backends, none
+            for FA2 / FA3 (:func:`varpack.attn.custom_op.op_backward_kind`). Gated-delta mixers stay graph
+            breaks either way (their op, :mod:`varpack.ops.gated_delta_rule.custom_op`, is not wired into
+            :mod:`varpack.integrations.gated_delta` yet).
         **compile_kw: passed to ``torch.compile`` (``mode``, ``fullgraph=False`` ...).
 
     Returns:
@@ -192,7 +205,11 @@ def compile_layers(
     if not layers:
         raise ValueError(f"{type(model).__name__} has no *DecoderLayer modules to compile")
     for layer in layers:
+        for module in layer.modules():  # read by varpack_attention_forward (its `module` argument)
+            module._varpack_custom_op = bool(custom_ops)
         layer.compile(backend=backend, dynamic=dynamic, **compile_kw)
         layer._compiled_call_impl = _without_duck_shapes(layer._compiled_call_impl)
-    model._varpack_compiled = {"backend": backend, "dynamic": dynamic, "layers": len(layers)}
+    model._varpack_compiled = {
+        "backend": backend, "dynamic": dynamic, "layers": len(layers), "custom_ops": bool(custom_ops)
+    }
     return len(layers)

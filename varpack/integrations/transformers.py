@@ -133,14 +133,18 @@ def varpack_attention_forward(
         ValueError: dropout > 0, bad sliding window; TypeError: ``max_length_*`` not a host integer.
         varpack.attn.BackendUnavailableError: the backend cannot run this call.
     """
-    if torch.compiler.is_compiling():
+    through_op = getattr(module, "_varpack_custom_op", False)  # compile_layers(custom_ops=True)
+    if torch.compiler.is_compiling() and not through_op:
         # inside a torch.compile'd layer (varpack.integrations.kernels.compile_layers): the attention call is
         # a graph break, run eagerly with concrete ints (kernels such as FA4's are not traceable)
         return _attention_outside_graph(
             module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, is_causal,
             backend=backend, **kwargs,
         )  # fmt: skip
-    from varpack.attn import varlen_attention
+    if through_op:  # traced as the varpack::varlen_attention custom op: one graph node, no graph break
+        from varpack.attn.custom_op import varlen_attention_op as varlen_attention
+    else:
+        from varpack.attn import varlen_attention
 
     if dropout:
         raise ValueError(

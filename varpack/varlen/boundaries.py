@@ -422,7 +422,13 @@ def cu_seqlens_from_segment_ids(segment_ids: Any) -> tuple[torch.Tensor, torch.T
 def _cu_numpy(cu_seqlens: Any, min_entries: int = 2) -> np.ndarray:
     """CPU int64 values of ``cu_seqlens`` (types and shape checked by :func:`normalize_cu_seqlens`)."""
     cu = normalize_cu_seqlens(cu_seqlens, "cu_seqlens", min_entries=min_entries)
-    return cu.detach().to("cpu", torch.int64).numpy()
+    return _host_int64(cu)
+
+
+def _host_int64(cu: torch.Tensor) -> np.ndarray:
+    """A tensor's values on the host as int64 NumPy (through ``tolist``: works on functionalized tensors, e.g.
+    inside ``torch.func`` transforms and custom-op tests, where ``.numpy()`` has no storage to read)."""
+    return np.asarray(cu.detach().tolist(), dtype=np.int64)
 
 
 def max_seqlen_from_cu_seqlens(cu_seqlens: Any) -> int:
@@ -574,7 +580,7 @@ def validate_cu_seqlens(
         max_seqlen = normalize_max_seqlen(max_seqlen, "max_seqlen")
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"{name} dtype is {cu_seqlens.dtype}, must be torch.int32")
-    cu = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    cu = _host_int64(cu_seqlens)
     _validate_values(
         cu,
         int(total_tokens),
@@ -596,7 +602,7 @@ def checked_host_cu_seqlens(
     Raises:
         TypeError / ValueError: as :func:`normalize_cu_seqlens` and :func:`validate_cu_seqlens`.
     """
-    cu = normalize_cu_seqlens(cu_seqlens, name).detach().to("cpu", torch.int64).numpy()
+    cu = _host_int64(normalize_cu_seqlens(cu_seqlens, name))
     _validate_values(
         cu,
         int(cu[-1]) if total_tokens is None else int(total_tokens),

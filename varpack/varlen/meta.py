@@ -315,7 +315,7 @@ def _checked(
                 "varpack does not read device boundaries"
             )
         return (cu if cu.dtype == torch.int32 else cu.to(torch.int32)), max_len, total, None, None
-    host = cu.numpy().astype(np.int64)
+    host = np.asarray(cu.tolist(), dtype=np.int64)  # (tolist: also under functionalization, e.g. torch.func)
     if host.size and (host.max() > _INT32_MAX or host.min() < 0):
         raise ValueError(f"{name} has values outside [0, int32 max]: the varlen kernels index with int32")
     if total is None:

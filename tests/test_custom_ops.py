@@ -1,0 +1,266 @@
+"""varpack::varlen_attention and varpack::gated_delta_rule as torch.library custom ops: opcheck, equal to the
+direct calls (values and gradients), compiled with fullgraph and no graph break, packed == unpacked through
+the op with a negative control, and a tiny Qwen3 compiled whole (fullgraph) equal to eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_integration import VOCAB, make_samples, max_grad_diff, packed_run, unpacked_run
+
+from varpack.attn import varlen_attention
+from varpack.attn.custom_op import _varlen_attention, op_backward_kind, varlen_attention_op
+from varpack.integrations.kernels import compile_layers
+from varpack.models import load_model
+from varpack.ops.gated_delta_rule import gated_delta_rule
+from varpack.ops.gated_delta_rule.custom_op import _gated_delta_rule, gated_delta_rule_op
+
+LENGTHS = (5, 1, 7, 3)
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _qkv(lengths=LENGTHS, h=4, hkv=2, d=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    return [torch.randn(t, n, d, generator=gen).requires_grad_() for n in (h, hkv, hkv)]
+
+
+def _gdn_inputs(lengths=(5, 1, 30, 3), hk=1, h=2, k=8, v=8, seed=0, state=True):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    xs = [
+        torch.randn(1, t, hk, k, generator=gen),
+        torch.randn(1, t, hk, k, generator=gen),
+        torch.randn(1, t, h, v, generator=gen),
+        torch.nn.functional.logsigmoid(torch.randn(1, t, h, generator=gen)),
+        torch.rand(1, t, h, generator=gen),
+    ]
+    if state:
+        xs.append(torch.randn(len(lengths), h, k, v, generator=gen))
+    return [x.requires_grad_() for x in xs]
+
+
+def _grads(out, inputs):
+    return torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum(), inputs)
+
+
+# -- opcheck --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("window", [(-1, 0), (2, 0)])
+def test_attention_opcheck(backend, window):
+    q, k, v = _qkv()
+    cu = _cu(LENGTHS)
+    args = (q, k, v, cu, cu, 7, 7, True, 0.3, window[0], window[1], 0.0, backend)
+    torch.library.opcheck(_varlen_attention, args)
+
+
+@pytest.mark.parametrize("backend", ["chunk", "naive"])
+@pytest.mark.parametrize("final", [False, True])
+def test_gated_delta_opcheck(backend, final):
+    q, k, v, g, beta, h0 = _gdn_inputs()
+    cu = torch.tensor([0, 5, 6, 36, 39])
+    args = (q, k, v, g, beta, cu, cu, h0, 0.35, final, True, backend)
+    torch.library.opcheck(_gated_delta_rule, args)
+
+
+# -- equal to the direct calls, eager and compiled -------------------------------------------------------
+COMPILERS = [None, "eager", "aot_eager"]
+
+
+def _compiled(fn, compiler):
+    if compiler is None:
+        return fn
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=compiler)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize(
+    "backend,kw",
+    [
+        ("reference", {}),
+        ("sdpa", {}),
+        ("reference", {"window_size": (2, 0), "softcap": 3.0}),
+        ("sdpa", {"causal": False, "window_size": (1, 2)}),
+        ("auto", {}),
+    ],
+)
+def test_attention_op_equals_varlen_attention(compiler, backend, kw):
+    from torch._dynamo.utils import counters
+
+    q, k, v = _qkv()
+    cu = _cu(LENGTHS)
+    want = varlen_attention(q, k, v, cu, cu, 7, 7, backend=backend, **kw)
+    want_grads = _grads(want, (q, k, v))
+    counters.clear()
+    fn = _compiled(
+        lambda q, k, v, cu, m: varlen_attention_op(q, k, v, cu, cu, m, m, backend=backend, **kw), compiler
+    )
+    got = fn(q, k, v, cu, 7)
+    torch.testing.assert_close(got, want, **EXACT)
+    for a, b in zip(_grads(got, (q, k, v)), want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("backend", ["chunk", "naive"])
+@pytest.mark.parametrize("final", [False, True])
+def test_gated_delta_op_equals_gated_delta_rule(compiler, backend, final):
+    from torch._dynamo.utils import counters
+
+    xs = _gdn_inputs()
+    cu = torch.tensor([0, 5, 6, 36, 39])
+    kw = {"output_final_state": final, "use_qk_l2norm_in_kernel": True, "backend": backend}
+    o, s = gated_delta_rule(*xs[:5], initial_state=xs[5], cu_seqlens=cu, **kw)
+    loss = (o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() + (s.square().sum() if final else 0)
+    want = torch.autograd.grad(loss, xs)
+    counters.clear()
+    fn = _compiled(
+        lambda *a: gated_delta_rule_op(*a[:5], initial_state=a[5], cu_seqlens=a[6], **kw), compiler
+    )
+    o2, s2 = fn(*xs, cu)
+    torch.testing.assert_close(o2, o, **EXACT)
+    assert (s2 is None) == (not final)
+    if final:
+        torch.testing.assert_close(s2, s, **EXACT)
+    loss2 = (o2 * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() + (
+        s2.square().sum() if final else 0
+    )
+    for a, b in zip(torch.autograd.grad(loss2, xs), want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+# -- packed == unpacked through the ops, with a negative control -----------------------------------------
+def _attention_packed_vs_alone(cu_packed, compiler):
+    q, k, v = _qkv()
+    fn = _compiled(
+        lambda q, k, v, cu, m: varlen_attention_op(q, k, v, cu, cu, m, m, backend="sdpa"), compiler
+    )
+    t = q.shape[0]
+    packed = fn(q, k, v, cu_packed, t)
+    grads = _grads(packed, (q, k, v))
+    alone, start = [], 0
+    for n in LENGTHS:
+        qs, ks, vs = (x[start : start + n] for x in (q, k, v))
+        alone.append(varlen_attention_op(qs, ks, vs, _cu([n]), _cu([n]), n, n, backend="sdpa"))
+        start += n
+    alone = torch.cat(alone)
+    return (packed - alone).abs().max().item(), max(
+        (a - b).abs().max().item() for a, b in zip(grads, _grads(alone, (q, k, v)))
+    )
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_attention_op_packed_equals_unpacked(compiler):
+    out_diff, grad_diff = _attention_packed_vs_alone(_cu(LENGTHS), compiler)
+    assert out_diff <= 1e-6 and grad_diff <= 1e-6
+    # negative control: the boundaries dropped (one segment over the whole stream) -> the comparison fails
+    out_diff, grad_diff = _attention_packed_vs_alone(_cu([sum(LENGTHS)]), compiler)
+    assert out_diff > 1e-2 and grad_diff > 1e-2
+
+
+def _gdn_packed_vs_alone(cu_packed, compiler, lengths=(5, 1, 30, 3)):
+    xs = _gdn_inputs(lengths, state=False)
+    kw = {"use_qk_l2norm_in_kernel": True, "backend": "chunk"}
+    fn = _compiled(lambda *a: gated_delta_rule_op(*a[:5], cu_seqlens=a[5], **kw)[0], compiler)
+    packed = fn(*xs, cu_packed)
+    grads = _grads(packed, xs)
+    alone, start = [], 0
+    for n in lengths:
+        alone.append(gated_delta_rule_op(*(x[:, start : start + n] for x in xs), **kw)[0])
+        start += n
+    alone = torch.cat(alone, dim=1)
+    return (packed - alone).abs().max().item(), max(
+        (a - b).abs().max().item() for a, b in zip(grads, _grads(alone, xs))
+    )
+
+
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_gated_delta_op_packed_equals_unpacked(compiler):
+    out_diff, grad_diff = _gdn_packed_vs_alone(torch.tensor([0, 5, 6, 36, 39]), compiler)
+    assert out_diff <= 1e-5 and grad_diff <= 1e-5
+    out_diff, grad_diff = _gdn_packed_vs_alone(torch.tensor([0, 39]), compiler)
+    assert out_diff > 1e-2 and grad_diff > 1e-2
+
+
+# -- errors --------------------------------------------------------------------------------------------
+def test_backward_kinds_and_refusals():
+    assert op_backward_kind("reference") == op_backward_kind("sdpa") == "recompute"
+    assert op_backward_kind("flash_attn") is None and op_backward_kind("flash_attn_3") is None
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        op_backward_kind("nope")
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="must start at 0"):
+        varlen_attention_op(q, k, v, _cu([3, 3]), _cu([3, 3]), 3, 3, backend="sdpa")
+    xs = _gdn_inputs(state=False)
+    with pytest.raises(ValueError, match="chunk_compiled"):
+        gated_delta_rule_op(*xs, cu_seqlens=torch.tensor([0, 5, 6, 36, 39]), backend="chunk_compiled")
+
+
+# -- a whole Qwen3 decoder layer compiled with fullgraph -------------------------------------------------
+SHAPES = [(5, 1, 7, 4), (9, 4), (2, 3, 2, 3, 2, 3, 6)]
+
+
+def test_tiny_qwen3_fullgraph_through_the_op():
+    """compile_layers(custom_ops=True, fullgraph=True): no graph break, one graph set for every pack shape,
+    logits / loss / every gradient equal to the same model in eager mode (same backend) and to each sample
+    alone; the boundaries dropped fail."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa")
+    eager = copy.deepcopy(model)
+    assert compile_layers(model, backend="aot_eager", custom_ops=True, fullgraph=True) == 2
+    graphs = None
+    for lengths in SHAPES:
+        samples = make_samples(lengths)
+        logits_c, loss_c, grads_c = packed_run(model, samples)
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs > 0, lengths
+        logits_e, loss_e, grads_e = packed_run(eager, samples)
+        torch.testing.assert_close(logits_c, logits_e, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-6)
+        assert grads_c.keys() == grads_e.keys() and len(grads_c) == len(list(model.parameters()))
+        assert max_grad_diff(grads_c, grads_e) <= 1e-6, lengths
+        logits_u, loss_u, grads_u = unpacked_run(eager, samples)
+        assert (logits_c - logits_u).abs().max().item() <= 1e-5, lengths
+        assert max_grad_diff(grads_c, grads_u) <= 1e-5, lengths
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    logits_b, _, grads_b = packed_run(model, samples, sabotage=True)
+    assert (logits_b - logits_u).abs().max().item() > 1e-3
+    assert max_grad_diff(grads_b, grads_u) > 1e-3
+
+
+# -- GPU: the native FA4 backward against the recompute path ---------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash_attn_4", "torch_varlen", "flex"])
+def test_gpu_op_equals_varlen_attention(backend):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine)")
+    from varpack.attn import BackendUnavailableError
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = (100, 3, 250, 17)
+    t = sum(lengths)
+    q, k, v = (
+        torch.randn(t, n, 64, generator=gen).to("cuda", torch.bfloat16).requires_grad_() for n in (8, 2, 2)
+    )
+    cu = _cu(lengths)
+    try:
+        want = varlen_attention(q, k, v, cu, cu, 250, 250, backend=backend)
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    want_grads = _grads(want.float(), (q, k, v))
+    got = varlen_attention_op(q, k, v, cu, cu, 250, 250, backend=backend)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(_grads(got.float(), (q, k, v)), want_grads):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
