@@ -82,19 +82,25 @@ def test_ranks_get_disjoint_shares(tmp_path):
 
 
 def test_boundaries_stay_on_the_host(tmp_path):
-    """accelerate's device placement moves the batch but not the CPU boundaries (validated for free there)."""
+    """accelerate's device placement moves the batch's tensors but leaves its VarlenMeta alone: the CPU
+    offsets (validated once, at collate time) reach the model with the batch."""
     from accelerate.utils import send_to_device
 
-    from varpack.train import HostBoundaries, _unwrap_boundaries
+    from varpack.varlen import VarlenMeta
 
     run = _build(tmp_path)
     batch = next(iter(run.trainer.get_train_dataloader()))
-    assert "cu_seq_lens_q" not in batch and isinstance(batch["host_boundaries"], HostBoundaries)
+    assert isinstance(batch["varlen_meta"], VarlenMeta)
     moved = send_to_device(batch, "meta")
     assert moved["input_ids"].device.type == "meta"
-    inputs = _unwrap_boundaries(moved)
-    assert inputs["cu_seq_lens_q"].device.type == "cpu" and inputs["cu_seq_lens_q"].dtype == torch.int32
-    assert int(inputs["cu_seq_lens_q"][-1]) == batch["input_ids"].shape[1]
+    meta = moved["varlen_meta"]
+    assert meta is batch["varlen_meta"]
+    assert meta.cu_seqlens_q.device.type == "cpu" and meta.cu_seqlens_q.dtype == torch.int32
+    assert meta.total_q == batch["input_ids"].shape[1] and int(meta.cu_seqlens_q[-1]) == meta.total_q
+    # the moved kwargs are the meta's view (same entries): accepted by the guard without a host read
+    from varpack.varlen import varlen_meta_from_kwargs
+
+    assert varlen_meta_from_kwargs(moved, meta.total_q, "test") is meta
 
 
 def test_epoch_callback_sets_dataset_epoch(tmp_path):

@@ -281,9 +281,7 @@ def test_trainer_asks_its_objective_for_the_loss(tmp_path, monkeypatch):
     batch = next(iter(run.trainer.get_train_dataloader()))
     with torch.no_grad():
         base = run.trainer.compute_loss(model, batch)
-        from varpack.train.trainer import _unwrap_boundaries
-
-        direct = OBJECTIVES["sft"].loss(model, _unwrap_boundaries(batch)).loss
+        direct = OBJECTIVES["sft"].loss(model, batch).loss
 
         class Doubled:
             name = "sft"

@@ -5,7 +5,7 @@ Modules:
 * :mod:`varpack.train.config`: :class:`SFTConfig` (``Literal`` choices, checked in ``__post_init__``),
   :func:`default_lr`; imports no torch.
 * :mod:`varpack.train.cli_flags`: the ``varpack sft`` flags generated from ``SFTConfig``'s fields and back.
-* :mod:`varpack.train.trainer`: :class:`PackedSFTTrainer`, :class:`TrainCollator`, :class:`HostBoundaries`,
+* :mod:`varpack.train.trainer`: :class:`PackedSFTTrainer`, :class:`TrainCollator`,
   :class:`PackEpochCallback`.
 * :mod:`varpack.train.sft`: :func:`build_sft`, :func:`run_sft` (encode -> plan -> model -> Trainer).
 * :mod:`varpack.train.objectives`: the training objectives the Trainer asks for the loss (``"sft"`` today).
@@ -22,11 +22,9 @@ from typing import Any
 from varpack.train.config import DEFAULT_LR, SFTConfig, default_lr
 
 _LAZY = {
-    "HostBoundaries": "varpack.train.trainer",
     "PackEpochCallback": "varpack.train.trainer",
     "PackedSFTTrainer": "varpack.train.trainer",
     "TrainCollator": "varpack.train.trainer",
-    "_unwrap_boundaries": "varpack.train.trainer",
     "SFTRun": "varpack.train.sft",
     "build_sft": "varpack.train.sft",
     "config_dict": "varpack.train.sft",
@@ -42,7 +40,6 @@ _LAZY = {
 
 __all__ = [
     "DEFAULT_LR",
-    "HostBoundaries",
     "PackEpochCallback",
     "PackedSFTTrainer",
     "SFTConfig",

@@ -20,9 +20,9 @@ Loss. ``loss_reduction="token"``: the global token mean of the optimizer step, w
 samples with a supervised token (see :mod:`varpack.loss`). Either way a step with gradient accumulation has
 the gradient of one big batch.
 
-Host syncs. Boundaries are built on the CPU by the collator and stay there
-(:class:`varpack.train.trainer.HostBoundaries`: the guard validates them for free, the attention copies them
-once per batch), ``max_length_*`` are Python ints, the loss and the sample counts stay on the device, and
+Host syncs. Boundaries are built and validated once on the CPU by the collator, as the batch's
+:class:`varpack.varlen.VarlenMeta`, which Trainer's device placement leaves alone (one host-to-device copy per
+batch, kept on it, read by every layer), ``max_length_*`` are Python ints, the loss and the sample counts stay on the device, and
 ``logging_nan_inf_filter`` is off (it reads the loss every step): varpack adds no host sync per step; Trainer
 reads the loss at logging steps only.
 """

@@ -2,9 +2,10 @@
 :mod:`varpack.train.objectives`, ``num_items_in_batch``, tokens/s and pack-fill logs), the collator wrapper
 :class:`TrainCollator` and :class:`PackEpochCallback` (the plan's per-epoch pack order).
 
-Host syncs. Boundaries are built on the CPU by the collator and stay there (:class:`HostBoundaries`: the
-guard validates them for free, the attention copies them once per batch), ``max_length_*`` are Python ints, the
-loss and the sample counts stay on the device: varpack adds no host sync per step; Trainer reads the loss at
+Host syncs. Boundaries are built and validated once on the CPU by the collator, as the batch's
+:class:`varpack.varlen.VarlenMeta` (``varlen_meta``): Trainer / accelerate move tensors to the device and leave
+that object alone, so its CPU offsets travel with the batch and every layer reads it (one host-to-device copy
+per batch, kept on it); ``max_length_*`` are Python ints, the loss and the sample counts stay on the device: varpack adds no host sync per step; Trainer reads the loss at
 logging steps only. See :mod:`varpack.train` for the whole pipeline.
 """
 
@@ -15,21 +16,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from transformers import Trainer, TrainerCallback
 
 from varpack.train.objectives import get_objective
 
-__all__ = ["HostBoundaries", "PackEpochCallback", "PackedSFTTrainer", "TrainCollator"]
-
-
-def _unwrap_boundaries(inputs: dict[str, Any]) -> dict[str, Any]:
-    holder = inputs.get("host_boundaries")
-    if holder is None:
-        return inputs
-    out = {k: v for k, v in inputs.items() if k != "host_boundaries"}
-    out.update(holder.tensors)
-    return out
+__all__ = ["PackEpochCallback", "PackedSFTTrainer", "TrainCollator"]
 
 
 class PackEpochCallback(TrainerCallback):
@@ -109,7 +100,6 @@ class PackedSFTTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
-        inputs = _unwrap_boundaries(inputs)
         labels = inputs["labels"]
         num_packs = inputs.get("num_packs")
         if self._window_start is None:
@@ -144,24 +134,9 @@ class PackedSFTTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
-class HostBoundaries:
-    """Carries the collator's CPU ``cu_seq_lens_q/k`` past accelerate's / Trainer's device placement.
-
-    ``send_to_device`` and ``Trainer._prepare_inputs`` move tensors (and objects with ``.to``) to the GPU; this
-    holder has neither, so the boundaries stay on the CPU, where the packing guard validates them for free and
-    :func:`varpack.attn.varlen_attention` copies them to the device once per batch (cached by tensor
-    identity, reused by every layer). :meth:`PackedSFTTrainer.compute_loss` unwraps it.
-    """
-
-    __slots__ = ("tensors",)
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-
 class TrainCollator:
-    """``PaddingFreeCollator`` for the Trainer: adds ``num_packs`` (an int, for the pack-fill log) and wraps
-    the boundaries in :class:`HostBoundaries` (both unwrapped / popped before the model sees the batch)."""
+    """``PaddingFreeCollator`` for the Trainer: adds ``num_packs`` (an int, for the pack-fill log; popped before
+    the model sees the batch). The boundaries travel as the collator built them (``varlen_meta``)."""
 
     def __init__(self, collator: Any) -> None:
         self.collator = collator
@@ -170,7 +145,4 @@ class TrainCollator:
         batch = self.collator(features)
         packs = sum(1 for f in features if isinstance(f, (list, tuple)))
         batch["num_packs"] = packs or 1
-        cu = {k: batch.pop(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k") if k in batch}
-        if cu:
-            batch["host_boundaries"] = HostBoundaries(cu)
         return batch
