@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_session.sh fa4a     # unpack the CuTe DSL libraries (.fa4a/, from ../shared/tools/fa4-wheels.sh)
 #   bash scripts/gpu_session.sh tests    # GPU test suite (-m gpu) + varpack check on tiny and 0.6B-shaped models
-#        (the whole suite with FA4 takes more than one 600 s call: split it with TEST_PATHS="tests/test_a*.py ..."
+#        (the whole suite with FA4 takes more than one 600 s call: split it with TEST_PATHS="tests/attn tests/invariant ..."
 #        and CHECK_MODELS=" " on the first call)
 #   bash scripts/gpu_session.sh bench    # attention bake-off (4 length mixes) + gated delta rule
 #   bash scripts/gpu_session.sh train    # SFT throughput (packing_length 8192 and 16384) + step profile
@@ -75,7 +75,7 @@ case "$stage" in
     ;;
   perf)  # issue 7: step profile, GPU tests of the step options, SFT table with every configuration (8192)
     setup
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_linear_ce.py tests/test_vl_gpu.py 2>&1 | tee "$OUT/gpu_tests_perf.log" | tail -25
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/invariant/test_compile_and_liger.py tests/ops/test_linear_ce.py tests/invariant/test_vision_language_gpu.py 2>&1 | tee "$OUT/gpu_tests_perf.log" | tail -25
     timeout 120 python3 benchmarks/profile_step.py --samples .gpu/samples.npz --config varpack_lce --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -30
     timeout 330 python3 benchmarks/train.py --samples .gpu/samples.npz --steps 10 --rounds 1 \
       --configs ${CONFIGS:-padded,hf_fa4,hf_flex,hf_fa4_liger,varpack,varpack_lce,varpack_lce_liger,varpack_lce_compile} \

@@ -175,7 +175,7 @@ def test_gpu_check_bf16_auto(name, monkeypatch):
 )
 def test_cli_check_bad_input_is_a_clear_error(extra, expected, exit_code, capsys, monkeypatch):
     """Bad settings give `varpack check: error: ...` naming what was wrong, not a traceback: exit code 2 for a
-    usage error (after the usage line), 1 for one found while running (tests/test_cli_consistency.py)."""
+    usage error (after the usage line), 1 for one found while running (tests/cli/test_cli_consistency.py)."""
     import torch
 
     from varpack.cli.main import main

@@ -66,7 +66,7 @@ class FlashAttn4Backend(Backend):
         if arch is not None and arch[0] == 9 and d < 64 and spec.needs_grad:
             # Seen on the H200 (flash-attn-4 4.0.0b36, 2026-11-29): with D=16 the forward matched the reference
             # but dq/dk/dv were wrong (packed grad error 60x the unpacked one in `varpack check`); D=64 and
-            # D=128 pass tests/test_attn_gpu.py. Refuse rather than train on wrong gradients.
+            # D=128 pass tests/attn/test_attn_gpu.py. Refuse rather than train on wrong gradients.
             return False, f"FA4 backward on sm90 is only verified for D >= 64, got D={d}"
         if arch is not None and arch[0] == 10:
             if d > 128 and d != 256:

@@ -59,14 +59,14 @@ BACKENDS: dict[str, Backend] = {
 #: CPU: ``sdpa`` (a per-segment SDPA loop, 2.4x faster than ``reference`` fwd+bwd on a 2,048-token pack of 6
 #: samples, H=8, Hkv=4, D=64, same results to 1e-6), then ``reference`` for what SDPA lacks (softcap).
 #: FlexAttention is not used on the CPU: checked with torch 2.13 it runs eagerly and matches the reference in
-#: the forward (tests/test_attn.py), but torch refuses its backward on the CPU and it materializes the
+#: the forward (tests/attn/test_attn.py), but torch refuses its backward on the CPU and it materializes the
 #: [H, Tq, Tk] score matrix of the whole stream; it stays available by name for CPU inference.
 AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("flash_attn_4", "flash_attn_3", "flash_attn", "torch_varlen", "flex", "sdpa", "reference"),
     "cpu": ("sdpa", "reference"),
 }
 #: ``auto`` takes these backends for a call that needs gradients only from this head dim up: the head dims
-#: whose backward was verified against ``reference`` on the H200 (tests/test_attn_gpu.py, D = 64 and 128).
+#: whose backward was verified against ``reference`` on the H200 (tests/attn/test_attn_gpu.py, D = 64 and 128).
 #: Smaller heads (the tiny test models use D = 16 / 32) go to ``flex``, whose gradients `varpack check`
 #: verified there at D = 16 and 32. FA4 refuses D < 64 itself (its sm90 backward was wrong at D = 16).
 AUTO_MIN_HEAD_DIM_FOR_GRAD: dict[str, int] = {"torch_varlen": 64}

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 #: ``--attn-backend`` values: ``auto`` and the names of :data:`varpack.attn.BACKENDS` (kept here because
-#: importing :mod:`varpack.attn` imports torch; tests/test_cli_consistency.py checks that they agree).
+#: importing :mod:`varpack.attn` imports torch; tests/cli/test_cli_consistency.py checks that they agree).
 ATTN_BACKENDS: tuple[str, ...] = (
     "auto",
     "reference",

@@ -6,7 +6,7 @@ transformers' ``TikTokenConverter`` turns the ranks into a vocabulary and a merg
 ``Qwen2Tokenizer`` (NFC normalizer, Qwen's pre-tokenization regex, byte-level BPE) is built from them,
 so no model hub is needed. The Qwen3 special tokens are then added one at a time in their official id
 order (adding them in one call may reorder them and shift ids silently), each id checked. The result
-agrees with ``tiktoken`` token for token (see tests/test_tokenizer.py), and "Hello, world!" encodes to
+agrees with ``tiktoken`` token for token (see tests/data/test_tokenizer.py), and "Hello, world!" encodes to
 ``[9707, 11, 1879, 0]`` as with the official Qwen3 tokenizer.
 
 The first build takes a few seconds; the tokenizer is then saved with ``save_pretrained`` under

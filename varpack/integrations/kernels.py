@@ -17,7 +17,7 @@ casts, residual adds) and in the host time to launch them. Two well-kept remedie
   ``dynamic=True`` by default, so packs of different lengths and sample counts reuse one graph; layers are
   traced without duck sizing, so a pack whose sizes happen to equal a model width does not specialise it.
 
-Both keep packed == unpacked (tests/test_kernels.py, with a negative control); neither changes the attention
+Both keep packed == unpacked (tests/invariant/test_compile_and_liger.py, with a negative control); neither changes the attention
 backend ``auto`` picks. They are exclusive: :data:`LIGER_COMPILE_REFUSAL` says why.
 """
 

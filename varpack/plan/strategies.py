@@ -18,7 +18,7 @@ A strategy is a function with one signature::
   (:meth:`varpack.plan.PackPlan.pack_order`), so a strategy takes no seed or random generator.
 
 A new strategy is one module (its function, with its source in the docstring) plus one line in
-:data:`STRATEGY_TABLE`; ``tests/test_plan.py`` checks every registered strategy against these rules.
+:data:`STRATEGY_TABLE`; ``tests/plan/test_plan.py`` checks every registered strategy against these rules.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ One flag per field, so no setting is unreachable from the command line:
 * help text and metavar from the field's metadata (see :mod:`varpack.train.config`).
 
 :func:`config_from_args` is the inverse, :func:`config_to_argv` gives the flags that rebuild a config. This
-module imports no torch (the parsers of :mod:`varpack.cli` use it; tests/test_cli_consistency.py checks).
+module imports no torch (the parsers of :mod:`varpack.cli` use it; tests/cli/test_cli_consistency.py checks).
 """
 
 from __future__ import annotations

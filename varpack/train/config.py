@@ -46,7 +46,7 @@ __all__ = [
 #: name counts as random-init, also the benchmark shape ``qwen3-0.6b-shape`` (3e-3 was not tuned for it).
 DEFAULT_LR: dict[str, float] = {"random-init": 3e-3, "pretrained": 1e-4}
 
-#: :data:`varpack.plan.STRATEGIES` (tests/test_train_config.py checks that they agree).
+#: :data:`varpack.plan.STRATEGIES` (tests/train/test_config.py checks that they agree).
 PackingStrategy = Literal["bfd", "sequential"]
 #: :data:`varpack.plan.OVERFLOW_POLICIES` (checked to agree, as above).
 OverflowPolicy = Literal["error", "drop", "truncate", "split"]

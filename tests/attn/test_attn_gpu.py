@@ -168,7 +168,7 @@ def test_no_host_sync_per_layer(backend):
     except BackendUnavailableError as exc:
         pytest.skip(str(exc))
 
-    torch.compiler.reset()  # a fresh compile cache, as one model's training has (see test_integration)
+    torch.compiler.reset()  # a fresh compile cache, as one model's training has (see integrations/test_transformers.py)
 
     def layer():
         out = varlen_attention(q, k, v, cu, cu, 300, 300, backend=backend)

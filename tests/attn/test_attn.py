@@ -135,7 +135,7 @@ def test_negative_control_dense_causal_over_stream_differs():
 
 
 # --------------------------------------------------------------------------------------------------------
-# Every backend that can run on the CPU against the reference (the GPU ones: tests/test_attn_gpu.py).
+# Every backend that can run on the CPU against the reference (the GPU ones: tests/attn/test_attn_gpu.py).
 # --------------------------------------------------------------------------------------------------------
 
 CPU_BACKENDS = [name for name, (ok, _) in available_backends("cpu", torch.float32).items() if ok]

@@ -8,8 +8,8 @@ import copy
 
 import pytest
 import torch
-from test_integration import VOCAB, make_samples, max_grad_diff, packed_run, unpacked_run
 
+from tests.invariant.test_dense import VOCAB, make_samples, max_grad_diff, packed_run, unpacked_run
 from varpack.attn import varlen_attention
 from varpack.attn.custom_op import _varlen_attention, op_backward_kind, varlen_attention_op
 from varpack.integrations.kernels import compile_layers

@@ -10,10 +10,10 @@ import types
 
 import pytest
 import torch
-from test_check import _Sabotaged, samples
 
 import varpack.collate
 import varpack.models
+from tests.test_check import _Sabotaged, samples
 from varpack.check import check_exactness
 from varpack.models import (
     GENERIC,

@@ -25,7 +25,7 @@ from varpack.cli._common import ATTN_BACKENDS, flag_wording
 from varpack.cli.main import build_parser, main
 
 COMMANDS = ("plan", "sft", "check", "demo")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # tests/cli/ -> the repository root
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:

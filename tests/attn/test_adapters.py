@@ -4,15 +4,15 @@ Each fake has the exact signature of one library release (read from its source) 
 library's documented semantics with the reference; it raises on arguments the real kernel would
 misread. So these tests catch a wrong keyword, a wrong positional order (FA4's 4th parameter is ``qv``),
 a wrong window translation (FA4 spells "unbounded" as None) or a lost GQA flag without a GPU. The kernels
-themselves are compared with the reference on the device in tests/test_attn_gpu.py.
+themselves are compared with the reference on the device in tests/attn/test_attn_gpu.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_attn import make_inputs
 
+from tests.attn.test_attn import make_inputs
 from varpack.attn import BACKENDS, CallSpec, reference_varlen_attention
 from varpack.attn._flash_common import parameters
 from varpack.attn.flash_attn4 import fa4_window

@@ -7,8 +7,15 @@ import copy
 
 import pytest
 import torch
-from test_integration import VOCAB, gemma2_model, make_samples, max_grad_diff, packed_run, unpacked_run
 
+from tests.invariant.test_dense import (
+    VOCAB,
+    gemma2_model,
+    make_samples,
+    max_grad_diff,
+    packed_run,
+    unpacked_run,
+)
 from varpack.integrations.kernels import apply_liger_kernels, compile_layers, decoder_layers, liger_available
 from varpack.models import load_model
 
@@ -76,7 +83,7 @@ def test_compile_layers_refuses_a_model_without_varpack_attention():
 
 
 def test_sft_config_switches_compile_on(tmp_path):
-    from test_cli_sft import _build
+    from tests.train.test_cli_sft import _build
 
     run = _build(tmp_path, torch_compile=True)
     layers = decoder_layers(run.model)
@@ -150,9 +157,9 @@ def test_compiled_linear_attention_model_packed_equals_per_sample(name):
     """Qwen3.5 / Qwen3-Next (gated delta + full attention; Qwen3-Next adds a mixture of experts): both mixers
     stay outside the compiled graph (traced, the gated-delta chunking is data dependent and recompiled for every
     pack), exact, one graph set for all packs."""
-    from test_linear_models import _passes, _per_sample, _samples
     from torch._dynamo.utils import counters
 
+    from tests.invariant.test_gated_delta import _passes, _per_sample, _samples
     from varpack.collate import PaddingFreeCollator
     from varpack.integrations.gated_delta import tiny_model
     from varpack.integrations.transformers import enable_varpack
@@ -224,7 +231,7 @@ def test_compiled_layers_with_gradient_checkpointing():
 # ---------------------------------------------------------------------------------------------------------
 # the other families: Llama, Gemma2-style (softcap + alternating sliding window), vision-language
 # ---------------------------------------------------------------------------------------------------------
-TEXT_FAMILIES = {  # name: (build, the reference's own attention), as in test_integration.MODELS
+TEXT_FAMILIES = {  # name: (build, the reference's own attention), as in tests/invariant/test_dense.py MODELS
     "tiny-llama": (lambda: load_model("tiny-llama", vocab_size=VOCAB, attn_backend="reference"), "sdpa"),
     "gemma2": (gemma2_model, "eager"),
 }
@@ -232,7 +239,7 @@ TEXT_FAMILIES = {  # name: (build, the reference's own attention), as in test_in
 
 @pytest.mark.parametrize("name", sorted(TEXT_FAMILIES))
 def test_compiled_text_families_packed_equals_unpacked(name):
-    """Every pack is exact (test_integration's tolerances), the packs after the first add no graph, and the
+    """Every pack is exact (test_dense.py's tolerances), the packs after the first add no graph, and the
     same compiled model without boundaries fails."""
     from torch._dynamo.utils import counters
 
@@ -265,15 +272,22 @@ def test_compiled_text_families_packed_equals_unpacked(name):
 @pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen3.5-vl"])
 def test_compiled_vl_model_packed_equals_per_sample(name):
     """Qwen3-VL / Qwen3.5-VL with real images: only the text decoder layers are compiled (the vision tower
-    stays eager), each pack equals its samples run alone (test_vl_packing's tolerances), the packs after the
+    stays eager), each pack equals its samples run alone (test_vision_language.py's tolerances), the packs after the
     first add no graph (the first has 3 samples: N + 1 = 4 = the mRoPE planes of position_ids), and the same
     compiled model without boundaries fails."""
     pytest.importorskip("PIL")
     pytest.importorskip("skimage")
-    from test_vl_packing import CHATS, diffs, encode, exact, per_sample_run, varpack_model
-    from test_vl_packing import packed_run as vl_packed_run
     from torch._dynamo.utils import counters
 
+    from tests.invariant.test_vision_language import (
+        CHATS,
+        diffs,
+        encode,
+        exact,
+        per_sample_run,
+        varpack_model,
+    )
+    from tests.invariant.test_vision_language import packed_run as vl_packed_run
     from varpack.collate import PaddingFreeCollator
     from varpack.integrations.vision import image_processor_for, tiny_config, tiny_model
     from varpack.tokenizer import load_tokenizer
