@@ -47,7 +47,12 @@ DATA_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError)
 
 
 class UsageError(ValueError):
-    """A flag value (or combination) that is wrong whatever the data: exit code 2 with the usage line."""
+    """A flag value (or combination) that is wrong whatever the data: exit code 2 with the usage line.
+
+    ``flag_wording = False``: print the message as it is (a ``--config`` file's error names the file's keys).
+    """
+
+    flag_wording: bool = True
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -120,7 +125,11 @@ def flag_wording(message: str, parser: argparse.ArgumentParser) -> str:
     when it has an underscore (``model`` or ``seed`` in prose stay as they are).
     """
     for action in parser._actions:  # argparse keeps its actions here; there is no public accessor
-        if not action.option_strings or action.dest in (argparse.SUPPRESS, "help"):
+        if (
+            not action.option_strings
+            or action.dest in (argparse.SUPPRESS, "help")
+            or action.help == argparse.SUPPRESS
+        ):
             continue
         flag, dest = _long_flag(action), re.escape(action.dest)
         if action.nargs != 0:  # takes a value: name=value -> --flag value

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except UsageError as exc:
         try:
-            sub.error(flag_wording(str(exc), sub))
+            sub.error(flag_wording(str(exc), sub) if getattr(exc, "flag_wording", True) else str(exc))
         except SystemExit as stop:
             return _exit_code(stop)
         raise AssertionError("argparse's error() returned") from exc  # pragma: no cover

@@ -7,11 +7,15 @@
 
 One flag per :class:`varpack.train.config.SFTConfig` field (``--weight-decay``, ``--dtype``,
 ``--dataloader-num-workers``, ``--report-to``, ``--extra-training-args JSON``, ...; booleans as
-``--flag/--no-flag``): ``varpack sft --help`` lists them all.
+``--flag/--no-flag``): ``varpack sft --help`` lists them all. ``--config run.yaml`` (or ``.json``) gives any
+of them from a file (:mod:`varpack.train.config_file`); flags on the command line override it. TRL / ms-swift
+spellings are accepted too (``--packing_length``, ``--max_length``, ``--learning_rate``, ``--attn_impl``,
+``--padding_free true``; README.md "Flags for TRL / ms-swift users").
 
 Without ``--data`` the built-in chats are used; the tokenizer is the model directory's / GGUF file's own,
 else the embedded Qwen3 vocabulary. Prints the packing report (samples, packs, fill, overflow) first, then a
-progress bar with loss, tokens/s and pack fill, and saves the model and tokenizer to ``--output-dir``.
+progress bar with loss, tokens/s and pack fill, and saves the model and tokenizer to ``--output-dir``, with
+the resolved settings as ``varpack_config.yaml`` (``--config`` reads it back).
 Runs on CPU and GPU, and under ``torchrun`` / ``accelerate launch`` (each rank trains on its share of the
 packs).
 """
@@ -54,14 +58,18 @@ def config_from_args(args: argparse.Namespace) -> Any:
     (:func:`varpack.train.cli_flags.config_from_args`).
 
     Raises:
-        UsageError: a combination of flags ``SFTConfig`` refuses (exit code 2).
+        UsageError: a combination of flags ``SFTConfig`` refuses, or a bad ``--config`` file (exit code 2).
     """
     from varpack.train.cli_flags import config_from_args as from_args
+    from varpack.train.config_file import ConfigFileError
 
     try:
         return from_args(args)
     except ValueError as exc:
-        raise UsageError(str(exc)) from exc
+        error = UsageError(str(exc))
+        # a --config file's error names its keys as written there, not as flags
+        error.flag_wording = not isinstance(exc, ConfigFileError)
+        raise error from exc
 
 
 def run(args: argparse.Namespace) -> int:

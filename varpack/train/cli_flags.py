@@ -10,6 +10,17 @@ One flag per field, so no setting is unreachable from the command line:
   stricter check named by the field's ``metadata["cli_type"]`` (:data:`CLI_TYPES`);
 * help text and metavar from the field's metadata (see :mod:`varpack.train.config`).
 
+Other spellings, each a hidden flag (``help=SUPPRESS``) writing to the same ``dest``, so ``--help`` keeps one
+entry per setting: the underscore spelling of every flag (``--packing_length``, ``--no_bf16``; TRL / HF /
+ms-swift write flags so), the field's ``metadata["aliases"]`` in both spellings (``--max_length``,
+``--learning_rate``; named in the flag's help), and the always-on switches of
+:data:`varpack.train.config.ALWAYS_ON` (``--padding_free [true]`` is a no-op, ``false`` is refused).
+
+``--config FILE`` (YAML / JSON, :mod:`varpack.train.config_file`) gives the settings from a file; a flag
+given on the command line overrides the file's value. Each flag records that it was given in the parsed
+namespace (``_explicit_fields``), which is how :func:`config_from_args` tells a flag given as its default
+value from a flag not given.
+
 :func:`config_from_args` is the inverse, :func:`config_to_argv` gives the flags that rebuild a config. This
 module imports no torch (the parsers of :mod:`varpack.cli` use it; tests/cli/test_cli_consistency.py checks).
 """
@@ -19,22 +30,101 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import typing
 from collections.abc import Callable
 from types import NoneType, UnionType
 from typing import Any
 
-from varpack.train.config import SFTConfig, literal_choices
+from varpack.train.config import ALWAYS_ON, SFTConfig, literal_choices
 
 __all__ = [
     "CLI_TYPES",
+    "EXPLICIT_FIELDS",
     "add_config_arguments",
     "config_defaults",
     "config_from_args",
     "config_to_argv",
+    "field_names",
     "flag_name",
     "json_object",
+    "parse_bool",
 ]
+
+#: Namespace attribute: the set of ``dest`` names whose flag was given on the command line.
+EXPLICIT_FIELDS = "_explicit_fields"
+
+
+def _mark_given(namespace: argparse.Namespace, dest: str) -> None:
+    given = getattr(namespace, EXPLICIT_FIELDS, None)
+    if given is None:
+        given = set()
+        setattr(namespace, EXPLICIT_FIELDS, given)
+    given.add(dest)
+
+
+class _Store(argparse.Action):
+    """``store`` that records that the flag was given (argparse's own store action is private)."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None):
+        setattr(namespace, self.dest, values)
+        _mark_given(namespace, self.dest)
+
+
+class _Switch(argparse.BooleanOptionalAction):
+    """``--flag`` / ``--no-flag`` that records that it was given; an underscore flag gets ``--no_flag``."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, **kw)
+        self.option_strings = [
+            "--no_" + s[5:] if s.startswith("--no-") and "_" in s else s for s in self.option_strings
+        ]
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None):
+        if option_string in self.option_strings:
+            setattr(namespace, self.dest, not option_string.startswith(("--no-", "--no_")))
+            _mark_given(namespace, self.dest)
+
+
+class _SwitchOff(argparse.Action):
+    """``--no_flag`` alone (the underscore spelling of ``--no-flag`` for a flag without ``_``)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None):
+        setattr(namespace, self.dest, False)
+        _mark_given(namespace, self.dest)
+
+
+def parse_bool(text: str) -> bool:
+    """``true`` / ``false`` (also ``1`` / ``0``, ``yes`` / ``no``, any case), as HF's ``string_to_bool``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    low = text.strip().lower()
+    if low in ("true", "1", "yes", "y", "t"):
+        return True
+    if low in ("false", "0", "no", "n", "f"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+
+
+class _AlwaysOn(argparse.Action):
+    """``--padding_free [BOOL]``: ``true`` (or nothing) changes nothing, ``false`` is a usage error."""
+
+    def __init__(self, option_strings: list[str], dest: str, reason: str = "", **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", const="true", **kw)
+        self.reason = reason
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None):
+        try:
+            on = parse_bool(values)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        if not on:
+            raise argparse.ArgumentError(self, f"cannot be false: {self.reason}")
 
 
 def json_object(text: str) -> dict[str, Any]:
@@ -69,6 +159,19 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+def field_names(config_cls: type = SFTConfig) -> dict[str, str]:
+    """Every accepted name of every field -> the field name: the field name, its ``-`` spelling and its
+    ``metadata["aliases"]`` in both spellings (``max_length`` / ``max-length`` -> ``packing_length``); the
+    keys of a ``--config`` file and, with ``--``, the flags."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(config_cls):
+        for name in (f.name, *f.metadata.get("aliases", ())):
+            for spelling in (name, name.replace("_", "-")):
+                if out.setdefault(spelling, f.name) != f.name:
+                    raise TypeError(f"{config_cls.__name__}: {spelling!r} names two fields")
+    return out
+
+
 def config_defaults(config_cls: type = SFTConfig) -> dict[str, Any]:
     """The field defaults of ``config_cls``, read without instantiating it (``default_factory`` ones called)."""
     out: dict[str, Any] = {}
@@ -94,13 +197,19 @@ def add_config_arguments(
     config_cls: type = SFTConfig,
     *,
     defaults: dict[str, Any] | None = None,
+    always_on: dict[str, str] | None = None,
+    config_file: bool = True,
 ) -> None:
-    """Add one flag per field of the dataclass ``config_cls`` to ``parser`` (rules in the module docstring).
+    """Add one flag per field of the dataclass ``config_cls`` to ``parser`` (rules in the module docstring),
+    the hidden other spellings, and ``--config FILE``.
 
     Args:
         parser: the sub-command's parser.
         config_cls: a dataclass whose fields carry ``metadata["help"]``.
         defaults: parser defaults that differ from the field defaults (``varpack demo``'s).
+        always_on: switch name -> why ``false`` is refused (default: :data:`varpack.train.config.ALWAYS_ON`
+            for :class:`SFTConfig`, else none).
+        config_file: add ``--config FILE``.
 
     Raises:
         TypeError: a field whose annotation has no flag rule, or an unknown ``metadata["cli_type"]``.
@@ -108,47 +217,89 @@ def add_config_arguments(
     hints = typing.get_type_hints(config_cls)
     d = {**config_defaults(config_cls), **(defaults or {})}
     types = _cli_types()
+    names = field_names(config_cls)
+    if config_file:
+        parser.add_argument(
+            "--config",
+            metavar="FILE",
+            default=None,
+            help="YAML or JSON file of settings (keys: the flag names, e.g. packing_length: 2048); flags given "
+            "on the command line override it",
+        )
     for f in dataclasses.fields(config_cls):
         meta = f.metadata
         text = meta.get("help")
         if callable(text):
             text = text(d)
+        aliases = meta.get("aliases", ())
+        if aliases and text:
+            text += " (also " + ", ".join("--" + a for a in aliases) + ")"
         flag, default = flag_name(f.name), d.get(f.name)
+        # the other spellings: --packing_length, and the aliases --max_length / --max-length, ...
+        hidden = ["--" + n for n, name in names.items() if name == f.name and "--" + n != flag]
         annotation = _strip_optional(hints[f.name])
         choices = literal_choices(annotation)
-        kw: dict[str, Any] = {"dest": f.name, "help": text}
+        kw: dict[str, Any] = {"dest": f.name}
         if "metavar" in meta:
             kw["metavar"] = meta["metavar"]
         if annotation is bool:
             kw.pop("metavar", None)
-            action = parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kw)
+            action = parser.add_argument(flag, action=_Switch, default=default, help=text, **kw)
             action.help = text  # BooleanOptionalAction appends "(default: ...)", which --help does not show
+            for other in hidden:
+                parser.add_argument(other, action=_Switch, default=default, help=argparse.SUPPRESS, **kw)
+            if "_" not in f.name:  # --no_bf16 (--use_liger_kernel's --no_use_liger_kernel comes with it)
+                parser.add_argument(
+                    "--no_" + f.name, action=_SwitchOff, default=default, help=argparse.SUPPRESS, **kw
+                )
             continue
         if choices is not None:
-            parser.add_argument(flag, choices=choices, default=default, **kw)
-            continue
-        if typing.get_origin(annotation) is tuple:
-            parser.add_argument(flag, nargs="+", default=list(default) or None, **kw)
-            continue
-        if "cli_type" in meta:
+            kw["choices"] = choices
+        elif typing.get_origin(annotation) is tuple:
+            kw["nargs"] = "+"
+            default = list(default) or None
+        elif "cli_type" in meta:
             if meta["cli_type"] not in types:
                 raise TypeError(f"{config_cls.__name__}.{f.name}: unknown cli_type {meta['cli_type']!r}")
-            value_type = types[meta["cli_type"]]
+            kw["type"] = types[meta["cli_type"]]
         elif annotation in (int, float, str):
-            value_type = annotation
+            kw["type"] = annotation
         else:
             raise TypeError(f"{config_cls.__name__}.{f.name}: no flag rule for the annotation {annotation!r}")
         if isinstance(default, dict) and not default:
             default = None  # an empty mapping: the field's own default_factory
-        parser.add_argument(flag, type=value_type, default=default, **kw)
+        parser.add_argument(flag, action=_Store, default=default, help=text, **kw)
+        for other in hidden:
+            parser.add_argument(other, action=_Store, default=default, help=argparse.SUPPRESS, **kw)
+    if always_on is None:
+        always_on = ALWAYS_ON if config_cls is SFTConfig else {}
+    if parser.epilog is None:
+        parser.epilog = "Every flag also takes its underscore spelling (--packing_length, --no_bf16)" + (
+            "; " + " / ".join("--" + n for n in always_on) + " true are accepted (always on in varpack)"
+            if always_on
+            else ""
+        )
+    for name, reason in always_on.items():
+        parser.add_argument(
+            *dict.fromkeys(["--" + name, "--" + name.replace("_", "-")]),
+            action=_AlwaysOn,
+            reason=reason,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            metavar="BOOL",
+            help=argparse.SUPPRESS,
+        )
 
 
 def config_from_args(args: argparse.Namespace, config_cls: type = SFTConfig) -> Any:
     """``config_cls`` from the flags :func:`add_config_arguments` added (absent / ``None`` for a ``data``-like
-    or mapping field: the field default).
+    or mapping field: the field default), over the settings of ``args.config`` when a file was given: a flag
+    given on the command line wins, a flag not given takes the file's value, else the parser default.
 
     Raises:
         ValueError: a value the dataclass refuses (``SFTConfig.<field> has an invalid value: ...``).
+        varpack.train.config_file.ConfigFileError: a bad ``--config`` file, or a value from it refused (the
+            message names the setting and the file).
     """
     kw: dict[str, Any] = {}
     hints = typing.get_type_hints(config_cls)
@@ -162,7 +313,20 @@ def config_from_args(args: argparse.Namespace, config_cls: type = SFTConfig) -> 
         elif typing.get_origin(annotation) is dict and value is None:
             continue
         kw[f.name] = value
-    return config_cls(**kw)
+    path = getattr(args, "config", None)
+    if not path:
+        return config_cls(**kw)
+    from varpack.train.config_file import ConfigFileError, read_config_file
+
+    given = getattr(args, EXPLICIT_FIELDS, set())
+    from_file = {k: v for k, v in read_config_file(path, config_cls).items() if k not in given}
+    try:
+        return config_cls(**{**kw, **from_file})
+    except ValueError as exc:
+        m = re.match(rf"{config_cls.__name__}\.(\w+) ", str(exc))
+        if m and m.group(1) in from_file:
+            raise ConfigFileError(f"{exc} (from config file {str(path)!r})") from None
+        raise
 
 
 def config_to_argv(config: Any) -> list[str]:

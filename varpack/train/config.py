@@ -13,6 +13,13 @@ Field metadata keys (read by :mod:`varpack.train.cli_flags`):
 * ``metavar``: the flag's metavar.
 * ``cli_type``: the argparse value check, one of :data:`varpack.train.cli_flags.CLI_TYPES`
   (``"int>=0"``, ``"int>=1"``, ``"float>0"``, ``"max_steps"``, ``"json_object"``); default: from the annotation.
+* ``aliases``: other names of the setting, as TRL / ms-swift spell them (``max_length`` for
+  ``packing_length``): accepted as flags (``--max_length``, hidden from ``--help`` apart from a note in the
+  flag's help) and as keys of a ``--config`` file. Only where the other tool's setting means the same thing;
+  README.md "Flags for TRL / ms-swift users" says where the behaviour around it differs.
+
+:data:`ALWAYS_ON` lists the TRL / ms-swift switches that varpack cannot turn off (``padding_free``,
+``packing``): ``true`` is accepted and changes nothing, ``false`` is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any, Literal
 from varpack.plan.plan import DEFAULT_PACKING_LENGTH
 
 __all__ = [
+    "ALWAYS_ON",
     "DEFAULT_LR",
     "AttnBackendName",
     "DTypeName",
@@ -45,6 +53,15 @@ __all__ = [
 #: common full fine-tuning rate for small models, and the rate of the README's SmolLM2 example. Every built-in
 #: name counts as random-init, also the benchmark shape ``qwen3-0.6b-shape`` (3e-3 was not tuned for it).
 DEFAULT_LR: dict[str, float] = {"random-init": 3e-3, "pretrained": 1e-4}
+
+#: TRL / ms-swift switches that are always on in varpack -> why ``false`` is refused (flags ``--padding_free``,
+#: ``--packing`` and ``--config`` keys; ``true`` is accepted as a no-op).
+ALWAYS_ON: dict[str, str] = {
+    "padding_free": "varpack always trains padding-free (every micro-batch is one row with cu_seqlens); "
+    "for padded batches use a plain HF Trainer",
+    "packing": "varpack always packs (varpack plan shows the packs); for unpacked training use a plain HF "
+    "Trainer",
+}
 
 #: :data:`varpack.plan.STRATEGIES` (tests/train/test_config.py checks that they agree).
 PackingStrategy = Literal["bfd", "sequential"]
@@ -164,11 +181,16 @@ class SFTConfig:
         metadata=_opt(
             "model directory, .gguf file / package, or a built-in name (default: %(default)s)",
             metavar="DIR|NAME",
+            aliases=("model_name_or_path",),
         ),
     )
     data: tuple[str, ...] = field(
         default=(),
-        metadata=_opt("chat data files (JSON/JSONL/parquet) (default: the built-in chats)", metavar="PATH"),
+        metadata=_opt(
+            "chat data files (JSON/JSONL/parquet) (default: the built-in chats)",
+            metavar="PATH",
+            aliases=("dataset",),
+        ),
     )
     output_dir: str = field(
         default="varpack-sft",
@@ -176,7 +198,12 @@ class SFTConfig:
     )
     packing_length: int = field(
         default=DEFAULT_PACKING_LENGTH,
-        metadata=_opt("tokens per pack (default: %(default)s)", metavar="N", cli_type="int>=1"),
+        metadata=_opt(
+            "tokens per pack (default: %(default)s)",
+            metavar="N",
+            cli_type="int>=1",
+            aliases=("max_length", "max_seq_length"),
+        ),
     )
     packing_strategy: PackingStrategy = field(default="bfd", metadata=_opt(_strategy_help))
     overflow: OverflowPolicy = field(
@@ -188,6 +215,7 @@ class SFTConfig:
             "packs per micro-batch per device, flattened into one row (default: %(default)s)",
             metavar="P",
             cli_type="int>=1",
+            aliases=("per_device_train_batch_size",),
         ),
     )
     grad_accum: int = field(
@@ -196,6 +224,7 @@ class SFTConfig:
             "gradient-accumulation micro-batches per optimizer step (default: %(default)s)",
             metavar="K",
             cli_type="int>=1",
+            aliases=("gradient_accumulation_steps",),
         ),
     )
     epochs: float = field(
@@ -204,6 +233,7 @@ class SFTConfig:
             "passes over the packs, ignored with --max-steps (default: %(default)s)",
             metavar="E",
             cli_type="float>0",
+            aliases=("num_train_epochs",),
         ),
     )
     max_steps: int = field(
@@ -212,12 +242,15 @@ class SFTConfig:
             "optimizer steps; -1: run --epochs (default: %(default)s)", metavar="N", cli_type="max_steps"
         ),
     )
-    lr: float | None = field(default=None, metadata=_opt(_lr_help, metavar="LR", cli_type="float>0"))
+    lr: float | None = field(
+        default=None, metadata=_opt(_lr_help, metavar="LR", cli_type="float>0", aliases=("learning_rate",))
+    )
     lr_scheduler: str = field(
         default="constant",
         metadata=_opt(
             "transformers scheduler name: constant, linear, cosine, ... (default: %(default)s)",
             metavar="NAME",
+            aliases=("lr_scheduler_type",),
         ),
     )
     warmup_steps: int = field(
@@ -236,7 +269,8 @@ class SFTConfig:
         metadata=_opt("linear_ce: chunked LM head + CE without [T, V] logits (default: %(default)s)"),
     )
     attn_backend: AttnBackendName = field(
-        default="auto", metadata=_opt("varpack attention backend (default: %(default)s)")
+        default="auto",
+        metadata=_opt("varpack attention backend (default: %(default)s)", aliases=("attn_impl",)),
     )
     bf16: bool = field(default=False, metadata=_opt("bfloat16 mixed precision"))
     dtype: DTypeName = field(
@@ -255,7 +289,10 @@ class SFTConfig:
         metadata=_opt("log every N optimizer steps (default: %(default)s)", metavar="N", cli_type="int>=1"),
     )
     num_proc: int | None = field(
-        default=None, metadata=_opt("encoding worker processes", metavar="N", cli_type="int>=1")
+        default=None,
+        metadata=_opt(
+            "encoding worker processes", metavar="N", cli_type="int>=1", aliases=("dataset_num_proc",)
+        ),
     )
     dataloader_num_workers: int = field(
         default=0,

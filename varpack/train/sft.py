@@ -41,6 +41,7 @@ from varpack.data.load import load_and_encode
 from varpack.plan.report import plan_summary, summary_text
 from varpack.schema import IGNORE_INDEX
 from varpack.train.config import DEFAULT_LR, SFTConfig, default_lr
+from varpack.train.config_file import CONFIG_FILE_NAME, write_config_file
 from varpack.train.trainer import PackedSFTTrainer, PackEpochCallback, TrainCollator
 
 __all__ = [
@@ -344,7 +345,8 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
     """Build and train a packed SFT run; print the packing report first and a summary at the end.
 
     The report names the learning rate and, when ``config.lr`` was left to the default, the model kind it
-    was chosen for (:data:`varpack.train.config.DEFAULT_LR`). An output directory this run created is removed
+    was chosen for (:data:`varpack.train.config.DEFAULT_LR`). A saved run also writes its resolved settings
+    (``lr`` resolved) to ``output_dir/varpack_config.yaml``, which ``varpack sft --config`` reads back. An output directory this run created is removed
     again when nothing was saved into it (``save=False``, or training failed).
 
     Returns:
@@ -368,6 +370,7 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
             run.trainer.save_model(config.output_dir)
             if run.trainer.is_world_process_zero():
                 run.tokenizer.save_pretrained(config.output_dir)
+                write_config_file(config, os.path.join(config.output_dir, CONFIG_FILE_NAME))
     finally:
         if run.created_output_dir:
             _remove_if_empty(config.output_dir)

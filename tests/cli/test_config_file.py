@@ -1,0 +1,347 @@
+"""`varpack sft --config FILE` (YAML / JSON), the resolved settings a saved run writes beside its model, and the
+TRL / ms-swift spellings of the flags (issue 15, items 3 and 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from varpack.cli.main import build_parser, main
+from varpack.train.cli_flags import config_from_args, config_to_argv, field_names, flag_name
+from varpack.train.config import ALWAYS_ON, SFTConfig
+from varpack.train.config_file import CONFIG_FILE_NAME, config_mapping, load_config_file, write_config_file
+
+FIELDS = [f.name for f in dataclasses.fields(SFTConfig)]
+HINTS = typing.get_type_hints(SFTConfig)
+
+#: a value for every field, none of them the default (the same as tests/test_train_config.py's)
+NON_DEFAULT = dict(
+    model="tiny-llama",
+    data=("a.jsonl", "b.parquet"),
+    output_dir="elsewhere",
+    packing_length=77,
+    packing_strategy="sequential",
+    overflow="split",
+    packs_per_step=3,
+    grad_accum=2,
+    epochs=2.5,
+    max_steps=9,
+    lr=5e-4,
+    lr_scheduler="cosine",
+    warmup_steps=4,
+    weight_decay=0.1,
+    loss_reduction="sample",
+    loss_impl="logits",
+    attn_backend="flex",
+    bf16=True,
+    dtype="bfloat16",
+    seed=7,
+    logging_steps=3,
+    num_proc=2,
+    dataloader_num_workers=2,
+    gradient_checkpointing=True,
+    use_liger_kernel=True,
+    torch_compile=True,
+    save=False,
+    report_to="tensorboard",
+    extra_training_args={"max_grad_norm": 0.5, "optim": "sgd"},
+)
+
+
+def _parse(*argv: str) -> SFTConfig:
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def _dump(path: Path, mapping: dict) -> Path:
+    plain = {k: list(v) if isinstance(v, tuple) else v for k, v in mapping.items()}
+    if path.suffix == ".json":
+        path.write_text(json.dumps(plain))
+    else:
+        path.write_text(yaml.safe_dump(plain, sort_keys=False))
+    return path
+
+
+def _main_err(argv: list[str], capsys) -> tuple[int, str]:
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 3: config files
+# ------------------------------------------------------------------------------------------------------
+def test_non_default_fixture_covers_every_field():
+    assert set(NON_DEFAULT) == set(FIELDS)
+    assert [n for n in FIELDS if getattr(SFTConfig(), n) == NON_DEFAULT[n]] == []
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
+@pytest.mark.parametrize("spelling", ["snake", "kebab"])
+def test_file_gives_the_config_the_flags_give(tmp_path, suffix, spelling):
+    """A file with a non-default value of every field == the same values as flags == the dataclass."""
+    direct = SFTConfig(**NON_DEFAULT)
+    keyed = {(k if spelling == "snake" else k.replace("_", "-")): v for k, v in NON_DEFAULT.items()}
+    path = _dump(tmp_path / f"run{suffix}", keyed)
+    from_file = _parse("sft", "--config", str(path))
+    from_flags = _parse("sft", *config_to_argv(direct))
+    assert from_file == from_flags == direct
+
+
+def test_yaml_numbers_as_yaml_1_1_reads_them(tmp_path):
+    """PyYAML reads `lr: 3e-3` as the string '3e-3'; the file is checked as the flag is, so it is 0.003."""
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 3e-3\nweight_decay: 1e-2\nepochs: 2\n")
+    assert yaml.safe_load(path.read_text())["lr"] == "3e-3"  # the reason for the rule
+    c = _parse("sft", "--config", str(path))
+    assert (c.lr, c.weight_decay, c.epochs) == (0.003, 0.01, 2.0)
+
+
+def test_flags_given_override_the_file_in_any_order(tmp_path):
+    """A flag given wins even when its value is the default (the file is not just 'non-defaults first');
+    fields the command line does not give come from the file, the rest are the parser defaults."""
+    path = _dump(tmp_path / "run.yaml", {"packing_length": 77, "bf16": True, "seed": 7, "data": ["x.jsonl"]})
+    assert _parse("sft", "--config", str(path)) == SFTConfig(
+        packing_length=77, bf16=True, seed=7, data="x.jsonl"
+    )
+    for argv in (
+        ["sft", "--config", str(path), "--packing-length", "4096", "--no-bf16"],
+        ["sft", "--packing-length", "4096", "--no-bf16", "--config", str(path)],
+    ):
+        c = _parse(*argv)
+        assert (c.packing_length, c.bf16, c.seed, c.data) == (4096, False, 7, ("x.jsonl",))
+    # an alias or underscore spelling on the command line counts as given too
+    c = _parse("sft", "--config", str(path), "--max_length", "512", "--no_bf16")
+    assert (c.packing_length, c.bf16) == (512, False)
+
+
+def test_demo_reads_a_config_file_over_its_defaults(tmp_path):
+    from varpack.cli.demo import DEMO_DEFAULTS
+
+    path = _dump(tmp_path / "demo.json", {"max_steps": 3, "packing_length": 256})
+    c = _parse("demo", "--config", str(path))
+    assert (c.max_steps, c.packing_length) == (3, 256)
+    assert (c.lr, c.lr_scheduler, c.save) == (DEMO_DEFAULTS["lr"], DEMO_DEFAULTS["lr_scheduler"], False)
+    assert _parse("demo", "--config", str(path), "--max-steps", "100").max_steps == 100
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_unknown_key_names_key_file_and_suggestion(tmp_path, capsys, suffix):
+    path = _dump(tmp_path / f"run{suffix}", {"packing_lenght": 1024})
+    code, err = _main_err(["sft", "--config", str(path)], capsys)
+    assert code == 2
+    assert "unknown setting 'packing_lenght'" in err and str(path) in err
+    assert "did you mean 'packing_length'?" in err
+    path = _dump(tmp_path / f"run2{suffix}", {"zzz_nothing_alike": 1})
+    code, err = _main_err(["sft", "--config", str(path)], capsys)
+    assert code == 2 and "unknown setting 'zzz_nothing_alike'" in err and "did you mean" not in err
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "field"),
+    [
+        ("packing_length", 0, "packing_length"),  # range: the flag's own check
+        ("packing_length", "many", "packing_length"),  # not a number
+        ("packing_length", 2.5, "packing_length"),  # not an integer
+        ("max_length", True, "packing_length"),  # a bool is no number; named by the field, through the alias
+        ("warmup_steps", -1, "warmup_steps"),
+        ("bf16", "yes", "bf16"),  # booleans are YAML booleans
+        ("overflow", "nope", "overflow"),  # a Literal: the dataclass names the choices
+        ("data", 5, "data"),
+        ("extra_training_args", "max_grad_norm=1", "extra_training_args"),
+        ("lr_scheduler", None, "lr_scheduler"),
+    ],
+)
+def test_bad_value_names_the_field_and_the_file(tmp_path, capsys, key, value, field):
+    path = _dump(tmp_path / "run.yaml", {key: value})
+    code, err = _main_err(["sft", "--config", str(path)], capsys)
+    assert code == 2, err
+    assert f"SFTConfig.{field} has an invalid value" in err and str(path) in err, err
+    error_line = err.strip().splitlines()[-1]  # after the usage line
+    assert flag_name(field) not in error_line  # the file's own names, not reworded as flags
+    if field == "overflow":
+        assert "choose one of" in err
+
+
+def test_value_refused_for_a_flag_given_is_not_blamed_on_the_file(tmp_path, capsys):
+    """--weight-decay -1 passes argparse and is refused by the dataclass: the error names the flag, not the
+    file. Control: the same value from the file names the file."""
+    path = _dump(tmp_path / "run.yaml", {"seed": 3})
+    code, err = _main_err(["sft", "--config", str(path), "--weight-decay", "-1"], capsys)
+    assert code == 2 and "--weight-decay has an invalid value" in err and str(path) not in err, err
+    path = _dump(tmp_path / "wd.yaml", {"weight_decay": -1})
+    code, err = _main_err(["sft", "--config", str(path)], capsys)
+    assert code == 2 and "SFTConfig.weight_decay has an invalid value: -1" in err and str(path) in err, err
+
+
+def test_missing_and_malformed_files(tmp_path, capsys):
+    code, err = _main_err(["sft", "--config", str(tmp_path / "none.yaml")], capsys)
+    assert code == 2 and "config file not found" in err and "none.yaml" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    code, err = _main_err(["sft", "--config", str(bad)], capsys)
+    assert code == 2 and "is not valid JSON" in err and "bad.json" in err
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- packing_length\n")
+    code, err = _main_err(["sft", "--config", str(listed)], capsys)
+    assert code == 2 and "must hold a mapping" in err
+    twice = _dump(tmp_path / "twice.yaml", {"packing_length": 8, "max_length": 9})
+    code, err = _main_err(["sft", "--config", str(twice)], capsys)
+    assert code == 2 and "sets 'packing_length' twice" in err
+
+
+@pytest.mark.parametrize("name", ["varpack_config.yaml", "varpack_config.json"])
+def test_writer_round_trips_every_field(tmp_path, name):
+    config = SFTConfig(**{**NON_DEFAULT, "lr": 1e-10, "num_proc": None})
+    path = write_config_file(config, tmp_path / name)
+    assert load_config_file(path) == config
+    assert _parse("sft", "--config", str(path)) == config
+    assert set(config_mapping(config)) == set(FIELDS)
+
+
+def test_saved_run_records_its_resolved_config(tmp_path):
+    """A 1-step tiny run with save=True writes varpack_config.yaml beside the model; read back with --config
+    it is the run's config (lr resolved from the model kind). Control: a run without saving writes none."""
+    import torch
+
+    from varpack.models import load_model
+    from varpack.train import run_sft
+
+    class _Tok:
+        pad_token_id = 0
+
+        def save_pretrained(self, path):
+            Path(path, "tokenizer.json").write_text("{}")
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(6):
+        ids = torch.randint(0, 512, (5 + 3 * i,), generator=g).tolist()
+        samples.append({"input_ids": ids, "labels": [-100, *ids[1:]], "length": len(ids)})
+    out = tmp_path / "out"
+    config = SFTConfig(
+        output_dir=str(out),
+        packing_length=32,
+        attn_backend="reference",
+        max_steps=1,
+        extra_training_args={"use_cpu": True},
+    )
+    model = load_model("tiny-qwen3", vocab_size=512, attn_backend="reference")
+    run = run_sft(config, print_fn=lambda *a: None, model=model, tokenizer=_Tok(), encoded=samples)
+    saved = out / CONFIG_FILE_NAME
+    assert saved.is_file() and (out / "model.safetensors").is_file()
+    assert run.config.lr == 3e-3 and config.lr is None  # resolved
+    assert load_config_file(saved) == run.config
+    assert _parse("sft", "--config", str(saved)) == run.config
+    assert "varpack sft --config" in saved.read_text().splitlines()[0]
+
+    out2 = tmp_path / "mine"
+    out2.mkdir()
+    model = load_model("tiny-qwen3", vocab_size=512, attn_backend="reference")
+    run_sft(
+        dataclasses.replace(config, output_dir=str(out2), save=False),
+        print_fn=lambda *a: None,
+        model=model,
+        tokenizer=_Tok(),
+        encoded=samples,
+    )
+    assert not (out2 / CONFIG_FILE_NAME).exists()
+
+
+def test_reading_a_config_file_imports_no_torch(tmp_path):
+    path = _dump(tmp_path / "run.yaml", {"packing_length": 512, "data": [str(tmp_path / "missing.jsonl")]})
+    code = f"""
+import sys
+from varpack.cli.main import main
+rc = main(["sft", "--config", {str(path)!r}])
+assert rc == 1, rc  # the missing data file, reported before anything heavy is imported
+heavy = sorted(m for m in ("torch", "transformers", "datasets") if m in sys.modules)
+assert not heavy, heavy
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "missing.jsonl" in res.stderr
+
+
+# ------------------------------------------------------------------------------------------------------
+# item 5: TRL / ms-swift spellings
+# ------------------------------------------------------------------------------------------------------
+def _field_argv(name: str, spelling: str) -> list[str]:
+    """The flags giving field ``name`` its NON_DEFAULT value, spelled ``--<spelling>``."""
+    value = NON_DEFAULT[name]
+    if HINTS[name] is bool:
+        return ["--" + spelling] if value else ["--no" + ("_" if "_" in spelling else "-") + spelling]
+    if isinstance(value, tuple):
+        return ["--" + spelling, *value]
+    if isinstance(value, dict):
+        return ["--" + spelling, json.dumps(value)]
+    return ["--" + spelling, str(value)]
+
+
+SPELLINGS = sorted((spelling, name) for spelling, name in field_names().items())
+
+
+def test_every_field_has_its_underscore_spelling():
+    names = field_names()
+    for name in FIELDS:
+        assert names[name] == name and names[name.replace("_", "-")] == name
+    assert names["max_length"] == names["max_seq_length"] == "packing_length"
+    assert names["attn_impl"] == "attn_backend" and names["learning_rate"] == "lr"
+    assert names["per_device_train_batch_size"] == "packs_per_step"
+
+
+@pytest.mark.parametrize(("spelling", "name"), SPELLINGS)
+def test_every_spelling_parses_to_the_canonical_config(spelling, name):
+    canonical = _parse("sft", *_field_argv(name, name.replace("_", "-")))
+    assert getattr(canonical, name) == getattr(SFTConfig(**{name: NON_DEFAULT[name]}), name)
+    assert canonical != SFTConfig()  # the value is not the default: the alias must carry it
+    assert _parse("sft", *_field_argv(name, spelling)) == canonical
+    assert _parse("demo", *_field_argv(name, spelling)) == _parse(
+        "demo", *_field_argv(name, name.replace("_", "-"))
+    )
+
+
+@pytest.mark.parametrize(("spelling", "name"), SPELLINGS)
+def test_every_spelling_works_as_a_file_key(tmp_path, spelling, name):
+    path = _dump(tmp_path / "run.yaml", {spelling: NON_DEFAULT[name]})
+    assert _parse("sft", "--config", str(path)) == SFTConfig(**{name: NON_DEFAULT[name]})
+
+
+def test_negative_switch_spellings():
+    assert _parse("sft", "--no_save").save is False and _parse("sft", "--no-save").save is False
+    assert _parse("demo", "--save").save is True
+    assert _parse("sft", "--gradient_checkpointing").gradient_checkpointing is True
+    assert (
+        _parse("sft", "--gradient_checkpointing", "--no_gradient_checkpointing").gradient_checkpointing
+        is False
+    )
+
+
+def test_aliases_do_not_clutter_help():
+    help_text = build_parser()._subparsers._group_actions[0].choices["sft"].format_help()
+    text, epilog = " ".join(help_text.split()).split("Every flag also takes its underscore spelling")
+    assert "--packing_length" in epilog and "--padding_free" in epilog  # said once, at the end
+    assert "--packing_length" not in text
+    assert "--max-length" not in text and "--no_bf16," not in text and "--padding_free " not in text
+    assert text.count("--max_length") == 1  # named once, in --packing-length's help
+    assert "(also --max_length, --max_seq_length)" in text and "(also --attn_impl)" in text
+
+
+@pytest.mark.parametrize("switch", sorted(ALWAYS_ON))
+def test_always_on_switches(tmp_path, capsys, switch):
+    """`--padding_free` / `--padding_free true` change nothing; `false` is a usage error saying why."""
+    for argv in ([f"--{switch}"], [f"--{switch}", "true"], [f"--{switch.replace('_', '-')}", "True"]):
+        assert _parse("sft", *argv, "--seed", "3") == SFTConfig(seed=3)
+    for value in ("false", "0", "False"):
+        code, err = _main_err(["sft", f"--{switch}", value], capsys)
+        assert code == 2 and "cannot be false" in err and "always" in err, err
+    code, err = _main_err(["sft", f"--{switch}", "maybe"], capsys)
+    assert code == 2 and "must be true or false" in err
+    assert _parse("sft", "--config", str(_dump(tmp_path / "on.yaml", {switch: True}))) == SFTConfig()
+    code, err = _main_err(["sft", "--config", str(_dump(tmp_path / "off.yaml", {switch: False}))], capsys)
+    assert code == 2 and "only true is accepted" in err and "off.yaml" in err
