@@ -47,6 +47,12 @@ NON_DEFAULT = dict(
     use_liger_kernel=True,
     torch_compile=True,
     save=False,
+    lora=True,
+    lora_r=8,
+    lora_alpha=16,
+    lora_dropout=0.05,
+    lora_target_modules="q_proj,v_proj",
+    lora_merge=True,
     report_to="tensorboard",
     extra_training_args={"max_grad_norm": 0.5, "optim": "sgd"},
 )

@@ -159,6 +159,13 @@ def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attenti
         conv_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
     else:
         conv_kwargs = {"seq_idx": meta.seq_idx_on(device)}
+    # a peft adapter (LoRA) on the conv: reading .weight would drop it
+    if hasattr(layer.conv1d, "base_layer"):
+        raise ValueError(
+            f"{type(layer).__name__}(layer_idx={getattr(layer, 'layer_idx', '?')}).conv1d carries a LoRA / peft "
+            "adapter; the packed short convolution reads conv1d.weight directly and would drop it: leave "
+            "conv1d out of the adapter's target modules"
+        )
     weight = layer.conv1d.weight
     mixed = short_conv(
         mixed,

@@ -166,7 +166,16 @@ class SFTConfig:
         torch_compile: ``torch.compile`` each decoder layer, varpack attention outside the graph
             (:func:`varpack.integrations.kernels.compile_layers`); compiles in the first step. Not together with
             ``use_liger_kernel`` (refused: :data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`).
-        save: save model + tokenizer at the end.
+        save: save model + tokenizer at the end (with ``lora``: the adapter, peft's ``save_pretrained``).
+        lora: wrap the model in a peft LoRA adapter (:func:`varpack.train.sft.apply_lora`) and train only the
+            adapter weights; needs ``peft`` (``pip install 'varpack[lora]'``).
+        lora_r: LoRA rank (``>= 1``).
+        lora_alpha: LoRA alpha (``>= 1``); the adapter's output is scaled by ``lora_alpha / lora_r``.
+        lora_dropout: dropout on the LoRA path (``[0, 1)``).
+        lora_target_modules: peft's ``target_modules``: ``all-linear`` (every linear layer except the LM
+            head) or comma-separated module names (``q_proj,k_proj,v_proj,o_proj``).
+        lora_merge: with ``lora`` and ``save``: also save the merged model (base weights + adapter, peft's
+            ``merge_and_unload``) to ``<output_dir>/merged``.
         report_to: Trainer integrations (``none`` by default); transformers' open set (``all``,
             ``tensorboard``, ``wandb``, ...), checked by ``TrainingArguments``.
         extra_training_args: more ``transformers.TrainingArguments`` keywords (applied last).
@@ -315,6 +324,37 @@ class SFTConfig:
         ),
     )
     save: bool = field(default=True, metadata=_opt("save the model and tokenizer to --output-dir at the end"))
+    lora: bool = field(
+        default=False,
+        metadata=_opt(
+            "train a LoRA adapter (peft, pip install 'varpack[lora]') instead of all weights; saves the adapter"
+        ),
+    )
+    lora_r: int = field(
+        default=16, metadata=_opt("LoRA rank (default: %(default)s)", metavar="R", cli_type="int>=1")
+    )
+    lora_alpha: int = field(
+        default=32,
+        metadata=_opt(
+            "LoRA scaling alpha (scale alpha / r) (default: %(default)s)", metavar="A", cli_type="int>=1"
+        ),
+    )
+    lora_dropout: float = field(
+        default=0.0,
+        metadata=_opt("dropout on the LoRA path, in [0, 1) (default: %(default)s)", metavar="P"),
+    )
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata=_opt(
+            "modules that get an adapter: comma-separated module names (q_proj,v_proj) or all-linear "
+            "(every linear layer but the LM head) (default: %(default)s)",
+            metavar="NAMES",
+        ),
+    )
+    lora_merge: bool = field(
+        default=False,
+        metadata=_opt("with --lora: also save the merged model (base + adapter) to OUTPUT_DIR/merged"),
+    )
     report_to: str = field(
         default="none",
         metadata=_opt(
@@ -350,6 +390,11 @@ class SFTConfig:
             ("num_proc", self.num_proc is None or self.num_proc >= 1),
             ("dataloader_num_workers", self.dataloader_num_workers >= 0),
             ("extra_training_args", isinstance(self.extra_training_args, dict)),
+            ("lora_r", self.lora_r >= 1),
+            ("lora_alpha", self.lora_alpha >= 1),
+            ("lora_dropout", 0.0 <= self.lora_dropout < 1.0),
+            ("lora_target_modules", bool(self.lora_target_module_list())),
+            ("lora_merge", not self.lora_merge or self.lora),
         ]
         for name, ok in checks:
             if not ok:
@@ -361,6 +406,14 @@ class SFTConfig:
                 raise ValueError(
                     f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}; choose one of {shown}"
                 )
+
+    def lora_target_module_list(self) -> str | list[str]:
+        """``lora_target_modules`` as peft's ``LoraConfig.target_modules``: ``"all-linear"`` as is, else the
+        comma-separated names as a list (blanks dropped; empty when none is named)."""
+        text = self.lora_target_modules.strip()
+        if text == "all-linear":
+            return text
+        return [name.strip() for name in text.split(",") if name.strip()]
 
 
 @functools.cache

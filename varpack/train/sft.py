@@ -128,6 +128,10 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     from varpack.models import load_tokenizer_for
 
     _refuse_kernel_settings(config)
+    if config.lora:  # before minutes of encoding
+        from varpack.train.lora import require_peft
+
+        require_peft()
     lr_default_kind = None
     if config.lr is None:
         lr, lr_default_kind = default_lr(config.model)
@@ -283,7 +287,8 @@ def _plan_packs(config: SFTConfig, encoded: Any, data_label: str) -> tuple[np.nd
 
 def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any]) -> Any:
     """The model on varpack attention (loaded now if not yet), without a KV cache, with the requested
-    Liger-Kernel / per-layer compile applied."""
+    Liger-Kernel / per-layer compile applied, then wrapped in a LoRA ``PeftModel`` with ``config.lora``
+    (:func:`varpack.train.lora.apply_lora`)."""
     from varpack.integrations.transformers import enable_varpack
 
     if model is None:
@@ -298,6 +303,10 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any]) -> An
             apply_liger_kernels(model)
         if config.torch_compile:
             compile_layers(model)
+    if config.lora:  # last: peft wraps the finished model (boundaries and patches run inside it)
+        from varpack.train.lora import apply_lora
+
+        model = apply_lora(model, config)
     return model
 
 
@@ -363,14 +372,28 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
                 f"model     {config.model} ({type(run.model).__name__}, {n_params / 1e6:.1f}M params, "
                 f"attention {run.model.config._attn_implementation}, loss {config.loss_reduction} mean)"
             )
+            if config.lora:
+                trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
+                print_fn(
+                    f"lora      r={config.lora_r}, alpha={config.lora_alpha}, dropout={config.lora_dropout:g}, "
+                    f"target modules {config.lora_target_modules}: {trainable / 1e6:.3f}M trainable params"
+                )
             print_fn(f"optimizer {_describe_lr(run)}")
         run.trainer.train()
         run.history = [h for h in run.trainer.state.log_history if "loss" in h]
         if config.save:
-            run.trainer.save_model(config.output_dir)
+            run.trainer.save_model(config.output_dir)  # a PeftModel saves its adapter only
             if run.trainer.is_world_process_zero():
                 run.tokenizer.save_pretrained(config.output_dir)
                 write_config_file(config, os.path.join(config.output_dir, CONFIG_FILE_NAME))
+                if config.lora:
+                    from varpack.train.lora import save_lora
+
+                    merged_dir = save_lora(
+                        run.trainer.accelerator.unwrap_model(run.model), run.tokenizer, config
+                    )
+                    if merged_dir is not None:
+                        print_fn(f"merged model (base + adapter) saved to {os.path.abspath(merged_dir)}")
     finally:
         if run.created_output_dir:
             _remove_if_empty(config.output_dir)

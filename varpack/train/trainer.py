@@ -91,7 +91,10 @@ class PackedSFTTrainer(Trainer):
         transformed = getattr(text_cfg, "final_logit_softcapping", None) or getattr(
             text_cfg, "logit_scale", None
         )
-        return unwrapped is model and not transformed
+        from varpack.ops.linear_ce.causal_lm import head_has_adapter
+
+        # a LoRA adapter on the head: the logits path (linear CE reads head.weight and would skip it)
+        return unwrapped is model and not transformed and not head_has_adapter(unwrapped)
 
     def compute_loss(
         self,

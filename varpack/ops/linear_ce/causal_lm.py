@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -15,13 +16,42 @@ from varpack.schema import IGNORE_INDEX, LOSS_FIELDS, SEQ_IDX
 from .dispatch import linear_cross_entropy
 from .weights import Reduction, _rows, _shift_tokens, shift_labels
 
-__all__ = ["causal_lm_forward_with_linear_ce"]
+__all__ = ["causal_lm_forward_with_linear_ce", "head_has_adapter"]
 
 #: Config attributes that change the logits after the LM head (the loss here would not include them).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
 
 
+def _without_peft_wrapper(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft ``PeftModel`` (its adapters are injected into that model's
+    modules in place, so calling its base model runs them), else ``model``."""
+    peft = sys.modules.get("peft")  # not imported: ``model`` cannot be a PeftModel
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.get_base_model()
+    return model
+
+
+def head_has_adapter(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s LM head (``get_output_embeddings()``) carries a peft adapter: linear cross
+    entropy multiplies by ``head.weight`` directly and would leave the adapter out."""
+    peft = sys.modules.get("peft")
+    if peft is None:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model = _without_peft_wrapper(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return isinstance(head, BaseTunerLayer)
+
+
 def _base_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    if head_has_adapter(model):
+        raise ValueError(
+            f"the LM head of {type(_without_peft_wrapper(model)).__name__} carries a LoRA / peft adapter; linear "
+            "cross entropy reads head.weight directly and would drop it: use loss_impl='logits', or leave "
+            "the head out of the adapter's target modules"
+        )
+    model = _without_peft_wrapper(model)
     base = getattr(model, "base_model", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if base is None or base is model or head is None or not hasattr(head, "weight"):
@@ -78,6 +108,9 @@ def causal_lm_forward_with_linear_ce(
 ) -> torch.Tensor:
     """The causal-LM loss of a Hugging Face model on a collated batch, without the ``[T, V]`` logits.
 
+    A peft ``PeftModel`` (LoRA) is seen through: its transformers model's base model runs, adapters
+    included; an adapter on the LM head is refused (:func:`head_has_adapter`).
+
     Runs the model without its head -- ``model.base_model`` (``model.model`` for ``Qwen3ForCausalLM``; the
     multimodal ``*Model`` for ``*ForConditionalGeneration``, so media still flow through) -- then
     :func:`linear_cross_entropy` with ``model.get_output_embeddings()`` (``lm_head``; its weight is the tied
@@ -110,6 +143,9 @@ def causal_lm_forward_with_linear_ce(
         raise ValueError(f"batch has no 'labels' (keys: {sorted(batch)})")
     base, head = _base_and_head(model)
     model_inputs = _run_forward_pre_hooks(model, {k: v for k, v in batch.items() if k not in LOSS_FIELDS})
+    inner = _without_peft_wrapper(model)
+    if inner is not model:  # PeftModel(**batch) calls the transformers model: its hooks run too
+        model_inputs = _run_forward_pre_hooks(inner, model_inputs)
     outputs = base(**model_inputs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
     labels = batch["labels"]
