@@ -52,6 +52,12 @@ NON_DEFAULT = dict(
     save=False,
     report_to="tensorboard",
     extra_training_args={"max_grad_norm": 0.5, "optim": "sgd"},
+    lora=True,
+    lora_r=8,
+    lora_alpha=16,
+    lora_dropout=0.05,
+    lora_target_modules="q_proj,v_proj",
+    lora_merge=True,
 )
 
 
@@ -284,6 +290,13 @@ def _field_argv(name: str, spelling: str) -> list[str]:
 
 
 SPELLINGS = sorted((spelling, name) for spelling, name in field_names().items())
+#: settings only valid together with another one (SFTConfig refuses lora_merge without lora)
+REQUIRES: dict[str, dict] = {"lora_merge": {"lora": True}}
+
+
+def _alone(name: str) -> dict:
+    """The field at its NON_DEFAULT value, plus what it requires."""
+    return {name: NON_DEFAULT[name], **REQUIRES.get(name, {})}
 
 
 def test_every_field_has_its_underscore_spelling():
@@ -297,19 +310,20 @@ def test_every_field_has_its_underscore_spelling():
 
 @pytest.mark.parametrize(("spelling", "name"), SPELLINGS)
 def test_every_spelling_parses_to_the_canonical_config(spelling, name):
-    canonical = _parse("sft", *_field_argv(name, name.replace("_", "-")))
-    assert getattr(canonical, name) == getattr(SFTConfig(**{name: NON_DEFAULT[name]}), name)
+    extra = [a for req in REQUIRES.get(name, {}) for a in _field_argv(req, req.replace("_", "-"))]
+    canonical = _parse("sft", *extra, *_field_argv(name, name.replace("_", "-")))
+    assert getattr(canonical, name) == getattr(SFTConfig(**_alone(name)), name)
     assert canonical != SFTConfig()  # the value is not the default: the alias must carry it
-    assert _parse("sft", *_field_argv(name, spelling)) == canonical
-    assert _parse("demo", *_field_argv(name, spelling)) == _parse(
-        "demo", *_field_argv(name, name.replace("_", "-"))
+    assert _parse("sft", *extra, *_field_argv(name, spelling)) == canonical
+    assert _parse("demo", *extra, *_field_argv(name, spelling)) == _parse(
+        "demo", *extra, *_field_argv(name, name.replace("_", "-"))
     )
 
 
 @pytest.mark.parametrize(("spelling", "name"), SPELLINGS)
 def test_every_spelling_works_as_a_file_key(tmp_path, spelling, name):
-    path = _dump(tmp_path / "run.yaml", {spelling: NON_DEFAULT[name]})
-    assert _parse("sft", "--config", str(path)) == SFTConfig(**{name: NON_DEFAULT[name]})
+    path = _dump(tmp_path / "run.yaml", {spelling: NON_DEFAULT[name], **REQUIRES.get(name, {})})
+    assert _parse("sft", "--config", str(path)) == SFTConfig(**_alone(name))
 
 
 def test_negative_switch_spellings():
