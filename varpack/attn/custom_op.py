@@ -340,39 +340,18 @@ def varlen_attention_op(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
             softmax_scale, softcap, backend,
         )  # fmt: skip
-    from .interface import _call_meta, _check_tensors, _check_window
+    from .interface import prepare_call
 
-    _check_tensors(q, k, v)
-    meta = _call_meta(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, meta)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    window_size = _check_window(window_size)
-    softcap, softmax_scale = _check_scalars(softcap, softmax_scale, q)
-    causal, window_size = normalize_mask_args(causal, window_size)
-    cu_q, cu_k = meta.cu_seqlens_on(q.device)  # one copy per batch, kept on the meta
-    spec = CallSpec.from_tensors(
-        q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-        has_empty_segments=meta.has_empty, max_seqlen=max(meta.max_seqlen_q, meta.max_seqlen_k),
+    call = prepare_call(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, meta,
+        causal=causal, window_size=window_size, softmax_scale=softmax_scale, softcap=softcap, backend=backend,
     )  # fmt: skip
-    name = str(resolve_spec(backend, spec))
-    _check_differentiable(name, softcap, spec.needs_grad)
+    _check_differentiable(call.backend, call.softcap, call.spec.needs_grad)
     out, _ = _varlen_attention(
-        q, k, v, cu_q, cu_k, meta.max_seqlen_q, meta.max_seqlen_k, causal, softmax_scale, window_size[0],
-        window_size[1], softcap, name,
+        q, k, v, call.cu_q, call.cu_k, call.meta.max_seqlen_q, call.meta.max_seqlen_k, call.causal,
+        call.softmax_scale, call.window_size[0], call.window_size[1], call.softcap, call.backend,
     )  # fmt: skip
     return out
-
-
-def _check_scalars(softcap: float, softmax_scale: float | None, q: torch.Tensor) -> tuple[float, float]:
-    softcap = float(softcap)
-    if not softcap >= 0.0:
-        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
-    if softmax_scale is None:
-        return softcap, 1.0 / math.sqrt(q.shape[-1])
-    softmax_scale = float(softmax_scale)
-    if not softmax_scale > 0.0 or not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
-    return softcap, softmax_scale
 
 
 def _check_differentiable(name: str, softcap: float, needs_grad: bool) -> None:

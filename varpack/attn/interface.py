@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -139,6 +139,59 @@ def varlen_attention(
                 [4., 5.],
                 [5., 6.]])
     """
+    call = prepare_call(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, meta,
+        causal=causal, window_size=window_size, softmax_scale=softmax_scale, softcap=softcap, backend=backend,
+    )  # fmt: skip
+    return BACKENDS[call.backend].forward(
+        q,
+        k,
+        v,
+        call.cu_q,
+        call.cu_k,
+        call.meta.max_seqlen_q,
+        call.meta.max_seqlen_k,
+        causal=call.causal,
+        window_size=call.window_size,
+        softmax_scale=call.softmax_scale,
+        softcap=call.softcap,
+        meta=call.meta,
+    )
+
+
+class PreparedCall(NamedTuple):
+    """A checked varlen attention call: its boundaries (and their copy on q's device), normalized mask
+    arguments and scalars, the backend spec and the resolved backend name."""
+
+    meta: VarlenMeta
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    causal: bool
+    window_size: tuple[int, int]
+    softmax_scale: float
+    softcap: float
+    spec: CallSpec
+    backend: str
+
+
+def prepare_call(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    meta: VarlenMeta | None,
+    *,
+    causal: Any,
+    window_size: Any,
+    softmax_scale: Any,
+    softcap: Any,
+    backend: str,
+) -> PreparedCall:
+    """Every check and the backend resolution of :func:`varlen_attention` (also used by the custom op
+    :func:`varpack.attn.custom_op.varlen_attention_op`): errors as documented there."""
     _check_tensors(q, k, v)
     meta = _call_meta(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, meta)
     if not isinstance(causal, bool):
@@ -154,7 +207,6 @@ def varlen_attention(
         if not softmax_scale > 0.0 or not math.isfinite(softmax_scale):
             raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
     causal, window_size = normalize_mask_args(causal, window_size)
-
     cu_q, cu_k = meta.cu_seqlens_on(q.device)  # one host-to-device copy per batch, kept on the meta
     spec = CallSpec.from_tensors(
         q,
@@ -166,24 +218,8 @@ def varlen_attention(
         has_empty_segments=meta.has_empty,
         max_seqlen=max(meta.max_seqlen_q, meta.max_seqlen_k),
     )
-    name = resolve_spec(backend, spec)
-    return BACKENDS[name].forward(
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        meta.max_seqlen_q,
-        meta.max_seqlen_k,
-        causal=causal,
-        window_size=window_size,
-        softmax_scale=softmax_scale,
-        softcap=softcap,
-        meta=meta,
-    )
-
-
-# -- validation (shapes, dtypes, devices: no tensor values on the GPU) ----------------------------------
+    name = str(resolve_spec(backend, spec))
+    return PreparedCall(meta, cu_q, cu_k, causal, window_size, softmax_scale, softcap, spec, name)
 
 
 def _call_meta(
