@@ -47,7 +47,9 @@ def _gdn_inputs(lengths=(5, 1, 30, 3), hk=1, h=2, k=8, v=8, seed=0, state=True):
 
 
 def _grads(out, inputs):
-    return torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum(), inputs)
+    return torch.autograd.grad(
+        (out * torch.linspace(-1, 1, out.numel(), device=out.device).reshape(out.shape)).sum(), inputs
+    )
 
 
 # -- opcheck --------------------------------------------------------------------------------------------
@@ -119,7 +121,9 @@ def test_gated_delta_op_equals_gated_delta_rule(compiler, backend, final):
     cu = torch.tensor([0, 5, 6, 36, 39])
     kw = {"output_final_state": final, "use_qk_l2norm_in_kernel": True, "backend": backend}
     o, s = gated_delta_rule(*xs[:5], initial_state=xs[5], cu_seqlens=cu, **kw)
-    loss = (o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() + (s.square().sum() if final else 0)
+    loss = (o * torch.linspace(-1, 1, o.numel(), device=o.device).reshape(o.shape)).sum() + (
+        s.square().sum() if final else 0
+    )
     want = torch.autograd.grad(loss, xs)
     counters.clear()
     fn = _compiled(
@@ -130,7 +134,7 @@ def test_gated_delta_op_equals_gated_delta_rule(compiler, backend, final):
     assert (s2 is None) == (not final)
     if final:
         torch.testing.assert_close(s2, s, **EXACT)
-    loss2 = (o2 * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() + (
+    loss2 = (o2 * torch.linspace(-1, 1, o.numel(), device=o.device).reshape(o.shape)).sum() + (
         s2.square().sum() if final else 0
     )
     for a, b in zip(torch.autograd.grad(loss2, xs), want):
