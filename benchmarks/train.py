@@ -29,6 +29,23 @@ varpack:
 * ``*_liger`` / ``*_compile`` suffixes: the step options of ``varpack.integrations.kernels`` (Liger
   RMSNorm/RoPE/SwiGLU; regional ``torch.compile`` of the decoder layers). They are exclusive.
 
+TRL (``pip install 'varpack[trl]'``; not in the default list), two ``SFTTrainer`` runs on the same packs:
+
+* ``trl_varpack``: ``varpack.integrations.trl.VarpackSFTTrainer`` (TRL's trainer with varpack's planner,
+  collator, attention ``--attn-backend`` and loss ``loss_impl="auto"``).
+* ``trl_padding_free``: TRL's own ``SFTTrainer(padding_free=True)`` (its ``DataCollatorForLanguageModeling``,
+  boundaries from the rows' ``seq_lengths``, its fused LM head loss) given the same packs as rows in TRL's own
+  packed format (``input_ids``, ``labels``, ``seq_lengths``), with the best attention implementation that
+  builds (``--trl-attn``: ``flash_attention_4``, ``flash_attention_2``, ``flex_attention``, ``sdpa``).
+
+Both plan the samples of the chosen packs again with varpack's best-fit decreasing (``plan_samples``, the
+planner ``VarpackSFTTrainer`` runs) and visit those packs in the same order, one pack per optimizer step; the
+Trainer loop (dataloader, collation on the fly, scheduler, ``Trainer.training_step``) is inside the timing.
+Cold pass = the first ``trainer.train()`` (one epoch), timed passes = further ``trainer.train()`` calls,
+each timed from ``on_train_begin`` to ``on_train_end`` (device synced); the optimizer is rebuilt by every
+``train()`` (its state allocated at the first step of each pass). Same AdamW (fused, lr 1e-5, no weight
+decay, no clipping, constant lr), bf16 weights, no gradient checkpointing, ``logging_first_step`` only.
+
 Workload: the first samples of ``--samples`` (pre-encoded ../shared/data, see ``benchmarks/_common.py``)
 are planned into packs of ``--packing-length`` tokens with best-fit decreasing; the ``--steps`` fullest packs
 are the optimizer steps (one pack = one optimizer step), so every configuration trains on exactly those
@@ -62,6 +79,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,9 +118,15 @@ ALL_CONFIGS = (
     "varpack_lce_liger",
     "varpack_compile",
     "varpack_lce_compile",
+    "trl_varpack",
+    "trl_padding_free",
 )
+#: configurations that need TRL (``varpack[trl]``); imported only when one of them runs
+TRL_CONFIGS = ("trl_varpack", "trl_padding_free")
+#: attention implementations tried for ``trl_padding_free`` with ``--trl-attn auto``, best first
+TRL_ATTN_ORDER = ("flash_attention_4", "flash_attention_2", "flex_attention", "sdpa")
 #: the peers: what a user of HF / TRL would configure; the best peer is the fastest of those run
-PEERS = ("padded", "hf_fa4", "hf_flex", "hf_sdpa", "hf_fa4_liger")
+PEERS = ("padded", "hf_fa4", "hf_flex", "hf_sdpa", "hf_fa4_liger", "trl_padding_free")
 #: suffixes of a varpack config that switch on a step option of varpack.integrations.kernels
 STEP_OPTIONS = ("_liger", "_compile")
 DEFAULT_CONFIGS = "padded,hf_fa4,hf_flex,hf_fa4_liger,varpack,varpack_lce,varpack_lce_compile"
@@ -385,6 +409,8 @@ def run_config(
     config: str, ds: Any, chosen: list[int], args: argparse.Namespace, values: dict[str, Any]
 ) -> dict[str, Any]:
     """Build a fresh model for ``config``, run the untimed cold pass over all packs, then the timed pass."""
+    if config in TRL_CONFIGS:
+        return run_trl_config(config, ds, chosen, args, values)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     row: dict[str, Any] = {"config": config}
@@ -425,7 +451,8 @@ def run_config(
         # steady figure and reported on its own (what a user waits for before the first steps)
         cold_first, cold_s, losses = _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)
         passes = [
-            _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)[1] for _ in range(args.timed_passes)
+            _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)[1]
+            for _ in range(args.timed_passes)
         ]
         elapsed = float(np.median(passes))
         row["timed_pass_s"] = passes
@@ -463,6 +490,190 @@ def run_config(
     return row
 
 
+# ----------------------------------------------------------------------------------------------------------
+# TRL: SFTTrainer with the varpack drop-in, and TRL's own padding-free path, on the same packs
+# ----------------------------------------------------------------------------------------------------------
+
+
+def trl_workload(ds: Any, chosen: list[int], packing_length: int, seed: int) -> tuple[Any, Any, list]:
+    """The samples of the chosen packs as a ``datasets.Dataset`` (``input_ids``, ``labels``), their varpack
+    samples and plan (``plan_samples``: what ``VarpackSFTTrainer`` plans) and the packs in its visiting order
+    (``plan.pack_order(0)``) as TRL packed rows (``input_ids``, ``labels`` concatenated, ``seq_lengths``)."""
+    import datasets
+
+    from varpack.integrations.trl import samples_from_trl
+    from varpack.train.sft import plan_samples
+
+    rows = [
+        {"input_ids": np.asarray(s["input_ids"]).tolist(), "labels": np.asarray(s["labels"]).tolist()}
+        for i in chosen
+        for s in ds[i]
+    ]
+    data = datasets.Dataset.from_list(rows)
+    samples = samples_from_trl(data)
+    _, plan = plan_samples(samples, packing_length=packing_length, seed=seed)
+    packed = []
+    for k in plan.pack_order(0):
+        ids = [int(i) for i in plan.packs[int(k)]]
+        packed.append(
+            {
+                "input_ids": [t for i in ids for t in samples[i]["input_ids"]],
+                "labels": [t for i in ids for t in samples[i]["labels"]],
+                "seq_lengths": [samples[i]["length"] for i in ids],
+            }
+        )
+    return data, plan, packed
+
+
+def _trl_timer(device):
+    from transformers import TrainerCallback
+
+    class PassTimer(TrainerCallback):
+        """Seconds from ``on_train_begin`` to ``on_train_end`` of each ``train()`` (device synced)."""
+
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+            self.first_step: list[float] = []
+            self._t0 = 0.0
+
+        def on_train_begin(self, args, state, control, **kw):
+            sync(device)
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if len(self.first_step) < len(self.seconds) + 1:
+                sync(device)
+                self.first_step.append(time.perf_counter() - self._t0)
+
+        def on_train_end(self, args, state, control, **kw):
+            sync(device)
+            self.seconds.append(time.perf_counter() - self._t0)
+
+    return PassTimer()
+
+
+def run_trl_config(
+    config: str, ds: Any, chosen: list[int], args: argparse.Namespace, values: dict[str, Any]
+) -> dict[str, Any]:
+    """``trl_varpack`` / ``trl_padding_free``: an ``SFTTrainer`` trained one epoch untimed (cold), then
+    ``--timed-passes`` more epochs, each timed; tokens/s over the real tokens of the samples."""
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    row: dict[str, Any] = {"config": config}
+    model = trainer = None
+    tmp = tempfile.TemporaryDirectory(prefix=f"varpack-bench-{config}-")
+    try:
+        import datasets
+        from trl import SFTConfig, SFTTrainer
+
+        data, plan, packed = trl_workload(ds, chosen, args.packing_length, args.seed)
+        if config == "trl_varpack":
+            model = build_model(
+                values, device=device, dtype=dtype, attn_implementation="sdpa", seed=args.seed
+            )
+            row["attention"] = f"varpack {args.attn_backend}"
+        else:
+            errors = []
+            order = TRL_ATTN_ORDER if device.type == "cuda" else ("sdpa",)  # flex has no CPU backward
+            for attn in order if args.trl_attn == "auto" else (args.trl_attn,):
+                try:
+                    model = build_model(
+                        values, device=device, dtype=dtype, attn_implementation=attn, seed=args.seed
+                    )
+                    row["attention"] = attn
+                    break
+                except (ImportError, ValueError) as exc:
+                    errors.append(f"{attn}: {type(exc).__name__}")
+            if model is None:
+                raise RuntimeError("no attention implementation builds: " + "; ".join(errors))
+            if len(errors):
+                row["step_options"] = ["not available: " + ", ".join(errors)]
+        timer = _trl_timer(device)
+        common = dict(
+            output_dir=tmp.name,  # Trainer creates it; nothing is saved there
+            per_device_train_batch_size=1,
+            num_train_epochs=1,
+            learning_rate=1e-5,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=0.0,
+            optim="adamw_torch_fused" if device.type == "cuda" else "adamw_torch",
+            logging_steps=10**6,
+            logging_first_step=True,
+            logging_nan_inf_filter=False,
+            save_strategy="no",
+            report_to=[],
+            gradient_checkpointing=False,
+            bf16=False,  # the weights are bf16 already, as in the hand-written loop
+            use_cpu=device.type == "cpu",
+            train_sampling_strategy="sequential",
+            disable_tqdm=True,
+            seed=args.seed,
+        )
+        tokenizer = _pad_tokenizer(args.pad_token_id)
+        if config == "trl_varpack":
+            from varpack.integrations.trl import VarpackSFTTrainer
+
+            trainer = VarpackSFTTrainer(
+                model=model,
+                args=SFTConfig(max_length=args.packing_length, **common),
+                train_dataset=data,
+                processing_class=tokenizer,
+                attn_backend=args.attn_backend,
+                callbacks=[timer],
+            )
+            if [p.tolist() for p in trainer.plan.packs] != [p.tolist() for p in plan.packs]:
+                raise RuntimeError("VarpackSFTTrainer planned other packs than the benchmark's rows")
+        else:
+            trainer = SFTTrainer(
+                model=model,
+                args=SFTConfig(max_length=None, padding_free=True, **common),
+                train_dataset=datasets.Dataset.from_list(packed),
+                processing_class=tokenizer,
+                callbacks=[timer],
+            )
+            row["loss"] = "TRL fused LM head (chunked log-probs)"
+        n_params = count_params(model)
+        row["n_params"] = n_params
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        trainer.train()  # cold pass
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        for _ in range(args.timed_passes):
+            trainer.train()
+        if config == "trl_varpack":
+            row["loss"] = f"varpack objective ({trainer.loss_impl_used})"
+        elapsed = float(np.median(timer.seconds[1:]))
+        real = int(sum(sum(r["seq_lengths"]) for r in packed))  # the same packs for both configs
+        sup = sum(sum(x != IGNORE for x in r["labels"]) for r in packed)
+        row.update(
+            timed_steps=len(packed),
+            timed_pass_s=timer.seconds[1:],
+            seconds=elapsed,
+            step_ms=1e3 * elapsed / len(packed),
+            real_tokens_per_s=real / elapsed,
+            supervised_tokens_per_s=sup / elapsed,
+            mfu=6.0 * n_params * real / elapsed / args.peak_flops,
+            cold_first_step_s=timer.first_step[0],
+            cold_pass_s=timer.seconds[0],
+            loss_first=losses[0] if losses else float("nan"),
+            micro_batches_per_step=1.0,
+        )
+        if device.type == "cuda":
+            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    except (
+        Exception
+    ) as exc:  # TRL missing, OOM, an attention implementation failing: recorded, the run goes on
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    finally:
+        del model, trainer
+        tmp.cleanup()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
 def _resolved_varpack_backend(model, mb, device, dtype) -> str:
     """Which varpack attention backend ``auto`` runs for this model's attention shape (for the report)."""
     try:
@@ -494,7 +705,9 @@ def add_ratios(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             m = merged.setdefault(r["config"], {"config": r["config"], "rounds": []})
             m["rounds"].append(r)
             if best is not None and "real_tokens_per_s" in r:
-                m.setdefault("vs_best_peer_rounds", []).append(r["real_tokens_per_s"] / best["real_tokens_per_s"])
+                m.setdefault("vs_best_peer_rounds", []).append(
+                    r["real_tokens_per_s"] / best["real_tokens_per_s"]
+                )
                 m.setdefault("best_peer_rounds", []).append(best["config"])
             if "padded" in ok and "real_tokens_per_s" in r:
                 m.setdefault("vs_padded_rounds", []).append(
@@ -604,6 +817,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--pad-token-id", type=int, default=151643, help="Qwen3 <|endoftext|>")
     p.add_argument("--attn-backend", default="auto", help="varpack attention backend for (c)/(d)")
+    p.add_argument(
+        "--trl-attn",
+        default="auto",
+        help=f"trl_padding_free attention: auto (first that builds of {TRL_ATTN_ORDER}; sdpa on CPU) or one",
+    )
     p.add_argument("--lce-backend", default="auto", help="linear cross-entropy backend for (d)")
     p.add_argument("--chunk-size", type=int, default=4096, help="linear cross-entropy chunk (tokens)")
     p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE_PEAK_FLOPS)

@@ -49,6 +49,7 @@ __all__ = [
     "build_sft",
     "config_dict",
     "encode_chat_data",
+    "plan_samples",
     "run_sft",
     "training_arguments",
     "unsupervised_pieces",
@@ -240,7 +241,30 @@ def _load_samples(
 
 
 def _plan_packs(config: SFTConfig, encoded: Any, data_label: str) -> tuple[np.ndarray, Any]:
-    """``(lengths [N] int64, PackPlan)`` of the encoded samples.
+    """``(lengths [N] int64, PackPlan)`` of the encoded samples, with ``config``'s packing settings
+    (:func:`plan_samples`)."""
+    return plan_samples(
+        encoded,
+        packing_length=config.packing_length,
+        strategy=config.packing_strategy,
+        overflow=config.overflow,
+        seed=config.seed,
+        data_label=data_label,
+    )
+
+
+def plan_samples(
+    encoded: Any,
+    *,
+    packing_length: int,
+    strategy: str = "bfd",
+    overflow: str = "error",
+    seed: int = 0,
+    data_label: str = "the data",
+) -> tuple[np.ndarray, Any]:
+    """``(lengths [N] int64, PackPlan)`` of encoded samples (a ``datasets.Dataset`` with a ``length`` column,
+    or a sequence of dicts): :func:`varpack.plan.plan_packs`, refusing a plan that leaves nothing to train on.
+    Shared by :func:`build_sft` and :class:`varpack.integrations.trl.VarpackSFTTrainer`.
 
     Raises:
         ValueError: no pack left to train on (every sample dropped or empty), or a split / truncated piece
@@ -252,20 +276,14 @@ def _plan_packs(config: SFTConfig, encoded: Any, data_label: str) -> tuple[np.nd
         lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
     else:
         lengths = np.asarray([s.get("length", len(s["input_ids"])) for s in encoded], dtype=np.int64)
-    plan = plan_packs(
-        lengths,
-        config.packing_length,
-        strategy=config.packing_strategy,
-        overflow=config.overflow,
-        seed=config.seed,
-    )
+    plan = plan_packs(lengths, packing_length, strategy=strategy, overflow=overflow, seed=seed)
     if plan.num_packs == 0:  # training would do nothing and save the untrained model as if it had trained
         ov = plan.overflow
         gone = ", ".join(str(i) for i in (ov["dropped_ids"] + ov["empty_ids"])[:20])
         raise ValueError(
             f"no pack to train on: all {plan.num_samples} samples of {data_label} were dropped or empty "
             f"(sample ids {gone}{', ...' if len(ov['dropped_ids']) + len(ov['empty_ids']) > 20 else ''}); "
-            f"raise packing_length={config.packing_length} or use overflow='split' or overflow='truncate'"
+            f"raise packing_length={packing_length} or use overflow='split' or overflow='truncate'"
         )
     if plan.pieces and not hasattr(encoded, "with_format"):
         # image/video chats: refuse before training (not when the bad pack is reached) any split/truncate

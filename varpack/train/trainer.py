@@ -20,7 +20,7 @@ from transformers import Trainer, TrainerCallback
 
 from varpack.train.objectives import get_objective
 
-__all__ = ["PackEpochCallback", "PackedSFTTrainer", "TrainCollator"]
+__all__ = ["PackEpochCallback", "PackedLossMixin", "PackedSFTTrainer", "TrainCollator"]
 
 
 class PackEpochCallback(TrainerCallback):
@@ -34,25 +34,24 @@ class PackEpochCallback(TrainerCallback):
         self.dataset.set_epoch(epoch)
 
 
-class PackedSFTTrainer(Trainer):
-    """``Trainer`` whose loss comes from a training objective (``objective``, a name of
-    :data:`varpack.train.objectives.OBJECTIVES`; ``"sft"``: varpack's packed causal-LM loss) with
-    ``num_items_in_batch``.
+class PackedLossMixin:
+    """The packed-loss side of a ``Trainer`` subclass: the loss from a training objective
+    (:data:`varpack.train.objectives.OBJECTIVES`) divided by ``num_items_in_batch`` (overridden for the
+    ``"sample"`` reduction), the logits / linear-CE choice, and the ``tokens_per_second`` / ``pack_fill`` logs.
 
-    Also logs ``tokens_per_second`` (real tokens of the packed rows, all ranks) and ``pack_fill``
-    (real tokens / (packs x packing_length)) averaged since the previous log.
+    Mixed in before a ``transformers.Trainer`` class (:class:`PackedSFTTrainer`; TRL's ``SFTTrainer`` in
+    :class:`varpack.integrations.trl.VarpackSFTTrainer`); the subclass calls :meth:`_init_packed_loss` after
+    ``Trainer.__init__``. Its ``compute_loss`` never calls the base class's (the objective runs the model).
     """
 
-    def __init__(
+    def _init_packed_loss(
         self,
-        *args: Any,
+        *,
         loss_reduction: str = "token",
         loss_impl: str = "auto",
         packing_length: int | None = None,
         objective: str = "sft",
-        **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
         self.objective = get_objective(objective)
         self.loss_reduction = loss_reduction
         self.loss_impl = loss_impl
@@ -135,6 +134,33 @@ class PackedSFTTrainer(Trainer):
             self._window_tokens = self._window_slots = 0
             self._window_start = None
         super().log(logs, *args, **kwargs)
+
+
+class PackedSFTTrainer(PackedLossMixin, Trainer):
+    """``Trainer`` whose loss comes from a training objective (``objective``, a name of
+    :data:`varpack.train.objectives.OBJECTIVES`; ``"sft"``: varpack's packed causal-LM loss) with
+    ``num_items_in_batch`` (:class:`PackedLossMixin`).
+
+    Also logs ``tokens_per_second`` (real tokens of the packed rows, all ranks) and ``pack_fill``
+    (real tokens / (packs x packing_length)) averaged since the previous log.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_reduction: str = "token",
+        loss_impl: str = "auto",
+        packing_length: int | None = None,
+        objective: str = "sft",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_packed_loss(
+            loss_reduction=loss_reduction,
+            loss_impl=loss_impl,
+            packing_length=packing_length,
+            objective=objective,
+        )
 
 
 class TrainCollator:

@@ -1,0 +1,239 @@
+"""TRL drop-in (`varpack.integrations.trl.VarpackSFTTrainer`): a TRL `SFTTrainer` run on varpack's packs
+equals varpack's own trainer (loss per optimizer step, with gradient accumulation and an optimizer), one
+step's gradients equal each sample alone (negative control: the boundaries dropped), and TRL settings that
+would mix, cut or re-weight samples are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")  # the `trl` extra; `make test` installs it
+datasets = pytest.importorskip("datasets")
+
+from trl import SFTConfig  # noqa: E402
+
+from varpack.integrations.trl import VarpackSFTTrainer, samples_from_trl  # noqa: E402
+from varpack.loss import causal_lm_loss  # noqa: E402
+from varpack.models import load_model, load_tokenizer_for  # noqa: E402
+from varpack.train import SFTConfig as VarpackConfig  # noqa: E402
+from varpack.train.sft import build_sft  # noqa: E402
+
+VOCAB = 512
+PACKING_LENGTH = 16
+LENGTHS = (5, 9, 3, 12, 7, 4, 11, 6, 8, 2, 13, 5, 10, 3, 7, 9)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer_for("tiny-qwen3")  # the embedded Qwen3 tokenizer, built offline
+
+
+def rows(lengths=LENGTHS, seed=0):
+    """Pre-tokenized TRL rows: ``input_ids`` and ``labels`` with a prompt part (-100); ``labels[0]`` is a
+    token (TRL's own datasets leave it so), which varpack sets to -100."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        labels = [-100] * (n // 3) + ids[n // 3 :]
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def tiny_model(seed=0):
+    return load_model(
+        "tiny-qwen3", vocab_size=VOCAB, attn_backend="reference", dtype=torch.float32, seed=seed
+    )
+
+
+def trl_args(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "trl"),
+        max_length=PACKING_LENGTH,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        logging_steps=1,
+        logging_nan_inf_filter=False,
+        save_strategy="no",
+        report_to=[],
+        train_sampling_strategy="sequential",
+        gradient_checkpointing=False,
+        bf16=False,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    base.update(kw)
+    return SFTConfig(**base)
+
+
+def trl_trainer(tmp_path, tokenizer, model=None, args=None, **kw):
+    return VarpackSFTTrainer(
+        model=model if model is not None else tiny_model(),
+        args=args if args is not None else trl_args(tmp_path),
+        train_dataset=datasets.Dataset.from_list(rows()),
+        processing_class=tokenizer,
+        attn_backend="reference",
+        **kw,
+    )
+
+
+def varpack_run(tmp_path, tokenizer, samples, **kw):
+    config = VarpackConfig(
+        model="tiny-qwen3",
+        output_dir=str(tmp_path / "varpack"),
+        packing_length=PACKING_LENGTH,
+        packs_per_step=1,
+        grad_accum=2,
+        max_steps=3,
+        lr=1e-2,
+        attn_backend="reference",
+        save=False,
+        report_to="none",
+        **kw,
+    )
+    return build_sft(config, model=tiny_model(), tokenizer=tokenizer, encoded=samples)
+
+
+def step_losses(trainer):
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("loss_reduction", ["token", "sample"])
+def test_trl_run_equals_varpack_trainer(tmp_path, tokenizer, loss_reduction):
+    """Same samples, same plan, same packs in the same order: the TRL trainer's loss at every optimizer step
+    (AdamW, 2 accumulation micro-batches) equals varpack's PackedSFTTrainer's (fp32)."""
+    trl_trainer_ = trl_trainer(tmp_path, tokenizer, loss_reduction=loss_reduction)
+    run = varpack_run(tmp_path, tokenizer, trl_trainer_.samples, loss_reduction=loss_reduction)
+    assert [p.tolist() for p in trl_trainer_.plan.packs] == [p.tolist() for p in run.plan.packs]
+    assert trl_trainer_.plan.num_packs >= 6  # 3 steps x 2 micro-batches, all distinct packs
+    got, want = step_losses(trl_trainer_), step_losses(run.trainer)
+    assert len(got) == len(want) == 3
+    assert got != [got[0]] * 3  # the optimizer moved the model
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-6)
+    assert trl_trainer_.loss_impl_used == run.trainer.loss_impl_used
+
+
+def test_trl_samples_keep_token_fields_and_first_label():
+    """TRL rows become varpack samples: first label -100, the rest unchanged, raw columns dropped, labels =
+    input_ids when TRL gave none; an empty sample is named."""
+    ds = datasets.Dataset.from_list(
+        [
+            {"input_ids": [5, 6, 7], "labels": [5, -100, 7], "messages": "raw"},
+            {"input_ids": [8, 9], "labels": [8, 9]},
+        ]
+    )
+    s = samples_from_trl(ds)
+    assert s.column_names == ["input_ids", "labels", "length", "sample_id"]
+    assert s[0]["labels"] == [-100, -100, 7] and s[1]["labels"] == [-100, 9]
+    assert s["length"] == [3, 2] and s["sample_id"] == [0, 1]
+    assert samples_from_trl(datasets.Dataset.from_list([{"input_ids": [3, 4]}]))[0]["labels"] == [-100, 4]
+    with pytest.raises(ValueError, match="sample 1 of the train dataset has no tokens"):
+        samples_from_trl(datasets.Dataset.from_list([{"input_ids": [3]}, {"input_ids": []}]))
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def unpacked_grads(model, samples):
+    """Each sample alone on the model's own sdpa attention; token-mean loss over all samples."""
+    current = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        model.zero_grad(set_to_none=True)
+        n_sup = sum(sum(x != -100 for x in s["labels"][1:]) for s in samples)
+        total = 0.0
+        for s in samples:
+            logits = model(input_ids=torch.tensor([s["input_ids"]])).logits
+            total = total + causal_lm_loss(logits, torch.tensor([s["labels"]]), num_items_in_batch=1)
+        (total / n_sup).backward()
+        return (total / n_sup).detach(), _grads(model)
+    finally:
+        model.set_attn_implementation(current)
+
+
+@pytest.mark.parametrize("loss_impl", ["logits", "linear_ce"])
+def test_trl_step_gradients_equal_unpacked(tmp_path, tokenizer, loss_impl):
+    """One micro-batch from the TRL trainer's own dataloader (two packs) through its compute_loss: loss and
+    every gradient equal each of its samples alone; the same batch with its boundaries dropped does not."""
+    trainer = trl_trainer(
+        tmp_path, tokenizer, args=trl_args(tmp_path, per_device_train_batch_size=2), loss_impl=loss_impl
+    )
+    model = trainer.model
+    model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["num_packs"] == 2 and len(batch["sample_ids"]) > 2
+    samples = [trainer.samples[int(i)] for i in batch["sample_ids"]]
+    loss_u, grads_u = unpacked_grads(model, samples)
+
+    def packed(b):
+        model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(model, dict(b))
+        loss.backward()
+        return loss.detach(), _grads(model)
+
+    loss_p, grads_p = packed(batch)
+    assert trainer.loss_impl_used == loss_impl
+    assert grads_p.keys() == grads_u.keys() and len(grads_p) == len(list(model.parameters()))
+    torch.testing.assert_close(loss_p, loss_u, rtol=1e-6, atol=1e-6)
+    for n in grads_p:
+        torch.testing.assert_close(grads_p[n], grads_u[n], rtol=1e-4, atol=1e-6, msg=n)
+
+    t = batch["input_ids"].shape[1]  # negative control: one segment spanning the row
+    bad = {k: v for k, v in batch.items() if k != "varlen_meta"}
+    bad["cu_seq_lens_q"] = bad["cu_seq_lens_k"] = torch.tensor([0, t], dtype=torch.int32)
+    bad["max_length_q"] = bad["max_length_k"] = t
+    _, grads_bad = packed(bad)
+    assert max((grads_bad[n] - grads_u[n]).abs().max().item() for n in grads_u) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ({"packing": True}, "packing=True"),
+        ({"eval_packing": True}, "eval_packing=True"),
+        ({"padding_free": True}, "padding_free=True"),
+        ({"loss_type": "dft"}, "loss_type='dft'"),
+        ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
+        ({"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy='group_by_length'"),
+        ({"max_length": None}, "max_length=None"),
+    ],
+)
+def test_conflicting_trl_settings_refused(tmp_path, tokenizer, setting, match):
+    with pytest.raises(ValueError, match=match):
+        trl_trainer(tmp_path, tokenizer, args=trl_args(tmp_path, **setting))
+
+
+def test_conflicting_trainer_arguments_refused(tmp_path, tokenizer):
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    with pytest.raises(ValueError, match="data_collator=DataCollatorForLanguageModeling"):
+        trl_trainer(tmp_path, tokenizer, data_collator=DataCollatorForLanguageModeling(pad_token_id=0))
+    with pytest.raises(ValueError, match="compute_loss_func"):
+        trl_trainer(tmp_path, tokenizer, compute_loss_func=lambda *a, **k: 0)
+    with pytest.raises(ValueError, match="pass a model object"):
+        trl_trainer(tmp_path, tokenizer, model="Qwen/Qwen3-0.6B")
+    with pytest.raises(TypeError, match="trl.SFTConfig"):
+        VarpackSFTTrainer(model=tiny_model(), args=None, train_dataset=datasets.Dataset.from_list(rows()))
+    with pytest.raises(ValueError, match="overlong|longer|packing_length"):  # overflow="error": nothing cut
+        trl_trainer(tmp_path, tokenizer, args=trl_args(tmp_path, max_length=8))
+
+
+def test_model_put_on_varpack_attention(tmp_path, tokenizer):
+    """A model on sdpa (which would ignore the pack boundaries) is switched to varpack attention; the
+    trainer then refuses evaluate() with a dataset it did not pack."""
+    from varpack.integrations.transformers import is_varpack_attention
+
+    model = tiny_model()
+    model.set_attn_implementation("sdpa")
+    trainer = trl_trainer(tmp_path, tokenizer, model=model)
+    assert is_varpack_attention(trainer.model.config._attn_implementation)
+    with pytest.raises(ValueError, match="evaluate"):
+        trainer.evaluate(datasets.Dataset.from_list(rows()))

@@ -1,0 +1,300 @@
+"""Keep your TRL script: :class:`VarpackSFTTrainer` is TRL's ``SFTTrainer`` with varpack's packing.
+
+Change one name in a TRL script::
+
+    from trl import SFTConfig
+    from varpack.integrations.trl import VarpackSFTTrainer   # instead of trl.SFTTrainer
+
+    trainer = VarpackSFTTrainer(
+        model=model,                                # a model object (any transformers causal LM)
+        args=SFTConfig(output_dir="out", max_length=4096, per_device_train_batch_size=2),
+        train_dataset=dataset,                      # any dataset SFTTrainer takes: messages, prompt/completion, text,
+        processing_class=tokenizer,                 # or already tokenized (input_ids, labels)
+    )
+    trainer.train()
+
+What changes, and what TRL keeps:
+
+- **Data** -- TRL prepares the dataset as it always does (chat template, ``assistant_only_loss``,
+  ``completion_only_loss``, labels; ``_prepare_dataset``), but without truncation: ``max_length`` is the
+  *packing length* (as with TRL's ``packing=True``), and a sample longer than it follows varpack's ``overflow``
+  policy (``"error"`` by default: nothing is cut silently). varpack then plans packs of complete samples
+  (:func:`varpack.train.sft.plan_samples`, best-fit decreasing) and the trainer trains on a
+  :class:`varpack.data.dataset.PackedDataset` (one item = one pack; ``per_device_train_batch_size`` counts
+  packs), visited in the plan's per-epoch order. Of the prepared columns, ``input_ids``, ``labels`` and
+  varpack's token fields (``loss_scale``, ``token_type_ids``, ...) are kept, the raw text columns dropped (TRL's
+  collator reads no other column either); each sample's first label becomes -100 (it is never a target: the
+  loss shifts it away, and TRL's own padding-free collator does the same); no ``labels`` column: labels are
+  ``input_ids`` (TRL's rule).
+- **Collation** -- :class:`varpack.collate.PaddingFreeCollator`: one token row per micro-batch with
+  ``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx`` and the batch's ``VarlenMeta`` (``pad_to_multiple_of``
+  of the ``SFTConfig`` is honoured).
+- **Attention** -- the model is put on varpack attention (:func:`varpack.integrations.transformers.enable_varpack`,
+  ``attn_backend``) before TRL wraps it (PEFT ``peft_config`` included); its packing guard refuses any call that
+  could mix samples.
+- **Loss** -- varpack's objective (:class:`varpack.train.trainer.PackedLossMixin`): the packed causal-LM loss
+  (``loss_reduction`` ``"token"`` or ``"sample"``; chunked linear cross entropy with ``loss_impl="auto"`` on an
+  unwrapped model) divided by transformers' ``num_items_in_batch``; TRL's fused LM head is not used, so TRL's
+  ``entropy`` / ``mean_token_accuracy`` / ``num_tokens`` metrics are not logged; varpack logs
+  ``tokens_per_second`` and ``pack_fill``.
+
+Refused, with the setting named (each would mix samples, cut them, or train another loss): a model given by
+name (load it first: TRL would load it on another attention), ``packing=True`` / ``eval_packing=True`` (TRL's
+packer on top of varpack's), ``padding_free=True`` (TRL's collator), a ``data_collator`` that is not varpack's,
+``compute_loss_func``, ``loss_type`` other than ``"nll"``, ``label_smoothing_factor``, a
+``train_sampling_strategy`` that reorders by length (packs are already balanced), vision datasets, iterable
+datasets, context / sequence parallelism (they drop the boundaries), and ``evaluate(eval_dataset=...)`` with a
+dataset not packed at construction.
+
+Source of the TRL behaviour: trl 1.16 ``trl/trainer/sft_trainer.py`` (``SFTTrainer.__init__``,
+``_prepare_dataset``, ``compute_loss``, ``DataCollatorForLanguageModeling``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "varpack.integrations.trl needs TRL >= 1.16: pip install 'varpack[trl]' (or pip install trl)"
+    ) from exc
+
+from varpack.schema import IGNORE_INDEX, INPUT_IDS, LABELS, LENGTH, SAMPLE_ID, TOKEN_FIELDS
+from varpack.train.trainer import PackedLossMixin, PackEpochCallback, TrainCollator
+
+__all__ = ["VarpackSFTTrainer", "samples_from_trl"]
+
+#: ``train_sampling_strategy`` values that reorder items by length (meaningless for packs, and they read
+#: ``input_ids`` of a dataset row, which a pack is not).
+_LENGTH_SAMPLERS = ("group_by_length", "batch_rebalance")
+
+
+def _refuse(setting: str, why: str) -> ValueError:
+    return ValueError(f"VarpackSFTTrainer: {setting} -- {why}")
+
+
+def _check_args(args: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse TRL settings that would mix samples, cut them, or train another loss (module docstring)."""
+    if args.packing:
+        raise _refuse(
+            "packing=True",
+            "TRL's own packer (pack_dataset) would run on top of varpack's planner; set packing=False: varpack "
+            "packs complete samples with max_length (or packing_length=) as the packing length",
+        )
+    if args.eval_packing:
+        raise _refuse(
+            "eval_packing=True", "TRL's own packer; set eval_packing=False (varpack packs eval data)"
+        )
+    if args.padding_free:
+        raise _refuse(
+            "padding_free=True",
+            "that is TRL's padding-free collator; varpack's PaddingFreeCollator already collates every "
+            "micro-batch into one row with its boundaries: set padding_free=False",
+        )
+    if args.loss_type != "nll":
+        raise _refuse(
+            f"loss_type={args.loss_type!r}", "varpack's loss is the causal-LM NLL; use loss_type='nll'"
+        )
+    if args.label_smoothing_factor:
+        raise _refuse(
+            f"label_smoothing_factor={args.label_smoothing_factor}",
+            "varpack's packed loss has no label smoothing; set it to 0",
+        )
+    if args.train_sampling_strategy in _LENGTH_SAMPLERS:
+        raise _refuse(
+            f"train_sampling_strategy={args.train_sampling_strategy!r}",
+            "items are packs already balanced by the planner; use 'random' or 'sequential'",
+        )
+    if kwargs.get("compute_loss_func") is not None:
+        raise _refuse(
+            "compute_loss_func", "the loss is varpack's packed objective (loss_reduction=, loss_impl=)"
+        )
+    collator = kwargs.get("data_collator")
+    if collator is not None:
+        from varpack.collate import PaddingFreeCollator
+
+        inner = collator.collator if isinstance(collator, TrainCollator) else collator
+        if not isinstance(inner, PaddingFreeCollator):
+            raise _refuse(
+                f"data_collator={type(collator).__name__}",
+                "a collator that is not varpack's PaddingFreeCollator would not carry the pack boundaries; "
+                "leave data_collator unset",
+            )
+
+
+def samples_from_trl(dataset: Any, *, name: str = "train") -> Any:
+    """A TRL-prepared (tokenized) ``datasets.Dataset`` as varpack encoded samples.
+
+    Keeps ``input_ids``, ``labels`` (``input_ids`` when absent, TRL's rule) and varpack's token fields
+    (:data:`varpack.schema.TOKEN_FIELDS`), drops the other columns (raw ``messages`` / ``prompt`` /
+    ``completion`` / ``text``, TRL's masks, already folded into ``labels``), sets each sample's first label to
+    -100 (never a target of a causal LM) and adds ``length`` and ``sample_id`` (the row index).
+
+    Returns:
+        ``datasets.Dataset`` with ``input_ids`` / ``labels`` list[int] ``[L]``, ``length`` int, ``sample_id``
+        int, and any token fields that were present.
+
+    Raises:
+        TypeError: ``dataset`` is not a ``datasets.Dataset`` (an ``IterableDataset`` cannot be planned: the
+            planner needs every length first).
+        ValueError: no ``input_ids`` column (naming ``name``), or a sample with no tokens (naming it).
+    """
+    import datasets
+
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(
+            f"VarpackSFTTrainer: the {name} dataset is a {type(dataset).__name__}; varpack plans packs from "
+            "every sample's length, so it needs a datasets.Dataset (not an IterableDataset)"
+        )
+    columns = dataset.column_names
+    if INPUT_IDS not in columns:
+        raise ValueError(
+            f"VarpackSFTTrainer: the prepared {name} dataset has no 'input_ids' column: {columns}"
+        )
+    keep = [c for c in columns if c in TOKEN_FIELDS or c == SAMPLE_ID]
+    dataset = dataset.select_columns(keep)
+    has_labels = LABELS in keep
+    has_ids = SAMPLE_ID in keep
+
+    def _to_sample(row: dict[str, Any], idx: int) -> dict[str, Any]:
+        ids = row[INPUT_IDS]
+        if len(ids) == 0:
+            raise ValueError(
+                f"VarpackSFTTrainer: sample {idx} of the {name} dataset has no tokens ('input_ids')"
+            )
+        labels = list(row[LABELS] if has_labels else ids)
+        labels[0] = IGNORE_INDEX
+        out = {LABELS: labels, LENGTH: len(ids)}
+        if not has_ids:
+            out[SAMPLE_ID] = idx
+        return out
+
+    return dataset.map(_to_sample, with_indices=True, desc=f"varpack: {name} samples")
+
+
+class VarpackSFTTrainer(PackedLossMixin, SFTTrainer):
+    """TRL's ``SFTTrainer`` with varpack's planning, padding-free collation, varlen attention and loss.
+
+    Takes every argument of ``trl.SFTTrainer`` (``model`` must be a model object, ``args`` a
+    ``trl.SFTConfig``), plus:
+
+    Args:
+        packing_length: tokens per pack (default: ``args.max_length``, TRL's packing length).
+        packing_strategy: varpack's planner (``"bfd"`` best-fit decreasing, ``"sequential"``).
+        overflow: a sample longer than ``packing_length``: ``"error"`` (default), ``"drop"``, ``"truncate"``,
+            ``"split"`` (:func:`varpack.plan.plan_packs`).
+        loss_reduction: ``"token"`` (global token mean) or ``"sample"`` (global mean of per-sample means).
+        loss_impl: ``"auto"`` / ``"logits"`` / ``"linear_ce"`` (:class:`varpack.train.trainer.PackedSFTTrainer`).
+        attn_backend: varpack attention backend for :func:`varpack.integrations.transformers.enable_varpack`.
+
+    Attributes (after construction): ``plan`` (the train ``PackPlan``), ``samples`` (the encoded train samples),
+    ``train_dataset`` (a :class:`varpack.data.dataset.PackedDataset`).
+
+    Raises:
+        ValueError / TypeError: conflicting TRL settings (see the module docstring), naming the setting;
+            the planner's errors (an overlong sample with ``overflow="error"``, naming it).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        args: Any = None,
+        *,
+        packing_length: int | None = None,
+        packing_strategy: str = "bfd",
+        overflow: str = "error",
+        loss_reduction: str = "token",
+        loss_impl: str = "auto",
+        attn_backend: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        from varpack.collate import PaddingFreeCollator
+        from varpack.integrations.transformers import enable_varpack, is_varpack_attention
+
+        if isinstance(model, str):
+            raise _refuse(
+                f"model={model!r}",
+                "pass a model object (varpack.models.load_model(...) or AutoModelForCausalLM.from_pretrained(...)); "
+                "TRL would load the name on an attention implementation that ignores pack boundaries",
+            )
+        if not isinstance(args, SFTConfig):
+            raise TypeError(f"VarpackSFTTrainer needs args=trl.SFTConfig(...), got {type(args).__name__}")
+        _check_args(args, kwargs)
+        packing_length = packing_length if packing_length is not None else args.max_length
+        if packing_length is None:
+            raise _refuse(
+                "max_length=None", "give SFTConfig(max_length=...) or packing_length= (tokens per pack)"
+            )
+        train = kwargs.get("train_dataset")
+        first = next(iter(train)) if train is not None else {}
+        if "image" in first or "images" in first:
+            raise _refuse(
+                "a vision dataset", "TRL prepares images on the fly; varpack's TRL path is text-only"
+            )
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if not is_varpack_attention(getattr(base.config, "_attn_implementation", None)):
+            enable_varpack(base, backend=attn_backend)
+        base.config.use_cache = False
+
+        # TRL prepares the data (tokenize, labels) but must not truncate: max_length is the packing length.
+        trl_args = copy.copy(args)
+        trl_args.max_length = None
+        self.packing_settings = dict(
+            packing_length=int(packing_length), strategy=packing_strategy, overflow=overflow, seed=args.seed
+        )
+        pad_id = kwargs.pop("pad_token_id", None)
+        processing_class = kwargs.get("processing_class")
+        if pad_id is None and processing_class is not None:
+            tok = getattr(processing_class, "tokenizer", processing_class)
+            pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        kwargs["data_collator"] = kwargs.get("data_collator") or TrainCollator(
+            PaddingFreeCollator(pad_token_id=pad_id or 0, pad_to_multiple_of=args.pad_to_multiple_of)
+        )
+        super().__init__(model, trl_args, **kwargs)
+        self.args = args  # the user's settings (max_length as given) are what the run records
+
+        parallel = self.accelerator.parallelism_config
+        if parallel is not None and (parallel.cp_enabled or getattr(parallel, "sp_enabled", False)):
+            raise _refuse(
+                "context / sequence parallelism",
+                "it shards the packed row and drops the per-sample boundaries; varpack runs data parallel only",
+            )
+
+        self.samples, self.plan, self.train_dataset = self._pack(self.train_dataset, "train", shuffle=True)
+        self.add_callback(PackEpochCallback(self.train_dataset))
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {k: self._pack(v, k, shuffle=False)[2] for k, v in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = self._pack(self.eval_dataset, "eval", shuffle=False)[2]
+        self._init_packed_loss(
+            loss_reduction=loss_reduction,
+            loss_impl=loss_impl,
+            packing_length=int(packing_length),
+        )
+
+    def _pack(self, dataset: Any, name: str, *, shuffle: bool) -> tuple[Any, Any, Any]:
+        """``(samples, plan, PackedDataset)`` of a TRL-prepared dataset."""
+        from varpack.data.dataset import PackedDataset
+        from varpack.train.sft import plan_samples
+
+        samples = samples_from_trl(dataset, name=name)
+        _, plan = plan_samples(samples, data_label=f"the {name} dataset", **self.packing_settings)
+        return samples, plan, PackedDataset(samples, plan, shuffle=shuffle)
+
+    def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """``SFTTrainer.evaluate`` on the eval packs built at construction (``eval_dataset`` may name one of
+        them, a key of the dict given at construction).
+
+        Raises:
+            ValueError: a dataset object not packed at construction (it would be prepared by TRL, unpacked).
+        """
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            raise _refuse(
+                "evaluate(eval_dataset=<dataset>)",
+                "pass eval_dataset= at construction so varpack packs it, then evaluate() or evaluate('<name>')",
+            )
+        return super().evaluate(eval_dataset, *args, **kwargs)
