@@ -15,7 +15,7 @@ $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(BIN)/python -m pip install -q -e ".[test,bench,vision,gguf,lora,trl]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,vision,gguf,lora,trl,logging]"
 	touch $@
 
 venv: $(BIN)/.installed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 __all__ = [
     "ATTENTION_MASK",
+    "BATCH_STATS",
     "BOOKKEEPING_BATCH_KEYS",
     "BOUNDARY_KEYS",
     "CU_SEQ_LENS_K",
@@ -153,8 +154,12 @@ SAMPLE_BOOKKEEPING_FIELDS: frozenset[str] = frozenset(
 SAMPLE_IDS = "sample_ids"
 #: packs in the batch (an int), added by ``train.TrainCollator`` for the pack-fill log.
 NUM_PACKS = "num_packs"
+#: the batch's counts as Python ints, added by ``train.TrainCollator`` on the CPU for the per-step logs:
+#: ``{"packs", "samples", "tokens", "supervised_tokens"}`` (``tokens``: real tokens, padding excluded;
+#: ``supervised_tokens``: labels != IGNORE_INDEX).
+BATCH_STATS = "batch_stats"
 #: batch keys kept for bookkeeping only (neither model input nor loss input).
-BOOKKEEPING_BATCH_KEYS: tuple[str, ...] = (SAMPLE_IDS, NUM_PACKS)
+BOOKKEEPING_BATCH_KEYS: tuple[str, ...] = (SAMPLE_IDS, NUM_PACKS, BATCH_STATS)
 #: batch fields read by the loss, not by the model's forward.
 LOSS_FIELDS: tuple[str, ...] = (LABELS, LOSS_SCALE)
 #: batch keys removed before ``model(**batch)`` (loss fields and bookkeeping).

@@ -206,6 +206,7 @@ run = _build(out, max_steps=1, lr=1.0, packs_per_step={pps}, loss_reduction={red
 run.trainer.train()
 if run.trainer.is_world_process_zero():
     torch.save({{n: p.detach() for n, p in run.model.named_parameters()}}, out / "params.pt")
+    torch.save(run.trainer.state.log_history, out / "logs.pt")
 from varpack.cli.sft import _close_process_group
 _close_process_group()  # what `varpack sft` does: an open gloo group can abort the process at exit
 """
@@ -220,7 +221,7 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path, reduction):
     import subprocess
 
     tests = str(pathlib.Path(__file__).parent)
-    params = {}
+    params, logs = {}, {}
     for name, nproc, pps in (("ddp", 2, 1), ("single", 1, 2)):
         out = tmp_path / name
         out.mkdir()
@@ -238,10 +239,15 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path, reduction):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         params[name] = torch.load(out / "params.pt")
+        logs[name] = [h for h in torch.load(out / "logs.pt") if "loss" in h]
     start = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend=None).state_dict()
     moved = max((params["single"][n] - start[n]).abs().max().item() for n in params["single"])
     worst = max((params["ddp"][n] - params["single"][n]).abs().max().item() for n in params["single"])
     assert moved > 1e-4 and worst <= 1e-6 + 1e-5 * moved
+    # the logged counts are summed over ranks: 2 ranks x 1 pack log what 1 process x 2 packs logs
+    keys = ("packs_per_step", "samples_per_step", "tokens_per_step", "supervised_tokens_per_step", "pack_fill")
+    assert [{k: h[k] for k in keys} for h in logs["ddp"]] == [{k: h[k] for k in keys} for h in logs["single"]]
+    assert logs["single"][0]["packs_per_step"] == 2
 
 
 def test_liger_refused_before_encoding_without_cuda(tmp_path, capsys, monkeypatch):

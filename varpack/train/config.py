@@ -176,8 +176,10 @@ class SFTConfig:
             head) or comma-separated module names (``q_proj,k_proj,v_proj,o_proj``).
         lora_merge: with ``lora`` and ``save``: also save the merged model (base weights + adapter, peft's
             ``merge_and_unload``) to ``<output_dir>/merged``.
-        report_to: Trainer integrations (``none`` by default); transformers' open set (``all``,
-            ``tensorboard``, ``wandb``, ...), checked by ``TrainingArguments``.
+        report_to: Trainer integrations (``none`` by default; several comma-separated); transformers' open
+            set (``all``, ``tensorboard``, ``wandb``, ...), checked by ``TrainingArguments``. They get
+            varpack's per-step metrics and the packing report (README "Logging",
+            :mod:`varpack.train.reporting`).
         extra_training_args: more ``transformers.TrainingArguments`` keywords (applied last).
 
     Raises:
@@ -358,7 +360,8 @@ class SFTConfig:
     report_to: str = field(
         default="none",
         metadata=_opt(
-            "Trainer logging integrations: none, all, tensorboard, wandb, ... (default: %(default)s)",
+            "Trainer logging integrations, comma-separated: none, all, tensorboard, wandb, ... "
+            "(default: %(default)s)",
             metavar="NAME",
         ),
     )

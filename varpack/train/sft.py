@@ -42,6 +42,7 @@ from varpack.plan.report import plan_summary, summary_text
 from varpack.schema import IGNORE_INDEX
 from varpack.train.config import DEFAULT_LR, SFTConfig, default_lr
 from varpack.train.config_file import CONFIG_FILE_NAME, write_config_file
+from varpack.train.reporting import RunReportCallback
 from varpack.train.trainer import PackedSFTTrainer, PackEpochCallback, TrainCollator
 
 __all__ = [
@@ -144,10 +145,9 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         model, encoded, data_label, config = _load_samples(config, model, tokenizer, load)
     lengths, plan = _plan_packs(config, encoded, data_label)
     dataset = PackedDataset(encoded, plan)
-    report = summary_text(
-        plan_summary(plan, lengths, data=data_label),
-        unsupervised=unsupervised_pieces(encoded, plan) if plan.pieces else None,
-    )
+    summary = plan_summary(plan, lengths, data=data_label)
+    unsupervised = unsupervised_pieces(encoded, plan) if plan.pieces else None
+    report = summary_text(summary, unsupervised=unsupervised)
     model = _prepare_model(config, model, load)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id))
@@ -163,6 +163,17 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         loss_reduction=config.loss_reduction,
         loss_impl=config.loss_impl,
         packing_length=config.packing_length,
+    )
+    trainer.add_callback(
+        RunReportCallback(
+            trainer,
+            summary=summary,
+            text=report,
+            plan=plan,
+            backend=config.attn_backend,
+            unsupervised=unsupervised,
+            write_file=config.save or bool(training_args.report_to),
+        )
     )
     return SFTRun(
         config=config,
@@ -348,7 +359,7 @@ def training_arguments(config: SFTConfig) -> Any:
         logging_first_step=True,
         logging_nan_inf_filter=False,
         save_strategy="no",
-        report_to=config.report_to,
+        report_to=_report_to(config.report_to),
         remove_unused_columns=False,
         train_sampling_strategy="sequential",
         dataloader_num_workers=config.dataloader_num_workers,
@@ -368,17 +379,28 @@ def training_arguments(config: SFTConfig) -> Any:
     return TrainingArguments(**args_kw)
 
 
+def _report_to(text: str) -> str | list[str]:
+    """``SFTConfig.report_to`` for ``TrainingArguments``: ``"tensorboard,wandb"`` -> a list (transformers
+    takes a list, or one name / ``all`` / ``none`` as a string)."""
+    if "," not in text:
+        return text
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFTRun:
     """Build and train a packed SFT run; print the packing report first and a summary at the end.
 
     The report names the learning rate and, when ``config.lr`` was left to the default, the model kind it
     was chosen for (:data:`varpack.train.config.DEFAULT_LR`). A saved run also writes its resolved settings
-    (``lr`` resolved) to ``output_dir/varpack_config.yaml``, which ``varpack sft --config`` reads back. An output directory this run created is removed
+    (``lr`` resolved) to ``output_dir/varpack_config.yaml``, which ``varpack sft --config`` reads back. A saved
+    or logged run (``save``, or ``report_to`` other than ``none``) writes the packing report to
+    ``output_dir/packing_report.json`` when training starts (:mod:`varpack.train.reporting`). An output directory this run created is removed
     again when nothing was saved into it (``save=False``, or training failed).
 
     Returns:
         The :class:`SFTRun`; ``run.history`` holds the Trainer's log entries (``loss``, ``tokens_per_second``,
-        ``pack_fill``, ...); ``run.config`` the settings used (``lr`` resolved).
+        ``supervised_tokens_per_step``, ``pack_fill``, ...: :func:`varpack.train.trainer.step_metrics`);
+        ``run.config`` the settings used (``lr`` resolved).
     """
     run = build_sft(config, **build_kw)
     config = run.config

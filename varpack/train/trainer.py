@@ -18,9 +18,21 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
+from varpack.schema import BATCH_STATS, IGNORE_INDEX, LABELS, SAMPLE_IDS, VARLEN_META
 from varpack.train.objectives import get_objective
 
-__all__ = ["PackEpochCallback", "PackedLossMixin", "PackedSFTTrainer", "TrainCollator"]
+__all__ = [
+    "STAT_KEYS",
+    "PackEpochCallback",
+    "PackedLossMixin",
+    "PackedSFTTrainer",
+    "TrainCollator",
+    "batch_stats",
+    "step_metrics",
+]
+
+#: the counts of :data:`varpack.schema.BATCH_STATS`, in this order
+STAT_KEYS: tuple[str, ...] = ("packs", "samples", "tokens", "supervised_tokens")
 
 
 class PackEpochCallback(TrainerCallback):
@@ -42,6 +54,11 @@ class PackedLossMixin:
     Mixed in before a ``transformers.Trainer`` class (:class:`PackedSFTTrainer`; TRL's ``SFTTrainer`` in
     :class:`varpack.integrations.trl.VarpackSFTTrainer`); the subclass calls :meth:`_init_packed_loss` after
     ``Trainer.__init__``. Its ``compute_loss`` never calls the base class's (the objective runs the model).
+
+    Every training log entry also gets varpack's metrics of the logging window (:func:`step_metrics`, from
+    the collator's ``batch_stats``, all ranks): ``tokens_per_second``, ``tokens_per_step``,
+    ``supervised_tokens_per_step``, ``packs_per_step``, ``samples_per_step`` and ``pack_fill``. They go
+    through ``Trainer.log``, so every ``report_to`` integration (tensorboard, wandb, ...) records them.
     """
 
     def _init_packed_loss(
@@ -57,9 +74,9 @@ class PackedLossMixin:
         self.loss_impl = loss_impl
         self.packing_length = packing_length
         self.model_accepts_loss_kwargs = True  # our compute_loss divides by num_items_in_batch itself
-        self._window_tokens = 0
-        self._window_slots = 0
+        self._window = dict.fromkeys(STAT_KEYS, 0)  # batch_stats summed since the previous log (this rank)
         self._window_start: float | None = None  # set by the first micro-batch of a logging window
+        self._last_logged_step = 0
         self.loss_impl_used: str | None = None
 
     # -- num_items_in_batch for the "sample" reduction --------------------------------------------
@@ -102,13 +119,6 @@ class PackedLossMixin:
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
-        labels = inputs["labels"]
-        num_packs = inputs.get("num_packs")
-        if self._window_start is None:
-            self._window_start = time.perf_counter()
-        self._window_tokens += int(labels.shape[-1])
-        if num_packs is not None and self.packing_length:
-            self._window_slots += int(num_packs) * int(self.packing_length)
         result = self.objective.loss(
             model,
             inputs,
@@ -122,17 +132,43 @@ class PackedLossMixin:
             loss = loss * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
 
-    # -- logging -----------------------------------------------------------------------------------
+    # -- per-step metrics ----------------------------------------------------------------------------
+    def training_step(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """Adds the micro-batch's ``batch_stats`` (Python ints from the collator) to the logging window,
+        then Trainer's step."""
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
+        stats = inputs.get(BATCH_STATS)
+        if stats is not None:
+            for key in STAT_KEYS:
+                self._window[key] += int(stats[key])
+        return super().training_step(model, inputs, *args, **kwargs)
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Adds varpack's metrics to a training log entry (one with ``loss``); see :func:`step_metrics`.
+
+        Under several ranks the window counts are summed over ranks here (one all-reduce of 4 integers at a
+        logging step, as Trainer's own loss gather; Trainer calls ``log`` on every rank)."""
         now = time.perf_counter()
-        if "loss" in logs and self._window_tokens and self._window_start is not None:
-            elapsed = max(now - self._window_start, 1e-9)
-            world = max(1, self.args.world_size)
-            logs["tokens_per_second"] = round(self._window_tokens * world / elapsed, 1)
-            if self._window_slots:
-                logs["pack_fill"] = round(self._window_tokens / self._window_slots, 4)
-            self._window_tokens = self._window_slots = 0
+        if "loss" in logs and self._window_start is not None:
+            counts = [self._window[k] for k in STAT_KEYS]
+            if self.args.world_size > 1:
+                import torch
+
+                total = torch.tensor(counts, dtype=torch.int64, device=self.args.device)
+                counts = [int(c) for c in self.accelerator.reduce(total, reduction="sum").tolist()]
+            steps = self.state.global_step - self._last_logged_step
+            logs.update(
+                step_metrics(
+                    dict(zip(STAT_KEYS, counts)),
+                    steps=steps,
+                    seconds=now - self._window_start,
+                    packing_length=self.packing_length,
+                )
+            )
+            self._window = dict.fromkeys(STAT_KEYS, 0)
             self._window_start = None
+            self._last_logged_step = self.state.global_step
         super().log(logs, *args, **kwargs)
 
 
@@ -141,8 +177,7 @@ class PackedSFTTrainer(PackedLossMixin, Trainer):
     :data:`varpack.train.objectives.OBJECTIVES`; ``"sft"``: varpack's packed causal-LM loss) with
     ``num_items_in_batch`` (:class:`PackedLossMixin`).
 
-    Also logs ``tokens_per_second`` (real tokens of the packed rows, all ranks) and ``pack_fill``
-    (real tokens / (packs x packing_length)) averaged since the previous log.
+    Every training log entry carries varpack's per-step metrics (:func:`step_metrics`).
     """
 
     def __init__(
@@ -163,9 +198,39 @@ class PackedSFTTrainer(PackedLossMixin, Trainer):
         )
 
 
+def step_metrics(
+    counts: dict[str, int], *, steps: int, seconds: float, packing_length: int | None
+) -> dict[str, float]:
+    """varpack's metrics of one logging window (the keys a log entry gets; Trainer's integrations show
+    them as ``train/<key>``).
+
+    Args:
+        counts: the window's summed ``batch_stats`` of all ranks (:data:`STAT_KEYS`: ``packs``, ``samples``,
+            ``tokens`` (real tokens, padding excluded), ``supervised_tokens`` (labels != -100)).
+        steps: optimizer steps in the window (``>= 1``; 0 is treated as 1).
+        seconds: wall-clock time of the window, from its first micro-batch to the log.
+        packing_length: tokens per pack; ``None``: no ``pack_fill``.
+
+    Returns:
+        ``tokens_per_second`` (``tokens / seconds``), per optimizer step (window mean):
+        ``tokens_per_step``, ``supervised_tokens_per_step``, ``packs_per_step``, ``samples_per_step``, and
+        ``pack_fill`` = ``tokens / (packs * packing_length)`` (the plan's fill over the window's packs).
+    """
+    steps = max(1, int(steps))
+    out: dict[str, float] = {"tokens_per_second": round(counts["tokens"] / max(seconds, 1e-9), 1)}
+    for key in STAT_KEYS:
+        out[f"{key}_per_step"] = counts[key] / steps
+    if packing_length and counts["packs"]:
+        out["pack_fill"] = counts["tokens"] / (counts["packs"] * int(packing_length))
+    return out
+
+
 class TrainCollator:
-    """``PaddingFreeCollator`` for the Trainer: adds ``num_packs`` (an int, for the pack-fill log; popped before
-    the model sees the batch). The boundaries travel as the collator built them (``varlen_meta``)."""
+    """``PaddingFreeCollator`` for the Trainer: adds ``num_packs`` (an int) and ``batch_stats`` (the batch's
+    counts as Python ints, :data:`varpack.schema.BATCH_STATS`, read by the per-step logs), both popped before
+    the model sees the batch. The counts are taken here, on the CPU, from the collated row (``varlen_meta``
+    offsets and the CPU ``labels``): no device read later. The boundaries travel as the collator built them
+    (``varlen_meta``)."""
 
     def __init__(self, collator: Any) -> None:
         self.collator = collator
@@ -174,4 +239,25 @@ class TrainCollator:
         batch = self.collator(features)
         packs = sum(1 for f in features if isinstance(f, (list, tuple)))
         batch["num_packs"] = packs or 1
+        batch[BATCH_STATS] = batch_stats(batch, packs=packs or 1)
         return batch
+
+
+def batch_stats(batch: dict[str, Any], *, packs: int) -> dict[str, int]:
+    """The counts of one collated padding-free batch (CPU tensors, as the collator returns them).
+
+    Args:
+        batch: a :class:`varpack.collate.PaddingFreeCollator` batch: ``sample_ids`` (one entry per sample),
+            ``varlen_meta`` (CPU offsets; a trailing padding segment when ``pad_to_multiple_of`` padded the
+            row), ``labels`` ``[1, T]`` int64.
+        packs: packs in the batch.
+
+    Returns:
+        ``{"packs", "samples", "tokens", "supervised_tokens"}`` as ints: ``tokens`` = the samples' tokens
+        (``cu_seqlens[num_samples]``, padding excluded), ``supervised_tokens`` = ``labels != -100``.
+    """
+    samples = len(batch[SAMPLE_IDS])
+    meta = batch[VARLEN_META]
+    tokens = int(meta.cu_seqlens_q[samples])
+    supervised = int((batch[LABELS] != IGNORE_INDEX).sum()) if LABELS in batch else 0
+    return {"packs": int(packs), "samples": samples, "tokens": tokens, "supervised_tokens": supervised}
