@@ -107,7 +107,9 @@ class PackBatch:
         if len(batches) == 1:
             return batches[0]
         base = np.cumsum([0] + [b.sample_ids.shape[0] for b in batches[:-1]])
-        offsets = np.concatenate([batches[0].offsets[:1]] + [b.offsets[1:] + s for b, s in zip(batches, base)])
+        offsets = np.concatenate(
+            [batches[0].offsets[:1]] + [b.offsets[1:] + s for b, s in zip(batches, base)]
+        )
         return PackBatch(
             offsets,
             np.concatenate([b.sample_ids for b in batches]),
@@ -219,8 +221,17 @@ class StreamingPacker:
             "counters": {
                 name: getattr(self, name)
                 for name in (
-                    "next_id", "num_samples", "input_tokens", "num_packs", "num_items", "total_tokens",
-                    "max_pack_tokens", "min_pack_tokens", "max_items_per_pack", "final_packs", "final_tokens",
+                    "next_id",
+                    "num_samples",
+                    "input_tokens",
+                    "num_packs",
+                    "num_items",
+                    "total_tokens",
+                    "max_pack_tokens",
+                    "min_pack_tokens",
+                    "max_items_per_pack",
+                    "final_packs",
+                    "final_tokens",
                     "finished",
                 )
             },
@@ -305,7 +316,9 @@ class StreamingPacker:
                 rep = self.report
                 rep["overlong_ids"].extend(ids[over].tolist())
                 rep["overlong_lengths"].extend(arr[over].tolist())
-                key = {"drop": "dropped_ids", "truncate": "truncated_ids", "split": "split_ids"}[self.overflow]
+                key = {"drop": "dropped_ids", "truncate": "truncated_ids", "split": "split_ids"}[
+                    self.overflow
+                ]
                 rep[key].extend(ids[over].tolist())
                 psample, pstart, pstop, dropped = overlong_pieces(over, arr[over], L, self.overflow)
                 rep["num_pieces"] += int(psample.size)
