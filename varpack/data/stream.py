@@ -57,6 +57,7 @@ class ChatStream:
         source: JSONL path(s) (``.jsonl`` / ``.ndjson``, optionally ``.gz``), a ``datasets.IterableDataset``
             or ``datasets.Dataset``, a sequence of row dicts, or a function of no arguments returning an
             iterator of row dicts (called once per pass and per DataLoader worker).
+        label: how reports name the source (default: the file names, or the source's type).
 
     Raises:
         FileNotFoundError: a path does not exist.
@@ -66,7 +67,8 @@ class ChatStream:
             every pass and every worker can read the stream from its start.
     """
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: Any, *, label: str | None = None) -> None:
+        self._label = label
         self.paths: tuple[str, ...] = ()
         if isinstance(source, (str, os.PathLike)):
             source = [source]
@@ -99,7 +101,9 @@ class ChatStream:
 
     @property
     def label(self) -> str:
-        """File names, or the source's type (for reports)."""
+        """The label given, else the file names or the source's type (for reports)."""
+        if self._label:
+            return self._label
         return ", ".join(self.paths) if self.paths else type(self.source).__name__
 
     def rows(
