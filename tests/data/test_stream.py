@@ -214,3 +214,42 @@ def test_collated_batches_and_reports():
         assert cu[0] == 0 and cu[-1] == b["input_ids"].shape[1] <= L
     assert [r["num_packs"] >= 5 * (i + 1) for i, r in enumerate(reports[:-1])] == [True] * (len(reports) - 1)
     assert reports[-1]["finished"] and reports[-1]["num_packs"] == len(batches)
+
+
+def test_sft_streaming_trains_and_reads_every_sample_once(tmp_path):
+    from varpack.models import load_model
+    from varpack.train import SFTConfig, build_sft
+    from varpack.train.sft import run_sft
+
+    vocab = 512
+    rows = [{"input_ids": [(i * 7 + t) % vocab for t in range(n)], "labels": [-100] + [(i * 7 + t) % vocab
+             for t in range(1, n)]} for i, n in enumerate([5, 17, 30, 9, 23, 2, 31, 12, 8, 19, 26, 4])]
+    kw = dict(
+        model="tiny-qwen3", output_dir=str(tmp_path / "out"), packing_length=32, attn_backend="reference",
+        save=False, streaming=True, buffer_size=4, max_steps=3,
+        extra_training_args={"optim": "sgd", "max_grad_norm": 0.0, "use_cpu": True},
+    )
+
+    class Tok:
+        pad_token_id = 0
+
+    def model():
+        return load_model("tiny-qwen3", vocab_size=vocab, attn_backend="reference")
+
+    run = build_sft(SFTConfig(**kw), model=model(), tokenizer=Tok(), encoded=rows)
+    seen = [s for b in run.trainer.get_train_dataloader() for s in b["sample_ids"]]
+    assert sorted(seen) == list(range(len(rows)))  # one pass: every sample once, leftovers included
+    lines = []
+    run = run_sft(SFTConfig(**kw), print_fn=lines.append, model=model(), tokenizer=Tok(), encoded=rows)
+    assert run.trainer.state.global_step == 3 and len(run.history) == 3
+    assert all(np.isfinite(h["loss"]) and 0 < h["pack_fill"] <= 1 for h in run.history)
+    assert "streaming: bfd over a buffer of 4 samples" in lines[0]
+
+
+def test_sft_streaming_needs_max_steps():
+    from varpack.train import SFTConfig
+
+    with pytest.raises(ValueError, match="max_steps.*streaming needs max_steps >= 1"):
+        SFTConfig(streaming=True)
+    with pytest.raises(ValueError, match="buffer_size"):
+        SFTConfig(streaming=True, max_steps=1, buffer_size=1)
