@@ -88,9 +88,9 @@ def main() -> None:
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for name, lengths in streams.items():
-        g_cpu, plan = _best_cpu(lambda: plan_packs(lengths, L, overflow="truncate"), args.repeat)
+        g_cpu, plan = _best_cpu(lambda x=lengths: plan_packs(x, L, overflow="truncate"), args.repeat)
         for k in args.buffers:
-            cpu, p = _best_cpu(lambda: _stream(lengths, L, k), args.repeat)
+            cpu, p = _best_cpu(lambda x=lengths, k=k: _stream(x, L, k), args.repeat)
             print(
                 f"| {name:<17} | {k:>8,} | {p.num_packs:>8,} | {plan.num_packs:>12,} | {p.fill_ratio:>8.4%} | "
                 f"{plan.fill_ratio:>11.4%} | {p.fill_ratio / plan.fill_ratio:>13.4f} | {cpu:>7.3f} | "
