@@ -8,6 +8,7 @@ keyed by the files' names, sizes and modification times and the tokenizer name.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -22,14 +23,22 @@ def _cache_dir() -> Path:
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "varpack") / "bench"
 
 
+def _is_sft_file(path: Path) -> bool:
+    """False for preference pairs (``mt_bench_pairs.jsonl``: ``prompt`` / ``chosen`` / ``rejected``), which
+    are not SFT samples (the same rule as ``_common.encode_shared_data``)."""
+    with path.open(encoding="utf-8") as fh:
+        first = json.loads(fh.readline() or "{}")
+    return not ("chosen" in first and "rejected" in first)
+
+
 def data_files(data_dir: str | os.PathLike[str] | None = None) -> list[Path]:
-    """The ``*.jsonl`` files of the shared data folder, sorted by name.
+    """The ``*.jsonl`` chat files of the shared data folder (preference pairs left out), sorted by name.
 
     Raises:
         FileNotFoundError: the folder does not exist or holds no ``.jsonl`` file.
     """
     d = Path(data_dir) if data_dir is not None else DEFAULT_DATA_DIR
-    files = sorted(d.glob("*.jsonl"))
+    files = sorted(f for f in d.glob("*.jsonl") if _is_sft_file(f))
     if not files:
         raise FileNotFoundError(
             f"no *.jsonl files in {d} (set VARPACK_SHARED_DATA to the shared data folder)"

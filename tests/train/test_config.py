@@ -53,6 +53,8 @@ NON_DEFAULT = dict(
     lora_dropout=0.05,
     lora_target_modules="q_proj,v_proj",
     lora_merge=True,
+    streaming=True,
+    buffer_size=500,
     report_to="tensorboard",
     extra_training_args={"max_grad_norm": 0.5, "optim": "sgd"},
 )

@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from varpack.schema import IGNORE_INDEX, MEDIA_FIELDS, TOKEN_ALIGNED_FIELDS
 
-__all__ = ["PackedDataset", "TOKEN_ALIGNED_FIELDS", "sample_lengths"]
+__all__ = ["PackedDataset", "TOKEN_ALIGNED_FIELDS", "cut_piece", "sample_lengths"]
 
 
 def _is_hf_dataset(samples: Any) -> bool:
@@ -86,6 +86,61 @@ def _restart_text_plane(value: Any, text_plane: int) -> Any:
 def _set_first_label(labels: Any) -> Any:
     labels[0] = IGNORE_INDEX
     return labels
+
+
+def cut_piece(
+    row: dict[str, Any],
+    start: int,
+    stop: int,
+    *,
+    sample_id: int,
+    piece_id: int | None = None,
+    token_fields: Iterable[str] = TOKEN_ALIGNED_FIELDS,
+    text_plane: int = 0,
+) -> None:
+    """Cut ``row`` (a sample dict, in place) to its token range ``[start, stop)``: a piece of an overlong sample.
+
+    Every token-aligned field (``token_fields``) is sliced, ``labels[0]`` becomes -100 (the token before the
+    cut is in another piece), ``length`` is updated, the text plane of ``position_ids`` restarts at
+    ``0..L-1`` (mRoPE planes kept), and ``piece_range`` (and ``piece_id`` when given) is added. A sample with
+    images or videos is cut by ``varpack.data.multimodal.slice_mm_sample`` (the piece keeps the media wholly
+    inside it). Shared by :class:`PackedDataset` and the streaming dataset (:mod:`varpack.data.stream`).
+
+    Raises:
+        ValueError: the range is not inside the sample (naming the piece / sample), or it cuts through an
+            image / video span.
+    """
+    token_fields = tuple(token_fields)
+    if any(row.get(f) is not None for f in MEDIA_FIELDS):
+        # image/video pieces keep only the media wholly inside them; a cut inside an image raises
+        from varpack.data import multimodal
+
+        piece = multimodal.slice_mm_sample(row, start, stop, sample_id=sample_id)
+        for f in token_fields:  # extra token fields that the multimodal slicer does not know
+            if f in row and f not in TOKEN_ALIGNED_FIELDS:
+                piece[f] = _slice(row[f], start, stop)
+        row.clear()
+        row.update(piece)
+    else:
+        length = len(row["input_ids"])
+        if not 0 <= start < stop <= length:
+            what = f"piece {piece_id} of sample {sample_id}" if piece_id is not None else f"sample {sample_id}"
+            raise ValueError(
+                f"{what} covers tokens [{start}, {stop}) but the sample has {length} tokens "
+                "(plan made for other data?)"
+            )
+        for field in token_fields:
+            if field in row and row[field] is not None:
+                row[field] = _slice(row[field], start, stop)
+        if "labels" in row:
+            row["labels"] = _set_first_label(row["labels"])
+        if "position_ids" in row and row["position_ids"] is not None:
+            row["position_ids"] = _restart_text_plane(row["position_ids"], text_plane)
+        if "length" in row:
+            row["length"] = stop - start
+    if piece_id is not None:
+        row["piece_id"] = piece_id
+    row["piece_range"] = (start, stop)
 
 
 class PackedDataset(Dataset):
@@ -329,36 +384,10 @@ class PackedDataset(Dataset):
         return rows
 
     def _cut(self, row: dict[str, Any], piece_id: int, sample_id: int, start: int, stop: int) -> None:
-        if any(row.get(f) is not None for f in MEDIA_FIELDS):
-            # image/video pieces keep only the media wholly inside them; a cut inside an image raises
-            from varpack.data import multimodal
-
-            piece = multimodal.slice_mm_sample(row, start, stop, sample_id=sample_id)
-            for f in self.token_fields:  # extra token fields that the multimodal slicer does not know
-                if f in row and f not in TOKEN_ALIGNED_FIELDS:
-                    piece[f] = _slice(row[f], start, stop)
-            row.clear()
-            row.update(piece)
-            row["piece_id"] = piece_id
-            row["piece_range"] = (start, stop)
-            return
-        length = len(row["input_ids"])
-        if not 0 <= start < stop <= length:
-            raise ValueError(
-                f"piece {piece_id} of sample {sample_id} covers tokens [{start}, {stop}) but the sample has "
-                f"{length} tokens (plan made for other data?)"
-            )
-        for field in self.token_fields:
-            if field in row and row[field] is not None:
-                row[field] = _slice(row[field], start, stop)
-        if "labels" in row:
-            row["labels"] = _set_first_label(row["labels"])
-        if "position_ids" in row and row["position_ids"] is not None:
-            row["position_ids"] = _restart_text_plane(row["position_ids"], self.text_plane)
-        if "length" in row:
-            row["length"] = stop - start
-        row["piece_id"] = piece_id
-        row["piece_range"] = (start, stop)
+        cut_piece(
+            row, start, stop, sample_id=sample_id, piece_id=piece_id, token_fields=self.token_fields,
+            text_plane=self.text_plane,
+        )
 
     def __repr__(self) -> str:
         return (

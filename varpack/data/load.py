@@ -9,6 +9,8 @@ detected and routed to the vision-language encoder:
 * files holding at least one image/video chat (:func:`varpack.data.multimodal.has_mm_chats`): every row is
   encoded by :func:`varpack.data.multimodal.encode_any` (placeholders expanded to the patch grid, mRoPE
   positions from ``rope_model``'s own rope function);
+* ``streaming=True``: a :class:`varpack.data.stream.ChatStream` (JSONL read line by line, or the built-in
+  chats), encoded when it is iterated (``varpack sft --streaming``);
 * anything else: :func:`varpack.data.chat.load_chat_data` + :func:`varpack.data.chat.encode_dataset` (any
   format of :mod:`varpack.data.formats`, cached as Arrow).
 
@@ -55,6 +57,8 @@ class EncodedData:
         """``numpy.int64 [N]`` token length of every sample (what the planner packs)."""
         import numpy as np
 
+        if not hasattr(self.samples, "__len__"):
+            raise TypeError("a stream has no lengths before it is read (load_and_encode(..., streaming=True))")
         if hasattr(self.samples, "with_format"):
             return np.asarray(self.samples.with_format("numpy")["length"], dtype=np.int64)
         return np.asarray([s.get("length", len(s["input_ids"])) for s in self.samples], dtype=np.int64)
@@ -101,6 +105,7 @@ def load_and_encode(
     progress: bool = False,
     formats: bool = False,
     desc: str = "encode",
+    streaming: bool = False,
 ) -> EncodedData:
     """Load chat data and encode it with ``tokenizer``: the one data entry of the CLI and the benchmarks.
 
@@ -121,6 +126,9 @@ def load_and_encode(
         progress: tqdm bar while encoding image/video chats (text chats always show the ``datasets`` bar).
         formats: count rows per data format (text chats), checked before the tokenizer is loaded.
         desc: label of the ``datasets`` progress bar (text chats).
+        streaming: read nothing now: ``samples`` is a :class:`varpack.data.stream.ChatStream` over the JSONL
+            files (read line by line when iterated) or the built-in text chats, encoded on the fly by
+            :class:`varpack.data.stream.StreamingPackedDataset` (text chats only).
 
     Returns:
         :class:`EncodedData` (``samples``, ``multimodal``, ``paths``, ``source``, ``formats``).
@@ -135,6 +143,19 @@ def load_and_encode(
 
     paths = [data] if isinstance(data, (str, os.PathLike)) else list(data or [])
     source = ", ".join(os.fspath(p) for p in paths)
+    if streaming:  # the streaming source: rows read and encoded when the stream is iterated
+        from varpack.data.stream import ChatStream
+
+        if vl or (paths and has_mm_chats(paths)):
+            raise ValueError(
+                "streaming reads text chats; image/video chats are encoded with the full dataset at hand "
+                "(leave streaming off)"
+            )
+        if paths:
+            return EncodedData(ChatStream(paths), False, tuple(os.fspath(p) for p in paths), source)
+        from varpack.data.builtin import builtin_chats
+
+        return EncodedData(ChatStream(builtin_chats(), label=BUILTIN_TEXT), False, (), BUILTIN_TEXT)
     if not paths and vl:
         from varpack.data.tokenizer import varpack_cache_root
         from varpack.data.vl_builtin import write_vl_jsonl

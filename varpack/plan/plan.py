@@ -25,6 +25,7 @@ __all__ = [
     "PackPlan",
     "STRATEGIES",
     "lengths_fingerprint",
+    "overlong_pieces",
     "plan_packs",
 ]
 
@@ -342,6 +343,42 @@ def _listing(ids: np.ndarray, lengths: np.ndarray) -> str:
     return shown + more
 
 
+def overlong_pieces(
+    sample_ids: np.ndarray, lengths: np.ndarray, packing_length: int, overflow: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The pieces that the overflow policy makes of overlong samples (the one rule of :func:`plan_packs` and
+    the streaming packer :mod:`varpack.plan.streaming`).
+
+    Args:
+        sample_ids: ``[M]`` int64 ids of the overlong samples, increasing.
+        lengths: ``[M]`` int64 their lengths in tokens (each ``> packing_length``).
+        packing_length: ``L``.
+        overflow: ``"drop"`` (no pieces), ``"truncate"`` (one piece ``[0, L)``) or ``"split"`` (pieces
+            ``[0, L), [L, 2L), ...``); ``"error"`` is the caller's to raise before.
+
+    Returns:
+        ``(piece_sample, piece_start, piece_stop, tokens_dropped)``: ``[K]`` int64 arrays ordered by (sample
+        id, start), and the tokens that are in no piece.
+    """
+    no = np.zeros(0, np.int64)
+    L = int(packing_length)
+    if not sample_ids.size or overflow == "drop":
+        return no, no, no, int(lengths.sum()) if sample_ids.size else 0
+    if overflow == "truncate":
+        n = sample_ids.size
+        start, stop = np.zeros(n, np.int64), np.full(n, L, np.int64)
+        return sample_ids.astype(np.int64), start, stop, int((lengths - L).sum())
+    if overflow != "split":
+        raise ValueError(f"overlong_pieces: overflow must be 'drop', 'truncate' or 'split', got {overflow!r}")
+    per = -(-lengths // L)  # pieces per sample
+    piece_sample = np.repeat(sample_ids, per).astype(np.int64)
+    first = np.cumsum(per) - per
+    k = np.arange(piece_sample.size, dtype=np.int64) - np.repeat(first, per)
+    piece_start = k * L
+    piece_stop = np.minimum(piece_start + L, np.repeat(lengths, per))
+    return piece_sample, piece_start, piece_stop, 0
+
+
 def plan_packs(
     lengths: Any,
     packing_length: int,
@@ -434,21 +471,9 @@ def plan_packs(
                 "overflow='truncate' or overflow='split'"
             )
         whole = np.flatnonzero((arr > 0) & (arr <= L))
-        # pieces of overlong samples, ordered by (sample id, start)
-        if over_ids.size and overflow == "drop":
-            tokens_dropped = int(arr[over_ids].sum())
-        elif over_ids.size and overflow == "truncate":
-            piece_sample = over_ids.astype(np.int64)
-            piece_start = np.zeros(over_ids.size, np.int64)
-            piece_stop = np.full(over_ids.size, L, np.int64)
-            tokens_dropped = int((arr[over_ids] - L).sum())
-        elif over_ids.size and overflow == "split":
-            per = -(-arr[over_ids] // L)  # pieces per sample
-            piece_sample = np.repeat(over_ids, per).astype(np.int64)
-            first = np.cumsum(per) - per
-            k = np.arange(piece_sample.size, dtype=np.int64) - np.repeat(first, per)
-            piece_start = k * L
-            piece_stop = np.minimum(piece_start + L, arr[piece_sample])
+        piece_sample, piece_start, piece_stop, tokens_dropped = overlong_pieces(
+            over_ids, arr[over_ids], L, overflow
+        )
         # the items to pack, in dataset order: whole samples and pieces (a piece sits where its sample was)
         num_pieces = int(piece_sample.size)
         item_ids = np.concatenate([whole, n + np.arange(num_pieces, dtype=np.int64)])

@@ -82,6 +82,25 @@ def _format_label(formats: dict[str, int]) -> str:
     return ", ".join(f"{f} {n:,}" + ("" if f == "messages" else " (converted)") for f, n in formats.items())
 
 
+def _strategy_label(summary: dict[str, Any]) -> str:
+    """``bfd``, or for a streaming packer's summary ``bfd over a buffer of 10,000 samples``."""
+    if "buffer_size" in summary:
+        return f"{summary['strategy']} over a buffer of {summary['buffer_size']:,} samples"
+    return str(summary["strategy"])
+
+
+def _stream_line(summary: dict[str, Any]) -> str | None:
+    """For a streaming summary: the final partial packs, or how many items wait in the buffer."""
+    if "buffer_size" not in summary:
+        return None
+    if summary["finished"]:
+        return (
+            f"end of stream: {summary['final_packs']:,} final pack(s) of {summary['final_tokens']:,} tokens "
+            "emitted (nothing left in the buffer)"
+        )
+    return f"{summary['buffered']:,} item(s) in the buffer, not packed yet"
+
+
 def summary_table(summary: dict[str, Any]) -> Any:
     """The ``varpack plan`` table of a :func:`plan_summary` (a ``rich.table.Table``; print it with
     ``rich.console.Console().print``). Rows: data, format (when ``formats`` is given), samples, tokens,
@@ -93,7 +112,7 @@ def summary_table(summary: dict[str, Any]) -> Any:
     data = summary["data"]
     table = Table(
         title=(
-            f"varpack plan: {summary['strategy']}, packing_length={summary['packing_length']:,}, "
+            f"varpack plan: {_strategy_label(summary)}, packing_length={summary['packing_length']:,}, "
             f"overflow={ov['policy']}"
         ),
         show_header=True,
@@ -110,6 +129,9 @@ def summary_table(summary: dict[str, Any]) -> Any:
     table.add_row("lower bound", f"{summary['lower_bound_packs']:,}")
     table.add_row("fill", f"{summary['fill_ratio']:.4%}")
     table.add_row("overflow", over)
+    stream = _stream_line(summary)
+    if stream:
+        table.add_row("stream", stream)
     if "seconds" in summary:
         sec = summary["seconds"]
         table.add_row("time", f"encode {sec['encode']:.2f} s, plan {sec['plan']:.3f} s")
@@ -133,7 +155,7 @@ def summary_text(
     ov = summary["overflow"]
     over = _overflow_line(ov, split=" into {:,} pieces)")
     lines = [
-        f"packing report ({summary['strategy']}, packing_length={summary['packing_length']:,}, "
+        f"packing report ({_strategy_label(summary)}, packing_length={summary['packing_length']:,}, "
         f"overflow={ov['policy']})",
         f"  data      {summary['data']}",
         f"  samples   {summary['num_samples']:,} ({summary['input_tokens']:,} tokens)",
@@ -142,6 +164,9 @@ def summary_text(
         f"  fill      {summary['fill_ratio']:.2%}",
         f"  overflow  {over}",
     ]
+    stream = _stream_line(summary)
+    if stream:
+        lines.append(f"  stream    {stream}")
     if unsupervised:
         shown = ", ".join(f"sample {sid} [{a}, {b})" for _, sid, a, b in unsupervised[:10])
         more = f" and {len(unsupervised) - 10} more" if len(unsupervised) > 10 else ""

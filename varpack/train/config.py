@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from varpack.plan.plan import DEFAULT_PACKING_LENGTH
+from varpack.plan.streaming import DEFAULT_BUFFER_SIZE
 
 __all__ = [
     "ALWAYS_ON",
@@ -139,6 +140,11 @@ class SFTConfig:
         packing_strategy: ``bfd`` (best-fit decreasing) or ``sequential`` (order-preserving next-fit).
         overflow: samples longer than ``packing_length``: ``error`` (default: refuse, listing their ids and
             lengths), ``drop``, ``truncate`` or ``split``; whatever happens is in the packing report.
+        streaming: read ``data`` lazily (JSON Lines, line by line; the built-in chats without ``data``),
+            encode every chat when it is read and pack online over a buffer of ``buffer_size`` samples
+            (:class:`varpack.data.stream.StreamingPackedDataset`); needs ``max_steps``.
+        buffer_size: with ``streaming``: samples packed together (``>= 2``); default
+            :data:`varpack.plan.streaming.DEFAULT_BUFFER_SIZE`, chosen by ``benchmarks/streaming.py``.
         packs_per_step: packs per micro-batch per device (all flattened into one row).
         grad_accum: gradient-accumulation micro-batches per optimizer step.
         epochs: passes over the packs (ignored when ``max_steps > 0``).
@@ -219,6 +225,22 @@ class SFTConfig:
     packing_strategy: PackingStrategy = field(default="bfd", metadata=_opt(_strategy_help))
     overflow: OverflowPolicy = field(
         default="error", metadata=_opt("samples longer than --packing-length (default: %(default)s)")
+    )
+    streaming: bool = field(
+        default=False,
+        metadata=_opt(
+            "read --data lazily (JSONL), encode chats on the fly and pack online over a buffer of "
+            "--buffer-size samples; needs --max-steps (a stream's length is not known before it is read)"
+        ),
+    )
+    buffer_size: int = field(
+        default=DEFAULT_BUFFER_SIZE,
+        metadata=_opt(
+            "with --streaming: samples packed together (best-fit decreasing over a bounded buffer); "
+            "a larger buffer fills packs closer to the global plan (default: %(default)s)",
+            metavar="K",
+            cli_type="int>=1",
+        ),
     )
     packs_per_step: int = field(
         default=1,
@@ -398,10 +420,18 @@ class SFTConfig:
             ("lora_dropout", 0.0 <= self.lora_dropout < 1.0),
             ("lora_target_modules", bool(self.lora_target_module_list())),
             ("lora_merge", not self.lora_merge or self.lora),
+            ("buffer_size", self.buffer_size >= 2),
         ]
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}")
+        if self.streaming and self.max_steps < 1:
+            raise ValueError(
+                "SFTConfig.max_steps has an invalid value: -1; streaming needs max_steps >= 1: the number of "
+                "packs of a stream is not known before it is read, and the Trainer needs the number of steps "
+                "for its loop and learning-rate schedule (a stream shorter than max_steps is read again, "
+                "pass after pass)"
+            )
         for name, annotation in _hints().items():
             choices = literal_choices(annotation)
             if choices is not None and getattr(self, name) not in choices:

@@ -141,13 +141,17 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     load = _model_loader(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
     data_label = ", ".join(config.data) if config.data else "built-in chats"
-    if encoded is None:
-        model, encoded, data_label, config = _load_samples(config, model, tokenizer, load)
-    lengths, plan = _plan_packs(config, encoded, data_label)
-    dataset = PackedDataset(encoded, plan)
-    summary = plan_summary(plan, lengths, data=data_label)
-    unsupervised = unsupervised_pieces(encoded, plan) if plan.pieces else None
-    report = summary_text(summary, unsupervised=unsupervised)
+    if config.streaming:
+        model, encoded, dataset, report = _streaming_dataset(config, model, tokenizer, encoded, load)
+        plan = summary = unsupervised = None
+    else:
+        if encoded is None:
+            model, encoded, data_label, config = _load_samples(config, model, tokenizer, load)
+        lengths, plan = _plan_packs(config, encoded, data_label)
+        dataset = PackedDataset(encoded, plan)
+        summary = plan_summary(plan, lengths, data=data_label)
+        unsupervised = unsupervised_pieces(encoded, plan) if plan.pieces else None
+        report = summary_text(summary, unsupervised=unsupervised)
     model = _prepare_model(config, model, load)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id))
@@ -159,22 +163,23 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         train_dataset=dataset,
         data_collator=collator,
         processing_class=tokenizer,
-        callbacks=[PackEpochCallback(dataset)],
+        callbacks=[] if config.streaming else [PackEpochCallback(dataset)],
         loss_reduction=config.loss_reduction,
         loss_impl=config.loss_impl,
         packing_length=config.packing_length,
     )
-    trainer.add_callback(
-        RunReportCallback(
-            trainer,
-            summary=summary,
-            text=report,
-            plan=plan,
-            backend=config.attn_backend,
-            unsupervised=unsupervised,
-            write_file=config.save or bool(training_args.report_to),
+    if plan is not None:  # a stream has no plan up front; it prints its own report as it packs
+        trainer.add_callback(
+            RunReportCallback(
+                trainer,
+                summary=summary,
+                text=report,
+                plan=plan,
+                backend=config.attn_backend,
+                unsupervised=unsupervised,
+                write_file=config.save or bool(training_args.report_to),
+            )
         )
-    )
     return SFTRun(
         config=config,
         model=model,
@@ -187,6 +192,64 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         lr_default_kind=lr_default_kind,
         created_output_dir=created_output_dir,
     )
+
+
+#: ``varpack sft --streaming`` prints the stream's packing report every this many packs (and at its end).
+STREAM_REPORT_EVERY = 1000
+
+
+def _streaming_dataset(
+    config: SFTConfig, model: Any, tokenizer: Any, encoded: Any, load: Callable[[], Any]
+) -> tuple[Any, Any, Any, str]:
+    """``(model or None, ChatStream, StreamingPackedDataset, report)`` of ``sft --streaming``: the chats are
+    read lazily and encoded / packed when the Trainer iterates (:mod:`varpack.data.stream`).
+
+    Ranks: the dataset does not shard by rank itself (``world_size=1``): under several processes the HF
+    Trainer (accelerate's ``IterableDatasetShard``) hands each rank its own micro-batches of the one packed
+    stream, so every rank reads and encodes the stream (the packs are deterministic, so all ranks agree).
+
+    Raises:
+        ValueError: a vision-language model (streaming reads text chats).
+    """
+    from varpack.data.stream import ChatStream, StreamingPackedDataset
+    from varpack.models import is_vl_model
+
+    if model is None:
+        model = load()
+    if is_vl_model(model):
+        raise ValueError("--streaming reads text chats; a vision-language model trains without --streaming")
+    if encoded is None:
+        encoded = load_and_encode(config.data, tokenizer, streaming=True).samples
+    stream = encoded if isinstance(encoded, ChatStream) else ChatStream(encoded, label="given samples")
+    main = int(os.environ.get("RANK", "0")) == 0
+
+    def report(summary: dict[str, Any]) -> None:
+        if main:
+            print(summary_text(summary), flush=True)
+
+    dataset = StreamingPackedDataset(
+        stream,
+        tokenizer,
+        packing_length=config.packing_length,
+        buffer_size=config.buffer_size,
+        strategy=config.packing_strategy,
+        overflow=config.overflow,
+        rank=0,
+        world_size=1,
+        report_every=STREAM_REPORT_EVERY,
+        report_fn=report,
+    )
+    text = "\n".join(
+        [
+            f"packing report (streaming: {config.packing_strategy} over a buffer of {config.buffer_size:,} "
+            f"samples, packing_length={config.packing_length:,}, overflow={config.overflow})",
+            f"  data      {stream.label}",
+            f"  packs     planned while the stream is read; the report (fill, overflow) is printed every "
+            f"{STREAM_REPORT_EVERY:,} packs and at the end of the stream, pack_fill in the training logs",
+            f"  steps     {config.max_steps:,} (max_steps; a stream shorter than that is read again)",
+        ]
+    )
+    return model, stream, dataset, text
 
 
 def _refuse_kernel_settings(config: SFTConfig) -> None:
@@ -341,8 +404,8 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any]) -> An
 
 def training_arguments(config: SFTConfig) -> Any:
     """``transformers.TrainingArguments`` of a packed run: sequential sampling (the plan orders the packs),
-    nothing saved by the Trainer, no per-step NaN filter (it reads the loss), ``config.extra_training_args``
-    applied last."""
+    nothing saved by the Trainer, no per-step NaN filter (it reads the loss), with ``streaming`` no batch
+    dispatching (``dispatch_batches=False``), ``config.extra_training_args`` applied last."""
     from transformers import TrainingArguments
 
     args_kw: dict[str, Any] = dict(
@@ -373,6 +436,10 @@ def training_arguments(config: SFTConfig) -> Any:
         args_kw.update(use_cpu=True, ddp_backend="gloo")
     elif not torch.cuda.is_available() and config.bf16:
         args_kw.update(use_cpu=True)  # transformers refuses bf16 without a GPU unless told to run on the CPU
+    if config.streaming:
+        # accelerate would dispatch an IterableDataset's batches from rank 0 and slice every tensor along its
+        # first dimension (cu_seq_lens too); each rank fetches its own micro-batches instead
+        args_kw["accelerator_config"] = {"dispatch_batches": False}
     if config.gradient_checkpointing:  # the flag is renamed in newer transformers; pass it only when used
         args_kw["gradient_checkpointing"] = True
     args_kw.update(config.extra_training_args)
