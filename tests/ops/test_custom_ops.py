@@ -199,6 +199,7 @@ def test_gated_delta_op_packed_equals_unpacked(compiler):
 def test_backward_kinds_and_refusals():
     assert op_backward_kind("reference") == op_backward_kind("sdpa") == "recompute"
     assert op_backward_kind("flash_attn") is None and op_backward_kind("flash_attn_3") is None
+    assert op_backward_kind("torch_varlen") is None and op_backward_kind("flex") is None  # see _NO_OP_BACKWARD
     with pytest.raises(ValueError, match="unknown attention backend"):
         op_backward_kind("nope")
     q, k, v = _qkv()
@@ -264,6 +265,15 @@ def test_gpu_op_equals_varlen_attention(backend):
     except BackendUnavailableError as exc:
         pytest.skip(str(exc))
     want_grads = _grads(want.float(), (q, k, v))
+    if op_backward_kind(backend) is None:
+        # torch_varlen, flex: forward through the op, a call that needs gradients refused (never another path)
+        with torch.no_grad():
+            got = varlen_attention_op(q, k, v, cu, cu, 250, 250, backend=backend)
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=0)
+        with pytest.raises(BackendUnavailableError, match="no backward through varpack's custom op"):
+            varlen_attention_op(q, k, v, cu, cu, 250, 250, backend=backend)
+        return
+    assert op_backward_kind(backend) == "native", backend  # FA4 4.0.0b36: the native pair is wired
     got = varlen_attention_op(q, k, v, cu, cu, 250, 250, backend=backend)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for a, b in zip(_grads(got.float(), (q, k, v)), want_grads):

@@ -22,17 +22,18 @@ Backward, per backend (:func:`op_backward_kind`):
   called exactly as its ``FlashAttnVarlenFunc`` does). The forward returns the kernel's log-sum-exp ``lse``
   (``[H, Tq]`` fp32) and the backward op runs the FA4 backward kernel: no recomputation. Softcap is refused
   there (FA4's own varlen backward asserts ``softcap == 0``).
-* ``"recompute"``: ``reference``, ``sdpa``, ``torch_varlen``, ``flex``, and ``flash_attn_4`` when its
-  internals do not match. The backward op runs the backend's forward again under ``torch.func.vjp`` and pulls
+* ``"recompute"``: ``reference`` and ``sdpa`` (plain PyTorch). The backward op runs the backend's forward again under ``torch.func.vjp`` and pulls
   ``dout`` back through it: one extra forward per backward (about +1/3 of attention's fwd+bwd FLOPs, plus the
   backend's forward activations alive during that layer's backward only). ``torch.func`` and not
   ``torch.enable_grad()`` + ``torch.autograd.grad``: an op's implementation runs below the autograd dispatch
   key (``torch.library`` excludes it), where autograd records nothing; functorch's transform re-enables it
   for its own scope. ``lse`` is then an empty ``[0]`` fp32 tensor.
-* ``None``: ``flash_attn`` (FA2) and ``flash_attn_3``. Their autograd is an old-style
-  ``torch.autograd.Function``, which ``torch.func`` refuses, and their separate forward / backward functions
-  (``_flash_attn_varlen_forward`` / ``_backward``) changed signature across releases; they are not wired
-  blind. Forward-only calls work; a call that needs gradients raises :class:`BackendUnavailableError`.
+* ``None``: the backends ``torch.func`` cannot pull back through (:data:`_NO_OP_BACKWARD` gives each
+  reason): ``flash_attn`` (FA2), ``flash_attn_3`` and ``flash_attn_4`` without the native pair (old-style
+  ``torch.autograd.Function``), ``torch_varlen`` (torch's ``varlen_attn`` is a custom op whose autograd has
+  no functorch rule) and ``flex`` (the compiled ``flex_attention`` higher-order op does not trace functorch
+  tensors); seen on the H200 with torch 2.11. Forward-only calls work; a call that needs gradients raises
+  :class:`BackendUnavailableError` (never a silent switch to another backend).
   A native path plugs into :data:`_NATIVE` (a forward returning ``(out, lse)`` and a backward).
 
 Costs: the op's output is made contiguous (a copy only for ``flex``, whose output is a transposed view).
@@ -103,11 +104,13 @@ def _fa4_native() -> _Native | None:
 
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap):
         left, right = fa4_window(causal, window, max_q, max_k)
-        return fwd(
+        result = fwd(
             q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
             softmax_scale=scale, causal=causal, softcap=softcap, window_size_left=left,
             window_size_right=right, return_lse=True,
         )  # fmt: skip
+        # flash-attn-4 4.0.0b36 returns (out, lse, p, row_max, o_lo); earlier betas (out, lse)
+        return result[0], result[1]
 
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap):
         left, right = fa4_window(causal, window, max_q, max_k)
@@ -125,7 +128,16 @@ def _fa4_native() -> _Native | None:
 _NATIVE: dict[str, Callable[[], _Native | None]] = {"flash_attn_4": _fa4_native}
 #: backends whose forward is plain differentiable PyTorch (or a custom op with an autograd formula), which
 #: ``torch.func.vjp`` can pull gradients back through.
-_RECOMPUTE = frozenset({"reference", "sdpa", "torch_varlen", "flex", "flash_attn_4"})
+_RECOMPUTE = frozenset({"reference", "sdpa"})
+#: backend name -> why the op has no backward for it (when no native pair is wired).
+_NO_OP_BACKWARD = {
+    "flash_attn": "its autograd is an old-style autograd.Function that torch.func refuses",
+    "flash_attn_3": "its autograd is an old-style autograd.Function that torch.func refuses",
+    "flash_attn_4": "the installed FA4 lacks the _flash_attn_fwd/_flash_attn_bwd pair this op calls, and its "
+    "autograd.Function is old-style (torch.func refuses it)",
+    "torch_varlen": "torch's varlen_attn is a custom op whose autograd has no functorch rule",
+    "flex": "the compiled flex_attention higher-order op does not trace functorch tensors",
+}
 
 
 @functools.cache
@@ -357,9 +369,10 @@ def varlen_attention_op(
 def _check_differentiable(name: str, softcap: float, needs_grad: bool) -> None:
     if needs_grad and op_backward_kind(name, softcap=softcap) is None:
         raise BackendUnavailableError(
-            f"attention backend {name!r} has no backward through varpack's custom op (its autograd is an "
-            "old-style autograd.Function that torch.func cannot recompute, and its separate backward kernel is "
-            "not wired); use varpack.attn.varlen_attention, or another backend"
+            f"attention backend {name!r} has no backward through varpack's custom op "
+            f"({_NO_OP_BACKWARD.get(name, 'no native backward is wired')}); train through "
+            "varpack.attn.varlen_attention (compile_layers without custom_ops), or pick flash_attn_4 (native "
+            "backward), sdpa or reference"
         )
 
 
