@@ -12,11 +12,12 @@ This module imports nothing heavy (no torch, transformers or datasets): the pars
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+
+from varpack._argtypes import float_above, int_at_least, max_steps_type
 
 __all__ = [
     "ATTN_BACKENDS",
@@ -53,49 +54,6 @@ class UsageError(ValueError):
     """
 
     flag_wording: bool = True
-
-
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """``argparse`` type: an integer ``>= minimum`` (the error names the value given)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
-        return value
-
-    parse.__name__ = f"int_at_least_{minimum}"
-    return parse
-
-
-def float_above(minimum: float) -> Callable[[str], float]:
-    """``argparse`` type: a finite number ``> minimum``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and value > minimum):
-            raise argparse.ArgumentTypeError(f"must be a finite number > {minimum:g}, got {text!r}")
-        return value
-
-    parse.__name__ = f"float_above_{minimum:g}"
-    return parse
-
-
-def max_steps_type(text: str) -> int:
-    """``argparse`` type of ``--max-steps``: ``-1`` (run ``--epochs``) or an integer ``>= 1``."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value != -1 and value < 1:
-        raise argparse.ArgumentTypeError(f"must be -1 (run --epochs) or an integer >= 1, got {text!r}")
-    return value
 
 
 def check_data_files(paths: Sequence[str] | None) -> None:

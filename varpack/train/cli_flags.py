@@ -139,7 +139,7 @@ def json_object(text: str) -> dict[str, Any]:
 
 
 def _cli_types() -> dict[str, Callable[[str], Any]]:
-    from varpack.cli._common import float_above, int_at_least, max_steps_type
+    from varpack._argtypes import float_above, int_at_least, max_steps_type
 
     return {
         "int>=0": int_at_least(0),
