@@ -60,7 +60,9 @@ def test_ungrouped_plan_may_split_pairs():
 def test_overlong_pair_error_names_group():
     lengths = np.array([100, 100, 600, 500, 10, 20])
     groups = np.array([0, 0, 7, 7, 2, 2])
-    with pytest.raises(ValueError, match=r"1 group\(s\) are longer than packing_length=1000 together .*7: 1100"):
+    with pytest.raises(
+        ValueError, match=r"1 group\(s\) are longer than packing_length=1000 together .*7: 1100"
+    ):
         plan_packs(lengths, 1000, groups=groups)
 
 
@@ -71,7 +73,11 @@ def test_overlong_pair_dropped_as_unit_and_reported():
     seen = _check_members_together(plan, groups)
     assert sorted(seen.tolist()) == [0, 1, 4, 5]
     ov = plan.overflow
-    assert ov["dropped_ids"] == [2, 3] and ov["overlong_group_ids"] == [7] and ov["overlong_group_lengths"] == [1100]
+    assert (
+        ov["dropped_ids"] == [2, 3]
+        and ov["overlong_group_ids"] == [7]
+        and ov["overlong_group_lengths"] == [1100]
+    )
     assert ov["tokens_dropped"] == 1100
     text = summary_text(plan_summary(plan, lengths, data="x"))
     assert "1 overlong group(s) of 2 samples (dropped; group ids 7)" in text

@@ -547,7 +547,9 @@ def _plan_groups(
     if n and int(arr.min()) == 0:
         sid = int(np.flatnonzero(arr == 0)[0])
         gid = int(gids[np.searchsorted(starts, sid, side="right") - 1])
-        raise ValueError(f"sample {sid} (group {gid}) is empty (0 tokens); a group's members must not be empty")
+        raise ValueError(
+            f"sample {sid} (group {gid}) is empty (0 tokens); a group's members must not be empty"
+        )
     sizes = np.diff(np.r_[starts, n]).astype(np.int64)
     glen = np.add.reduceat(arr, starts) if n else np.zeros(0, np.int64)
     over = np.flatnonzero(glen > L)
