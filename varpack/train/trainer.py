@@ -36,8 +36,9 @@ class PackEpochCallback(TrainerCallback):
 
 class PackedSFTTrainer(Trainer):
     """``Trainer`` whose loss comes from a training objective (``objective``, a name of
-    :data:`varpack.train.objectives.OBJECTIVES`; ``"sft"``: varpack's packed causal-LM loss) with
-    ``num_items_in_batch``.
+    :data:`varpack.train.objectives.OBJECTIVES` or an objective object; ``"sft"``: varpack's packed causal-LM
+    loss, ``"dpo"``: :class:`varpack.train.objectives.dpo.DPOObjective`) with ``num_items_in_batch`` (the
+    objective's own count when it has ``own_item_count``: DPO's pairs).
 
     Also logs ``tokens_per_second`` (real tokens of the packed rows, all ranks) and ``pack_fill``
     (real tokens / (packs x packing_length)) averaged since the previous log.
@@ -49,11 +50,11 @@ class PackedSFTTrainer(Trainer):
         loss_reduction: str = "token",
         loss_impl: str = "auto",
         packing_length: int | None = None,
-        objective: str = "sft",
+        objective: Any = "sft",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.objective = get_objective(objective)
+        self.objective = get_objective(objective) if isinstance(objective, str) else objective
         self.loss_reduction = loss_reduction
         self.loss_impl = loss_impl
         self.packing_length = packing_length
@@ -66,7 +67,8 @@ class PackedSFTTrainer(Trainer):
     # -- num_items_in_batch for the "sample" reduction --------------------------------------------
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self.loss_reduction == "sample" and batch_samples:
+        own = getattr(self.objective, "own_item_count", False)  # DPO: pairs, whatever the reduction
+        if (self.loss_reduction == "sample" or own) and batch_samples:
             n = sum(self.objective.count_items(b, reduction="sample") for b in batch_samples)
             n = n.to(device)
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
