@@ -58,6 +58,10 @@ NON_DEFAULT = dict(
     lora_dropout=0.05,
     lora_target_modules="q_proj,v_proj",
     lora_merge=True,
+    objective="dpo",
+    beta=0.3,
+    label_smoothing=0.1,
+    loss_type="robust",
 )
 
 
@@ -291,7 +295,7 @@ def _field_argv(name: str, spelling: str) -> list[str]:
 
 SPELLINGS = sorted((spelling, name) for spelling, name in field_names().items())
 #: settings only valid together with another one (SFTConfig refuses lora_merge without lora)
-REQUIRES: dict[str, dict] = {"lora_merge": {"lora": True}}
+REQUIRES: dict[str, dict] = {"lora_merge": {"lora": True}, "label_smoothing": {"loss_type": "robust"}}
 
 
 def _alone(name: str) -> dict:

@@ -104,7 +104,7 @@ def test_fingerprint_covers_groups(tmp_path):
     lengths, groups = _pairs(20)
     plan = plan_packs(lengths, 1024, groups=groups)
     assert plan.fingerprint != plan_packs(lengths, 1024).fingerprint
-    path = plan.save(tmp_path / "p")
-    PackPlan.load(path, lengths=lengths, groups=groups)
-    with pytest.raises(ValueError, match="other lengths or settings"):
-        PackPlan.load(path, lengths=lengths)
+    loaded = PackPlan.load(plan.save(tmp_path / "p"), lengths=lengths)  # the groups are saved with the plan
+    assert loaded.groups.tolist() == groups.tolist() and loaded.fingerprint == plan.fingerprint
+    assert [p.tolist() for p in loaded.packs] == [p.tolist() for p in plan.packs]
+    assert PackPlan.load(plan_packs(lengths, 1024).save(tmp_path / "q")).groups is None

@@ -110,6 +110,8 @@ class PackPlan:
     ``num_pieces``, ``tokens_dropped`` (tokens of the input that are in no pack)."""
     fingerprint: str
     """:func:`lengths_fingerprint` of the lengths and settings this plan was made for."""
+    groups: np.ndarray | None = None
+    """``[N]`` int64 group id per sample when planned with ``groups`` (:func:`plan_packs`), else None."""
 
     def __repr__(self) -> str:
         return (
@@ -266,11 +268,12 @@ class PackPlan:
                 piece_sample=self.piece_sample,
                 piece_start=self.piece_start,
                 piece_stop=self.piece_stop,
+                **({} if self.groups is None else {"groups": self.groups}),
             )
         return path
 
     @classmethod
-    def load(cls, path: str | Path, *, lengths: Any = None, groups: Any = None) -> PackPlan:
+    def load(cls, path: str | Path, *, lengths: Any = None) -> PackPlan:
         """Read a plan written by :meth:`save`.
 
         Args:
@@ -278,7 +281,6 @@ class PackPlan:
             lengths: optional ``[N]`` sample lengths of the dataset the plan will be used with. When given,
                 the plan is refused unless its fingerprint matches these lengths (same lengths in the same
                 order, same ``packing_length``, ``strategy`` and overflow policy).
-            groups: the ``groups`` the plan was made with (:func:`plan_packs`), checked with ``lengths``.
 
         Raises:
             ValueError: if the file is not a varpack plan, is inconsistent, or the fingerprint does not
@@ -310,7 +312,7 @@ class PackPlan:
             raise ValueError(f"{path}: corrupt plan (offsets do not partition {plan.num_items} items)")
         if lengths is not None:
             got = lengths_fingerprint(
-                _as_lengths(lengths), plan.packing_length, plan.strategy, plan.overflow["policy"], groups
+                _as_lengths(lengths), plan.packing_length, plan.strategy, plan.overflow["policy"], plan.groups
             )
             if got != plan.fingerprint:
                 n = len(lengths)
@@ -599,4 +601,5 @@ def _plan_groups(
         piece_stop=no,
         overflow=report,
         fingerprint=lengths_fingerprint(arr, L, strategy, overflow, groups=group_of),
+        groups=group_of,
     )
