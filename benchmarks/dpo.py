@@ -103,6 +103,24 @@ def _packed_step(policy, objective, batch, device) -> tuple[torch.Tensor, int]:
     return loss.detach(), int(batch["input_ids"].shape[1])
 
 
+def _one_pass(name, policy, ref, objective, opt, steps, packed_batches, args, device):  # noqa: ANN001
+    """One pass over the steps: ``(seconds, losses, tokens processed)``."""
+    losses, processed = [], 0
+    _sync(device)
+    t0 = time.perf_counter()
+    for step, batch in zip(steps, packed_batches):
+        if name == "padded":
+            loss, n = _padded_step(policy, ref, step, args.pad_batch, args.beta, device)
+        else:
+            loss, n = _packed_step(policy, objective, batch, device)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss)
+        processed += n
+    _sync(device)
+    return time.perf_counter() - t0, [float(x) for x in losses], processed
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
@@ -139,26 +157,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
         objective = DPOObjective(beta=args.beta, ref_model=ref)
 
-        def one_pass() -> tuple[float, list[float], int]:
-            losses, processed = [], 0
-            _sync(device)
-            t0 = time.perf_counter()
-            for step, batch in zip(steps, packed_batches):
-                if name == "padded":
-                    loss, n = _padded_step(policy, ref, step, args.pad_batch, args.beta, device)
-                else:
-                    loss, n = _packed_step(policy, objective, batch, device)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss)
-                processed += n
-            _sync(device)
-            return time.perf_counter() - t0, [float(x) for x in losses], processed
-
+        ctx = (name, policy, ref, objective, opt, steps, packed_batches, args, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        cold_s, cold_losses, processed = one_pass()  # untimed: compiles, autotuning, allocator
-        times = [one_pass()[0] for _ in range(args.timed_passes)]
+        cold_s, cold_losses, processed = _one_pass(*ctx)  # untimed: compiles, autotuning, allocator
+        times = [_one_pass(*ctx)[0] for _ in range(args.timed_passes)]
         steady = statistics.median(times)
         results["configs"][name] = {
             "tokens_per_s": real_tokens / steady,
@@ -170,7 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if device.type == "cuda"
             else None,
         }
-        del policy, ref, opt, objective
+        del policy, ref, opt, objective, ctx
         if device.type == "cuda":
             torch.cuda.empty_cache()
     base = results["configs"].get("padded", {}).get("tokens_per_s")
