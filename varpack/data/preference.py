@@ -256,7 +256,7 @@ def pair_groups(num_samples: int) -> np.ndarray:
     """
     if num_samples % 2:
         raise ValueError(f"preference samples come in pairs, got an odd count {num_samples}")
-    return np.repeat(np.arange(num_samples // 2, dtype=np.int64), 2)
+    return np.arange(num_samples, dtype=np.int64) // 2
 
 
 def load_pairs(data: str | os.PathLike[str] | Sequence[Any] | None) -> Any:
