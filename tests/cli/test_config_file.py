@@ -60,6 +60,10 @@ NON_DEFAULT = dict(
     lora_merge=True,
     streaming=True,
     buffer_size=500,
+    objective="dpo",
+    beta=0.3,
+    label_smoothing=0.1,
+    loss_type="robust",
 )
 
 
@@ -293,7 +297,11 @@ def _field_argv(name: str, spelling: str) -> list[str]:
 
 SPELLINGS = sorted((spelling, name) for spelling, name in field_names().items())
 #: settings only valid together with another one (SFTConfig refuses lora_merge without lora)
-REQUIRES: dict[str, dict] = {"lora_merge": {"lora": True}, "streaming": {"max_steps": 5}}
+REQUIRES: dict[str, dict] = {
+    "lora_merge": {"lora": True},
+    "streaming": {"max_steps": 5},
+    "label_smoothing": {"loss_type": "robust"},
+}
 
 
 def _alone(name: str) -> dict:

@@ -57,6 +57,10 @@ NON_DEFAULT = dict(
     buffer_size=500,
     report_to="tensorboard",
     extra_training_args={"max_grad_norm": 0.5, "optim": "sgd"},
+    objective="dpo",
+    beta=0.3,
+    label_smoothing=0.1,
+    loss_type="robust",
 )
 
 
@@ -143,12 +147,24 @@ def test_literals_agree_with_the_registries():
     assert literal_choices(HINTS["packing_strategy"]) == STRATEGIES
     assert literal_choices(HINTS["overflow"]) == OVERFLOW_POLICIES
     assert literal_choices(HINTS["attn_backend"]) == ATTN_BACKENDS
+    from varpack.train.objectives import OBJECTIVES
+    from varpack.train.objectives.dpo import DPO_LOSS_TYPES
+
+    assert literal_choices(HINTS["objective"]) == tuple(OBJECTIVES)
+    assert literal_choices(HINTS["loss_type"]) == DPO_LOSS_TYPES
     assert set(CLI_TYPES) == set(_cli_types())
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("weight_decay", -0.1), ("dataloader_num_workers", -1), ("warmup_steps", -2), ("num_proc", 0)],
+    [
+        ("weight_decay", -0.1),
+        ("dataloader_num_workers", -1),
+        ("warmup_steps", -2),
+        ("num_proc", 0),
+        ("label_smoothing", 0.5),
+        ("beta", float("inf")),
+    ],
 )
 def test_new_numeric_checks_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SFTConfig\.{field} has an invalid value"):
@@ -219,8 +235,8 @@ def test_registry_gives_the_sft_objective():
     from varpack.train.objectives.sft import CausalLMObjective
 
     assert isinstance(get_objective("sft"), CausalLMObjective) and OBJECTIVES["sft"].name == "sft"
-    with pytest.raises(ValueError, match=r"unknown objective 'dpo'; choose one of \['sft'\]"):
-        get_objective("dpo")
+    with pytest.raises(ValueError, match=r"unknown objective 'ppo'; choose one of \['dpo', 'sft'\]"):
+        get_objective("ppo")
 
 
 @pytest.mark.parametrize("reduction", ["token", "sample"])

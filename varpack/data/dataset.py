@@ -252,7 +252,13 @@ class PackedDataset(Dataset):
         if fingerprint is not None and hasattr(plan, "packing_length") and hasattr(plan, "strategy"):
             from varpack.plan import lengths_fingerprint
 
-            got = lengths_fingerprint(lengths, plan.packing_length, plan.strategy, plan.overflow["policy"])
+            got = lengths_fingerprint(
+                lengths,
+                plan.packing_length,
+                plan.strategy,
+                plan.overflow["policy"],
+                getattr(plan, "groups", None),
+            )
             if got == fingerprint:
                 return
             detail = self._first_length_mismatch(lengths)

@@ -36,7 +36,9 @@ _FORMAT = "varpack-plan/1"
 _MAX_LISTED = 20  # ids spelled out in error messages
 
 
-def lengths_fingerprint(lengths: Any, packing_length: int, strategy: str, overflow: str) -> str:
+def lengths_fingerprint(
+    lengths: Any, packing_length: int, strategy: str, overflow: str, groups: Any = None
+) -> str:
     """SHA-256 (hex) of the lengths and the planning settings that decide the packs.
 
     Args:
@@ -44,6 +46,8 @@ def lengths_fingerprint(lengths: Any, packing_length: int, strategy: str, overfl
         packing_length: tokens per pack.
         strategy: a name in :data:`~varpack.plan.strategies.STRATEGIES`.
         overflow: the overflow policy.
+        groups: ``[N]`` group id per sample (:func:`plan_packs` ``groups``), or None; hashed when given (a
+            plan with groups never matches the same lengths without them).
 
     Returns:
         64 hex characters. The seed is not part of it: it only changes ``pack_order``, not the packs.
@@ -61,6 +65,10 @@ def lengths_fingerprint(lengths: Any, packing_length: int, strategy: str, overfl
     )
     h.update(f"n={data.shape[0]}|dtype={dtype}|".encode())
     h.update(memoryview(data).cast("B"))
+    if groups is not None:
+        g = np.ascontiguousarray(np.asarray(groups), dtype="<i8")
+        h.update(f"|groups={g.shape[0]}|".encode())
+        h.update(memoryview(g).cast("B"))
     return h.hexdigest()
 
 
@@ -103,6 +111,8 @@ class PackPlan:
     ``num_pieces``, ``tokens_dropped`` (tokens of the input that are in no pack)."""
     fingerprint: str
     """:func:`lengths_fingerprint` of the lengths and settings this plan was made for."""
+    groups: np.ndarray | None = None
+    """``[N]`` int64 group id per sample when planned with ``groups`` (:func:`plan_packs`), else None."""
 
     def __repr__(self) -> str:
         return (
@@ -259,6 +269,7 @@ class PackPlan:
                 piece_sample=self.piece_sample,
                 piece_start=self.piece_start,
                 piece_stop=self.piece_stop,
+                **({} if self.groups is None else {"groups": self.groups}),
             )
         return path
 
@@ -302,7 +313,7 @@ class PackPlan:
             raise ValueError(f"{path}: corrupt plan (offsets do not partition {plan.num_items} items)")
         if lengths is not None:
             got = lengths_fingerprint(
-                _as_lengths(lengths), plan.packing_length, plan.strategy, plan.overflow["policy"]
+                _as_lengths(lengths), plan.packing_length, plan.strategy, plan.overflow["policy"], plan.groups
             )
             if got != plan.fingerprint:
                 n = len(lengths)
@@ -386,6 +397,7 @@ def plan_packs(
     strategy: str = "bfd",
     overflow: str = "error",
     seed: int = 0,
+    groups: Any = None,
 ) -> PackPlan:
     """Group samples into packs of at most ``packing_length`` tokens.
 
@@ -419,6 +431,15 @@ def plan_packs(
         strategy: a name in :data:`~varpack.plan.strategies.STRATEGIES` (``"bfd"``, ``"sequential"``).
         overflow: ``"error"``, ``"drop"``, ``"truncate"`` or ``"split"``.
         seed: non-negative int for :meth:`PackPlan.pack_order` (the packs themselves do not depend on it).
+        groups: optional ``[N]`` integer group id per sample: samples that must share one pack, in order
+            (a preference pair: its chosen and rejected sequences). The members of a group are adjacent in
+            the dataset (one run of equal ids; an id may not come back later) and none is empty. The
+            strategy then packs *groups* (a group's length is the sum of its members'); in the plan a
+            group's members are consecutive, in dataset order. An overlong group (sum ``> packing_length``)
+            follows ``overflow`` as a unit: ``"error"`` lists the group ids, ``"drop"`` drops all its members
+            (``overflow["dropped_ids"]``); ``"truncate"`` / ``"split"`` are refused (cutting a group would
+            cut a member out of it). ``overflow`` then also holds ``overlong_group_ids`` /
+            ``overlong_group_lengths``.
 
     Returns:
         A deterministic :class:`PackPlan`.
@@ -451,6 +472,8 @@ def plan_packs(
         raise ValueError(f"seed must be >= 0, got {seed}")
 
     arr = _as_lengths(lengths)
+    if groups is not None:
+        return _plan_groups(arr, groups, L, strategy=strategy, overflow=overflow, seed=int(seed))
     n = int(arr.shape[0])
     fingerprint = lengths_fingerprint(arr, L, strategy, overflow)
     no = np.zeros(0, np.int64)
@@ -509,4 +532,99 @@ def plan_packs(
         piece_stop=piece_stop,
         overflow=report,
         fingerprint=fingerprint,
+    )
+
+
+def _group_runs(groups: Any, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(starts [G], group_ids [G], groups [N] int64)``: the runs of equal ids in ``groups``, checked."""
+    if hasattr(groups, "detach") and hasattr(groups, "cpu"):
+        groups = groups.detach().cpu().numpy()
+    g = np.asarray(groups)
+    if g.ndim != 1 or g.shape[0] != n:
+        raise ValueError(f"groups must be 1-D with one group id per sample ({n}), got shape {g.shape}")
+    if n and g.dtype.kind not in "iu":
+        raise TypeError(f"groups must be integers (a group id per sample), got dtype {g.dtype}")
+    g = g.astype(np.int64, copy=False)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), g
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    ids = g[starts]
+    uniq, first = np.unique(ids, return_index=True)
+    if uniq.size != ids.size:
+        again = np.setdiff1d(np.arange(ids.size), first)[0]
+        sid = int(starts[again])
+        raise ValueError(
+            f"groups: the members of a group must be adjacent samples, but group {int(ids[again])} comes back "
+            f"at sample {sid} after other groups"
+        )
+    return starts.astype(np.int64), ids, g
+
+
+def _plan_groups(
+    arr: np.ndarray, groups: Any, L: int, *, strategy: str, overflow: str, seed: int
+) -> PackPlan:
+    """:func:`plan_packs` with ``groups``: pack the groups as items, then lay out their members."""
+    n = int(arr.shape[0])
+    if overflow in ("truncate", "split"):
+        raise ValueError(
+            f"overflow={overflow!r} cannot be used with groups (a preference pair, ...): cutting an overlong "
+            "group would cut a member out of it; use overflow='drop' or overflow='error', or raise packing_length"
+        )
+    starts, gids, group_of = _group_runs(groups, n)
+    if n and int(arr.min()) == 0:
+        sid = int(np.flatnonzero(arr == 0)[0])
+        gid = int(gids[np.searchsorted(starts, sid, side="right") - 1])
+        raise ValueError(
+            f"sample {sid} (group {gid}) is empty (0 tokens); a group's members must not be empty"
+        )
+    sizes = np.diff(np.r_[starts, n]).astype(np.int64)
+    glen = np.add.reduceat(arr, starts) if n else np.zeros(0, np.int64)
+    over = np.flatnonzero(glen > L)
+    if over.size and overflow == "error":
+        shown = ", ".join(f"{int(gids[g])}: {int(glen[g])}" for g in over[:_MAX_LISTED])
+        more = f", ... and {over.size - _MAX_LISTED} more" if over.size > _MAX_LISTED else ""
+        raise ValueError(
+            f"{over.size} group(s) are longer than packing_length={L} together (group id: tokens): "
+            f"{shown}{more}; raise packing_length or choose overflow='drop'"
+        )
+    gplan = plan_packs(glen, L, strategy=strategy, overflow=overflow, seed=seed)
+    # expand each packed group into its members, consecutive and in dataset order
+    gitems = gplan.items
+    counts = sizes[gitems]
+    first = np.repeat(starts[gitems], counts)
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    items = first + within
+    per_pack = np.add.reduceat(counts, gplan.offsets[:-1]) if gplan.num_packs else np.zeros(0, np.int64)
+    offsets = np.zeros(gplan.num_packs + 1, np.int64)
+    np.cumsum(per_pack, out=offsets[1:])
+    over_members = np.flatnonzero(np.repeat(glen > L, sizes)).astype(np.int64)
+    report = {
+        "policy": overflow,
+        "empty_ids": [],
+        "overlong_ids": over_members.tolist(),
+        "overlong_lengths": arr[over_members].tolist(),
+        "dropped_ids": over_members.tolist(),
+        "truncated_ids": [],
+        "split_ids": [],
+        "num_pieces": 0,
+        "tokens_dropped": int(glen[over].sum()),
+        "num_groups": int(gids.size),
+        "overlong_group_ids": gids[over].tolist(),
+        "overlong_group_lengths": glen[over].tolist(),
+    }
+    no = np.zeros(0, np.int64)
+    return PackPlan(
+        packing_length=L,
+        strategy=strategy,
+        seed=seed,
+        num_samples=n,
+        offsets=offsets,
+        items=items,
+        item_lengths=arr[items],
+        piece_sample=no,
+        piece_start=no,
+        piece_stop=no,
+        overflow=report,
+        fingerprint=lengths_fingerprint(arr, L, strategy, overflow, groups=group_of),
+        groups=group_of,
     )

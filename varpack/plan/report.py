@@ -66,7 +66,14 @@ def plan_summary(plan: PackPlan, lengths: Any, **context: Any) -> dict[str, Any]
 
 def _overflow_line(ov: dict[str, Any], *, split: str) -> str:
     """``"3 overlong (dropped), 1 empty, 42 tokens dropped"``; ``split`` formats the split case's pieces."""
-    if ov["overlong_ids"]:
+    if ov.get("overlong_group_ids"):  # a plan with groups (preference pairs): overlong as units
+        gids = ov["overlong_group_ids"]
+        shown = ", ".join(str(g) for g in gids[:10]) + (", ..." if len(gids) > 10 else "")
+        over = (
+            f"{len(gids):,} overlong group(s) of {len(ov['overlong_ids']):,} samples "
+            f"({_ACTION.get(ov['policy'], ov['policy'])}; group ids {shown})"
+        )
+    elif ov["overlong_ids"]:
         over = f"{len(ov['overlong_ids']):,} overlong ({_ACTION.get(ov['policy'], ov['policy'])}"
         over += split.format(ov["num_pieces"]) if ov["policy"] == "split" else ")"
     else:

@@ -37,9 +37,11 @@ __all__ = [
     "ALWAYS_ON",
     "DEFAULT_LR",
     "AttnBackendName",
+    "DPOLossType",
     "DTypeName",
     "LossImpl",
     "LossReduction",
+    "ObjectiveName",
     "OverflowPolicy",
     "PackingStrategy",
     "SFTConfig",
@@ -75,6 +77,10 @@ LossImpl = Literal["auto", "linear_ce", "logits"]
 AttnBackendName = Literal[
     "auto", "reference", "sdpa", "torch_varlen", "flex", "flash_attn", "flash_attn_3", "flash_attn_4"
 ]
+#: :data:`varpack.train.objectives.OBJECTIVES` (checked to agree).
+ObjectiveName = Literal["sft", "dpo"]
+#: :data:`varpack.train.objectives.dpo.DPO_LOSS_TYPES` (checked to agree).
+DPOLossType = Literal["sigmoid", "robust"]
 #: torch dtype names of the parameters of a built-in model.
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -182,6 +188,13 @@ class SFTConfig:
             head) or comma-separated module names (``q_proj,k_proj,v_proj,o_proj``).
         lora_merge: with ``lora`` and ``save``: also save the merged model (base weights + adapter, peft's
             ``merge_and_unload``) to ``<output_dir>/merged``.
+        objective: ``sft`` (next-token loss on chats) or ``dpo`` (DPO on preference pairs,
+            :mod:`varpack.train.objectives.dpo`; ``data`` then holds ``{prompt, chosen, rejected}`` rows, empty:
+            the built-in pairs; the reference is a frozen copy of the starting model, or with ``lora`` the model
+            with its adapters disabled).
+        beta: DPO ``beta`` (TRL's name), ``> 0``.
+        label_smoothing: DPO label smoothing in ``[0, 0.5)`` (TRL's name), only with ``loss_type="robust"``.
+        loss_type: DPO loss, ``sigmoid`` or ``robust`` (TRL's names and formulas).
         report_to: Trainer integrations (``none`` by default; several comma-separated); transformers' open
             set (``all``, ``tensorboard``, ``wandb``, ...), checked by ``TrainingArguments``. They get
             varpack's per-step metrics and the packing report (README "Logging",
@@ -379,6 +392,28 @@ class SFTConfig:
         default=False,
         metadata=_opt("with --lora: also save the merged model (base + adapter) to OUTPUT_DIR/merged"),
     )
+    # -- preference training (objective dpo) ------------------------------------------------------------
+    objective: ObjectiveName = field(
+        default="sft",
+        metadata=_opt(
+            "sft: next-token loss on chats; dpo: DPO on preference pairs {prompt, chosen, rejected} (a pair stays in "
+            "one pack; reference = a frozen copy of the starting model) (default: %(default)s)"
+        ),
+    )
+    beta: float = field(
+        default=0.1,
+        metadata=_opt("DPO beta, as TRL names it (default: %(default)s)", metavar="B", cli_type="float>0"),
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata=_opt(
+            "DPO label smoothing in [0, 0.5), with --loss-type robust (TRL's robust DPO) (default: %(default)s)",
+            metavar="EPS",
+        ),
+    )
+    loss_type: DPOLossType = field(
+        default="sigmoid", metadata=_opt("DPO loss, as TRL names it (default: %(default)s)")
+    )
     report_to: str = field(
         default="none",
         metadata=_opt(
@@ -421,6 +456,8 @@ class SFTConfig:
             ("lora_target_modules", bool(self.lora_target_module_list())),
             ("lora_merge", not self.lora_merge or self.lora),
             ("buffer_size", self.buffer_size >= 2),
+            ("beta", self.beta > 0 and math.isfinite(self.beta)),
+            ("label_smoothing", 0.0 <= self.label_smoothing < 0.5),
         ]
         for name, ok in checks:
             if not ok:
@@ -431,6 +468,11 @@ class SFTConfig:
                 "packs of a stream is not known before it is read, and the Trainer needs the number of steps "
                 "for its loop and learning-rate schedule (a stream shorter than max_steps is read again, "
                 "pass after pass)"
+            )
+        if self.loss_type == "sigmoid" and self.label_smoothing != 0:
+            raise ValueError(
+                f"SFTConfig.label_smoothing has an invalid value: {self.label_smoothing!r}; it has no effect on "
+                "loss_type='sigmoid' (TRL 1.16's sigmoid DPO loss does not read it): use loss_type='robust'"
             )
         for name, annotation in _hints().items():
             choices = literal_choices(annotation)

@@ -130,6 +130,12 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     from varpack.models import load_tokenizer_for
 
     _refuse_kernel_settings(config)
+    if config.objective == "dpo" and (config.loss_impl == "linear_ce" or config.loss_reduction == "sample"):
+        bad = "loss_impl" if config.loss_impl == "linear_ce" else "loss_reduction"
+        raise ValueError(
+            f"{bad}={getattr(config, bad)!r} does not apply to objective='dpo': it reads the log-probabilities from "
+            "the logits and averages over pairs (leave loss_impl / loss_reduction at their defaults)"
+        )
     if config.lora:  # before minutes of encoding
         from varpack.train.lora import require_peft
 
@@ -140,18 +146,30 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         config = replace(config, lr=lr)
     load = _model_loader(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
-    data_label = ", ".join(config.data) if config.data else "built-in chats"
+    dpo = config.objective == "dpo"
+    data_label = ", ".join(config.data) if config.data else ("built-in pairs" if dpo else "built-in chats")
     if config.streaming:
+        if dpo:
+            raise ValueError("--streaming reads chats; --objective dpo plans whole preference pairs up front")
         model, encoded, dataset, report = _streaming_dataset(config, model, tokenizer, encoded, load)
         plan = summary = unsupervised = None
     else:
-        if encoded is None:
+        if encoded is None and dpo:
+            from varpack.data.preference import encode_pairs, load_pairs
+
+            encoded = encode_pairs(load_pairs(config.data), tokenizer)
+        elif encoded is None:
             model, encoded, data_label, config = _load_samples(config, model, tokenizer, load)
+        if dpo:
+            data_label += f" ({len(encoded) // 2:,} preference pairs, each in one pack)"
         lengths, plan = _plan_packs(config, encoded, data_label)
         dataset = PackedDataset(encoded, plan)
         summary = plan_summary(plan, lengths, data=data_label)
         unsupervised = unsupervised_pieces(encoded, plan) if plan.pieces else None
         report = summary_text(summary, unsupervised=unsupervised)
+    objective: Any = "sft"
+    if dpo:
+        objective = _dpo_objective(config, model, load)
     model = _prepare_model(config, model, load)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id))
@@ -167,6 +185,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         loss_reduction=config.loss_reduction,
         loss_impl=config.loss_impl,
         packing_length=config.packing_length,
+        objective=objective,
     )
     if plan is not None:  # a stream has no plan up front; it prints its own report as it packs
         trainer.add_callback(
@@ -252,6 +271,28 @@ def _streaming_dataset(
     return model, stream, dataset, text
 
 
+def _dpo_objective(config: SFTConfig, model: Any, load: Callable[[], Any]) -> Any:
+    """The run's :class:`varpack.train.objectives.dpo.DPOObjective`: the reference is a frozen copy of the
+    starting model (``model`` deep-copied when one was given, else ``config.model`` loaded again: the same
+    weights, the same seed), on varpack attention without Liger / compile; with ``lora`` none (the model with
+    its adapters disabled)."""
+    from varpack.integrations.transformers import enable_varpack
+    from varpack.train.objectives.dpo import DPOObjective
+
+    ref = None
+    if not config.lora:
+        if model is not None:
+            import copy
+
+            ref = enable_varpack(copy.deepcopy(model), backend=config.attn_backend)
+        else:
+            ref = load()
+        ref.config.use_cache = False
+    return DPOObjective(
+        beta=config.beta, label_smoothing=config.label_smoothing, loss_type=config.loss_type, ref_model=ref
+    )
+
+
 def _refuse_kernel_settings(config: SFTConfig) -> None:
     """Liger-Kernel refused before minutes of encoding, not at the first forward."""
     if config.use_liger_kernel:
@@ -316,7 +357,12 @@ def _load_samples(
 
 def _plan_packs(config: SFTConfig, encoded: Any, data_label: str) -> tuple[np.ndarray, Any]:
     """``(lengths [N] int64, PackPlan)`` of the encoded samples, with ``config``'s packing settings
-    (:func:`plan_samples`)."""
+    (:func:`plan_samples`); with ``objective="dpo"`` a preference pair (samples 2k, 2k + 1) stays in one pack."""
+    groups = None
+    if config.objective == "dpo":
+        from varpack.data.preference import pair_groups
+
+        groups = pair_groups(len(encoded))
     return plan_samples(
         encoded,
         packing_length=config.packing_length,
@@ -324,6 +370,7 @@ def _plan_packs(config: SFTConfig, encoded: Any, data_label: str) -> tuple[np.nd
         overflow=config.overflow,
         seed=config.seed,
         data_label=data_label,
+        groups=groups,
     )
 
 
@@ -335,9 +382,11 @@ def plan_samples(
     overflow: str = "error",
     seed: int = 0,
     data_label: str = "the data",
+    groups: Any = None,
 ) -> tuple[np.ndarray, Any]:
     """``(lengths [N] int64, PackPlan)`` of encoded samples (a ``datasets.Dataset`` with a ``length`` column,
-    or a sequence of dicts): :func:`varpack.plan.plan_packs`, refusing a plan that leaves nothing to train on.
+    or a sequence of dicts): :func:`varpack.plan.plan_packs` (``groups``: its group constraint, e.g. preference
+    pairs), refusing a plan that leaves nothing to train on.
     Shared by :func:`build_sft` and :class:`varpack.integrations.trl.VarpackSFTTrainer`.
 
     Raises:
@@ -350,7 +399,7 @@ def plan_samples(
         lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
     else:
         lengths = np.asarray([s.get("length", len(s["input_ids"])) for s in encoded], dtype=np.int64)
-    plan = plan_packs(lengths, packing_length, strategy=strategy, overflow=overflow, seed=seed)
+    plan = plan_packs(lengths, packing_length, strategy=strategy, overflow=overflow, seed=seed, groups=groups)
     if plan.num_packs == 0:  # training would do nothing and save the untrained model as if it had trained
         ov = plan.overflow
         gone = ", ".join(str(i) for i in (ov["dropped_ids"] + ov["empty_ids"])[:20])
@@ -477,7 +526,14 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
             n_params = sum(p.numel() for p in run.model.parameters())
             print_fn(
                 f"model     {config.model} ({type(run.model).__name__}, {n_params / 1e6:.1f}M params, "
-                f"attention {run.model.config._attn_implementation}, loss {config.loss_reduction} mean)"
+                f"attention {run.model.config._attn_implementation}, "
+                + (
+                    f"loss dpo {config.loss_type}, beta {config.beta:g}, reference: "
+                    + ("the model without its adapters" if config.lora else "a frozen copy of the start")
+                    + ")"
+                    if config.objective == "dpo"
+                    else f"loss {config.loss_reduction} mean)"
+                )
             )
             if config.lora:
                 trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)

@@ -67,9 +67,9 @@ class PackedLossMixin:
         loss_reduction: str = "token",
         loss_impl: str = "auto",
         packing_length: int | None = None,
-        objective: str = "sft",
+        objective: Any = "sft",
     ) -> None:
-        self.objective = get_objective(objective)
+        self.objective = get_objective(objective) if isinstance(objective, str) else objective
         self.loss_reduction = loss_reduction
         self.loss_impl = loss_impl
         self.packing_length = packing_length
@@ -82,7 +82,8 @@ class PackedLossMixin:
     # -- num_items_in_batch for the "sample" reduction --------------------------------------------
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self.loss_reduction == "sample" and batch_samples:
+        own = getattr(self.objective, "own_item_count", False)  # DPO: pairs, whatever the reduction
+        if (self.loss_reduction == "sample" or own) and batch_samples:
             n = sum(self.objective.count_items(b, reduction="sample") for b in batch_samples)
             n = n.to(device)
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
@@ -174,8 +175,9 @@ class PackedLossMixin:
 
 class PackedSFTTrainer(PackedLossMixin, Trainer):
     """``Trainer`` whose loss comes from a training objective (``objective``, a name of
-    :data:`varpack.train.objectives.OBJECTIVES`; ``"sft"``: varpack's packed causal-LM loss) with
-    ``num_items_in_batch`` (:class:`PackedLossMixin`).
+    :data:`varpack.train.objectives.OBJECTIVES` or an objective object; ``"sft"``: varpack's packed causal-LM
+    loss, ``"dpo"``: :class:`varpack.train.objectives.dpo.DPOObjective`) with ``num_items_in_batch``
+    (:class:`PackedLossMixin`; the objective's own count when it has ``own_item_count``: DPO's pairs).
 
     Every training log entry carries varpack's per-step metrics (:func:`step_metrics`).
     """
@@ -186,7 +188,7 @@ class PackedSFTTrainer(PackedLossMixin, Trainer):
         loss_reduction: str = "token",
         loss_impl: str = "auto",
         packing_length: int | None = None,
-        objective: str = "sft",
+        objective: Any = "sft",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)

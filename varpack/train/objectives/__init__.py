@@ -2,26 +2,22 @@
 (:class:`varpack.train.trainer.PackedSFTTrainer`) asks its objective for the loss and for the item count of the
 ``"sample"`` reduction; it keeps the rest (loss implementation choice, rank scaling, logging).
 
-:data:`OBJECTIVES` maps a name to an :class:`Objective`; today one entry, ``"sft"``
-(:class:`varpack.train.objectives.sft.CausalLMObjective`: next-token cross entropy of the packed row).
+:data:`OBJECTIVES` maps a name to an :class:`Objective`: ``"sft"``
+(:class:`varpack.train.objectives.sft.CausalLMObjective`: next-token cross entropy of the packed row) and
+``"dpo"`` (:class:`varpack.train.objectives.dpo.DPOObjective`: DPO on packed preference pairs; ``build_sft``
+makes one with the run's ``beta`` / ``label_smoothing`` / ``loss_type`` and reference model, and
+:class:`varpack.train.trainer.PackedSFTTrainer` takes an objective object as well as a name).
 
-Adding a preference objective (DPO), one file plus one registry line:
-
-1. ``varpack/train/objectives/dpo.py`` with a class that has ``name = "dpo"`` and the two methods of
-   :class:`Objective`: ``loss`` reads the chosen / rejected pieces of the packed row (the packer puts a
-   prompt's chosen and rejected answers in one pack, ``seq_idx`` telling them apart), sums the per-token
-   log-probabilities of each answer with the policy (and a frozen reference model or precomputed reference
-   log-probabilities carried as a batch field), and returns ``-logsigmoid(beta * margin)`` over pairs;
-   ``count_items`` counts pairs, so a step with gradient accumulation still has the gradient of one big batch.
-2. ``"dpo": DPOObjective()`` in :data:`OBJECTIVES` below.
-
-The config side (a ``Literal`` field naming the objective, its ``beta``) then appears as ``varpack sft`` flags
-by itself (:mod:`varpack.train.cli_flags`). Nothing here imports torch at import time.
+A new objective is one file in this folder (a class with ``name``, ``loss`` and ``count_items`` of
+:class:`Objective`; ``own_item_count = True`` when the step's denominator is its own count, not the supervised
+tokens) plus one registry line below; its settings are ``SFTConfig`` fields, which appear as ``varpack sft``
+flags by themselves (:mod:`varpack.train.cli_flags`). Nothing here imports torch at import time.
 """
 
 from __future__ import annotations
 
 from varpack.train.objectives.base import Objective, ObjectiveLoss
+from varpack.train.objectives.dpo import DPOObjective as _DPO
 from varpack.train.objectives.sft import CausalLMObjective
 
 __all__ = ["OBJECTIVES", "Objective", "ObjectiveLoss", "get_objective"]
@@ -30,6 +26,7 @@ __all__ = ["OBJECTIVES", "Objective", "ObjectiveLoss", "get_objective"]
 #: name -> objective. A new objective is one file in this folder and one line here.
 OBJECTIVES: dict[str, Objective] = {
     "sft": CausalLMObjective(),
+    "dpo": _DPO(),
 }
 
 
