@@ -31,7 +31,7 @@ varpack:
 
 TRL (``pip install 'varpack[trl]'``; not in the default list), two ``SFTTrainer`` runs on the same packs:
 
-* ``trl_varpack``: ``varpack.integrations.trl.VarpackSFTTrainer`` (TRL's trainer with varpack's planner,
+* ``trl_varpack``: ``varpack.train.trl.VarpackSFTTrainer`` (TRL's trainer with varpack's planner,
   collator, attention ``--attn-backend`` and loss ``loss_impl="auto"``).
 * ``trl_padding_free``: TRL's own ``SFTTrainer(padding_free=True)`` (its ``DataCollatorForLanguageModeling``,
   boundaries from the rows' ``seq_lengths``, its fused LM head loss) given the same packs as rows in TRL's own
@@ -501,8 +501,8 @@ def trl_workload(ds: Any, chosen: list[int], packing_length: int, seed: int) -> 
     (``plan.pack_order(0)``) as TRL packed rows (``input_ids``, ``labels`` concatenated, ``seq_lengths``)."""
     import datasets
 
-    from varpack.integrations.trl import samples_from_trl
     from varpack.train.sft import plan_samples
+    from varpack.train.trl import samples_from_trl
 
     rows = [
         {"input_ids": np.asarray(s["input_ids"]).tolist(), "labels": np.asarray(s["labels"]).tolist()}
@@ -612,7 +612,7 @@ def run_trl_config(
         )
         tokenizer = _pad_tokenizer(args.pad_token_id)
         if config == "trl_varpack":
-            from varpack.integrations.trl import VarpackSFTTrainer
+            from varpack.train.trl import VarpackSFTTrainer
 
             trainer = VarpackSFTTrainer(
                 model=model,

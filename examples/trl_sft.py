@@ -23,8 +23,8 @@ import torch
 from trl import SFTConfig
 
 from varpack.data.builtin import builtin_chats
-from varpack.integrations.trl import VarpackSFTTrainer
 from varpack.models import load_model, load_tokenizer_for
+from varpack.train.trl import VarpackSFTTrainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -96,3 +96,62 @@ def test_varlen_is_the_bottom_floor_of_the_boundaries():
                 if not node.module.startswith(("varpack.varlen", "varpack.schema")):
                     bad.append(f"{_rel(path)}: {node.module}")
     assert bad == []
+
+
+#: the floors of docs/ARCHITECTURE.md, top (high rank) to bottom; a module may import its own floor or lower
+FLOOR_RANK = {
+    "cli": 9,
+    "train": 8,
+    "check": 8,
+    "integrations": 7,
+    "models": 6,
+    "attn": 5,
+    "ops": 5,
+    "loss": 5,
+    "collate": 4,
+    "data": 3,
+    "plan": 3,
+    "rope": 2,
+    "varlen": 1,
+    "schema": 0,
+    "_probe": 0,
+    "_argtypes": 0,
+}
+#: the upward imports the floors allow, each inside a function (run time, never at import), with the reason
+UPWARD_ALLOWED = {
+    # load_model(attn_backend=...) is the one-call convenience that loads and enables a model
+    ("varpack.models.load", "varpack.integrations.transformers"),
+    # a VL family's prepare() isolates the vision tower (the family knows it is VL; the integration does it)
+    ("varpack.models.registry", "varpack.integrations.vision"),
+}
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """``(module, at_import_time)`` for every absolute ``varpack.*`` import of a file."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        out += [(n, id(node) in top) for n in names if n.startswith("varpack.")]
+    return out
+
+
+def test_every_import_points_down_the_floors():
+    bad = []
+    for path in SOURCES:
+        me = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+        floor = me.split(".")[1] if "." in me else None
+        if floor not in FLOOR_RANK:
+            continue  # the package's __init__ and the old-path re-exports (varpack.encode, ...) sit above all
+        for name, at_import in _imports(path):
+            other = name.split(".")[1]
+            if other in FLOOR_RANK and FLOOR_RANK[other] > FLOOR_RANK[floor]:
+                if (me, name) in UPWARD_ALLOWED and not at_import:
+                    continue
+                bad.append(f"{me} -> {name}")
+    assert bad == []

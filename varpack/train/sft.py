@@ -387,7 +387,7 @@ def plan_samples(
     """``(lengths [N] int64, PackPlan)`` of encoded samples (a ``datasets.Dataset`` with a ``length`` column,
     or a sequence of dicts): :func:`varpack.plan.plan_packs` (``groups``: its group constraint, e.g. preference
     pairs), refusing a plan that leaves nothing to train on.
-    Shared by :func:`build_sft` and :class:`varpack.integrations.trl.VarpackSFTTrainer`.
+    Shared by :func:`build_sft` and :class:`varpack.train.trl.VarpackSFTTrainer`.
 
     Raises:
         ValueError: no pack left to train on (every sample dropped or empty), or a split / truncated piece

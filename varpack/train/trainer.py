@@ -52,7 +52,7 @@ class PackedLossMixin:
     ``"sample"`` reduction), the logits / linear-CE choice, and the ``tokens_per_second`` / ``pack_fill`` logs.
 
     Mixed in before a ``transformers.Trainer`` class (:class:`PackedSFTTrainer`; TRL's ``SFTTrainer`` in
-    :class:`varpack.integrations.trl.VarpackSFTTrainer`); the subclass calls :meth:`_init_packed_loss` after
+    :class:`varpack.train.trl.VarpackSFTTrainer`); the subclass calls :meth:`_init_packed_loss` after
     ``Trainer.__init__``. Its ``compute_loss`` never calls the base class's (the objective runs the model).
 
     Every training log entry also gets varpack's metrics of the logging window (:func:`step_metrics`, from

@@ -3,7 +3,7 @@
 Change one name in a TRL script::
 
     from trl import SFTConfig
-    from varpack.integrations.trl import VarpackSFTTrainer   # instead of trl.SFTTrainer
+    from varpack.train.trl import VarpackSFTTrainer   # instead of trl.SFTTrainer
 
     trainer = VarpackSFTTrainer(
         model=model,                                # a model object (any transformers causal LM)
@@ -59,7 +59,7 @@ try:
     from trl import SFTConfig, SFTTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "varpack.integrations.trl needs TRL >= 1.16: pip install 'varpack[trl]' (or pip install trl)"
+        "varpack.train.trl needs TRL >= 1.16: pip install 'varpack[trl]' (or pip install trl)"
     ) from exc
 
 from varpack.schema import IGNORE_INDEX, INPUT_IDS, LABELS, LENGTH, SAMPLE_ID, TOKEN_FIELDS

@@ -1,4 +1,4 @@
-"""TRL drop-in (`varpack.integrations.trl.VarpackSFTTrainer`): a TRL `SFTTrainer` run on varpack's packs
+"""TRL drop-in (`varpack.train.trl.VarpackSFTTrainer`): a TRL `SFTTrainer` run on varpack's packs
 equals varpack's own trainer (loss per optimizer step, with gradient accumulation and an optimizer), one
 step's gradients equal each sample alone (negative control: the boundaries dropped), and TRL settings that
 would mix, cut or re-weight samples are refused."""
@@ -13,11 +13,11 @@ datasets = pytest.importorskip("datasets")
 
 from trl import SFTConfig  # noqa: E402
 
-from varpack.integrations.trl import VarpackSFTTrainer, samples_from_trl  # noqa: E402
 from varpack.loss import causal_lm_loss  # noqa: E402
 from varpack.models import load_model, load_tokenizer_for  # noqa: E402
 from varpack.train import SFTConfig as VarpackConfig  # noqa: E402
 from varpack.train.sft import build_sft  # noqa: E402
+from varpack.train.trl import VarpackSFTTrainer, samples_from_trl  # noqa: E402
 
 VOCAB = 512
 PACKING_LENGTH = 16
