@@ -27,7 +27,7 @@ test: venv
 	$(BIN)/python -m pytest -q tests
 
 lint: venv
-	$(BIN)/ruff check varpack tests benchmarks
+	$(BIN)/ruff check varpack tests benchmarks examples
 
 bench-planner: venv
 	$(BIN)/python benchmarks/planner.py
