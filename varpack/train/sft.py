@@ -207,9 +207,13 @@ def _streaming_dataset(
     Ranks: the dataset does not shard by rank itself (``world_size=1``): under several processes the HF
     Trainer (accelerate's ``IterableDatasetShard``) hands each rank its own micro-batches of the one packed
     stream, so every rank reads and encodes the stream (the packs are deterministic, so all ranks agree).
+    The dataset repeats the stream itself (``repeat=True``): the Trainer sees one endless epoch, so an
+    optimizer step is never cut by a pass end (with gradient accumulation HF would carry the cut step's
+    gradient into the next one), and an empty stream is an error instead of a run of 0 steps.
 
     Raises:
-        ValueError: a vision-language model (streaming reads text chats).
+        ValueError: a vision-language model (streaming reads text chats); while training, a stream that
+            plans no pack (no rows, or every sample empty or dropped).
     """
     from varpack.data.stream import ChatStream, StreamingPackedDataset
     from varpack.models import is_vl_model
@@ -238,6 +242,7 @@ def _streaming_dataset(
         world_size=1,
         report_every=STREAM_REPORT_EVERY,
         report_fn=report,
+        repeat=True,  # the Trainer never sees a pass end (it would cut an accumulated step there)
     )
     text = "\n".join(
         [
