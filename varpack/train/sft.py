@@ -130,6 +130,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     from varpack.models import load_tokenizer_for
 
     _refuse_kernel_settings(config)
+    _report_to(config.report_to)  # a bad name or a missing package before minutes of encoding
     if config.lora:  # before minutes of encoding
         from varpack.train.lora import require_peft
 
@@ -452,11 +453,40 @@ def training_arguments(config: SFTConfig) -> Any:
 
 
 def _report_to(text: str) -> str | list[str]:
-    """``SFTConfig.report_to`` for ``TrainingArguments``: ``"tensorboard,wandb"`` -> a list (transformers
-    takes a list, or one name / ``all`` / ``none`` as a string)."""
-    if "," not in text:
-        return text
-    return [name.strip() for name in text.split(",") if name.strip()]
+    """``SFTConfig.report_to`` for ``TrainingArguments``, checked: ``"tensorboard,wandb"`` -> a list
+    (transformers takes a list, or one name / ``all`` / ``none`` as a string).
+
+    Raises:
+        ValueError: ``none`` or ``all`` beside other names, a name transformers has no integration for, or
+            an integration whose package is not installed (transformers' own errors come when the Trainer
+            is built, after the data is encoded, without the setting's name), naming ``report_to``.
+    """
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"report_to={text!r} names no integration; give none, all or names like tensorboard")
+    if len(names) == 1 and names[0] in ("none", "all"):
+        return names[0]
+    for special in ("none", "all"):
+        if special in names:
+            raise ValueError(f"report_to={text!r}: {special!r} stands alone, not in a list with other names")
+    available = set(get_available_reporting_integrations())
+    for name in names:
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise ValueError(
+                f"report_to={text!r}: no transformers integration {name!r}; choose none, all or among "
+                f"{', '.join(INTEGRATION_TO_CALLBACK)}"
+            )
+        if name not in available:
+            raise ValueError(
+                f"report_to={text!r}: the {name!r} integration's package is not installed (pip install "
+                f"{name}; README 'Logging')"
+            )
+    return names
 
 
 def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFTRun:
