@@ -237,8 +237,14 @@ def test_sft_streaming_trains_and_reads_every_sample_once(tmp_path):
         return load_model("tiny-qwen3", vocab_size=vocab, attn_backend="reference")
 
     run = build_sft(SFTConfig(**kw), model=model(), tokenizer=Tok(), encoded=rows)
-    seen = [s for b in run.trainer.get_train_dataloader() for s in b["sample_ids"]]
+    batches = iter(run.trainer.get_train_dataloader())  # endless: pass after pass (repeat=True)
+    first_pass = []
+    while sum(map(len, first_pass)) < len(rows):
+        first_pass.append(list(next(batches)["sample_ids"]))
+    seen = [s for b in first_pass for s in b]
     assert sorted(seen) == list(range(len(rows)))  # one pass: every sample once, leftovers included
+    second_pass = [list(next(batches)["sample_ids"]) for _ in first_pass]
+    assert second_pass == first_pass  # then the stream is read again, the same packs
     lines = []
     run = run_sft(SFTConfig(**kw), print_fn=lines.append, model=model(), tokenizer=Tok(), encoded=rows)
     assert run.trainer.state.global_step == 3 and len(run.history) == 3
@@ -253,3 +259,65 @@ def test_sft_streaming_needs_max_steps():
         SFTConfig(streaming=True)
     with pytest.raises(ValueError, match="buffer_size"):
         SFTConfig(streaming=True, max_steps=1, buffer_size=1)
+
+
+def _sft_rows_and_model(vocab=512):
+    from varpack.models import load_model
+
+    rows = [{"input_ids": [(i * 7 + t) % vocab for t in range(n)], "labels": [-100] + [(i * 7 + t) % vocab
+             for t in range(1, n)]} for i, n in enumerate([5, 17, 30, 9, 23, 2, 31, 12, 8, 19, 26, 4])]
+
+    class Tok:
+        pad_token_id = 0
+
+    return rows, Tok(), lambda: load_model("tiny-qwen3", vocab_size=vocab, attn_backend="reference")
+
+
+def test_sft_streaming_grad_accum_steps_do_not_straddle_a_pass(tmp_path):
+    """A pass of an odd number of packs with grad_accum=2: HF's Trainer, seeing an IterableDataset end in
+    the middle of an accumulated step, skips that optimizer step and adds its gradient (divided by its own
+    token count) to the next step's. varpack sft repeats the stream inside the dataset, so every optimizer
+    step takes exactly grad_accum packs, and the loss of the step after the pass end is a token mean."""
+    from varpack.data.stream import StreamingPackedDataset
+    from varpack.train import SFTConfig
+    from varpack.train.sft import run_sft
+
+    rows, tok, model = _sft_rows_and_model()
+    one_pass = list(StreamingPackedDataset(rows, packing_length=40, buffer_size=4))
+    assert len(one_pass) % 2 == 1  # the pass ends in the middle of an accumulated step
+    steps = len(one_pass) // 2 + 2
+    kw = dict(
+        model="tiny-qwen3", output_dir=str(tmp_path / "out"), packing_length=40, attn_backend="reference",
+        save=False, streaming=True, buffer_size=4, max_steps=steps, grad_accum=2, logging_steps=1,
+        extra_training_args={"optim": "sgd", "max_grad_norm": 0.0, "use_cpu": True, "learning_rate": 1e-9},
+    )
+    run = run_sft(SFTConfig(**kw), print_fn=lambda *a: None, model=model(), tokenizer=tok, encoded=rows)
+    assert [h["packs_per_step"] for h in run.history] == [2.0] * steps
+    losses = [h["loss"] for h in run.history]  # lr ~0: every step's loss is a token mean near ln(vocab)
+    assert max(losses) < 1.2 * min(losses), losses
+
+
+def test_sft_streaming_empty_stream_is_an_error(tmp_path):
+    from varpack.train import SFTConfig
+    from varpack.train.sft import run_sft
+
+    rows, tok, model = _sft_rows_and_model()
+    kw = dict(
+        model="tiny-qwen3", output_dir=str(tmp_path / "out"), packing_length=1, attn_backend="reference",
+        save=False, streaming=True, overflow="drop", max_steps=2, extra_training_args={"use_cpu": True},
+    )
+    with pytest.raises(ValueError, match="planned no pack in a pass"):  # every sample is dropped
+        run_sft(SFTConfig(**kw), print_fn=lambda *a: None, model=model(), tokenizer=tok, encoded=rows)
+    with pytest.raises(ValueError, match="planned no pack in a pass"):  # no rows
+        run_sft(SFTConfig(**kw), print_fn=lambda *a: None, model=model(), tokenizer=tok, encoded=[])
+
+
+def test_repeat_reads_pass_after_pass_and_refuses_an_empty_shard():
+    rows = encoded_rows(40, seed=3)
+    once = _ids(StreamingPackedDataset(rows, packing_length=L, buffer_size=8, overflow="split"))
+    ds = StreamingPackedDataset(rows, packing_length=L, buffer_size=8, overflow="split", repeat=True)
+    it = iter(ds)
+    n = len(list(StreamingPackedDataset(rows, packing_length=L, buffer_size=8, overflow="split")))
+    assert _ids([next(it) for _ in range(n)]) == once and _ids([next(it) for _ in range(n)]) == once
+    with pytest.raises(ValueError, match="planned no pack"):
+        next(iter(StreamingPackedDataset([], packing_length=L, repeat=True)))

@@ -4,6 +4,7 @@ objectives seam (the SFT objective's loss is the packed causal-LM loss, equal to
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import typing
@@ -168,6 +169,17 @@ def test_literals_agree_with_the_registries():
 )
 def test_new_numeric_checks_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SFTConfig\.{field} has an invalid value"):
+        SFTConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [("buffer_size", 1, "must be >= 2"), ("grad_accum", 0, "must be >= 1"), ("lora_dropout", 1.0, "[0, 1)"),
+     ("lr", float("nan"), "finite, > 0"), ("max_steps", 0, "-1 (use epochs) or >= 1")],
+)
+def test_invalid_value_says_what_is_valid(field, value, rule):
+    """``--buffer-size 1`` said only "has an invalid value: 1"; the error states the rule."""
+    with pytest.raises(ValueError, match=rf"SFTConfig\.{field} has an invalid value: .*\(.*{re.escape(rule)}"):
         SFTConfig(**{field: value})
 
 

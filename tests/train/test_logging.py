@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import types
 from pathlib import Path
@@ -222,3 +223,35 @@ def test_auto_backend_is_resolved(tmp_path):
     got = resolved_attn_backend(run.model, "auto", run.plan, dtype=torch.float32, device=torch.device("cpu"))
     assert got["name"] == "sdpa" and "auto on cpu" in got["reason"]
     assert math.isfinite(run.history[0]["loss"])
+
+
+@pytest.mark.parametrize(
+    ("report_to", "message"),
+    [
+        ("tensorboard,none", "'none' stands alone"),
+        ("all,tensorboard", "'all' stands alone"),
+        ("tensorbord", "no transformers integration 'tensorbord'"),
+        (",", "names no integration"),
+    ],
+)
+def test_bad_report_to_is_refused_before_the_data(report_to, message):
+    """A bad --report-to was refused by transformers only once the Trainer was built (after the data was
+    encoded), without the setting's name ("none is not supported, ..."); now build_sft refuses it first.
+    ``encoded`` is a bad value: reaching the data would raise another error."""
+    from varpack.train import build_sft
+
+    with pytest.raises(ValueError, match=rf"report_to='{re.escape(report_to)}'.*{re.escape(message)}"):
+        build_sft(SFTConfig(report_to=report_to), tokenizer=_Tok(), encoded=object())
+
+
+def test_report_to_a_missing_package_is_refused(monkeypatch):
+    """``--report-to wandb`` without wandb: transformers' RuntimeError traceback at Trainer build; now a
+    ValueError naming report_to (the CLI prints it as --report-to)."""
+    import transformers.integrations.integration_utils as iu
+
+    from varpack.train.sft import _report_to
+
+    monkeypatch.setattr(iu, "get_available_reporting_integrations", lambda: ["tensorboard"])
+    with pytest.raises(ValueError, match=r"report_to='tensorboard,wandb'.*'wandb'.*not installed"):
+        _report_to("tensorboard,wandb")
+    assert _report_to(" tensorboard , ") == ["tensorboard"] and _report_to("none") == "none"

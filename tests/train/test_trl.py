@@ -237,3 +237,31 @@ def test_model_put_on_varpack_attention(tmp_path, tokenizer):
     assert is_varpack_attention(trainer.model.config._attn_implementation)
     with pytest.raises(ValueError, match="evaluate"):
         trainer.evaluate(datasets.Dataset.from_list(rows()))
+
+
+def test_empty_train_dataset_is_named(tmp_path, tokenizer):
+    """An empty train_dataset raised a bare StopIteration from the vision-dataset probe."""
+    with pytest.raises(ValueError, match="train_dataset -- it has no rows"):
+        VarpackSFTTrainer(
+            model=tiny_model(),
+            args=trl_args(tmp_path),
+            train_dataset=datasets.Dataset.from_list([]),
+            processing_class=tokenizer,
+        )
+
+
+@pytest.mark.parametrize("mask", ["completion_mask", "assistant_masks"])
+def test_masks_without_labels_are_refused(tmp_path, tokenizer, mask):
+    """With skip_prepare_dataset=True TRL does not fold its masks into labels; TRL's own trainer refuses such
+    a dataset (it would train on every token), varpack's took labels = input_ids silently."""
+    ds = datasets.Dataset.from_list([{"input_ids": r["input_ids"], mask: [0, 0] + [1] * (len(r["input_ids"]) - 2)}
+                                     for r in rows()])
+    with pytest.raises(ValueError, match=rf"mask columns \['{mask}'\] but no 'labels'"):
+        samples_from_trl(ds)
+    with pytest.raises(ValueError, match="drop skip_prepare_dataset"):
+        VarpackSFTTrainer(
+            model=tiny_model(),
+            args=trl_args(tmp_path, dataset_kwargs={"skip_prepare_dataset": True}),
+            train_dataset=ds,
+            processing_class=tokenizer,
+        )

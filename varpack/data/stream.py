@@ -33,7 +33,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -257,10 +257,16 @@ class StreamingPackedDataset(IterableDataset):
             ``shard``); render with :func:`varpack.plan.report.summary_text`.
         token_fields: extra token-aligned fields cut for pieces of overlong samples.
         text_plane: plane of multi-plane ``position_ids`` that counts tokens.
+        repeat: False (default): one iterator is one pass over the stream. True: one endless iterator, pass
+            after pass (``epoch`` counts them), for a consumer that must not see a pass end: the HF Trainer
+            ends its epoch there, and with gradient accumulation an optimizer step cut short by the end of an
+            ``IterableDataset`` is not taken, its gradient adds to the next step's (each part divided by its
+            own ``num_items_in_batch``), so ``varpack sft --streaming`` repeats inside the dataset.
 
     Raises:
         ValueError / TypeError: bad settings (by :class:`StreamingPacker`), a bad source; while iterating, a
-            bad row (named) or an overlong sample with ``overflow="error"``.
+            bad row (named) or an overlong sample with ``overflow="error"``; with ``repeat``, a pass of this
+            shard that plans no pack (no rows, or every sample empty or dropped), instead of looping forever.
     """
 
     def __init__(
@@ -279,7 +285,9 @@ class StreamingPackedDataset(IterableDataset):
         report_fn: Callable[[dict[str, Any]], Any] | None = None,
         token_fields: Iterable[str] = (),
         text_plane: int = 0,
+        repeat: bool = False,
     ) -> None:
+        self.repeat = bool(repeat)
         self.stream = source if isinstance(source, ChatStream) else ChatStream(source)
         self.tokenizer = tokenizer
         self.packer_settings = dict(
@@ -364,6 +372,23 @@ class StreamingPackedDataset(IterableDataset):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        if not self.repeat:
+            yield from self._pass()
+            return
+        while True:
+            packer = yield from self._pass()
+            if packer.num_packs == 0:
+                shard, num_shards = self.shard()
+                where = f" (shard {shard} of {num_shards})" if num_shards > 1 else ""
+                raise ValueError(
+                    f"the stream {self.stream.label}{where} planned no pack in a pass: it has no rows, or every "
+                    f"sample is empty or dropped (overflow={self.packer_settings['overflow']!r}, packing_length="
+                    f"{self.packer_settings['packing_length']}); nothing to train on"
+                )
+            self.epoch += 1
+
+    def _pass(self) -> Generator[Any, None, StreamingPacker]:
+        """One pass over this shard of the stream (from the loaded state, if any); returns its packer."""
         shard, num_shards = self.shard()
         packer = StreamingPacker(**self.packer_settings)
         samples: dict[int, dict[str, Any]] = {}  # encoded samples with a piece in the buffer / pending
@@ -432,6 +457,7 @@ class StreamingPackedDataset(IterableDataset):
         self.last_summary = self._summary(live)
         if self.report_fn is not None:
             self.report_fn(self.last_summary)
+        return packer
 
     def _drain(
         self, live: dict[str, Any], samples: dict[int, dict[str, Any]], refs: dict[int, int]

@@ -438,30 +438,30 @@ class SFTConfig:
         else:
             object.__setattr__(self, "data", tuple(self.data))
         checks = [
-            ("packing_length", self.packing_length >= 1),
-            ("packs_per_step", self.packs_per_step >= 1),
-            ("grad_accum", self.grad_accum >= 1),
-            ("epochs", self.epochs > 0 or self.max_steps > 0),
-            ("max_steps", self.max_steps == -1 or self.max_steps >= 1),
-            ("lr", self.lr is None or (self.lr > 0 and math.isfinite(self.lr))),
-            ("warmup_steps", self.warmup_steps >= 0),
-            ("weight_decay", self.weight_decay >= 0 and math.isfinite(self.weight_decay)),
-            ("logging_steps", self.logging_steps >= 1),
-            ("num_proc", self.num_proc is None or self.num_proc >= 1),
-            ("dataloader_num_workers", self.dataloader_num_workers >= 0),
-            ("extra_training_args", isinstance(self.extra_training_args, dict)),
-            ("lora_r", self.lora_r >= 1),
-            ("lora_alpha", self.lora_alpha >= 1),
-            ("lora_dropout", 0.0 <= self.lora_dropout < 1.0),
-            ("lora_target_modules", bool(self.lora_target_module_list())),
-            ("lora_merge", not self.lora_merge or self.lora),
-            ("buffer_size", self.buffer_size >= 2),
-            ("beta", self.beta > 0 and math.isfinite(self.beta)),
-            ("label_smoothing", 0.0 <= self.label_smoothing < 0.5),
+            ("packing_length", self.packing_length >= 1, "must be >= 1"),
+            ("packs_per_step", self.packs_per_step >= 1, "must be >= 1"),
+            ("grad_accum", self.grad_accum >= 1, "must be >= 1"),
+            ("epochs", self.epochs > 0 or self.max_steps > 0, "must be > 0 (or max_steps >= 1)"),
+            ("max_steps", self.max_steps == -1 or self.max_steps >= 1, "must be -1 (use epochs) or >= 1"),
+            ("lr", self.lr is None or (self.lr > 0 and math.isfinite(self.lr)), "must be finite, > 0"),
+            ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+            ("weight_decay", self.weight_decay >= 0 and math.isfinite(self.weight_decay), "must be finite, >= 0"),
+            ("logging_steps", self.logging_steps >= 1, "must be >= 1"),
+            ("num_proc", self.num_proc is None or self.num_proc >= 1, "must be >= 1"),
+            ("dataloader_num_workers", self.dataloader_num_workers >= 0, "must be >= 0"),
+            ("extra_training_args", isinstance(self.extra_training_args, dict), "must be a JSON object"),
+            ("lora_r", self.lora_r >= 1, "must be >= 1"),
+            ("lora_alpha", self.lora_alpha >= 1, "must be >= 1"),
+            ("lora_dropout", 0.0 <= self.lora_dropout < 1.0, "must be in [0, 1)"),
+            ("lora_target_modules", bool(self.lora_target_module_list()), "names no module"),
+            ("lora_merge", not self.lora_merge or self.lora, "needs lora"),
+            ("buffer_size", self.buffer_size >= 2, "must be >= 2"),
+            ("beta", self.beta > 0 and math.isfinite(self.beta), "must be finite, > 0"),
+            ("label_smoothing", 0.0 <= self.label_smoothing < 0.5, "must be in [0, 0.5)"),
         ]
-        for name, ok in checks:
+        for name, ok, rule in checks:
             if not ok:
-                raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}")
+                raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r} ({rule})")
         if self.streaming and self.max_steps < 1:
             raise ValueError(
                 "SFTConfig.max_steps has an invalid value: -1; streaming needs max_steps >= 1: the number of "

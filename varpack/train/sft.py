@@ -136,6 +136,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
             f"{bad}={getattr(config, bad)!r} does not apply to objective='dpo': it reads the log-probabilities from "
             "the logits and averages over pairs (leave loss_impl / loss_reduction at their defaults)"
         )
+    _report_to(config.report_to)  # a bad name or a missing package before minutes of encoding
     if config.lora:  # before minutes of encoding
         from varpack.train.lora import require_peft
 
@@ -226,9 +227,13 @@ def _streaming_dataset(
     Ranks: the dataset does not shard by rank itself (``world_size=1``): under several processes the HF
     Trainer (accelerate's ``IterableDatasetShard``) hands each rank its own micro-batches of the one packed
     stream, so every rank reads and encodes the stream (the packs are deterministic, so all ranks agree).
+    The dataset repeats the stream itself (``repeat=True``): the Trainer sees one endless epoch, so an
+    optimizer step is never cut by a pass end (with gradient accumulation HF would carry the cut step's
+    gradient into the next one), and an empty stream is an error instead of a run of 0 steps.
 
     Raises:
-        ValueError: a vision-language model (streaming reads text chats).
+        ValueError: a vision-language model (streaming reads text chats); while training, a stream that
+            plans no pack (no rows, or every sample empty or dropped).
     """
     from varpack.data.stream import ChatStream, StreamingPackedDataset
     from varpack.models import is_vl_model
@@ -257,6 +262,7 @@ def _streaming_dataset(
         world_size=1,
         report_every=STREAM_REPORT_EVERY,
         report_fn=report,
+        repeat=True,  # the Trainer never sees a pass end (it would cut an accumulated step there)
     )
     text = "\n".join(
         [
@@ -496,11 +502,40 @@ def training_arguments(config: SFTConfig) -> Any:
 
 
 def _report_to(text: str) -> str | list[str]:
-    """``SFTConfig.report_to`` for ``TrainingArguments``: ``"tensorboard,wandb"`` -> a list (transformers
-    takes a list, or one name / ``all`` / ``none`` as a string)."""
-    if "," not in text:
-        return text
-    return [name.strip() for name in text.split(",") if name.strip()]
+    """``SFTConfig.report_to`` for ``TrainingArguments``, checked: ``"tensorboard,wandb"`` -> a list
+    (transformers takes a list, or one name / ``all`` / ``none`` as a string).
+
+    Raises:
+        ValueError: ``none`` or ``all`` beside other names, a name transformers has no integration for, or
+            an integration whose package is not installed (transformers' own errors come when the Trainer
+            is built, after the data is encoded, without the setting's name), naming ``report_to``.
+    """
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"report_to={text!r} names no integration; give none, all or names like tensorboard")
+    if len(names) == 1 and names[0] in ("none", "all"):
+        return names[0]
+    for special in ("none", "all"):
+        if special in names:
+            raise ValueError(f"report_to={text!r}: {special!r} stands alone, not in a list with other names")
+    available = set(get_available_reporting_integrations())
+    for name in names:
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise ValueError(
+                f"report_to={text!r}: no transformers integration {name!r}; choose none, all or among "
+                f"{', '.join(INTEGRATION_TO_CALLBACK)}"
+            )
+        if name not in available:
+            raise ValueError(
+                f"report_to={text!r}: the {name!r} integration's package is not installed (pip install "
+                f"{name}; README 'Logging')"
+            )
+    return names
 
 
 def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFTRun:

@@ -140,7 +140,8 @@ def samples_from_trl(dataset: Any, *, name: str = "train") -> Any:
     Raises:
         TypeError: ``dataset`` is not a ``datasets.Dataset`` (an ``IterableDataset`` cannot be planned: the
             planner needs every length first).
-        ValueError: no ``input_ids`` column (naming ``name``), or a sample with no tokens (naming it).
+        ValueError: no ``input_ids`` column (naming ``name``), a sample with no tokens (naming it), or
+            TRL's ``completion_mask`` / ``assistant_masks`` without ``labels`` (preparation skipped).
     """
     import datasets
 
@@ -153,6 +154,15 @@ def samples_from_trl(dataset: Any, *, name: str = "train") -> Any:
     if INPUT_IDS not in columns:
         raise ValueError(
             f"VarpackSFTTrainer: the prepared {name} dataset has no 'input_ids' column: {columns}"
+        )
+    masks = [c for c in ("completion_mask", "assistant_masks") if c in columns]
+    if LABELS not in columns and masks:
+        # TRL folds these masks into labels while preparing; a dataset that skipped preparation
+        # (dataset_kwargs={"skip_prepare_dataset": True}) would train on every token (TRL refuses it too)
+        raise ValueError(
+            f"VarpackSFTTrainer: the {name} dataset has mask columns {masks} but no 'labels', and TRL's "
+            "preparation (which folds them into labels) was skipped: it would train on every token. Add a "
+            "'labels' column (-100 for tokens without loss) or drop skip_prepare_dataset"
         )
     keep = [c for c in columns if c in TOKEN_FIELDS or c == SAMPLE_ID]
     dataset = dataset.select_columns(keep)
@@ -229,7 +239,9 @@ class VarpackSFTTrainer(PackedLossMixin, SFTTrainer):
                 "max_length=None", "give SFTConfig(max_length=...) or packing_length= (tokens per pack)"
             )
         train = kwargs.get("train_dataset")
-        first = next(iter(train)) if train is not None else {}
+        first = next(iter(train), None) if train is not None else {}
+        if first is None:
+            raise _refuse("train_dataset", "it has no rows; there is nothing to pack")
         if "image" in first or "images" in first:
             raise _refuse(
                 "a vision dataset", "TRL prepares images on the fly; varpack's TRL path is text-only"
