@@ -54,8 +54,9 @@ def test_sampler_visits_every_pack_once_per_epoch_in_plan_order(tmp_path):
     loader = run.trainer.get_train_dataloader()
     for epoch in (0, 1):
         loader.set_epoch(epoch)  # what Trainer does before each epoch (and PackEpochCallback)
+        run.trainer.pack_sampler.set_epoch(epoch)  # Trainer reaches the batch sampler itself
         seen = [tuple(b["sample_ids"]) for b in loader]
-        expected = [tuple(run.dataset.pack_ids(i).tolist()) for i in range(len(run.dataset))]
+        expected = [tuple(run.plan.pack(p).tolist()) for p in run.plan.pack_order(epoch)]
         assert seen == expected
         ids = sorted(s for pack in seen for s in pack)
         assert ids == list(range(run.plan.num_samples))  # every sample exactly once

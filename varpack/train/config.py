@@ -160,6 +160,11 @@ class SFTConfig:
         loss_impl: ``auto`` (``linear_ce`` when the model allows it and runs unwrapped, else ``logits``),
             ``linear_ce`` (chunked, no ``[T, V]`` logits) or ``logits``.
         attn_backend: varpack attention backend (``auto``, ``reference``, ``flex``, ...).
+        rank_balance: under several ranks, balance every micro-batch's packs across the ranks by cost
+            (:class:`varpack.data.sampler.BalancedPackSampler`, :mod:`varpack.plan.balance`); ``False``: the
+            plan's per-epoch order dealt round-robin. Either way every sample once per epoch, no repeats.
+        attention_cost_weight: ``>= 0``, the weight of ``sum L_i^2`` in a pack's cost (tokens);
+            ``None``: :func:`varpack.plan.balance.attention_cost_weight` of the model's config.
         bf16: train in bfloat16 autocast (mixed precision; master weights stay float32).
         dtype: parameter dtype of built-in models (``float32`` default).
         seed: random-init seed of built-in models, plan seed and Trainer seed.
@@ -305,6 +310,22 @@ class SFTConfig:
         default="auto",
         metadata=_opt("varpack attention backend (default: %(default)s)", aliases=("attn_impl",)),
     )
+    rank_balance: bool = field(
+        default=True,
+        metadata=_opt(
+            "under several ranks (torchrun): give the ranks packs of near-equal cost in every micro-batch "
+            "(tokens + attention_cost_weight x sum of squared sample lengths); off: the plan's order dealt "
+            "round-robin"
+        ),
+    )
+    attention_cost_weight: float | None = field(
+        default=None,
+        metadata=_opt(
+            "weight of the sum of squared sample lengths in a pack's cost, in tokens (default: attention vs "
+            "linear-layer FLOPs of the model's config)",
+            metavar="A",
+        ),
+    )
     bf16: bool = field(default=False, metadata=_opt("bfloat16 mixed precision"))
     dtype: DTypeName = field(
         default="float32", metadata=_opt("parameter dtype of built-in models (default: %(default)s)")
@@ -421,6 +442,11 @@ class SFTConfig:
             ("lora_target_modules", bool(self.lora_target_module_list())),
             ("lora_merge", not self.lora_merge or self.lora),
             ("buffer_size", self.buffer_size >= 2),
+            (
+                "attention_cost_weight",
+                self.attention_cost_weight is None
+                or (self.attention_cost_weight >= 0 and math.isfinite(self.attention_cost_weight)),
+            ),
         ]
         for name, ok in checks:
             if not ok:

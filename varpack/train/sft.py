@@ -7,12 +7,15 @@ Pipeline (ARCHITECTURE.md): chat data -> :func:`varpack.data.chat.encode_dataset
 -> the objective's loss (:mod:`varpack.train.objectives`; SFT: :func:`varpack.loss.causal_lm_loss`, or the chunked linear cross entropy of :mod:`varpack.ops.linear_ce`, which
 never builds the ``[T, V]`` logits).
 
-Sampling. The Trainer visits the dataset sequentially (``train_sampling_strategy="sequential"``); the order
-of the packs is the plan's per-epoch permutation (``PackPlan.pack_order(epoch)``), switched every epoch by
-:class:`varpack.train.trainer.PackEpochCallback` (and by accelerate's ``DataLoaderShard.set_epoch``, which forwards to the dataset).
-Under ``torchrun`` / ``accelerate launch`` accelerate shards the batches of packs across ranks (rank r takes
-micro-batches r, r + W, ...), so every rank trains on its own share of packs; with ``even_batches`` (the
-default) the last step of an epoch may repeat up to W - 1 packs so that all ranks step together.
+Sampling. Each rank's micro-batches come from :class:`varpack.data.sampler.BalancedPackSampler` (built by
+:func:`pack_sampler`): the plan's per-epoch permutation (``PackPlan.pack_order(epoch)``, switched every epoch
+by :class:`varpack.train.trainer.PackEpochCallback` and Trainer), and under ``torchrun`` / ``accelerate
+launch`` every micro-batch slot's packs dealt to the ranks by cost (:mod:`varpack.plan.balance`: tokens +
+attention's sum of squared lengths), every pack once per epoch; when the packs do not fill the last slot, a
+rank without a pack runs a masked filler pack (no loss, no gradient). Every rank builds the plan and checks
+its fingerprint against the others' before training. A planned run's checkpoints carry the sampler's state
+(``varpack_sampler.json``). A streamed run (no plan) is sharded by accelerate (rank r takes micro-batches
+r, r + W, ...).
 
 Loss. ``loss_reduction="token"``: the global token mean of the optimizer step, with transformers'
 ``num_items_in_batch`` (supervised tokens of all accumulation micro-batches, summed over ranks when
@@ -148,7 +151,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         if encoded is None:
             model, encoded, data_label, config = _load_samples(config, model, tokenizer, load)
         lengths, plan = _plan_packs(config, encoded, data_label)
-        dataset = PackedDataset(encoded, plan)
+        dataset = PackedDataset(encoded, plan, shuffle=False)  # the pack sampler orders the packs
         summary = plan_summary(plan, lengths, data=data_label)
         unsupervised = unsupervised_pieces(encoded, plan) if plan.pieces else None
         report = summary_text(summary, unsupervised=unsupervised)
@@ -157,13 +160,15 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id))
     training_args = training_arguments(config)
     created_output_dir = not os.path.exists(training_args.output_dir)
+    sampler = None if plan is None else pack_sampler(config, plan, model, training_args)
     trainer = PackedSFTTrainer(
         model=model,
         args=training_args,
         train_dataset=dataset,
         data_collator=collator,
         processing_class=tokenizer,
-        callbacks=[] if config.streaming else [PackEpochCallback(dataset)],
+        callbacks=[] if config.streaming else [PackEpochCallback(dataset, sampler)],
+        pack_sampler=sampler,
         loss_reduction=config.loss_reduction,
         loss_impl=config.loss_impl,
         packing_length=config.packing_length,
@@ -192,6 +197,36 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         lr_default_kind=lr_default_kind,
         created_output_dir=created_output_dir,
     )
+
+
+def pack_sampler(config: SFTConfig, plan: Any, model: Any, training_args: Any) -> Any:
+    """This rank's :class:`varpack.data.sampler.BalancedPackSampler` (``config.rank_balance``, the cost
+    model's ``attention_cost_weight``: given, or read off the model's config), after checking that every rank
+    planned the same packs with the same layout settings (:func:`varpack.train.distributed.check_same_on_all_ranks`).
+
+    Raises:
+        RuntimeError: the ranks' plan / layout fingerprints differ (naming the ranks).
+        ValueError: the model's config does not give the attention cost and none was set.
+    """
+    from varpack.data.sampler import BalancedPackSampler
+    from varpack.plan.balance import attention_cost_weight
+    from varpack.train.distributed import check_same_on_all_ranks
+
+    weight = config.attention_cost_weight
+    if weight is None:
+        unwrapped = model.get_base_model() if hasattr(model, "get_base_model") else model
+        weight = attention_cost_weight(unwrapped.config)
+    sampler = BalancedPackSampler(
+        plan,
+        rank=training_args.process_index,
+        world_size=training_args.world_size,
+        packs_per_rank=config.packs_per_step,
+        grad_accum=config.grad_accum,
+        attention_weight=weight,
+        balance=config.rank_balance,
+    )
+    check_same_on_all_ranks(sampler.fingerprint(), what="pack plan and its per-rank layout")
+    return sampler
 
 
 #: ``varpack sft --streaming`` prints the stream's packing report every this many packs (and at its end).

@@ -11,7 +11,9 @@ logging steps only. See :mod:`varpack.train` for the whole pipeline.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -36,14 +38,19 @@ STAT_KEYS: tuple[str, ...] = ("packs", "samples", "tokens", "supervised_tokens")
 
 
 class PackEpochCallback(TrainerCallback):
-    """Calls ``dataset.set_epoch(epoch)`` at the start of every epoch: the plan's per-epoch pack order."""
+    """Calls ``set_epoch(epoch)`` of the dataset (and of the pack sampler, when given) at the start of every
+    epoch: the plan's per-epoch pack order. (Trainer sets the sampler's epoch too, except in the epoch it
+    resumes, where its fast-forward wrapper hides the sampler: this callback covers that epoch.)"""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, sampler: Any = None) -> None:
         self.dataset = dataset
+        self.sampler = sampler
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         epoch = int(math.floor((state.epoch or 0.0) + 1e-6))
         self.dataset.set_epoch(epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
 
 
 class PackedLossMixin:
@@ -178,6 +185,17 @@ class PackedSFTTrainer(PackedLossMixin, Trainer):
     ``num_items_in_batch`` (:class:`PackedLossMixin`).
 
     Every training log entry carries varpack's per-step metrics (:func:`step_metrics`).
+
+    ``pack_sampler``: a :class:`varpack.data.sampler.BalancedPackSampler` of this rank (the train dataset a
+    ``PackedDataset(..., shuffle=False)``): the training DataLoader takes its micro-batches as they are
+    (accelerate's per-rank sharding is switched off, as transformers does for its own rank-aware
+    ``BatchRebalanceSampler``), and every checkpoint gets the sampler's state (:data:`SAMPLER_STATE_FILE`).
+    ``train(resume_from_checkpoint=...)`` continues through Trainer's own fast-forward (it skips the
+    micro-batches of the steps done; the sampler's layout is deterministic, so this is exactly the packs not
+    yet trained; nothing else skips): the checkpoint's sampler state is checked against this run (same packs
+    and layout) and a checkpoint of another world size / ``packs_per_step`` / ``grad_accum`` is refused, as
+    Trainer's step arithmetic would then skip the wrong number of packs (:meth:`BalancedPackSampler.load_state_dict`
+    continues such an epoch outside Trainer).
     """
 
     def __init__(
@@ -187,6 +205,7 @@ class PackedSFTTrainer(PackedLossMixin, Trainer):
         loss_impl: str = "auto",
         packing_length: int | None = None,
         objective: str = "sft",
+        pack_sampler: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -195,6 +214,102 @@ class PackedSFTTrainer(PackedLossMixin, Trainer):
             loss_impl=loss_impl,
             packing_length=packing_length,
             objective=objective,
+        )
+        self.pack_sampler = pack_sampler
+        if pack_sampler is not None and getattr(self.train_dataset, "shuffle", False):
+            raise ValueError(
+                "pack_sampler yields plan pack ids and orders the packs itself: build the dataset with "
+                "PackedDataset(..., shuffle=False)"
+            )
+
+    # -- the rank-balanced sampler ---------------------------------------------------------------------
+    def get_train_dataloader(self) -> Any:
+        """The training DataLoader; with ``pack_sampler`` its micro-batches as this rank's batches."""
+        if self.pack_sampler is None:
+            return super().get_train_dataloader()
+        from functools import partial
+
+        from torch.utils.data import DataLoader
+        from transformers.trainer_utils import seed_worker
+
+        a = self.args
+        params: dict[str, Any] = dict(
+            batch_sampler=self.pack_sampler,
+            collate_fn=self.data_collator,
+            num_workers=a.dataloader_num_workers,
+            pin_memory=a.dataloader_pin_memory,
+            persistent_workers=a.dataloader_persistent_workers,
+            worker_init_fn=partial(seed_worker, num_workers=a.dataloader_num_workers, rank=a.process_index),
+        )
+        if a.dataloader_num_workers:
+            params.update(prefetch_factor=a.dataloader_prefetch_factor)
+        loader = self.accelerator.prepare(DataLoader(self.train_dataset, **params))
+        shard = getattr(loader, "batch_sampler", None)  # accelerate's BatchSamplerShard: pass through
+        if shard is not None and getattr(shard, "batch_sampler", None) is self.pack_sampler:
+            shard.num_processes, shard.process_index = 1, 0
+        return loader
+
+    def _sampler_state(self) -> dict[str, Any]:
+        """The sampler's state at Trainer's ``global_step`` (Trainer's own epoch / step arithmetic)."""
+        per_epoch = max(1, math.ceil(len(self.pack_sampler) / self.args.gradient_accumulation_steps))
+        state = self.pack_sampler.state_dict(consumed_steps=self.state.global_step % per_epoch)
+        state["epoch"] = self.state.global_step // per_epoch
+        state["global_step"] = self.state.global_step
+        return state
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.pack_sampler is not None and self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            with open(os.path.join(folder, SAMPLER_STATE_FILE), "w") as f:
+                json.dump(self._sampler_state(), f)
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a checkpoint's sampler state is checked first (class docstring)."""
+        if self.pack_sampler is not None and resume_from_checkpoint:
+            path = resume_from_checkpoint
+            if path is True:
+                from transformers.trainer_utils import get_last_checkpoint
+
+                path = get_last_checkpoint(self.args.output_dir)
+            if isinstance(path, str):
+                check_sampler_checkpoint(self.pack_sampler, path)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+#: the file in a Trainer checkpoint folder that holds the pack sampler's state (JSON)
+SAMPLER_STATE_FILE = "varpack_sampler.json"
+
+
+def check_sampler_checkpoint(sampler: Any, checkpoint: str) -> None:
+    """Refuse to resume ``checkpoint`` with ``sampler`` unless Trainer's fast-forward will skip exactly the
+    packs the checkpoint's steps trained: same plan and cost model (``load_state_dict``'s checks) and the same
+    layout (world size, packs per rank, accumulation) for the whole interrupted epoch.
+
+    Raises:
+        ValueError: naming the setting that differs.
+    """
+    path = os.path.join(checkpoint, SAMPLER_STATE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {checkpoint} has no {SAMPLER_STATE_FILE}: it was not saved with a pack sampler")
+    with open(path) as f:
+        state = json.load(f)
+    import copy
+
+    copy.copy(sampler).load_state_dict(state)  # plan / cost model / seed checks, on a throwaway copy
+    now = [sampler.world_size, sampler.packs_per_rank, sampler.grad_accum]
+    other = [s[:3] for s in state["segments"] if s[:3] != now]
+    if other:
+        W, P, G = other[0]
+        raise ValueError(
+            f"checkpoint {checkpoint} trained its epoch {state['epoch']} with world_size={W}, packs_per_step={P}, "
+            f"grad_accum={G}; this run has world_size={now[0]}, packs_per_step={now[1]}, grad_accum={now[2]}. "
+            "Trainer's resume counts steps of the checkpoint's layout: resume with the same settings (or continue "
+            "the epoch with BalancedPackSampler.load_state_dict outside Trainer)"
         )
 
 
@@ -254,9 +369,15 @@ def batch_stats(batch: dict[str, Any], *, packs: int) -> dict[str, int]:
 
     Returns:
         ``{"packs", "samples", "tokens", "supervised_tokens"}`` as ints: ``tokens`` = the samples' tokens
-        (``cu_seqlens[num_samples]``, padding excluded), ``supervised_tokens`` = ``labels != -100``.
+        (``cu_seqlens[num_samples]``, padding excluded), ``supervised_tokens`` = ``labels != -100``; all 0
+        for a masked filler pack (samples without ``sample_id``, every label -100).
     """
     samples = len(batch[SAMPLE_IDS])
+    if samples and all(s is None for s in batch[SAMPLE_IDS]) and (
+        LABELS not in batch or bool((batch[LABELS] == IGNORE_INDEX).all())
+    ):
+        # a masked filler pack (varpack.data.sampler.MaskedPack): trains nothing, counts nothing
+        return dict.fromkeys(STAT_KEYS, 0)
     meta = batch[VARLEN_META]
     tokens = int(meta.cu_seqlens_q[samples])
     supervised = int((batch[LABELS] != IGNORE_INDEX).sum()) if LABELS in batch else 0
