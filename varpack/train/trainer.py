@@ -39,8 +39,8 @@ STAT_KEYS: tuple[str, ...] = ("packs", "samples", "tokens", "supervised_tokens")
 
 class PackEpochCallback(TrainerCallback):
     """Calls ``set_epoch(epoch)`` of the dataset (and of the pack sampler, when given) at the start of every
-    epoch: the plan's per-epoch pack order. (Trainer sets the sampler's epoch too, except in the epoch it
-    resumes, where its fast-forward wrapper hides the sampler: this callback covers that epoch.)"""
+    epoch: the plan's per-epoch pack order. (Trainer / accelerate set the sampler's epoch as well, reaching
+    it through their wrappers; this does not depend on how they reach it, e.g. in a resumed epoch.)"""
 
     def __init__(self, dataset: Any, sampler: Any = None) -> None:
         self.dataset = dataset
@@ -145,6 +145,7 @@ class PackedLossMixin:
         then Trainer's step."""
         if self._window_start is None:
             self._window_start = time.perf_counter()
+            self._last_logged_step = self.state.global_step  # the window's steps start here (also on resume)
         stats = inputs.get(BATCH_STATS)
         if stats is not None:
             for key in STAT_KEYS:
