@@ -1,0 +1,132 @@
+"""`varpack sft` under torchrun, 2 CPU ranks over gloo (#13): one DDP step over the rank-balanced packs equals
+the one-process step over the same packs (loss and every parameter's gradient, as the SGD step at lr 1), for
+the token mean and the sample mean, with a negative control (per-rank means: average_tokens_across_devices
+off); and ranks that planned different packs are refused before training."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from varpack.models import load_model
+from varpack.train import SFTConfig, build_sft
+
+VOCAB = 512
+#: packing_length 32: best-fit decreasing makes 3 packs ({25, 5}, {20, 12}, {18, 10}): 2 ranks x 1 pack per
+#: micro-batch x 2 micro-batches = 4 places, so rank 1's second micro-batch is the masked filler pack
+LENGTHS = (20, 12, 18, 10, 25, 5)
+
+
+def samples(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        cut = max(1, n // 3)
+        out.append({"input_ids": ids, "labels": [-100] * cut + ids[cut:], "length": n})
+    return out
+
+
+class _Tok:
+    pad_token_id = 0
+
+    def save_pretrained(self, path):
+        return None
+
+
+def one_step(out_dir, *, encoded=None, **cfg):
+    """One SGD step (lr 1, no clipping) of tiny-qwen3: ``(run, {name: parameter change}, logged loss)``."""
+    kw = dict(
+        model="tiny-qwen3",
+        output_dir=str(out_dir),
+        packing_length=32,
+        attn_backend="reference",
+        save=False,
+        max_steps=1,
+        lr=1.0,
+        loss_impl="logits",
+    )
+    extra = {"optim": "sgd", "max_grad_norm": 0.0, "use_cpu": True}
+    extra.update(cfg.pop("extra", {}))
+    kw.update(cfg)
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    run = build_sft(
+        SFTConfig(extra_training_args=extra, **kw), model=model, tokenizer=_Tok(),
+        encoded=encoded if encoded is not None else samples(),
+    )  # fmt: skip
+    run.trainer.train()
+    delta = {n: p.detach() - before[n] for n, p in run.model.named_parameters()}
+    loss = [h["loss"] for h in run.trainer.state.log_history if "loss" in h][0]
+    return run, delta, loss
+
+
+_SCRIPT = r"""
+import json, pathlib, sys, torch
+sys.path.insert(0, {root!r})
+from tests.train.test_ddp_gloo import one_step, samples, LENGTHS
+out = pathlib.Path({out!r})
+rank = int(__import__("os").environ["RANK"])
+result = {{}}
+for name, reduction, extra in [
+    ("token", "token", {{}}),
+    ("sample", "sample", {{}}),
+    ("control", "token", {{"average_tokens_across_devices": False}}),
+]:
+    run, delta, loss = one_step(out / name, loss_reduction=reduction, grad_accum=2, extra=extra)
+    layout = run.trainer.pack_sampler.layout().tolist()
+    if rank == 0:
+        torch.save(delta, out / f"{{name}}.pt")
+    result[name] = {{"loss": loss, "layout": layout}}
+# a rank that planned other packs (one sample one token longer) must be refused before training
+try:
+    lengths = list(LENGTHS)
+    lengths[0] += rank
+    one_step(out / "mismatch", encoded=samples(lengths), max_steps=1)
+    result["mismatch"] = None
+except RuntimeError as e:
+    result["mismatch"] = str(e)
+(out / f"result{{rank}}.json").write_text(json.dumps(result))
+from varpack.cli.sft import _close_process_group
+_close_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_ddp_two_gloo_ranks_step_equals_one_process_step(tmp_path):
+    root = str(pathlib.Path(__file__).parents[2])
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT.format(root=root, out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
+
+    # the layout: every pack once over 2 ranks x 2 micro-batches, one masked filler place
+    layout = results[0]["token"]["layout"]
+    assert results[1]["token"]["layout"] == layout
+    flat = [p for slot in layout for rank in slot for p in rank]
+    assert sorted(p for p in flat if p >= 0) == [0, 1, 2] and flat.count(-1) == 1
+
+    for reduction in ("token", "sample"):
+        # one process, the same 3 packs in one row: the reference step
+        _, ref, ref_loss = one_step(tmp_path / f"ref-{reduction}", loss_reduction=reduction, packs_per_step=3)
+        ddp = torch.load(tmp_path / f"{reduction}.pt")
+        scale = max(v.abs().max().item() for v in ref.values())
+        worst = max((ddp[n] - ref[n]).abs().max().item() for n in ref)
+        assert scale > 1e-3 and worst <= 1e-6 + 1e-5 * scale, (reduction, worst, scale)
+        assert results[0][reduction]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert results[1][reduction]["loss"] == results[0][reduction]["loss"]
+        if reduction == "token":  # negative control: per-rank token means averaged by DDP differ
+            control = torch.load(tmp_path / "control.pt")
+            off = max((control[n] - ref[n]).abs().max().item() for n in ref)
+            assert off > 100 * (1e-6 + 1e-5 * scale)
+
+    for r in range(2):
+        msg = results[r]["mismatch"]
+        assert msg is not None and "differs across ranks" in msg and "rank 0:" in msg and "rank 1:" in msg
