@@ -47,6 +47,7 @@ NON_DEFAULT = dict(
     num_proc=2,
     dataloader_num_workers=2,
     rank_balance=False,
+    fsdp=True,
     attention_cost_weight=0.25,
     gradient_checkpointing=True,
     use_liger_kernel=True,

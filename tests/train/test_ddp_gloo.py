@@ -1,7 +1,9 @@
 """`varpack sft` under torchrun, 2 CPU ranks over gloo (#13): one DDP step over the rank-balanced packs equals
 the one-process step over the same packs (loss and every parameter's gradient, as the SGD step at lr 1), for
 the token mean and the sample mean, with a negative control (per-rank means: average_tokens_across_devices
-off); and ranks that planned different packs are refused before training."""
+off); the same for FSDP2 (``fully_shard`` per decoder layer and the root; accelerate shards only on GPUs, so
+here the step is driven by hand over the same sampler, collator and objective); and ranks that planned
+different packs are refused before training."""
 
 from __future__ import annotations
 
@@ -66,6 +68,53 @@ def one_step(out_dir, *, encoded=None, **cfg):
     return run, delta, loss
 
 
+def fsdp2_step(reduction, *, global_items=True):
+    """One FSDP2 step on this rank (process group up): ``({name: full gradient}, global loss)``.
+
+    The rank's micro-batches of :class:`BalancedPackSampler` (2 ranks x 2 micro-batches, as ``one_step``
+    with ``grad_accum=2``), the loss divided by the step's item count summed over ranks (``global_items``;
+    ``False``: this rank's own count, the negative control) and multiplied by the world size, as
+    ``PackedLossMixin.compute_loss`` does, because FSDP2 averages the gradients over ranks."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from varpack.collate import PaddingFreeCollator
+    from varpack.data.dataset import PackedDataset
+    from varpack.data.sampler import BalancedPackSampler
+    from varpack.plan.balance import attention_cost_weight
+    from varpack.train.objectives import get_objective
+    from varpack.train.sft import plan_samples
+    from varpack.train.trainer import TrainCollator
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    encoded = samples()
+    _, plan = plan_samples(encoded, packing_length=32)
+    sampler = BalancedPackSampler(
+        plan, rank=rank, world_size=world, grad_accum=2, attention_weight=attention_cost_weight(model.config)
+    )
+    dataset = PackedDataset(encoded, plan, shuffle=False)
+    collate = TrainCollator(PaddingFreeCollator(pad_token_id=0))
+    batches = [collate([dataset[p] for p in micro]) for micro in sampler]
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    from varpack.train.trainer import _is_fully_sharded
+
+    assert _is_fully_sharded(model)  # what makes PackedLossMixin take the logits path under FSDP2
+    objective = get_objective("sft")
+    items = sum(objective.count_items(b, reduction=reduction) for b in batches)
+    if global_items:
+        dist.all_reduce(items)
+    total = torch.zeros(())
+    for batch in batches:
+        loss = objective.loss(model, batch, reduction=reduction, num_items_in_batch=items).loss
+        (loss * world).backward()
+        total += loss.detach()
+    dist.all_reduce(total)
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}, float(total)
+
+
 _SCRIPT = r"""
 import json, pathlib, sys, torch
 sys.path.insert(0, {root!r})
@@ -83,6 +132,14 @@ for name, reduction, extra in [
     if rank == 0:
         torch.save(delta, out / f"{{name}}.pt")
     result[name] = {{"loss": loss, "layout": layout}}
+from tests.train.test_ddp_gloo import fsdp2_step
+for name, reduction, global_items in [
+    ("fsdp-token", "token", True), ("fsdp-sample", "sample", True), ("fsdp-control", "token", False)
+]:
+    grads, loss = fsdp2_step(reduction, global_items=global_items)
+    if rank == 0:
+        torch.save({{n: -g for n, g in grads.items()}}, out / f"{{name}}.pt")  # the SGD step at lr 1
+    result[name] = {{"loss": loss}}
 # a rank that planned other packs (one sample one token longer) must be refused before training
 try:
     lengths = list(LENGTHS)
@@ -98,7 +155,7 @@ _close_process_group()
 
 
 @pytest.mark.slow
-def test_ddp_two_gloo_ranks_step_equals_one_process_step(tmp_path):
+def test_ddp_and_fsdp2_two_gloo_ranks_step_equals_one_process_step(tmp_path):
     root = str(pathlib.Path(__file__).parents[2])
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.format(root=root, out=str(tmp_path)))
@@ -116,16 +173,19 @@ def test_ddp_two_gloo_ranks_step_equals_one_process_step(tmp_path):
     for reduction in ("token", "sample"):
         # one process, the same 3 packs in one row: the reference step
         _, ref, ref_loss = one_step(tmp_path / f"ref-{reduction}", loss_reduction=reduction, packs_per_step=3)
-        ddp = torch.load(tmp_path / f"{reduction}.pt")
         scale = max(v.abs().max().item() for v in ref.values())
-        worst = max((ddp[n] - ref[n]).abs().max().item() for n in ref)
-        assert scale > 1e-3 and worst <= 1e-6 + 1e-5 * scale, (reduction, worst, scale)
-        assert results[0][reduction]["loss"] == pytest.approx(ref_loss, rel=1e-5)
-        assert results[1][reduction]["loss"] == results[0][reduction]["loss"]
-        if reduction == "token":  # negative control: per-rank token means averaged by DDP differ
-            control = torch.load(tmp_path / "control.pt")
-            off = max((control[n] - ref[n]).abs().max().item() for n in ref)
-            assert off > 100 * (1e-6 + 1e-5 * scale)
+        assert scale > 1e-3
+        for engine, control in ((reduction, "control"), (f"fsdp-{reduction}", "fsdp-control")):
+            got = torch.load(tmp_path / f"{engine}.pt")
+            assert set(got) == set(ref)
+            worst = max((got[n] - ref[n]).abs().max().item() for n in ref)
+            assert worst <= 1e-6 + 1e-5 * scale, (engine, worst, scale)
+            assert results[0][engine]["loss"] == pytest.approx(ref_loss, rel=1e-5), engine
+            assert results[1][engine]["loss"] == results[0][engine]["loss"]
+            if reduction == "token":  # negative control: per-rank token means, averaged over ranks, differ
+                wrong = torch.load(tmp_path / f"{control}.pt")
+                off = max((wrong[n] - ref[n]).abs().max().item() for n in ref)
+                assert off > 100 * (1e-6 + 1e-5 * scale), control
 
     for r in range(2):
         msg = results[r]["mismatch"]

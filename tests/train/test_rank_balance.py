@@ -240,3 +240,12 @@ def test_trainer_resume_trains_each_remaining_sample_once(tmp_path):
     run3 = _trainer_run(tmp_path, [], grad_accum=1)
     with pytest.raises(ValueError, match="grad_accum=2"):
         run3.trainer.train(resume_from_checkpoint=str(ckpt))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_fsdp_without_gpu_is_refused_before_encoding(tmp_path):
+    """accelerate shards only on GPUs and would run plain DDP on CPUs: refused, not silently ignored."""
+    from varpack.train import SFTConfig, build_sft
+
+    with pytest.raises(ValueError, match="fsdp needs CUDA GPUs"):
+        build_sft(SFTConfig(fsdp=True, output_dir=str(tmp_path / "out"), data=("missing.jsonl",)))

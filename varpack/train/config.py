@@ -165,6 +165,11 @@ class SFTConfig:
             plan's per-epoch order dealt round-robin. Either way every sample once per epoch, no repeats.
         attention_cost_weight: ``>= 0``, the weight of ``sum L_i^2`` in a pack's cost (tokens);
             ``None``: :func:`varpack.plan.balance.attention_cost_weight` of the model's config.
+        fsdp: FSDP2 (``torch.distributed.fsdp.fully_shard``) through transformers' ``fsdp=True``,
+            ``fsdp_config={"version": 2}`` (accelerate wraps each decoder layer, ``_no_split_modules``); CUDA
+            only (accelerate shards on GPUs and would run plain DDP on CPUs: refused there). The loss then
+            runs through the model's logits (``loss_impl="auto"``), as the chunked linear CE reads the LM head
+            outside the sharded forward.
         bf16: train in bfloat16 autocast (mixed precision; master weights stay float32).
         dtype: parameter dtype of built-in models (``float32`` default).
         seed: random-init seed of built-in models, plan seed and Trainer seed.
@@ -324,6 +329,13 @@ class SFTConfig:
             "weight of the sum of squared sample lengths in a pack's cost, in tokens (default: attention vs "
             "linear-layer FLOPs of the model's config)",
             metavar="A",
+        ),
+    )
+    fsdp: bool = field(
+        default=False,
+        metadata=_opt(
+            "under torchrun on GPUs: shard parameters, gradients and optimizer state over the ranks with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard through transformers / accelerate, one unit per decoder layer)"
         ),
     )
     bf16: bool = field(default=False, metadata=_opt("bfloat16 mixed precision"))

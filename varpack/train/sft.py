@@ -288,7 +288,17 @@ def _streaming_dataset(
 
 
 def _refuse_kernel_settings(config: SFTConfig) -> None:
-    """Liger-Kernel refused before minutes of encoding, not at the first forward."""
+    """Liger-Kernel and FSDP without a GPU refused before minutes of encoding, not at the first forward."""
+    if config.fsdp and not torch.cuda.is_available():
+        raise ValueError(
+            "fsdp needs CUDA GPUs: accelerate shards a model only on GPUs (on CPUs it would silently run plain "
+            "DDP); on CPUs run torchrun without --fsdp"
+        )
+    if config.fsdp and config.loss_impl == "linear_ce":
+        raise ValueError(
+            "fsdp with loss_impl='linear_ce': the chunked linear cross entropy reads the LM head outside the "
+            "sharded forward; use loss_impl='logits' or 'auto'"
+        )
     if config.use_liger_kernel:
         from varpack.integrations.kernels import LIGER_COMPILE_REFUSAL, liger_available
 
@@ -475,6 +485,8 @@ def training_arguments(config: SFTConfig) -> Any:
         # accelerate would dispatch an IterableDataset's batches from rank 0 and slice every tensor along its
         # first dimension (cu_seq_lens too); each rank fetches its own micro-batches instead
         args_kw["accelerator_config"] = {"dispatch_batches": False}
+    if config.fsdp:  # FSDP2, one unit per decoder layer (accelerate reads the model's _no_split_modules)
+        args_kw.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
     if config.gradient_checkpointing:  # the flag is renamed in newer transformers; pass it only when used
         args_kw["gradient_checkpointing"] = True
     args_kw.update(config.extra_training_args)

@@ -102,6 +102,14 @@ class PackedLossMixin:
         if self.loss_impl == "logits":
             return False
         unwrapped = self.accelerator.unwrap_model(model)
+        if _is_fully_sharded(unwrapped):
+            # FSDP2 shards in place: the head's weight is gathered only inside the root module's forward
+            if self.loss_impl == "linear_ce":
+                raise ValueError(
+                    "loss_impl='linear_ce' reads the LM head weight outside the forward, which FSDP2 has "
+                    "sharded; use loss_impl='logits' or loss_impl='auto'"
+                )
+            return False
         if self.loss_impl == "linear_ce":
             if unwrapped is not model:
                 raise ValueError(
@@ -178,6 +186,15 @@ class PackedLossMixin:
             self._window_start = None
             self._last_logged_step = self.state.global_step
         super().log(logs, *args, **kwargs)
+
+
+def _is_fully_sharded(model: Any) -> bool:
+    """Whether ``fully_shard`` (FSDP2) has been applied to ``model`` (it changes the module's class in place)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(model, FSDPModule)
 
 
 class PackedSFTTrainer(PackedLossMixin, Trainer):
