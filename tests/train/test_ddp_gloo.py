@@ -62,6 +62,14 @@ def one_step(out_dir, *, encoded=None, **cfg):
         SFTConfig(extra_training_args=extra, **kw), model=model, tokenizer=_Tok(),
         encoded=encoded if encoded is not None else samples(),
     )  # fmt: skip
+    run.trained_ids = []  # sample ids of the micro-batches this rank trained (fillers have none)
+    step = run.trainer.training_step
+
+    def training_step(model, inputs, *args, **kwargs):
+        run.trained_ids += [i for i in inputs["sample_ids"] if i is not None]
+        return step(model, inputs, *args, **kwargs)
+
+    run.trainer.training_step = training_step
     run.trainer.train()
     delta = {n: p.detach() - before[n] for n, p in run.model.named_parameters()}
     loss = [h["loss"] for h in run.trainer.state.log_history if "loss" in h][0]
@@ -131,7 +139,7 @@ for name, reduction, extra in [
     layout = run.trainer.pack_sampler.layout().tolist()
     if rank == 0:
         torch.save(delta, out / f"{{name}}.pt")
-    result[name] = {{"loss": loss, "layout": layout}}
+    result[name] = {{"loss": loss, "layout": layout, "ids": run.trained_ids}}
 from tests.train.test_ddp_gloo import fsdp2_step
 for name, reduction, global_items in [
     ("fsdp-token", "token", True), ("fsdp-sample", "sample", True), ("fsdp-control", "token", False)
@@ -169,6 +177,9 @@ def test_ddp_and_fsdp2_two_gloo_ranks_step_equals_one_process_step(tmp_path):
     assert results[1]["token"]["layout"] == layout
     flat = [p for slot in layout for rank in slot for p in rank]
     assert sorted(p for p in flat if p >= 0) == [0, 1, 2] and flat.count(-1) == 1
+    # the step is the whole epoch: each sample trained by exactly one rank, once
+    for name in ("token", "sample", "control"):
+        assert sorted(results[0][name]["ids"] + results[1][name]["ids"]) == list(range(len(LENGTHS)))
 
     for reduction in ("token", "sample"):
         # one process, the same 3 packs in one row: the reference step
