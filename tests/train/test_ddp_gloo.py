@@ -162,7 +162,6 @@ _close_process_group()
 """
 
 
-@pytest.mark.slow
 def test_ddp_and_fsdp2_two_gloo_ranks_step_equals_one_process_step(tmp_path):
     root = str(pathlib.Path(__file__).parents[2])
     script = tmp_path / "run.py"

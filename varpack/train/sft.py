@@ -200,33 +200,19 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
 
 
 def pack_sampler(config: SFTConfig, plan: Any, model: Any, training_args: Any) -> Any:
-    """This rank's :class:`varpack.data.sampler.BalancedPackSampler` (``config.rank_balance``, the cost
-    model's ``attention_cost_weight``: given, or read off the model's config), after checking that every rank
-    planned the same packs with the same layout settings (:func:`varpack.train.distributed.check_same_on_all_ranks`).
+    """This rank's :class:`varpack.data.sampler.BalancedPackSampler` with ``config``'s ``packs_per_step``,
+    ``rank_balance`` and ``attention_cost_weight`` (:func:`varpack.train.trainer.make_pack_sampler`, which
+    checks the plan's fingerprint across ranks)."""
+    from varpack.train.trainer import make_pack_sampler
 
-    Raises:
-        RuntimeError: the ranks' plan / layout fingerprints differ (naming the ranks).
-        ValueError: the model's config does not give the attention cost and none was set.
-    """
-    from varpack.data.sampler import BalancedPackSampler
-    from varpack.plan.balance import attention_cost_weight
-    from varpack.train.distributed import check_same_on_all_ranks
-
-    weight = config.attention_cost_weight
-    if weight is None:
-        unwrapped = model.get_base_model() if hasattr(model, "get_base_model") else model
-        weight = attention_cost_weight(unwrapped.config)
-    sampler = BalancedPackSampler(
+    return make_pack_sampler(
         plan,
-        rank=training_args.process_index,
-        world_size=training_args.world_size,
+        model,
+        training_args,
         packs_per_rank=config.packs_per_step,
-        grad_accum=config.grad_accum,
-        attention_weight=weight,
         balance=config.rank_balance,
+        attention_weight=config.attention_cost_weight,
     )
-    check_same_on_all_ranks(sampler.fingerprint(), what="pack plan and its per-rank layout")
-    return sampler
 
 
 #: ``varpack sft --streaming`` prints the stream's packing report every this many packs (and at its end).

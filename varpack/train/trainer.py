@@ -26,10 +26,13 @@ from varpack.train.objectives import get_objective
 __all__ = [
     "STAT_KEYS",
     "PackEpochCallback",
+    "PackSamplingMixin",
     "PackedLossMixin",
     "PackedSFTTrainer",
     "TrainCollator",
     "batch_stats",
+    "check_sampler_checkpoint",
+    "make_pack_sampler",
     "step_metrics",
 ]
 
@@ -197,50 +200,32 @@ def _is_fully_sharded(model: Any) -> bool:
     return isinstance(model, FSDPModule)
 
 
-class PackedSFTTrainer(PackedLossMixin, Trainer):
-    """``Trainer`` whose loss comes from a training objective (``objective``, a name of
-    :data:`varpack.train.objectives.OBJECTIVES`; ``"sft"``: varpack's packed causal-LM loss) with
-    ``num_items_in_batch`` (:class:`PackedLossMixin`).
+class PackSamplingMixin:
+    """The training DataLoader of a ``Trainer`` subclass on a :class:`varpack.data.sampler.BalancedPackSampler`
+    (``pack_sampler``; the train dataset a ``PackedDataset(..., shuffle=False)``): the DataLoader takes the
+    sampler's micro-batches as they are (accelerate's per-rank sharding is switched off, as transformers does
+    for its own rank-aware ``BatchRebalanceSampler``), and every checkpoint gets the sampler's state
+    (:data:`SAMPLER_STATE_FILE`). ``train(resume_from_checkpoint=...)`` continues through Trainer's own
+    fast-forward (it skips the micro-batches of the steps done; the layout is deterministic, so these are
+    exactly the packs trained; nothing else skips): the checkpoint's sampler state is checked against this
+    run first, and a checkpoint of another world size / packs per step / accumulation is refused, as
+    Trainer's step arithmetic would then skip the wrong packs (``BalancedPackSampler.load_state_dict``
+    continues such an epoch outside Trainer). Without a sampler, Trainer's own DataLoader.
 
-    Every training log entry carries varpack's per-step metrics (:func:`step_metrics`).
-
-    ``pack_sampler``: a :class:`varpack.data.sampler.BalancedPackSampler` of this rank (the train dataset a
-    ``PackedDataset(..., shuffle=False)``): the training DataLoader takes its micro-batches as they are
-    (accelerate's per-rank sharding is switched off, as transformers does for its own rank-aware
-    ``BatchRebalanceSampler``), and every checkpoint gets the sampler's state (:data:`SAMPLER_STATE_FILE`).
-    ``train(resume_from_checkpoint=...)`` continues through Trainer's own fast-forward (it skips the
-    micro-batches of the steps done; the sampler's layout is deterministic, so this is exactly the packs not
-    yet trained; nothing else skips): the checkpoint's sampler state is checked against this run (same packs
-    and layout) and a checkpoint of another world size / ``packs_per_step`` / ``grad_accum`` is refused, as
-    Trainer's step arithmetic would then skip the wrong number of packs (:meth:`BalancedPackSampler.load_state_dict`
-    continues such an epoch outside Trainer).
+    Mixed in first (``PackedSFTTrainer``, ``VarpackSFTTrainer``); the subclass calls
+    :meth:`_init_pack_sampler` after ``Trainer.__init__``.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        loss_reduction: str = "token",
-        loss_impl: str = "auto",
-        packing_length: int | None = None,
-        objective: str = "sft",
-        pack_sampler: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_packed_loss(
-            loss_reduction=loss_reduction,
-            loss_impl=loss_impl,
-            packing_length=packing_length,
-            objective=objective,
-        )
-        self.pack_sampler = pack_sampler
-        if pack_sampler is not None and getattr(self.train_dataset, "shuffle", False):
+    pack_sampler: Any = None
+
+    def _init_pack_sampler(self, sampler: Any) -> None:
+        self.pack_sampler = sampler
+        if sampler is not None and getattr(self.train_dataset, "shuffle", False):
             raise ValueError(
                 "pack_sampler yields plan pack ids and orders the packs itself: build the dataset with "
                 "PackedDataset(..., shuffle=False)"
             )
 
-    # -- the rank-balanced sampler ---------------------------------------------------------------------
     def get_train_dataloader(self) -> Any:
         """The training DataLoader; with ``pack_sampler`` its micro-batches as this rank's batches."""
         if self.pack_sampler is None:
@@ -297,6 +282,85 @@ class PackedSFTTrainer(PackedLossMixin, Trainer):
             if isinstance(path, str):
                 check_sampler_checkpoint(self.pack_sampler, path)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+
+
+def make_pack_sampler(
+    plan: Any,
+    model: Any,
+    args: Any,
+    *,
+    packs_per_rank: int,
+    balance: bool = True,
+    attention_weight: float | None = None,
+) -> Any:
+    """This rank's :class:`varpack.data.sampler.BalancedPackSampler` for a Trainer run, after checking that
+    every rank planned the same packs with the same layout settings
+    (:func:`varpack.train.distributed.check_same_on_all_ranks`).
+
+    Args:
+        plan: the train ``PackPlan``.
+        model: the model (its config gives the cost model's attention weight when ``attention_weight`` is
+            None; a peft model is read through its base model).
+        args: the ``TrainingArguments`` (``process_index``, ``world_size``, ``gradient_accumulation_steps``;
+            reading them sets up the process group).
+        packs_per_rank: packs per rank per micro-batch.
+        balance: cost-balanced slots (``False``: round-robin).
+        attention_weight: the cost model's weight (:func:`varpack.plan.balance.attention_cost_weight`).
+
+    Raises:
+        RuntimeError: the ranks' plan / layout fingerprints differ (naming the ranks).
+        ValueError: the model's config does not give the attention cost and none was set.
+    """
+    from varpack.data.sampler import BalancedPackSampler
+    from varpack.plan.balance import attention_cost_weight
+    from varpack.train.distributed import check_same_on_all_ranks
+
+    if attention_weight is None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        attention_weight = attention_cost_weight(base.config)
+    sampler = BalancedPackSampler(
+        plan,
+        rank=args.process_index,
+        world_size=args.world_size,
+        packs_per_rank=packs_per_rank,
+        grad_accum=args.gradient_accumulation_steps,
+        attention_weight=attention_weight,
+        balance=balance,
+    )
+    check_same_on_all_ranks(sampler.fingerprint(), what="pack plan and its per-rank layout")
+    return sampler
+
+
+class PackedSFTTrainer(PackSamplingMixin, PackedLossMixin, Trainer):
+    """``Trainer`` whose loss comes from a training objective (``objective``, a name of
+    :data:`varpack.train.objectives.OBJECTIVES`; ``"sft"``: varpack's packed causal-LM loss) with
+    ``num_items_in_batch`` (:class:`PackedLossMixin`).
+
+    Every training log entry carries varpack's per-step metrics (:func:`step_metrics`).
+
+    ``pack_sampler``: this rank's :class:`varpack.data.sampler.BalancedPackSampler` (:class:`PackSamplingMixin`).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_reduction: str = "token",
+        loss_impl: str = "auto",
+        packing_length: int | None = None,
+        objective: str = "sft",
+        pack_sampler: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_packed_loss(
+            loss_reduction=loss_reduction,
+            loss_impl=loss_impl,
+            packing_length=packing_length,
+            objective=objective,
+        )
+        self._init_pack_sampler(pack_sampler)
 
 
 #: the file in a Trainer checkpoint folder that holds the pack sampler's state (JSON)
