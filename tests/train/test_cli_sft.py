@@ -65,7 +65,8 @@ def test_sampler_visits_every_pack_once_per_epoch_in_plan_order(tmp_path):
 
 
 def test_ranks_get_disjoint_shares(tmp_path):
-    """Under W ranks accelerate shards the sequential batches of packs: rank r takes batches r, r+W, ..."""
+    """accelerate's own sharding of sequential batches of packs (rank r takes batches r, r+W, ...), which
+    planned runs replace by BalancedPackSampler (tests/train/test_rank_balance.py): it may repeat a pack."""
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, SequentialSampler
 

@@ -1,6 +1,8 @@
 """The Trainer side of a packed SFT run: :class:`PackedSFTTrainer` (loss from a training objective of
 :mod:`varpack.train.objectives`, ``num_items_in_batch``, tokens/s and pack-fill logs), the collator wrapper
-:class:`TrainCollator` and :class:`PackEpochCallback` (the plan's per-epoch pack order).
+:class:`TrainCollator`, :class:`PackEpochCallback` (the plan's per-epoch pack order) and
+:class:`PackSamplingMixin` (each rank's packs from :class:`varpack.data.sampler.BalancedPackSampler`,
+checkpointed and checked on resume).
 
 Host syncs. Boundaries are built and validated once on the CPU by the collator, as the batch's
 :class:`varpack.varlen.VarlenMeta` (``varlen_meta``): Trainer / accelerate move tensors to the device and leave
