@@ -123,6 +123,37 @@ def fsdp2_step(reduction, *, global_items=True):
     return {n: p.grad.full_tensor() for n, p in model.named_parameters()}, float(total)
 
 
+def trained_ids_with_resume(out_dir):
+    """2 ranks, 8 samples -> 5 packs (3 micro-batch slots, one filler): ``(ids trained by an uninterrupted
+    epoch, ids of a run stopped after step 1 (checkpoint), ids of the run resumed from that checkpoint)``,
+    this rank's, each a list of micro-batches' sample ids."""
+    lengths = (30, 7, 22, 9, 17, 14, 26, 5)
+    out = []
+    for name, cfg, resume in (
+        ("full", {}, None),
+        ("first", {"max_steps": 1}, None),
+        ("second", {}, "first/checkpoint-1"),
+    ):
+        model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+        extra = {"optim": "sgd", "use_cpu": True, "save_strategy": "steps", "save_steps": 1}
+        config = SFTConfig(
+            model="tiny-qwen3", output_dir=str(out_dir / ("first" if resume else name)), packing_length=32,
+            attn_backend="reference", save=False, lr=1e-3, extra_training_args=extra, **cfg,
+        )  # fmt: skip
+        run = build_sft(config, model=model, tokenizer=_Tok(), encoded=samples(lengths))
+        seen = []
+        step = run.trainer.training_step
+
+        def training_step(model, inputs, *args, _step=step, _seen=seen, **kwargs):
+            _seen.append([i for i in inputs["sample_ids"] if i is not None])
+            return _step(model, inputs, *args, **kwargs)
+
+        run.trainer.training_step = training_step
+        run.trainer.train(resume_from_checkpoint=str(out_dir / resume) if resume else None)
+        out.append(seen)
+    return out
+
+
 _SCRIPT = r"""
 import json, pathlib, sys, torch
 sys.path.insert(0, {root!r})
@@ -148,6 +179,8 @@ for name, reduction, global_items in [
     if rank == 0:
         torch.save({{n: -g for n, g in grads.items()}}, out / f"{{name}}.pt")  # the SGD step at lr 1
     result[name] = {{"loss": loss}}
+from tests.train.test_ddp_gloo import trained_ids_with_resume
+result["resume"] = trained_ids_with_resume(out / "resume")
 # a rank that planned other packs (one sample one token longer) must be refused before training
 try:
     lengths = list(LENGTHS)
@@ -196,6 +229,13 @@ def test_ddp_and_fsdp2_two_gloo_ranks_step_equals_one_process_step(tmp_path):
                 wrong = torch.load(tmp_path / f"{control}.pt")
                 off = max((wrong[n] - ref[n]).abs().max().item() for n in ref)
                 assert off > 100 * (1e-6 + 1e-5 * scale), control
+
+    # resume_from_checkpoint on 2 ranks: the resumed run trains the uninterrupted run's remaining micro-batches
+    full, first, second = ([b for r in range(2) for b in results[r]["resume"][i]] for i in range(3))
+    for r in range(2):
+        f, a, b = results[r]["resume"]
+        assert a + b == f and len(a) == 1 and len(b) >= 1
+    assert sorted(i for batch in first + second for i in batch) == list(range(8)) == sorted(i for b in full for i in b)
 
     for r in range(2):
         msg = results[r]["mismatch"]
