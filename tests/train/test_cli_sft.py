@@ -54,8 +54,9 @@ def test_sampler_visits_every_pack_once_per_epoch_in_plan_order(tmp_path):
     loader = run.trainer.get_train_dataloader()
     for epoch in (0, 1):
         loader.set_epoch(epoch)  # what Trainer does before each epoch (and PackEpochCallback)
+        run.trainer.pack_sampler.set_epoch(epoch)  # Trainer reaches the batch sampler itself
         seen = [tuple(b["sample_ids"]) for b in loader]
-        expected = [tuple(run.dataset.pack_ids(i).tolist()) for i in range(len(run.dataset))]
+        expected = [tuple(run.plan.pack(p).tolist()) for p in run.plan.pack_order(epoch)]
         assert seen == expected
         ids = sorted(s for pack in seen for s in pack)
         assert ids == list(range(run.plan.num_samples))  # every sample exactly once
@@ -64,7 +65,8 @@ def test_sampler_visits_every_pack_once_per_epoch_in_plan_order(tmp_path):
 
 
 def test_ranks_get_disjoint_shares(tmp_path):
-    """Under W ranks accelerate shards the sequential batches of packs: rank r takes batches r, r+W, ..."""
+    """accelerate's own sharding of sequential batches of packs (rank r takes batches r, r+W, ...), which
+    planned runs replace by BalancedPackSampler (tests/train/test_rank_balance.py): it may repeat a pack."""
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, SequentialSampler
 
@@ -202,7 +204,8 @@ sys.path.insert(0, {tests!r})
 from test_cli_sft import _build
 import pathlib
 out = pathlib.Path({out!r})
-run = _build(out, max_steps=1, lr=1.0, packs_per_step={pps}, loss_reduction={red!r})
+# round-robin (no cost balance): step 1 is the first 2 packs of the epoch's order under 1 or 2 ranks
+run = _build(out, max_steps=1, lr=1.0, packs_per_step={pps}, loss_reduction={red!r}, rank_balance=False)
 run.trainer.train()
 if run.trainer.is_world_process_zero():
     torch.save({{n: p.detach() for n, p in run.model.named_parameters()}}, out / "params.pt")

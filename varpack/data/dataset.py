@@ -163,6 +163,9 @@ class PackedDataset(Dataset):
     (``position_ids`` ``[P, L]``, images) through the dataset's own decoding. A sequence of dicts gives
     shallow copies of its dicts.
 
+    A :class:`varpack.data.sampler.MaskedPack` index gives the pack's samples with every label ``-100`` and
+    ``sample_id`` ``None`` (the filler of :class:`varpack.data.sampler.BalancedPackSampler`).
+
     Every packed id is visited exactly once per epoch, because the plan's packs partition its ids and the
     order is a permutation. Works with ``torch.utils.data.DataLoader`` (any ``num_workers``; the dataset is
     picklable; call :meth:`set_epoch` before each epoch's iterator is created, as workers copy the dataset
@@ -377,6 +380,14 @@ class PackedDataset(Dataset):
         return state
 
     def __getitem__(self, index: int) -> list[dict[str, Any]]:
+        from varpack.data.sampler import MaskedPack
+
+        if isinstance(index, MaskedPack):  # a rank's filler micro-batch: trains nothing, counts nothing
+            rows = self.__getitem__(int(index))
+            for row in rows:
+                row["labels"] = [IGNORE_INDEX] * len(row["labels"])
+                row["sample_id"] = None
+            return rows
         ids = self.pack_ids(index)
         n = self._num_samples
         pieces = self.plan.pieces if (ids >= n).any() else {}

@@ -166,6 +166,16 @@ class SFTConfig:
         loss_impl: ``auto`` (``linear_ce`` when the model allows it and runs unwrapped, else ``logits``),
             ``linear_ce`` (chunked, no ``[T, V]`` logits) or ``logits``.
         attn_backend: varpack attention backend (``auto``, ``reference``, ``flex``, ...).
+        rank_balance: under several ranks, balance every micro-batch's packs across the ranks by cost
+            (:class:`varpack.data.sampler.BalancedPackSampler`, :mod:`varpack.plan.balance`); ``False``: the
+            plan's per-epoch order dealt round-robin. Either way every sample once per epoch, no repeats.
+        attention_cost_weight: ``>= 0``, the weight of ``sum L_i^2`` in a pack's cost (tokens);
+            ``None``: :func:`varpack.plan.balance.attention_cost_weight` of the model's config.
+        fsdp: FSDP2 (``torch.distributed.fsdp.fully_shard``) through transformers' ``fsdp=True``,
+            ``fsdp_config={"version": 2}`` (accelerate wraps each decoder layer, ``_no_split_modules``); CUDA
+            only (accelerate shards on GPUs and would run plain DDP on CPUs: refused there). The loss then
+            runs through the model's logits (``loss_impl="auto"``), as the chunked linear CE reads the LM head
+            outside the sharded forward.
         bf16: train in bfloat16 autocast (mixed precision; master weights stay float32).
         dtype: parameter dtype of built-in models (``float32`` default).
         seed: random-init seed of built-in models, plan seed and Trainer seed.
@@ -318,6 +328,29 @@ class SFTConfig:
         default="auto",
         metadata=_opt("varpack attention backend (default: %(default)s)", aliases=("attn_impl",)),
     )
+    rank_balance: bool = field(
+        default=True,
+        metadata=_opt(
+            "under several ranks (torchrun): give the ranks packs of near-equal cost in every micro-batch "
+            "(tokens + attention_cost_weight x sum of squared sample lengths); off: the plan's order dealt "
+            "round-robin"
+        ),
+    )
+    attention_cost_weight: float | None = field(
+        default=None,
+        metadata=_opt(
+            "weight of the sum of squared sample lengths in a pack's cost, in tokens (default: attention vs "
+            "linear-layer FLOPs of the model's config)",
+            metavar="A",
+        ),
+    )
+    fsdp: bool = field(
+        default=False,
+        metadata=_opt(
+            "under torchrun on GPUs: shard parameters, gradients and optimizer state over the ranks with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard through transformers / accelerate, one unit per decoder layer)"
+        ),
+    )
     bf16: bool = field(default=False, metadata=_opt("bfloat16 mixed precision"))
     dtype: DTypeName = field(
         default="float32", metadata=_opt("parameter dtype of built-in models (default: %(default)s)")
@@ -458,6 +491,12 @@ class SFTConfig:
             ("buffer_size", self.buffer_size >= 2, "must be >= 2"),
             ("beta", self.beta > 0 and math.isfinite(self.beta), "must be finite, > 0"),
             ("label_smoothing", 0.0 <= self.label_smoothing < 0.5, "must be in [0, 0.5)"),
+            (
+                "attention_cost_weight",
+                self.attention_cost_weight is None
+                or (self.attention_cost_weight >= 0 and math.isfinite(self.attention_cost_weight)),
+                "must be finite, >= 0",
+            ),
         ]
         for name, ok, rule in checks:
             if not ok:

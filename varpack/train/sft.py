@@ -7,12 +7,15 @@ Pipeline (ARCHITECTURE.md): chat data -> :func:`varpack.data.chat.encode_dataset
 -> the objective's loss (:mod:`varpack.train.objectives`; SFT: :func:`varpack.loss.causal_lm_loss`, or the chunked linear cross entropy of :mod:`varpack.ops.linear_ce`, which
 never builds the ``[T, V]`` logits).
 
-Sampling. The Trainer visits the dataset sequentially (``train_sampling_strategy="sequential"``); the order
-of the packs is the plan's per-epoch permutation (``PackPlan.pack_order(epoch)``), switched every epoch by
-:class:`varpack.train.trainer.PackEpochCallback` (and by accelerate's ``DataLoaderShard.set_epoch``, which forwards to the dataset).
-Under ``torchrun`` / ``accelerate launch`` accelerate shards the batches of packs across ranks (rank r takes
-micro-batches r, r + W, ...), so every rank trains on its own share of packs; with ``even_batches`` (the
-default) the last step of an epoch may repeat up to W - 1 packs so that all ranks step together.
+Sampling. Each rank's micro-batches come from :class:`varpack.data.sampler.BalancedPackSampler` (built by
+:func:`pack_sampler`): the plan's per-epoch permutation (``PackPlan.pack_order(epoch)``, switched every epoch
+by :class:`varpack.train.trainer.PackEpochCallback` and Trainer), and under ``torchrun`` / ``accelerate
+launch`` every micro-batch slot's packs dealt to the ranks by cost (:mod:`varpack.plan.balance`: tokens +
+attention's sum of squared lengths), every pack once per epoch; when the packs do not fill the last slot, a
+rank without a pack runs a masked filler pack (no loss, no gradient). Every rank builds the plan and checks
+its fingerprint against the others' before training. A planned run's checkpoints carry the sampler's state
+(``varpack_sampler.json``). A streamed run (no plan) is sharded by accelerate (rank r takes micro-batches
+r, r + W, ...).
 
 Loss. ``loss_reduction="token"``: the global token mean of the optimizer step, with transformers'
 ``num_items_in_batch`` (supervised tokens of all accumulation micro-batches, summed over ranks when
@@ -164,7 +167,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         if dpo:
             data_label += f" ({len(encoded) // 2:,} preference pairs, each in one pack)"
         lengths, plan = _plan_packs(config, encoded, data_label)
-        dataset = PackedDataset(encoded, plan)
+        dataset = PackedDataset(encoded, plan, shuffle=False)  # the pack sampler orders the packs
         summary = plan_summary(plan, lengths, data=data_label)
         unsupervised = unsupervised_pieces(encoded, plan) if plan.pieces else None
         report = summary_text(summary, unsupervised=unsupervised)
@@ -176,13 +179,15 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id))
     training_args = training_arguments(config)
     created_output_dir = not os.path.exists(training_args.output_dir)
+    sampler = None if plan is None else pack_sampler(config, plan, model, training_args)
     trainer = PackedSFTTrainer(
         model=model,
         args=training_args,
         train_dataset=dataset,
         data_collator=collator,
         processing_class=tokenizer,
-        callbacks=[] if config.streaming else [PackEpochCallback(dataset)],
+        callbacks=[] if config.streaming else [PackEpochCallback(dataset, sampler)],
+        pack_sampler=sampler,
         loss_reduction=config.loss_reduction,
         loss_impl=config.loss_impl,
         packing_length=config.packing_length,
@@ -211,6 +216,22 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         report=report,
         lr_default_kind=lr_default_kind,
         created_output_dir=created_output_dir,
+    )
+
+
+def pack_sampler(config: SFTConfig, plan: Any, model: Any, training_args: Any) -> Any:
+    """This rank's :class:`varpack.data.sampler.BalancedPackSampler` with ``config``'s ``packs_per_step``,
+    ``rank_balance`` and ``attention_cost_weight`` (:func:`varpack.train.trainer.make_pack_sampler`, which
+    checks the plan's fingerprint across ranks)."""
+    from varpack.train.trainer import make_pack_sampler
+
+    return make_pack_sampler(
+        plan,
+        model,
+        training_args,
+        packs_per_rank=config.packs_per_step,
+        balance=config.rank_balance,
+        attention_weight=config.attention_cost_weight,
     )
 
 
@@ -300,7 +321,17 @@ def _dpo_objective(config: SFTConfig, model: Any, load: Callable[[], Any]) -> An
 
 
 def _refuse_kernel_settings(config: SFTConfig) -> None:
-    """Liger-Kernel refused before minutes of encoding, not at the first forward."""
+    """Liger-Kernel and FSDP without a GPU refused before minutes of encoding, not at the first forward."""
+    if config.fsdp and not torch.cuda.is_available():
+        raise ValueError(
+            "fsdp needs CUDA GPUs: accelerate shards a model only on GPUs (on CPUs it would silently run plain "
+            "DDP); on CPUs run torchrun without --fsdp"
+        )
+    if config.fsdp and config.loss_impl == "linear_ce":
+        raise ValueError(
+            "fsdp with loss_impl='linear_ce': the chunked linear cross entropy reads the LM head outside the "
+            "sharded forward; use loss_impl='logits' or 'auto'"
+        )
     if config.use_liger_kernel:
         from varpack.integrations.kernels import LIGER_COMPILE_REFUSAL, liger_available
 
@@ -495,6 +526,8 @@ def training_arguments(config: SFTConfig) -> Any:
         # accelerate would dispatch an IterableDataset's batches from rank 0 and slice every tensor along its
         # first dimension (cu_seq_lens too); each rank fetches its own micro-batches instead
         args_kw["accelerator_config"] = {"dispatch_batches": False}
+    if config.fsdp:  # FSDP2, one unit per decoder layer (accelerate reads the model's _no_split_modules)
+        args_kw.update(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})
     if config.gradient_checkpointing:  # the flag is renamed in newer transformers; pass it only when used
         args_kw["gradient_checkpointing"] = True
     args_kw.update(config.extra_training_args)

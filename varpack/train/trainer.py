@@ -1,6 +1,8 @@
 """The Trainer side of a packed SFT run: :class:`PackedSFTTrainer` (loss from a training objective of
 :mod:`varpack.train.objectives`, ``num_items_in_batch``, tokens/s and pack-fill logs), the collator wrapper
-:class:`TrainCollator` and :class:`PackEpochCallback` (the plan's per-epoch pack order).
+:class:`TrainCollator`, :class:`PackEpochCallback` (the plan's per-epoch pack order) and
+:class:`PackSamplingMixin` (each rank's packs from :class:`varpack.data.sampler.BalancedPackSampler`,
+checkpointed and checked on resume).
 
 Host syncs. Boundaries are built and validated once on the CPU by the collator, as the batch's
 :class:`varpack.varlen.VarlenMeta` (``varlen_meta``): Trainer / accelerate move tensors to the device and leave
@@ -11,7 +13,9 @@ logging steps only. See :mod:`varpack.train` for the whole pipeline.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,10 +28,13 @@ from varpack.train.objectives import get_objective
 __all__ = [
     "STAT_KEYS",
     "PackEpochCallback",
+    "PackSamplingMixin",
     "PackedLossMixin",
     "PackedSFTTrainer",
     "TrainCollator",
     "batch_stats",
+    "check_sampler_checkpoint",
+    "make_pack_sampler",
     "step_metrics",
 ]
 
@@ -36,14 +43,19 @@ STAT_KEYS: tuple[str, ...] = ("packs", "samples", "tokens", "supervised_tokens")
 
 
 class PackEpochCallback(TrainerCallback):
-    """Calls ``dataset.set_epoch(epoch)`` at the start of every epoch: the plan's per-epoch pack order."""
+    """Calls ``set_epoch(epoch)`` of the dataset (and of the pack sampler, when given) at the start of every
+    epoch: the plan's per-epoch pack order. (Trainer / accelerate set the sampler's epoch as well, reaching
+    it through their wrappers; this does not depend on how they reach it, e.g. in a resumed epoch.)"""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, sampler: Any = None) -> None:
         self.dataset = dataset
+        self.sampler = sampler
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         epoch = int(math.floor((state.epoch or 0.0) + 1e-6))
         self.dataset.set_epoch(epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
 
 
 class PackedLossMixin:
@@ -96,6 +108,14 @@ class PackedLossMixin:
         if self.loss_impl == "logits":
             return False
         unwrapped = self.accelerator.unwrap_model(model)
+        if _is_fully_sharded(unwrapped):
+            # FSDP2 shards in place: the head's weight is gathered only inside the root module's forward
+            if self.loss_impl == "linear_ce":
+                raise ValueError(
+                    "loss_impl='linear_ce' reads the LM head weight outside the forward, which FSDP2 has "
+                    "sharded; use loss_impl='logits' or loss_impl='auto'"
+                )
+            return False
         if self.loss_impl == "linear_ce":
             if unwrapped is not model:
                 raise ValueError(
@@ -139,6 +159,7 @@ class PackedLossMixin:
         then Trainer's step."""
         if self._window_start is None:
             self._window_start = time.perf_counter()
+            self._last_logged_step = self.state.global_step  # the window's steps start here (also on resume)
         stats = inputs.get(BATCH_STATS)
         if stats is not None:
             for key in STAT_KEYS:
@@ -173,13 +194,157 @@ class PackedLossMixin:
         super().log(logs, *args, **kwargs)
 
 
-class PackedSFTTrainer(PackedLossMixin, Trainer):
+def _is_fully_sharded(model: Any) -> bool:
+    """Whether ``fully_shard`` (FSDP2) has been applied to ``model`` (it changes the module's class in place)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
+class PackSamplingMixin:
+    """The training DataLoader of a ``Trainer`` subclass on a :class:`varpack.data.sampler.BalancedPackSampler`
+    (``pack_sampler``; the train dataset a ``PackedDataset(..., shuffle=False)``): the DataLoader takes the
+    sampler's micro-batches as they are (accelerate's per-rank sharding is switched off, as transformers does
+    for its own rank-aware ``BatchRebalanceSampler``), and every checkpoint gets the sampler's state
+    (:data:`SAMPLER_STATE_FILE`). ``train(resume_from_checkpoint=...)`` continues through Trainer's own
+    fast-forward (it skips the micro-batches of the steps done; the layout is deterministic, so these are
+    exactly the packs trained; nothing else skips): the checkpoint's sampler state is checked against this
+    run first, and a checkpoint of another world size / packs per step / accumulation is refused, as
+    Trainer's step arithmetic would then skip the wrong packs (``BalancedPackSampler.load_state_dict``
+    continues such an epoch outside Trainer). Without a sampler, Trainer's own DataLoader.
+
+    Mixed in first (``PackedSFTTrainer``, ``VarpackSFTTrainer``); the subclass calls
+    :meth:`_init_pack_sampler` after ``Trainer.__init__``.
+    """
+
+    pack_sampler: Any = None
+
+    def _init_pack_sampler(self, sampler: Any) -> None:
+        self.pack_sampler = sampler
+        if sampler is not None and getattr(self.train_dataset, "shuffle", False):
+            raise ValueError(
+                "pack_sampler yields plan pack ids and orders the packs itself: build the dataset with "
+                "PackedDataset(..., shuffle=False)"
+            )
+
+    def get_train_dataloader(self) -> Any:
+        """The training DataLoader; with ``pack_sampler`` its micro-batches as this rank's batches."""
+        if self.pack_sampler is None:
+            return super().get_train_dataloader()
+        from functools import partial
+
+        from torch.utils.data import DataLoader
+        from transformers.trainer_utils import seed_worker
+
+        a = self.args
+        params: dict[str, Any] = dict(
+            batch_sampler=self.pack_sampler,
+            collate_fn=self.data_collator,
+            num_workers=a.dataloader_num_workers,
+            pin_memory=a.dataloader_pin_memory,
+            persistent_workers=a.dataloader_persistent_workers,
+            worker_init_fn=partial(seed_worker, num_workers=a.dataloader_num_workers, rank=a.process_index),
+        )
+        if a.dataloader_num_workers:
+            params.update(prefetch_factor=a.dataloader_prefetch_factor)
+        loader = self.accelerator.prepare(DataLoader(self.train_dataset, **params))
+        shard = getattr(loader, "batch_sampler", None)  # accelerate's BatchSamplerShard: pass through
+        if shard is not None and getattr(shard, "batch_sampler", None) is self.pack_sampler:
+            shard.num_processes, shard.process_index = 1, 0
+        return loader
+
+    def _sampler_state(self) -> dict[str, Any]:
+        """The sampler's state at Trainer's ``global_step`` (Trainer's own epoch / step arithmetic)."""
+        per_epoch = max(1, math.ceil(len(self.pack_sampler) / self.args.gradient_accumulation_steps))
+        state = self.pack_sampler.state_dict(consumed_steps=self.state.global_step % per_epoch)
+        state["epoch"] = self.state.global_step // per_epoch
+        state["global_step"] = self.state.global_step
+        return state
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.pack_sampler is not None and self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            with open(os.path.join(folder, SAMPLER_STATE_FILE), "w") as f:
+                json.dump(self._sampler_state(), f)
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a checkpoint's sampler state is checked first (class docstring)."""
+        if self.pack_sampler is not None and resume_from_checkpoint:
+            path = resume_from_checkpoint
+            if path is True:
+                from transformers.trainer_utils import get_last_checkpoint
+
+                path = get_last_checkpoint(self.args.output_dir)
+            if isinstance(path, str):
+                check_sampler_checkpoint(self.pack_sampler, path)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+
+
+def make_pack_sampler(
+    plan: Any,
+    model: Any,
+    args: Any,
+    *,
+    packs_per_rank: int,
+    balance: bool = True,
+    attention_weight: float | None = None,
+) -> Any:
+    """This rank's :class:`varpack.data.sampler.BalancedPackSampler` for a Trainer run, after checking that
+    every rank planned the same packs with the same layout settings
+    (:func:`varpack.train.distributed.check_same_on_all_ranks`).
+
+    Args:
+        plan: the train ``PackPlan``.
+        model: the model (its config gives the cost model's attention weight when ``attention_weight`` is
+            None; a peft model is read through its base model).
+        args: the ``TrainingArguments`` (``process_index``, ``world_size``, ``gradient_accumulation_steps``;
+            reading them sets up the process group).
+        packs_per_rank: packs per rank per micro-batch.
+        balance: cost-balanced slots (``False``: round-robin).
+        attention_weight: the cost model's weight (:func:`varpack.plan.balance.attention_cost_weight`).
+
+    Raises:
+        RuntimeError: the ranks' plan / layout fingerprints differ (naming the ranks).
+        ValueError: the model's config does not give the attention cost and none was set.
+    """
+    from varpack.data.sampler import BalancedPackSampler
+    from varpack.plan.balance import attention_cost_weight
+    from varpack.train.distributed import check_same_on_all_ranks
+
+    if attention_weight is None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        attention_weight = attention_cost_weight(base.config)
+    sampler = BalancedPackSampler(
+        plan,
+        rank=args.process_index,
+        world_size=args.world_size,
+        packs_per_rank=packs_per_rank,
+        grad_accum=args.gradient_accumulation_steps,
+        attention_weight=attention_weight,
+        balance=balance,
+    )
+    check_same_on_all_ranks(sampler.fingerprint(), what="pack plan and its per-rank layout")
+    return sampler
+
+
+class PackedSFTTrainer(PackSamplingMixin, PackedLossMixin, Trainer):
     """``Trainer`` whose loss comes from a training objective (``objective``, a name of
     :data:`varpack.train.objectives.OBJECTIVES` or an objective object; ``"sft"``: varpack's packed causal-LM
     loss, ``"dpo"``: :class:`varpack.train.objectives.dpo.DPOObjective`) with ``num_items_in_batch``
     (:class:`PackedLossMixin`; the objective's own count when it has ``own_item_count``: DPO's pairs).
 
     Every training log entry carries varpack's per-step metrics (:func:`step_metrics`).
+
+    ``pack_sampler``: this rank's :class:`varpack.data.sampler.BalancedPackSampler` (:class:`PackSamplingMixin`).
     """
 
     def __init__(
@@ -189,6 +354,7 @@ class PackedSFTTrainer(PackedLossMixin, Trainer):
         loss_impl: str = "auto",
         packing_length: int | None = None,
         objective: Any = "sft",
+        pack_sampler: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -197,6 +363,39 @@ class PackedSFTTrainer(PackedLossMixin, Trainer):
             loss_impl=loss_impl,
             packing_length=packing_length,
             objective=objective,
+        )
+        self._init_pack_sampler(pack_sampler)
+
+
+#: the file in a Trainer checkpoint folder that holds the pack sampler's state (JSON)
+SAMPLER_STATE_FILE = "varpack_sampler.json"
+
+
+def check_sampler_checkpoint(sampler: Any, checkpoint: str) -> None:
+    """Refuse to resume ``checkpoint`` with ``sampler`` unless Trainer's fast-forward will skip exactly the
+    packs the checkpoint's steps trained: same plan and cost model (``load_state_dict``'s checks) and the same
+    layout (world size, packs per rank, accumulation) for the whole interrupted epoch.
+
+    Raises:
+        ValueError: naming the setting that differs.
+    """
+    path = os.path.join(checkpoint, SAMPLER_STATE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint {checkpoint} has no {SAMPLER_STATE_FILE}: it was not saved with a pack sampler")
+    with open(path) as f:
+        state = json.load(f)
+    import copy
+
+    copy.copy(sampler).load_state_dict(state)  # plan / cost model / seed checks, on a throwaway copy
+    now = [sampler.world_size, sampler.packs_per_rank, sampler.grad_accum]
+    other = [s[:3] for s in state["segments"] if s[:3] != now]
+    if other:
+        W, P, G = other[0]
+        raise ValueError(
+            f"checkpoint {checkpoint} trained its epoch {state['epoch']} with world_size={W}, packs_per_step={P}, "
+            f"grad_accum={G}; this run has world_size={now[0]}, packs_per_step={now[1]}, grad_accum={now[2]}. "
+            "Trainer's resume counts steps of the checkpoint's layout: resume with the same settings (or continue "
+            "the epoch with BalancedPackSampler.load_state_dict outside Trainer)"
         )
 
 
@@ -256,9 +455,15 @@ def batch_stats(batch: dict[str, Any], *, packs: int) -> dict[str, int]:
 
     Returns:
         ``{"packs", "samples", "tokens", "supervised_tokens"}`` as ints: ``tokens`` = the samples' tokens
-        (``cu_seqlens[num_samples]``, padding excluded), ``supervised_tokens`` = ``labels != -100``.
+        (``cu_seqlens[num_samples]``, padding excluded), ``supervised_tokens`` = ``labels != -100``; all 0
+        for a masked filler pack (samples without ``sample_id``, every label -100).
     """
     samples = len(batch[SAMPLE_IDS])
+    if samples and all(s is None for s in batch[SAMPLE_IDS]) and (
+        LABELS not in batch or bool((batch[LABELS] == IGNORE_INDEX).all())
+    ):
+        # a masked filler pack (varpack.data.sampler.MaskedPack): trains nothing, counts nothing
+        return dict.fromkeys(STAT_KEYS, 0)
     meta = batch[VARLEN_META]
     tokens = int(meta.cu_seqlens_q[samples])
     supervised = int((batch[LABELS] != IGNORE_INDEX).sum()) if LABELS in batch else 0

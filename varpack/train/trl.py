@@ -21,11 +21,12 @@ What changes, and what TRL keeps:
   policy (``"error"`` by default: nothing is cut silently). varpack then plans packs of complete samples
   (:func:`varpack.train.sft.plan_samples`, best-fit decreasing) and the trainer trains on a
   :class:`varpack.data.dataset.PackedDataset` (one item = one pack; ``per_device_train_batch_size`` counts
-  packs), visited in the plan's per-epoch order. Of the prepared columns, ``input_ids``, ``labels`` and
-  varpack's token fields (``loss_scale``, ``token_type_ids``, ...) are kept, the raw text columns dropped (TRL's
-  collator reads no other column either); each sample's first label becomes -100 (it is never a target: the
-  loss shifts it away, and TRL's own padding-free collator does the same); no ``labels`` column: labels are
-  ``input_ids`` (TRL's rule).
+  packs), visited in the plan's per-epoch order, dealt to the ranks by cost under several processes
+  (:class:`varpack.data.sampler.BalancedPackSampler`, as ``varpack sft``). Of the prepared columns,
+  ``input_ids``, ``labels`` and varpack's token fields (``loss_scale``, ``token_type_ids``, ...) are kept, the
+  raw text columns dropped (TRL's collator reads no other column either); each sample's first label becomes
+  -100 (it is never a target: the loss shifts it away, and TRL's own padding-free collator does the same); no
+  ``labels`` column: labels are ``input_ids`` (TRL's rule).
 - **Collation** -- :class:`varpack.collate.PaddingFreeCollator`: one token row per micro-batch with
   ``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx`` and the batch's ``VarlenMeta`` (``pad_to_multiple_of``
   of the ``SFTConfig`` is honoured).
@@ -63,7 +64,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from varpack.schema import IGNORE_INDEX, INPUT_IDS, LABELS, LENGTH, SAMPLE_ID, TOKEN_FIELDS
-from varpack.train.trainer import PackedLossMixin, PackEpochCallback, TrainCollator
+from varpack.train.trainer import (
+    PackedLossMixin,
+    PackEpochCallback,
+    PackSamplingMixin,
+    TrainCollator,
+    make_pack_sampler,
+)
 
 __all__ = ["VarpackSFTTrainer", "samples_from_trl"]
 
@@ -185,7 +192,7 @@ def samples_from_trl(dataset: Any, *, name: str = "train") -> Any:
     return dataset.map(_to_sample, with_indices=True, desc=f"varpack: {name} samples")
 
 
-class VarpackSFTTrainer(PackedLossMixin, SFTTrainer):
+class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
     """TRL's ``SFTTrainer`` with varpack's planning, padding-free collation, varlen attention and loss.
 
     Takes every argument of ``trl.SFTTrainer`` (``model`` must be a model object, ``args`` a
@@ -199,6 +206,10 @@ class VarpackSFTTrainer(PackedLossMixin, SFTTrainer):
         loss_reduction: ``"token"`` (global token mean) or ``"sample"`` (global mean of per-sample means).
         loss_impl: ``"auto"`` / ``"logits"`` / ``"linear_ce"`` (:class:`varpack.train.trainer.PackedSFTTrainer`).
         attn_backend: varpack attention backend for :func:`varpack.integrations.transformers.enable_varpack`.
+        rank_balance: under several ranks, packs of near-equal cost per rank in every micro-batch
+            (:class:`varpack.data.sampler.BalancedPackSampler`, as ``varpack sft``); every pack once per
+            epoch either way.
+        attention_cost_weight: the cost model's weight of ``sum L_i^2`` (default: from the model's config).
 
     Attributes (after construction): ``plan`` (the train ``PackPlan``), ``samples`` (the encoded train samples),
     ``train_dataset`` (a :class:`varpack.data.dataset.PackedDataset`).
@@ -219,6 +230,8 @@ class VarpackSFTTrainer(PackedLossMixin, SFTTrainer):
         loss_reduction: str = "token",
         loss_impl: str = "auto",
         attn_backend: str = "auto",
+        rank_balance: bool = True,
+        attention_cost_weight: float | None = None,
         **kwargs: Any,
     ) -> None:
         from varpack.collate import PaddingFreeCollator
@@ -276,8 +289,18 @@ class VarpackSFTTrainer(PackedLossMixin, SFTTrainer):
                 "it shards the packed row and drops the per-sample boundaries; varpack runs data parallel only",
             )
 
-        self.samples, self.plan, self.train_dataset = self._pack(self.train_dataset, "train", shuffle=True)
-        self.add_callback(PackEpochCallback(self.train_dataset))
+        # the pack sampler orders the packs (per epoch) and deals them to the ranks
+        self.samples, self.plan, self.train_dataset = self._pack(self.train_dataset, "train", shuffle=False)
+        sampler = make_pack_sampler(
+            self.plan,
+            model,
+            args,
+            packs_per_rank=args.per_device_train_batch_size,
+            balance=rank_balance,
+            attention_weight=attention_cost_weight,
+        )
+        self._init_pack_sampler(sampler)
+        self.add_callback(PackEpochCallback(self.train_dataset, sampler))
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {k: self._pack(v, k, shuffle=False)[2] for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
