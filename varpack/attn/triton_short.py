@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._base import Backend, BackendUnavailableError, CallSpec, Capabilities
+from ._base import Backend, BackendUnavailableError, Capabilities
 
 if TYPE_CHECKING:
     from varpack.varlen.meta import VarlenMeta
@@ -394,23 +394,25 @@ class TritonShortBackend(Backend):
 
         return True, f"triton {triton.__version__}"
 
-    def _extra_supports(self, spec: CallSpec) -> tuple[bool, str]:
-        if spec.device.type == "cpu":
-            built = _KERNELS.get("module")
-            interpreted = built.INTERPRETED if built is not None else _interpreter_requested()
-            if not interpreted:
-                return False, (
-                    "runs on the CPU only under Triton's interpreter (TRITON_INTERPRET=1 set before its "
-                    "kernels are imported; a test path, NumPy speed)"
-                )
-        elif spec.device.type == "cuda":
-            built = _KERNELS.get("module")
-            if built is not None and built.INTERPRETED:
-                return (
-                    False,
-                    "its kernels were imported under TRITON_INTERPRET=1 (CPU interpreter) in this process",
-                )
-        return True, "ok"
+    def supports_platform(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[bool, str]:
+        """As :meth:`Backend.supports_platform`, plus: the CPU only under Triton's interpreter, CUDA only with
+        compiled kernels (``TRITON_INTERPRET`` decides, when the kernels are first imported)."""
+        ok, reason = super().supports_platform(device, dtype)
+        if not ok or device is None:
+            return ok, reason
+        built = _KERNELS.get("module")
+        interpreted = built.INTERPRETED if built is not None else _interpreter_requested()
+        dev = torch.device(device).type
+        if dev == "cpu" and not interpreted:
+            return False, (
+                "runs on the CPU only under Triton's interpreter (TRITON_INTERPRET=1 set before its kernels "
+                "are imported: a test path, NumPy speed)"
+            )
+        if dev == "cuda" and interpreted:
+            return False, "its kernels run under Triton's interpreter in this process (TRITON_INTERPRET=1)"
+        return ok, reason
 
     def forward(
         self,
