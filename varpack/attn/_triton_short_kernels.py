@@ -17,7 +17,8 @@ tile and KV head for dK / dV (looping over the query heads of its GQA group: no 
 tile and head for dQ.
 
 Whether these kernels run interpreted (``TRITON_INTERPRET=1``, NumPy on the CPU) is fixed by ``triton.jit``
-when this module is imported: :data:`INTERPRETED` records it.
+when this module is imported, and must agree with Triton's own import (its library functions are
+``triton.jit`` too): :data:`INTERPRETED` records it.
 
 Sources: FlashAttention-2 (Dao, 2023, arXiv:2307.08691, algorithms 1 and 2); Triton's fused-attention
 tutorial (triton-lang/triton, python/tutorials/06-fused-attention.py).

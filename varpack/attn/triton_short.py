@@ -21,8 +21,8 @@ softmax forward storing ``lse`` ``[H, Tq]`` fp32; backward with ``delta = rowsum
 per key tile and KV head that loops over its GQA group, and one dQ kernel), wrapped in a
 ``torch.autograd.Function`` (:func:`triton_short_attention`).
 
-Devices: CUDA; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1`` set before this backend's
-kernels are first imported), which is how the tests run it (small shapes: NumPy speed). ``auto`` does not
+Devices: CUDA; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1`` set before ``import triton``:
+Triton decides then, for the whole process), which is how the tests run it (small shapes: NumPy speed). ``auto`` does not
 use it yet: it will for the short-document shape classes (:data:`varpack.attn.registry.AUTO_PRIORITY_SHORT`)
 once benchmarks/attention.py has measured it on the H200 beside FA4 / torch_varlen / flex.
 
@@ -34,8 +34,10 @@ document masking (PyTorch blog, 2024), here with tiles that cross documents inst
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,16 +75,49 @@ _KERNELS: dict[str, Any] = {}
 _KERNELS_LOCK = threading.Lock()
 
 
+def _triton_interpreted() -> bool:
+    """Whether Triton runs interpreted in this process. Triton decides when it is imported (its own library
+    kernels, ``tl.sum`` and the like, are ``triton.jit`` functions: ``TRITON_INTERPRET=1`` must be set before
+    ``import triton``); before that import, the variable decides."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is None:
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(getattr(standard, "sum", None), InterpretedFunction)
+
+
 def _kernels():
-    """The kernel module, imported once: ``triton.jit`` decides then whether the kernels are interpreted."""
+    """The kernel module, imported once, in Triton's mode (:func:`_triton_interpreted`): compiled kernels for a
+    GPU, or interpreted ones (NumPy, CPU tensors) when Triton itself was imported with ``TRITON_INTERPRET=1``."""
     with _KERNELS_LOCK:
-        if "module" not in _KERNELS:
-            _KERNELS["module"] = importlib.import_module("varpack.attn._triton_short_kernels")
-        return _KERNELS["module"]
+        module = _KERNELS.get("module")
+        if module is None:
+            # the kernels follow Triton's mode even if TRITON_INTERPRET changed after triton's import
+            interpreted, before = _triton_interpreted(), os.environ.get("TRITON_INTERPRET")
+            os.environ["TRITON_INTERPRET"] = "1" if interpreted else "0"
+            try:
+                module = importlib.import_module("varpack.attn._triton_short_kernels")
+            finally:
+                if before is None:
+                    os.environ.pop("TRITON_INTERPRET", None)
+                else:
+                    os.environ["TRITON_INTERPRET"] = before
+            _KERNELS["module"] = module
+        return module
 
 
-def _interpreter_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+def _platform_reason(device_type: str) -> str | None:
+    """Why this process cannot run the kernels on ``device_type`` (None: it can)."""
+    interpreted = _triton_interpreted()
+    if device_type == "cpu" and not interpreted:
+        return (
+            "runs on the CPU only under Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported: "
+            "a test path, NumPy speed)"
+        )
+    if device_type == "cuda" and interpreted:
+        return "Triton runs interpreted in this process (TRITON_INTERPRET=1 when triton was imported)"
+    return None
 
 
 # -- per-batch tables --------------------------------------------------------------------------------------
@@ -350,15 +385,11 @@ def triton_short_attention(
         differentiable.
 
     Raises:
-        BackendUnavailableError: a CPU tensor without ``TRITON_INTERPRET=1`` at the kernels' import, or
-            kernels imported interpreted and called with CUDA tensors.
+        BackendUnavailableError: CPU tensors while Triton is not interpreted, CUDA tensors while it is.
     """
-    interpreted = _kernels().INTERPRETED
-    if (q.device.type == "cpu") != interpreted:
-        raise BackendUnavailableError(
-            f"triton_short: the kernels were built {'for the interpreter' if interpreted else 'for a GPU'} "
-            f"(TRITON_INTERPRET at first import) but q is on {q.device}"
-        )
+    reason = _platform_reason(q.device.type)
+    if reason is not None:
+        raise BackendUnavailableError(f"triton_short: {reason}")
     total_q, total_k = q.shape[0], k.shape[0]
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if total_q == 0:
@@ -383,35 +414,26 @@ class TritonShortBackend(Backend):
         softcap=False,
         notes=(
             "Triton kernel whose tiles span several documents (short-document rows); per-batch tile tables on "
-            "the VarlenMeta; CPU only under TRITON_INTERPRET=1 (tests); no softcap (backward not written)"
+            "the VarlenMeta; CPU only under TRITON_INTERPRET=1 (tests); no softcap (its backward is not written)"
         ),
     )
 
     def _probe(self) -> tuple[bool, str]:
+        # the installed version, without importing triton (its import fixes the interpreter mode)
         if importlib.util.find_spec("triton") is None:
             return False, "triton is not installed (pip install triton)"
-        import triton
-
-        return True, f"triton {triton.__version__}"
+        return True, f"triton {importlib.metadata.version('triton')}"
 
     def supports_platform(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> tuple[bool, str]:
-        """As :meth:`Backend.supports_platform`, plus: the CPU only under Triton's interpreter, CUDA only with
-        compiled kernels (``TRITON_INTERPRET`` decides, when the kernels are first imported)."""
+        """As :meth:`Backend.supports_platform`, plus: the CPU only when Triton runs interpreted in this process,
+        CUDA only when it does not (:func:`_triton_interpreted`)."""
         ok, reason = super().supports_platform(device, dtype)
-        if not ok or device is None:
-            return ok, reason
-        built = _KERNELS.get("module")
-        interpreted = built.INTERPRETED if built is not None else _interpreter_requested()
-        dev = torch.device(device).type
-        if dev == "cpu" and not interpreted:
-            return False, (
-                "runs on the CPU only under Triton's interpreter (TRITON_INTERPRET=1 set before its kernels "
-                "are imported: a test path, NumPy speed)"
-            )
-        if dev == "cuda" and interpreted:
-            return False, "its kernels run under Triton's interpreter in this process (TRITON_INTERPRET=1)"
+        if ok and device is not None:
+            why = _platform_reason(torch.device(device).type)
+            if why is not None:
+                return False, why
         return ok, reason
 
     def forward(
