@@ -1,7 +1,7 @@
 """The ``triton_short`` backend (tiles spanning several documents) on the CPU, through Triton's interpreter.
 
-``TRITON_INTERPRET=1`` is set for every test here (the backend runs on the CPU only while it is set; its
-kernels are loaded interpreted for CPU tensors). Tiles are shrunk to 16 tokens so that rows of a few dozen
+Triton runs interpreted when ``TRITON_INTERPRET=1`` was set before its import (tests/conftest.py does so on a
+machine without CUDA); otherwise these tests skip. Tiles are shrunk to 16 tokens so that rows of a few dozen
 tokens cross many tile and document edges. Output, log-sum-exp and dq / dk / dv are compared with the
 ``reference`` backend: in fp32 against fp64 truth (tight), in bf16 / fp16 by the fp32-truth rule of
 tests/attn/test_attn_gpu.py (error at most k x plain PyTorch's own low-precision error + rounding).
@@ -10,17 +10,13 @@ tests/attn/test_attn_gpu.py (error at most k x plain PyTorch's own low-precision
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-# Triton fixes its interpreter mode when it is imported, for the whole process: set it here (collection time,
-# before any test imports triton) on a machine without CUDA. On a GPU machine the GPU tests
-# (tests/attn/test_attn_gpu.py) run this backend compiled, and these interpreter tests skip.
-if not torch.cuda.is_available() and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton fixes its interpreter mode when it is imported, for the whole process: tests/conftest.py sets
+# TRITON_INTERPRET=1 first on a machine without CUDA. On a GPU machine tests/attn/test_attn_gpu.py runs this
+# backend compiled, and these interpreter tests skip.
 pytest.importorskip("triton")
 
 from tests.attn.test_attn_gpu import _check_fp32_truth  # noqa: E402
