@@ -222,3 +222,18 @@ def test_softmax_scale_default_is_inverse_sqrt_d():
     out, _ = ts.triton_short_attention(q, k, v, cu, cu)
     want = reference_varlen_attention(q, k, v, cu, cu, softmax_scale=1 / math.sqrt(16))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_custom_op_native_backward_matches_the_autograd_function():
+    """Through ``varpack::varlen_attention`` (the torch.compile path) the backend runs its own backward kernel
+    on the forward's lse: same output and gradients as the autograd.Function path."""
+    from varpack.attn.custom_op import op_backward_kind, varlen_attention_op
+
+    assert op_backward_kind("triton_short") == "native"
+    lens = [3, 17, 1, 12]
+    q, k, v, dout, cu, _ = _inputs(lens, None, 4, 2, 16, torch.float32)
+    got = varlen_attention_op(q, k, v, cu, cu, 17, 17, backend="triton_short")
+    want = varlen_attention(q, k, v, cu, cu, 17, 17, backend="triton_short")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

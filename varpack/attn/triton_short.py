@@ -387,9 +387,7 @@ def triton_short_attention(
     Raises:
         BackendUnavailableError: CPU tensors while Triton is not interpreted, CUDA tensors while it is.
     """
-    reason = _platform_reason(q.device.type)
-    if reason is not None:
-        raise BackendUnavailableError(f"triton_short: {reason}")
+    _checked_device(q)
     total_q, total_k = q.shape[0], k.shape[0]
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if total_q == 0:
@@ -401,6 +399,37 @@ def triton_short_attention(
         return out, torch.full((q.shape[1], total_q), float("inf"), device=q.device)
     window = (int(window_size[0]), 0 if causal else int(window_size[1]))
     return _TritonShortFunction.apply(q, k, v, tables, bool(causal), window, scale)
+
+
+def _checked_device(q: torch.Tensor) -> None:
+    reason = _platform_reason(q.device.type)
+    if reason is not None:
+        raise BackendUnavailableError(f"triton_short: {reason}")
+
+
+def op_forward(q, k, v, cu_q, cu_k, causal, window_size, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom op's forward (:mod:`varpack.attn.custom_op`): ``(out, lse)`` without autograd, tables built
+    for this call."""
+    _checked_device(q)
+    window = (int(window_size[0]), 0 if causal else int(window_size[1]))
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]), torch.full(
+            (q.shape[1], q.shape[0]), float("inf"), device=q.device
+        )
+    tables = _tables(cu_q, cu_k, q.shape[0], k.shape[0], causal, window, None)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return _forward(q, k, v, tables, causal, window, scale)
+
+
+def op_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, window_size, scale):
+    """The custom op's backward: ``(dq, dk, dv)`` from the forward's ``out`` and ``lse``."""
+    _checked_device(q)
+    window = (int(window_size[0]), 0 if causal else int(window_size[1]))
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    tables = _tables(cu_q, cu_k, q.shape[0], k.shape[0], causal, window, None)
+    q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
+    return _backward(dout, q, k, v, out, lse.contiguous(), tables, causal, window, scale)
 
 
 class TritonShortBackend(Backend):
