@@ -155,10 +155,12 @@ class TritonShortTables:
         causal: bool,
         window_size: tuple[int, int],
         doc_q: torch.Tensor | None = None,
+        doc_k: torch.Tensor | None = None,
     ) -> TritonShortTables:
         """From the ``[N+1]`` offsets on the kernel's device (device ops only: values never read on the host).
 
-        ``doc_q`` may pass the batch's ``seq_idx`` (``[Tq]``) when it already exists.
+        ``doc_q`` / ``doc_k`` may pass the streams' ``seq_idx`` when they already exist (the batch meta's);
+        otherwise they are built by :class:`varpack.varlen.VarlenMeta` (varpack's one ``seq_idx`` builder).
         """
         device = cu_seqlens_q.device
         cu_q = cu_seqlens_q.to(torch.int64)
@@ -166,12 +168,12 @@ class TritonShortTables:
         pos_q = torch.arange(total_q, device=device, dtype=torch.int64)
         pos_k = torch.arange(total_k, device=device, dtype=torch.int64)
         if doc_q is None:
-            doc_q = torch.searchsorted(cu_q[1:].contiguous(), pos_q, right=True)
+            doc_q = _seq_idx(cu_seqlens_q, total_q)
         doc_q = doc_q.reshape(-1).to(torch.int64)
-        if cu_k is cu_q and total_k == total_q:
-            doc_k = doc_q
-        else:
-            doc_k = torch.searchsorted(cu_k[1:].contiguous(), pos_k, right=True)
+        if doc_k is None:
+            same = cu_seqlens_k is cu_seqlens_q and total_k == total_q
+            doc_k = doc_q if same else _seq_idx(cu_seqlens_k, total_k)
+        doc_k = doc_k.reshape(-1).to(torch.int64)
         shift = cu_k[1:] - cu_q[1:]  # [N]: key position of a query's diagonal = its position + shift
         lim = pos_q + shift[doc_q] if total_q else pos_q
         left, right = int(window_size[0]), 0 if causal else int(window_size[1])
@@ -217,6 +219,14 @@ class TritonShortTables:
         return self._tiles[key]
 
 
+def _seq_idx(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """``[T]`` document of every token, on ``cu``'s device, from :meth:`VarlenMeta.seq_idx` (no host read for
+    device offsets; ``T`` is an accepted upper bound of the longest document)."""
+    from varpack.varlen.meta import VarlenMeta
+
+    return VarlenMeta(cu, None, total, total_q=total).seq_idx().reshape(-1)
+
+
 def _empty_as_sentinel(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     empty = hi <= lo
     return torch.where(empty, _BIG, lo), torch.where(empty, 0, hi)
@@ -239,11 +249,12 @@ def _tables(
 
     key = ("triton_short_tables", str(cu_q.device), total_q, total_k, bool(causal), window)
     # seq_idx first: meta.memo's lock is not re-entrant, so no memo call may run inside a build
-    seq_idx = meta.seq_idx_on(cu_q.device) if meta.total_q == total_q else None
+    doc_q = meta.seq_idx_on(cu_q.device) if meta.total_q == total_q else None
+    doc_k = doc_q if meta.self_attention else None
 
     def build() -> TritonShortTables:
         return TritonShortTables.build(
-            cu_q, cu_k, total_q, total_k, causal=causal, window_size=window, doc_q=seq_idx
+            cu_q, cu_k, total_q, total_k, causal=causal, window_size=window, doc_q=doc_q, doc_k=doc_k
         )
 
     return meta.memo(key, build)
@@ -392,11 +403,11 @@ def triton_short_attention(
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if total_q == 0:
         return q.new_zeros(0, q.shape[1], v.shape[-1]), q.new_zeros(q.shape[1], 0, dtype=torch.float32)
-    with torch.no_grad():
-        tables = _tables(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, meta)
     if total_k == 0:  # no key anywhere: every query outputs 0 (lse +inf)
         out = q.new_zeros(total_q, q.shape[1], v.shape[-1]) + 0 * q.sum()  # keeps the graph for autograd
         return out, torch.full((q.shape[1], total_q), float("inf"), device=q.device)
+    with torch.no_grad():
+        tables = _tables(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, meta)
     window = (int(window_size[0]), 0 if causal else int(window_size[1]))
     return _TritonShortFunction.apply(q, k, v, tables, bool(causal), window, scale)
 
