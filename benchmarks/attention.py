@@ -4,7 +4,9 @@ For each length mix and head configuration, T packed tokens (default 65,536) are
 lengths sum to exactly T; q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (bf16, D = 128, causal). Measured:
 
 * every backend that ``varpack.attn.available_backends(device, dtype)`` reports usable
-  (``varlen_attention(..., backend=name)``), plus ``auto`` (what it resolves to is printed);
+  (``varlen_attention(..., backend=name)``), plus ``auto`` (what it resolves to is printed). On the H200 that
+  includes ``triton_short`` (issue 17: Triton tiles spanning several short documents; not in ``auto`` until
+  this bake-off has measured it) beside ``flash_attn_4``, ``torch_varlen`` and ``flex``;
 * ``padded_sdpa``: what a user without packing runs -- samples in data order, batches of ``--pad-batch``
   samples, each padded on the right to its longest sample, ``F.scaled_dot_product_attention(is_causal=True)``
   (right padding + causal: real tokens never see pads, so no mask is needed; pads' outputs are discarded);
@@ -15,6 +17,11 @@ Useful FLOPs (FlashAttention's convention): causal forward = ``2 * sum_i L_i^2 *
 ``2 * 2 * L^2 * H * D``, halved by the causal mask); backward = 2.5 x forward; fwd+bwd = 3.5 x forward. The
 dense reference counts ``2 * T^2 * H * D``. TFLOP/s = useful FLOPs / median time (CUDA events, after
 warm-up; FlashAttention-4 compiles ~3 s per shape class on its first call, which warm-up absorbs).
+
+Per-batch derived objects (FlexAttention's block mask, triton_short's tile tables) are built inside every
+timed call by default, as before. ``--batch-meta`` builds the batch's ``VarlenMeta`` once per case and passes it
+to every call, as a model does (one meta per batch, read by every layer): those objects are then built once
+and reused, which is the per-layer cost in training.
 
 Before timing, every backend's forward output is compared with the ``reference`` backend (per-sample SDPA)
 on the same inputs: ``max|d|`` in the table; a backend that mixes samples shows up there.
@@ -56,6 +63,7 @@ from benchmarks._common import (  # noqa: E402
     write_json,
 )
 from varpack.attn import available_backends, resolve_backend, varlen_attention  # noqa: E402
+from varpack.varlen import VarlenMeta  # noqa: E402
 
 #: Lognormal fit (MLE: mean / std of log length) of the 20,377 conversations of ../shared/data encoded with
 #: the embedded Qwen3 tokenizer and chat template (``python -m benchmarks._common fit .gpu/samples.npz``,
@@ -170,8 +178,14 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone().requires_grad_()
 
 
-def varlen_runner(backend: str, q, k, v, cu: torch.Tensor, max_len: int) -> Runner:
+def varlen_runner(backend: str, q, k, v, cu: torch.Tensor, max_len: int, batch_meta: bool = False) -> Runner:
+    """``varlen_attention`` on ``backend``; with ``batch_meta`` one :class:`VarlenMeta` (built here, outside the
+    timing) is passed to every call, so per-batch derived objects are built on the first call only."""
+    meta = VarlenMeta(cu, None, max_len, max_len, total_q=q.shape[0]) if batch_meta else None
+
     def call(q_, k_, v_):
+        if meta is not None:
+            return varlen_attention(q_, k_, v_, causal=True, backend=backend, meta=meta)
         return varlen_attention(q_, k_, v_, cu, cu, max_len, max_len, causal=True, backend=backend)
 
     qg, kg, vg = _leaf(q), _leaf(k), _leaf(v)
@@ -326,7 +340,11 @@ def run_case(
         if name == "auto":
             picked = resolve_backend("auto", q.detach().requires_grad_(), k, v, cu_seqlens_q=cu.cpu())
             note = f"-> {picked}"
-        record(name, lambda name=name: varlen_runner(name, q, k, v, cu, max_len), flops, note)
+        if args.batch_meta:
+            note = f"{note}; batch meta".lstrip("; ")
+        record(
+            name, lambda name=name: varlen_runner(name, q, k, v, cu, max_len, args.batch_meta), flops, note
+        )
     record(
         "padded_sdpa",
         lambda: padded_runner(q, k, v, lengths, args.pad_batch),
@@ -428,6 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--fwd-only", action="store_true")
+    p.add_argument(
+        "--batch-meta",
+        action="store_true",
+        help="pass one VarlenMeta per case to every call (per-batch objects built once, as in a model)",
+    )
     p.add_argument("--no-dense", action="store_true")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the reference backend")
     p.add_argument("--seed", type=int, default=0)

@@ -1,8 +1,18 @@
 import functools
+import os
+import sys
 
 import numpy as np
 import pytest
 import torch
+
+# Triton runs interpreted (NumPy, CPU tensors) only when TRITON_INTERPRET=1 is set before triton is imported,
+# and then for the whole process; torch._dynamo imports triton as soon as it loads (while test modules are
+# collected). On a machine without CUDA no compiled Triton kernel can run anyway, so the variable is set here,
+# first: the Triton kernels of varpack (the triton_short attention backend) are then tested on the CPU
+# (tests/attn/test_triton_short.py). On a GPU machine nothing changes.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

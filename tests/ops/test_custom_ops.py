@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.invariant.test_dense import VOCAB, make_samples, max_grad_diff, packed_run, unpacked_run
-from varpack.attn import varlen_attention
+from varpack.attn import available_backends, varlen_attention
 from varpack.attn.custom_op import _varlen_attention, op_backward_kind, varlen_attention_op
 from varpack.integrations.kernels import compile_layers
 from varpack.models import load_model
@@ -53,9 +53,11 @@ def _grads(out, inputs):
 
 
 # -- opcheck --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "triton_short"])
 @pytest.mark.parametrize("window", [(-1, 0), (2, 0)])
 def test_attention_opcheck(backend, window):
+    if backend == "triton_short" and not available_backends("cpu", torch.float32)[backend][0]:
+        pytest.skip(available_backends("cpu", torch.float32)[backend][1])
     q, k, v = _qkv()
     cu = _cu(LENGTHS)
     args = (q, k, v, cu, cu, 7, 7, True, 0.3, window[0], window[1], 0.0, backend)
@@ -200,6 +202,7 @@ def test_backward_kinds_and_refusals():
     assert op_backward_kind("reference") == op_backward_kind("sdpa") == "recompute"
     assert op_backward_kind("flash_attn") is None and op_backward_kind("flash_attn_3") is None
     assert op_backward_kind("torch_varlen") is None and op_backward_kind("flex") is None  # see _NO_OP_BACKWARD
+    assert op_backward_kind("triton_short") == "native"
     with pytest.raises(ValueError, match="unknown attention backend"):
         op_backward_kind("nope")
     q, k, v = _qkv()
@@ -247,7 +250,7 @@ def test_tiny_qwen3_fullgraph_through_the_op():
 
 # -- GPU: the native FA4 backward against the recompute path ---------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash_attn_4", "torch_varlen", "flex"])
+@pytest.mark.parametrize("backend", ["flash_attn_4", "torch_varlen", "flex", "triton_short"])
 def test_gpu_op_equals_varlen_attention(backend):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (run on the GPU machine)")

@@ -1,6 +1,7 @@
 """Varlen (packed, padding-free) attention: one public :func:`varlen_attention`, a backend registry, and one
 module per backend: ``reference`` (per-segment explicit math, the truth), ``sdpa`` (per-segment SDPA loop, the
-CPU default), ``torch_varlen``, ``flex``, ``flash_attn`` (FA2), ``flash_attn_3``, ``flash_attn_4``.
+CPU default), ``torch_varlen``, ``flex``, ``flash_attn`` (FA2), ``flash_attn_3``, ``flash_attn_4``,
+``triton_short`` (Triton tiles spanning several documents).
 
 Public names:
     varlen_attention: attention over a packed stream of segments (flash-attn ``flash_attn_varlen_func``

@@ -2,8 +2,8 @@
 and the check of one call against both.
 
 Each backend lives in its own module (``reference.py``, ``torch_varlen.py``, ``flex.py``, ``flash_attn2.py``,
-``flash_attn3.py``, ``flash_attn4.py``) and subclasses :class:`Backend`. A backend never guesses: it declares what
-it supports in a :class:`Capabilities` record, and :meth:`Backend.supports` answers ``(ok, reason)`` for one
+``flash_attn3.py``, ``flash_attn4.py``, ``triton_short.py``) and subclasses :class:`Backend`. A backend never
+guesses: it declares what it supports in a :class:`Capabilities` record, and :meth:`Backend.supports` answers ``(ok, reason)`` for one
 call (the verifier pattern of flash-linear-attention's backend registry).
 """
 

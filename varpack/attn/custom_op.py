@@ -17,7 +17,8 @@ in :func:`varlen_attention_op`. Arguments have :func:`varpack.attn.varlen_attent
 
 Backward, per backend (:func:`op_backward_kind`):
 
-* ``"native"``: ``flash_attn_4`` when the installed FlashAttention-4 exposes ``_flash_attn_fwd`` /
+* ``"native"``: ``triton_short`` (its own forward / backward kernels, :mod:`varpack.attn.triton_short`);
+  ``flash_attn_4`` when the installed FlashAttention-4 exposes ``_flash_attn_fwd`` /
   ``_flash_attn_bwd`` with the varlen and window keywords (checked by signature; flash_attn/cute/interface.py,
   called exactly as its ``FlashAttnVarlenFunc`` does). The forward returns the kernel's log-sum-exp ``lse``
   (``[H, Tq]`` fp32) and the backward op runs the FA4 backward kernel: no recomputation. Softcap is refused
@@ -124,8 +125,29 @@ def _fa4_native() -> _Native | None:
     return _Native(forward=forward, backward=backward, softcap=False)
 
 
+def _triton_short_native() -> _Native | None:
+    """triton_short's own forward (``(out, lse)``) and backward kernels; the per-batch tables are rebuilt on
+    the device inside each op call (no meta reaches the op; device ops only, no host read)."""
+    from . import triton_short
+
+    ok, _ = triton_short.TritonShortBackend().is_available()
+    if not ok:
+        return None
+
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap):
+        return triton_short.op_forward(q, k, v, cu_q, cu_k, causal, window, scale)
+
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap):
+        return triton_short.op_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, window, scale)
+
+    return _Native(forward=forward, backward=backward, softcap=False)
+
+
 #: backend name -> loader of its native pair (None when the installed library does not match).
-_NATIVE: dict[str, Callable[[], _Native | None]] = {"flash_attn_4": _fa4_native}
+_NATIVE: dict[str, Callable[[], _Native | None]] = {
+    "flash_attn_4": _fa4_native,
+    "triton_short": _triton_short_native,
+}
 #: backends whose forward is plain differentiable PyTorch (or a custom op with an autograd formula), which
 #: ``torch.func.vjp`` can pull gradients back through.
 _RECOMPUTE = frozenset({"reference", "sdpa"})

@@ -98,7 +98,8 @@ def varlen_attention(
         softcap: score capping (0 = off).
         backend: ``"auto"`` (fastest backend that supports this call: see
             :data:`varpack.attn.registry.AUTO_PRIORITY`) or a name: ``reference``, ``sdpa``, ``torch_varlen``,
-            ``flex``, ``flash_attn`` (FA2), ``flash_attn_3``, ``flash_attn_4``.
+            ``flex``, ``flash_attn`` (FA2), ``flash_attn_3``, ``flash_attn_4``, ``triton_short`` (tiles that span
+            several short documents; not in ``auto`` yet).
         meta: the batch's :class:`varpack.varlen.VarlenMeta` (validated once, when it was built): its offsets
             and max_seqlen are used, its device copy is made once per batch and kept, as are the per-batch
             objects a backend derives (FlexAttention's block mask, the host offsets of the per-segment

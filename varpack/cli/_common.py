@@ -41,6 +41,7 @@ ATTN_BACKENDS: tuple[str, ...] = (
     "flash_attn",
     "flash_attn_3",
     "flash_attn_4",
+    "triton_short",
 )
 
 #: Exceptions that a sub-command's run reports as ``varpack <command>: error: ...`` with exit code 1.

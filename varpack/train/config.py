@@ -75,7 +75,15 @@ LossReduction = Literal["token", "sample"]
 LossImpl = Literal["auto", "linear_ce", "logits"]
 #: ``auto`` and the names of :data:`varpack.attn.BACKENDS` (== ``varpack.cli._common.ATTN_BACKENDS``; checked).
 AttnBackendName = Literal[
-    "auto", "reference", "sdpa", "torch_varlen", "flex", "flash_attn", "flash_attn_3", "flash_attn_4"
+    "auto",
+    "reference",
+    "sdpa",
+    "torch_varlen",
+    "flex",
+    "flash_attn",
+    "flash_attn_3",
+    "flash_attn_4",
+    "triton_short",
 ]
 #: :data:`varpack.train.objectives.OBJECTIVES` (checked to agree).
 ObjectiveName = Literal["sft", "dpo"]

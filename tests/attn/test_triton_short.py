@@ -1,0 +1,239 @@
+"""The ``triton_short`` backend (tiles spanning several documents) on the CPU, through Triton's interpreter.
+
+Triton runs interpreted when ``TRITON_INTERPRET=1`` was set before its import (tests/conftest.py does so on a
+machine without CUDA); otherwise these tests skip. Tiles are shrunk to 16 tokens so that rows of a few dozen
+tokens cross many tile and document edges. Output, log-sum-exp and dq / dk / dv are compared with the
+``reference`` backend: in fp32 against fp64 truth (tight), in bf16 / fp16 by the fp32-truth rule of
+tests/attn/test_attn_gpu.py (error at most k x plain PyTorch's own low-precision error + rounding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+# Triton fixes its interpreter mode when it is imported, for the whole process: tests/conftest.py sets
+# TRITON_INTERPRET=1 first on a machine without CUDA. On a GPU machine tests/attn/test_attn_gpu.py runs this
+# backend compiled, and these interpreter tests skip.
+pytest.importorskip("triton")
+
+from tests.attn.test_attn_gpu import _check_fp32_truth  # noqa: E402
+from varpack.attn import (  # noqa: E402
+    BACKENDS,
+    BackendUnavailableError,
+    available_backends,
+    reference_varlen_attention,
+    segment_mask,
+    varlen_attention,
+)
+from varpack.attn import triton_short as ts  # noqa: E402
+from varpack.varlen import VarlenMeta  # noqa: E402
+
+SMALL_BLOCKS = {
+    "fwd": {256: (16, 16, 4, 1)},
+    "bwd_dkdv": {256: (16, 16, 4, 1)},
+    "bwd_dq": {256: (16, 16, 4, 1)},
+}
+
+
+@pytest.fixture(autouse=True)
+def _interpreted(monkeypatch):
+    if not ts._triton_interpreted():
+        pytest.skip("Triton was imported compiled in this process (TRITON_INTERPRET=1 not set before it)")
+    for kind, table in SMALL_BLOCKS.items():
+        monkeypatch.setitem(ts.BLOCKS, kind, table)
+
+
+def _inputs(lens_q, lens_k, h, hkv, d, dtype, seed=0):
+    lens_k = lens_q if lens_k is None else lens_k
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(sum(lens_k), hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(sum(lens_k), hkv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(sum(lens_q), h, d, generator=g, dtype=torch.float64)
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, dout.to(dtype), cu_q, cu_k
+
+
+def _reference_lse(q, k, cu_q, cu_k, *, causal, window_size, scale):
+    """[H, Tq] natural-log log-sum-exp of each query's visible scaled scores, per segment in fp64 (+inf for a
+    query that sees no key: flash-attn's convention)."""
+    q, k = q.detach().double(), k.detach().double()
+    group = q.shape[1] // k.shape[1]
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float64)
+    for n in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[n]), int(cu_q[n + 1]), int(cu_k[n]), int(cu_k[n + 1])
+        if q1 == q0:
+            continue
+        ks = k[k0:k1].repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1], ks) * scale
+        mask = segment_mask(q1 - q0, k1 - k0, causal=causal, window_size=window_size)
+        seg = torch.logsumexp(s.masked_fill(~mask, float("-inf")), dim=-1)
+        lse[:, q0:q1] = torch.where(mask.any(-1), seg, torch.full_like(seg, float("inf")))
+    return lse
+
+
+def _run(q, k, v, dout, cu_q, cu_k, causal, window, scale=None):
+    out, lse = ts.triton_short_attention(
+        q, k, v, cu_q, cu_k, causal=causal, window_size=window, softmax_scale=scale
+    )
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return out, lse, dq, dk, dv
+
+
+def _reference(q, k, v, dout, cu_q, cu_k, causal, window, scale=None, upcast=True):
+    out = reference_varlen_attention(
+        q, k, v, cu_q, cu_k, causal=causal, window_size=window, softmax_scale=scale, upcast=upcast
+    )
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return out, dq, dk, dv
+
+
+CASES = [
+    # (lens_q, lens_k, causal, window, h, hkv, d)
+    pytest.param([1, 1, 1, 7, 1, 20, 1, 1], None, True, (-1, -1), 4, 2, 16, id="one-token-docs-gqa"),
+    pytest.param([5, 13, 18, 3, 9], None, True, (-1, -1), 4, 1, 16, id="docs-cross-tile-edges-mqa"),
+    pytest.param([48], None, True, (-1, -1), 2, 2, 32, id="one-doc-fills-row"),
+    pytest.param([7, 12, 4], None, True, (-1, -1), 2, 1, 16, id="T-not-multiple-of-block"),
+    pytest.param([5, 13, 18, 3], None, False, (-1, -1), 2, 2, 16, id="noncausal"),
+    pytest.param([9, 30, 6], None, True, (4, -1), 4, 2, 16, id="causal-window"),
+    pytest.param([9, 30, 6], None, False, (3, 5), 2, 1, 16, id="noncausal-window"),
+    pytest.param([6, 0, 19, 0], None, True, (-1, -1), 2, 1, 16, id="zero-length-docs"),
+    pytest.param([2, 21, 3], [21, 2, 9], True, (-1, -1), 2, 1, 16, id="q!=k-bottom-right"),
+    pytest.param([11, 20], None, True, (-1, -1), 2, 2, 24, id="head-dim-24-padded"),
+]
+
+
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,h,hkv,d", CASES)
+def test_fp32_matches_fp64_reference(lens_q, lens_k, causal, window, h, hkv, d):
+    q, k, v, dout, cu_q, cu_k = _inputs(lens_q, lens_k, h, hkv, d, torch.float32)
+    got = _run(q, k, v, dout, cu_q, cu_k, causal, window, scale=0.3)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, dq, dk, dv = _reference(q64, k64, v64, dout.double(), cu_q, cu_k, causal, window, scale=0.3)
+    lse = _reference_lse(q64, k64, cu_q, cu_k, causal=causal, window_size=window, scale=0.3)
+    assert got[0].dtype == torch.float32 and got[1].shape == (h, sum(lens_q))
+    torch.testing.assert_close(got[0].double(), out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1].double(), lse, rtol=1e-5, atol=1e-5)  # +inf where no key, on both
+    for name, g, want in zip(("dq", "dk", "dv"), got[2:], (dq, dk, dv)):
+        torch.testing.assert_close(g.double(), want, rtol=1e-5, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+LOW_PRECISION_CASES = [
+    pytest.param([1, 1, 9, 1, 22, 3, 1, 10], None, True, (-1, -1), 4, 2, 32, id="short-docs-gqa"),
+    pytest.param([37], None, True, (-1, -1), 2, 1, 16, id="one-doc"),
+    pytest.param([9, 30, 6], None, True, (5, -1), 2, 2, 16, id="window"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,h,hkv,d", LOW_PRECISION_CASES)
+def test_low_precision_fp32_truth_rule(lens_q, lens_k, causal, window, h, hkv, d, dtype):
+    q, k, v, dout, cu_q, cu_k = _inputs(lens_q, lens_k, h, hkv, d, dtype)
+    got = _run(q, k, v, dout, cu_q, cu_k, causal, window)
+    got = (got[0], *got[2:])
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    truth = _reference(q32, k32, v32, dout.float(), cu_q, cu_k, causal, window)
+    plain = _reference(q, k, v, dout, cu_q, cu_k, causal, window, upcast=False)
+    assert got[0].dtype == dtype
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        _check_fp32_truth(f"triton_short {what}", got[i], truth[i], plain[i], dtype, 2 if i == 0 else 3)
+
+
+def test_through_varlen_attention_with_meta_reuses_the_tables():
+    """The public entry point with the batch's VarlenMeta: same result as the reference, and the per-batch
+    tables are built once and reused by a second layer."""
+    lens = [3, 17, 1, 12, 6]
+    q, k, v, dout, cu, _ = _inputs(lens, None, 4, 2, 16, torch.float32)
+    meta = VarlenMeta.from_lengths(lens)
+    out = varlen_attention(q, k, v, meta=meta, backend="triton_short")
+    want = reference_varlen_attention(q, k, v, cu, cu)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    built = []
+    real_build = ts.TritonShortTables.build
+
+    def counting_build(*args, **kwargs):
+        built.append(1)
+        return real_build(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ts.TritonShortTables, "build", counting_build)
+        again = varlen_attention(q, k, v, meta=meta, backend="triton_short")
+    assert built == [] and torch.equal(again, out)
+    torch.autograd.grad(out, (q, k, v), dout)  # the backward runs through the memoised tables too
+
+
+def test_tiles_skip_keys_outside_their_documents():
+    """The per-tile key range covers exactly the documents of the tile (so a tile of short documents visits
+    one or two key tiles, not the row): here 16-token query tiles over documents of 8 tokens."""
+    lens = [8] * 8
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    tables = ts.TritonShortTables.build(cu, cu, 64, 64, causal=True, window_size=(-1, 0))
+    lo, hi = tables.query_tiles(16)
+    assert lo.tolist() == [0, 16, 32, 48] and hi.tolist() == [16, 32, 48, 64]
+    lo, hi = tables.key_tiles(16)  # the queries that see each key tile: the same documents
+    assert lo.tolist() == [0, 16, 32, 48] and hi.tolist() == [16, 32, 48, 64]
+    tables = ts.TritonShortTables.build(cu, cu, 64, 64, causal=True, window_size=(2, 0))
+    lo, hi = tables.query_tiles(16)
+    assert lo.tolist() == [0, 16, 32, 48] and hi.tolist() == [16, 32, 48, 64]
+
+
+def test_negative_control_document_ids_all_zero_differs():
+    """With the per-token document ids forced to one document, the same kernels attend across samples and
+    the result differs from the per-document reference (so the comparisons above can fail); the first
+    document, which sees no other sample either way, still agrees."""
+    lens = [5, 13, 18, 3, 9]
+    q, k, v, dout, cu, _ = _inputs(lens, None, 2, 1, 16, torch.float32)
+    tables = ts.TritonShortTables.build(cu, cu, sum(lens), sum(lens), causal=True, window_size=(-1, 0))
+    one = torch.tensor([0, sum(lens)], dtype=torch.int32)
+    leaky = ts.TritonShortTables.build(one, one, sum(lens), sum(lens), causal=True, window_size=(-1, 0))
+    assert not leaky.doc_q.any() and not leaky.doc_k.any()  # every token in document 0
+    good = ts._TritonShortFunction.apply(q, k, v, tables, True, (-1, 0), 0.25)[0]
+    bad = ts._TritonShortFunction.apply(q, k, v, leaky, True, (-1, 0), 0.25)[0]
+    want = reference_varlen_attention(q, k, v, cu, cu, softmax_scale=0.25)
+    torch.testing.assert_close(good, want, rtol=1e-5, atol=1e-5)
+    assert (bad - want).abs().max().item() > 1e-2
+    torch.testing.assert_close(bad[:5], want[:5], rtol=1e-5, atol=1e-5)
+
+
+def test_declared_limits_and_cpu_without_interpreter(monkeypatch):
+    q, k, v, _, cu, _ = _inputs([4, 3], None, 2, 2, 16, torch.float32)
+    with pytest.raises(BackendUnavailableError, match="softcap=2.0 not supported"):
+        varlen_attention(q, k, v, cu, cu, 4, 4, softcap=2.0, backend="triton_short")
+    assert available_backends("cpu", torch.float32)["triton_short"][0]
+    ok, reason = available_backends("cuda", torch.float32)["triton_short"]
+    assert not ok
+    monkeypatch.setattr(
+        ts, "_triton_interpreted", lambda: False
+    )  # as in a process that imported triton compiled
+    ok, reason = available_backends("cpu", torch.float32)["triton_short"]
+    assert not ok and "TRITON_INTERPRET=1" in reason
+    with pytest.raises(BackendUnavailableError, match="only under Triton's interpreter"):
+        varlen_attention(q, k, v, cu, cu, 4, 4, backend="triton_short")
+    assert BACKENDS["triton_short"].capabilities.backward
+
+
+def test_softmax_scale_default_is_inverse_sqrt_d():
+    lens = [6, 10]
+    q, k, v, _, cu, _ = _inputs(lens, None, 2, 2, 16, torch.float32)
+    out, _ = ts.triton_short_attention(q, k, v, cu, cu)
+    want = reference_varlen_attention(q, k, v, cu, cu, softmax_scale=1 / math.sqrt(16))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_custom_op_native_backward_matches_the_autograd_function():
+    """Through ``varpack::varlen_attention`` (the torch.compile path) the backend runs its own backward kernel
+    on the forward's lse: same output and gradients as the autograd.Function path."""
+    from varpack.attn.custom_op import op_backward_kind, varlen_attention_op
+
+    assert op_backward_kind("triton_short") == "native"
+    lens = [3, 17, 1, 12]
+    q, k, v, dout, cu, _ = _inputs(lens, None, 4, 2, 16, torch.float32)
+    got = varlen_attention_op(q, k, v, cu, cu, 17, 17, backend="triton_short")
+    want = varlen_attention(q, k, v, cu, cu, 17, 17, backend="triton_short")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -1,0 +1,501 @@
+"""``triton_short`` backend: a Triton varlen attention whose tiles span several documents (issue 17).
+
+Every varlen kernel of flash-attn's design schedules at least one query tile per document, so a row of short
+documents (the median SFT sample is ~150 tokens) leaves most of each tile empty. Here a query tile of
+``BLOCK_M`` tokens and the key tiles it visits run over the packed row irrespective of document boundaries;
+the block-diagonal (causal / window) mask is applied inside the tile from per-token document ids, so one
+128-token tile serves four 32-token documents. A query tile visits only the keys its documents can see: the
+per-tile key range (and, for the backward, the per-key-tile query range) is computed on the device from
+``cu_seqlens`` once per batch and kept on the batch's :class:`varpack.varlen.VarlenMeta` (``meta.memo``);
+nothing is read on the host (no sync per layer).
+
+Semantics are :func:`varpack.attn.varlen_attention`'s (flash-attn's ``flash_attn_varlen_func``): GQA / MQA
+(``H % Hkv == 0``), causal and non-causal with the bottom-right alignment when a document has different query
+and key lengths, sliding window (two comparisons per score in the tile mask), zero-length documents, any
+``softmax_scale``; a query that sees no key outputs 0 with ``lse = +inf``. Softcap is refused (the backward
+would need the tanh derivative; not written). fp16 / bf16 / fp32 (fp32 matmuls in IEEE fp32, not TF32); head
+dims up to 256 (padded to a power of two >= 16 inside the kernel).
+
+Forward and backward are Triton kernels (:mod:`varpack.attn._triton_short_kernels`: FlashAttention-2's online
+softmax forward storing ``lse`` ``[H, Tq]`` fp32; backward with ``delta = rowsum(dO * O)``, one dK/dV kernel
+per key tile and KV head that loops over its GQA group, and one dQ kernel), wrapped in a
+``torch.autograd.Function`` (:func:`triton_short_attention`).
+
+Devices: CUDA; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1`` set before ``import triton``:
+Triton decides then, for the whole process), which is how the tests run it (small shapes: NumPy speed). ``auto`` does not
+use it yet: it will for the short-document shape classes (:data:`varpack.attn.registry.AUTO_PRIORITY_SHORT`)
+once benchmarks/attention.py has measured it on the H200 beside FA4 / torch_varlen / flex.
+
+Sources: FlashAttention-2 (Dao, 2023, arXiv:2307.08691); Triton's fused-attention tutorial
+(triton-lang/triton, python/tutorials/06-fused-attention.py); the document-mask idea of FlexAttention's
+document masking (PyTorch blog, 2024), here with tiles that cross documents instead of a block mask.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._base import Backend, BackendUnavailableError, Capabilities
+
+if TYPE_CHECKING:
+    from varpack.varlen.meta import VarlenMeta
+
+__all__ = ["BLOCKS", "TritonShortBackend", "TritonShortTables", "triton_short_attention"]
+
+_LOG2E = 1.4426950408889634
+_BIG = 2**31 - 1  # tile-range sentinel: an empty range is [_BIG, 0)
+
+#: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the forward, the dK/dV and the dQ kernels by head-dim
+#: bucket. Placeholders until the H200 measurements of benchmarks/attention.py tune them.
+BLOCKS: dict[str, dict[int, tuple[int, int, int, int]]] = {
+    "fwd": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 8, 1)},
+    "bwd_dkdv": {64: (32, 64, 4, 1), 128: (32, 64, 4, 1), 256: (16, 32, 8, 1)},
+    "bwd_dq": {64: (64, 32, 4, 1), 128: (64, 32, 4, 1), 256: (32, 16, 8, 1)},
+}
+
+
+def _blocks(kind: str, head_dim: int) -> tuple[int, int, int, int]:
+    table = BLOCKS[kind]
+    for bound in sorted(table):
+        if head_dim <= bound:
+            return table[bound]
+    raise ValueError(f"triton_short: head dim D={head_dim} > {max(table)}")
+
+
+_KERNELS: dict[str, Any] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def _triton_interpreted() -> bool:
+    """Whether Triton runs interpreted in this process. Triton decides when it is imported (its own library
+    kernels, ``tl.sum`` and the like, are ``triton.jit`` functions: ``TRITON_INTERPRET=1`` must be set before
+    ``import triton``); before that import, the variable decides."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is None:
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(getattr(standard, "sum", None), InterpretedFunction)
+
+
+def _kernels():
+    """The kernel module, imported once, in Triton's mode (:func:`_triton_interpreted`): compiled kernels for a
+    GPU, or interpreted ones (NumPy, CPU tensors) when Triton itself was imported with ``TRITON_INTERPRET=1``."""
+    with _KERNELS_LOCK:
+        module = _KERNELS.get("module")
+        if module is None:
+            # the kernels follow Triton's mode even if TRITON_INTERPRET changed after triton's import
+            interpreted, before = _triton_interpreted(), os.environ.get("TRITON_INTERPRET")
+            os.environ["TRITON_INTERPRET"] = "1" if interpreted else "0"
+            try:
+                module = importlib.import_module("varpack.attn._triton_short_kernels")
+            finally:
+                if before is None:
+                    os.environ.pop("TRITON_INTERPRET", None)
+                else:
+                    os.environ["TRITON_INTERPRET"] = before
+            _KERNELS["module"] = module
+        return module
+
+
+def _platform_reason(device_type: str) -> str | None:
+    """Why this process cannot run the kernels on ``device_type`` (None: it can)."""
+    interpreted = _triton_interpreted()
+    if device_type == "cpu" and not interpreted:
+        return (
+            "runs on the CPU only under Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported: "
+            "a test path, NumPy speed)"
+        )
+    if device_type == "cuda" and interpreted:
+        return "Triton runs interpreted in this process (TRITON_INTERPRET=1 when triton was imported)"
+    return None
+
+
+# -- per-batch tables --------------------------------------------------------------------------------------
+
+
+@dataclass
+class TritonShortTables:
+    """Per-token and per-tile tables of one batch and mask, on one device (built by :meth:`build`).
+
+    Attributes:
+        doc_q: ``[Tq]`` int32 document of every query token; doc_k: ``[Tk]`` of every key token.
+        lim: ``[Tq]`` int32 key-stream position of each query's diagonal ``i + end_k[d] - end_q[d]``
+            (bottom-right alignment; ``i`` in self-attention).
+        key_lo, key_hi: ``[Tq]`` int64 visible key range ``[key_lo, key_hi)`` of every query (empty: ``[BIG, 0)``).
+        query_lo, query_hi: ``[Tk]`` int64 range of the queries that see each key.
+    """
+
+    doc_q: torch.Tensor
+    doc_k: torch.Tensor
+    lim: torch.Tensor
+    key_lo: torch.Tensor
+    key_hi: torch.Tensor
+    query_lo: torch.Tensor
+    query_hi: torch.Tensor
+    _tiles: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        total_q: int,
+        total_k: int,
+        *,
+        causal: bool,
+        window_size: tuple[int, int],
+        doc_q: torch.Tensor | None = None,
+        doc_k: torch.Tensor | None = None,
+    ) -> TritonShortTables:
+        """From the ``[N+1]`` offsets on the kernel's device (device ops only: values never read on the host).
+
+        ``doc_q`` / ``doc_k`` may pass the streams' ``seq_idx`` when they already exist (the batch meta's);
+        otherwise they are built by :class:`varpack.varlen.VarlenMeta` (varpack's one ``seq_idx`` builder).
+        """
+        device = cu_seqlens_q.device
+        cu_q = cu_seqlens_q.to(torch.int64)
+        cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(torch.int64)
+        pos_q = torch.arange(total_q, device=device, dtype=torch.int64)
+        pos_k = torch.arange(total_k, device=device, dtype=torch.int64)
+        if doc_q is None:
+            doc_q = _seq_idx(cu_seqlens_q, total_q)
+        doc_q = doc_q.reshape(-1).to(torch.int64)
+        if doc_k is None:
+            same = cu_seqlens_k is cu_seqlens_q and total_k == total_q
+            doc_k = doc_q if same else _seq_idx(cu_seqlens_k, total_k)
+        doc_k = doc_k.reshape(-1).to(torch.int64)
+        shift = cu_k[1:] - cu_q[1:]  # [N]: key position of a query's diagonal = its position + shift
+        lim = pos_q + shift[doc_q] if total_q else pos_q
+        left, right = int(window_size[0]), 0 if causal else int(window_size[1])
+        key_lo, key_hi = cu_k[doc_q], cu_k[doc_q + 1]
+        if left >= 0:
+            key_lo = torch.maximum(key_lo, lim - left)
+        if right >= 0:
+            key_hi = torch.minimum(key_hi, lim + right + 1)
+        query_lo, query_hi = cu_q[doc_k], cu_q[doc_k + 1]
+        if total_k:
+            shift_k = shift[doc_k]
+            if right >= 0:
+                query_lo = torch.maximum(query_lo, pos_k - right - shift_k)
+            if left >= 0:
+                query_hi = torch.minimum(query_hi, pos_k + left - shift_k + 1)
+        key_lo, key_hi = _empty_as_sentinel(key_lo, key_hi)
+        query_lo, query_hi = _empty_as_sentinel(query_lo, query_hi)
+        return cls(
+            doc_q=doc_q.to(torch.int32).contiguous(),
+            doc_k=doc_k.to(torch.int32).contiguous(),
+            lim=lim.to(torch.int32).contiguous(),
+            key_lo=key_lo,
+            key_hi=key_hi,
+            query_lo=query_lo,
+            query_hi=query_hi,
+        )
+
+    def query_tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[cdiv(Tq, block_m)]`` int32 key range ``[lo, hi)`` of every query tile (union of its queries')."""
+        return self._tile("q", block_m, self.key_lo, self.key_hi)
+
+    def key_tiles(self, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[cdiv(Tk, block_n)]`` int32 query range of every key tile (the queries that see any of its keys)."""
+        return self._tile("k", block_n, self.query_lo, self.query_hi)
+
+    def _tile(self, side: str, block: int, lo: torch.Tensor, hi: torch.Tensor):
+        key = (side, block)
+        if key not in self._tiles:
+            pad = -lo.shape[0] % block
+            lo_p = torch.nn.functional.pad(lo, (0, pad), value=_BIG).view(-1, block).amin(1)
+            hi_p = torch.nn.functional.pad(hi, (0, pad), value=0).view(-1, block).amax(1)
+            self._tiles[key] = (lo_p.to(torch.int32).contiguous(), hi_p.to(torch.int32).contiguous())
+        return self._tiles[key]
+
+
+def _seq_idx(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """``[T]`` document of every token, on ``cu``'s device, from :meth:`VarlenMeta.seq_idx` (no host read for
+    device offsets; ``T`` is an accepted upper bound of the longest document)."""
+    from varpack.varlen.meta import VarlenMeta
+
+    return VarlenMeta(cu, None, total, total_q=total).seq_idx().reshape(-1)
+
+
+def _empty_as_sentinel(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    empty = hi <= lo
+    return torch.where(empty, _BIG, lo), torch.where(empty, 0, hi)
+
+
+def _tables(
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    total_q: int,
+    total_k: int,
+    causal: bool,
+    window_size: tuple[int, int],
+    meta: VarlenMeta | None,
+) -> TritonShortTables:
+    """The batch's tables: built once per batch, device and mask and kept on ``meta`` (every layer reuses
+    them); without a meta, built for this call."""
+    window = (int(window_size[0]), 0 if causal else int(window_size[1]))
+    if meta is None:
+        return TritonShortTables.build(cu_q, cu_k, total_q, total_k, causal=causal, window_size=window)
+
+    key = ("triton_short_tables", str(cu_q.device), total_q, total_k, bool(causal), window)
+    # seq_idx first: meta.memo's lock is not re-entrant, so no memo call may run inside a build
+    doc_q = meta.seq_idx_on(cu_q.device) if meta.total_q == total_q else None
+    doc_k = doc_q if meta.self_attention else None
+
+    def build() -> TritonShortTables:
+        return TritonShortTables.build(
+            cu_q, cu_k, total_q, total_k, causal=causal, window_size=window, doc_q=doc_q, doc_k=doc_k
+        )
+
+    return meta.memo(key, build)
+
+
+# -- kernels launch ----------------------------------------------------------------------------------------
+
+
+def _mask_args(causal: bool, window_size: tuple[int, int]) -> tuple[int, int, bool, bool]:
+    left, right = int(window_size[0]), 0 if causal else int(window_size[1])
+    return max(left, 0), max(right, 0), left >= 0, right >= 0
+
+
+def _head_block(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast(kern, dtype: torch.dtype) -> bool:
+    return bool(kern.INTERPRETED) and dtype == torch.bfloat16
+
+
+def _launch_opts(num_warps: int, num_stages: int, device: torch.device) -> dict[str, int]:
+    return {} if device.type == "cpu" else {"num_warps": num_warps, "num_stages": num_stages}
+
+
+def _forward(q, k, v, tables, causal, window_size, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    kern = _kernels()
+    total_q, h, d = q.shape
+    group = h // k.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty((h, total_q), device=q.device, dtype=torch.float32)
+    block_m, block_n, warps, stages = _blocks("fwd", d)
+    lo, hi = tables.query_tiles(block_m)
+    left, right, has_left, has_right = _mask_args(causal, window_size)
+    grid = (triton_cdiv(total_q, block_m), h)
+    kern.attn_fwd[grid](
+        q, k, v, out, lse, tables.doc_q, tables.doc_k, tables.lim, lo, hi,
+        scale * _LOG2E, total_q, left, right,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        GROUP=group, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
+        **_launch_opts(warps, stages, q.device),
+    )  # fmt: skip
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, tables, causal, window_size, scale):
+    kern = _kernels()
+    total_q, h, d = q.shape
+    total_k, hkv, _ = k.shape
+    group = h // hkv
+    block_d = _head_block(d)
+    left, right, has_left, has_right = _mask_args(causal, window_size)
+    precision = _precision(q.dtype)
+    delta = torch.empty_like(lse)
+    pre_m = 64
+    kern.attn_bwd_preprocess[(triton_cdiv(total_q, pre_m), h)](
+        out, dout, delta, total_q, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
+    )  # fmt: skip
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    block_m, block_n, warps, stages = _blocks("bwd_dkdv", d)
+    lo, hi = tables.key_tiles(block_n)
+    kern.attn_bwd_dkdv[(triton_cdiv(total_k, block_n), hkv)](
+        q, k, v, dout, lse, delta, dk, dv, tables.doc_q, tables.doc_k, tables.lim, lo, hi,
+        scale * _LOG2E, scale, total_q, total_k, left, right,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=precision, UPCAST=_upcast(kern, q.dtype),
+        **_launch_opts(warps, stages, q.device),
+    )  # fmt: skip
+    block_m, block_n, warps, stages = _blocks("bwd_dq", d)
+    lo, hi = tables.query_tiles(block_m)
+    kern.attn_bwd_dq[(triton_cdiv(total_q, block_m), h)](
+        q, k, v, dout, lse, delta, dq, tables.doc_q, tables.doc_k, tables.lim, lo, hi,
+        scale * _LOG2E, scale, total_q, left, right,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=precision, UPCAST=_upcast(kern, q.dtype),
+        **_launch_opts(warps, stages, q.device),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _TritonShortFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, tables, causal, window_size, scale):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        out, lse = _forward(q, k, v, tables, causal, window_size, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.tables, ctx.causal, ctx.window_size, ctx.scale = tables, causal, window_size, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.tables, ctx.causal, ctx.window_size, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def triton_short_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softmax_scale: float | None = None,
+    meta: VarlenMeta | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen attention with tiles that span documents; differentiable in q, k, v.
+
+    Args:
+        q: ``[Tq, H, D]``; k, v: ``[Tk, Hkv, D]`` (``H % Hkv == 0``), one dtype (fp16 / bf16 / fp32), on CUDA
+            (or the CPU under ``TRITON_INTERPRET=1``). Last dim contiguous (copied otherwise).
+        cu_seqlens_q, cu_seqlens_k: ``[N+1]`` integer offsets on q's device (values never read on the host).
+        causal, window_size: :func:`varpack.attn.varlen_attention`'s (normalized: causal forces right = 0).
+        softmax_scale: default ``1 / sqrt(D)``.
+        meta: the batch's :class:`varpack.varlen.VarlenMeta`: the per-batch tables are kept on it.
+
+    Returns:
+        ``(out, lse)``: ``[Tq, H, D]`` in q's dtype, and the natural-log log-sum-exp of the scaled scores
+        ``[H, Tq]`` fp32 (``+inf`` for a query that sees no key, whose output is 0). ``lse`` is not
+        differentiable.
+
+    Raises:
+        BackendUnavailableError: CPU tensors while Triton is not interpreted, CUDA tensors while it is.
+    """
+    _checked_device(q)
+    total_q, total_k = q.shape[0], k.shape[0]
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    if total_q == 0:
+        return q.new_zeros(0, q.shape[1], v.shape[-1]), q.new_zeros(q.shape[1], 0, dtype=torch.float32)
+    if total_k == 0:  # no key anywhere: every query outputs 0 (lse +inf)
+        out = q.new_zeros(total_q, q.shape[1], v.shape[-1]) + 0 * q.sum()  # keeps the graph for autograd
+        return out, torch.full((q.shape[1], total_q), float("inf"), device=q.device)
+    with torch.no_grad():
+        tables = _tables(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, meta)
+    window = (int(window_size[0]), 0 if causal else int(window_size[1]))
+    return _TritonShortFunction.apply(q, k, v, tables, bool(causal), window, scale)
+
+
+def _checked_device(q: torch.Tensor) -> None:
+    reason = _platform_reason(q.device.type)
+    if reason is not None:
+        raise BackendUnavailableError(f"triton_short: {reason}")
+
+
+def op_forward(q, k, v, cu_q, cu_k, causal, window_size, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom op's forward (:mod:`varpack.attn.custom_op`): ``(out, lse)`` without autograd, tables built
+    for this call."""
+    _checked_device(q)
+    window = (int(window_size[0]), 0 if causal else int(window_size[1]))
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1]), torch.full(
+            (q.shape[1], q.shape[0]), float("inf"), device=q.device
+        )
+    tables = _tables(cu_q, cu_k, q.shape[0], k.shape[0], causal, window, None)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return _forward(q, k, v, tables, causal, window, scale)
+
+
+def op_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, window_size, scale):
+    """The custom op's backward: ``(dq, dk, dv)`` from the forward's ``out`` and ``lse``."""
+    _checked_device(q)
+    window = (int(window_size[0]), 0 if causal else int(window_size[1]))
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    tables = _tables(cu_q, cu_k, q.shape[0], k.shape[0], causal, window, None)
+    q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
+    return _backward(dout, q, k, v, out, lse.contiguous(), tables, causal, window, scale)
+
+
+class TritonShortBackend(Backend):
+    """The ``triton_short`` backend (module docstring). Not in ``auto`` until measured on the H200."""
+
+    name = "triton_short"
+    capabilities = Capabilities(
+        devices=frozenset({"cuda", "cpu"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        max_head_dim=256,
+        softcap=False,
+        notes=(
+            "Triton kernel whose tiles span several documents (short-document rows); per-batch tile tables on "
+            "the VarlenMeta; CPU only under TRITON_INTERPRET=1 (tests); no softcap (its backward is not written)"
+        ),
+    )
+
+    def _probe(self) -> tuple[bool, str]:
+        # the installed version, without importing triton (its import fixes the interpreter mode)
+        if importlib.util.find_spec("triton") is None:
+            return False, "triton is not installed (pip install triton)"
+        return True, f"triton {importlib.metadata.version('triton')}"
+
+    def supports_platform(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[bool, str]:
+        """As :meth:`Backend.supports_platform`, plus: the CPU only when Triton runs interpreted in this process,
+        CUDA only when it does not (:func:`_triton_interpreted`)."""
+        ok, reason = super().supports_platform(device, dtype)
+        if ok and device is not None:
+            why = _platform_reason(torch.device(device).type)
+            if why is not None:
+                return False, why
+        return ok, reason
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        *,
+        causal: bool,
+        window_size: tuple[int, int],
+        softmax_scale: float,
+        softcap: float,
+        meta: VarlenMeta | None = None,
+    ) -> torch.Tensor:
+        if softcap > 0:
+            raise BackendUnavailableError("triton_short: softcap is not supported")
+        out, _ = triton_short_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k,
+            causal=causal, window_size=window_size, softmax_scale=softmax_scale, meta=meta,
+        )  # fmt: skip
+        return out
