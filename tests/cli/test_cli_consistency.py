@@ -350,6 +350,17 @@ def test_default_lr_depends_on_model_kind(tmp_path):
     assert default_lr(str(gguf)) == (1e-4, "pretrained")
     with pytest.raises(ValueError, match="no-such-model"):
         default_lr("no-such-model")
+    # DPO: TRL's DPOConfig default for loaded weights, 1e-4 for random init (3e-3 made the loss rise)
+    assert default_lr("tiny-qwen3", "dpo") == (1e-4, "random-init")
+    assert default_lr(str(model_dir), "dpo") == (1e-6, "pretrained")
+
+
+def test_dpo_run_uses_the_dpo_default_lr():
+    from varpack.train import SFTConfig
+    from varpack.train.sft import build_sft
+
+    run = build_sft(SFTConfig(model="tiny-qwen3", objective="dpo", packing_length=1024, max_steps=1, save=False))
+    assert run.config.lr == 1e-4 and run.lr_default_kind == "random-init"
 
 
 def test_run_uses_and_reports_the_lr(tmp_path):
@@ -369,7 +380,8 @@ def test_run_uses_and_reports_the_lr(tmp_path):
 def test_lr_default_in_help():
     subs = _subparsers()
     assert subs["sft"].get_default("lr") is None
-    assert "(default: 0.003 for a random-init built-in model, 0.0001 for a model directory or GGUF file)" in (
-        _help_of(subs["sft"])
-    )
+    assert (
+        "(default: 0.003 for a random-init built-in model, 0.0001 for a model directory or GGUF file; with "
+        "--objective dpo 0.0001 and 1e-06)"
+    ) in _help_of(subs["sft"])
     assert "peak learning rate (AdamW) (default: 0.003)" in _help_of(subs["demo"])

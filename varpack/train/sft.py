@@ -146,7 +146,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         require_peft()
     lr_default_kind = None
     if config.lr is None:
-        lr, lr_default_kind = default_lr(config.model)
+        lr, lr_default_kind = default_lr(config.model, config.objective)
         config = replace(config, lr=lr)
     load = _model_loader(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
