@@ -36,9 +36,10 @@ VOCAB = 512
 
 def _load(name: str):
     """The built-in model through load_model (varpack attention on, gated-delta layers patched, VL prepared);
-    small vocabulary where the family allows it; qwen3-0.6b-shape cut to 2 of its 28 layers."""
+    small vocabulary where the family allows it; the full-size shapes (qwen3-0.6b-shape, qwen3-1.7b-shape) cut to
+    2 of their 28 layers."""
     kw: dict = {} if "vl" in name else {"vocab_size": VOCAB}
-    if name == "qwen3-0.6b-shape":
+    if name.endswith("b-shape"):
         kw["config_overrides"] = {"num_hidden_layers": 2}
     return load_model(name, attn_backend="reference", **kw)
 

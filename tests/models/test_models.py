@@ -41,6 +41,14 @@ def test_qwen3_0_6b_shape_config():
     assert c.rope_parameters["rope_theta"] == 1_000_000.0
 
 
+def test_qwen3_1_7b_shape_config():
+    c = model_config("qwen3-1.7b-shape")
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (28, 2048, 6144)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (16, 8, 128)
+    assert c.tie_word_embeddings and c.vocab_size == 151936
+    assert model_config("qwen3-1.7b-shape", hidden_size=1024).hidden_size == 1024  # overrides still win
+
+
 def test_overrides_and_errors():
     c = model_config(
         "tiny-qwen3", num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=1

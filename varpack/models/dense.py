@@ -109,6 +109,14 @@ def qwen3_0_6b_shape_config(vocab_size: int | None = None, **overrides: Any) -> 
     )
 
 
+def qwen3_1_7b_shape_config(vocab_size: int | None = None, **overrides: Any) -> Any:
+    """Qwen/Qwen3-1.7B's config.json values (28 layers, hidden 2048, MLP 6144, 16/8 heads of 128, tied
+    embeddings): the multi-GPU (FSDP2) memory benchmark's shape, random weights."""
+    return qwen3_0_6b_shape_config(
+        vocab_size, **{"hidden_size": 2048, "intermediate_size": 6144, **overrides}
+    )
+
+
 #: Llama and Qwen3: dense attention, 1-D positions
 DENSE = ModelFamily(
     name="dense",
@@ -120,6 +128,7 @@ DENSE = ModelFamily(
         "tiny-qwen3": tiny_qwen3_config,
         "tiny-llama": tiny_llama_config,
         "qwen3-0.6b-shape": qwen3_0_6b_shape_config,
+        "qwen3-1.7b-shape": qwen3_1_7b_shape_config,
     },
 )
 
