@@ -193,6 +193,7 @@ def test_cli_sft_three_steps(tmp_path, capsys):
     assert code == 0
     assert "packing report" in out and "samples   8" in out and "fill" in out
     assert "done: 3 steps, loss" in out
+    assert "engine    single process" in out  # the engine the Trainer actually ran (#13)
     model = AutoModelForCausalLM.from_pretrained(out_dir)
     tok = AutoTokenizer.from_pretrained(out_dir)
     assert model.config.vocab_size == 151936 and tok("Hello, world!")["input_ids"] == [9707, 11, 1879, 0]

@@ -46,7 +46,7 @@ from varpack.schema import IGNORE_INDEX
 from varpack.train.config import DEFAULT_LR, SFTConfig, default_lr
 from varpack.train.config_file import CONFIG_FILE_NAME, write_config_file
 from varpack.train.reporting import RunReportCallback
-from varpack.train.trainer import PackedSFTTrainer, PackEpochCallback, TrainCollator
+from varpack.train.trainer import EngineReportCallback, PackedSFTTrainer, PackEpochCallback, TrainCollator
 
 __all__ = [
     "SFTRun",
@@ -610,6 +610,7 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
                     f"target modules {config.lora_target_modules}: {trainable / 1e6:.3f}M trainable params"
                 )
             print_fn(f"optimizer {_describe_lr(run)}")
+        run.trainer.add_callback(EngineReportCallback(print_fn))  # prints once the model is wrapped
         run.trainer.train()
         run.history = [h for h in run.trainer.state.log_history if "loss" in h]
         if config.save:

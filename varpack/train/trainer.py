@@ -27,6 +27,7 @@ from varpack.train.objectives import get_objective
 
 __all__ = [
     "STAT_KEYS",
+    "EngineReportCallback",
     "PackEpochCallback",
     "PackSamplingMixin",
     "PackedLossMixin",
@@ -34,6 +35,7 @@ __all__ = [
     "TrainCollator",
     "batch_stats",
     "check_sampler_checkpoint",
+    "describe_engine",
     "make_pack_sampler",
     "step_metrics",
 ]
@@ -192,6 +194,50 @@ class PackedLossMixin:
             self._window_start = None
             self._last_logged_step = self.state.global_step
         super().log(logs, *args, **kwargs)
+
+
+def describe_engine(model: Any, world_size: int, distributed_type: str | None = None) -> str:
+    """The data-parallel engine a training run actually uses, in words, e.g. ``"FSDP2 (fully_shard, 29 units)
+    on 2 ranks"``, ``"DDP on 2 ranks"``, ``"single process"``.
+
+    Read from the model after the Trainer wrapped it: FSDP2 units are the modules that ``fully_shard`` turned
+    into ``FSDPModule`` instances (whoever applied it: ``--fsdp``, ``accelerate launch --use_fsdp --fsdp_version 2``,
+    or by hand); otherwise, with several ranks, accelerate's ``distributed_type`` (``MULTI_GPU`` /
+    ``MULTI_CPU``: DDP; ``FSDP``: FSDP1) names it (``None``: read from ``accelerate.PartialState``).
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    except ImportError:  # pragma: no cover - torch without distributed
+        units = 0
+    ranks = f"on {world_size} rank{'s' if world_size != 1 else ''}"
+    if units:
+        return f"FSDP2 (fully_shard, {units} units) {ranks}"
+    if world_size <= 1:
+        return "single process"
+    if distributed_type is None:
+        try:
+            from accelerate import PartialState
+
+            distributed_type = str(PartialState().distributed_type).rsplit(".", 1)[-1]
+        except Exception:  # noqa: BLE001 - accelerate absent or not initialised: say what is known
+            distributed_type = "unknown"
+    name = {"MULTI_GPU": "DDP", "MULTI_CPU": "DDP", "FSDP": "FSDP1 (accelerate)"}.get(distributed_type)
+    return f"{name or distributed_type + ' data parallel'} {ranks}"
+
+
+class EngineReportCallback(TrainerCallback):
+    """Prints :func:`describe_engine` once, on the main process, when training begins (after the Trainer
+    and accelerate have wrapped the model), so a run launched with ``torchrun`` or ``accelerate launch``
+    says which engine it got."""
+
+    def __init__(self, print_fn: Any = print) -> None:
+        self.print_fn = print_fn
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if state.is_world_process_zero and model is not None:
+            self.print_fn(f"engine    {describe_engine(model, int(args.world_size))}")
 
 
 def _is_fully_sharded(model: Any) -> bool:
