@@ -10,7 +10,9 @@ seconds bound the sweep: configs not reached in time are reported as skipped.
 
 Printed / written (``--out`` JSON):
 
-* one table per mix: every config's time and, for the forward, useful TFLOP/s (causal ``2 * sum L^2 * H * D``);
+* one table per mix: every config's time, for the forward useful TFLOP/s (causal ``2 * sum L^2 * H * D``), and
+  ``useful/computed``: the causal score elements that matter over those the kernel computes (tiles visited x
+  tile area, from the per-tile tables) -- the tile waste of that config on that mix;
 * the best config of each kernel per mix, its estimated fwd+bwd useful TFLOP/s (``3.5 x`` forward FLOPs over
   fwd + delta + dK/dV + dQ kernel times), and the ``VARPACK_TRITON_SHORT_CONFIG`` JSON of that choice;
 * ``overall``: per kernel the config with the smallest summed slowdown vs each mix's best (the candidate for
@@ -159,11 +161,22 @@ def sweep_mix(mix, lengths, heads, kv_heads, args, budget: Budget) -> dict[str, 
             return lambda: ts._backward_dkdv(dout, q, k, v, lse, delta, tables, True, window, scale, config)
         return lambda: ts._backward_dq(dout, q, k, v, lse, delta, tables, True, window, scale, config)
 
+    useful = float(sum(n * (n + 1) // 2 for n in lengths))  # causal score elements that matter, per head
+
+    def work_efficiency(kind: str, cfg: Config) -> float:
+        """Useful causal score elements / score elements the kernel computes (tiles visited x tile area)."""
+        bm, bn = cfg[0], cfg[1]
+        lo, hi = tables.key_tiles(bn) if kind == "bwd_dkdv" else tables.query_tiles(bm)
+        step = bm if kind == "bwd_dkdv" else bn
+        n_iter = torch.where(hi > lo, (hi - lo + step - 1) // step, 0).sum().item()
+        return useful / max(1.0, float(n_iter) * bm * bn)
+
     rows: list[dict[str, Any]] = []
     for kind, grid in grids(args.small).items():
         for cfg in grid:
             row: dict[str, Any] = {"mix": mix, "kernel": kind, "config": list(cfg), "name": cfg_name(cfg)}
             rows.append(row)
+            row["work_eff"] = work_efficiency(kind, cfg)
             if budget.left() <= 0:
                 row["skipped"] = "time budget spent"
                 continue
@@ -305,9 +318,18 @@ def print_mix(rec: dict[str, Any]) -> None:
     for r in rec["rows"]:
         note = r.get("error") or r.get("skipped") or ""
         body.append(
-            [r["kernel"], r["name"], r.get("ms", nan), r.get("tflops", nan), r.get("first_call_s", nan), note]
+            [
+                r["kernel"],
+                r["name"],
+                r.get("ms", nan),
+                r.get("tflops", nan),
+                r.get("work_eff", nan),
+                r.get("first_call_s", nan),
+                note,
+            ]
         )
-    print(markdown_table(["kernel", "config", "ms", "fwd TFLOP/s", "first call s", "note"], body))
+    headers = ["kernel", "config", "ms", "fwd TFLOP/s", "useful/computed", "first call s", "note"]
+    print(markdown_table(headers, body))
     for kind, b in rec["best"].items():
         gain = f" ({b['default_ms'] / b['ms']:.2f}x the default)" if b["default_ms"] else ""
         print(f"- best {kind}: {cfg_name(tuple(b['config']))} {b['ms']:.3f} ms{gain}")
@@ -379,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         rec = sweep_mix(mix, lengths, heads, kv_heads, args, budget)
         records.append(rec)
         print_mix(rec)
+        partial = [{k: v for k, v in r.items() if k != "_tensors"} for r in records]
+        write_json(
+            args.out, {"machine": machine_info(device), "args": vars(args), "records": partial}
+        )  # if killed
         print(f"  swept {mix}; {budget.left():.0f} s of the budget left", file=sys.stderr, flush=True)
     pick = overall(records, args.small)
     overall_env = ts.TritonShortConfig(**pick).to_json() if pick else None
