@@ -108,7 +108,10 @@ class TritonShortRule(NamedTuple):
 
 #: Where ``auto`` uses ``triton_short`` on CUDA (issue 17), filled from benchmarks/attention_tune.py and
 #: benchmarks/attention.py on the H200: a row is added only for a shape class where triton_short measured
-#: faster than what ``auto`` picks today. Empty: never (``auto`` as before).
+#: faster than what ``auto`` picks today. Empty: never (``auto`` as before). The compiled custom-op path
+#: (:mod:`varpack.attn.custom_op`, ``_traced_call``) passes only the short class of ``max_seqlen`` and no mean,
+#: so rows that need more (a mean bound, a ``max_seqlen`` above :data:`AUTO_SHORT_MAX_SEQLEN`) match eagerly
+#: only until that path passes the row's class too.
 AUTO_TRITON_SHORT: tuple[TritonShortRule, ...] = ()
 
 
