@@ -134,99 +134,124 @@ def _inputs(total, heads, kv_heads, d, device, dtype, seed):
     return q, k, v, dout
 
 
-def sweep_mix(mix, lengths, heads, kv_heads, args, budget: Budget) -> dict[str, Any]:
-    """Times every candidate of every kernel on one mix; returns the mix's record (rows, best, checks)."""
-    from varpack.attn import triton_short as ts
+class MixState:
+    """One mix's inputs, tables and forward results (built once, outside any timing), and its rows."""
 
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    total, d = sum(lengths), args.head_dim
-    q, k, v, dout = _inputs(total, heads, kv_heads, d, device, dtype, args.seed)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
-    scale, window = d**-0.5, (-1, 0)
-    flops = causal_fwd_flops(lengths, heads, d)
-    t0 = time.perf_counter()
-    tables = ts.TritonShortTables.build(cu, cu, total, total, causal=True, window_size=window)
-    sync(device)
-    table_ms = (time.perf_counter() - t0) * 1e3
-    with torch.no_grad():
-        out, lse = ts._forward(q, k, v, tables, True, window, scale, ts.TritonShortConfig())
-        delta = ts._backward_delta(dout, out, lse)
-    delta_ms = time_fn(lambda: ts._backward_delta(dout, out, lse), device, warmup=1, iters=args.iters)["ms"]
+    def __init__(self, mix: str, lengths: list[int], heads: int, kv_heads: int, args) -> None:
+        from varpack.attn import triton_short as ts
 
-    def launcher(kind: str, cfg: Config):
-        config = ts.TritonShortConfig(**{kind: cfg})
+        self.ts, self.mix, self.lengths, self.heads, self.kv_heads = ts, mix, lengths, heads, kv_heads
+        self.device = device = torch.device(args.device)
+        total, d = sum(lengths), args.head_dim
+        self.total, self.d = total, d
+        dtype = getattr(torch, args.dtype)
+        self.q, self.k, self.v, self.dout = _inputs(total, heads, kv_heads, d, device, dtype, args.seed)
+        self.cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+        self.scale, self.window = d**-0.5, (-1, 0)
+        self.flops = causal_fwd_flops(lengths, heads, d)
+        t0 = time.perf_counter()
+        self.tables = ts.TritonShortTables.build(
+            self.cu, self.cu, total, total, causal=True, window_size=self.window
+        )
+        sync(device)
+        self.table_ms = (time.perf_counter() - t0) * 1e3
+        with torch.no_grad():
+            self.out, self.lse = ts._forward(
+                self.q, self.k, self.v, self.tables, True, self.window, self.scale, ts.TritonShortConfig()
+            )
+            self.delta = ts._backward_delta(self.dout, self.out, self.lse)
+            self.delta_ms = time_fn(
+                lambda: ts._backward_delta(self.dout, self.out, self.lse), device, warmup=1, iters=args.iters
+            )["ms"]
+        self.useful = float(sum(n * (n + 1) // 2 for n in lengths))  # causal score elements that matter
+        self.rows: list[dict[str, Any]] = []
+
+    def launcher(self, kind: str, cfg: Config):
+        ts, config = self.ts, self.ts.TritonShortConfig(**{kind: cfg})
+        q, k, v, dout, lse, delta, tables = (
+            self.q,
+            self.k,
+            self.v,
+            self.dout,
+            self.lse,
+            self.delta,
+            self.tables,
+        )
+        w, sc = self.window, self.scale
         if kind == "fwd":
-            return lambda: ts._forward(q, k, v, tables, True, window, scale, config)
+            return lambda: ts._forward(q, k, v, tables, True, w, sc, config)
         if kind == "bwd_dkdv":
-            return lambda: ts._backward_dkdv(dout, q, k, v, lse, delta, tables, True, window, scale, config)
-        return lambda: ts._backward_dq(dout, q, k, v, lse, delta, tables, True, window, scale, config)
+            return lambda: ts._backward_dkdv(dout, q, k, v, lse, delta, tables, True, w, sc, config)
+        return lambda: ts._backward_dq(dout, q, k, v, lse, delta, tables, True, w, sc, config)
 
-    useful = float(sum(n * (n + 1) // 2 for n in lengths))  # causal score elements that matter, per head
-
-    def work_efficiency(kind: str, cfg: Config) -> float:
+    def work_efficiency(self, kind: str, cfg: Config) -> float:
         """Useful causal score elements / score elements the kernel computes (tiles visited x tile area)."""
         bm, bn = cfg[0], cfg[1]
-        lo, hi = tables.key_tiles(bn) if kind == "bwd_dkdv" else tables.query_tiles(bm)
+        lo, hi = self.tables.key_tiles(bn) if kind == "bwd_dkdv" else self.tables.query_tiles(bm)
         step = bm if kind == "bwd_dkdv" else bn
         n_iter = torch.where(hi > lo, (hi - lo + step - 1) // step, 0).sum().item()
-        return useful / max(1.0, float(n_iter) * bm * bn)
+        return self.useful / max(1.0, float(n_iter) * bm * bn)
 
-    rows: list[dict[str, Any]] = []
-    for kind, grid in grids(args.small).items():
-        for cfg in grid:
-            row: dict[str, Any] = {"mix": mix, "kernel": kind, "config": list(cfg), "name": cfg_name(cfg)}
-            rows.append(row)
-            row["work_eff"] = work_efficiency(kind, cfg)
-            if budget.left() <= 0:
-                row["skipped"] = "time budget spent"
-                continue
-            fn = launcher(kind, cfg)
-            try:
-                with torch.no_grad():
-                    t1 = time.perf_counter()
-                    fn()  # untimed: compiles (once per config for every mix)
-                    sync(device)
-                    row["first_call_s"] = time.perf_counter() - t1
-                    row["ms"] = time_fn(fn, device, warmup=1, iters=args.iters)["ms"]
-            except Exception as exc:  # out of shared memory / registers, or a compile error: reported
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-            if kind == "fwd" and "ms" in row:
-                row["tflops"] = flops / row["ms"] / 1e9
+
+def time_config(st: MixState, kind: str, cfg: Config, args, budget: Budget) -> dict[str, Any]:
+    """One row: ``cfg`` of kernel ``kind`` on one mix (untimed first call, then ``--iters`` timed)."""
+    row: dict[str, Any] = {"mix": st.mix, "kernel": kind, "config": list(cfg), "name": cfg_name(cfg)}
+    row["work_eff"] = st.work_efficiency(kind, cfg)
+    if budget.left() <= 0:
+        row["skipped"] = "time budget spent"
+        return row
+    fn = st.launcher(kind, cfg)
+    try:
+        with torch.no_grad():
+            t1 = time.perf_counter()
+            fn()  # untimed: compiles (once per config; the other mixes reuse it)
+            sync(st.device)
+            row["first_call_s"] = time.perf_counter() - t1
+            row["ms"] = time_fn(fn, st.device, warmup=1, iters=args.iters)["ms"]
+    except Exception as exc:  # out of shared memory / registers, or a compile error: reported
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        if st.device.type == "cuda":
+            torch.cuda.synchronize()
+    if kind == "fwd" and "ms" in row:
+        row["tflops"] = st.flops / row["ms"] / 1e9
+    return row
+
+
+def finish(st: MixState, small: bool) -> dict[str, Any]:
+    """The mix's record: its rows, the best config of each kernel, the estimated fwd+bwd TFLOP/s."""
     best: dict[str, Any] = {}
     for kind in KINDS:
-        timed = [r for r in rows if r["kernel"] == kind and "ms" in r]
+        timed = [r for r in st.rows if r["kernel"] == kind and "ms" in r]
         if timed:
             b = min(timed, key=lambda r: r["ms"])
-            default = next((r for r in timed if tuple(r["config"]) == grids(args.small)[kind][0]), None)
+            default = next((r for r in timed if tuple(r["config"]) == grids(small)[kind][0]), None)
             best[kind] = {
                 "config": b["config"],
                 "ms": b["ms"],
                 "default_ms": default["ms"] if default else None,
             }
     record: dict[str, Any] = {
-        "mix": mix,
-        "H": heads,
-        "Hkv": kv_heads,
-        "D": d,
-        "T": total,
-        "N": len(lengths),
-        "mean_len": total / len(lengths),
-        "max_len": max(lengths),
-        "useful_fwd_gflop": flops / 1e9,
-        "tables_ms": table_ms,
-        "delta_ms": delta_ms,
-        "rows": rows,
+        "mix": st.mix,
+        "H": st.heads,
+        "Hkv": st.kv_heads,
+        "D": st.d,
+        "T": st.total,
+        "N": len(st.lengths),
+        "mean_len": st.total / len(st.lengths),
+        "max_len": max(st.lengths),
+        "useful_fwd_gflop": st.flops / 1e9,
+        "tables_ms": st.table_ms,
+        "delta_ms": st.delta_ms,
+        "rows": st.rows,
         "best": best,
     }
     if len(best) == len(KINDS):
         fwd_ms = best["fwd"]["ms"]
-        bwd_ms = delta_ms + best["bwd_dkdv"]["ms"] + best["bwd_dq"]["ms"]
-        record["best_fwd_tflops"] = flops / fwd_ms / 1e9
-        record["best_fwd_bwd_tflops_est"] = 3.5 * flops / (fwd_ms + bwd_ms) / 1e9
-        record["best_env"] = ts.TritonShortConfig(**{k: tuple(best[k]["config"]) for k in KINDS}).to_json()
-    record["_tensors"] = (q, k, v, dout, cu, lengths)
+        bwd_ms = st.delta_ms + best["bwd_dkdv"]["ms"] + best["bwd_dq"]["ms"]
+        record["best_fwd_tflops"] = st.flops / fwd_ms / 1e9
+        record["best_fwd_bwd_tflops_est"] = 3.5 * st.flops / (fwd_ms + bwd_ms) / 1e9
+        record["best_env"] = st.ts.TritonShortConfig(**{k: tuple(best[k]["config"]) for k in KINDS}).to_json()
+    record["_tensors"] = (st.q, st.k, st.v, st.dout, st.cu, st.lengths)
     return record
 
 
@@ -387,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# triton_short config sweep, {args.device} {args.dtype}, T={args.tokens}, H={heads}/{kv_heads}, "
         f"D={args.head_dim}, causal; budget {args.time_budget:.0f} s; BLOCKS default {ts.BLOCKS}"
     )
-    records = []
+    states = []
     for mix in [m for m in args.mixes.split(",") if m]:
         lengths = mix_lengths(
             mix,
@@ -398,14 +423,21 @@ def main(argv: list[str] | None = None) -> int:
             max_len=args.max_len,
             seed=args.seed,
         )
-        rec = sweep_mix(mix, lengths, heads, kv_heads, args, budget)
-        records.append(rec)
-        print_mix(rec)
-        partial = [{k: v for k, v in r.items() if k != "_tensors"} for r in records]
+        states.append(MixState(mix, lengths, heads, kv_heads, args))
+    # config-major: each config compiles once and is timed on every mix, so a spent budget cuts the grids'
+    # tails evenly across the mixes
+    for kind, grid in grids(args.small).items():
+        for cfg in grid:
+            for st in states:
+                st.rows.append(time_config(st, kind, cfg, args, budget))
+        partial = [{k: v for k, v in finish(st, args.small).items() if k != "_tensors"} for st in states]
         write_json(
             args.out, {"machine": machine_info(device), "args": vars(args), "records": partial}
         )  # if killed
-        print(f"  swept {mix}; {budget.left():.0f} s of the budget left", file=sys.stderr, flush=True)
+        print(f"  swept {kind}; {budget.left():.0f} s of the budget left", file=sys.stderr, flush=True)
+    records = [finish(st, args.small) for st in states]
+    for rec in records:
+        print_mix(rec)
     pick = overall(records, args.small)
     overall_env = ts.TritonShortConfig(**pick).to_json() if pick else None
     print(f"\n## overall (smallest summed slowdown over the mixes): {overall_env}")
