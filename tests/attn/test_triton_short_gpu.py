@@ -11,15 +11,20 @@ from varpack.attn import reference_varlen_attention
 
 pytestmark = pytest.mark.gpu
 
-CONFIGS = [
-    {"fwd": (128, 64, 8, 2), "bwd_dkdv": (32, 128, 8, 2), "bwd_dq": (128, 32, 8, 2)},
-    {"fwd": (32, 32, 4, 2), "bwd_dkdv": (16, 64, 4, 2), "bwd_dq": (32, 32, 4, 2)},
-    {"fwd": (128, 128, 8, 2), "bwd_dkdv": (64, 128, 8, 2), "bwd_dq": (128, 64, 8, 2)},
+CONFIGS = [  # (config, head dim): three compilations of each kernel, beside the defaults of test_attn_gpu.py
+    pytest.param(
+        {"fwd": (128, 64, 8, 2), "bwd_dkdv": (32, 128, 8, 2), "bwd_dq": (128, 32, 8, 2)}, 128, id="large"
+    ),
+    pytest.param(
+        {"fwd": (32, 32, 4, 2), "bwd_dkdv": (16, 64, 4, 2), "bwd_dq": (32, 32, 4, 2)}, 64, id="small"
+    ),
+    pytest.param(
+        {"fwd": (128, 128, 8, 2), "bwd_dkdv": (64, 128, 8, 2), "bwd_dq": (128, 64, 8, 2)}, 128, id="largest"
+    ),
 ]
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["large", "small", "largest"])
+@pytest.mark.parametrize("cfg,d", CONFIGS)
 def test_configs_match_reference(cfg, d):
     from varpack.attn import triton_short as ts
 
