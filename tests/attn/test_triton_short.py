@@ -42,6 +42,7 @@ SMALL_BLOCKS = {
 def _interpreted(monkeypatch):
     if not ts._triton_interpreted():
         pytest.skip("Triton was imported compiled in this process (TRITON_INTERPRET=1 not set before it)")
+    monkeypatch.delenv(ts.CONFIG_ENV, raising=False)
     for kind, table in SMALL_BLOCKS.items():
         monkeypatch.setitem(ts.BLOCKS, kind, table)
 
@@ -191,8 +192,8 @@ def test_negative_control_document_ids_all_zero_differs():
     one = torch.tensor([0, sum(lens)], dtype=torch.int32)
     leaky = ts.TritonShortTables.build(one, one, sum(lens), sum(lens), causal=True, window_size=(-1, 0))
     assert not leaky.doc_q.any() and not leaky.doc_k.any()  # every token in document 0
-    good = ts._TritonShortFunction.apply(q, k, v, tables, True, (-1, 0), 0.25)[0]
-    bad = ts._TritonShortFunction.apply(q, k, v, leaky, True, (-1, 0), 0.25)[0]
+    good = ts._TritonShortFunction.apply(q, k, v, tables, True, (-1, 0), 0.25, None)[0]
+    bad = ts._TritonShortFunction.apply(q, k, v, leaky, True, (-1, 0), 0.25, None)[0]
     want = reference_varlen_attention(q, k, v, cu, cu, softmax_scale=0.25)
     torch.testing.assert_close(good, want, rtol=1e-5, atol=1e-5)
     assert (bad - want).abs().max().item() > 1e-2
@@ -237,3 +238,56 @@ def test_custom_op_native_backward_matches_the_autograd_function():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+# -- launch configurations (issue 17: tuned on the H200 without editing code) ---------------------------------
+
+
+def test_config_from_env_json_and_validation(monkeypatch):
+    assert ts.active_config() == ts.TritonShortConfig()  # unset: BLOCKS decides
+    assert ts.active_config().blocks("fwd", 16) == SMALL_BLOCKS["fwd"][256]
+    monkeypatch.setenv(ts.CONFIG_ENV, '{"fwd": [32, 16, 2, 3], "bwd_dq": {"BLOCK_M": 16, "BLOCK_N": 32, '
+                       '"num_warps": 4, "num_stages": 1}}')  # fmt: skip
+    cfg = ts.active_config()
+    assert cfg.blocks("fwd", 128) == (32, 16, 2, 3) and cfg.blocks("bwd_dq", 64) == (16, 32, 4, 1)
+    assert cfg.blocks("bwd_dkdv", 16) == SMALL_BLOCKS["bwd_dkdv"][256]  # left out: BLOCKS
+    assert ts.TritonShortConfig.from_json(cfg.to_json()) == cfg
+    explicit = ts.TritonShortConfig(fwd=(64, 64, 4, 2))
+    assert ts.active_config(explicit) is explicit  # an argument wins over the variable
+    for bad, match in [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"bwd": [16, 16, 4, 1]}', "unknown kernel"),
+        ('{"fwd": [24, 16, 4, 1]}', "power of two"),
+        ('{"fwd": [16, 8, 4, 1]}', "power of two"),
+        ('{"fwd": [16, 16, 3, 1]}', "num_warps"),
+        ('{"fwd": [16, 16, 4, 0]}', "num_stages"),
+        ('{"fwd": [16, 16, 4]}', "BLOCK_M, BLOCK_N"),
+        ('{"fwd": {"BLOCK_M": 16}}', "exactly the keys"),
+    ]:
+        monkeypatch.setenv(ts.CONFIG_ENV, bad)
+        with pytest.raises(ValueError, match=match):
+            ts.active_config()
+    q, k, v, _, cu, _ = _inputs([4, 3], None, 2, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="triton_short config"):  # a bad override is an error, never ignored
+        ts.triton_short_attention(q, k, v, cu, cu)
+
+
+@pytest.mark.parametrize("how", ["argument", "env"])
+def test_config_override_is_used_and_exact(monkeypatch, how):
+    """Other tile shapes (32-token query tiles, 16-token key tiles and the reverse for dK/dV) give the same
+    results, and the launches really use them (the per-tile tables are built for those tile sizes)."""
+    lens = [5, 13, 18, 3, 9, 1, 30]
+    q, k, v, dout, cu, _ = _inputs(lens, None, 4, 2, 16, torch.float32)
+    cfg = ts.TritonShortConfig(fwd=(32, 16, 4, 1), bwd_dkdv=(16, 32, 4, 1), bwd_dq=(32, 16, 4, 1))
+    if how == "env":
+        monkeypatch.setenv(ts.CONFIG_ENV, cfg.to_json())
+    tables = ts.TritonShortTables.build(cu, cu, sum(lens), sum(lens), causal=True, window_size=(-1, 0))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ts, "_tables", lambda *a, **kw: tables)
+        out, _ = ts.triton_short_attention(q, k, v, cu, cu, config=cfg if how == "argument" else None)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert set(tables._tiles) == {("q", 32), ("k", 32)}
+    want = _reference(q, k, v, dout, cu, cu, True, (-1, -1))
+    for g, w in zip((out, dq, dk, dv), want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-5)

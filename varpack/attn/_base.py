@@ -92,6 +92,9 @@ class CallSpec:
     has_empty_segments: bool | None = None
     #: longest segment (max of max_seqlen_q/k, a Python int) or None when unknown: picks ``auto``'s shape class
     max_seqlen: int | None = None
+    #: mean segment length ``Tq / number of segments`` (Python numbers from shapes: no sync) or None when unknown;
+    #: with ``max_seqlen`` it decides ``auto``'s use of ``triton_short`` (registry.AUTO_TRITON_SHORT)
+    mean_seqlen: float | None = None
 
     @classmethod
     def from_tensors(
@@ -105,6 +108,7 @@ class CallSpec:
         softcap: float = 0.0,
         has_empty_segments: bool | None = None,
         max_seqlen: int | None = None,
+        mean_seqlen: float | None = None,
     ) -> CallSpec:
         k = q if k is None else k
         tensors = [t for t in (q, k, v) if t is not None]
@@ -121,6 +125,7 @@ class CallSpec:
             needs_grad=needs_grad,
             has_empty_segments=has_empty_segments,
             max_seqlen=max_seqlen,
+            mean_seqlen=mean_seqlen,
         )
 
 

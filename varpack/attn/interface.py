@@ -218,6 +218,7 @@ def prepare_call(
         softcap=softcap,
         has_empty_segments=meta.has_empty,
         max_seqlen=max(meta.max_seqlen_q, meta.max_seqlen_k),
+        mean_seqlen=q.shape[0] / meta.num_seqs if meta.num_seqs else None,
     )
     name = str(resolve_spec(backend, spec))
     return PreparedCall(meta, cu_q, cu_k, causal, window_size, softmax_scale, softcap, spec, name)

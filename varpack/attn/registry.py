@@ -7,6 +7,8 @@ picked, and why each one before it was skipped) so ``varpack check`` can report 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
@@ -25,11 +27,14 @@ __all__ = [
     "AUTO_PRIORITY",
     "AUTO_PRIORITY_SHORT",
     "AUTO_SHORT_MAX_SEQLEN",
+    "AUTO_TRITON_SHORT",
     "BACKENDS",
     "ResolvedBackend",
+    "TritonShortRule",
     "available_backends",
     "get_backend",
     "resolve_backend",
+    "triton_short_wanted",
 ]
 
 #: All backends by name, in no particular order.
@@ -84,6 +89,63 @@ AUTO_SHORT_MAX_SEQLEN: int = 128
 AUTO_PRIORITY_SHORT: dict[str, tuple[str, ...]] = {
     "cuda": ("torch_varlen", "flex", "flash_attn_4", "flash_attn_3", "flash_attn", "sdpa", "reference"),
 }
+
+
+class TritonShortRule(NamedTuple):
+    """One shape class where ``auto`` puts ``triton_short`` first (a row of :data:`AUTO_TRITON_SHORT`).
+
+    A call matches when its longest segment ``max_seqlen <= max_seqlen`` and (if ``max_mean_seqlen`` is not
+    None) its mean segment length ``Tq / number of segments <= max_mean_seqlen``; ``training`` True / False
+    restricts the row to calls that need / do not need gradients (None: both); the head dim must be in
+    ``head_dims`` (the dims measured). Lengths in tokens.
+    """
+
+    max_seqlen: int
+    max_mean_seqlen: float | None = None
+    training: bool | None = None
+    head_dims: tuple[int, ...] = (64, 128)
+
+
+#: Where ``auto`` uses ``triton_short`` on CUDA (issue 17), filled from benchmarks/attention_tune.py and
+#: benchmarks/attention.py on the H200: a row is added only for a shape class where triton_short measured
+#: faster than what ``auto`` picks today. Empty: never (``auto`` as before). The compiled custom-op path
+#: (:mod:`varpack.attn.custom_op`, ``_traced_call``) passes only the short class of ``max_seqlen`` and no mean,
+#: so rows that need more (a mean bound, a ``max_seqlen`` above :data:`AUTO_SHORT_MAX_SEQLEN`) match eagerly
+#: only until that path passes the row's class too.
+AUTO_TRITON_SHORT: tuple[TritonShortRule, ...] = ()
+
+
+def triton_short_wanted(spec: CallSpec, rules: tuple[TritonShortRule, ...] | None = None) -> tuple[bool, str]:
+    """Whether ``auto`` should try ``triton_short`` first for ``spec`` (CUDA only), from Python numbers only
+    (``spec.max_seqlen``, ``spec.mean_seqlen``, ``spec.head_dim``, ``spec.needs_grad``: no host sync).
+
+    Args:
+        spec: the call's facts; an unknown ``max_seqlen`` (or an unknown ``mean_seqlen`` for a row that bounds
+            it) never matches.
+        rules: default :data:`AUTO_TRITON_SHORT`.
+
+    Returns:
+        ``(wanted, why)``: ``why`` names the matching row (or says why none matched).
+    """
+    rules = AUTO_TRITON_SHORT if rules is None else rules
+    if not rules:
+        return False, "AUTO_TRITON_SHORT is empty"
+    if spec.device.type != "cuda":
+        return False, f"triton_short is used by auto on CUDA only, not {spec.device.type}"
+    if spec.max_seqlen is None:
+        return False, "max_seqlen unknown"
+    for rule in rules:
+        if spec.max_seqlen > rule.max_seqlen or spec.head_dim not in rule.head_dims:
+            continue
+        if rule.training is not None and rule.training != spec.needs_grad:
+            continue
+        if rule.max_mean_seqlen is not None and (
+            spec.mean_seqlen is None or spec.mean_seqlen > rule.max_mean_seqlen
+        ):
+            continue
+        mean = "?" if spec.mean_seqlen is None else f"{spec.mean_seqlen:.1f}"
+        return True, f"AUTO_TRITON_SHORT row {rule} matches max_seqlen {spec.max_seqlen}, mean {mean}"
+    return False, "no AUTO_TRITON_SHORT row matches"
 
 
 class ResolvedBackend(str):
@@ -160,6 +222,9 @@ def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
     short = spec.max_seqlen is not None and spec.max_seqlen <= AUTO_SHORT_MAX_SEQLEN
     if short and spec.device.type in AUTO_PRIORITY_SHORT:
         order, table = AUTO_PRIORITY_SHORT[spec.device.type], "AUTO_PRIORITY_SHORT"
+    wanted, why_short = triton_short_wanted(spec)
+    if wanted:  # measured fastest for this shape class: tried first, then the table as before
+        order = ("triton_short", *(n for n in order if n != "triton_short"))
     skipped: list[str] = []
     for candidate in order:
         ok, reason = BACKENDS[candidate].supports(spec)
@@ -173,7 +238,9 @@ def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
             why = (
                 f"auto on {spec.device.type}: {candidate} is the first backend in {table} that runs this call"
             )
-            if table == "AUTO_PRIORITY_SHORT":
+            if wanted and candidate == "triton_short":
+                why = f"auto on {spec.device.type}: triton_short first because {why_short}"
+            elif table == "AUTO_PRIORITY_SHORT":
                 why += f" (short documents: max_seqlen {spec.max_seqlen} <= {AUTO_SHORT_MAX_SEQLEN})"
             if skipped:
                 why += " (skipped " + "; ".join(skipped) + ")"
@@ -210,7 +277,8 @@ def resolve_backend(
             give the longest segment if ``max_seqlen`` is not given.
         max_seqlen: the longest segment (a host integer, :func:`varpack.varlen.normalize_max_seqlen`) or
             None: decides the short-documents shape class (:data:`AUTO_SHORT_MAX_SEQLEN`,
-            :data:`AUTO_PRIORITY_SHORT`).
+            :data:`AUTO_PRIORITY_SHORT`) and, with the mean segment length ``Tq / (len(cu_seqlens_q) - 1)``,
+            whether ``triton_short`` is tried first (:data:`AUTO_TRITON_SHORT`).
 
     Returns:
         A :class:`ResolvedBackend`: the chosen name (a ``str``) with ``.reason``.
@@ -234,6 +302,7 @@ def resolve_backend(
         has_empty = any(bool((c[1:] == c[:-1]).any()) for c in cus)
         if max_seqlen is None:
             max_seqlen = max(int((c[1:] - c[:-1]).max()) if c.numel() > 1 else 0 for c in cus)
+    num_segments = cus[0].shape[0] - 1 if cus else 0  # a shape: no sync
     spec = CallSpec.from_tensors(
         q,
         k,
@@ -243,6 +312,7 @@ def resolve_backend(
         softcap=softcap,
         has_empty_segments=has_empty,
         max_seqlen=max_seqlen,
+        mean_seqlen=q.shape[0] / num_segments if num_segments > 0 else None,
     )
     return resolve_spec(name, spec)
 

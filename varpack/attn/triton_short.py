@@ -33,9 +33,11 @@ document masking (PyTorch blog, 2024), here with tiles that cross documents inst
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import sys
 import threading
@@ -49,18 +51,138 @@ from ._base import Backend, BackendUnavailableError, Capabilities
 if TYPE_CHECKING:
     from varpack.varlen.meta import VarlenMeta
 
-__all__ = ["BLOCKS", "TritonShortBackend", "TritonShortTables", "triton_short_attention"]
+__all__ = [
+    "BLOCKS",
+    "CONFIG_ENV",
+    "TritonShortBackend",
+    "TritonShortConfig",
+    "TritonShortTables",
+    "active_config",
+    "triton_short_attention",
+]
 
 _LOG2E = 1.4426950408889634
 _BIG = 2**31 - 1  # tile-range sentinel: an empty range is [_BIG, 0)
 
 #: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the forward, the dK/dV and the dQ kernels by head-dim
-#: bucket. Placeholders until the H200 measurements of benchmarks/attention.py tune them.
+#: bucket (the first bucket >= D). Placeholders until the H200 measurements of benchmarks/attention_tune.py
+#: tune them; a run can override them without editing code (:class:`TritonShortConfig`,
+#: :data:`CONFIG_ENV`).
 BLOCKS: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "fwd": {64: (64, 64, 4, 2), 128: (64, 64, 4, 2), 256: (64, 32, 8, 1)},
     "bwd_dkdv": {64: (32, 64, 4, 1), 128: (32, 64, 4, 1), 256: (16, 32, 8, 1)},
     "bwd_dq": {64: (64, 32, 4, 1), 128: (64, 32, 4, 1), 256: (32, 16, 8, 1)},
 }
+#: the three kernels whose launch configuration is chosen (keys of :data:`BLOCKS`)
+KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
+#: environment variable read at every call (parsed once per distinct value): a JSON object overriding
+#: :data:`BLOCKS` for every head dim, e.g. ``{"fwd": [128, 64, 8, 2], "bwd_dq": [128, 32, 4, 2]}``; each value
+#: is ``[BLOCK_M, BLOCK_N, num_warps, num_stages]`` or ``{"BLOCK_M": .., "BLOCK_N": .., "num_warps": ..,
+#: "num_stages": ..}``; kinds left out keep :data:`BLOCKS`. Empty or unset: no override.
+CONFIG_ENV = "VARPACK_TRITON_SHORT_CONFIG"
+
+_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def _checked_blocks(kind: str, value: Any) -> tuple[int, int, int, int]:
+    """``value`` (4 ints, or a mapping of :data:`_FIELDS`) as a checked ``(BLOCK_M, BLOCK_N, warps, stages)``.
+
+    Raises:
+        ValueError: unknown kind, wrong shape, a block not a power of two >= 16 (``tl.dot``'s minimum), warps
+            not in 1/2/4/8/16, stages < 1.
+    """
+    if kind not in KERNEL_KINDS:
+        raise ValueError(f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS}")
+    if isinstance(value, dict):
+        unknown = set(value) - set(_FIELDS)
+        if unknown or len(value) != 4:
+            raise ValueError(
+                f"triton_short config {kind}: need exactly the keys {_FIELDS}, got {sorted(value)}"
+            )
+        value = [value[f] for f in _FIELDS]
+    try:
+        bm, bn, warps, stages = (int(x) for x in value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"triton_short config {kind}: need [BLOCK_M, BLOCK_N, num_warps, num_stages], got {value!r}"
+        ) from None
+    for name, b in (("BLOCK_M", bm), ("BLOCK_N", bn)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"triton_short config {kind}: {name}={b} is not a power of two >= 16")
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"triton_short config {kind}: num_warps={warps} not in 1, 2, 4, 8, 16")
+    if stages < 1:
+        raise ValueError(f"triton_short config {kind}: num_stages={stages} < 1")
+    return bm, bn, warps, stages
+
+
+@dataclass(frozen=True)
+class TritonShortConfig:
+    """Launch configurations of the three kernels, overriding :data:`BLOCKS` for every head dim.
+
+    Each field is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` or None (keep :data:`BLOCKS`). For
+    ``bwd_dkdv``, ``BLOCK_N`` is the key tile a program owns and ``BLOCK_M`` the query tile it loops over; for
+    ``fwd`` and ``bwd_dq`` the reverse. Checked on construction (:func:`_checked_blocks`: ValueError).
+    """
+
+    fwd: tuple[int, int, int, int] | None = None
+    bwd_dkdv: tuple[int, int, int, int] | None = None
+    bwd_dq: tuple[int, int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        for kind in KERNEL_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                object.__setattr__(self, kind, _checked_blocks(kind, value))
+
+    @classmethod
+    def from_json(cls, text: str) -> TritonShortConfig:
+        """From :data:`CONFIG_ENV`'s JSON format (empty text: no override).
+
+        Raises:
+            ValueError: not JSON, not an object, unknown kernel or a bad value.
+        """
+        if not text.strip():
+            return cls()
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"triton_short config: {CONFIG_ENV} is not JSON ({exc}): {text!r}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"triton_short config: need a JSON object of kernels, got {text!r}")
+        for kind in obj:
+            if kind not in KERNEL_KINDS:
+                raise ValueError(f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS}")
+        return cls(**{kind: _checked_blocks(kind, v) for kind, v in obj.items()})
+
+    def to_json(self) -> str:
+        """The :data:`CONFIG_ENV` text of this config (kinds left None are omitted)."""
+        return json.dumps({k: list(getattr(self, k)) for k in KERNEL_KINDS if getattr(self, k) is not None})
+
+    def blocks(self, kind: str, head_dim: int) -> tuple[int, int, int, int]:
+        """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of kernel ``kind`` at head dim ``head_dim``."""
+        value = getattr(self, kind)
+        if value is not None:
+            if head_dim > 256:
+                raise ValueError(f"triton_short: head dim D={head_dim} > 256")
+            return value
+        return _blocks(kind, head_dim)
+
+
+@functools.lru_cache(maxsize=8)
+def _env_config(text: str) -> TritonShortConfig:
+    return TritonShortConfig.from_json(text)
+
+
+def active_config(config: TritonShortConfig | None = None) -> TritonShortConfig:
+    """``config`` if given, else the :data:`CONFIG_ENV` override (an empty config when unset).
+
+    Raises:
+        ValueError: a malformed :data:`CONFIG_ENV` (never ignored silently).
+    """
+    if config is not None:
+        return config
+    return _env_config(os.environ.get(CONFIG_ENV, ""))
 
 
 def _blocks(kind: str, head_dim: int) -> tuple[int, int, int, int]:
@@ -284,13 +406,14 @@ def _launch_opts(num_warps: int, num_stages: int, device: torch.device) -> dict[
     return {} if device.type == "cpu" else {"num_warps": num_warps, "num_stages": num_stages}
 
 
-def _forward(q, k, v, tables, causal, window_size, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [Tq, H, D], lse [H, Tq] fp32)``; ``config``: :func:`active_config`'s."""
     kern = _kernels()
     total_q, h, d = q.shape
     group = h // k.shape[1]
     out = torch.empty_like(q)
     lse = torch.empty((h, total_q), device=q.device, dtype=torch.float32)
-    block_m, block_n, warps, stages = _blocks("fwd", d)
+    block_m, block_n, warps, stages = active_config(config).blocks("fwd", d)
     lo, hi = tables.query_tiles(block_m)
     left, right, has_left, has_right = _mask_args(causal, window_size)
     grid = (triton_cdiv(total_q, block_m), h)
@@ -306,43 +429,67 @@ def _forward(q, k, v, tables, causal, window_size, scale) -> tuple[torch.Tensor,
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, tables, causal, window_size, scale):
+def _backward_delta(dout, out, lse) -> torch.Tensor:
+    """``delta = rowsum(dO * O)`` ``[H, Tq]`` fp32 (the backward's preprocessing kernel)."""
     kern = _kernels()
-    total_q, h, d = q.shape
-    total_k, hkv, _ = k.shape
-    group = h // hkv
-    block_d = _head_block(d)
-    left, right, has_left, has_right = _mask_args(causal, window_size)
-    precision = _precision(q.dtype)
+    total_q, h, d = out.shape
     delta = torch.empty_like(lse)
     pre_m = 64
     kern.attn_bwd_preprocess[(triton_cdiv(total_q, pre_m), h)](
         out, dout, delta, total_q, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_m,
+        HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=pre_m,
     )  # fmt: skip
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    block_m, block_n, warps, stages = _blocks("bwd_dkdv", d)
+    return delta
+
+
+def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale, config=None):
+    """``(dk, dv)`` ``[Tk, Hkv, D]`` (one program per key tile and KV head)."""
+    kern = _kernels()
+    total_q, h, d = q.shape
+    total_k, hkv, _ = k.shape
+    left, right, has_left, has_right = _mask_args(causal, window_size)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    block_m, block_n, warps, stages = active_config(config).blocks("bwd_dkdv", d)
     lo, hi = tables.key_tiles(block_n)
     kern.attn_bwd_dkdv[(triton_cdiv(total_k, block_n), hkv)](
         q, k, v, dout, lse, delta, dk, dv, tables.doc_q, tables.doc_k, tables.lim, lo, hi,
         scale * _LOG2E, scale, total_q, total_k, left, right,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=precision, UPCAST=_upcast(kern, q.dtype),
+        GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
         **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
-    block_m, block_n, warps, stages = _blocks("bwd_dq", d)
+    return dk, dv
+
+
+def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, config=None):
+    """``dq`` ``[Tq, H, D]`` (one program per query tile and head)."""
+    kern = _kernels()
+    total_q, h, d = q.shape
+    hkv = k.shape[1]
+    left, right, has_left, has_right = _mask_args(causal, window_size)
+    dq = torch.empty_like(q)
+    block_m, block_n, warps, stages = active_config(config).blocks("bwd_dq", d)
     lo, hi = tables.query_tiles(block_m)
     kern.attn_bwd_dq[(triton_cdiv(total_q, block_m), h)](
         q, k, v, dout, lse, delta, dq, tables.doc_q, tables.doc_k, tables.lim, lo, hi,
         scale * _LOG2E, scale, total_q, left, right,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=precision, UPCAST=_upcast(kern, q.dtype),
+        GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
         **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
+    return dq
+
+
+def _backward(dout, q, k, v, out, lse, tables, causal, window_size, scale, config=None):
+    """``(dq, dk, dv)``: delta, then the dK/dV and the dQ kernels (:func:`active_config`'s launch configs)."""
+    config = active_config(config)
+    delta = _backward_delta(dout, out, lse)
+    dk, dv = _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale, config)
+    dq = _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, config)
     return dq, dk, dv
 
 
@@ -352,11 +499,12 @@ def triton_cdiv(a: int, b: int) -> int:
 
 class _TritonShortFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, tables, causal, window_size, scale):
+    def forward(ctx, q, k, v, tables, causal, window_size, scale, config=None):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        out, lse = _forward(q, k, v, tables, causal, window_size, scale)
+        out, lse = _forward(q, k, v, tables, causal, window_size, scale, config)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.tables, ctx.causal, ctx.window_size, ctx.scale = tables, causal, window_size, scale
+        ctx.config = config
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -364,8 +512,10 @@ class _TritonShortFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.tables, ctx.causal, ctx.window_size, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _backward(
+            dout, q, k, v, out, lse, ctx.tables, ctx.causal, ctx.window_size, ctx.scale, ctx.config
+        )
+        return dq, dk, dv, None, None, None, None, None
 
 
 def triton_short_attention(
@@ -379,6 +529,7 @@ def triton_short_attention(
     window_size: tuple[int, int] = (-1, -1),
     softmax_scale: float | None = None,
     meta: VarlenMeta | None = None,
+    config: TritonShortConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention with tiles that span documents; differentiable in q, k, v.
 
@@ -389,6 +540,8 @@ def triton_short_attention(
         causal, window_size: :func:`varpack.attn.varlen_attention`'s (normalized: causal forces right = 0).
         softmax_scale: default ``1 / sqrt(D)``.
         meta: the batch's :class:`varpack.varlen.VarlenMeta`: the per-batch tables are kept on it.
+        config: the kernels' launch configurations (:class:`TritonShortConfig`); default :func:`active_config`
+            (the :data:`CONFIG_ENV` override, else :data:`BLOCKS`), read at this call and kept for its backward.
 
     Returns:
         ``(out, lse)``: ``[Tq, H, D]`` in q's dtype, and the natural-log log-sum-exp of the scaled scores
@@ -397,8 +550,10 @@ def triton_short_attention(
 
     Raises:
         BackendUnavailableError: CPU tensors while Triton is not interpreted, CUDA tensors while it is.
+        ValueError: a malformed :data:`CONFIG_ENV`.
     """
     _checked_device(q)
+    config = active_config(config)
     total_q, total_k = q.shape[0], k.shape[0]
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if total_q == 0:
@@ -409,7 +564,7 @@ def triton_short_attention(
     with torch.no_grad():
         tables = _tables(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, meta)
     window = (int(window_size[0]), 0 if causal else int(window_size[1]))
-    return _TritonShortFunction.apply(q, k, v, tables, bool(causal), window, scale)
+    return _TritonShortFunction.apply(q, k, v, tables, bool(causal), window, scale, config)
 
 
 def _checked_device(q: torch.Tensor) -> None:

@@ -1,0 +1,478 @@
+"""Launch-configuration sweep of the ``triton_short`` attention kernels (issue 17), one H200 call.
+
+For each length mix (benchmarks/attention.py's: ``short``, ``lognormal`` = real lengths with
+``--lengths-file``, ``uniform2048``), T packed tokens, H/Hkv heads, head dim D, bf16, causal: the per-batch
+tile tables are built once (as with a batch ``VarlenMeta``), then each kernel is timed alone for every
+candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of :data:`FWD_GRID`, :data:`DKDV_GRID` and
+:data:`DQ_GRID`: one untimed pass (compilation; a config that fails to compile or launch, e.g. out of shared
+memory, is reported and skipped), then ``--iters`` timed calls (CUDA events, median). ``--time-budget``
+seconds bound the sweep: configs not reached in time are reported as skipped.
+
+Printed / written (``--out`` JSON):
+
+* one table per mix: every config's time, for the forward useful TFLOP/s (causal ``2 * sum L^2 * H * D``), and
+  ``useful/computed``: the causal score elements that matter over those the kernel computes (tiles visited x
+  tile area, from the per-tile tables) -- the tile waste of that config on that mix;
+* the best config of each kernel per mix, its estimated fwd+bwd useful TFLOP/s (``3.5 x`` forward FLOPs over
+  fwd + delta + dK/dV + dQ kernel times), and the ``VARPACK_TRITON_SHORT_CONFIG`` JSON of that choice;
+* ``overall``: per kernel the config with the smallest summed slowdown vs each mix's best (the candidate for
+  :data:`varpack.attn.triton_short.BLOCKS`), with its env JSON;
+* correctness of every chosen config through the public entry point (``triton_short_attention(...,
+  config=...)``, fwd + bwd): max |difference| of out / dq / dk / dv vs ``torch_varlen`` (``reference`` where
+  torch_varlen is unavailable), beside the same numbers for the default config (``BLOCKS``), and vs the
+  fp32 ``reference`` on the first ``--check-docs`` documents (a baseline for the size of bf16 error).
+
+Run (GPU)::
+
+    python benchmarks/attention_tune.py --lengths-file .gpu/samples.npz --out runs/tune.json
+    python benchmarks/attention_tune.py --device cpu --small   # smoke test under TRITON_INTERPRET=1, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1 :][:1] == ["cpu"]:
+    # Triton runs on the CPU only interpreted, decided when triton is imported (torch may import it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import machine_info, markdown_table, sync, time_fn, write_json  # noqa: E402
+from benchmarks.attention import (  # noqa: E402
+    DEFAULT_MU,
+    DEFAULT_SIGMA,
+    causal_fwd_flops,
+    mix_lengths,
+    parse_heads,
+    read_lengths_file,
+)
+
+Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+
+#: forward candidates (query tile BLOCK_M, key tile BLOCK_N); all fit Hopper's 227 KiB of shared memory at
+#: D <= 128 in bf16 by the usual estimate ((BLOCK_M + 2 * stages * BLOCK_N) * D * 2 bytes), the largest near it.
+FWD_GRID: tuple[Config, ...] = (
+    (64, 64, 4, 2),  # BLOCKS default
+    (64, 64, 4, 3),
+    (32, 32, 4, 2),
+    (32, 32, 2, 2),  # short documents: 32x32 tiles waste least (useful/computed 0.49 vs 0.31 at 64x64)
+    (32, 64, 4, 2),
+    (64, 32, 4, 2),
+    (64, 128, 4, 2),
+    (128, 32, 4, 2),
+    (128, 64, 4, 2),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+)
+#: dK/dV candidates (key tile BLOCK_N owned by a program, query tile BLOCK_M looped over).
+DKDV_GRID: tuple[Config, ...] = (
+    (32, 64, 4, 1),  # BLOCKS default
+    (32, 64, 4, 2),
+    (16, 64, 4, 2),
+    (16, 32, 2, 2),
+    (32, 32, 4, 2),
+    (64, 64, 4, 2),
+    (64, 64, 8, 2),
+    (32, 128, 4, 2),
+    (32, 128, 8, 2),
+    (64, 128, 8, 2),
+)
+#: dQ candidates (query tile BLOCK_M owned by a program, key tile BLOCK_N looped over).
+DQ_GRID: tuple[Config, ...] = (
+    (64, 32, 4, 1),  # BLOCKS default
+    (64, 32, 4, 2),
+    (32, 32, 4, 2),
+    (32, 32, 2, 2),
+    (64, 64, 4, 2),
+    (128, 32, 4, 2),
+    (128, 32, 8, 2),
+    (128, 64, 8, 2),
+    (128, 32, 4, 3),
+)
+#: --small (CPU interpreter smoke): tiny tiles, two per kernel
+SMALL_GRIDS: dict[str, tuple[Config, ...]] = {
+    "fwd": ((16, 16, 4, 1), (32, 16, 4, 1)),
+    "bwd_dkdv": ((16, 16, 4, 1), (16, 32, 4, 1)),
+    "bwd_dq": ((16, 16, 4, 1), (32, 16, 4, 1)),
+}
+KINDS = ("fwd", "bwd_dkdv", "bwd_dq")
+
+
+def grids(small: bool) -> dict[str, tuple[Config, ...]]:
+    if small:
+        return SMALL_GRIDS
+    return {"fwd": FWD_GRID, "bwd_dkdv": DKDV_GRID, "bwd_dq": DQ_GRID}
+
+
+def cfg_name(cfg: Config) -> str:
+    return "m{}n{}w{}s{}".format(*cfg)
+
+
+class Budget:
+    """Wall-clock guard of the sweep: ``left()`` seconds remaining of ``seconds`` from construction."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+def _inputs(total, heads, kv_heads, d, device, dtype, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(total, heads, d, device=device, dtype=dtype, generator=g)
+    k = torch.randn(total, kv_heads, d, device=device, dtype=dtype, generator=g)
+    v = torch.randn(total, kv_heads, d, device=device, dtype=dtype, generator=g)
+    dout = torch.randn(total, heads, d, device=device, dtype=dtype, generator=g)
+    return q, k, v, dout
+
+
+class MixState:
+    """One mix's inputs, tables and forward results (built once, outside any timing), and its rows."""
+
+    def __init__(self, mix: str, lengths: list[int], heads: int, kv_heads: int, args) -> None:
+        from varpack.attn import triton_short as ts
+
+        self.ts, self.mix, self.lengths, self.heads, self.kv_heads = ts, mix, lengths, heads, kv_heads
+        self.device = device = torch.device(args.device)
+        total, d = sum(lengths), args.head_dim
+        self.total, self.d = total, d
+        dtype = getattr(torch, args.dtype)
+        self.q, self.k, self.v, self.dout = _inputs(total, heads, kv_heads, d, device, dtype, args.seed)
+        self.cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+        self.scale, self.window = d**-0.5, (-1, 0)
+        self.flops = causal_fwd_flops(lengths, heads, d)
+        t0 = time.perf_counter()
+        self.tables = ts.TritonShortTables.build(
+            self.cu, self.cu, total, total, causal=True, window_size=self.window
+        )
+        sync(device)
+        self.table_ms = (time.perf_counter() - t0) * 1e3
+        with torch.no_grad():
+            self.out, self.lse = ts._forward(
+                self.q, self.k, self.v, self.tables, True, self.window, self.scale, ts.TritonShortConfig()
+            )
+            self.delta = ts._backward_delta(self.dout, self.out, self.lse)
+            self.delta_ms = time_fn(
+                lambda: ts._backward_delta(self.dout, self.out, self.lse), device, warmup=1, iters=args.iters
+            )["ms"]
+        self.useful = float(sum(n * (n + 1) // 2 for n in lengths))  # causal score elements that matter
+        self.rows: list[dict[str, Any]] = []
+
+    def launcher(self, kind: str, cfg: Config):
+        ts, config = self.ts, self.ts.TritonShortConfig(**{kind: cfg})
+        q, k, v, dout, lse, delta, tables = (
+            self.q,
+            self.k,
+            self.v,
+            self.dout,
+            self.lse,
+            self.delta,
+            self.tables,
+        )
+        w, sc = self.window, self.scale
+        if kind == "fwd":
+            return lambda: ts._forward(q, k, v, tables, True, w, sc, config)
+        if kind == "bwd_dkdv":
+            return lambda: ts._backward_dkdv(dout, q, k, v, lse, delta, tables, True, w, sc, config)
+        return lambda: ts._backward_dq(dout, q, k, v, lse, delta, tables, True, w, sc, config)
+
+    def work_efficiency(self, kind: str, cfg: Config) -> float:
+        """Useful causal score elements / score elements the kernel computes (tiles visited x tile area)."""
+        bm, bn = cfg[0], cfg[1]
+        lo, hi = self.tables.key_tiles(bn) if kind == "bwd_dkdv" else self.tables.query_tiles(bm)
+        step = bm if kind == "bwd_dkdv" else bn
+        n_iter = torch.where(hi > lo, (hi - lo + step - 1) // step, 0).sum().item()
+        return self.useful / max(1.0, float(n_iter) * bm * bn)
+
+
+def time_config(st: MixState, kind: str, cfg: Config, args, budget: Budget) -> dict[str, Any]:
+    """One row: ``cfg`` of kernel ``kind`` on one mix (untimed first call, then ``--iters`` timed)."""
+    row: dict[str, Any] = {"mix": st.mix, "kernel": kind, "config": list(cfg), "name": cfg_name(cfg)}
+    row["work_eff"] = st.work_efficiency(kind, cfg)
+    if budget.left() <= 0:
+        row["skipped"] = "time budget spent"
+        return row
+    fn = st.launcher(kind, cfg)
+    try:
+        with torch.no_grad():
+            t1 = time.perf_counter()
+            fn()  # untimed: compiles (once per config; the other mixes reuse it)
+            sync(st.device)
+            row["first_call_s"] = time.perf_counter() - t1
+            row["ms"] = time_fn(fn, st.device, warmup=1, iters=args.iters)["ms"]
+    except Exception as exc:  # out of shared memory / registers, or a compile error: reported
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        if st.device.type == "cuda":
+            torch.cuda.synchronize()
+    if kind == "fwd" and "ms" in row:
+        row["tflops"] = st.flops / row["ms"] / 1e9
+    return row
+
+
+def finish(st: MixState, small: bool) -> dict[str, Any]:
+    """The mix's record: its rows, the best config of each kernel, the estimated fwd+bwd TFLOP/s."""
+    best: dict[str, Any] = {}
+    for kind in KINDS:
+        timed = [r for r in st.rows if r["kernel"] == kind and "ms" in r]
+        if timed:
+            b = min(timed, key=lambda r: r["ms"])
+            default = next((r for r in timed if tuple(r["config"]) == grids(small)[kind][0]), None)
+            best[kind] = {
+                "config": b["config"],
+                "ms": b["ms"],
+                "default_ms": default["ms"] if default else None,
+            }
+    record: dict[str, Any] = {
+        "mix": st.mix,
+        "H": st.heads,
+        "Hkv": st.kv_heads,
+        "D": st.d,
+        "T": st.total,
+        "N": len(st.lengths),
+        "mean_len": st.total / len(st.lengths),
+        "max_len": max(st.lengths),
+        "useful_fwd_gflop": st.flops / 1e9,
+        "tables_ms": st.table_ms,
+        "delta_ms": st.delta_ms,
+        "rows": st.rows,
+        "best": best,
+    }
+    if len(best) == len(KINDS):
+        fwd_ms = best["fwd"]["ms"]
+        bwd_ms = st.delta_ms + best["bwd_dkdv"]["ms"] + best["bwd_dq"]["ms"]
+        record["best_fwd_tflops"] = st.flops / fwd_ms / 1e9
+        record["best_fwd_bwd_tflops_est"] = 3.5 * st.flops / (fwd_ms + bwd_ms) / 1e9
+        record["best_env"] = st.ts.TritonShortConfig(**{k: tuple(best[k]["config"]) for k in KINDS}).to_json()
+    record["_tensors"] = (st.q, st.k, st.v, st.dout, st.cu, st.lengths)
+    return record
+
+
+def overall(records: list[dict[str, Any]], small: bool) -> dict[str, Config]:
+    """Per kernel, the config that ran on every mix with the smallest sum over mixes of ``ms / best ms``."""
+    pick: dict[str, Config] = {}
+    for kind in KINDS:
+        scores: dict[Config, float] = {}
+        for cfg in grids(small)[kind]:
+            total = 0.0
+            for rec in records:
+                row = next(
+                    (
+                        r
+                        for r in rec["rows"]
+                        if r["kernel"] == kind and tuple(r["config"]) == cfg and "ms" in r
+                    ),
+                    None,
+                )
+                if row is None or kind not in rec["best"]:
+                    total = float("inf")
+                    break
+                total += row["ms"] / rec["best"][kind]["ms"]
+            scores[cfg] = total
+        finite = {c: s for c, s in scores.items() if s != float("inf")}
+        if finite:
+            pick[kind] = min(finite, key=finite.get)
+    return pick
+
+
+def check(record: dict[str, Any], configs: dict[str, Any], args) -> dict[str, Any]:
+    """Max |difference| of out / dq / dk / dv through ``triton_short_attention`` with each config vs the
+    comparison backend (torch_varlen, else reference), and of the comparison backend vs fp32 reference on the
+    first ``--check-docs`` documents."""
+    from varpack.attn import available_backends, reference_varlen_attention, varlen_attention
+    from varpack.attn import triton_short as ts
+
+    q, k, v, dout, cu, lengths = record["_tensors"]
+    device = q.device
+    max_len = max(lengths)
+    avail = available_backends(device, q.dtype)
+    other = "torch_varlen" if avail.get("torch_varlen", (False,))[0] else "reference"
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+    result: dict[str, Any] = {"compared_with": other}
+    want = grads(
+        lambda a, b, c: varlen_attention(a, b, c, cu, cu, max_len, max_len, causal=True, backend=other)
+    )
+    for label, cfg in configs.items():
+        try:
+            got = grads(lambda a, b, c, cfg=cfg: ts.triton_short_attention(a, b, c, cu, cu, config=cfg)[0])
+            result[label] = {
+                n: float((g.float() - w.float()).abs().max())
+                for n, g, w in zip(("out", "dq", "dk", "dv"), got, want)
+            }
+        except Exception as exc:  # reported, never fatal
+            result[label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    # scale of bf16 error: the comparison backend vs fp32 reference on the first documents
+    n = min(args.check_docs, len(lengths))
+    end = int(sum(lengths[:n]))
+    sub = [t[:end] for t in (q, k, v, dout)]
+    cu_sub = cu[: n + 1]
+    ml = max(lengths[:n])
+    leaves = [t.detach().float().requires_grad_() for t in sub[:3]]
+    truth_out = reference_varlen_attention(*leaves, cu_sub, cu_sub, causal=True)
+    truth = [truth_out.detach(), *torch.autograd.grad(truth_out, leaves, sub[3].float())]
+    leaves = [t.detach().clone().requires_grad_() for t in sub[:3]]
+    oth = varlen_attention(*leaves, cu_sub, cu_sub, ml, ml, causal=True, backend=other)
+    oth_all = [oth.detach(), *torch.autograd.grad(oth, leaves, sub[3])]
+    result[f"{other}_vs_fp32_first_{n}_docs"] = {
+        name: float((g.float() - t).abs().max())
+        for name, g, t in zip(("out", "dq", "dk", "dv"), oth_all, truth)
+    }
+    return result
+
+
+def print_mix(rec: dict[str, Any]) -> None:
+    print(
+        f"\n## {rec['mix']}: T={rec['T']} N={rec['N']} mean {rec['mean_len']:.0f} max {rec['max_len']} "
+        f"H={rec['H']}/{rec['Hkv']} D={rec['D']}; tables {rec['tables_ms']:.2f} ms (built once), "
+        f"delta {rec['delta_ms']:.3f} ms"
+    )
+    body = []
+    nan = float("nan")
+    for r in rec["rows"]:
+        note = r.get("error") or r.get("skipped") or ""
+        body.append(
+            [
+                r["kernel"],
+                r["name"],
+                r.get("ms", nan),
+                r.get("tflops", nan),
+                r.get("work_eff", nan),
+                r.get("first_call_s", nan),
+                note,
+            ]
+        )
+    headers = ["kernel", "config", "ms", "fwd TFLOP/s", "useful/computed", "first call s", "note"]
+    print(markdown_table(headers, body))
+    for kind, b in rec["best"].items():
+        gain = f" ({b['default_ms'] / b['ms']:.2f}x the default)" if b["default_ms"] else ""
+        print(f"- best {kind}: {cfg_name(tuple(b['config']))} {b['ms']:.3f} ms{gain}")
+    if "best_env" in rec:
+        print(
+            f"- best fwd {rec['best_fwd_tflops']:.1f} TFLOP/s, fwd+bwd (sum of kernels) "
+            f"{rec['best_fwd_bwd_tflops_est']:.1f} TFLOP/s; VARPACK_TRITON_SHORT_CONFIG='{rec['best_env']}'"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda, or cpu (Triton's interpreter: use with --small)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--mixes", default="short,lognormal,uniform2048")
+    p.add_argument("--heads", default="16/4", help="H/Hkv (one pair: the sweep runs on the first)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument(
+        "--lengths-file", default=None, help="real lengths for the lognormal mix (.gpu/samples.npz)"
+    )
+    p.add_argument("--max-len", type=int, default=8192)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--time-budget", type=float, default=200.0, help="seconds for the sweep (then skip the rest)"
+    )
+    p.add_argument("--check-docs", type=int, default=64, help="documents of the fp32 baseline check")
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--small", action="store_true", help="smoke mode: T=256, H=4/2, D=32, tiny tiles, 1 iteration"
+    )
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available; use --device cpu --small for a smoke run (Triton interpreted)")
+    if args.small:
+        args.tokens, args.head_dim, args.heads, args.iters, args.check_docs = 256, 32, "4/2", 1, 4
+        args.max_len = min(args.max_len, 128)
+        args.mixes = ",".join(
+            m if not m.startswith("uniform") else "uniform64" for m in args.mixes.split(",")
+        )
+    from varpack.attn import BACKENDS
+    from varpack.attn import triton_short as ts
+
+    ok, reason = BACKENDS["triton_short"].supports_platform(device, getattr(torch, args.dtype))
+    if not ok:
+        p.error(f"triton_short cannot run on {device}: {reason}")
+    heads, kv_heads = parse_heads(args.heads)[0]
+    real = read_lengths_file(args.lengths_file) if args.lengths_file else None
+    budget = Budget(args.time_budget)
+    print(
+        f"# triton_short config sweep, {args.device} {args.dtype}, T={args.tokens}, H={heads}/{kv_heads}, "
+        f"D={args.head_dim}, causal; budget {args.time_budget:.0f} s; BLOCKS default {ts.BLOCKS}"
+    )
+    states = []
+    for mix in [m for m in args.mixes.split(",") if m]:
+        lengths = mix_lengths(
+            mix,
+            args.tokens,
+            real=real,
+            mu=DEFAULT_MU,
+            sigma=DEFAULT_SIGMA,
+            max_len=args.max_len,
+            seed=args.seed,
+        )
+        states.append(MixState(mix, lengths, heads, kv_heads, args))
+    # config-major: each config compiles once and is timed on every mix, so a spent budget cuts the grids'
+    # tails evenly across the mixes
+    for kind, grid in grids(args.small).items():
+        for cfg in grid:
+            for st in states:
+                st.rows.append(time_config(st, kind, cfg, args, budget))
+        partial = [{k: v for k, v in finish(st, args.small).items() if k != "_tensors"} for st in states]
+        write_json(
+            args.out, {"machine": machine_info(device), "args": vars(args), "records": partial}
+        )  # if killed
+        print(f"  swept {kind}; {budget.left():.0f} s of the budget left", file=sys.stderr, flush=True)
+    records = [finish(st, args.small) for st in states]
+    for rec in records:
+        print_mix(rec)
+    pick = overall(records, args.small)
+    overall_env = ts.TritonShortConfig(**pick).to_json() if pick else None
+    print(f"\n## overall (smallest summed slowdown over the mixes): {overall_env}")
+    if not args.no_check:
+        for rec in records:
+            configs: dict[str, Any] = {"default": ts.TritonShortConfig()}
+            if "best_env" in rec:
+                configs["best_of_mix"] = ts.TritonShortConfig.from_json(rec["best_env"])
+            if pick:
+                configs["overall"] = ts.TritonShortConfig(**pick)
+            rec["check"] = check(rec, configs, args)
+            print(f"- check {rec['mix']}: {rec['check']}")
+            sync(device)
+    for rec in records:
+        rec.pop("_tensors", None)
+    print(
+        "\nDecide: paste 'overall' (or per-mix bests, if one mix dominates the workload) into BLOCKS of "
+        "varpack/attn/triton_short.py; errors vs the comparison backend should match the default's."
+    )
+    write_json(
+        args.out,
+        {
+            "machine": machine_info(device),
+            "args": vars(args),
+            "grids": {k: [list(c) for c in g] for k, g in grids(args.small).items()},
+            "records": records,
+            "overall": {k: list(v) for k, v in pick.items()},
+            "overall_env": overall_env,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
