@@ -16,6 +16,7 @@ from varpack.plan import (
     next_fit,
     plan_packs,
 )
+from varpack.plan import bfd as bfd_module
 from varpack.plan.reference import naive_bfd, naive_next_fit, segment_tree_bfd
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -23,6 +24,19 @@ from varpack.plan.reference import naive_bfd, naive_next_fit, segment_tree_bfd
 
 def csr_to_lists(offsets: np.ndarray, items: np.ndarray) -> list[list[int]]:
     return [items[offsets[p] : offsets[p + 1]].tolist() for p in range(len(offsets) - 1)]
+
+
+def bfd_both_paths(lengths, L: int) -> list[list[int]]:
+    """best_fit_decreasing's bins, after checking that its two implementations of the class-wise step
+    (Python lists for small inputs, numpy arrays for large ones) give the same CSR arrays."""
+    arr = np.asarray(lengths, np.int64)
+    offsets, items = best_fit_decreasing(arr, L)
+    if arr.size:
+        lo = int(arr.min())
+        for impl in (bfd_module._bfd_lists, bfd_module._bfd_arrays):
+            o, i = impl(arr, L, lo)
+            assert o.tolist() == offsets.tolist() and i.tolist() == items.tolist(), impl.__name__
+    return csr_to_lists(offsets, items)
 
 
 def check_accounting(lengths: list[int], plan: PackPlan) -> None:
@@ -95,8 +109,7 @@ def check_accounting(lengths: list[int], plan: PackPlan) -> None:
 )
 def test_bfd_equals_naive_bfd(case):
     L, lengths = case
-    offsets, items = best_fit_decreasing(np.asarray(lengths, np.int64), L)
-    got = csr_to_lists(offsets, items)
+    got = bfd_both_paths(lengths, L)
     want = naive_bfd(lengths, L)
     assert got == want  # same bins, same order, same items
     assert sorted(tuple(sorted(lengths[i] for i in b)) for b in got) == sorted(
@@ -113,8 +126,7 @@ def test_bfd_equals_naive_bfd(case):
 def test_bfd_equals_naive_bfd_many_small_items(case):
     # many equal small lengths: exercises the "one pack takes r // s items in a row" step
     L, lengths = case
-    offsets, items = best_fit_decreasing(np.asarray(lengths, np.int64), L)
-    assert csr_to_lists(offsets, items) == naive_bfd(lengths, L)
+    assert bfd_both_paths(lengths, L) == naive_bfd(lengths, L)
 
 
 @pytest.mark.parametrize("L", [1, 64, 4096, 70000])
@@ -122,8 +134,24 @@ def test_bfd_equals_segment_tree_bfd_medium(L):
     rng = np.random.default_rng(L)
     n = 4000
     lengths = np.clip(rng.lognormal(np.log(max(L, 2) / 8), 1.0, n).astype(np.int64), 1, L)
-    offsets, items = best_fit_decreasing(lengths, L)
-    assert csr_to_lists(offsets, items) == segment_tree_bfd(lengths.tolist(), L)
+    assert bfd_both_paths(lengths, L) == segment_tree_bfd(lengths.tolist(), L)
+
+
+def test_bfd_paths_dispatch_by_size_and_agree_at_scale():
+    # above _LISTS_BELOW items the numpy-array step runs; both give the same packs on a real-sized input
+    rng = np.random.default_rng(7)
+    n = bfd_module._LISTS_BELOW + 1000
+    lengths = np.clip(rng.lognormal(np.log(200), 1.2, n).astype(np.int64), 1, 4096)
+    offsets, items = best_fit_decreasing(lengths, 4096)
+    for impl in (bfd_module._bfd_lists, bfd_module._bfd_arrays):
+        o, i = impl(lengths, 4096, int(lengths.min()))
+        assert np.array_equal(o, offsets) and np.array_equal(i, items), impl.__name__
+    # negative control: two items' lengths swapped move them to other packs, and the comparison sees it
+    swapped = lengths.copy()
+    a, b = int(np.argmax(lengths)), int(np.argmin(lengths))
+    swapped[[a, b]] = swapped[[b, a]]
+    _, other = bfd_module._bfd_lists(swapped, 4096, int(swapped.min()))
+    assert not np.array_equal(other, items)
 
 
 def test_segment_tree_reference_equals_naive():

@@ -20,8 +20,11 @@ the packs are exactly those of ``plan_packs(lengths, packing_length)`` (tested).
 on how the stream is cut into :meth:`~StreamingPacker.add` calls, and the packer's state (buffer, counters,
 report) is a small dict (:meth:`~StreamingPacker.state_dict`), so a stream can be resumed exactly.
 
-Measured (``benchmarks/streaming.py``, real length mix of ../shared/data, packing_length 4096): see
-benchmarks/RESULTS.md; :data:`DEFAULT_BUFFER_SIZE` comes from that measurement.
+Each window is packed by the planner's BFD, whose class-wise step runs on Python lists for a window-sized
+input (:func:`varpack.plan.bfd.best_fit_decreasing`): a 10k window costs ~2.5 ms, so the packer runs at
+over 1M samples/s from a buffer of 1k. Measured (``benchmarks/streaming.py``, real length mix of
+../shared/data, packing_length 4096): see benchmarks/RESULTS.md; :data:`DEFAULT_BUFFER_SIZE` comes from that
+measurement.
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ __all__ = ["DEFAULT_BUFFER_SIZE", "PackBatch", "StreamingPacker"]
 
 #: Items (samples / pieces) packed together by default: the smallest buffer of ``benchmarks/streaming.py``
 #: whose fill is >= 0.999 of the global plan's on all three streams of the real length mix (file order,
-#: shuffled, 1M drawn; benchmarks/RESULTS.md). 10k gives the same fill and ~3x the packer speed but holds
-#: 10x more encoded samples in memory per DataLoader worker; the packer at 1k (~120k samples/s) is still
-#: ~200x faster than encoding chats on the fly (~500 samples/s per core).
+#: shuffled, 1M drawn; benchmarks/RESULTS.md). 10k gives the same fill and ~3x the packer speed (3.3-4.1M
+#: vs 1.06-1.18M samples/s on one core) but holds 10x more encoded samples in memory per DataLoader worker;
+#: at 1k the packer is still ~2,000x faster than encoding chats on the fly (~500 samples/s per core).
 DEFAULT_BUFFER_SIZE = 1_000
 _FORMAT = "varpack-stream-packer/1"
 _NO = np.zeros(0, np.int64)
