@@ -36,11 +36,11 @@ VOCAB = 512
 
 def _load(name: str):
     """The built-in model through load_model (varpack attention on, gated-delta layers patched, VL prepared);
-    small vocabulary where the family allows it; the full-size shapes (qwen3-0.6b-shape, qwen3-1.7b-shape) cut to
-    2 of their 28 layers."""
+    small vocabulary where the family allows it; the full-size shapes (qwen3-0.6b-shape, qwen3-1.7b-shape; qwen3.5-hybrid-shape) cut to
+    2 of their 28 layers (4 of 24 for the hybrid, one of them full attention)."""
     kw: dict = {} if "vl" in name else {"vocab_size": VOCAB}
-    if name.endswith("b-shape"):
-        kw["config_overrides"] = {"num_hidden_layers": 2}
+    if name.endswith("-shape"):  # full-size benchmark shapes: a few layers (the hybrid keeps one full-attention)
+        kw["config_overrides"] = {"num_hidden_layers": 4 if "hybrid" in name else 2}
     return load_model(name, attn_backend="reference", **kw)
 
 

@@ -198,3 +198,12 @@ def test_builtin_model_and_its_tokenizer_agree(name):
     image_id = getattr(model.config, "image_token_id", None)
     if image_id is not None:
         assert tok.convert_ids_to_tokens(image_id) == "<|image_pad|>"
+
+
+def test_qwen3_5_hybrid_shape_config():
+    c = model_config("qwen3.5-hybrid-shape")
+    assert c.model_type == "qwen3_5_text" and c.num_hidden_layers == 24
+    assert c.layer_types.count("linear_attention") == 18 and c.layer_types[3::4] == ["full_attention"] * 6
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim) == (16, 16, 128)
+    short = model_config("qwen3.5-hybrid-shape", num_hidden_layers=4)
+    assert short.layer_types == ["linear_attention"] * 3 + ["full_attention"]

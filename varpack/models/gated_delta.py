@@ -1,5 +1,5 @@
 """Gated-delta (linear-attention) text families: Qwen3.5 text and Qwen3-Next (``tiny-qwen3.5``,
-``tiny-qwen3-next``).
+``tiny-qwen3-next``, and the benchmark shape ``qwen3.5-hybrid-shape``).
 
 Their decoder mixes Gated DeltaNet layers (a 4-tap causal short convolution and a recurrent gated delta rule,
 both reset at every sample boundary by :func:`varpack.integrations.gated_delta.patch_linear_attention`, which
@@ -23,6 +23,7 @@ __all__ = [
     "GATED_DELTA_TEXT",
     "TINY_MODELS",
     "is_gated_delta_layer",
+    "qwen3_5_hybrid_shape_config",
     "tiny_config",
     "tiny_model",
 ]
@@ -81,6 +82,41 @@ def tiny_config(name: str, *, vocab_size: int | None = None, **kw: Any) -> Any:
     raise ValueError(f"unknown tiny linear-attention model {name!r}; expected one of {TINY_MODELS}")
 
 
+def qwen3_5_hybrid_shape_config(vocab_size: int | None = None, **kw: Any) -> Any:
+    """``qwen3.5-hybrid-shape``: a benchmark shape, not a released checkpoint's config. Qwen3.5's layer
+    pattern (three Gated DeltaNet layers to one full-attention layer, ``Qwen3_5TextConfig``'s default
+    ``layer_types``) and head sizes (Gated DeltaNet 16 key / 16 value heads of 128, conv kernel 4; gated full
+    attention 8 / 2 heads of 256, partial rotary 0.25) at the Qwen3-0.6B width: hidden 1024, MLP 3072, 24
+    layers (18 linear, 6 full), vocabulary 248,320, tied embeddings; random weights (0.71B parameters).
+    The gated delta rule of each linear layer is then T x 16 heads x 128 x 128, the shape of
+    ``benchmarks/gated_delta.py``."""
+    from transformers import Qwen3_5TextConfig
+
+    layers = int(kw.pop("num_hidden_layers", 24))
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size or 248320,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        use_cache=False,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    common.update(kw)
+    return Qwen3_5TextConfig(**common)
+
+
 def _causal_lm(config: Any) -> torch.nn.Module:
     """``Qwen3_5ForCausalLM`` / ``Qwen3NextForCausalLM`` of ``config`` (random init, float32)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
@@ -137,8 +173,11 @@ GATED_DELTA_TEXT = ModelFamily(
     mixers="gated_delta",
     vision=False,
     position_ids="1d",
-    builtins={name: partial(tiny_config, name) for name in TINY_MODELS},
-    builtin_tokenizers={"tiny-qwen3.5": "qwen3.5"},
+    builtins={
+        **{name: partial(tiny_config, name) for name in TINY_MODELS},
+        "qwen3.5-hybrid-shape": qwen3_5_hybrid_shape_config,
+    },
+    builtin_tokenizers={"tiny-qwen3.5": "qwen3.5", "qwen3.5-hybrid-shape": "qwen3.5"},
     model_class=_causal_lm,
 )
 
