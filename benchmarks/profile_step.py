@@ -341,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"check: categories sum = {cat_sum:.3f} ms = kernel time total {ktot:.3f} ms "
-        f"(difference {cat_sum - ktot:+.2e} ms); wall {wall_ms:.2f} ms = GPU busy {busy:.2f} + host gaps "
-        f"{summary['host_gap_ms_per_step']:.2f} ms"
+        f"(difference {cat_sum - ktot:+.2e} ms); same-stream kernel overlap "
+        f"{summary['same_stream_overlap_ms_per_step']:.3f} ms; wall {wall_ms:.2f} ms = GPU busy {busy:.2f} + "
+        f"host gaps {summary['host_gap_ms_per_step']:.2f} ms"
     )
     for problem in summary["check_problems"]:
         print(f"CHECK FAILED: {problem}")

@@ -135,7 +135,8 @@ def test_negative_control_annotation_counted_as_kernel_fails_the_check():
     ]
     a = A.attribute(evts)
     problems = A.check(a)
-    assert problems and "overlap" in problems[0]
+    assert problems and "overlap" in problems[0] and COMPILED in problems[0]
+    assert a.stream_overlap_us[7] == pytest.approx(40.0)  # the span's length: every kernel it encloses
     assert a.kernel_total_us == pytest.approx(93.0 + 40.0)
 
 
