@@ -43,6 +43,62 @@ def _time(fn, calls: int, repeats: int) -> float:
     return statistics.median(best)
 
 
+def register_no_kernel() -> str:
+    """Register (once) the ``no_kernel`` backend: everything varpack does around a kernel, and no kernel (it
+    returns ``q``). Any device, fp32 / bf16 / fp16. Returns its name."""
+    from varpack.attn import registry
+    from varpack.attn._base import Backend, Capabilities
+
+    class NoKernel(Backend):
+        name = "no_kernel"
+        capabilities = Capabilities(
+            devices=frozenset({"*"}), dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16})
+        )
+
+        def _probe(self):
+            return True, "benchmark"
+
+        def forward(self, q, k, v, *args, **kwargs):
+            return q
+
+    registry.BACKENDS.setdefault("no_kernel", NoKernel())
+    return "no_kernel"
+
+
+def host_time_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    max_seqlen: int,
+    backends: tuple[str, ...],
+    calls: int,
+    repeats: int,
+) -> list[tuple[str, str, float]]:
+    """``(backend, call, seconds of calling-thread CPU time per call)`` for the ``tensors`` and ``meta`` call
+    forms (module docstring), under ``torch.no_grad``. ``cu``: CPU int32 offsets ``[N+1]``; q/k/v
+    ``(T, H, D)`` / ``(T, Hkv, D)`` on any device. On a GPU a row is host time only while the kernels are
+    shorter than the host work (otherwise launches wait on a full queue): use ``no_kernel`` or a tiny problem."""
+    from varpack.attn import varlen_attention
+
+    rows = []
+    with torch.no_grad():
+        for backend in backends:
+            rows.append((backend, "tensors", _time(
+                lambda b=backend: varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, backend=b),
+                calls, repeats,
+            )))  # fmt: skip
+            try:
+                from varpack.varlen import VarlenMeta
+            except ImportError:
+                continue
+            meta = VarlenMeta(cu)
+            rows.append((backend, "meta", _time(
+                lambda b=backend, m=meta: varlen_attention(q, k, v, meta=m, backend=b), calls, repeats
+            )))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="this checkout")
@@ -53,37 +109,11 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     import varpack
-    from varpack.attn import registry, varlen_attention
-    from varpack.attn._base import Backend, Capabilities
 
-    class NoKernel(Backend):  # everything varpack does around a kernel, and no kernel
-        name = "no_kernel"
-        capabilities = Capabilities(devices=frozenset({"*"}), dtypes=frozenset({torch.float32}))
-
-        def _probe(self):
-            return True, "benchmark"
-
-        def forward(self, q, k, v, *args, **kwargs):
-            return q
-
-    registry.BACKENDS["no_kernel"] = NoKernel()
     lengths = [8] * 8
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q, k, v = (torch.randn(sum(lengths), 2, 16) for _ in range(3))
-    rows = []
-    with torch.no_grad():
-        for backend in ("no_kernel", args.backend):
-            rows.append((backend, "tensors", _time(
-                lambda b=backend: varlen_attention(q, k, v, cu, cu, 8, 8, backend=b), args.calls, args.repeats
-            )))  # fmt: skip
-            try:
-                from varpack.varlen import VarlenMeta
-            except ImportError:
-                continue
-            meta = VarlenMeta(cu)
-            rows.append((backend, "meta", _time(
-                lambda b=backend, m=meta: varlen_attention(q, k, v, meta=m, backend=b), args.calls, args.repeats
-            )))  # fmt: skip
+    rows = host_time_rows(q, k, v, cu, 8, (register_no_kernel(), args.backend), args.calls, args.repeats)
     print(f"varpack at {varpack.__file__} ({args.label}); backend {args.backend}; torch {torch.__version__}")
     print("| backend | call | CPU us per call |")
     print("|---|---|---|")
