@@ -1,0 +1,159 @@
+"""``fla_hybrid``: fla's gated delta rule kernels with varpack's own ``dq, dk, dw, dg`` step.
+
+CPU: :func:`chunk_bwd_dqkwg_torch` (the step that replaces fla's ``chunk_bwd_dqkwg``, which fla 0.6.0 flags
+as wrong on Hopper with Triton >= 3.4, < 3.7.1) against autograd of the chunk equations it differentiates,
+written per sequence and per chunk in fp64, on packed rows: 1-token sequences, lengths that are not multiples
+of the chunk, many sequences, grouped value heads; a negative control (boundaries dropped) must mismatch.
+fla's own kernels do not run under Triton's interpreter (fla 0.6.0 / Triton 3.6: Python ints where the
+kernels expect tensors), so the whole backend is tested on the GPU (``gpu`` marker).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from varpack.ops.gated_delta_rule.fla_hybrid import FLA_CHUNK_SIZE, chunk_bwd_dqkwg_torch
+
+BT = FLA_CHUNK_SIZE
+
+
+def _chunks(lengths, bt=BT):
+    """fla's chunk order: per sequence n, its chunks j = 0.. (sequence-major); (n, j, t0, t1) each."""
+    out, start = [], 0
+    for n, L in enumerate(lengths):
+        for j in range(-(-L // bt)):
+            out.append((n, j, start + j * bt, start + min((j + 1) * bt, L)))
+        start += L
+    return out
+
+
+def _problem(lengths, Hk=2, H=4, K=16, V=8, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    ch = _chunks(lengths)
+    NT = len(ch)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    q, k = F.normalize(r(1, T, Hk, K), dim=-1), F.normalize(r(1, T, Hk, K), dim=-1)
+    w = r(1, T, H, K) * 0.3
+    g_step = F.logsigmoid(r(1, T, H) + 2.0)
+    gcum = torch.empty_like(g_step)
+    for _, _, t0, t1 in ch:  # chunk-local cumsum, natural units
+        gcum[:, t0:t1] = g_step[:, t0:t1].cumsum(1)
+    v_new, do, dv = r(1, T, H, V), r(1, T, H, V), r(1, T, H, V)
+    h, dh = r(1, NT, H, K, V) * 0.5, r(1, NT, H, K, V) * 0.5
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    ci = torch.tensor([[n, j] for n, j, _, _ in ch], dtype=torch.int64).reshape(-1, 2)
+    ins = {"q": q, "k": k, "w": w, "gcum": gcum, "v_new": v_new, "do": do, "dv": dv, "h": h, "dh": dh}
+    return {name: x.to(dtype) for name, x in ins.items()}, cu, ci, ch
+
+
+def _reference(p, ch, scale):
+    """Autograd of the chunk equations (fla/ops/common/chunk_o.py's dqkwg, derived, per chunk): the loss
+    ``<O, dO> + <S', dS'> + <-W S, dV'>`` with S = h and V' = v_new held fixed."""
+    q, k, w, gcum = (p[n].detach().clone().requires_grad_() for n in ("q", "k", "w", "gcum"))
+    H, Hk = p["v_new"].shape[2], q.shape[2]
+    qe, ke = q.repeat_interleave(H // Hk, dim=2)[0], k.repeat_interleave(H // Hk, dim=2)[0]  # [T, H, K]
+    loss = 0.0
+    for c, (_, _, t0, t1) in enumerate(ch):
+        Q, Kc = qe[t0:t1].transpose(0, 1), ke[t0:t1].transpose(0, 1)  # [H, L, K]
+        G = gcum[0, t0:t1].transpose(0, 1)  # [H, L]
+        S, dS = p["h"][0, c], p["dh"][0, c]  # [H, K, V]
+        Vn = p["v_new"][0, t0:t1].transpose(0, 1)
+        L = t1 - t0
+        mask = torch.ones(L, L, dtype=torch.bool).tril()
+        A = (Q @ Kc.transpose(-1, -2)) * torch.exp(
+            (G[:, :, None] - G[:, None, :]).masked_fill(~mask, -math.inf)
+        )
+        out = scale * (torch.exp(G)[..., None] * Q) @ S + scale * A @ Vn
+        S_next = (
+            torch.exp(G[:, -1])[:, None, None] * S
+            + (torch.exp(G[:, -1:] - G)[..., None] * Kc).transpose(-1, -2) @ Vn
+        )
+        Wt = -(w[0, t0:t1].transpose(0, 1) @ S)
+        loss = loss + (out * p["do"][0, t0:t1].transpose(0, 1)).sum() + (S_next * dS).sum()
+        loss = loss + (Wt * p["dv"][0, t0:t1].transpose(0, 1)).sum()
+    return torch.autograd.grad(loss, (q, k, w, gcum))
+
+
+def _ours(p, cu, ci, scale, **kw):
+    g2 = p["gcum"] / math.log(2.0)  # fla's log2 units
+    return chunk_bwd_dqkwg_torch(
+        p["q"], p["k"], p["v_new"], g2, p["h"], p["dh"], p["dv"], p["do"], scale, cu, ci, **kw
+    )
+
+
+CASES = [
+    [1],
+    [1, 1, 1],
+    [5, 64, 1, 130, 63, 65],
+    [200],
+    [1] * 40 + [70, 3],
+]
+
+
+@pytest.mark.parametrize("lengths", CASES)
+@pytest.mark.parametrize("Hk,H", [(2, 4), (3, 3)])
+def test_dqkwg_matches_autograd_fp64(lengths, Hk, H):
+    p, cu, ci, ch = _problem(lengths, Hk=Hk, H=H)
+    scale = 16**-0.5
+    ref = _reference(p, ch, scale)
+    max_len = min(BT, max(lengths))
+    for mcl in (None, max_len):
+        got = _ours(p, cu, ci, scale, max_chunk_len=mcl)
+        for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_dqkwg_fp32_and_input_precision():
+    lengths = [5, 64, 1, 130, 63]
+    p64, cu, ci, ch = _problem(lengths)
+    scale = 0.3
+    ref = _reference(p64, ch, scale)
+    p32 = {n: x.float() for n, x in p64.items()}
+    for precision in ("fp32", "input"):
+        got = _ours(p32, cu, ci, scale, precision=precision, w_dtype=torch.float32)
+        assert [x.dtype for x in got] == [torch.float32] * 4
+        for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref):
+            torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=name)
+    # bf16 states: GEMMs in bf16 ("input") stay within bf16 tolerance of the fp64 truth
+    pbf = {
+        n: (x.bfloat16() if n in ("h", "dh", "q", "k", "v_new", "do", "dv", "w") else x.float())
+        for n, x in p64.items()
+    }
+    got = _ours(pbf, cu, ci, scale, precision="input")
+    assert got[2].dtype == torch.bfloat16
+    for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref):
+        assert (a.double() - b).abs().max() < 3e-2 * b.abs().max() + 1e-3, name
+
+
+def test_dqkwg_negative_control_boundaries_dropped():
+    """The same tensors chunked as one sequence (boundaries dropped) must not reproduce the packed truth."""
+    lengths = [5, 64, 1, 130, 63]
+    p, cu, ci, ch = _problem(lengths)
+    scale = 0.25
+    ref = _reference(p, ch, scale)
+    T = sum(lengths)
+    ch1 = _chunks([T])
+    cu1 = torch.tensor([0, T])
+    ci1 = torch.tensor([[0, j] for _, j, _, _ in ch1])
+    p1 = dict(p, h=p["h"][:, : len(ch1)].contiguous(), dh=p["dh"][:, : len(ch1)].contiguous())
+    got = _ours(p1, cu1, ci1, scale)
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(got, ref))
+
+
+def test_dqkwg_rejects_bad_arguments():
+    p, cu, ci, _ = _problem([3, 4])
+    with pytest.raises(ValueError, match="precision"):
+        _ours(p, cu, ci, 0.5, precision="tf32")
+    with pytest.raises(ValueError, match="max_chunk_len"):
+        _ours(p, cu, ci, 0.5, max_chunk_len=65)
+    with pytest.raises(ValueError, match="h/dh"):
+        _ours(dict(p, h=p["h"][:, :1]), cu, ci, 0.5)
