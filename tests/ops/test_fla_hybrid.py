@@ -157,3 +157,110 @@ def test_dqkwg_rejects_bad_arguments():
         _ours(p, cu, ci, 0.5, max_chunk_len=65)
     with pytest.raises(ValueError, match="h/dh"):
         _ours(dict(p, h=p["h"][:, :1]), cu, ci, 0.5)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the whole hybrid pipeline on the CPU, fla's kernels played by PyTorch stand-ins (tests/ops/_fla_standins.py)
+
+
+def _gdr_inputs(lengths, Hk=2, H=4, K=16, V=8, seed=0, B=1):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths) if B == 1 else lengths[0]
+    N = len(lengths) if B == 1 else B
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    ins = [r(B, T, Hk, K), r(B, T, Hk, K), r(B, T, H, V), F.logsigmoid(r(B, T, H) + 2.0)]
+    ins.append(torch.rand(B, T, H, generator=gen, dtype=torch.float64))
+    return ins, r(N, H, K, V) * 0.5
+
+
+def _fwd_bwd(fn, ins, h0, seed=7, **kw):
+    leaves = [x.clone().requires_grad_() for x in (*ins, h0)]
+    o, s = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    do, dht = (
+        torch.randn(o.shape, generator=gen, dtype=o.dtype),
+        torch.randn(s.shape, generator=gen, dtype=s.dtype),
+    )
+    grads = torch.autograd.grad((o * do).sum() + (s * dht).sum(), leaves)
+    return o.detach(), s.detach(), grads
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    from tests.ops._fla_standins import standins as fakes
+    from varpack.ops.gated_delta_rule import fla_hybrid
+
+    monkeypatch.setattr(fla_hybrid, "load_hybrid", lambda: (fakes(), "ok"))
+    return fla_hybrid
+
+
+def _hybrid_fn(mod, cu, **kw):
+    def fn(q, k, v, g, beta, **call):
+        return mod._hybrid(
+            q, k, v, g, beta, call.pop("scale", None), call.pop("initial_state"), call.pop("output_final_state"),
+            cu, call.pop("use_qk_l2norm_in_kernel", False), kw.get("cu_seqlens_cpu"), kw.get("precision", "fp32"),
+        )  # fmt: skip
+
+    return fn
+
+
+@pytest.mark.parametrize("lengths", [[1], [5, 64, 1, 130, 63, 65], [1] * 30 + [70]])
+@pytest.mark.parametrize("l2", [True, False])
+def test_hybrid_pipeline_on_standins_equals_naive(standins, lengths, l2):
+    from varpack.ops import naive_recurrent_gated_delta_rule
+
+    ins, h0 = _gdr_inputs(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    o, s, grads = _fwd_bwd(_hybrid_fn(standins, cu), ins, h0, use_qk_l2norm_in_kernel=l2)
+    o_r, s_r, grads_r = _fwd_bwd(
+        naive_recurrent_gated_delta_rule, ins, h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2
+    )
+    torch.testing.assert_close(o, o_r, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(s, s_r, atol=1e-10, rtol=1e-10)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_r):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=name)
+    # negative control: the same rows without their boundaries
+    T = sum(lengths)
+    if len(lengths) > 1:
+        o1, _, grads1 = _fwd_bwd(
+            _hybrid_fn(standins, torch.tensor([0, T])), ins, h0[:1], use_qk_l2norm_in_kernel=l2
+        )
+        assert (o1 - o_r).abs().max() > 1e-3
+        assert (grads1[0] - grads_r[0]).abs().max() > 1e-3
+
+
+def test_hybrid_pipeline_on_standins_batch_rows(standins):
+    """Without cu_seqlens the B rows are B sequences (packed internally): equal to the naive rows."""
+    from varpack.ops import naive_recurrent_gated_delta_rule
+
+    ins, h0 = _gdr_inputs([70], B=3, Hk=1, H=3)
+    o, s, grads = _fwd_bwd(_hybrid_fn(standins, None), ins, h0, use_qk_l2norm_in_kernel=True, scale=0.3)
+    o_r, s_r, grads_r = _fwd_bwd(
+        naive_recurrent_gated_delta_rule, ins, h0, use_qk_l2norm_in_kernel=True, scale=0.3
+    )
+    torch.testing.assert_close(o, o_r, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(s, s_r, atol=1e-10, rtol=1e-10)
+    for a, b in zip(grads, grads_r):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_hybrid_never_calls_flas_dqkwg():
+    from varpack.ops._fla import FLA_INTERNALS
+
+    assert "chunk_bwd_dqkwg" not in FLA_INTERNALS
+    import inspect
+
+    from varpack.ops.gated_delta_rule import fla_hybrid
+
+    assert 'fns["chunk_bwd_dqkwg"]' not in inspect.getsource(fla_hybrid)
+
+
+def test_hybrid_refuses_cpu_and_missing_fla(monkeypatch):
+    from varpack.ops.gated_delta_rule import fla_hybrid_gated_delta_rule
+
+    ins, h0 = _gdr_inputs([3, 4])
+    with pytest.raises(RuntimeError, match="fla_hybrid needs a CUDA device"):
+        fla_hybrid_gated_delta_rule(*ins, cu_seqlens=[0, 3, 7])

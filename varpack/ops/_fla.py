@@ -42,12 +42,17 @@ PROBE_TOL = 0.05  # relative max error allowed vs the fp32 reference (bf16 kerne
 
 @dataclass(frozen=True)
 class FlaStatus:
-    """What fla can do on one device: ``(ok, reason)`` per capability."""
+    """What fla can do on one device: ``(ok, reason)`` per capability.
+
+    ``hybrid``: the ``fla_hybrid`` gated delta rule (fla's kernels with varpack's own ``chunk_bwd_dqkwg``
+    step), forward and backward, probed against varpack's fp32 chunk path.
+    """
 
     forward: tuple[bool, str]
     backward: tuple[bool, str]
     conv_forward: tuple[bool, str]
     conv_backward: tuple[bool, str]
+    hybrid: tuple[bool, str] = (False, "not probed")
 
 
 def load_fla():
@@ -147,10 +152,21 @@ FLA_INTERNALS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+_INTERNALS: dict[str, tuple[dict | None, str]] = {}
+
+
 def load_fla_internals() -> tuple[dict | None, str]:
     """``({name: function}, "ok")`` for fla's internal gated-delta kernels in :data:`FLA_INTERNALS`, or
     ``(None, reason)``: fla absent / disabled, a function missing, or one without the keyword parameters
-    varpack passes (another fla release: refused with the name, not guessed)."""
+    varpack passes (another fla release: refused with the name, not guessed). Looked up once per value of
+    ``VARPACK_DISABLE_FLA`` (every layer call asks)."""
+    key = os.environ.get("VARPACK_DISABLE_FLA", "")
+    if key not in _INTERNALS:
+        _INTERNALS[key] = _load_fla_internals()
+    return _INTERNALS[key]
+
+
+def _load_fla_internals() -> tuple[dict | None, str]:
     import importlib
     import inspect
 
