@@ -204,34 +204,34 @@ def chunk_gated_delta_rule_bwd_dhu(
     return dh, dh0, dv2
 
 
-@torch.enable_grad()  # called inside a backward, where grad mode is off
 def prepare_wy_repr_bwd(k, v, beta, A, dw, du, g=None, cu_seqlens=None, chunk_indices=None):
     """vjp of ``w = A (k beta exp(G))``, ``u = A (v beta)`` with ``A`` = :func:`_A_chunk` of ``(k, beta, G)``
-    (natural-unit ``G = g * ln 2``): ``(dk [1,T,Hk,K], dv, dbeta, dG)``."""
+    (natural-unit ``G = g * ln 2``): ``(dk [1,T,Hk,K], dv, dbeta, dG)``. ``torch.func.vjp``: it runs inside
+    a backward and inside a custom op's implementation, where autograd records nothing."""
     H, BT = v.shape[2], A.shape[-1]
     acc = _acc(k)
     dk = torch.zeros(*k.shape, dtype=acc)
     dv = torch.zeros_like(v)
     db = torch.zeros_like(beta)
     dg = torch.zeros_like(g)
-    for _, t0, t1 in _chunks(cu_seqlens, chunk_indices, BT):
-        kc = k[0, t0:t1].to(acc).requires_grad_()
-        vc = v[0, t0:t1].to(acc).requires_grad_()
-        bc = beta[0, t0:t1].to(acc).requires_grad_()
-        G = (g[0, t0:t1].to(acc) / RCP_LN2).requires_grad_()  # natural units
+
+    def wu(kc, vc, bc, G):
         kg = _grp(kc, H)
         Ac = _A_chunk(kg, bc, G * RCP_LN2)
         wc = torch.einsum("hij,jhk->ihk", Ac, kg * (bc * torch.exp(G))[..., None])
-        uc = torch.einsum("hij,jhv->ihv", Ac, vc * bc[..., None])
-        gk, gv, gb, gG = torch.autograd.grad(
-            (wc * dw[0, t0:t1].to(acc)).sum() + (uc * du[0, t0:t1].to(acc)).sum(), (kc, vc, bc, G)
+        return wc, torch.einsum("hij,jhv->ihv", Ac, vc * bc[..., None])
+
+    for _, t0, t1 in _chunks(cu_seqlens, chunk_indices, BT):
+        prim = (
+            k[0, t0:t1].to(acc),
+            v[0, t0:t1].to(acc),
+            beta[0, t0:t1].to(acc),
+            g[0, t0:t1].to(acc) / RCP_LN2,
         )
-        dk[0, t0:t1], dv[0, t0:t1], db[0, t0:t1], dg[0, t0:t1] = (
-            gk,
-            gv.to(dv.dtype),
-            gb.to(db.dtype),
-            gG.to(dg.dtype),
-        )
+        _, pull = torch.func.vjp(wu, *prim)
+        gk, gv, gb, gG = pull((dw[0, t0:t1].to(acc), du[0, t0:t1].to(acc)))
+        dk[0, t0:t1], dv[0, t0:t1] = gk, gv.to(dv.dtype)
+        db[0, t0:t1], dg[0, t0:t1] = gb.to(db.dtype), gG.to(dg.dtype)
     return dk.to(k.dtype), dv, db, dg
 
 

@@ -264,3 +264,89 @@ def test_hybrid_refuses_cpu_and_missing_fla(monkeypatch):
     ins, h0 = _gdr_inputs([3, 4])
     with pytest.raises(RuntimeError, match="fla_hybrid needs a CUDA device"):
         fla_hybrid_gated_delta_rule(*ins, cu_seqlens=[0, 3, 7])
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_hybrid_backward_function_equals_autograd_on_standins(standins, final):
+    """fla_hybrid_backward (the custom op's backward: recompute + fla's backward pipeline) == autograd."""
+    lengths = [5, 64, 1, 70]
+    ins, h0 = _gdr_inputs(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    leaves = [x.clone().requires_grad_() for x in (*ins, h0)]
+    o, s = standins._hybrid(*leaves[:5], 0.3, leaves[5], final, cu, True, None, "fp32")
+    gen = torch.Generator().manual_seed(3)
+    do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+    dht = torch.randn(h0.shape, generator=gen, dtype=o.dtype) if final else None
+    want = torch.autograd.grad((o * do).sum() + ((s * dht).sum() if final else 0), leaves)
+    got = standins._hybrid_backward(do, dht, *ins, 0.3, h0, cu, True, None, "fp32")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch, final):
+    """varpack::gated_delta_rule with backend fla_hybrid: forward and its native backward op (fla_hybrid's
+    recompute + backward pipeline) == the naive recurrence, values and every gradient (stand-in kernels)."""
+    from varpack.ops import naive_recurrent_gated_delta_rule
+    from varpack.ops.gated_delta_rule import custom_op
+
+    monkeypatch.setattr(
+        custom_op,
+        "fla_hybrid_gated_delta_rule",
+        lambda *a, cu_seqlens_cpu=None: standins._hybrid(*a, cu_seqlens_cpu, "fp32"),
+    )
+    monkeypatch.setattr(
+        custom_op,
+        "fla_hybrid_backward",
+        lambda *a, cu_seqlens_cpu=None: standins._hybrid_backward(*a, cu_seqlens_cpu, "fp32"),
+    )
+    lengths = [5, 64, 1, 70]
+    ins, h0 = _gdr_inputs(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+    def via_op(q, k, v, g, beta, initial_state, output_final_state, **kw):
+        o, s = torch.ops.varpack.gated_delta_rule(
+            q, k, v, g, beta, cu, cu, initial_state, 0.3, output_final_state, True, "fla_hybrid"
+        )
+        return o, s
+
+    def naive(q, k, v, g, beta, initial_state, output_final_state, **kw):
+        return naive_recurrent_gated_delta_rule(
+            q, k, v, g, beta, 0.3, initial_state, output_final_state, cu, True
+        )
+
+    results = []
+    for fn in (via_op, naive):
+        leaves = [x.clone().requires_grad_() for x in (*ins, h0)]
+        o, s = fn(*leaves[:5], initial_state=leaves[5], output_final_state=final)
+        gen = torch.Generator().manual_seed(5)
+        do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+        loss = (o * do).sum() + (
+            (s * torch.randn(s.shape, generator=gen, dtype=s.dtype)).sum() if final else 0
+        )
+        results.append((o.detach(), torch.autograd.grad(loss, leaves)))
+    (o1, g1), (o2, g2) = results
+    torch.testing.assert_close(o1, o2, atol=1e-10, rtol=1e-10)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_custom_op_fla_hybrid_opcheck_on_standins(standins, monkeypatch, final):
+    from varpack.ops.gated_delta_rule import custom_op
+
+    monkeypatch.setattr(
+        custom_op,
+        "fla_hybrid_gated_delta_rule",
+        lambda *a, cu_seqlens_cpu=None: standins._hybrid(*a, cu_seqlens_cpu, "fp32"),
+    )
+    monkeypatch.setattr(
+        custom_op,
+        "fla_hybrid_backward",
+        lambda *a, cu_seqlens_cpu=None: standins._hybrid_backward(*a, cu_seqlens_cpu, "fp32"),
+    )
+    ins, h0 = _gdr_inputs([5, 1, 30, 3])
+    ins = [x.float().requires_grad_() for x in ins]
+    cu = torch.tensor([0, 5, 6, 36, 39])
+    args = (*ins, cu, cu, h0.float().requires_grad_(), 0.35, final, True, "fla_hybrid")
+    torch.library.opcheck(custom_op._gated_delta_rule, args)

@@ -44,7 +44,13 @@ import torch
 from .._fla import load_fla_internals
 from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, normalize_optional_cu
 
-__all__ = ["FLA_CHUNK_SIZE", "chunk_bwd_dqkwg_torch", "fla_hybrid_gated_delta_rule", "load_hybrid"]
+__all__ = [
+    "FLA_CHUNK_SIZE",
+    "chunk_bwd_dqkwg_torch",
+    "fla_hybrid_backward",
+    "fla_hybrid_gated_delta_rule",
+    "load_hybrid",
+]
 
 FLA_CHUNK_SIZE = 64
 RCP_LN2 = 1.0 / math.log(2.0)  # fla stores the chunk cumsum of g in log2 units (exp2 in its kernels)
@@ -216,76 +222,93 @@ def _device_ctx(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
+def _fns() -> dict:
+    fns, reason = load_hybrid()
+    if fns is None:
+        raise RuntimeError(f"fla_hybrid unavailable: {reason}")
+    return fns
+
+
+def _forward_impl(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, cu_seqlens_cpu, l2):
+    """fla's forward (l2norm, chunk indices, ``chunk_gated_delta_rule_fwd``): ``(o, final_state, saved)``
+    with ``saved`` what the backward reads (fla's own choice of saved tensors)."""
+    fns = _fns()
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    h0 = h0.contiguous() if h0 is not None else None
+    with _device_ctx(q), torch.autocast(q.device.type, enabled=False):
+        q_rstd = k_rstd = None
+        if l2:
+            q, q_rstd = fns["l2norm_fwd"](q)
+            k, k_rstd = fns["l2norm_fwd"](k)
+        chunk_indices = fns["prepare_chunk_indices"](
+            cu_seqlens, FLA_CHUNK_SIZE, cu_seqlens_cpu=cu_seqlens_cpu
+        )
+        gcum, o, A, final_state, _, _ = fns["chunk_gated_delta_rule_fwd"](
+            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK_SIZE,
+        )  # fmt: skip
+    return o.to(q.dtype), final_state, (q, q_rstd, k, k_rstd, v, gcum, beta, A, h0, cu_seqlens, chunk_indices)
+
+
+def _backward_impl(saved, do, dht, scale, l2, max_chunk_len, precision):
+    """fla's backward pipeline (0.6.0 ``chunk_gated_delta_rule_bwd``) with ``chunk_bwd_dqkwg`` replaced by
+    :func:`chunk_bwd_dqkwg_torch`: ``(dq, dk, dv, dg, dbeta, dh0)`` (dq/dk/dg in fp32 or the l2norm's
+    dtype; dh0 fp32 or ``None``)."""
+    q, q_rstd, k, k_rstd, v, g, beta, A, h0, cu, chunk_indices = saved
+    fns = _fns()
+    BT = FLA_CHUNK_SIZE
+    do = do.contiguous()
+    dht = dht.contiguous() if dht is not None else None
+    with _device_ctx(q), torch.autocast(q.device.type, enabled=False):
+        common = {"cu_seqlens": cu, "chunk_indices": chunk_indices}
+        w, u = fns["recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, g=g, **common)
+        h, v_new, _ = fns["chunk_gated_delta_rule_fwd_h"](
+            k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=False, chunk_size=BT, state_v_first=False,
+            **common,
+        )  # fmt: skip
+        dv = fns["chunk_bwd_dv_local"](q=q, k=k, do=do, g=g, scale=scale, chunk_size=BT, **common)
+        dh, dh0, dv = fns["chunk_gated_delta_rule_bwd_dhu"](
+            q=q, k=k, w=w, do=do, dv=dv, g=g, h0=h0, dht=dht, scale=scale, state_v_first=False, chunk_size=BT,
+            **common,
+        )  # fmt: skip
+        # fla's chunk_bwd_dqkwg is flagged wrong on this stack: never run it; varpack's PyTorch version instead
+        dq, dk, dw, dg = chunk_bwd_dqkwg_torch(
+            q, k, v_new, g, h, dh, dv, do, scale, cu, chunk_indices,
+            chunk_size=BT, max_chunk_len=max_chunk_len, precision=precision, w_dtype=w.dtype,
+        )  # fmt: skip
+        del h, dh, v_new
+        dk2, dv, db, dg2 = fns["prepare_wy_repr_bwd"](k=k, v=v, beta=beta, A=A, dw=dw, du=dv, g=g, **common)
+        dk = dk + dk2
+        dg = dg + dg2
+        dg = fns["chunk_local_cumsum"](dg.contiguous(), chunk_size=BT, reverse=True, **common)
+        if l2:
+            dq = fns["l2norm_bwd"](q, q_rstd, dq.contiguous())
+            dk = fns["l2norm_bwd"](k, k_rstd, dk.contiguous())
+    return dq, dk, dv, dg, db, dh0
+
+
 class _FlaHybridGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cu_seqlens_cpu,
                 use_qk_l2norm_in_kernel, max_chunk_len, precision):  # fmt: skip
-        fns, reason = load_hybrid()
-        if fns is None:
-            raise RuntimeError(f"fla_hybrid unavailable: {reason}")
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        h0 = initial_state.contiguous() if initial_state is not None else None
-        with _device_ctx(q), torch.autocast(q.device.type, enabled=False):
-            q_rstd = k_rstd = None
-            if use_qk_l2norm_in_kernel:
-                q, q_rstd = fns["l2norm_fwd"](q)
-                k, k_rstd = fns["l2norm_fwd"](k)
-            chunk_indices = fns["prepare_chunk_indices"](
-                cu_seqlens, FLA_CHUNK_SIZE, cu_seqlens_cpu=cu_seqlens_cpu
-            )
-            gcum, o, A, final_state, _, _ = fns["chunk_gated_delta_rule_fwd"](
-                q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-                chunk_size=FLA_CHUNK_SIZE,
-            )  # fmt: skip
-        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, gcum, beta, A, h0, cu_seqlens, chunk_indices)
-        ctx.scale = scale
-        ctx.l2 = use_qk_l2norm_in_kernel
-        ctx.max_chunk_len = max_chunk_len
-        ctx.precision = precision
-        ctx.g_dtype = g.dtype
-        ctx.q_dtype, ctx.k_dtype = q.dtype, k.dtype
+        o, final_state, saved = _forward_impl(
+            q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cu_seqlens_cpu,
+            use_qk_l2norm_in_kernel,
+        )  # fmt: skip
+        ctx.save_for_backward(*saved)
+        ctx.args = (scale, use_qk_l2norm_in_kernel, max_chunk_len, precision)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
         ctx.has_final = output_final_state
-        return o.to(q.dtype), final_state
+        return o, final_state
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, q_rstd, k, k_rstd, v, g, beta, A, h0, cu, chunk_indices = ctx.saved_tensors
-        fns, reason = load_hybrid()
-        if fns is None:  # pragma: no cover - the forward loaded them
-            raise RuntimeError(f"fla_hybrid unavailable: {reason}")
-        scale, BT = ctx.scale, FLA_CHUNK_SIZE
-        do = do.contiguous()
-        dht = dht.contiguous() if (dht is not None and ctx.has_final) else None
-        with _device_ctx(q), torch.autocast(q.device.type, enabled=False):
-            common = {"cu_seqlens": cu, "chunk_indices": chunk_indices}
-            w, u = fns["recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, g=g, **common)
-            h, v_new, _ = fns["chunk_gated_delta_rule_fwd_h"](
-                k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=False, chunk_size=BT,
-                state_v_first=False, **common,
-            )  # fmt: skip
-            dv = fns["chunk_bwd_dv_local"](q=q, k=k, do=do, g=g, scale=scale, chunk_size=BT, **common)
-            dh, dh0, dv = fns["chunk_gated_delta_rule_bwd_dhu"](
-                q=q, k=k, w=w, do=do, dv=dv, g=g, h0=h0, dht=dht, scale=scale, state_v_first=False,
-                chunk_size=BT, **common,
-            )  # fmt: skip
-            # fla's chunk_bwd_dqkwg is flagged wrong on this stack: never run it; varpack's PyTorch version
-            dq, dk, dw, dg = chunk_bwd_dqkwg_torch(
-                q, k, v_new, g, h, dh, dv, do, scale, cu, chunk_indices,
-                chunk_size=BT, max_chunk_len=ctx.max_chunk_len, precision=ctx.precision, w_dtype=w.dtype,
-            )  # fmt: skip
-            dk2, dv, db, dg2 = fns["prepare_wy_repr_bwd"](
-                k=k, v=v, beta=beta, A=A, dw=dw, du=dv, g=g, **common
-            )
-            dk = dk + dk2
-            dg = dg + dg2
-            dg = fns["chunk_local_cumsum"](dg.contiguous(), chunk_size=BT, reverse=True, **common)
-            if ctx.l2:
-                dq = fns["l2norm_bwd"](q, q_rstd, dq.contiguous())
-                dk = fns["l2norm_bwd"](k, k_rstd, dk.contiguous())
-        dh0 = dh0.to(h0.dtype) if h0 is not None else None
-        return (dq.to(ctx.q_dtype), dk.to(ctx.k_dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), db.to(beta.dtype),
-                dh0, None, None, None, None, None, None, None)  # fmt: skip
+        saved = ctx.saved_tensors
+        dq, dk, dv, dg, db, dh0 = _backward_impl(saved, do, dht if ctx.has_final else None, *ctx.args)
+        h0 = saved[8]
+        dts = ctx.dtypes
+        return (dq.to(dts[0]), dk.to(dts[1]), dv.to(dts[2]), dg.to(dts[3]), db.to(dts[4]),
+                dh0.to(h0.dtype) if h0 is not None else None, None, None, None, None, None, None, None)  # fmt: skip
 
 
 def fla_hybrid_gated_delta_rule(
@@ -328,27 +351,24 @@ def fla_hybrid_gated_delta_rule(
     )  # fmt: skip
 
 
-def _hybrid(
-    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-    cu_seqlens_cpu, precision,
-):  # fmt: skip
-    """:func:`fla_hybrid_gated_delta_rule` past its device check (the CPU tests run it on stand-ins for
-    fla's kernels)."""
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision):
+    """Checked arguments in the packed form the kernels take: ``(q, k, v, g, beta, scale, cu_seqlens (device
+    int64), cu_seqlens_cpu, max_chunk_len, (B, T, Hk, H, K, V))``; B rows without ``cu_seqlens`` become B
+    packed sequences (the same math, one code path)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    fns, reason = load_hybrid()
-    if fns is None:
-        raise RuntimeError(f"fla_hybrid unavailable: {reason}")
+    _fns()
     cu_seqlens = normalize_optional_cu(cu_seqlens)
     cu_seqlens_cpu = normalize_optional_cu(cu_seqlens_cpu, "cu_seqlens_cpu")
     if cu_seqlens_cpu is None and cu_seqlens is not None and cu_seqlens.device.type == "cpu":
         cu_seqlens_cpu = cu_seqlens
-    B, T, Hk, H, K, V = check_inputs(
+    dims = check_inputs(
         q, k, v, g, beta, initial_state, cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     )
+    B, T, _, _, K, _ = dims
     if scale is None:
         scale = K**-0.5
-    if cu_seqlens is None:  # B rows of T tokens = B packed sequences (the same math, one code path)
+    if cu_seqlens is None:
         cu_seqlens_cpu = torch.arange(B + 1, dtype=torch.int64) * T
         cu_seqlens = cu_seqlens_cpu.to(q.device)
         q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
@@ -360,6 +380,19 @@ def _hybrid(
     lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
     max_len = int(lengths.max()) if lengths.numel() else 0
     max_chunk_len = max(1, min(FLA_CHUNK_SIZE, max_len))
+    return q, k, v, g, beta, float(scale), cu_seqlens, cu_seqlens_cpu, max_chunk_len, dims
+
+
+def _hybrid(
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+    cu_seqlens_cpu, precision,
+):  # fmt: skip
+    """:func:`fla_hybrid_gated_delta_rule` past its device check (the CPU tests run it on stand-ins for
+    fla's kernels)."""
+    q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, max_chunk_len, dims = _prepare(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision
+    )
+    B, T, Hk, H, K, V = dims
     if T * B == 0 or int(cu_seqlens_cpu[-1]) == 0:
         o = v.new_zeros(v.shape).reshape(B, T, H, V).to(q.dtype)
         n = cu_seqlens_cpu.numel() - 1
@@ -369,8 +402,66 @@ def _hybrid(
             fs = initial_state.to(acc) if initial_state is not None else q.new_zeros(n, H, K, V, dtype=acc)
         return o, fs
     o, final = _FlaHybridGatedDeltaRule.apply(
-        q, k, v, g, beta, initial_state, float(scale), bool(output_final_state), cu_seqlens, cu_seqlens_cpu,
+        q, k, v, g, beta, initial_state, scale, bool(output_final_state), cu_seqlens, cu_seqlens_cpu,
         bool(use_qk_l2norm_in_kernel), max_chunk_len, precision,
     )  # fmt: skip
     o = o.reshape(B, T, H, V)
     return o, (final.to(acc_dtype(q)) if final is not None else None)
+
+
+def fla_hybrid_backward(
+    do: torch.Tensor,
+    dfinal: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: Any = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    cu_seqlens_cpu: Any = None,
+    precision: str = "fp32",
+) -> list[torch.Tensor | None]:
+    """``[dq, dk, dv, dg, dbeta, dinitial_state | None]`` of :func:`fla_hybrid_gated_delta_rule` for the
+    output gradient ``do`` ``[B, T, H, V]`` and the final-state gradient ``dfinal`` ``[N, H, K, V]`` (or
+    ``None``), recomputing fla's forward first (one extra forward; no autograd graph is needed, so
+    ``varpack::gated_delta_rule``'s backward op calls it). Gradients in the inputs' dtypes.
+
+    Raises:
+        RuntimeError / ValueError / TypeError: as :func:`fla_hybrid_gated_delta_rule`.
+    """
+    if q.device.type != "cuda":
+        raise RuntimeError(f"fla_hybrid needs a CUDA device (fla's Triton kernels), got {q.device}")
+    return _hybrid_backward(
+        do, dfinal, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+        cu_seqlens_cpu, precision,
+    )  # fmt: skip
+
+
+def _hybrid_backward(
+    do, dfinal, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
+    precision,
+):  # fmt: skip
+    dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+    shapes = (q.shape, k.shape, v.shape, g.shape, beta.shape)
+    qp, kp, vp, gp, bp, scale, cu, cu_cpu, max_chunk_len, dims = _prepare(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision
+    )
+    B, T, Hk, H, K, V = dims
+    if T * B == 0 or int(cu_cpu[-1]) == 0:
+        grads = [torch.zeros(s, dtype=d, device=q.device) for s, d in zip(shapes, dtypes)]
+        return grads + [dfinal.to(initial_state.dtype) if initial_state is not None and dfinal is not None
+                        else (torch.zeros_like(initial_state) if initial_state is not None else None)]  # fmt: skip
+    _, _, saved = _forward_impl(
+        qp, kp, vp, gp, bp, initial_state, scale, False, cu, cu_cpu, use_qk_l2norm_in_kernel
+    )
+    do = do.reshape(1, B * T, H, V)
+    dq, dk, dv, dg, db, dh0 = _backward_impl(
+        saved, do, dfinal, scale, use_qk_l2norm_in_kernel, max_chunk_len, precision
+    )
+    out = [x.reshape(s).to(d) for x, s, d in zip((dq, dk, dv, dg, db), shapes, dtypes)]
+    out.append(dh0.to(initial_state.dtype) if initial_state is not None else None)
+    return out
