@@ -47,6 +47,7 @@ __all__ = [
     "fla_hybrid_status",
     "gated_delta_rule",
     "resolve_backend",
+    "resolve_backend_reason",
 ]
 
 BACKENDS = ("fla", "fla_hybrid", "chunk", "chunk_compiled", "naive")
@@ -246,6 +247,30 @@ def resolve_backend(
     if not ok:
         raise RuntimeError(f"gated delta rule backend {backend!r} cannot run on {device}: {reason}")
     return backend
+
+
+def resolve_backend_reason(
+    backend: str = "auto", device: torch.device | str | None = None, *, needs_grad: bool = True
+) -> tuple[str, str]:
+    """``(name, why)``: :func:`resolve_backend` and, for ``auto``, why each faster backend was or was not
+    taken (fla's and fla_hybrid's probe results): what ``varpack check`` reports.
+
+    Raises:
+        ValueError / RuntimeError: as :func:`resolve_backend`.
+    """
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = resolve_backend(backend, device, needs_grad=needs_grad)
+    if backend != "auto":
+        return name, "forced"
+    if device.type != "cuda":
+        return name, f"auto on {device.type}: varpack's chunked PyTorch path"
+    fla_ok, fla_why = _fla_capability(device, needs_grad)
+    if fla_ok:
+        return name, f"auto: fla {fla_why}"
+    hyb_ok, hyb_why = _fla_hybrid_capability(device)
+    if hyb_ok:
+        return name, f"auto: fla_hybrid probe passed (fla: {fla_why})"
+    return name, f"auto: fla: {fla_why}; fla_hybrid: {hyb_why}"
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
