@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from varpack.ops.gated_delta_rule.fla_hybrid import FLA_CHUNK_SIZE, chunk_bwd_dqkwg_torch
+from varpack.ops.gated_delta_rule.fla_hybrid import FLA_CHUNK_SIZE, chunk_bwd_dqkwg_torch, dqkwg_plan
 
 BT = FLA_CHUNK_SIZE
 
@@ -85,7 +85,7 @@ def _reference(p, ch, scale):
 def _ours(p, cu, ci, scale, **kw):
     g2 = p["gcum"] / math.log(2.0)  # fla's log2 units
     return chunk_bwd_dqkwg_torch(
-        p["q"], p["k"], p["v_new"], g2, p["h"], p["dh"], p["dv"], p["do"], scale, cu, ci, **kw
+        p["q"], p["k"], p["v_new"], g2, p["h"], p["dh"], p["dv"], p["do"], scale, cu, **kw
     )
 
 
@@ -104,12 +104,16 @@ def test_dqkwg_matches_autograd_fp64(lengths, Hk, H):
     p, cu, ci, ch = _problem(lengths, Hk=Hk, H=H)
     scale = 16**-0.5
     ref = _reference(p, ch, scale)
-    max_len = min(BT, max(lengths))
-    for mcl in (None, max_len):
-        got = _ours(p, cu, ci, scale, max_chunk_len=mcl)
+    # default plan (built from cu_seqlens) and an explicit one; and one padded batch of 64 for every chunk
+    # (the plan's grouping by padded length must not change a value)
+    one_group = dqkwg_plan(cu, uniform=True)
+    assert len(one_group.groups) == 1 and one_group.groups[0].P == BT
+    for plan in (None, dqkwg_plan(cu), one_group):
+        got = _ours(p, cu, ci, scale, plan=plan)
         for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref):
             assert a.shape == b.shape, name
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+    assert sum(grp.num for grp in one_group.groups) == len(ch)
 
 
 def test_dqkwg_fp32_and_input_precision():
@@ -153,8 +157,8 @@ def test_dqkwg_rejects_bad_arguments():
     p, cu, ci, _ = _problem([3, 4])
     with pytest.raises(ValueError, match="precision"):
         _ours(p, cu, ci, 0.5, precision="tf32")
-    with pytest.raises(ValueError, match="max_chunk_len"):
-        _ours(p, cu, ci, 0.5, max_chunk_len=65)
+    with pytest.raises(ValueError, match="plan of cu_seqlens"):
+        _ours(p, cu, ci, 0.5, plan=dqkwg_plan([0, 3, 5]))
     with pytest.raises(ValueError, match="h/dh"):
         _ours(dict(p, h=p["h"][:, :1]), cu, ci, 0.5)
 

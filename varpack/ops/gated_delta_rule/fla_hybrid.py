@@ -37,8 +37,10 @@ math). Devices: CUDA (fla's kernels); :func:`chunk_bwd_dqkwg_torch` itself runs 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._fla import load_fla_internals
@@ -46,7 +48,9 @@ from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, normalize_optio
 
 __all__ = [
     "FLA_CHUNK_SIZE",
+    "DqkwgPlan",
     "chunk_bwd_dqkwg_torch",
+    "dqkwg_plan",
     "fla_hybrid_backward",
     "fla_hybrid_gated_delta_rule",
     "load_hybrid",
@@ -67,19 +71,78 @@ def load_hybrid() -> tuple[dict | None, str]:
 # dq, dk, dw, dg of the chunk form in batched PyTorch (replaces fla's chunk_bwd_dqkwg)
 
 
-def _chunk_geometry(cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, T: int, chunk_size: int):
-    """Device-side chunk geometry, no host sync: per chunk its first token and length ``[NT]``, and per
-    token its slot ``chunk * P + position`` in a padded ``[NT, P]`` layout is built by the caller from
-    ``start`` (``P`` = the padded chunk length)."""
-    cu = cu_seqlens.to(torch.int64)
-    seq = chunk_indices[:, 0].to(torch.int64)
-    loc = chunk_indices[:, 1].to(torch.int64)
-    start = cu.index_select(0, seq) + loc * chunk_size
-    length = torch.clamp(cu.index_select(0, seq + 1) - start, max=chunk_size)
-    tok = torch.arange(T, device=cu.device, dtype=torch.int64)
-    chunk_of_tok = torch.searchsorted(start, tok, right=True) - 1  # chunks start strictly increasing
-    pos = tok - start.index_select(0, chunk_of_tok)
-    return length, chunk_of_tok, pos
+@dataclass(frozen=True)
+class _Group:
+    """Chunks padded to the same length ``P`` (a power of two): their ids ``[G]``, lengths ``[G]``, and the
+    tokens they hold ``[n]`` with each token's slot ``chunk_in_group * P + position`` ``[n]`` (device)."""
+
+    P: int
+    num: int
+    chunk_ids: torch.Tensor | None  # None: every chunk, in order
+    lengths: torch.Tensor
+    tokens: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DqkwgPlan:
+    """Where every chunk and token of a packed row goes in :func:`chunk_bwd_dqkwg_torch`'s padded batches,
+    built once on the CPU from ``cu_seqlens`` (:func:`dqkwg_plan`): chunks grouped by their length rounded
+    up to a power of two, so rows of short sequences are not padded to 64 (memory ~ tokens, not chunks x 64).
+    """
+
+    total_tokens: int
+    num_chunks: int
+    groups: tuple[_Group, ...]
+
+
+def dqkwg_plan(
+    cu_seqlens: Any,
+    chunk_size: int = FLA_CHUNK_SIZE,
+    device: torch.device | str | None = None,
+    *,
+    uniform: bool = False,
+) -> DqkwgPlan:
+    """The :class:`DqkwgPlan` of ``cu_seqlens`` ``[N+1]`` (CPU work, O(T); a device tensor is copied to the
+    host once) in fla's chunk order (per sequence, its chunks of ``chunk_size`` tokens; the last one
+    shorter), index tensors on ``device``. ``uniform``: one batch, every chunk padded to ``chunk_size``.
+
+    Raises:
+        ValueError / TypeError: invalid ``cu_seqlens`` (:func:`varpack.varlen.normalize_cu_seqlens`).
+    """
+    cu = cu_seqlens_to_cpu(cu_seqlens).numpy().astype(np.int64)
+    lengths = np.diff(cu)
+    T = int(cu[-1]) if cu.size else 0
+    nch = -(-lengths // chunk_size)
+    NT = int(nch.sum())
+    seq = np.repeat(np.arange(lengths.size), nch)
+    first = np.concatenate([[0], np.cumsum(nch)[:-1]]) if nch.size else np.zeros(0, np.int64)
+    j = np.arange(NT) - np.repeat(first, nch)
+    start = cu[:-1][seq] + j * chunk_size
+    clen = np.minimum(chunk_size, cu[1:][seq] - start)
+    padded = np.left_shift(1, np.ceil(np.log2(np.maximum(clen, 1))).astype(np.int64))
+    if uniform:
+        padded = np.full_like(clen, chunk_size)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    groups = []
+    for P in np.unique(padded)[::-1]:
+        ids = np.nonzero(padded == P)[0]
+        cl = clen[ids]
+        local = np.repeat(np.arange(ids.size), cl)
+        pos = np.arange(int(cl.sum())) - np.repeat(np.concatenate([[0], np.cumsum(cl)[:-1]]), cl)
+        tokens = start[ids][local] + pos
+        whole = ids.size == NT
+        groups.append(
+            _Group(
+                P=int(P),
+                num=int(ids.size),
+                chunk_ids=None if whole else torch.from_numpy(ids).to(dev),
+                lengths=torch.from_numpy(cl).to(dev),
+                tokens=torch.from_numpy(tokens).to(dev),
+                slots=torch.from_numpy(local * int(P) + pos).to(dev),
+            )
+        )
+    return DqkwgPlan(total_tokens=T, num_chunks=NT, groups=tuple(groups))
 
 
 def chunk_bwd_dqkwg_torch(
@@ -93,123 +156,127 @@ def chunk_bwd_dqkwg_torch(
     do: torch.Tensor,
     scale: float,
     cu_seqlens: torch.Tensor,
-    chunk_indices: torch.Tensor,
     *,
     chunk_size: int = FLA_CHUNK_SIZE,
-    max_chunk_len: int | None = None,
+    plan: DqkwgPlan | None = None,
     precision: str = "fp32",
     w_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dw, dg)`` of the gated chunk form, exactly what fla 0.6.0's ``chunk_bwd_dqkwg`` returns
-    (module docstring), in batched PyTorch over all chunks of all sequences at once.
+    (module docstring), in batched PyTorch over all chunks of all sequences (one batch per padded chunk
+    length, :class:`DqkwgPlan`).
 
     Args:
         q, k: ``[1, T, Hk, K]`` (l2-normalised already if the layer asks for it).
         v_new: ``[1, T, H, V]`` new values ``U - W S``; do, dv: ``[1, T, H, V]`` output gradient and the
             full gradient of ``v_new``.
         g: ``[1, T, H]`` fp32 chunk-local cumsum of the log decay in **log2 units** (fla's convention).
-        h, dh: ``[1, NT, H, K, V]`` state at each chunk start and gradient of the state at its end.
+        h, dh: ``[1, NT, H, K, V]`` state at each chunk start and gradient of the state at its end, chunks in
+            fla's order (``chunk_indices``: per sequence, its chunks).
         scale: query scale.
-        cu_seqlens: ``[N+1]`` int32/int64 on the device; chunk_indices: ``[NT, 2]`` (sequence, chunk).
+        cu_seqlens: ``[N+1]`` boundaries (only read, on the host, when ``plan`` is ``None``).
         chunk_size: fla's chunk length (64).
-        max_chunk_len: longest chunk (``min(chunk_size, max_seqlen)``), a Python int; the padded layout
-            uses the next power of two >= it (less padding for short sequences). ``None``: ``chunk_size``.
+        plan: :func:`dqkwg_plan` of ``cu_seqlens`` (built here when ``None``: one host copy of a device
+            ``cu_seqlens``).
         precision: ``"fp32"`` (GEMMs on fp32 copies: fla's kernel semantics of fp32 accumulation, with
             fp32 outputs) or ``"input"`` (GEMMs in ``h``'s dtype, outputs rounded to it; faster, less exact).
         w_dtype: dtype of ``dw`` (fla's ``prepare_wy_repr_bwd`` needs ``w``'s dtype); default ``h``'s.
 
     Returns:
         ``dq``, ``dk`` ``[1, T, Hk, K]`` fp32; ``dw`` ``[1, T, H, K]`` in ``w_dtype``; ``dg`` ``[1, T, H]``
-        fp32 (gradient of the natural-unit chunk cumsum, before fla's reverse cumsum).
+        fp32 (gradient of the natural-unit chunk cumsum, before fla's reverse cumsum). fp64 for fp64 ``h``.
 
     Raises:
-        ValueError: ``precision`` unknown, ``max_chunk_len`` above ``chunk_size``, shapes that disagree.
+        ValueError: ``precision`` unknown, shapes or a ``plan`` that disagree with the tensors.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     B, T, Hk, K = q.shape
     H, V = v_new.shape[2], v_new.shape[3]
-    NT = chunk_indices.shape[0]
-    if B != 1 or h.shape != (1, NT, H, K, V) or dh.shape != h.shape:
+    if plan is None:
+        plan = dqkwg_plan(cu_seqlens, chunk_size, device=q.device)
+    NT = plan.num_chunks
+    if B != 1 or h.shape != (1, NT, H, K, V) or dh.shape != h.shape or plan.total_tokens != T:
         raise ValueError(
-            f"expected packed q [1, T, Hk, K] and h/dh [1, NT={NT}, H={H}, K={K}, V={V}], got q "
-            f"{tuple(q.shape)}, h {tuple(h.shape)}, dh {tuple(dh.shape)}"
+            f"expected packed q [1, T={plan.total_tokens}, Hk, K] and h/dh [1, NT={NT}, H={H}, K={K}, V={V}] "
+            f"(the plan of cu_seqlens), got q {tuple(q.shape)}, h {tuple(h.shape)}, dh {tuple(dh.shape)}"
         )
-    if max_chunk_len is None:
-        max_chunk_len = chunk_size
-    if not 0 < max_chunk_len <= chunk_size:
-        raise ValueError(f"max_chunk_len must be in [1, chunk_size={chunk_size}], got {max_chunk_len}")
-    P = 1 << (int(max_chunk_len) - 1).bit_length()
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    mm = acc if precision == "fp32" else h.dtype
+    w_dtype = w_dtype or h.dtype
+    dq = q.new_empty((T, Hk, K), dtype=acc)
+    dk = q.new_empty((T, Hk, K), dtype=acc)
+    dw = q.new_empty((T, H, K), dtype=w_dtype)
+    dg = q.new_empty((T, H), dtype=acc)
+    flat = [x[0] for x in (q, k, v_new, do, dv, g)]
+    for grp in plan.groups:
+        hs = h[0] if grp.chunk_ids is None else h[0].index_select(0, grp.chunk_ids)
+        dhs = dh[0] if grp.chunk_ids is None else dh[0].index_select(0, grp.chunk_ids)
+        outs = _dqkwg_group(grp, *flat, hs, dhs, scale, acc, mm)
+        for out, val in zip((dq, dk, dw, dg), outs):
+            out.index_copy_(0, grp.tokens, val.to(out.dtype))
+    return dq.unsqueeze(0), dk.unsqueeze(0), dw.unsqueeze(0), dg.unsqueeze(0)
+
+
+def _dqkwg_group(grp: _Group, q, k, v_new, do, dv, g, hs, dhs, scale, acc, mm):
+    """One padded batch of :func:`chunk_bwd_dqkwg_torch`: token-major ``[n, ...]`` results of its tokens."""
+    G, P = grp.num, grp.P
+    Hk, K = q.shape[1], q.shape[2]
+    H = v_new.shape[1]
     r = H // Hk
     dev = q.device
-    f32 = torch.float64 if h.dtype == torch.float64 else torch.float32  # accumulation dtype
-    mm = f32 if precision == "fp32" else h.dtype  # GEMM operand / output dtype
-    w_dtype = w_dtype or h.dtype
 
-    length, chunk_of_tok, pos = _chunk_geometry(cu_seqlens, chunk_indices, T, chunk_size)
-    slot = chunk_of_tok * P + pos  # [T]
+    def chunks(x: torch.Tensor, dtype) -> torch.Tensor:  # [T, X, D] -> [G, X, P, D], zero padded
+        x = x.index_select(0, grp.tokens).to(dtype)
+        out = x.new_zeros((G * P, *x.shape[1:])).index_copy_(0, grp.slots, x)
+        return out.view(G, P, *x.shape[1:]).transpose(1, 2)
 
-    def chunks(x: torch.Tensor, dtype) -> torch.Tensor:  # [1, T, X, D] -> [NT, X, P, D], zero padded
-        x = x[0].to(dtype)
-        out = x.new_zeros((NT * P, *x.shape[1:])).index_copy_(0, slot, x)
-        return out.view(NT, P, *x.shape[1:]).transpose(1, 2)
-
-    def tokens(x: torch.Tensor) -> torch.Tensor:  # [NT, X, P, D] -> [1, T, X, D]
+    def tokens(x: torch.Tensor) -> torch.Tensor:  # [G, X, P, D] -> [n, X, D]
         x = x.transpose(1, 2)
-        return x.reshape(NT * P, *x.shape[2:]).index_select(0, slot).unsqueeze(0)
+        return x.reshape(G * P, *x.shape[2:]).index_select(0, grp.slots)
 
-    qc = chunks(q, mm)  # [NT, Hk, P, K]
-    kc = chunks(k, mm)
-    vc = chunks(v_new, mm)  # [NT, H, P, V]
-    doc = chunks(do, mm)
-    dvc = chunks(dv, mm)
-    gc = chunks(g.unsqueeze(-1), f32).squeeze(-1)  # [NT, H, P] log2 units, 0 in padding
-    hs, dhs = h[0].to(mm), dh[0].to(mm)  # [NT, H, K, V]
+    qc, kc = chunks(q, mm), chunks(k, mm)  # [G, Hk, P, K]
+    vc, doc, dvc = chunks(v_new, mm), chunks(do, mm), chunks(dv, mm)  # [G, H, P, V]
+    gc = chunks(g.unsqueeze(-1), acc).squeeze(-1)  # [G, H, P] log2 units, 0 in padding
+    hs, dhs = hs.to(mm), dhs.to(mm)  # [G, H, K, V]
 
     ar = torch.arange(P, device=dev)
-    valid = ar < length[:, None]  # [NT, P]
-    last = (length - 1).clamp_min(0)
-    g_last = gc.gather(2, last.view(NT, 1, 1).expand(NT, H, 1))  # [NT, H, 1]
+    valid = ar < grp.lengths[:, None]  # [G, P]
+    last = grp.lengths - 1
+    g_last = gc.gather(2, last.view(G, 1, 1).expand(G, H, 1))  # [G, H, 1]
+    zero = torch.zeros((), dtype=acc, device=dev)
 
-    # GEMMs against the states: [dO; dV'] S^T in one batch, V' dS'^T
-    lhs = torch.cat([doc, dvc], dim=2)  # [NT, H, 2P, V]
-    inter = torch.matmul(lhs, hs.transpose(-1, -2)).to(f32)  # [NT, H, 2P, K]
+    # GEMMs against the states: [dO; dV'] S^T in one batch, V' dS'^T, <S, dS'>
+    inter = torch.matmul(torch.cat([doc, dvc], dim=2), hs.transpose(-1, -2)).to(acc)  # [G, H, 2P, K]
     dq_inter, dw_neg = inter.split([P, P], dim=2)
-    dk_inter = torch.matmul(vc, dhs.transpose(-1, -2)).to(f32)  # [NT, H, P, K]
-    hdh = torch.matmul(hs.flatten(2).unsqueeze(2), dhs.flatten(2).unsqueeze(3)).to(f32)  # [NT, H, 1, 1]
+    dk_inter = torch.matmul(vc, dhs.transpose(-1, -2)).to(acc)  # [G, H, P, K]
+    hdh = torch.matmul(hs.flatten(2).unsqueeze(2), dhs.flatten(2).unsqueeze(3)).to(acc).view(G, H, 1)
 
-    eg = torch.exp2(gc)  # [NT, H, P]
-    dq = dq_inter * (eg * scale).unsqueeze(-1)
-    decay_k = torch.where(valid[:, None, :], torch.exp2(g_last - gc), torch.zeros((), dtype=f32, device=dev))
-    dk = dk_inter * decay_k.unsqueeze(-1)
+    dq = dq_inter * (torch.exp2(gc) * scale).unsqueeze(-1)
+    dk = dk_inter * torch.where(valid[:, None, :], torch.exp2(g_last - gc), zero).unsqueeze(-1)
 
-    def grouped(x: torch.Tensor) -> torch.Tensor:  # [NT, Hk, P, D] -> [NT, H, P, D] (value head groups)
+    def grouped(x: torch.Tensor) -> torch.Tensor:  # [G, Hk, P, D] -> [G, H, P, D] (value head groups)
         return x if r == 1 else x.repeat_interleave(r, dim=1)
 
     qg, kg = grouped(qc), grouped(kc)
-    dg_last = hdh.view(NT, H, 1) * torch.exp2(g_last) + (dk * kg.to(f32)).sum((-1, -2)).unsqueeze(-1)
+    qf, kf = qg.to(acc), kg.to(acc)
+    dg_last = hdh * torch.exp2(g_last) + (dk * kf).sum((-1, -2)).unsqueeze(-1)  # [G, H, 1]
 
-    causal = (ar[:, None] >= ar[None, :]) & valid[:, None, :, None] & valid[:, None, None, :]  # [NT,1,P,P]
+    causal = (ar[:, None] >= ar[None, :]) & valid[:, None, :, None] & valid[:, None, None, :]  # [G, 1, P, P]
     expo = torch.where(
-        causal, gc.unsqueeze(-1) - gc.unsqueeze(-2), torch.full((), -math.inf, dtype=f32, device=dev)
+        causal, gc.unsqueeze(-1) - gc.unsqueeze(-2), torch.full((), -math.inf, dtype=acc, device=dev)
     )
-    ds = torch.matmul(doc, vc.transpose(-1, -2)).to(f32) * torch.exp2(expo) * scale  # [NT, H, P, P]
-    dsm = ds.to(mm)
-    dq = dq + torch.matmul(dsm, kg).to(f32)
-    dk = dk + torch.matmul(dsm.transpose(-1, -2), qg).to(f32)
+    ds = (torch.matmul(doc, vc.transpose(-1, -2)).to(acc) * torch.exp2(expo) * scale).to(mm)  # [G, H, P, P]
+    dq = dq + torch.matmul(ds, kg).to(acc)
+    dk = dk + torch.matmul(ds.transpose(-1, -2), qg).to(acc)
 
-    dg = (dq * qg.to(f32)).sum(-1) - (dk * kg.to(f32)).sum(-1)  # [NT, H, P]
-    at_last = ar[None, None, :] == last.view(NT, 1, 1)
-    dg = dg + torch.where(at_last, dg_last, torch.zeros((), dtype=f32, device=dev))
+    dg = (dq * qf).sum(-1) - (dk * kf).sum(-1)  # [G, H, P]
+    dg = dg + torch.where(ar[None, None, :] == last.view(G, 1, 1), dg_last, zero)
 
     if r > 1:
-        dq = dq.view(NT, Hk, r, P, K).sum(2)
-        dk = dk.view(NT, Hk, r, P, K).sum(2)
-    dq_t = tokens(dq)
-    dk_t = tokens(dk)
-    dw_t = tokens(-dw_neg).to(w_dtype)
-    dg_t = tokens(dg.unsqueeze(-1)).squeeze(-1)
-    return dq_t, dk_t, dw_t, dg_t
+        dq = dq.view(G, Hk, r, P, K).sum(2)
+        dk = dk.view(G, Hk, r, P, K).sum(2)
+    return tokens(dq), tokens(dk), tokens(-dw_neg), tokens(dg.unsqueeze(-1)).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -250,7 +317,7 @@ def _forward_impl(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, c
     return o.to(q.dtype), final_state, (q, q_rstd, k, k_rstd, v, gcum, beta, A, h0, cu_seqlens, chunk_indices)
 
 
-def _backward_impl(saved, do, dht, scale, l2, max_chunk_len, precision):
+def _backward_impl(saved, do, dht, scale, l2, plan, precision):
     """fla's backward pipeline (0.6.0 ``chunk_gated_delta_rule_bwd``) with ``chunk_bwd_dqkwg`` replaced by
     :func:`chunk_bwd_dqkwg_torch`: ``(dq, dk, dv, dg, dbeta, dh0)`` (dq/dk/dg in fp32 or the l2norm's
     dtype; dh0 fp32 or ``None``)."""
@@ -273,8 +340,8 @@ def _backward_impl(saved, do, dht, scale, l2, max_chunk_len, precision):
         )  # fmt: skip
         # fla's chunk_bwd_dqkwg is flagged wrong on this stack: never run it; varpack's PyTorch version instead
         dq, dk, dw, dg = chunk_bwd_dqkwg_torch(
-            q, k, v_new, g, h, dh, dv, do, scale, cu, chunk_indices,
-            chunk_size=BT, max_chunk_len=max_chunk_len, precision=precision, w_dtype=w.dtype,
+            q, k, v_new, g, h, dh, dv, do, scale, cu,
+            chunk_size=BT, plan=plan, precision=precision, w_dtype=w.dtype,
         )  # fmt: skip
         del h, dh, v_new
         dk2, dv, db, dg2 = fns["prepare_wy_repr_bwd"](k=k, v=v, beta=beta, A=A, dw=dw, du=dv, g=g, **common)
@@ -290,13 +357,13 @@ def _backward_impl(saved, do, dht, scale, l2, max_chunk_len, precision):
 class _FlaHybridGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                use_qk_l2norm_in_kernel, max_chunk_len, precision):  # fmt: skip
+                use_qk_l2norm_in_kernel, plan, precision):  # fmt: skip
         o, final_state, saved = _forward_impl(
             q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cu_seqlens_cpu,
             use_qk_l2norm_in_kernel,
         )  # fmt: skip
         ctx.save_for_backward(*saved)
-        ctx.args = (scale, use_qk_l2norm_in_kernel, max_chunk_len, precision)
+        ctx.args = (scale, use_qk_l2norm_in_kernel, plan, precision)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
         ctx.has_final = output_final_state
         return o, final_state
@@ -353,7 +420,7 @@ def fla_hybrid_gated_delta_rule(
 
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision):
     """Checked arguments in the packed form the kernels take: ``(q, k, v, g, beta, scale, cu_seqlens (device
-    int64), cu_seqlens_cpu, max_chunk_len, (B, T, Hk, H, K, V))``; B rows without ``cu_seqlens`` become B
+    int64), cu_seqlens_cpu, dqkwg plan, (B, T, Hk, H, K, V))``; B rows without ``cu_seqlens`` become B
     packed sequences (the same math, one code path)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -377,10 +444,8 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
         if cu_seqlens_cpu is None:
             cu_seqlens_cpu = cu_seqlens_to_cpu(cu_seqlens)  # one sync; fla would make the same one
         cu_seqlens_cpu = cu_seqlens_cpu.to(torch.int64)
-    lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
-    max_len = int(lengths.max()) if lengths.numel() else 0
-    max_chunk_len = max(1, min(FLA_CHUNK_SIZE, max_len))
-    return q, k, v, g, beta, float(scale), cu_seqlens, cu_seqlens_cpu, max_chunk_len, dims
+    plan = dqkwg_plan(cu_seqlens_cpu, FLA_CHUNK_SIZE, device=q.device)
+    return q, k, v, g, beta, float(scale), cu_seqlens, cu_seqlens_cpu, plan, dims
 
 
 def _hybrid(
@@ -389,7 +454,7 @@ def _hybrid(
 ):  # fmt: skip
     """:func:`fla_hybrid_gated_delta_rule` past its device check (the CPU tests run it on stand-ins for
     fla's kernels)."""
-    q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, max_chunk_len, dims = _prepare(
+    q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, plan, dims = _prepare(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision
     )
     B, T, Hk, H, K, V = dims
@@ -403,7 +468,7 @@ def _hybrid(
         return o, fs
     o, final = _FlaHybridGatedDeltaRule.apply(
         q, k, v, g, beta, initial_state, scale, bool(output_final_state), cu_seqlens, cu_seqlens_cpu,
-        bool(use_qk_l2norm_in_kernel), max_chunk_len, precision,
+        bool(use_qk_l2norm_in_kernel), plan, precision,
     )  # fmt: skip
     o = o.reshape(B, T, H, V)
     return o, (final.to(acc_dtype(q)) if final is not None else None)
@@ -447,7 +512,7 @@ def _hybrid_backward(
 ):  # fmt: skip
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
     shapes = (q.shape, k.shape, v.shape, g.shape, beta.shape)
-    qp, kp, vp, gp, bp, scale, cu, cu_cpu, max_chunk_len, dims = _prepare(
+    qp, kp, vp, gp, bp, scale, cu, cu_cpu, plan, dims = _prepare(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision
     )
     B, T, Hk, H, K, V = dims
@@ -460,7 +525,7 @@ def _hybrid_backward(
     )
     do = do.reshape(1, B * T, H, V)
     dq, dk, dv, dg, db, dh0 = _backward_impl(
-        saved, do, dfinal, scale, use_qk_l2norm_in_kernel, max_chunk_len, precision
+        saved, do, dfinal, scale, use_qk_l2norm_in_kernel, plan, precision
     )
     out = [x.reshape(s).to(d) for x, s, d in zip((dq, dk, dv, dg, db), shapes, dtypes)]
     out.append(dh0.to(initial_state.dtype) if initial_state is not None else None)
