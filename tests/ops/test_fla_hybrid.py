@@ -122,7 +122,7 @@ def test_dqkwg_fp32_and_input_precision():
     scale = 0.3
     ref = _reference(p64, ch, scale)
     p32 = {n: x.float() for n, x in p64.items()}
-    for precision in ("fp32", "input"):
+    for precision in ("fp32", "mixed", "input"):
         got = _ours(p32, cu, ci, scale, precision=precision, w_dtype=torch.float32)
         assert [x.dtype for x in got] == [torch.float32] * 4
         for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref):
@@ -132,10 +132,17 @@ def test_dqkwg_fp32_and_input_precision():
         n: (x.bfloat16() if n in ("h", "dh", "q", "k", "v_new", "do", "dv", "w") else x.float())
         for n, x in p64.items()
     }
-    got = _ours(pbf, cu, ci, scale, precision="input")
-    assert got[2].dtype == torch.bfloat16
-    for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref):
-        assert (a.double() - b).abs().max() < 3e-2 * b.abs().max() + 1e-3, name
+    errs = {}
+    for precision in ("input", "mixed", "fp32"):
+        got = _ours(pbf, cu, ci, scale, precision=precision)
+        assert got[2].dtype == torch.bfloat16
+        for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref):
+            errs[precision, name] = float((a.double() - b).abs().max() / b.abs().max())
+            assert errs[precision, name] < 3e-2, (precision, name)
+    # with bf16 operands, fp32 outputs ("mixed") are not less exact than bf16-rounded ones ("input")
+    assert sum(errs["mixed", n] for n in ("dq", "dk", "dg")) <= sum(
+        errs["input", n] for n in ("dq", "dk", "dg")
+    )
 
 
 def test_dqkwg_negative_control_boundaries_dropped():

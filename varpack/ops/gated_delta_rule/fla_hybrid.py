@@ -58,7 +58,7 @@ __all__ = [
 
 FLA_CHUNK_SIZE = 64
 RCP_LN2 = 1.0 / math.log(2.0)  # fla stores the chunk cumsum of g in log2 units (exp2 in its kernels)
-PRECISIONS = ("fp32", "input")
+PRECISIONS = ("fp32", "mixed", "input")
 
 
 def load_hybrid() -> tuple[dict | None, str]:
@@ -178,8 +178,11 @@ def chunk_bwd_dqkwg_torch(
         chunk_size: fla's chunk length (64).
         plan: :func:`dqkwg_plan` of ``cu_seqlens`` (built here when ``None``: one host copy of a device
             ``cu_seqlens``).
-        precision: ``"fp32"`` (GEMMs on fp32 copies: fla's kernel semantics of fp32 accumulation, with
-            fp32 outputs) or ``"input"`` (GEMMs in ``h``'s dtype, outputs rounded to it; faster, less exact).
+        precision: ``"fp32"``: GEMMs on fp32 copies (fp32 accumulation and outputs); ``"mixed"``: GEMM
+            operands in ``h``'s dtype, fp32 accumulation and outputs (``torch.bmm(..., out_dtype=float32)`` on
+            CUDA, fp32 copies elsewhere: the same values), the semantics of fla's kernel (bf16 ``tl.dot``
+            operands, its ``dA`` cast to bf16 too); ``"input"``: GEMMs in ``h``'s dtype with outputs rounded
+            to it (fastest, least exact). Equal for fp32 / fp64 states.
         w_dtype: dtype of ``dw`` (fla's ``prepare_wy_repr_bwd`` needs ``w``'s dtype); default ``h``'s.
 
     Returns:
@@ -203,6 +206,7 @@ def chunk_bwd_dqkwg_torch(
         )
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     mm = acc if precision == "fp32" else h.dtype
+    out_acc = precision == "mixed" and mm != acc  # GEMM outputs in acc from low-precision operands
     w_dtype = w_dtype or h.dtype
     dq = q.new_empty((T, Hk, K), dtype=acc)
     dk = q.new_empty((T, Hk, K), dtype=acc)
@@ -212,13 +216,25 @@ def chunk_bwd_dqkwg_torch(
     for grp in plan.groups:
         hs = h[0] if grp.chunk_ids is None else h[0].index_select(0, grp.chunk_ids)
         dhs = dh[0] if grp.chunk_ids is None else dh[0].index_select(0, grp.chunk_ids)
-        outs = _dqkwg_group(grp, *flat, hs, dhs, scale, acc, mm)
+        outs = _dqkwg_group(grp, *flat, hs, dhs, scale, acc, mm, out_acc)
         for out, val in zip((dq, dk, dw, dg), outs):
             out.index_copy_(0, grp.tokens, val.to(out.dtype))
     return dq.unsqueeze(0), dk.unsqueeze(0), dw.unsqueeze(0), dg.unsqueeze(0)
 
 
-def _dqkwg_group(grp: _Group, q, k, v_new, do, dv, g, hs, dhs, scale, acc, mm):
+def _matmul(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out_acc: bool) -> torch.Tensor:
+    """``a @ b`` (equal leading dims) as ``acc``; ``out_acc``: low-precision operands, ``acc`` accumulation
+    and output (``torch.bmm(out_dtype=)`` on CUDA; exact fp32 copies of the operands elsewhere)."""
+    if not out_acc:
+        return torch.matmul(a, b).to(acc)
+    if a.device.type != "cuda":
+        return torch.matmul(a.to(acc), b.to(acc))
+    lead = a.shape[:-2]
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=acc)
+    return out.view(*lead, a.shape[-2], b.shape[-1])
+
+
+def _dqkwg_group(grp: _Group, q, k, v_new, do, dv, g, hs, dhs, scale, acc, mm, out_acc):
     """One padded batch of :func:`chunk_bwd_dqkwg_torch`: token-major ``[n, ...]`` results of its tokens."""
     G, P = grp.num, grp.P
     Hk, K = q.shape[1], q.shape[2]
@@ -247,10 +263,10 @@ def _dqkwg_group(grp: _Group, q, k, v_new, do, dv, g, hs, dhs, scale, acc, mm):
     zero = torch.zeros((), dtype=acc, device=dev)
 
     # GEMMs against the states: [dO; dV'] S^T in one batch, V' dS'^T, <S, dS'>
-    inter = torch.matmul(torch.cat([doc, dvc], dim=2), hs.transpose(-1, -2)).to(acc)  # [G, H, 2P, K]
+    inter = _matmul(torch.cat([doc, dvc], dim=2), hs.transpose(-1, -2), acc, out_acc)  # [G, H, 2P, K]
     dq_inter, dw_neg = inter.split([P, P], dim=2)
-    dk_inter = torch.matmul(vc, dhs.transpose(-1, -2)).to(acc)  # [G, H, P, K]
-    hdh = torch.matmul(hs.flatten(2).unsqueeze(2), dhs.flatten(2).unsqueeze(3)).to(acc).view(G, H, 1)
+    dk_inter = _matmul(vc, dhs.transpose(-1, -2), acc, out_acc)  # [G, H, P, K]
+    hdh = _matmul(hs.flatten(2).unsqueeze(2), dhs.flatten(2).unsqueeze(3), acc, out_acc).view(G, H, 1)
 
     dq = dq_inter * (torch.exp2(gc) * scale).unsqueeze(-1)
     dk = dk_inter * torch.where(valid[:, None, :], torch.exp2(g_last - gc), zero).unsqueeze(-1)
@@ -266,9 +282,9 @@ def _dqkwg_group(grp: _Group, q, k, v_new, do, dv, g, hs, dhs, scale, acc, mm):
     expo = torch.where(
         causal, gc.unsqueeze(-1) - gc.unsqueeze(-2), torch.full((), -math.inf, dtype=acc, device=dev)
     )
-    ds = (torch.matmul(doc, vc.transpose(-1, -2)).to(acc) * torch.exp2(expo) * scale).to(mm)  # [G, H, P, P]
-    dq = dq + torch.matmul(ds, kg).to(acc)
-    dk = dk + torch.matmul(ds.transpose(-1, -2), qg).to(acc)
+    ds = (_matmul(doc, vc.transpose(-1, -2), acc, out_acc) * torch.exp2(expo) * scale).to(mm)  # [G,H,P,P]
+    dq = dq + _matmul(ds, kg, acc, out_acc)
+    dk = dk + _matmul(ds.transpose(-1, -2), qg, acc, out_acc)
 
     dg = (dq * qf).sum(-1) - (dk * kf).sum(-1)  # [G, H, P]
     dg = dg + torch.where(ar[None, None, :] == last.view(G, 1, 1), dg_last, zero)
