@@ -160,7 +160,11 @@ def build_methods(cu_cpu, lengths, device, names):
     ):
         if name not in names:
             continue
-        from varpack.ops.gated_delta_rule.fla_hybrid import fla_hybrid_gated_delta_rule, load_hybrid
+        from varpack.ops.gated_delta_rule.fla_hybrid import (
+            fla_hybrid_gated_delta_rule,
+            load_hybrid,
+            prepare_fla_hybrid_boundaries,
+        )
 
         fns, reason = load_hybrid()
         if device.type != "cuda":
@@ -168,18 +172,20 @@ def build_methods(cu_cpu, lengths, device, names):
         elif fns is None:
             methods[name] = f"fla_hybrid unavailable: {reason}"
         else:
-            cu_dev = cu_cpu.to(device)
-            methods[name] = lambda q, k, v, g, beta, _p=precision, _cu=cu_dev: fla_hybrid_gated_delta_rule(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                cu_seqlens=_cu,
-                cu_seqlens_cpu=cu_cpu,
-                use_qk_l2norm_in_kernel=True,
-                precision=_p,
-            )[0]
+            bnd = prepare_fla_hybrid_boundaries(cu_cpu, device)  # per batch, as the model layers keep it
+            methods[name] = lambda q, k, v, g, beta, _p=precision, _cu=bnd.cu_seqlens, _b=bnd: (
+                fla_hybrid_gated_delta_rule(
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    cu_seqlens=_cu,
+                    cu_seqlens_cpu=cu_cpu,
+                    use_qk_l2norm_in_kernel=True,
+                    precision=_p,
+                )[0]
+            )
     return methods
 
 

@@ -63,8 +63,9 @@ def _A_chunk(k, beta, g2):
     """(I + strictly lower beta_i k_i.k_j exp2(g_i - g_j))^-1 for one chunk: k [L, H, K], beta/g2 [L, H]."""
     L = k.shape[0]
     kk = torch.einsum("ihk,jhk->hij", k, k)
-    decay = torch.exp2(g2.T[:, :, None] - g2.T[:, None, :])
-    M = (kk * decay * beta.T[:, :, None]).tril(-1)
+    strict = torch.ones(L, L, dtype=torch.bool).tril(-1)
+    decay = torch.exp2((g2.T[:, :, None] - g2.T[:, None, :]).masked_fill(~strict, -math.inf))  # no inf above
+    M = kk * decay * beta.T[:, :, None]
     eye = torch.eye(L, dtype=k.dtype)
     return torch.linalg.solve_triangular(
         eye + M, eye.expand_as(M), upper=False, unitriangular=True

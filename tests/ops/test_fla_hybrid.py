@@ -361,3 +361,250 @@ def test_custom_op_fla_hybrid_opcheck_on_standins(standins, monkeypatch, final):
     cu = torch.tensor([0, 5, 6, 36, 39])
     args = (*ins, cu, cu, h0.float().requires_grad_(), 0.35, final, True, "fla_hybrid")
     torch.library.opcheck(custom_op._gated_delta_rule, args)
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU (run by the lead on the device machine, fla-core 0.6.0 importable): fla's real kernels
+
+
+def _gpu_hybrid(precision="fp32"):
+    pytest.importorskip("fla")
+    from varpack.ops import gated_delta_rule
+
+    def fn(*a, cu_seqlens=None, **kw):
+        if cu_seqlens is None:
+            return gated_delta_rule(*a, backend="fla_hybrid", **kw)
+        from varpack.ops.gated_delta_rule import fla_hybrid_gated_delta_rule
+
+        return fla_hybrid_gated_delta_rule(
+            *a, cu_seqlens=cu_seqlens.cuda(), cu_seqlens_cpu=cu_seqlens, precision=precision, **kw
+        )
+
+    return fn
+
+
+def _check_vs_chunk_fp32(lengths, precision, Hk=2, H=4, K=128, V=128, initial=True):
+    from tests.ops.test_gated_delta_rule import _bf16_tol, _cu, _inputs, _run
+    from varpack.ops import chunk_gated_delta_rule
+
+    ins, h0 = _inputs(lengths, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16, initial=initial)
+    cu = _cu(lengths, torch.int64)
+    o, s, g, do, dht = _run(_gpu_hybrid(precision), ins, h0, cu)
+    ref_ins = [x.float().cpu() for x in ins]
+    o_ref, s_ref, g_ref, _, _ = _run(
+        chunk_gated_delta_rule, ref_ins, h0.cpu() if h0 is not None else None, cu, do=do.float().cpu(),
+        dht=dht.float().cpu(),
+    )  # fmt: skip
+    errs = {"o": (o.float().cpu() - o_ref).abs().max() / _bf16_tol(o_ref)}
+    errs["final_state"] = (s.float().cpu() - s_ref).abs().max() / _bf16_tol(s_ref)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], g, g_ref):
+        errs[name] = (a.float().cpu() - b).abs().max() / (2 * _bf16_tol(b))
+    print({n: round(float(e), 3) for n, e in errs.items()}, "(error / tolerance)")
+    return errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "mixed", "input"])
+def test_gpu_fla_hybrid_matches_chunk_fp32(precision):
+    """fla_hybrid (bf16, 1-token and non-multiple-of-64 sequences, GVA, initial state) vs the fp32 chunk path:
+    output, final state and every gradient within the bf16 tolerance of tests/ops/test_gated_delta_rule.py."""
+    from tests.ops.test_gated_delta_rule import GPU_LENGTHS
+
+    errs = _check_vs_chunk_fp32(GPU_LENGTHS, precision)
+    bound = 1 if precision != "input" else 3  # "input": bf16-rounded GEMM outputs, an experimental mode
+    bad = {n: float(e) for n, e in errs.items() if not e < bound}
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_no_initial_state_equal_heads():
+    errs = _check_vs_chunk_fp32([3, 64, 65, 1, 200], "fp32", Hk=4, H=4, K=64, V=64, initial=False)
+    assert all(e < 1 for e in errs.values()), errs
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_negative_control_boundaries_dropped():
+    """The same packed row with cu_seqlens dropped (one sequence) must not match the packed reference."""
+    from tests.ops.test_gated_delta_rule import GPU_LENGTHS, _bf16_tol, _cu, _inputs
+    from varpack.ops import chunk_gated_delta_rule
+
+    ins, _ = _inputs(GPU_LENGTHS, Hk=2, H=4, K=128, V=128, device="cuda", dtype=torch.bfloat16)
+    cu = _cu(GPU_LENGTHS, torch.int64)
+    o_ref, _ = chunk_gated_delta_rule(
+        *[x.float().cpu() for x in ins], cu_seqlens=cu, use_qk_l2norm_in_kernel=True
+    )
+    T = sum(GPU_LENGTHS)
+    o, _ = _gpu_hybrid()(*ins, cu_seqlens=torch.tensor([0, T]), use_qk_l2norm_in_kernel=True)
+    assert (o.float().cpu() - o_ref).abs().max() > 5 * _bf16_tol(o_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_70000_one_token_sequences():
+    """70,000 sequences (69,990 of one token, 10 of 70) x 4 value heads: forward, final state and every
+    gradient vs the fp32 chunk path on the GPU (no grid or memory blow-up in the replaced step)."""
+    from tests.ops.test_gated_delta_rule import _bf16_tol, _cu
+    from varpack.ops import chunk_gated_delta_rule
+
+    N = 70_000
+    lengths = [1] * (N - 10) + [70] * 10
+    T, Hk, H, K, V = sum(lengths), 2, 4, 64, 64
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, T, Hk, K, generator=gen).cuda().bfloat16() for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen).cuda().bfloat16()
+    g = F.logsigmoid(torch.randn(1, T, H, generator=gen) + 2).cuda()
+    beta = torch.rand(1, T, H, generator=gen).cuda().bfloat16()
+    cu = _cu(lengths, torch.int64)
+    do = torch.randn(1, T, H, V, generator=gen).cuda().bfloat16()
+    dht = torch.randn(N, H, K, V, generator=gen).cuda()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o, s = _gpu_hybrid()(*leaves, cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    g1 = torch.autograd.grad((o.float() * do.float()).sum() + (s * dht).sum(), leaves)
+    # reference: the fp32 chunk path on the two independent parts (the one-token sequences, the 70-token
+    # ones), each packed alone: sequences do not interact, and each part gets its own small chunk layout
+    parts = []
+    for tok, seq, lens in (
+        (slice(0, N - 10), slice(0, N - 10), [1] * (N - 10)),
+        (slice(N - 10, T), slice(N - 10, N), [70] * 10),
+    ):
+        ref_leaves = [x[:, tok].float().requires_grad_() for x in (q, k, v, g, beta)]
+        o_p, s_p = chunk_gated_delta_rule(
+            *ref_leaves,
+            cu_seqlens=_cu(lens, torch.int64),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        g_p = torch.autograd.grad((o_p * do[:, tok].float()).sum() + (s_p * dht[seq]).sum(), ref_leaves)
+        parts.append((o_p.detach(), s_p.detach(), g_p))
+    o_ref = torch.cat([p[0] for p in parts], dim=1)
+    s_ref = torch.cat([p[1] for p in parts], dim=0)
+    g_ref = [torch.cat([p[2][i] for p in parts], dim=1) for i in range(5)]
+    assert (o.float() - o_ref).abs().max() < _bf16_tol(o_ref)
+    assert (s - s_ref).abs().max() < _bf16_tol(s_ref)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], g1, g_ref):
+        assert (a.float() - b).abs().max() < 2 * _bf16_tol(b), name
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_probe_and_auto():
+    """The probe passes on this device and auto picks fla (its own backward runs) or else fla_hybrid."""
+    pytest.importorskip("fla")
+    from varpack.ops import resolve_backend
+    from varpack.ops.fla_probe import fla_status
+
+    st = fla_status("cuda")
+    print(st)
+    assert st.hybrid == (True, "ok"), st.hybrid
+    want = "fla" if st.forward[0] and st.backward[0] else "fla_hybrid"
+    assert resolve_backend("auto", "cuda") == want
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_custom_op_equals_direct():
+    """varpack::gated_delta_rule on fla_hybrid (native backward op) == fla_hybrid_gated_delta_rule."""
+    pytest.importorskip("fla")
+    from tests.ops.test_gated_delta_rule import _cu, _inputs
+    from varpack.ops.gated_delta_rule import fla_hybrid_gated_delta_rule
+    from varpack.ops.gated_delta_rule.custom_op import gated_delta_rule_op
+
+    lengths = [5, 300, 64, 1]
+    ins, h0 = _inputs(lengths, Hk=2, H=4, K=64, V=64, device="cuda", dtype=torch.bfloat16, initial=True)
+    cu = _cu(lengths, torch.int64)
+    outs = []
+    for fn in (
+        fla_hybrid_gated_delta_rule,
+        lambda *a, **kw: gated_delta_rule_op(*a, backend="fla_hybrid", **kw),
+    ):
+        leaves = [x.clone().requires_grad_() for x in (*ins, h0)]
+        o, s = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu.cuda(),
+                  cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=True)  # fmt: skip
+        gen = torch.Generator().manual_seed(1)
+        do = torch.randn(o.shape, generator=gen).cuda().to(o.dtype)
+        dht = torch.randn(s.shape, generator=gen).cuda()
+        outs.append([o, s, *torch.autograd.grad((o.float() * do.float()).sum() + (s * dht).sum(), leaves)])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_is_sync_free():
+    """After a warm-up on the same boundaries (Triton compiles, fla's chunk-index cache), forward and backward
+    make no host sync (the CPU offsets are given)."""
+    from tests.ops.test_gated_delta_rule import _cu, _inputs
+
+    lengths = [3, 500, 64, 1, 1000]
+    ins, _ = _inputs(lengths, device="cuda", dtype=torch.bfloat16, K=64, V=64)
+    cu = _cu(lengths, torch.int64)
+    from varpack.ops.gated_delta_rule.fla_hybrid import (
+        fla_hybrid_gated_delta_rule,
+        prepare_fla_hybrid_boundaries,
+    )
+
+    bnd = prepare_fla_hybrid_boundaries(cu, "cuda")  # per batch (the model layers keep it on the VarlenMeta)
+
+    def step():
+        leaves = [x.clone().requires_grad_() for x in ins]
+        o, _ = fla_hybrid_gated_delta_rule(
+            *leaves,
+            cu_seqlens=bnd.cu_seqlens,
+            cu_seqlens_cpu=cu,
+            boundaries=bnd,
+            use_qk_l2norm_in_kernel=True,
+        )
+        o.float().sum().backward()
+
+    pytest.importorskip("fla")
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_model_layers_reach_fla_hybrid_on_standins(standins, monkeypatch):
+    """tiny-qwen3.5 with its Gated DeltaNet layers forced onto fla_hybrid (fla's kernels played by the
+    stand-ins): packed == unpacked for logits, loss and every gradient (varpack check); the per-batch
+    boundaries are built once and kept on the batch's VarlenMeta; sabotaged boundaries fail."""
+    import varpack.collate
+    from tests.test_check import VOCAB, _Sabotaged, samples
+    from varpack.check import check_exactness
+    from varpack.integrations.gated_delta import patch_linear_attention
+    from varpack.models import load_model
+    from varpack.ops.gated_delta_rule import dispatch
+
+    built = []
+    real_prepare = standins.prepare_fla_hybrid_boundaries
+
+    def counting_prepare(*a, **kw):
+        built.append(1)
+        return real_prepare(*a, **kw)
+
+    monkeypatch.setattr(
+        "varpack.integrations.gated_delta.prepare_fla_hybrid_boundaries", counting_prepare, raising=True
+    )
+    monkeypatch.setattr(dispatch, "_fla_hybrid_capability", lambda device: (True, "ok (stand-ins)"))
+    monkeypatch.setattr(
+        dispatch,
+        "fla_hybrid_gated_delta_rule",
+        lambda *a, cu_seqlens_cpu=None, boundaries=None: standins._hybrid(
+            *a, cu_seqlens_cpu, "fp32", boundaries
+        ),
+    )
+    import varpack.integrations.gated_delta as gd
+
+    # check_exactness re-enables varpack (linear backend auto, = chunk on the CPU): force fla_hybrid there
+    monkeypatch.setattr(
+        gd,
+        "patch_linear_attention",
+        lambda m, backend="auto": patch_linear_attention(m, backend="fla_hybrid"),
+    )
+    model = load_model("tiny-qwen3.5", vocab_size=VOCAB, attn_backend="reference")
+    rows = samples(lengths=(6, 1, 9, 70))
+    res = check_exactness(model, rows, backend="reference")
+    assert res["passed"], res["failures"]
+    assert res["gated_delta_backend"] == "fla_hybrid"
+    assert len(built) == 1  # one packed batch: built once, shared by every linear-attention layer
+    monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
+    assert not check_exactness(model, rows, backend="reference")["passed"]

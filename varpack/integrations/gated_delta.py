@@ -40,6 +40,7 @@ from varpack.models.registry import is_gated_delta_layer as _is_gdn
 from varpack.ops._fla import load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
 from varpack.ops.gated_delta_rule.dispatch import fla_gated_delta_status, resolve_backend
+from varpack.ops.gated_delta_rule.fla_hybrid import FlaHybridBoundaries, prepare_fla_hybrid_boundaries
 from varpack.ops.short_conv import short_conv
 from varpack.schema import SEQ_IDX, VARLEN_META
 from varpack.varlen.meta import VarlenMeta, varlen_meta_from_kwargs
@@ -128,6 +129,14 @@ def _chunk_layout(meta: VarlenMeta) -> ChunkLayout:
     return meta.memo("gated_delta_chunk_layout", lambda: prepare_chunk_layout(meta.cu_seqlens_cpu()))
 
 
+def _fla_hybrid_boundaries(meta: VarlenMeta, device: torch.device) -> FlaHybridBoundaries:
+    """fla_hybrid's per-batch boundaries (device offsets, dq/dk plan), built once and kept on the meta."""
+    return meta.memo(
+        ("fla_hybrid_boundaries", str(device)),
+        lambda: prepare_fla_hybrid_boundaries(meta.cu_seqlens_cpu(), device),
+    )
+
+
 def _conv_activation(name: Any):
     if name in ("silu", "swish") or name is None:
         return name
@@ -184,6 +193,8 @@ def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attenti
 
     if rule_backend in ("fla", "fla_hybrid"):  # fla's kernels: int64 offsets on the device + the CPU copy
         rule_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
+        if rule_backend == "fla_hybrid":
+            rule_kwargs["fla_boundaries"] = _fla_hybrid_boundaries(meta, device)
     else:
         rule_kwargs = {"cu_seqlens": meta.cu_seqlens_cpu(), "layout": _chunk_layout(meta)}
     core, _ = gated_delta_rule(

@@ -37,7 +37,7 @@ from .._fla import (
 )
 from ._common import normalize_optional_cu
 from .chunk import ChunkLayout, chunk_gated_delta_rule
-from .fla_hybrid import fla_hybrid_gated_delta_rule, load_hybrid
+from .fla_hybrid import FlaHybridBoundaries, fla_hybrid_gated_delta_rule, load_hybrid
 from .naive import naive_recurrent_gated_delta_rule
 
 __all__ = [
@@ -292,6 +292,7 @@ def gated_delta_rule(
     backend: str = "auto",
     layout: ChunkLayout | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    fla_boundaries: FlaHybridBoundaries | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule with ``cu_seqlens`` on the best (or the forced) backend.
 
@@ -305,6 +306,8 @@ def gated_delta_rule(
             (module docstring).
         layout: a :func:`prepare_chunk_layout` result for ``cu_seqlens`` (chunk backends; saves rebuilding it).
         cu_seqlens_cpu: a CPU copy of ``cu_seqlens`` when ``cu_seqlens`` lives on the device (no sync).
+        fla_boundaries: a :func:`~varpack.ops.gated_delta_rule.fla_hybrid.prepare_fla_hybrid_boundaries`
+            result for ``cu_seqlens`` (``fla_hybrid``; kept per batch, it saves rebuilding it per layer).
 
     Raises:
         ValueError: invalid shapes / ``cu_seqlens`` / backend name (see :func:`chunk_gated_delta_rule`).
@@ -351,6 +354,7 @@ def gated_delta_rule(
             cu_seqlens,
             use_qk_l2norm_in_kernel,
             cu_seqlens_cpu=cu_seqlens_cpu,
+            boundaries=fla_boundaries,
         )
     if name == "naive":
         return naive_recurrent_gated_delta_rule(

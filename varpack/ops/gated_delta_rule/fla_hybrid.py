@@ -43,17 +43,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from varpack.varlen.boundaries import checked_host_cu_seqlens, seq_idx_from_cu_seqlens
+
 from .._fla import load_fla_internals
 from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, normalize_optional_cu
 
 __all__ = [
     "FLA_CHUNK_SIZE",
     "DqkwgPlan",
+    "FlaHybridBoundaries",
     "chunk_bwd_dqkwg_torch",
     "dqkwg_plan",
     "fla_hybrid_backward",
     "fla_hybrid_gated_delta_rule",
     "load_hybrid",
+    "prepare_fla_hybrid_boundaries",
 ]
 
 FLA_CHUNK_SIZE = 64
@@ -115,9 +119,9 @@ def dqkwg_plan(
     T = int(cu[-1]) if cu.size else 0
     nch = -(-lengths // chunk_size)
     NT = int(nch.sum())
-    seq = np.repeat(np.arange(lengths.size), nch)
-    first = np.concatenate([[0], np.cumsum(nch)[:-1]]) if nch.size else np.zeros(0, np.int64)
-    j = np.arange(NT) - np.repeat(first, nch)
+    chunk_cu = np.concatenate([[0], np.cumsum(nch)]).astype(np.int64)
+    seq = seq_idx_from_cu_seqlens(chunk_cu, NT)[0].numpy().astype(np.int64)  # sequence of every chunk
+    j = np.arange(NT) - chunk_cu[:-1][seq]
     start = cu[:-1][seq] + j * chunk_size
     clen = np.minimum(chunk_size, cu[1:][seq] - start)
     padded = np.left_shift(1, np.ceil(np.log2(np.maximum(clen, 1))).astype(np.int64))
@@ -128,8 +132,9 @@ def dqkwg_plan(
     for P in np.unique(padded)[::-1]:
         ids = np.nonzero(padded == P)[0]
         cl = clen[ids]
-        local = np.repeat(np.arange(ids.size), cl)
-        pos = np.arange(int(cl.sum())) - np.repeat(np.concatenate([[0], np.cumsum(cl)[:-1]]), cl)
+        tok_cu = np.concatenate([[0], np.cumsum(cl)]).astype(np.int64)
+        local = seq_idx_from_cu_seqlens(tok_cu, int(tok_cu[-1]))[0].numpy().astype(np.int64)  # chunk of token
+        pos = np.arange(int(tok_cu[-1])) - tok_cu[:-1][local]
         tokens = start[ids][local] + pos
         whole = ids.size == NT
         groups.append(
@@ -407,6 +412,7 @@ def fla_hybrid_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     cu_seqlens_cpu: Any = None,
+    boundaries: FlaHybridBoundaries | None = None,
     precision: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule on fla's kernels with varpack's own ``dq, dk, dw, dg`` step (module docstring).
@@ -420,6 +426,8 @@ def fla_hybrid_gated_delta_rule(
         cu_seqlens: boundaries (any integer tensor / list); moved to the device as int64.
         cu_seqlens_cpu: a CPU copy of ``cu_seqlens`` (no device->host sync; without it and with device
             ``cu_seqlens``, one copy to the host is made, as fla itself does).
+        boundaries: :func:`prepare_fla_hybrid_boundaries` of these offsets, kept per batch (every layer
+            then shares one device copy and one plan: no per-layer host work); built here when ``None``.
         precision: :func:`chunk_bwd_dqkwg_torch`'s ``precision`` for the backward (``"fp32"`` default).
 
     Raises:
@@ -430,14 +438,14 @@ def fla_hybrid_gated_delta_rule(
         raise RuntimeError(f"fla_hybrid needs a CUDA device (fla's Triton kernels), got {q.device}")
     return _hybrid(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-        cu_seqlens_cpu, precision,
+        cu_seqlens_cpu, precision, boundaries,
     )  # fmt: skip
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision):
-    """Checked arguments in the packed form the kernels take: ``(q, k, v, g, beta, scale, cu_seqlens (device
-    int64), cu_seqlens_cpu, dqkwg plan, (B, T, Hk, H, K, V))``; B rows without ``cu_seqlens`` become B
-    packed sequences (the same math, one code path)."""
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision, boundaries):
+    """Checked arguments in the packed form the kernels take: ``(q, k, v, g, beta, scale, boundaries,
+    (B, T, Hk, H, K, V))``; B rows without ``cu_seqlens`` become B packed sequences (the same math, one code
+    path)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     _fns()
@@ -454,52 +462,74 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
     if cu_seqlens is None:
         cu_seqlens_cpu = torch.arange(B + 1, dtype=torch.int64) * T
         q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
-    elif cu_seqlens_cpu is None:
+        boundaries = None
+    elif cu_seqlens_cpu is None and boundaries is None:
         cu_seqlens_cpu = cu_seqlens_to_cpu(cu_seqlens)  # one sync; fla would make the same one
-    cu_seqlens_cpu, cu_seqlens, plan = _boundaries(cu_seqlens_cpu, q.device)
-    return q, k, v, g, beta, float(scale), cu_seqlens, cu_seqlens_cpu, plan, dims
+    if boundaries is None:
+        boundaries = prepare_fla_hybrid_boundaries(cu_seqlens_cpu, q.device)
+    else:
+        n = boundaries.cu_seqlens_cpu.numel()
+        if (
+            boundaries.cu_seqlens.device != q.device
+            or boundaries.plan.total_tokens != q.shape[1]
+            or (cu_seqlens is not None and cu_seqlens.numel() != n)
+        ):
+            raise ValueError(
+                f"boundaries were prepared for {n - 1} sequences of {boundaries.plan.total_tokens} tokens on "
+                f"{boundaries.cu_seqlens.device}, got {q.shape[1]} tokens on {q.device}"
+                + (f" in {cu_seqlens.numel() - 1} sequences" if cu_seqlens is not None else "")
+            )
+    return q, k, v, g, beta, float(scale), boundaries, dims
 
 
-_BOUNDARIES: list[tuple[torch.Tensor, tuple, tuple]] = []
+@dataclass(frozen=True)
+class FlaHybridBoundaries:
+    """One batch's boundaries as ``fla_hybrid`` uses them, built once (:func:`prepare_fla_hybrid_boundaries`)
+    and shared by every layer: ``cu_seqlens_cpu`` / ``cu_seqlens`` int64 ``[N+1]`` on the CPU and on the
+    device (the same device tensor for every layer, so fla's own per-tensor caches, e.g. of its chunk
+    indices, hit), and the :class:`DqkwgPlan`."""
+
+    cu_seqlens_cpu: torch.Tensor
+    cu_seqlens: torch.Tensor
+    plan: DqkwgPlan
 
 
-def _boundaries(cu_cpu: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, DqkwgPlan]:
-    """``(cu_seqlens_cpu int64, cu_seqlens int64 on device, plan)``, built once per boundaries object: every
-    layer of a batch passes the same CPU offsets (the batch's VarlenMeta), so the int64 device copy is the
-    same tensor too (fla's own per-tensor caches, e.g. of its chunk indices, then hit) and no layer copies
-    or syncs again. Keyed by the identity (and version) of ``cu_cpu``, last 8 kept."""
-    key = (device, cu_cpu._version)  # an in-place change of the offsets bumps _version: rebuilt
-    for held, held_key, built in _BOUNDARIES:
-        if held is cu_cpu and held_key == key:
-            return built
-    cu64 = cu_cpu.to(torch.int64)
-    built = (cu64, cu64.to(device, non_blocking=True), dqkwg_plan(cu64, FLA_CHUNK_SIZE, device=device))
-    _BOUNDARIES.insert(0, (cu_cpu, key, built))
-    del _BOUNDARIES[8:]
-    return built
+def prepare_fla_hybrid_boundaries(cu_seqlens_cpu: Any, device: torch.device | str) -> FlaHybridBoundaries:
+    """:class:`FlaHybridBoundaries` of CPU offsets ``[N+1]`` for ``device`` (CPU work O(T), non-blocking
+    copies: no host sync). Keep it per batch (e.g. ``VarlenMeta.memo``) and pass it as ``boundaries=``.
+
+    Raises:
+        ValueError / TypeError: invalid offsets (:func:`varpack.varlen.normalize_cu_seqlens`).
+    """
+    device = torch.device(device)
+    cu64 = cu_seqlens_to_cpu(cu_seqlens_cpu)
+    checked_host_cu_seqlens(cu64)
+    return FlaHybridBoundaries(
+        cu64, cu64.to(device, non_blocking=True), dqkwg_plan(cu64, FLA_CHUNK_SIZE, device=device)
+    )
 
 
 def _hybrid(
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-    cu_seqlens_cpu, precision,
+    cu_seqlens_cpu, precision, boundaries=None,
 ):  # fmt: skip
     """:func:`fla_hybrid_gated_delta_rule` past its device check (the CPU tests run it on stand-ins for
     fla's kernels)."""
-    q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu, plan, dims = _prepare(
-        q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision
+    q, k, v, g, beta, scale, bnd, dims = _prepare(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision, boundaries
     )
     B, T, Hk, H, K, V = dims
-    if T * B == 0 or int(cu_seqlens_cpu[-1]) == 0:
+    if T * B == 0 or bnd.plan.total_tokens == 0:
         o = v.new_zeros(v.shape).reshape(B, T, H, V).to(q.dtype)
-        n = cu_seqlens_cpu.numel() - 1
+        n = bnd.cu_seqlens_cpu.numel() - 1
         fs = None
         if output_final_state:
             acc = acc_dtype(q)
             fs = initial_state.to(acc) if initial_state is not None else q.new_zeros(n, H, K, V, dtype=acc)
         return o, fs
     o, final = _FlaHybridGatedDeltaRule.apply(
-        q, k, v, g, beta, initial_state, scale, bool(output_final_state), cu_seqlens, cu_seqlens_cpu,
-        bool(use_qk_l2norm_in_kernel), plan, precision,
+        q, k, v, g, beta, initial_state, scale, bool(output_final_state), bnd.cu_seqlens, bnd.cu_seqlens_cpu,
+        bool(use_qk_l2norm_in_kernel), bnd.plan, precision,
     )  # fmt: skip
     o = o.reshape(B, T, H, V)
     return o, (final.to(acc_dtype(q)) if final is not None else None)
@@ -519,6 +549,7 @@ def fla_hybrid_backward(
     use_qk_l2norm_in_kernel: bool = False,
     *,
     cu_seqlens_cpu: Any = None,
+    boundaries: FlaHybridBoundaries | None = None,
     precision: str = "fp32",
 ) -> list[torch.Tensor | None]:
     """``[dq, dk, dv, dg, dbeta, dinitial_state | None]`` of :func:`fla_hybrid_gated_delta_rule` for the
@@ -533,30 +564,40 @@ def fla_hybrid_backward(
         raise RuntimeError(f"fla_hybrid needs a CUDA device (fla's Triton kernels), got {q.device}")
     return _hybrid_backward(
         do, dfinal, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
-        cu_seqlens_cpu, precision,
+        cu_seqlens_cpu, precision, boundaries,
     )  # fmt: skip
 
 
 def _hybrid_backward(
     do, dfinal, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
-    precision,
+    precision, boundaries=None,
 ):  # fmt: skip
     dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
     shapes = (q.shape, k.shape, v.shape, g.shape, beta.shape)
-    qp, kp, vp, gp, bp, scale, cu, cu_cpu, plan, dims = _prepare(
-        q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision
+    qp, kp, vp, gp, bp, scale, bnd, dims = _prepare(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision, boundaries
     )
     B, T, Hk, H, K, V = dims
-    if T * B == 0 or int(cu_cpu[-1]) == 0:
+    if T * B == 0 or bnd.plan.total_tokens == 0:
         grads = [torch.zeros(s, dtype=d, device=q.device) for s, d in zip(shapes, dtypes)]
         return grads + [dfinal.to(initial_state.dtype) if initial_state is not None and dfinal is not None
                         else (torch.zeros_like(initial_state) if initial_state is not None else None)]  # fmt: skip
     _, _, saved = _forward_impl(
-        qp, kp, vp, gp, bp, initial_state, scale, False, cu, cu_cpu, use_qk_l2norm_in_kernel
+        qp,
+        kp,
+        vp,
+        gp,
+        bp,
+        initial_state,
+        scale,
+        False,
+        bnd.cu_seqlens,
+        bnd.cu_seqlens_cpu,
+        use_qk_l2norm_in_kernel,
     )
     do = do.reshape(1, B * T, H, V)
     dq, dk, dv, dg, db, dh0 = _backward_impl(
-        saved, do, dfinal, scale, use_qk_l2norm_in_kernel, plan, precision
+        saved, do, dfinal, scale, use_qk_l2norm_in_kernel, bnd.plan, precision
     )
     out = [x.reshape(s).to(d) for x, s, d in zip((dq, dk, dv, dg, db), shapes, dtypes)]
     out.append(dh0.to(initial_state.dtype) if initial_state is not None else None)
