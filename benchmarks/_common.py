@@ -46,9 +46,7 @@ def _is_chat_file(path: Path) -> bool:
         first = fh.readline()
     is_chat = bool(first.strip()) and "messages" in json.loads(first)
     if not is_chat:
-        print(
-            f"encode: skipping {path.name} (not a chat file: no 'messages' in its first row)", file=sys.stderr
-        )
+        print(f"encode: skipping {path.name} (not a chat file: no 'messages' in its first row)", file=sys.stderr)
     return is_chat
 
 

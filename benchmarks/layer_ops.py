@@ -51,9 +51,7 @@ def count_ops(model: torch.nn.Module, batch: dict, backward: bool) -> tuple[int,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--model", default="tiny-qwen3", help="varpack built-in text model (tiny-qwen3, tiny-llama)"
-    )
+    p.add_argument("--model", default="tiny-qwen3", help="varpack built-in text model (tiny-qwen3, tiny-llama)")
     p.add_argument("--tokens", type=int, default=60, help="tokens of the one-sample pack")
     p.add_argument("--layers", type=int, default=28, help="layers of the step the totals are scaled to")
     args = p.parse_args(argv)
@@ -80,11 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
     print(f"# ATen ops per decoder layer, {args.model}, eager, one {args.tokens}-token sample, CPU profiler")
-    print(
-        markdown_table(
-            ["pass", "leaf ops / layer", "non-view ops / layer", f"non-view ops / {args.layers} layers"], rows
-        )
-    )
+    print(markdown_table(["pass", "leaf ops / layer", "non-view ops / layer", f"non-view ops / {args.layers} layers"], rows))
     return 0
 
 

@@ -68,10 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=3, help="epochs averaged (each its own order)")
     args = ap.parse_args(argv)
     weight = attention_cost_weight(model_config("qwen3-0.6b-shape"))
-    print(
-        f"attention_weight (Qwen3-0.6B shape) = {weight:.4e} per token^2; imbalance = sum of slowest rank / "
-        f"sum of mean rank, {args.epochs} epochs averaged"
-    )
+    print(f"attention_weight (Qwen3-0.6B shape) = {weight:.4e} per token^2; imbalance = sum of slowest rank / "
+          f"sum of mean rank, {args.epochs} epochs averaged")
     per_file = real_lengths_per_file(args.data_dir)
     real = np.concatenate([per_file[k] for k in sorted(per_file)])
     for line in rows_for("../shared/data (all SFT files)", real, args.packing_length, weight, args.epochs):

@@ -130,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, per_rank, measured, predicted, n in rows:
             print(f"{name:<12} {n:>5} {per_rank:>26} {measured:>9.4f} {predicted:>7.4f}")
         base, bal = rows[0][2], rows[1][2]
-        print(
-            f"waiting removed by balancing: {base:.4f} -> {bal:.4f} ({(base - bal) / base:.1%} of the step time)"
-        )
+        print(f"waiting removed by balancing: {base:.4f} -> {bal:.4f} ({(base - bal) / base:.1%} of the step time)")
     dist.destroy_process_group()
     return 0
 

@@ -211,9 +211,7 @@ def count_loss_items(
     Raises:
         ValueError: ``"sample"`` without ``seq_idx``; an unknown ``reduction``.
     """
-    return int(
-        count_loss_items_tensor(labels, reduction=reduction, seq_idx=seq_idx, ignore_index=ignore_index)
-    )
+    return int(count_loss_items_tensor(labels, reduction=reduction, seq_idx=seq_idx, ignore_index=ignore_index))
 
 
 def count_loss_items_tensor(

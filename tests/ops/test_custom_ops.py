@@ -201,9 +201,7 @@ def test_gated_delta_op_packed_equals_unpacked(compiler):
 def test_backward_kinds_and_refusals():
     assert op_backward_kind("reference") == op_backward_kind("sdpa") == "recompute"
     assert op_backward_kind("flash_attn") is None and op_backward_kind("flash_attn_3") is None
-    assert (
-        op_backward_kind("torch_varlen") is None and op_backward_kind("flex") is None
-    )  # see _NO_OP_BACKWARD
+    assert op_backward_kind("torch_varlen") is None and op_backward_kind("flex") is None  # see _NO_OP_BACKWARD
     assert op_backward_kind("triton_short") == "native"
     with pytest.raises(ValueError, match="unknown attention backend"):
         op_backward_kind("nope")

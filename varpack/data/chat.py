@@ -81,9 +81,7 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
     """
     where = _where(sample_id)
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError(
-            f"{where}: messages must be a list of {{role, content}}, got {type(messages).__name__}"
-        )
+        raise TypeError(f"{where}: messages must be a list of {{role, content}}, got {type(messages).__name__}")
     if len(messages) == 0:
         raise ValueError(f"{where}: messages is empty")
     out: list[dict[str, Any]] = []
@@ -119,9 +117,7 @@ def _chat_template(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def _uses_generation_markers(tokenizer: PreTrainedTokenizerBase) -> bool:
-    return bool(getattr(tokenizer, "is_fast", False)) and bool(
-        _GENERATION_RE.search(_chat_template(tokenizer))
-    )
+    return bool(getattr(tokenizer, "is_fast", False)) and bool(_GENERATION_RE.search(_chat_template(tokenizer)))
 
 
 def _labels(input_ids: list[int], mask: Sequence[int]) -> list[int]:
@@ -391,8 +387,7 @@ def _load_files(kind: str, files: list[str], cache_dir: str | None) -> datasets.
         if len(files) == 1:
             raise
     per_file = [
-        datasets.load_dataset(kind, data_files=[f], split="train", cache_dir=cache_dir).features
-        for f in files
+        datasets.load_dataset(kind, data_files=[f], split="train", cache_dir=cache_dir).features for f in files
     ]
     names = list(dict.fromkeys(name for features in per_file for name in features))
     if not hasattr(datasets, "Json"):
@@ -474,9 +469,7 @@ class _EncodeBatch:
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         from varpack.data.formats import row_to_messages
 
-        messages = [
-            row_to_messages({k: v[j] for k, v in batch.items()}, sid)[0] for j, sid in enumerate(indices)
-        ]
+        messages = [row_to_messages({k: v[j] for k, v in batch.items()}, sid)[0] for j, sid in enumerate(indices)]
         results = _encode_many(messages, self.tokenizer, indices)
         return {
             "input_ids": [r["input_ids"] for r in results],

@@ -124,9 +124,7 @@ def cut_piece(
     else:
         length = len(row["input_ids"])
         if not 0 <= start < stop <= length:
-            what = (
-                f"piece {piece_id} of sample {sample_id}" if piece_id is not None else f"sample {sample_id}"
-            )
+            what = f"piece {piece_id} of sample {sample_id}" if piece_id is not None else f"sample {sample_id}"
             raise ValueError(
                 f"{what} covers tokens [{start}, {stop}) but the sample has {length} tokens "
                 "(plan made for other data?)"
@@ -404,12 +402,7 @@ class PackedDataset(Dataset):
 
     def _cut(self, row: dict[str, Any], piece_id: int, sample_id: int, start: int, stop: int) -> None:
         cut_piece(
-            row,
-            start,
-            stop,
-            sample_id=sample_id,
-            piece_id=piece_id,
-            token_fields=self.token_fields,
+            row, start, stop, sample_id=sample_id, piece_id=piece_id, token_fields=self.token_fields,
             text_plane=self.text_plane,
         )
 

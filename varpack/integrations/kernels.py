@@ -210,9 +210,6 @@ def compile_layers(
         layer.compile(backend=backend, dynamic=dynamic, **compile_kw)
         layer._compiled_call_impl = _without_duck_shapes(layer._compiled_call_impl)
     model._varpack_compiled = {
-        "backend": backend,
-        "dynamic": dynamic,
-        "layers": len(layers),
-        "custom_ops": bool(custom_ops),
+        "backend": backend, "dynamic": dynamic, "layers": len(layers), "custom_ops": bool(custom_ops)
     }
     return len(layers)

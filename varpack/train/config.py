@@ -492,11 +492,7 @@ class SFTConfig:
             ("max_steps", self.max_steps == -1 or self.max_steps >= 1, "must be -1 (use epochs) or >= 1"),
             ("lr", self.lr is None or (self.lr > 0 and math.isfinite(self.lr)), "must be finite, > 0"),
             ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
-            (
-                "weight_decay",
-                self.weight_decay >= 0 and math.isfinite(self.weight_decay),
-                "must be finite, >= 0",
-            ),
+            ("weight_decay", self.weight_decay >= 0 and math.isfinite(self.weight_decay), "must be finite, >= 0"),
             ("logging_steps", self.logging_steps >= 1, "must be >= 1"),
             ("num_proc", self.num_proc is None or self.num_proc >= 1, "must be >= 1"),
             ("dataloader_num_workers", self.dataloader_num_workers >= 0, "must be >= 0"),

@@ -287,6 +287,8 @@ class PackSamplingMixin:
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
 
+
+
 def make_pack_sampler(
     plan: Any,
     model: Any,
@@ -379,9 +381,7 @@ def check_sampler_checkpoint(sampler: Any, checkpoint: str) -> None:
     """
     path = os.path.join(checkpoint, SAMPLER_STATE_FILE)
     if not os.path.isfile(path):
-        raise ValueError(
-            f"checkpoint {checkpoint} has no {SAMPLER_STATE_FILE}: it was not saved with a pack sampler"
-        )
+        raise ValueError(f"checkpoint {checkpoint} has no {SAMPLER_STATE_FILE}: it was not saved with a pack sampler")
     with open(path) as f:
         state = json.load(f)
     import copy
@@ -459,10 +459,8 @@ def batch_stats(batch: dict[str, Any], *, packs: int) -> dict[str, int]:
         for a masked filler pack (samples without ``sample_id``, every label -100).
     """
     samples = len(batch[SAMPLE_IDS])
-    if (
-        samples
-        and all(s is None for s in batch[SAMPLE_IDS])
-        and (LABELS not in batch or bool((batch[LABELS] == IGNORE_INDEX).all()))
+    if samples and all(s is None for s in batch[SAMPLE_IDS]) and (
+        LABELS not in batch or bool((batch[LABELS] == IGNORE_INDEX).all())
     ):
         # a masked filler pack (varpack.data.sampler.MaskedPack): trains nothing, counts nothing
         return dict.fromkeys(STAT_KEYS, 0)
