@@ -608,3 +608,28 @@ def test_model_layers_reach_fla_hybrid_on_standins(standins, monkeypatch):
     assert len(built) == 1  # one packed batch: built once, shared by every linear-attention layer
     monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
     assert not check_exactness(model, rows, backend="reference")["passed"]
+
+
+def test_hybrid_probe_logic_on_standins(standins, monkeypatch):
+    """The fla_hybrid probe (bf16 problem with initial/final state vs the fp32 chunk path) passes on the
+    stand-ins, and fails with the quantity named when the backward is wrong (dg scaled)."""
+    from varpack.ops.gated_delta_rule import dispatch
+
+    monkeypatch.setattr(dispatch, "load_hybrid", standins.load_hybrid)
+
+    def rule(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, **kw):
+        l2 = kw["use_qk_l2norm_in_kernel"]
+        return standins._hybrid(
+            q, k, v, g, beta, None, initial_state, output_final_state, cu_seqlens, l2, cu_seqlens_cpu, "fp32"
+        )
+
+    assert dispatch._run_fla_hybrid_probe(torch.device("cpu"), rule) == (True, "ok")
+    real = standins._backward_impl
+
+    def wrong(*a, **kw):
+        dq, dk, dv, dg, db, dh0 = real(*a, **kw)
+        return dq, dk, dv, 1.5 * dg, db, dh0
+
+    monkeypatch.setattr(standins, "_backward_impl", wrong)
+    ok, reason = dispatch._run_fla_hybrid_probe(torch.device("cpu"), rule)
+    assert not ok and "dg" in reason, reason

@@ -129,6 +129,11 @@ def _probe_fla_hybrid(device: torch.device) -> Capability:
     problem vs :func:`chunk_gated_delta_rule` in fp32: ``(ok, reason)``."""
     if device.type != "cuda":
         return False, f"fla_hybrid needs a CUDA device, got {device}"
+    return _run_fla_hybrid_probe(device, fla_hybrid_gated_delta_rule)
+
+
+def _run_fla_hybrid_probe(device: torch.device, rule) -> Capability:
+    """The probe's problem through ``rule`` (``fla_hybrid_gated_delta_rule``; the CPU tests pass a stand-in)."""
     fns, reason = load_hybrid()
     if fns is None:
         return False, reason
@@ -152,11 +157,11 @@ def _probe_fla_hybrid(device: torch.device) -> Capability:
     )  # fmt: skip
     ref_grads = torch.autograd.grad((ref_o * do.float()).sum() + (ref_s * dht).sum(), ref_leaves)
     try:
-        o, s = fla_hybrid_gated_delta_rule(
+        o, s = rule(
             *leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu,
             cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
-        errs = {"o": rel_err(o, ref_o), "final_state": rel_err(s, ref_s)}
+        errs = {"o": rel_err(o.detach(), ref_o.detach()), "final_state": rel_err(s.detach(), ref_s.detach())}
         grads = torch.autograd.grad((o.float() * do.float()).sum() + (s * dht).sum(), leaves)
     except Exception as exc:
         return False, f"fla_hybrid failed: {first_line(exc)}"

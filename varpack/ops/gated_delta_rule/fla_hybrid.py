@@ -250,7 +250,7 @@ def _dqkwg_group(grp: _Group, q, k, v_new, do, dv, g, hs, dhs, scale, acc, mm, o
     def chunks(x: torch.Tensor, dtype) -> torch.Tensor:  # [T, X, D] -> [G, X, P, D], zero padded
         x = x.index_select(0, grp.tokens).to(dtype)
         out = x.new_zeros((G * P, *x.shape[1:])).index_copy_(0, grp.slots, x)
-        return out.view(G, P, *x.shape[1:]).transpose(1, 2)
+        return out.view(G, P, *x.shape[1:]).transpose(1, 2).contiguous()
 
     def tokens(x: torch.Tensor) -> torch.Tensor:  # [G, X, P, D] -> [n, X, D]
         x = x.transpose(1, 2)
