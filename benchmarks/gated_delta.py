@@ -184,6 +184,7 @@ def build_methods(cu_cpu, lengths, device, names):
                     cu_seqlens_cpu=cu_cpu,
                     use_qk_l2norm_in_kernel=True,
                     precision=_p,
+                    boundaries=_b,
                 )[0]
             )
     return methods
