@@ -94,6 +94,7 @@ def test_check_linear_attention_models(name, monkeypatch):
     model = load_model(name, vocab_size=VOCAB, attn_backend="reference")
     res = check_exactness(model, samples(lengths=(6, 1, 9)), backend="reference")
     assert res["passed"], res["failures"]
+    assert res["gated_delta_backend"] == "chunk" and "auto on cpu" in res["gated_delta_reason"]
     monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
     assert not check_exactness(model, samples(lengths=(6, 1, 9)), backend="reference")["passed"]
 
@@ -160,6 +161,24 @@ def test_gpu_check_bf16_auto(name, monkeypatch):
         f"{name}: backend {res['backend']} ({res['backend_reason']}); logit err packed/unpacked vs fp32 "
         f"{res['logit_err_packed']:.3g}/{res['logit_err_unpacked']:.3g}"
     )
+    monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
+    assert not check_exactness(model, rows, backend="auto")["passed"]
+
+
+@pytest.mark.gpu
+def test_gpu_check_tiny_qwen35_bf16_gated_delta_on_fla_kernels(monkeypatch):
+    """tiny-qwen3.5 in bf16 on CUDA, backend auto: the gated delta rule runs on fla's kernels (fla, or
+    fla_hybrid where fla refuses its backward) and the check passes by the fp32-truth rule; sabotaged fails."""
+    pytest.importorskip("fla")
+    model = load_model("tiny-qwen3.5", dtype=torch.bfloat16, device="cuda", attn_backend="auto")
+    vocab = model.config.vocab_size
+    rows = [
+        {**r, "input_ids": [t % vocab for t in r["input_ids"]]} for r in samples(lengths=(300, 1, 130, 77))
+    ]
+    res = check_exactness(model, rows, backend="auto")
+    print(f"gated delta rule: {res['gated_delta_backend']} ({res['gated_delta_reason']})")
+    assert res["gated_delta_backend"] in ("fla", "fla_hybrid"), res["gated_delta_reason"]
+    assert res["passed"], res["failures"]
     monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
     assert not check_exactness(model, rows, backend="auto")["passed"]
 

@@ -133,6 +133,17 @@ def _resolved_backend(
     return str(resolved), resolved.reason
 
 
+def _gated_delta_backend(model: Any, device: torch.device) -> tuple[str, str] | None:
+    """The gated delta rule backend the model's Gated DeltaNet layers run (and why), ``None`` without any."""
+    from varpack.models.registry import is_gated_delta_layer
+    from varpack.ops.gated_delta_rule.dispatch import resolve_backend_reason
+
+    layers = [m for m in model.modules() if is_gated_delta_layer(m)]
+    if not layers:
+        return None
+    return resolve_backend_reason(getattr(layers[0], "_varpack_gdn_backend", "auto"), device, needs_grad=True)
+
+
 def check_exactness(
     model: Any,
     samples: Sequence[Mapping[str, Any]],
@@ -163,7 +174,9 @@ def check_exactness(
         ``backend`` (what ``auto`` resolved to), ``backend_reason``, ``passed`` (bool), ``failures`` (list of
         the violated criteria), ``dtype``, ``num_samples``, ``num_tokens``, ``num_params``,
         ``worst_grad_param``, ``tolerance``; for bf16/fp16 also ``logit_err_packed`` / ``logit_err_unpacked``
-        (vs the fp32 truth), ``loss_err_*`` and ``grad_err_*``.
+        (vs the fp32 truth), ``loss_err_*`` and ``grad_err_*``; for a model with Gated DeltaNet layers also
+        ``gated_delta_backend`` / ``gated_delta_reason`` (the rule's backend for training, and why: the fla
+        and fla_hybrid probes on CUDA).
 
     Raises:
         TypeError / ValueError: malformed samples (the collator names the sample and field), a model that is
@@ -257,6 +270,9 @@ def check_exactness(
             failures.append(f"{key} is not finite ({result[key]})")
     longest = max((len(r["input_ids"]) for r in rows), default=None)
     name, reason = _resolved_backend(model, backend, device, dtype, longest)
+    gdn = _gated_delta_backend(model, device)
+    if gdn is not None:
+        result.update(gated_delta_backend=gdn[0], gated_delta_reason=gdn[1])
     result.update(
         backend=name,
         backend_reason=reason,

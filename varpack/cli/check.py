@@ -169,6 +169,8 @@ def _print_table(r: dict[str, Any], model_class: str, num_params: int) -> None:
     print(
         f"attention backend: {r['backend']} ({r['backend_reason']}); unpacked reference: {r['reference_attn']}"
     )
+    if "gated_delta_backend" in r:
+        print(f"gated delta rule backend: {r['gated_delta_backend']} ({r['gated_delta_reason']})")
     loss_diff = abs(r["loss_packed"] - r["loss_unpacked"])
     print(f"  max |logit diff|  {r['max_abs_logit_diff']:.3e}")
     print(f"  loss packed       {r['loss_packed']:.6f}")

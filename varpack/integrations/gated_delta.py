@@ -40,6 +40,7 @@ from varpack.models.registry import is_gated_delta_layer as _is_gdn
 from varpack.ops._fla import load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
 from varpack.ops.gated_delta_rule.dispatch import fla_gated_delta_status, resolve_backend
+from varpack.ops.gated_delta_rule.fla_hybrid import FlaHybridBoundaries, prepare_fla_hybrid_boundaries
 from varpack.ops.short_conv import short_conv
 from varpack.schema import SEQ_IDX, VARLEN_META
 from varpack.varlen.meta import VarlenMeta, varlen_meta_from_kwargs
@@ -128,6 +129,14 @@ def _chunk_layout(meta: VarlenMeta) -> ChunkLayout:
     return meta.memo("gated_delta_chunk_layout", lambda: prepare_chunk_layout(meta.cu_seqlens_cpu()))
 
 
+def _fla_hybrid_boundaries(meta: VarlenMeta, device: torch.device) -> FlaHybridBoundaries:
+    """fla_hybrid's per-batch boundaries (device offsets, dq/dk plan), built once and kept on the meta."""
+    return meta.memo(
+        ("fla_hybrid_boundaries", str(device)),
+        lambda: prepare_fla_hybrid_boundaries(meta.cu_seqlens_cpu(), device),
+    )
+
+
 def _conv_activation(name: Any):
     if name in ("silu", "swish") or name is None:
         return name
@@ -154,7 +163,7 @@ def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attenti
     backend = getattr(layer, "_varpack_gdn_backend", "auto")
     device = hidden_states.device
     rule_backend = resolve_backend(backend, device, needs_grad=_needs_grad(layer, hidden_states))
-    conv_backend = "auto" if backend in ("auto", "fla") and device.type == "cuda" else "torch"
+    conv_backend = "auto" if backend in ("auto", "fla", "fla_hybrid") and device.type == "cuda" else "torch"
     if conv_backend != "torch":
         conv_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
     else:
@@ -182,8 +191,10 @@ def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attenti
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # as the model (fp32 decay)
 
-    if rule_backend == "fla":
+    if rule_backend in ("fla", "fla_hybrid"):  # fla's kernels: int64 offsets on the device + the CPU copy
         rule_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
+        if rule_backend == "fla_hybrid":
+            rule_kwargs["fla_boundaries"] = _fla_hybrid_boundaries(meta, device)
     else:
         rule_kwargs = {"cu_seqlens": meta.cu_seqlens_cpu(), "layout": _chunk_layout(meta)}
     core, _ = gated_delta_rule(
@@ -291,9 +302,10 @@ def patch_linear_attention(model: torch.nn.Module, *, backend: str = "auto") -> 
     Args:
         model: a transformers model containing ``*GatedDeltaNet`` modules.
         backend: gated delta rule backend, ``"auto"`` (fla when it runs forward and backward on the
-            device, else varpack's chunked PyTorch path), ``"fla"``, ``"chunk"``, ``"chunk_compiled"`` or
-            ``"naive"`` (see :mod:`varpack.ops.gated_delta_rule.dispatch`). With ``"fla"``/``"auto"`` on CUDA
-            the short conv uses fla's ``causal_conv1d`` when its probe passed.
+            device, else ``fla_hybrid`` when its probe passes, else varpack's chunked PyTorch path),
+            ``"fla"``, ``"fla_hybrid"``, ``"chunk"``, ``"chunk_compiled"`` or ``"naive"`` (see
+            :mod:`varpack.ops.gated_delta_rule.dispatch`). With ``"fla"``/``"fla_hybrid"``/``"auto"`` on
+            CUDA the short conv uses fla's ``causal_conv1d`` when its probe passed.
 
     Returns:
         The number of GatedDeltaNet layers patched (0 for a model without any).

@@ -31,6 +31,7 @@ __all__ = [
     "fla_device",
     "first_line",
     "load_fla",
+    "load_fla_internals",
     "probe_key",
     "probe_problem",
     "rel_err",
@@ -41,12 +42,17 @@ PROBE_TOL = 0.05  # relative max error allowed vs the fp32 reference (bf16 kerne
 
 @dataclass(frozen=True)
 class FlaStatus:
-    """What fla can do on one device: ``(ok, reason)`` per capability."""
+    """What fla can do on one device: ``(ok, reason)`` per capability.
+
+    ``hybrid``: the ``fla_hybrid`` gated delta rule (fla's kernels with varpack's own ``chunk_bwd_dqkwg``
+    step), forward and backward, probed against varpack's fp32 chunk path.
+    """
 
     forward: tuple[bool, str]
     backward: tuple[bool, str]
     conv_forward: tuple[bool, str]
     conv_backward: tuple[bool, str]
+    hybrid: tuple[bool, str] = (False, "not probed")
 
 
 def load_fla():
@@ -70,6 +76,128 @@ def load_fla():
         if conv is not None:
             break
     return chunk_gated_delta_rule, conv, "ok"
+
+
+# fla's internal functions the ``fla_hybrid`` gated delta rule calls (fla-core 0.6.0 names), with the keyword
+# parameters it passes: a release that renamed or re-signed any of them is refused, never guessed at.
+FLA_INTERNALS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "l2norm_fwd": ("fla.modules.norm.l2norm", ("x",)),
+    "l2norm_bwd": ("fla.modules.norm.l2norm", ("y", "rstd", "dy")),
+    "prepare_chunk_indices": ("fla.ops.utils.index", ("cu_seqlens", "chunk_size", "cu_seqlens_cpu")),
+    "chunk_gated_delta_rule_fwd": (
+        "fla.ops.gated_delta_rule.chunk",
+        (
+            "q",
+            "k",
+            "v",
+            "g",
+            "beta",
+            "scale",
+            "initial_state",
+            "output_final_state",
+            "cu_seqlens",
+            "chunk_indices",
+            "chunk_size",
+        ),
+    ),  # fmt: skip
+    "recompute_w_u_fwd": (
+        "fla.ops.gated_delta_rule.wy_fast",
+        ("k", "v", "beta", "A", "g", "cu_seqlens", "chunk_indices"),
+    ),
+    "prepare_wy_repr_bwd": (
+        "fla.ops.gated_delta_rule.wy_fast",
+        ("k", "v", "beta", "A", "dw", "du", "g", "cu_seqlens", "chunk_indices"),
+    ),
+    "chunk_gated_delta_rule_fwd_h": (
+        "fla.ops.common.chunk_delta_h",
+        (
+            "k",
+            "w",
+            "u",
+            "g",
+            "initial_state",
+            "output_final_state",
+            "chunk_size",
+            "state_v_first",
+            "cu_seqlens",
+            "chunk_indices",
+        ),
+    ),  # fmt: skip
+    "chunk_gated_delta_rule_bwd_dhu": (
+        "fla.ops.common.chunk_delta_h",
+        (
+            "q",
+            "k",
+            "w",
+            "do",
+            "dv",
+            "g",
+            "h0",
+            "dht",
+            "scale",
+            "state_v_first",
+            "cu_seqlens",
+            "chunk_size",
+            "chunk_indices",
+        ),
+    ),  # fmt: skip
+    "chunk_bwd_dv_local": (
+        "fla.ops.common.chunk_o",
+        ("q", "k", "do", "g", "scale", "cu_seqlens", "chunk_size", "chunk_indices"),
+    ),
+    "chunk_local_cumsum": (
+        "fla.ops.utils.cumsum",
+        ("g", "chunk_size", "reverse", "cu_seqlens", "chunk_indices"),
+    ),
+}
+
+
+_INTERNALS: dict[str, tuple[dict | None, str]] = {}
+
+
+def load_fla_internals() -> tuple[dict | None, str]:
+    """``({name: function}, "ok")`` for fla's internal gated-delta kernels in :data:`FLA_INTERNALS`, or
+    ``(None, reason)``: fla absent / disabled, a function missing, or one without the keyword parameters
+    varpack passes (another fla release: refused with the name, not guessed). Looked up once per value of
+    ``VARPACK_DISABLE_FLA`` (every layer call asks)."""
+    key = os.environ.get("VARPACK_DISABLE_FLA", "")
+    if key not in _INTERNALS:
+        _INTERNALS[key] = _load_fla_internals()
+    return _INTERNALS[key]
+
+
+def _load_fla_internals() -> tuple[dict | None, str]:
+    import importlib
+    import inspect
+
+    rule, _, reason = load_fla()
+    if rule is None:
+        return None, reason
+    try:
+        version = getattr(importlib.import_module("fla"), "__version__", "?")
+    except Exception:  # pragma: no cover - load_fla imported it already
+        version = "?"
+    out = {}
+    for name, (module, params) in FLA_INTERNALS.items():
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except Exception as exc:
+            return None, (
+                f"fla {version}: {module}.{name} not found ({first_line(exc)}); fla_hybrid is written for "
+                "fla-core 0.6.0"
+            )
+        try:
+            have = set(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            return None, f"fla {version}: cannot read the signature of {module}.{name}"
+        missing = [p for p in params if p not in have]
+        if missing:
+            return None, (
+                f"fla {version}: {module}.{name} has no parameter(s) {missing}; fla_hybrid is written for "
+                "fla-core 0.6.0's internal signatures"
+            )
+        out[name] = fn
+    return out, "ok"
 
 
 def first_line(exc: BaseException) -> str:

@@ -12,17 +12,18 @@ from __future__ import annotations
 import torch
 
 from ._fla import FlaStatus
-from .gated_delta_rule.dispatch import fla_gated_delta_status
+from .gated_delta_rule.dispatch import fla_gated_delta_status, fla_hybrid_status
 from .short_conv import fla_conv_status
 
 __all__ = ["FlaStatus", "fla_status"]
 
 
 def fla_status(device: torch.device | str | None = None) -> FlaStatus:
-    """Probe fla once per device (cached): forward/backward of the gated delta rule and the causal conv.
+    """Probe fla once per device (cached): forward/backward of the gated delta rule and the causal conv, and
+    the ``fla_hybrid`` gated delta rule (fla's kernels, varpack's ``dq/dk/dw/dg`` step) forward + backward.
 
-    The first call on a CUDA device runs a tiny problem there (a few milliseconds plus Triton compiles).
+    The first call on a CUDA device runs tiny problems there (a few milliseconds plus Triton compiles).
     """
     forward, backward = fla_gated_delta_status(device)
     conv_forward, conv_backward = fla_conv_status(device)
-    return FlaStatus(forward, backward, conv_forward, conv_backward)
+    return FlaStatus(forward, backward, conv_forward, conv_backward, fla_hybrid_status(device))

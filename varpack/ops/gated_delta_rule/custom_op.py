@@ -8,7 +8,8 @@ q/k ``[B, T, Hk, K]``, v ``[B, T, H, V]``, g/beta ``[B, T, H]``, cu_seqlens ``[N
 initial_state ``[N, H, K, V]`` or None; ``o`` ``[B, T, H, V]`` in q's dtype; ``final_state`` ``[N, H, K, V]``
 (fp32, fp64 for fp64 inputs) when ``output_final_state``, else an empty ``[0]`` tensor.
 
-Backends through the op: ``chunk`` and ``naive`` (and ``fla`` forward-only). The chunk layout
+Backends through the op: ``chunk``, ``naive``, ``fla_hybrid`` (native backward, below) and ``fla``
+(forward-only). The chunk layout
 (:func:`prepare_chunk_layout`) is rebuilt from ``cu_seqlens_cpu`` (or CPU ``cu_seqlens``) in every call: CPU
 work per layer, no device sync; a per-batch layout object cannot travel through an op's schema.
 ``chunk_compiled`` is refused: inside a compiled layer the op is already one node, and a nested
@@ -22,7 +23,10 @@ there: fla's ``chunk_gated_delta_rule_fwd`` / ``chunk_gated_delta_rule_bwd`` (fl
 take the same tensors plus the intermediate ``A``/``w``/``u`` (or recompute them), with q/k l2-normalised
 outside them (fla's ``l2norm_fwd`` / ``l2norm_bwd``); their signatures changed across fla releases, so they
 are not wired blind here. Through this op ``fla`` is therefore forward-only: a call on ``fla`` that needs
-gradients raises ``RuntimeError`` (use ``chunk``, or :func:`gated_delta_rule` directly).
+gradients raises ``RuntimeError`` (use ``chunk``, or :func:`gated_delta_rule` directly). ``fla_hybrid`` is
+wired natively: its backward op calls :func:`varpack.ops.gated_delta_rule.fla_hybrid.fla_hybrid_backward`
+(fla's forward recomputed, then fla's backward kernels with varpack's own ``dq/dk/dw/dg`` step; fla-core
+0.6.0's internal signatures, checked at load).
 
 Source: ``torch.library.custom_op`` / ``register_fake`` / ``register_autograd`` (PyTorch custom operators
 manual); flash-linear-attention ``chunk_gated_delta_rule``.
@@ -36,13 +40,14 @@ from .._fla import fla_chunk_gated_delta_rule
 from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, normalize_optional_cu
 from .chunk import chunk_gated_delta_rule, prepare_chunk_layout
 from .dispatch import resolve_backend
+from .fla_hybrid import fla_hybrid_backward, fla_hybrid_gated_delta_rule
 from .naive import naive_recurrent_gated_delta_rule
 
 __all__ = ["OP_BACKENDS", "gated_delta_rule_op"]
 
 #: backends the op runs (``fla``: forward only).
-OP_BACKENDS = ("chunk", "naive", "fla")
-_DIFFERENTIABLE = ("chunk", "naive")
+OP_BACKENDS = ("chunk", "naive", "fla_hybrid", "fla")
+_DIFFERENTIABLE = ("chunk", "naive", "fla_hybrid")
 
 
 def _host_boundaries(backend, q, cu, cu_cpu):
@@ -60,6 +65,10 @@ def _host_boundaries(backend, q, cu, cu_cpu):
 
 
 def _run(backend, host, q, k, v, g, beta, cu, cu_cpu, h0, scale, output_final_state, l2norm):
+    if backend == "fla_hybrid":
+        return fla_hybrid_gated_delta_rule(
+            q, k, v, g, beta, scale, h0, output_final_state, cu, l2norm, cu_seqlens_cpu=cu_cpu
+        )
     if backend == "fla":
         return fla_chunk_gated_delta_rule(
             q, k, v, g, beta, scale, h0, output_final_state, cu, cu_cpu if cu_cpu is not None else cu, l2norm
@@ -133,6 +142,15 @@ def _gated_delta_rule_backward(
     if backend not in _DIFFERENTIABLE:
         raise RuntimeError(f"gated delta rule backend {backend!r} has no backward through varpack's op")
     with_state = initial_state is not None
+    if backend == "fla_hybrid":  # native: fla's forward recomputed, its backward with varpack's dqkwg step
+        grads = fla_hybrid_backward(
+            do, dfinal if output_final_state else None, q, k, v, g, beta, scale, initial_state, cu_seqlens,
+            use_qk_l2norm_in_kernel, cu_seqlens_cpu=cu_seqlens_cpu,
+        )  # fmt: skip
+        grads = [x.contiguous() for x in grads[:5]] + [
+            grads[5].contiguous() if with_state else q.new_empty((0,), dtype=acc_dtype(q))
+        ]
+        return grads
     primals = (q, k, v, g, beta) + ((initial_state,) if with_state else ())
 
     host = _host_boundaries(backend, q, cu_seqlens, cu_seqlens_cpu)

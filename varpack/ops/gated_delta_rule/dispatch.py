@@ -4,12 +4,16 @@ Backends (``name -> what``):
 
 * ``"fla"``: flash-linear-attention's Triton ``chunk_gated_delta_rule`` with ``cu_seqlens`` (CUDA only;
   usable for training only if its backward runs on this device, see :func:`fla_gated_delta_status`).
+* ``"fla_hybrid"``: fla's forward and backward kernels with the one backward step fla flags as wrong on
+  Hopper with Triton >= 3.4, < 3.7.1 (``chunk_bwd_dqkwg``) done by varpack in PyTorch
+  (:mod:`varpack.ops.gated_delta_rule.fla_hybrid`); CUDA only, probed forward and backward
+  (:func:`fla_hybrid_status`).
 * ``"chunk"``: :func:`chunk_gated_delta_rule`, PyTorch, vectorized over sequences; any device.
 * ``"chunk_compiled"``: the same, with ``torch.compile(dynamic=True)`` on its two hot blocks.
 * ``"naive"``: :func:`naive_recurrent_gated_delta_rule`, token by token (the truth; slow).
 
 ``"auto"``: on CUDA, ``fla`` if fla runs forward and backward there (or forward, when no gradient is
-needed), else ``chunk``; on CPU ``chunk`` (it equals ``naive`` to fp32 rounding, tested forward and
+needed), else ``fla_hybrid`` if its probe passes, else ``chunk``; on CPU ``chunk`` (it equals ``naive`` to fp32 rounding, tested forward and
 backward, and is orders of magnitude faster than a token loop). A forced backend that cannot run raises
 with the reason; nothing falls back silently from a forced choice.
 """
@@ -33,11 +37,20 @@ from .._fla import (
 )
 from ._common import normalize_optional_cu
 from .chunk import ChunkLayout, chunk_gated_delta_rule
+from .fla_hybrid import FlaHybridBoundaries, fla_hybrid_gated_delta_rule, load_hybrid
 from .naive import naive_recurrent_gated_delta_rule
 
-__all__ = ["BACKENDS", "available_backends", "fla_gated_delta_status", "gated_delta_rule", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "available_backends",
+    "fla_gated_delta_status",
+    "fla_hybrid_status",
+    "gated_delta_rule",
+    "resolve_backend",
+    "resolve_backend_reason",
+]
 
-BACKENDS = ("fla", "chunk", "chunk_compiled", "naive")
+BACKENDS = ("fla", "fla_hybrid", "chunk", "chunk_compiled", "naive")
 
 Capability = tuple[bool, str]
 
@@ -111,12 +124,87 @@ def fla_gated_delta_status(device: torch.device | str | None = None) -> tuple[Ca
     return _FLA_PROBE(fla_device(device))
 
 
+def _probe_fla_hybrid(device: torch.device) -> Capability:
+    """``fla_hybrid`` forward and backward (initial and final state included) on the tiny packed bf16 probe
+    problem vs :func:`chunk_gated_delta_rule` in fp32: ``(ok, reason)``."""
+    if device.type != "cuda":
+        return False, f"fla_hybrid needs a CUDA device, got {device}"
+    return _run_fla_hybrid_probe(device, fla_hybrid_gated_delta_rule)
+
+
+def _run_fla_hybrid_probe(device: torch.device, rule) -> Capability:
+    """The probe's problem through ``rule`` (``fla_hybrid_gated_delta_rule``; the CPU tests pass a stand-in)."""
+    fns, reason = load_hybrid()
+    if fns is None:
+        return False, reason
+    gen, T, cu_cpu, cu = probe_problem(device)
+    Hk, H, K, V = 1, 2, 64, 64
+    N = cu_cpu.numel() - 1
+
+    def rnd(*shape):
+        return bf16_randn(gen, device, *shape)
+
+    q, k, v = rnd(1, T, Hk, K), rnd(1, T, Hk, K), rnd(1, T, H, V)
+    g = torch.nn.functional.logsigmoid(rnd(1, T, H).float()).to(torch.bfloat16)
+    beta = torch.rand(1, T, H, generator=gen).to(device=device, dtype=torch.bfloat16)
+    h0 = (0.5 * torch.randn(N, H, K, V, generator=gen)).to(device)
+    do, dht = rnd(1, T, H, V), (0.5 * torch.randn(N, H, K, V, generator=gen)).to(device)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    ref_leaves = [x.detach().float().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    ref_o, ref_s = chunk_gated_delta_rule(
+        *ref_leaves[:5], initial_state=ref_leaves[5], output_final_state=True, cu_seqlens=cu_cpu,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    ref_grads = torch.autograd.grad((ref_o * do.float()).sum() + (ref_s * dht).sum(), ref_leaves)
+    try:
+        o, s = rule(
+            *leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        errs = {"o": rel_err(o.detach(), ref_o.detach()), "final_state": rel_err(s.detach(), ref_s.detach())}
+        grads = torch.autograd.grad((o.float() * do.float()).sum() + (s * dht).sum(), leaves)
+    except Exception as exc:
+        return False, f"fla_hybrid failed: {first_line(exc)}"
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    errs.update({n: rel_err(a, b) for n, a, b in zip(names, grads, ref_grads)})
+    worst = max(errs, key=errs.get)
+    if errs[worst] >= PROBE_TOL:
+        return False, f"fla_hybrid disagrees with the reference ({worst}: rel err {errs[worst]:.3g})"
+    return True, "ok"
+
+
+_HYBRID_PROBE = ProbeOnce(_probe_fla_hybrid, key=probe_key, name="fla_hybrid gated delta rule")
+
+
+def fla_hybrid_status(device: torch.device | str | None = None) -> Capability:
+    """``(ok, reason)`` of the ``fla_hybrid`` backend (forward and backward) on ``device`` (default: CUDA
+    if available, else CPU), probed once per device (:class:`varpack._probe.ProbeOnce`): a tiny packed bf16
+    problem with initial and final state compared with :func:`chunk_gated_delta_rule` in fp32 (Triton
+    compiles on the first call)."""
+    return _HYBRID_PROBE(fla_device(device))
+
+
+def _fla_capability(device: torch.device, needs_grad: bool) -> tuple[bool, str]:
+    forward, backward = fla_gated_delta_status(device)
+    if not forward[0]:
+        return False, forward[1]
+    if needs_grad and not backward[0]:
+        return False, f"fla forward runs but its backward cannot: {backward[1]}"
+    return True, "ok" if backward[0] else "ok (forward only: no gradient needed)"
+
+
+def _fla_hybrid_capability(device: torch.device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, f"fla_hybrid needs a CUDA device, got {device}"
+    return fla_hybrid_status(device)
+
+
 def available_backends(
     device: torch.device | str | None = None, *, needs_grad: bool = True
 ) -> dict[str, tuple[bool, str]]:
     """``{backend: (ok, reason)}`` on ``device`` (default: CUDA if available, else CPU).
 
-    Probes fla once per device (see :func:`fla_gated_delta_status`).
+    Probes fla and fla_hybrid once per device (see :func:`fla_gated_delta_status`, :func:`fla_hybrid_status`).
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     out: dict[str, tuple[bool, str]] = {
@@ -127,13 +215,8 @@ def available_backends(
         out["chunk_compiled"] = (True, "ok (first call per shape class compiles)")
     else:
         out["chunk_compiled"] = (False, f"torch {torch.__version__} has no torch.compile")
-    forward, backward = fla_gated_delta_status(device)
-    if not forward[0]:
-        out["fla"] = (False, forward[1])
-    elif needs_grad and not backward[0]:
-        out["fla"] = (False, f"fla forward runs but its backward cannot: {backward[1]}")
-    else:
-        out["fla"] = (True, "ok" if backward[0] else "ok (forward only: no gradient needed)")
+    out["fla"] = _fla_capability(device, needs_grad)
+    out["fla_hybrid"] = _fla_hybrid_capability(device)
     return out
 
 
@@ -153,15 +236,46 @@ def resolve_backend(
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if backend == "auto":
         if device.type == "cuda":
-            ok, _ = available_backends(device, needs_grad=needs_grad)["fla"]
-            return "fla" if ok else "chunk"
+            if _fla_capability(device, needs_grad)[0]:
+                return "fla"
+            if _fla_hybrid_capability(device)[0]:
+                return "fla_hybrid"
         return "chunk"
     if backend in ("chunk", "naive"):
         return backend
-    ok, reason = available_backends(device, needs_grad=needs_grad)[backend]
+    if backend == "fla":
+        ok, reason = _fla_capability(device, needs_grad)
+    elif backend == "fla_hybrid":
+        ok, reason = _fla_hybrid_capability(device)
+    else:
+        ok, reason = available_backends(device, needs_grad=needs_grad)[backend]
     if not ok:
         raise RuntimeError(f"gated delta rule backend {backend!r} cannot run on {device}: {reason}")
     return backend
+
+
+def resolve_backend_reason(
+    backend: str = "auto", device: torch.device | str | None = None, *, needs_grad: bool = True
+) -> tuple[str, str]:
+    """``(name, why)``: :func:`resolve_backend` and, for ``auto``, why each faster backend was or was not
+    taken (fla's and fla_hybrid's probe results): what ``varpack check`` reports.
+
+    Raises:
+        ValueError / RuntimeError: as :func:`resolve_backend`.
+    """
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = resolve_backend(backend, device, needs_grad=needs_grad)
+    if backend != "auto":
+        return name, "forced"
+    if device.type != "cuda":
+        return name, f"auto on {device.type}: varpack's chunked PyTorch path"
+    fla_ok, fla_why = _fla_capability(device, needs_grad)
+    if fla_ok:
+        return name, f"auto: fla {fla_why}"
+    hyb_ok, hyb_why = _fla_hybrid_capability(device)
+    if hyb_ok:
+        return name, f"auto: fla_hybrid probe passed (fla: {fla_why})"
+    return name, f"auto: fla: {fla_why}; fla_hybrid: {hyb_why}"
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -183,6 +297,7 @@ def gated_delta_rule(
     backend: str = "auto",
     layout: ChunkLayout | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    fla_boundaries: FlaHybridBoundaries | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule with ``cu_seqlens`` on the best (or the forced) backend.
 
@@ -192,9 +307,12 @@ def gated_delta_rule(
     may be a list / NumPy array of integers, converted once (:func:`varpack.varlen.normalize_cu_seqlens`).
 
     Args:
-        backend: ``"auto"``, ``"fla"``, ``"chunk"``, ``"chunk_compiled"`` or ``"naive"`` (module docstring).
+        backend: ``"auto"``, ``"fla"``, ``"fla_hybrid"``, ``"chunk"``, ``"chunk_compiled"`` or ``"naive"``
+            (module docstring).
         layout: a :func:`prepare_chunk_layout` result for ``cu_seqlens`` (chunk backends; saves rebuilding it).
         cu_seqlens_cpu: a CPU copy of ``cu_seqlens`` when ``cu_seqlens`` lives on the device (no sync).
+        fla_boundaries: a :func:`~varpack.ops.gated_delta_rule.fla_hybrid.prepare_fla_hybrid_boundaries`
+            result for ``cu_seqlens`` (``fla_hybrid``; kept per batch, it saves rebuilding it per layer).
 
     Raises:
         ValueError: invalid shapes / ``cu_seqlens`` / backend name (see :func:`chunk_gated_delta_rule`).
@@ -227,6 +345,21 @@ def gated_delta_rule(
             cu_seqlens,
             cu_seqlens_cpu,
             use_qk_l2norm_in_kernel,
+        )
+    if name == "fla_hybrid":
+        return fla_hybrid_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale,
+            initial_state,
+            output_final_state,
+            cu_seqlens,
+            use_qk_l2norm_in_kernel,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+            boundaries=fla_boundaries,
         )
     if name == "naive":
         return naive_recurrent_gated_delta_rule(

@@ -1,0 +1,641 @@
+"""``fla_hybrid``: fla's gated delta rule kernels with varpack's own ``dq, dk, dw, dg`` step.
+
+CPU: :func:`chunk_bwd_dqkwg_torch` (the step that replaces fla's ``chunk_bwd_dqkwg``, which fla 0.6.0 flags
+as wrong on Hopper with Triton >= 3.4, < 3.7.1) against autograd of the chunk equations it differentiates,
+written per sequence and per chunk in fp64, on packed rows: 1-token sequences, lengths that are not multiples
+of the chunk, many sequences, grouped value heads; a negative control (boundaries dropped) must mismatch.
+fla's own kernels do not run under Triton's interpreter (fla 0.6.0 / Triton 3.6: Python ints where the
+kernels expect tensors), so the whole backend is tested on the GPU (``gpu`` marker).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from varpack.ops.gated_delta_rule.fla_hybrid import FLA_CHUNK_SIZE, chunk_bwd_dqkwg_torch, dqkwg_plan
+
+BT = FLA_CHUNK_SIZE
+
+
+def _chunks(lengths, bt=BT):
+    """fla's chunk order: per sequence n, its chunks j = 0.. (sequence-major); (n, j, t0, t1) each."""
+    out, start = [], 0
+    for n, L in enumerate(lengths):
+        for j in range(-(-L // bt)):
+            out.append((n, j, start + j * bt, start + min((j + 1) * bt, L)))
+        start += L
+    return out
+
+
+def _problem(lengths, Hk=2, H=4, K=16, V=8, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    ch = _chunks(lengths)
+    NT = len(ch)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    q, k = F.normalize(r(1, T, Hk, K), dim=-1), F.normalize(r(1, T, Hk, K), dim=-1)
+    w = r(1, T, H, K) * 0.3
+    g_step = F.logsigmoid(r(1, T, H) + 2.0)
+    gcum = torch.empty_like(g_step)
+    for _, _, t0, t1 in ch:  # chunk-local cumsum, natural units
+        gcum[:, t0:t1] = g_step[:, t0:t1].cumsum(1)
+    v_new, do, dv = r(1, T, H, V), r(1, T, H, V), r(1, T, H, V)
+    h, dh = r(1, NT, H, K, V) * 0.5, r(1, NT, H, K, V) * 0.5
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    ci = torch.tensor([[n, j] for n, j, _, _ in ch], dtype=torch.int64).reshape(-1, 2)
+    ins = {"q": q, "k": k, "w": w, "gcum": gcum, "v_new": v_new, "do": do, "dv": dv, "h": h, "dh": dh}
+    return {name: x.to(dtype) for name, x in ins.items()}, cu, ci, ch
+
+
+def _reference(p, ch, scale):
+    """Autograd of the chunk equations (fla/ops/common/chunk_o.py's dqkwg, derived, per chunk): the loss
+    ``<O, dO> + <S', dS'> + <-W S, dV'>`` with S = h and V' = v_new held fixed."""
+    q, k, w, gcum = (p[n].detach().clone().requires_grad_() for n in ("q", "k", "w", "gcum"))
+    H, Hk = p["v_new"].shape[2], q.shape[2]
+    qe, ke = q.repeat_interleave(H // Hk, dim=2)[0], k.repeat_interleave(H // Hk, dim=2)[0]  # [T, H, K]
+    loss = 0.0
+    for c, (_, _, t0, t1) in enumerate(ch):
+        Q, Kc = qe[t0:t1].transpose(0, 1), ke[t0:t1].transpose(0, 1)  # [H, L, K]
+        G = gcum[0, t0:t1].transpose(0, 1)  # [H, L]
+        S, dS = p["h"][0, c], p["dh"][0, c]  # [H, K, V]
+        Vn = p["v_new"][0, t0:t1].transpose(0, 1)
+        L = t1 - t0
+        mask = torch.ones(L, L, dtype=torch.bool).tril()
+        A = (Q @ Kc.transpose(-1, -2)) * torch.exp(
+            (G[:, :, None] - G[:, None, :]).masked_fill(~mask, -math.inf)
+        )
+        out = scale * (torch.exp(G)[..., None] * Q) @ S + scale * A @ Vn
+        S_next = (
+            torch.exp(G[:, -1])[:, None, None] * S
+            + (torch.exp(G[:, -1:] - G)[..., None] * Kc).transpose(-1, -2) @ Vn
+        )
+        Wt = -(w[0, t0:t1].transpose(0, 1) @ S)
+        loss = loss + (out * p["do"][0, t0:t1].transpose(0, 1)).sum() + (S_next * dS).sum()
+        loss = loss + (Wt * p["dv"][0, t0:t1].transpose(0, 1)).sum()
+    return torch.autograd.grad(loss, (q, k, w, gcum))
+
+
+def _ours(p, cu, ci, scale, **kw):
+    g2 = p["gcum"] / math.log(2.0)  # fla's log2 units
+    return chunk_bwd_dqkwg_torch(
+        p["q"], p["k"], p["v_new"], g2, p["h"], p["dh"], p["dv"], p["do"], scale, cu, **kw
+    )
+
+
+CASES = [
+    [1],
+    [1, 1, 1],
+    [5, 64, 1, 130, 63, 65],
+    [200],
+    [1] * 40 + [70, 3],
+]
+
+
+@pytest.mark.parametrize("lengths", CASES)
+@pytest.mark.parametrize("Hk,H", [(2, 4), (3, 3)])
+def test_dqkwg_matches_autograd_fp64(lengths, Hk, H):
+    p, cu, ci, ch = _problem(lengths, Hk=Hk, H=H)
+    scale = 16**-0.5
+    ref = _reference(p, ch, scale)
+    # default plan (built from cu_seqlens) and an explicit one; and one padded batch of 64 for every chunk
+    # (the plan's grouping by padded length must not change a value)
+    one_group = dqkwg_plan(cu, uniform=True)
+    assert len(one_group.groups) == 1 and one_group.groups[0].P == BT
+    for plan in (None, dqkwg_plan(cu), one_group):
+        got = _ours(p, cu, ci, scale, plan=plan)
+        for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+    assert sum(grp.num for grp in one_group.groups) == len(ch)
+
+
+def test_dqkwg_fp32_and_input_precision():
+    lengths = [5, 64, 1, 130, 63]
+    p64, cu, ci, ch = _problem(lengths)
+    scale = 0.3
+    ref = _reference(p64, ch, scale)
+    p32 = {n: x.float() for n, x in p64.items()}
+    for precision in ("fp32", "mixed", "input"):
+        got = _ours(p32, cu, ci, scale, precision=precision, w_dtype=torch.float32)
+        assert [x.dtype for x in got] == [torch.float32] * 4
+        for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref):
+            torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=name)
+    # bf16 states: GEMMs in bf16 ("input") stay within bf16 tolerance of the fp64 truth
+    pbf = {
+        n: (x.bfloat16() if n in ("h", "dh", "q", "k", "v_new", "do", "dv", "w") else x.float())
+        for n, x in p64.items()
+    }
+    errs = {}
+    for precision in ("input", "mixed", "fp32"):
+        got = _ours(pbf, cu, ci, scale, precision=precision)
+        assert got[2].dtype == torch.bfloat16
+        for name, a, b in zip(("dq", "dk", "dw", "dg"), got, ref):
+            errs[precision, name] = float((a.double() - b).abs().max() / b.abs().max())
+            assert errs[precision, name] < 3e-2, (precision, name)
+    # with bf16 operands, fp32 outputs ("mixed") are not less exact than bf16-rounded ones ("input")
+    assert sum(errs["mixed", n] for n in ("dq", "dk", "dg")) <= sum(
+        errs["input", n] for n in ("dq", "dk", "dg")
+    )
+
+
+def test_dqkwg_negative_control_boundaries_dropped():
+    """The same tensors chunked as one sequence (boundaries dropped) must not reproduce the packed truth."""
+    lengths = [5, 64, 1, 130, 63]
+    p, cu, ci, ch = _problem(lengths)
+    scale = 0.25
+    ref = _reference(p, ch, scale)
+    T = sum(lengths)
+    ch1 = _chunks([T])
+    cu1 = torch.tensor([0, T])
+    ci1 = torch.tensor([[0, j] for _, j, _, _ in ch1])
+    p1 = dict(p, h=p["h"][:, : len(ch1)].contiguous(), dh=p["dh"][:, : len(ch1)].contiguous())
+    got = _ours(p1, cu1, ci1, scale)
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(got, ref))
+
+
+def test_dqkwg_rejects_bad_arguments():
+    p, cu, ci, _ = _problem([3, 4])
+    with pytest.raises(ValueError, match="precision"):
+        _ours(p, cu, ci, 0.5, precision="tf32")
+    with pytest.raises(ValueError, match="plan of cu_seqlens"):
+        _ours(p, cu, ci, 0.5, plan=dqkwg_plan([0, 3, 5]))
+    with pytest.raises(ValueError, match="h/dh"):
+        _ours(dict(p, h=p["h"][:, :1]), cu, ci, 0.5)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the whole hybrid pipeline on the CPU, fla's kernels played by PyTorch stand-ins (tests/ops/_fla_standins.py)
+
+
+def _gdr_inputs(lengths, Hk=2, H=4, K=16, V=8, seed=0, B=1):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths) if B == 1 else lengths[0]
+    N = len(lengths) if B == 1 else B
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    ins = [r(B, T, Hk, K), r(B, T, Hk, K), r(B, T, H, V), F.logsigmoid(r(B, T, H) + 2.0)]
+    ins.append(torch.rand(B, T, H, generator=gen, dtype=torch.float64))
+    return ins, r(N, H, K, V) * 0.5
+
+
+def _fwd_bwd(fn, ins, h0, seed=7, **kw):
+    leaves = [x.clone().requires_grad_() for x in (*ins, h0)]
+    o, s = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    do, dht = (
+        torch.randn(o.shape, generator=gen, dtype=o.dtype),
+        torch.randn(s.shape, generator=gen, dtype=s.dtype),
+    )
+    grads = torch.autograd.grad((o * do).sum() + (s * dht).sum(), leaves)
+    return o.detach(), s.detach(), grads
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    from tests.ops._fla_standins import standins as fakes
+    from varpack.ops.gated_delta_rule import fla_hybrid
+
+    monkeypatch.setattr(fla_hybrid, "load_hybrid", lambda: (fakes(), "ok"))
+    return fla_hybrid
+
+
+def _hybrid_fn(mod, cu, **kw):
+    def fn(q, k, v, g, beta, **call):
+        return mod._hybrid(
+            q, k, v, g, beta, call.pop("scale", None), call.pop("initial_state"), call.pop("output_final_state"),
+            cu, call.pop("use_qk_l2norm_in_kernel", False), kw.get("cu_seqlens_cpu"), kw.get("precision", "fp32"),
+        )  # fmt: skip
+
+    return fn
+
+
+@pytest.mark.parametrize("lengths", [[1], [5, 64, 1, 130, 63, 65], [1] * 30 + [70]])
+@pytest.mark.parametrize("l2", [True, False])
+def test_hybrid_pipeline_on_standins_equals_naive(standins, lengths, l2):
+    from varpack.ops import naive_recurrent_gated_delta_rule
+
+    ins, h0 = _gdr_inputs(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    o, s, grads = _fwd_bwd(_hybrid_fn(standins, cu), ins, h0, use_qk_l2norm_in_kernel=l2)
+    o_r, s_r, grads_r = _fwd_bwd(
+        naive_recurrent_gated_delta_rule, ins, h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2
+    )
+    torch.testing.assert_close(o, o_r, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(s, s_r, atol=1e-10, rtol=1e-10)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_r):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=name)
+    # negative control: the same rows without their boundaries
+    T = sum(lengths)
+    if len(lengths) > 1:
+        o1, _, grads1 = _fwd_bwd(
+            _hybrid_fn(standins, torch.tensor([0, T])), ins, h0[:1], use_qk_l2norm_in_kernel=l2
+        )
+        assert (o1 - o_r).abs().max() > 1e-3
+        assert (grads1[0] - grads_r[0]).abs().max() > 1e-3
+
+
+def test_hybrid_pipeline_on_standins_batch_rows(standins):
+    """Without cu_seqlens the B rows are B sequences (packed internally): equal to the naive rows."""
+    from varpack.ops import naive_recurrent_gated_delta_rule
+
+    ins, h0 = _gdr_inputs([70], B=3, Hk=1, H=3)
+    o, s, grads = _fwd_bwd(_hybrid_fn(standins, None), ins, h0, use_qk_l2norm_in_kernel=True, scale=0.3)
+    o_r, s_r, grads_r = _fwd_bwd(
+        naive_recurrent_gated_delta_rule, ins, h0, use_qk_l2norm_in_kernel=True, scale=0.3
+    )
+    torch.testing.assert_close(o, o_r, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(s, s_r, atol=1e-10, rtol=1e-10)
+    for a, b in zip(grads, grads_r):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_hybrid_never_calls_flas_dqkwg():
+    from varpack.ops._fla import FLA_INTERNALS
+
+    assert "chunk_bwd_dqkwg" not in FLA_INTERNALS
+    import inspect
+
+    from varpack.ops.gated_delta_rule import fla_hybrid
+
+    assert 'fns["chunk_bwd_dqkwg"]' not in inspect.getsource(fla_hybrid)
+
+
+def test_hybrid_refuses_cpu_and_missing_fla(monkeypatch):
+    from varpack.ops.gated_delta_rule import fla_hybrid_gated_delta_rule
+
+    ins, h0 = _gdr_inputs([3, 4])
+    with pytest.raises(RuntimeError, match="fla_hybrid needs a CUDA device"):
+        fla_hybrid_gated_delta_rule(*ins, cu_seqlens=[0, 3, 7])
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_hybrid_backward_function_equals_autograd_on_standins(standins, final):
+    """fla_hybrid_backward (the custom op's backward: recompute + fla's backward pipeline) == autograd."""
+    lengths = [5, 64, 1, 70]
+    ins, h0 = _gdr_inputs(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    leaves = [x.clone().requires_grad_() for x in (*ins, h0)]
+    o, s = standins._hybrid(*leaves[:5], 0.3, leaves[5], final, cu, True, None, "fp32")
+    gen = torch.Generator().manual_seed(3)
+    do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+    dht = torch.randn(h0.shape, generator=gen, dtype=o.dtype) if final else None
+    want = torch.autograd.grad((o * do).sum() + ((s * dht).sum() if final else 0), leaves)
+    got = standins._hybrid_backward(do, dht, *ins, 0.3, h0, cu, True, None, "fp32")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch, final):
+    """varpack::gated_delta_rule with backend fla_hybrid: forward and its native backward op (fla_hybrid's
+    recompute + backward pipeline) == the naive recurrence, values and every gradient (stand-in kernels)."""
+    from varpack.ops import naive_recurrent_gated_delta_rule
+    from varpack.ops.gated_delta_rule import custom_op
+
+    monkeypatch.setattr(
+        custom_op,
+        "fla_hybrid_gated_delta_rule",
+        lambda *a, cu_seqlens_cpu=None: standins._hybrid(*a, cu_seqlens_cpu, "fp32"),
+    )
+    monkeypatch.setattr(
+        custom_op,
+        "fla_hybrid_backward",
+        lambda *a, cu_seqlens_cpu=None: standins._hybrid_backward(*a, cu_seqlens_cpu, "fp32"),
+    )
+    lengths = [5, 64, 1, 70]
+    ins, h0 = _gdr_inputs(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+    def via_op(q, k, v, g, beta, initial_state, output_final_state, **kw):
+        o, s = torch.ops.varpack.gated_delta_rule(
+            q, k, v, g, beta, cu, cu, initial_state, 0.3, output_final_state, True, "fla_hybrid"
+        )
+        return o, s
+
+    def naive(q, k, v, g, beta, initial_state, output_final_state, **kw):
+        return naive_recurrent_gated_delta_rule(
+            q, k, v, g, beta, 0.3, initial_state, output_final_state, cu, True
+        )
+
+    results = []
+    for fn in (via_op, naive):
+        leaves = [x.clone().requires_grad_() for x in (*ins, h0)]
+        o, s = fn(*leaves[:5], initial_state=leaves[5], output_final_state=final)
+        gen = torch.Generator().manual_seed(5)
+        do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+        loss = (o * do).sum() + (
+            (s * torch.randn(s.shape, generator=gen, dtype=s.dtype)).sum() if final else 0
+        )
+        results.append((o.detach(), torch.autograd.grad(loss, leaves)))
+    (o1, g1), (o2, g2) = results
+    torch.testing.assert_close(o1, o2, atol=1e-10, rtol=1e-10)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_custom_op_fla_hybrid_opcheck_on_standins(standins, monkeypatch, final):
+    from varpack.ops.gated_delta_rule import custom_op
+
+    monkeypatch.setattr(
+        custom_op,
+        "fla_hybrid_gated_delta_rule",
+        lambda *a, cu_seqlens_cpu=None: standins._hybrid(*a, cu_seqlens_cpu, "fp32"),
+    )
+    monkeypatch.setattr(
+        custom_op,
+        "fla_hybrid_backward",
+        lambda *a, cu_seqlens_cpu=None: standins._hybrid_backward(*a, cu_seqlens_cpu, "fp32"),
+    )
+    ins, h0 = _gdr_inputs([5, 1, 30, 3])
+    ins = [x.float().requires_grad_() for x in ins]
+    cu = torch.tensor([0, 5, 6, 36, 39])
+    args = (*ins, cu, cu, h0.float().requires_grad_(), 0.35, final, True, "fla_hybrid")
+    torch.library.opcheck(custom_op._gated_delta_rule, args)
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU (run by the lead on the device machine, fla-core 0.6.0 importable): fla's real kernels
+
+
+def _gpu_hybrid(precision="fp32"):
+    pytest.importorskip("fla")
+    from varpack.ops import gated_delta_rule
+
+    def fn(*a, cu_seqlens=None, **kw):
+        if cu_seqlens is None:
+            return gated_delta_rule(*a, backend="fla_hybrid", **kw)
+        from varpack.ops.gated_delta_rule import fla_hybrid_gated_delta_rule
+
+        return fla_hybrid_gated_delta_rule(
+            *a, cu_seqlens=cu_seqlens.cuda(), cu_seqlens_cpu=cu_seqlens, precision=precision, **kw
+        )
+
+    return fn
+
+
+def _check_vs_chunk_fp32(lengths, precision, Hk=2, H=4, K=128, V=128, initial=True):
+    from tests.ops.test_gated_delta_rule import _bf16_tol, _cu, _inputs, _run
+    from varpack.ops import chunk_gated_delta_rule
+
+    ins, h0 = _inputs(lengths, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16, initial=initial)
+    cu = _cu(lengths, torch.int64)
+    o, s, g, do, dht = _run(_gpu_hybrid(precision), ins, h0, cu)
+    ref_ins = [x.float().cpu() for x in ins]
+    o_ref, s_ref, g_ref, _, _ = _run(
+        chunk_gated_delta_rule, ref_ins, h0.cpu() if h0 is not None else None, cu, do=do.float().cpu(),
+        dht=dht.float().cpu(),
+    )  # fmt: skip
+    errs = {"o": (o.float().cpu() - o_ref).abs().max() / _bf16_tol(o_ref)}
+    errs["final_state"] = (s.float().cpu() - s_ref).abs().max() / _bf16_tol(s_ref)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], g, g_ref):
+        errs[name] = (a.float().cpu() - b).abs().max() / (2 * _bf16_tol(b))
+    print({n: round(float(e), 3) for n, e in errs.items()}, "(error / tolerance)")
+    return errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "mixed", "input"])
+def test_gpu_fla_hybrid_matches_chunk_fp32(precision):
+    """fla_hybrid (bf16, 1-token and non-multiple-of-64 sequences, GVA, initial state) vs the fp32 chunk path:
+    output, final state and every gradient within the bf16 tolerance of tests/ops/test_gated_delta_rule.py."""
+    from tests.ops.test_gated_delta_rule import GPU_LENGTHS
+
+    errs = _check_vs_chunk_fp32(GPU_LENGTHS, precision)
+    bound = 1 if precision != "input" else 3  # "input": bf16-rounded GEMM outputs, an experimental mode
+    bad = {n: float(e) for n, e in errs.items() if not e < bound}
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_no_initial_state_equal_heads():
+    errs = _check_vs_chunk_fp32([3, 64, 65, 1, 200], "fp32", Hk=4, H=4, K=64, V=64, initial=False)
+    assert all(e < 1 for e in errs.values()), errs
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_negative_control_boundaries_dropped():
+    """The same packed row with cu_seqlens dropped (one sequence) must not match the packed reference."""
+    from tests.ops.test_gated_delta_rule import GPU_LENGTHS, _bf16_tol, _cu, _inputs
+    from varpack.ops import chunk_gated_delta_rule
+
+    ins, _ = _inputs(GPU_LENGTHS, Hk=2, H=4, K=128, V=128, device="cuda", dtype=torch.bfloat16)
+    cu = _cu(GPU_LENGTHS, torch.int64)
+    o_ref, _ = chunk_gated_delta_rule(
+        *[x.float().cpu() for x in ins], cu_seqlens=cu, use_qk_l2norm_in_kernel=True
+    )
+    T = sum(GPU_LENGTHS)
+    o, _ = _gpu_hybrid()(*ins, cu_seqlens=torch.tensor([0, T]), use_qk_l2norm_in_kernel=True)
+    assert (o.float().cpu() - o_ref).abs().max() > 5 * _bf16_tol(o_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_70000_one_token_sequences():
+    """70,000 sequences (69,990 of one token, 10 of 70) x 4 value heads: forward, final state and every
+    gradient vs the fp32 chunk path on the GPU (no grid or memory blow-up in the replaced step)."""
+    from tests.ops.test_gated_delta_rule import _bf16_tol, _cu
+    from varpack.ops import chunk_gated_delta_rule
+
+    N = 70_000
+    lengths = [1] * (N - 10) + [70] * 10
+    T, Hk, H, K, V = sum(lengths), 2, 4, 64, 64
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, T, Hk, K, generator=gen).cuda().bfloat16() for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen).cuda().bfloat16()
+    g = F.logsigmoid(torch.randn(1, T, H, generator=gen) + 2).cuda()
+    beta = torch.rand(1, T, H, generator=gen).cuda().bfloat16()
+    cu = _cu(lengths, torch.int64)
+    do = torch.randn(1, T, H, V, generator=gen).cuda().bfloat16()
+    dht = torch.randn(N, H, K, V, generator=gen).cuda()
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o, s = _gpu_hybrid()(*leaves, cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    g1 = torch.autograd.grad((o.float() * do.float()).sum() + (s * dht).sum(), leaves)
+    # reference: the fp32 chunk path on the two independent parts (the one-token sequences, the 70-token
+    # ones), each packed alone: sequences do not interact, and each part gets its own small chunk layout
+    parts = []
+    for tok, seq, lens in (
+        (slice(0, N - 10), slice(0, N - 10), [1] * (N - 10)),
+        (slice(N - 10, T), slice(N - 10, N), [70] * 10),
+    ):
+        ref_leaves = [x[:, tok].float().requires_grad_() for x in (q, k, v, g, beta)]
+        o_p, s_p = chunk_gated_delta_rule(
+            *ref_leaves,
+            cu_seqlens=_cu(lens, torch.int64),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        g_p = torch.autograd.grad((o_p * do[:, tok].float()).sum() + (s_p * dht[seq]).sum(), ref_leaves)
+        parts.append((o_p.detach(), s_p.detach(), g_p))
+    o_ref = torch.cat([p[0] for p in parts], dim=1)
+    s_ref = torch.cat([p[1] for p in parts], dim=0)
+    g_ref = [torch.cat([p[2][i] for p in parts], dim=1) for i in range(5)]
+    assert (o.float() - o_ref).abs().max() < _bf16_tol(o_ref)
+    assert (s - s_ref).abs().max() < _bf16_tol(s_ref)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], g1, g_ref):
+        assert (a.float() - b).abs().max() < 2 * _bf16_tol(b), name
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_probe_and_auto():
+    """The probe passes on this device and auto picks fla (its own backward runs) or else fla_hybrid."""
+    pytest.importorskip("fla")
+    from varpack.ops import resolve_backend
+    from varpack.ops.fla_probe import fla_status
+
+    st = fla_status("cuda")
+    print(st)
+    assert st.hybrid == (True, "ok"), st.hybrid
+    want = "fla" if st.forward[0] and st.backward[0] else "fla_hybrid"
+    assert resolve_backend("auto", "cuda") == want
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_custom_op_equals_direct():
+    """varpack::gated_delta_rule on fla_hybrid (native backward op) == fla_hybrid_gated_delta_rule."""
+    pytest.importorskip("fla")
+    from tests.ops.test_gated_delta_rule import _cu, _inputs
+    from varpack.ops.gated_delta_rule import fla_hybrid_gated_delta_rule
+    from varpack.ops.gated_delta_rule.custom_op import gated_delta_rule_op
+
+    lengths = [5, 300, 64, 1]
+    ins, h0 = _inputs(lengths, Hk=2, H=4, K=64, V=64, device="cuda", dtype=torch.bfloat16, initial=True)
+    cu = _cu(lengths, torch.int64)
+    outs = []
+    for fn in (
+        fla_hybrid_gated_delta_rule,
+        lambda *a, **kw: gated_delta_rule_op(*a, backend="fla_hybrid", **kw),
+    ):
+        leaves = [x.clone().requires_grad_() for x in (*ins, h0)]
+        o, s = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu.cuda(),
+                  cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=True)  # fmt: skip
+        gen = torch.Generator().manual_seed(1)
+        do = torch.randn(o.shape, generator=gen).cuda().to(o.dtype)
+        dht = torch.randn(s.shape, generator=gen).cuda()
+        outs.append([o, s, *torch.autograd.grad((o.float() * do.float()).sum() + (s * dht).sum(), leaves)])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_is_sync_free():
+    """After a warm-up on the same boundaries (Triton compiles, fla's chunk-index cache), forward and backward
+    make no host sync (the CPU offsets are given)."""
+    from tests.ops.test_gated_delta_rule import _cu, _inputs
+
+    lengths = [3, 500, 64, 1, 1000]
+    ins, _ = _inputs(lengths, device="cuda", dtype=torch.bfloat16, K=64, V=64)
+    cu = _cu(lengths, torch.int64)
+    from varpack.ops.gated_delta_rule.fla_hybrid import (
+        fla_hybrid_gated_delta_rule,
+        prepare_fla_hybrid_boundaries,
+    )
+
+    bnd = prepare_fla_hybrid_boundaries(cu, "cuda")  # per batch (the model layers keep it on the VarlenMeta)
+
+    def step():
+        leaves = [x.clone().requires_grad_() for x in ins]
+        o, _ = fla_hybrid_gated_delta_rule(
+            *leaves,
+            cu_seqlens=bnd.cu_seqlens,
+            cu_seqlens_cpu=cu,
+            boundaries=bnd,
+            use_qk_l2norm_in_kernel=True,
+        )
+        o.float().sum().backward()
+
+    pytest.importorskip("fla")
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_model_layers_reach_fla_hybrid_on_standins(standins, monkeypatch):
+    """tiny-qwen3.5 with its Gated DeltaNet layers forced onto fla_hybrid (fla's kernels played by the
+    stand-ins): packed == unpacked for logits, loss and every gradient (varpack check); the per-batch
+    boundaries are built once and kept on the batch's VarlenMeta; sabotaged boundaries fail."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is not None:
+        pytest.skip(
+            "fla is importable: transformers' own Qwen3.5 forward (the unpacked reference) would call it on CPU"
+        )
+    import varpack.collate
+    from tests.test_check import VOCAB, _Sabotaged, samples
+    from varpack.check import check_exactness
+    from varpack.integrations.gated_delta import patch_linear_attention
+    from varpack.models import load_model
+    from varpack.ops.gated_delta_rule import dispatch
+
+    built = []
+    real_prepare = standins.prepare_fla_hybrid_boundaries
+
+    def counting_prepare(*a, **kw):
+        built.append(1)
+        return real_prepare(*a, **kw)
+
+    monkeypatch.setattr(
+        "varpack.integrations.gated_delta.prepare_fla_hybrid_boundaries", counting_prepare, raising=True
+    )
+    monkeypatch.setattr(dispatch, "_fla_hybrid_capability", lambda device: (True, "ok (stand-ins)"))
+    monkeypatch.setattr(
+        dispatch,
+        "fla_hybrid_gated_delta_rule",
+        lambda *a, cu_seqlens_cpu=None, boundaries=None: standins._hybrid(
+            *a, cu_seqlens_cpu, "fp32", boundaries
+        ),
+    )
+    import varpack.integrations.gated_delta as gd
+
+    # check_exactness re-enables varpack (linear backend auto, = chunk on the CPU): force fla_hybrid there
+    monkeypatch.setattr(
+        gd,
+        "patch_linear_attention",
+        lambda m, backend="auto": patch_linear_attention(m, backend="fla_hybrid"),
+    )
+    model = load_model("tiny-qwen3.5", vocab_size=VOCAB, attn_backend="reference")
+    rows = samples(lengths=(6, 1, 9, 70))
+    res = check_exactness(model, rows, backend="reference")
+    assert res["passed"], res["failures"]
+    assert res["gated_delta_backend"] == "fla_hybrid"
+    assert len(built) == 1  # one packed batch: built once, shared by every linear-attention layer
+    monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
+    assert not check_exactness(model, rows, backend="reference")["passed"]
+
+
+def test_hybrid_probe_logic_on_standins(standins, monkeypatch):
+    """The fla_hybrid probe (bf16 problem with initial/final state vs the fp32 chunk path) passes on the
+    stand-ins, and fails with the quantity named when the backward is wrong (dg scaled)."""
+    from varpack.ops.gated_delta_rule import dispatch
+
+    monkeypatch.setattr(dispatch, "load_hybrid", standins.load_hybrid)
+
+    def rule(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, **kw):
+        l2 = kw["use_qk_l2norm_in_kernel"]
+        return standins._hybrid(
+            q, k, v, g, beta, None, initial_state, output_final_state, cu_seqlens, l2, cu_seqlens_cpu, "fp32"
+        )
+
+    assert dispatch._run_fla_hybrid_probe(torch.device("cpu"), rule) == (True, "ok")
+    real = standins._backward_impl
+
+    def wrong(*a, **kw):
+        dq, dk, dv, dg, db, dh0 = real(*a, **kw)
+        return dq, dk, dv, 1.5 * dg, db, dh0
+
+    monkeypatch.setattr(standins, "_backward_impl", wrong)
+    ok, reason = dispatch._run_fla_hybrid_probe(torch.device("cpu"), rule)
+    assert not ok and "dg" in reason, reason
