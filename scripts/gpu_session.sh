@@ -12,6 +12,7 @@
 #   bash scripts/gpu_session.sh steady   # SFT table, steady state (cold pass untimed), 2 rounds, 8192 tokens
 #   bash scripts/gpu_session.sh multi    # issue 13, nvidia-h200-x2: scaling 1 -> 2 GPUs, FSDP2 1.7B memory (needs .gpu/data/*.jsonl)
 #   bash scripts/gpu_session.sh multi2   # issue 13: per-rank imbalance, varpack sft --fsdp (torchrun), accelerate launch
+#   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
 #   bash scripts/gpu_session.sh short    # issue 17: triton_short GPU tests, launch-config sweep, bake-off with the
 #        tuned config beside FA4 / torch_varlen / flex (short, real lognormal, uniform2048; T=65536, H=16/4, D=128)
 #        (<= 7.5 min with fa4a; TUNE_BUDGET: seconds of the sweep, default 90; ATTN_FLAGS: attention.py flags, default --batch-meta
@@ -149,6 +150,25 @@ case "$stage" in
         --backends flash_attn_4,torch_varlen,flex,triton_short,auto ${ATTN_FLAGS---batch-meta} \
         --out "$OUT/short_attention_$mix.json" 2>&1 | tee -a "$OUT/short_attention.log" | grep -E '^\| (mix|[a-z])' | tail -9
     done
+    ;;
+  final)  # fourth session, one call: #16 fla_hybrid (GPU tests, benchmark, check, hybrid SFT step), #14 DPO, #13 accelerate
+    setup
+    timeout ${GDK_TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -s --durations=8 \
+      tests/ops/test_fla_hybrid.py tests/ops/test_gated_delta_rule.py tests/test_check.py -k "gpu and (fla_hybrid or chunk or qwen35)" \
+      2>&1 | tee "$OUT/gdk_tests.log" | tail -25
+    timeout ${GDK_BENCH_TIMEOUT:-130} python3 benchmarks/gated_delta.py --methods ${GDK_METHODS:-chunk fla fla_hybrid fla_hybrid-mixed fla_hybrid-bf16} \
+      2>&1 | tee "$OUT/gated_delta.log" | tail -40
+    timeout 60 python3 -m varpack.cli.main check --model tiny-qwen3.5 --dtype bf16 --device cuda 2>&1 | tail -12 | tee "$OUT/check_qwen35.log"
+    timeout ${HYBRID_TIMEOUT:-120} python3 benchmarks/hybrid_step.py --samples .gpu/samples.npz --backends chunk,fla_hybrid \
+      --steps 6 --out "$OUT/hybrid_step.json" 2>&1 | tee "$OUT/hybrid_step.log" | tail -8
+    timeout ${DPO_TIMEOUT:-130} python3 benchmarks/dpo.py --data .gpu/mt_bench_pairs.jsonl --model qwen3-0.6b-shape --steps 12 \
+      --timed-passes 3 --time-budget 70 --out "$OUT/dpo.json" 2>&1 | tee "$OUT/dpo.log" | tail -12
+    ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+    if [ "$ngpu" -gt 1 ]; then
+      timeout 90 accelerate launch --num_processes $ngpu --use_fsdp --fsdp_version 2 -m varpack.cli.main sft --model tiny-qwen3 \
+        --attn-backend torch_varlen --data .gpu/data/gsm8k.jsonl --max-steps 2 --packing-length 4096 --bf16 --no-save 2>&1 \
+        | tee "$OUT/accelerate_engine.log" | grep -E "^(engine|done|model)" 
+    fi
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac
