@@ -167,9 +167,13 @@ def test_gpu_check_bf16_auto(name, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_check_tiny_qwen35_bf16_gated_delta_on_fla_kernels(monkeypatch):
-    """tiny-qwen3.5 in bf16 on CUDA, backend auto: the gated delta rule runs on fla's kernels (fla, or
-    fla_hybrid where fla refuses its backward) and the check passes by the fp32-truth rule; sabotaged fails."""
+    """tiny-qwen3.5 in bf16 on CUDA, backend auto with fla_hybrid allowed: the gated delta rule runs on fla's
+    kernels (fla, or fla_hybrid where fla refuses its backward) and the check passes by the fp32-truth rule;
+    sabotaged fails."""
     pytest.importorskip("fla")
+    from varpack.ops.gated_delta_rule import dispatch
+
+    monkeypatch.setattr(dispatch, "AUTO_FLA_HYBRID", True)
     model = load_model("tiny-qwen3.5", dtype=torch.bfloat16, device="cuda", attn_backend="auto")
     vocab = model.config.vocab_size
     rows = [
