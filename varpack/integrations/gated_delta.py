@@ -302,7 +302,8 @@ def patch_linear_attention(model: torch.nn.Module, *, backend: str = "auto") -> 
     Args:
         model: a transformers model containing ``*GatedDeltaNet`` modules.
         backend: gated delta rule backend, ``"auto"`` (fla when it runs forward and backward on the
-            device, else ``fla_hybrid`` when its probe passes, else varpack's chunked PyTorch path),
+            device, else ``fla_hybrid`` when ``AUTO_FLA_HYBRID`` is on and its probe passes, else varpack's
+            chunked PyTorch path),
             ``"fla"``, ``"fla_hybrid"``, ``"chunk"``, ``"chunk_compiled"`` or ``"naive"`` (see
             :mod:`varpack.ops.gated_delta_rule.dispatch`). With ``"fla"``/``"fla_hybrid"``/``"auto"`` on
             CUDA the short conv uses fla's ``causal_conv1d`` when its probe passed.
