@@ -56,7 +56,7 @@ BACKENDS = ("fla", "fla_hybrid", "chunk", "chunk_compiled", "naive")
 #: Whether ``auto`` may pick ``fla_hybrid``. Off until it is measured end to end: on the H200 (2026-12-01)
 #: its kernel-level GPU tests passed (bf16 vs the fp32 chunk path: output, final state, every gradient,
 #: 1-token and non-multiple-of-64 sequences, grouped heads, initial state) and benchmarks/gated_delta.py gave
-#: 15.7 ms forward + backward at 64 x 512 (chunk: 35.5 ms), but the first calls at a new head / dim shape
+#: 15.7 ms forward + backward at 64 x 512 (12.5 ms with the "mixed" step, now the default; chunk: 35.5 ms), but the first calls at a new head / dim shape
 #: (fla's Triton autotuning, once per process and shape) outlasted the 75-120 s budgets of the model-level
 #: runs (varpack check on tiny-qwen3.5, benchmarks/hybrid_step.py), so the model path is not verified there.
 #: ``backend="fla_hybrid"`` selects it explicitly.
