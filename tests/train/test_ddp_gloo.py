@@ -17,6 +17,7 @@ import torch
 
 from varpack.models import load_model
 from varpack.train import SFTConfig, build_sft
+from varpack.train.trainer import EngineReportCallback
 
 VOCAB = 512
 #: packing_length 32: best-fit decreasing makes 3 packs ({25, 5}, {20, 12}, {18, 10}): 2 ranks x 1 pack per
@@ -63,6 +64,8 @@ def one_step(out_dir, *, encoded=None, **cfg):
         encoded=encoded if encoded is not None else samples(),
     )  # fmt: skip
     run.trained_ids = []  # sample ids of the micro-batches this rank trained (fillers have none)
+    run.engines = []  # what varpack sft prints as its engine line (main process only)
+    run.trainer.add_callback(EngineReportCallback(run.engines.append))
     step = run.trainer.training_step
 
     def training_step(model, inputs, *args, **kwargs):
@@ -110,6 +113,10 @@ def fsdp2_step(reduction, *, global_items=True):
     from varpack.train.trainer import _is_fully_sharded
 
     assert _is_fully_sharded(model)  # what makes PackedLossMixin take the logits path under FSDP2
+    from varpack.train.trainer import describe_engine
+
+    units = len(model.model.layers) + 1  # every decoder layer and the root
+    assert describe_engine(model, world) == f"FSDP2 (fully_shard, {units} units) on {world} ranks"
     objective = get_objective("sft")
     items = sum(objective.count_items(b, reduction=reduction) for b in batches)
     if global_items:
@@ -170,7 +177,7 @@ for name, reduction, extra in [
     layout = run.trainer.pack_sampler.layout().tolist()
     if rank == 0:
         torch.save(delta, out / f"{{name}}.pt")
-    result[name] = {{"loss": loss, "layout": layout, "ids": run.trained_ids}}
+    result[name] = {{"loss": loss, "layout": layout, "ids": run.trained_ids, "engine": run.engines}}
 from tests.train.test_ddp_gloo import fsdp2_step
 for name, reduction, global_items in [
     ("fsdp-token", "token", True), ("fsdp-sample", "sample", True), ("fsdp-control", "token", False)
@@ -209,6 +216,8 @@ def test_ddp_and_fsdp2_two_gloo_ranks_step_equals_one_process_step(tmp_path):
     assert results[1]["token"]["layout"] == layout
     flat = [p for slot in layout for rank in slot for p in rank]
     assert sorted(p for p in flat if p >= 0) == [0, 1, 2] and flat.count(-1) == 1
+    # the engine line varpack sft prints: DDP (accelerate's MULTI_CPU), on the main process only
+    assert results[0]["token"]["engine"] == ["engine    DDP on 2 ranks"] and results[1]["token"]["engine"] == []
     # the step is the whole epoch: each sample trained by exactly one rank, once
     for name in ("token", "sample", "control"):
         assert sorted(results[0][name]["ids"] + results[1][name]["ids"]) == list(range(len(LENGTHS)))
