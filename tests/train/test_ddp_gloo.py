@@ -8,6 +8,7 @@ different packs are refused before training."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -249,3 +250,22 @@ def test_ddp_and_fsdp2_two_gloo_ranks_step_equals_one_process_step(tmp_path):
     for r in range(2):
         msg = results[r]["mismatch"]
         assert msg is not None and "differs across ranks" in msg and "rank 0:" in msg and "rank 1:" in msg
+
+
+def test_accelerate_launch_two_cpu_ranks_runs_ddp(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 -m varpack.cli.main sft` (accelerate's launcher; on
+    CPUs it runs gloo): the run trains, prints the DDP engine line once, and leaves no empty output folder."""
+    pytest.importorskip("accelerate")
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+        "-m", "varpack.cli.main", "sft", "--max-steps", "1", "--no-save", "--packing-length", "2048",
+        "--overflow", "drop",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[2]), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout + proc.stderr
+    assert out.count("engine    DDP on 2 ranks") == 1, out[-3000:]
+    assert "done: 1 steps" in out
+    assert not (tmp_path / "varpack-sft").exists()

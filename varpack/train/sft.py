@@ -588,6 +588,7 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
     """
     run = build_sft(config, **build_kw)
     config = run.config
+    finished = False
     try:
         if run.trainer.is_world_process_zero():
             print_fn(run.report)
@@ -626,8 +627,11 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
                     )
                     if merged_dir is not None:
                         print_fn(f"merged model (base + adapter) saved to {os.path.abspath(merged_dir)}")
+        finished = True
     finally:
         if run.created_output_dir:
+            if finished:  # every rank past Trainer.train(), whose end still reads output_dir (seen under
+                run.trainer.accelerator.wait_for_everyone()  # accelerate launch: [Errno 2] on 'varpack-sft')
             _remove_if_empty(config.output_dir)
     if run.trainer.is_world_process_zero() and run.history:
         first, last = run.history[0]["loss"], run.history[-1]["loss"]
