@@ -172,6 +172,37 @@ def test_formats_mix_across_and_within_files(tmp_path, tok):
         assert (got["input_ids"], got["labels"]) == (ref["input_ids"], ref["labels"])
 
 
+# strings that are themselves JSON text: datasets' Json() type would read them back as the value they spell
+JSONISH = ["4", '"Paris"', "true", "null", "[1, 2]", '{"a": 1}', "3.50"]
+
+
+@pytest.mark.parametrize("layout", ["one file", "two files", "rows"])
+def test_mixed_field_types_keep_every_string_exactly(tmp_path, layout):
+    """A field that is a plain string in some rows and messages in others (prompt / completion here, a
+    message's content beside content parts in image chats) is kept exactly: "4" stays the string "4", not the
+    number 4 (datasets.Json() alone turns such strings into the JSON value they spell). Negative control:
+    datasets' own reading of the same file changes them."""
+    plain = [{"prompt": f"Say {v}", "completion": v} for v in JSONISH]
+    conv = [{"prompt": [_u("Q")], "completion": [_a("A")]}]
+    nested = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "Q"}]}, _a(v)]} for v in JSONISH]
+    if layout == "one file":
+        src = [_write_jsonl(tmp_path / "mixed.jsonl", plain + conv)]
+    elif layout == "two files":
+        src = [_write_jsonl(tmp_path / "p.jsonl", plain), _write_jsonl(tmp_path / "c.jsonl", conv)]
+    else:
+        src = plain + conv
+    ds = load_chat_data(src, cache_dir=tmp_path / "hf")
+    assert [r["completion"] for r in ds] == JSONISH + [[_a("A")]]
+    assert all(isinstance(r["completion"], str) for r in list(ds)[: len(JSONISH)])
+    from varpack.data.chat import _dataset_from_rows
+
+    got = _dataset_from_rows(nested + [{"messages": [_u("Q"), _a("A")]}]).to_list()
+    assert [r["messages"][1]["content"] for r in got] == JSONISH + ["A"]
+    if layout == "one file" and hasattr(datasets, "Json"):  # negative control: datasets alone changes them
+        raw = datasets.load_dataset("json", data_files=[str(p) for p in src], split="train", cache_dir=str(tmp_path / "hf2"))
+        assert [r["completion"] for r in raw][: len(JSONISH)] != JSONISH
+
+
 # (row, error type, regex on the message): every error names the sample and the field
 BAD = [
     (

@@ -26,6 +26,7 @@ Two ways to find the assistant tokens, chosen per tokenizer:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import re
@@ -371,7 +372,72 @@ def _dataset_from_rows(items: list[Mapping[str, Any]]) -> datasets.Dataset:
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
         if not hasattr(datasets, "Json"):
             raise
-        return datasets.Dataset.from_list(rows, on_mixed_types="use_json")
+    # datasets.Json() reads a string that is itself JSON text back as the value it spells ("4" -> 4,
+    # "\"Paris\"" -> "Paris", "true" -> True), also nested (a message's str content beside list contents):
+    # every column that needs Json() anywhere is stored JSON-encoded as a whole, which Json() decodes back exactly
+    ds = datasets.Dataset.from_list(rows, on_mixed_types="use_json")
+    cols = [k for k in keys if _has_json_feature(ds.features[k])]
+    if not cols:
+        return ds
+    features = datasets.Features({k: (datasets.Json() if k in cols else f) for k, f in ds.features.items()})
+    encoded = [{k: (json.dumps(v) if k in cols and v is not None else v) for k, v in r.items()} for r in rows]
+    return datasets.Dataset.from_list(encoded, features=features)
+
+
+def _has_json_feature(features: Any) -> bool:
+    """Whether ``features`` (a ``datasets.Features`` or a nested feature) holds a ``datasets.Json()``."""
+    import datasets
+
+    json_type = getattr(datasets, "Json", None)
+    if json_type is None:
+        return False
+    if isinstance(features, json_type):
+        return True
+    if isinstance(features, dict):
+        return any(_has_json_feature(f) for f in features.values())
+    if isinstance(features, (list, tuple)):
+        return any(_has_json_feature(f) for f in features)
+    inner = getattr(features, "feature", None)  # datasets.List / Sequence / LargeList
+    return inner is not None and _has_json_feature(inner)
+
+
+def _read_json_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of one JSON / JSON Lines file (compressed as its suffix says), read with :mod:`json`: a JSON
+    array of objects, one object, or one object per line (blank lines skipped).
+
+    Raises:
+        ValueError: a line / document that is not JSON, or a row that is not an object (named by file:line).
+    """
+    import fsspec
+
+    with fsspec.open(path, "rt", compression="infer", encoding="utf-8") as fh:
+        text = fh.read()
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: invalid JSON ({exc})") from exc
+        rows = doc
+    else:
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                if not rows and n == 1:  # one pretty-printed object over several lines
+                    try:
+                        rows = [json.loads(text)]
+                        break
+                    except json.JSONDecodeError:
+                        pass
+                raise ValueError(f"{path}:{n}: invalid JSON ({exc})") from exc
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} row {i}: a chat row must be a JSON object, got {type(row).__name__}")
+    return rows
 
 
 def _load_files(kind: str, files: list[str], cache_dir: str | None) -> datasets.Dataset:
@@ -382,10 +448,18 @@ def _load_files(kind: str, files: list[str], cache_dir: str | None) -> datasets.
     import datasets
 
     try:
-        return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
+        ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
     except datasets.exceptions.DatasetGenerationError:
         if len(files) == 1:
             raise
+    else:
+        if not (kind == "json" and _has_json_feature(ds.features)):
+            return ds
+        # rows that mix a plain string with messages in one field: datasets typed the field Json() and
+        # would read a JSON-looking string back as the value it spells ("4" -> 4); read the rows ourselves
+        return _dataset_from_rows([row for f in files for row in _read_json_rows(f)])
+    if kind == "json":  # fields typed differently across files: the same, read with json
+        return _dataset_from_rows([row for f in files for row in _read_json_rows(f)])
     per_file = [
         datasets.load_dataset(kind, data_files=[f], split="train", cache_dir=cache_dir).features for f in files
     ]
