@@ -372,3 +372,24 @@ def test_always_on_switches(tmp_path, capsys, switch):
     assert _parse("sft", "--config", str(_dump(tmp_path / "on.yaml", {switch: True}))) == SFTConfig()
     code, err = _main_err(["sft", "--config", str(_dump(tmp_path / "off.yaml", {switch: False}))], capsys)
     assert code == 2 and "only true is accepted" in err and "off.yaml" in err
+
+
+def test_saved_config_reruns_from_another_directory(tmp_path, monkeypatch):
+    """A run given a relative --data path saves varpack_config.yaml with absolute local paths, so "rerun with:
+    varpack sft --config varpack_config.yaml" works from the output folder (it failed with "chat data file not
+    found" when the relative path was saved as given)."""
+    from varpack.train.sft import _rerunnable
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "small.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    monkeypatch.chdir(work)
+    config = SFTConfig(data=("small.jsonl",), output_dir="runs/a", model="tiny-qwen3")
+    saved = _rerunnable(config)
+    assert saved.data == (str(work / "small.jsonl"),) and saved.output_dir == str(work / "runs" / "a")
+    assert saved.model == "tiny-qwen3"  # a built-in name is not a path
+    path = write_config_file(saved, tmp_path / CONFIG_FILE_NAME)
+    monkeypatch.chdir(tmp_path)
+    again = load_config_file(path)
+    assert all(Path(p).is_file() for p in again.data)
+    assert dataclasses.replace(again, data=config.data, output_dir=config.output_dir) == config

@@ -38,6 +38,8 @@ def test_cli_dpo_on_a_file(tmp_path, capsys):
     assert code == 0, out
     assert "(6 preference pairs, each in one pack)" in out and "samples   12" in out
     assert "loss dpo sigmoid, beta 0.2, reference: a frozen copy of the start" in out
+    # DPO's own defaults (TRL's 1e-6 for loaded weights), not SFT's, on both sides of the line
+    assert "peak lr 0.0001 (default for a random-init model; pretrained: 1e-06)" in out
     assert f"done: 2 steps, loss {math.log(2):.4f} ->" in out  # policy == reference at the first step
 
 

@@ -186,6 +186,14 @@ def test_invalid_value_says_what_is_valid(field, value, rule):
         SFTConfig(**{field: value})
 
 
+@pytest.mark.parametrize("value", ["0", "1", "-5"])
+def test_buffer_size_flag_states_the_configs_rule(value, capsys):
+    """--buffer-size 0 / -5 and 1 once gave two different rules (">= 1" from argparse, then ">= 2" from the
+    config): the flag's own check now states the config's rule."""
+    assert main(["sft", "--streaming", "--max-steps", "1", "--buffer-size", value]) == 2
+    assert "--buffer-size: must be an integer >= 2" in capsys.readouterr().err
+
+
 def test_bad_value_of_a_new_flag_is_a_usage_error(capsys):
     """--weight-decay has no argparse range check: SFTConfig refuses it and the CLI words it as the flag."""
     assert main(["sft", "--weight-decay", "-1", "--max-steps", "1"]) == 2

@@ -249,3 +249,19 @@ def test_fsdp_without_gpu_is_refused_before_encoding(tmp_path):
 
     with pytest.raises(ValueError, match="fsdp needs CUDA GPUs"):
         build_sft(SFTConfig(fsdp=True, output_dir=str(tmp_path / "out"), data=("missing.jsonl",)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_accelerate_use_fsdp_without_gpu_is_refused(tmp_path, monkeypatch):
+    """`accelerate launch --use_fsdp` sets ACCELERATE_USE_FSDP; on CPUs accelerate would run plain DDP under it:
+    refused like --fsdp (and not when the variable is off)."""
+    from varpack.train import SFTConfig, build_sft
+
+    cfg = SFTConfig(output_dir=str(tmp_path / "out"), data=("missing.jsonl",))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="ACCELERATE_USE_FSDP"):
+        build_sft(cfg)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    with pytest.raises(Exception) as info:  # goes on to read the data: fails on the missing file instead
+        build_sft(cfg)
+    assert "ACCELERATE_USE_FSDP" not in str(info.value)

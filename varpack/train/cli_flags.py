@@ -144,6 +144,7 @@ def _cli_types() -> dict[str, Callable[[str], Any]]:
     return {
         "int>=0": int_at_least(0),
         "int>=1": int_at_least(1),
+        "int>=2": int_at_least(2),
         "float>0": float_above(0),
         "max_steps": max_steps_type,
         "json_object": json_object,
@@ -151,7 +152,7 @@ def _cli_types() -> dict[str, Callable[[str], Any]]:
 
 
 #: ``metadata["cli_type"]`` names -> the argparse value checks (the same as ``varpack plan``'s flags).
-CLI_TYPES: tuple[str, ...] = ("int>=0", "int>=1", "float>0", "max_steps", "json_object")
+CLI_TYPES: tuple[str, ...] = ("int>=0", "int>=1", "int>=2", "float>0", "max_steps", "json_object")
 
 
 def flag_name(field_name: str) -> str:

@@ -276,7 +276,7 @@ class SFTConfig:
             "with --streaming: samples packed together (best-fit decreasing over a bounded buffer); "
             "a larger buffer fills packs closer to the global plan (default: %(default)s)",
             metavar="K",
-            cli_type="int>=1",
+            cli_type="int>=2",
         ),
     )
     packs_per_step: int = field(

@@ -32,6 +32,7 @@ reads the loss at logging steps only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -43,7 +44,7 @@ import torch
 from varpack.data.load import load_and_encode
 from varpack.plan.report import plan_summary, summary_text
 from varpack.schema import IGNORE_INDEX
-from varpack.train.config import DEFAULT_LR, SFTConfig, default_lr
+from varpack.train.config import DEFAULT_DPO_LR, DEFAULT_LR, SFTConfig, default_lr
 from varpack.train.config_file import CONFIG_FILE_NAME, write_config_file
 from varpack.train.reporting import RunReportCallback
 from varpack.train.trainer import EngineReportCallback, PackedSFTTrainer, PackEpochCallback, TrainCollator
@@ -324,8 +325,13 @@ def _refuse_kernel_settings(config: SFTConfig) -> None:
     """Liger-Kernel and FSDP without a GPU refused before minutes of encoding, not at the first forward."""
     if config.fsdp and not torch.cuda.is_available():
         raise ValueError(
-            "fsdp needs CUDA GPUs: accelerate shards a model only on GPUs (on CPUs it would silently run plain "
+            "--fsdp needs CUDA GPUs: accelerate shards a model only on GPUs (on CPUs it would silently run plain "
             "DDP); on CPUs run torchrun without --fsdp"
+        )
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") and not torch.cuda.is_available():
+        raise ValueError(
+            "accelerate launch --use_fsdp (ACCELERATE_USE_FSDP) needs CUDA GPUs: accelerate shards a model only "
+            "on GPUs (on CPUs it would silently run plain DDP); on CPUs launch without --use_fsdp"
         )
     if config.fsdp and config.loss_impl == "linear_ce":
         raise ValueError(
@@ -618,7 +624,7 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
             run.trainer.save_model(config.output_dir)  # a PeftModel saves its adapter only
             if run.trainer.is_world_process_zero():
                 run.tokenizer.save_pretrained(config.output_dir)
-                write_config_file(config, os.path.join(config.output_dir, CONFIG_FILE_NAME))
+                write_config_file(_rerunnable(config), os.path.join(config.output_dir, CONFIG_FILE_NAME))
                 if config.lora:
                     from varpack.train.lora import save_lora
 
@@ -642,6 +648,21 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
     return run
 
 
+def _rerunnable(config: SFTConfig) -> SFTConfig:
+    """``config`` with its local paths (data files, a model directory or file, ``output_dir``) made absolute:
+    the saved ``varpack_config.yaml`` then reruns from any working directory, as its first line says."""
+
+    def local(p: Any) -> Any:
+        return os.path.abspath(p) if isinstance(p, str) and os.path.exists(p) else p
+
+    data = config.data
+    if data is not None:
+        data = local(data) if isinstance(data, str) else tuple(local(p) for p in data)
+    return dataclasses.replace(
+        config, data=data, model=local(config.model), output_dir=os.path.abspath(config.output_dir)
+    )
+
+
 def _describe_lr(run: SFTRun) -> str:
     """``AdamW, peak lr 0.003 (default for a random-init model), constant schedule, 0 warm-up steps``."""
     c = run.config
@@ -649,7 +670,8 @@ def _describe_lr(run: SFTRun) -> str:
         source = "set"
     else:
         other = "pretrained" if run.lr_default_kind == "random-init" else "random-init"
-        source = f"default for a {run.lr_default_kind} model; {other}: {DEFAULT_LR[other]:g}"
+        table = DEFAULT_DPO_LR if c.objective == "dpo" else DEFAULT_LR
+        source = f"default for a {run.lr_default_kind} model; {other}: {table[other]:g}"
     return (
         f"AdamW, peak lr {c.lr:g} ({source}), {c.lr_scheduler} schedule, {c.warmup_steps} warm-up steps, "
         f"weight decay {c.weight_decay:g}"
