@@ -196,7 +196,7 @@ def _row(r: dict) -> list:
         f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
         "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
         " / ".join(f"{m:.1f}" for m in r["ms_per_step_per_rank"]), f"{r['rank_imbalance']:.3f}",
-        " / ".join(f"{g:.1f}" for g in r["peak_gib_per_rank"]),
+        " / ".join("-" if g != g else f"{g:.1f}" for g in r["peak_gib_per_rank"]),  # NaN on CPUs: not measured
     ]  # fmt: skip
 
 

@@ -74,7 +74,7 @@ def main() -> None:
     streams = {
         "real, file order": real,
         "real, shuffled": real[rng.permutation(real.size)],
-        f"{args.samples // 1000}k drawn": rng.choice(real, size=args.samples, replace=True),
+        f"{args.samples:,} drawn": rng.choice(real, size=args.samples, replace=True),
     }
     print(
         f"lengths: {real.size:,} real samples from {', '.join(per_file)}; mean {real.mean():.0f}, max "
