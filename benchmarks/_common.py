@@ -228,6 +228,20 @@ def length_stats(lengths: Sequence[int] | np.ndarray) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def init_distributed() -> tuple[int, int, Any]:
+    """Under ``torchrun``: open the default process group (NCCL on CUDA, else gloo), pin this rank's GPU
+    (``LOCAL_RANK``); ``(rank, world_size, device)``."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
 def sync(device: Any) -> None:
     import torch
 

@@ -19,7 +19,6 @@ Scaling (tokens/s of 2 GPUs vs 1) comes from ``varpack sft`` itself (``tokens_pe
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _common import init_distributed, sync  # noqa: E402
 from _lengths import real_lengths  # noqa: E402
 
 from varpack.collate import PaddingFreeCollator  # noqa: E402
@@ -41,11 +41,6 @@ from varpack.plan import plan_packs  # noqa: E402
 from varpack.plan.balance import attention_cost_weight, layout_imbalance  # noqa: E402
 from varpack.train.objectives import get_objective  # noqa: E402
 from varpack.train.trainer import TrainCollator  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _samples(lengths: np.ndarray, vocab: int, seed: int = 0) -> list[dict]:
@@ -66,11 +61,11 @@ def _time_layout(model, sampler, dataset, collate, device, *, slots: int, warmup
             break
         batch = collate([dataset[p] for p in micro])
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         loss = objective.loss(model, batch, linear_ce=linear_ce).loss
         loss.backward()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     return times[warmup:]
@@ -87,12 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", default=None)
     args = ap.parse_args(argv)
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
+    cuda = device.type == "cuda"
     model = load_model(args.model, dtype=torch.bfloat16 if cuda else torch.float32, attn_backend="auto")
     model.config.use_cache = False
     model.to(device).train()

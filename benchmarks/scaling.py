@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -38,9 +37,11 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks._common import (  # noqa: E402
     H200_BF16_DENSE_PEAK_FLOPS,
+    init_distributed,
     load_samples,
     machine_info,
     markdown_table,
+    sync,
     synthetic_samples,
 )
 from varpack.collate import PaddingFreeCollator  # noqa: E402
@@ -52,11 +53,6 @@ from varpack.plan.balance import attention_cost_weight, pack_membership_fingerpr
 from varpack.train.distributed import check_same_on_all_ranks  # noqa: E402
 from varpack.train.objectives import get_objective  # noqa: E402
 from varpack.train.trainer import TrainCollator  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _wrap(model: torch.nn.Module, engine: str, device: torch.device) -> torch.nn.Module:
@@ -101,12 +97,8 @@ def _step(model, opt, batch, objective, device, world: int, linear_ce: bool) -> 
 
 
 def run(args: argparse.Namespace) -> dict | None:
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
+    cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
     model = load_model(args.model, dtype=dtype, attn_backend="auto")
@@ -144,15 +136,15 @@ def run(args: argparse.Namespace) -> dict | None:
     def one_pass() -> tuple[float, list[float]]:
         per_step = []
         dist.barrier()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for batch, _, _ in batches:
             s0 = time.perf_counter()
             _step(model, opt, batch, objective, device, world, linear_ce)
-            _sync(device)
+            sync(device)
             per_step.append(time.perf_counter() - s0)
         dist.barrier()
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0, per_step
 
     cold_s, _ = one_pass()
