@@ -294,13 +294,8 @@ def test_hybrid_backward_function_equals_autograd_on_standins(standins, final):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("final", [True, False])
-def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch, final):
-    """varpack::gated_delta_rule with backend fla_hybrid: forward and its native backward op (fla_hybrid's
-    recompute + backward pipeline) == the naive recurrence, values and every gradient (stand-in kernels)."""
-    from varpack.ops import naive_recurrent_gated_delta_rule
-    from varpack.ops.gated_delta_rule import custom_op
-
+def _custom_op_on_standins(monkeypatch, custom_op, standins):
+    """Route varpack::gated_delta_rule's fla_hybrid forward and backward to the stand-in kernels (fp32 step)."""
     monkeypatch.setattr(
         custom_op,
         "fla_hybrid_gated_delta_rule",
@@ -311,6 +306,16 @@ def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch,
         "fla_hybrid_backward",
         lambda *a, cu_seqlens_cpu=None: standins._hybrid_backward(*a, cu_seqlens_cpu, "fp32"),
     )
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch, final):
+    """varpack::gated_delta_rule with backend fla_hybrid: forward and its native backward op (fla_hybrid's
+    recompute + backward pipeline) == the naive recurrence, values and every gradient (stand-in kernels)."""
+    from varpack.ops import naive_recurrent_gated_delta_rule
+    from varpack.ops.gated_delta_rule import custom_op
+
+    _custom_op_on_standins(monkeypatch, custom_op, standins)
     lengths = [5, 64, 1, 70]
     ins, h0 = _gdr_inputs(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
@@ -346,16 +351,7 @@ def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch,
 def test_custom_op_fla_hybrid_opcheck_on_standins(standins, monkeypatch, final):
     from varpack.ops.gated_delta_rule import custom_op
 
-    monkeypatch.setattr(
-        custom_op,
-        "fla_hybrid_gated_delta_rule",
-        lambda *a, cu_seqlens_cpu=None: standins._hybrid(*a, cu_seqlens_cpu, "fp32"),
-    )
-    monkeypatch.setattr(
-        custom_op,
-        "fla_hybrid_backward",
-        lambda *a, cu_seqlens_cpu=None: standins._hybrid_backward(*a, cu_seqlens_cpu, "fp32"),
-    )
+    _custom_op_on_standins(monkeypatch, custom_op, standins)
     ins, h0 = _gdr_inputs([5, 1, 30, 3])
     ins = [x.float().requires_grad_() for x in ins]
     cu = torch.tensor([0, 5, 6, 36, 39])

@@ -403,7 +403,7 @@ def _has_json_feature(features: Any) -> bool:
 
 def _read_json_rows(path: str) -> list[dict[str, Any]]:
     """The rows of one JSON / JSON Lines file (compressed as its suffix says), read with :mod:`json`: a JSON
-    array of objects, one object, or one object per line (blank lines skipped).
+    array of objects, or one object per line (blank lines skipped).
 
     Raises:
         ValueError: a line / document that is not JSON, or a row that is not an object (named by file:line).
@@ -427,12 +427,6 @@ def _read_json_rows(path: str) -> list[dict[str, Any]]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                if not rows and n == 1:  # one pretty-printed object over several lines
-                    try:
-                        rows = [json.loads(text)]
-                        break
-                    except json.JSONDecodeError:
-                        pass
                 raise ValueError(f"{path}:{n}: invalid JSON ({exc})") from exc
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
