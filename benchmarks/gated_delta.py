@@ -15,10 +15,12 @@ Methods (all on the same packed inputs, measured in this one run):
 - ``fla``: flash-linear-attention's ``chunk_gated_delta_rule`` with ``cu_seqlens`` when importable; its
   backward is timed only if it runs (fla 0.6.0 refuses it on Hopper with Triton < 3.7.1: the reason is
   printed).
-- ``fla_hybrid``: :func:`varpack.ops.gated_delta_rule.fla_hybrid_gated_delta_rule`: fla's forward and
-  backward kernels with the refused ``chunk_bwd_dqkwg`` step done by varpack in PyTorch (fp32 GEMMs);
-  ``fla_hybrid-mixed``: that step's GEMMs on bf16 operands with fp32 outputs (``precision="mixed"``, fla's
-  kernel semantics); ``fla_hybrid-bf16``: GEMMs in the input dtype, outputs rounded (``precision="input"``).
+- ``fla_hybrid``: :func:`varpack.ops.gated_delta_rule.fla_hybrid_gated_delta_rule` as ``auto`` runs it:
+  fla's forward and backward kernels with the refused ``chunk_bwd_dqkwg`` step done by varpack's own Triton
+  kernel (``precision="mixed"``: bf16 operands, fp32 accumulation, fla's kernel semantics);
+  ``fla_hybrid-torch``: the same step in batched PyTorch (cuBLAS; the earlier default);
+  ``fla_hybrid-fp32``: the Triton step with IEEE fp32 dots (``precision="fp32"``); ``fla_hybrid-bf16``: the
+  PyTorch step with GEMM outputs rounded to bf16 (``precision="input"``).
 
 Length mixes (T tokens each): ``64x512``, ``16x2048``, ``lognormal``: lognormal(6.5, 1.0) clipped to
 [16, 8192] (seed 0; lognormal(4.0, 1.0) with ``--small``), the last sample cut to fill T exactly. Columns: forward ms (no grad), forward+backward
@@ -153,11 +155,7 @@ def build_methods(cu_cpu, lengths, device, names):
             methods["fla"] = fla if device.type == "cuda" else "fla needs CUDA"
         except Exception as exc:  # noqa: BLE001
             methods["fla"] = f"fla not importable: {type(exc).__name__}: {exc}"
-    for name, precision in (
-        ("fla_hybrid", "fp32"),
-        ("fla_hybrid-mixed", "mixed"),
-        ("fla_hybrid-bf16", "input"),
-    ):
+    for name, precision in HYBRID_METHODS.items():
         if name not in names:
             continue
         from varpack.ops.gated_delta_rule.fla_hybrid import (
@@ -190,6 +188,24 @@ def build_methods(cu_cpu, lengths, device, names):
     return methods
 
 
+#: fla_hybrid methods: the backward step's precision, and which implementation runs it (DQKWG_IMPL)
+HYBRID_METHODS = {
+    "fla_hybrid": "mixed",
+    "fla_hybrid-torch": "mixed",
+    "fla_hybrid-fp32": "fp32",
+    "fla_hybrid-bf16": "input",
+}
+HYBRID_IMPL = {"fla_hybrid-torch": "torch"}
+
+
+def _set_dqkwg_impl(name):
+    """The backward of ``fla_hybrid`` reads ``DQKWG_IMPL`` when it runs: set it for this method."""
+    if name in HYBRID_METHODS:
+        from varpack.ops.gated_delta_rule import fla_hybrid as fh
+
+        fh.DQKWG_IMPL = HYBRID_IMPL.get(name, "auto")
+
+
 def run_mix(mix, args, device, dtype):
     lengths = mix_lengths(mix, args.T, mu=4.0 if args.small else 6.5)
     cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64)
@@ -213,6 +229,7 @@ def run_mix(mix, args, device, dtype):
         if isinstance(fn, str) or fn is None:
             row["note"] = fn or "not run"
             continue
+        _set_dqkwg_impl(name)
         try:
             if name == "chunk-compiled":
                 t0 = time.perf_counter()
@@ -286,7 +303,8 @@ def main(argv=None):
             "chunk-compiled",
             "fla",
             "fla_hybrid",
-            "fla_hybrid-mixed",
+            "fla_hybrid-torch",
+            "fla_hybrid-fp32",
             "fla_hybrid-bf16",
         ],
     )
@@ -357,7 +375,7 @@ def main(argv=None):
                     + (f" ({r['fb_x']:.1f}x the per-sequence loop)" if r["fb_x"] else "")
                 )
         fla = next((x for x in all_rows if x["mix"] == "64x512" and x["method"] == "fla"), None)
-        for method in ("fla_hybrid", "fla_hybrid-mixed", "fla_hybrid-bf16"):
+        for method in HYBRID_METHODS:
             r = next((x for x in all_rows if x["mix"] == "64x512" and x["method"] == method), None)
             if r is None:
                 continue

@@ -12,6 +12,7 @@
 #   bash scripts/gpu_session.sh steady   # SFT table, steady state (cold pass untimed), 2 rounds, 8192 tokens
 #   bash scripts/gpu_session.sh multi    # issue 13, nvidia-h200-x2: scaling 1 -> 2 GPUs, FSDP2 1.7B memory (needs .gpu/data/*.jsonl)
 #   bash scripts/gpu_session.sh multi2   # issue 13: per-rank imbalance, varpack sft --fsdp (torchrun), accelerate launch
+#   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
 #   bash scripts/gpu_session.sh short    # issue 17: triton_short GPU tests, launch-config sweep, bake-off with the
 #        tuned config beside FA4 / torch_varlen / flex (short, real lognormal, uniform2048; T=65536, H=16/4, D=128)
@@ -170,6 +171,26 @@ case "$stage" in
         --attn-backend torch_varlen --data .gpu/data/gsm8k.jsonl --max-steps 2 --packing-length 4096 --bf16 --no-save 2>&1 \
         | tee "$OUT/accelerate_engine.log" | grep -E "^(engine|done|model)" 
     fi
+    ;;
+  final16)  # #16: the Triton dqkwg step (GPU tests), fla_hybrid vs chunk (benchmark, varpack check, hybrid SFT step)
+    setup
+    export TRITON_PRINT_AUTOTUNING=1  # fla autotunes once per process and shape key: its seconds are summed below
+    tune() { python3 - "$1" <<'PY'
+import re, sys
+t = [float(x) for x in re.findall(r"finished after ([0-9.]+)s", open(sys.argv[1]).read())]
+print(f"[autotune] {sys.argv[1].rsplit('/', 1)[-1]}: {len(t)} autotunes, {sum(t):.1f} s of benchmarking")
+PY
+    }
+    step() { local name=$1 limit=$2; shift 2; local t0=$(date +%s)
+      timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+      grep -v -E "^(Triton autotuning|with key|finished after|best config)" "$OUT/$name.log" | tail -${TAIL:-14}
+      echo "[$name] rc=$rc after $(( $(date +%s) - t0 )) s"; tune "$OUT/$name.log"; }
+    TAIL=8 step gdk_tests ${GDK_TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=6 \
+      tests/ops/test_dqkwg_triton.py tests/ops/test_fla_hybrid.py -k "dqkwg or matches_chunk_fp32"
+    TAIL=24 step gated_delta ${GDK_BENCH_TIMEOUT:-140} python3 benchmarks/gated_delta.py --methods chunk fla fla_hybrid fla_hybrid-torch
+    step hybrid_step ${HYBRID_TIMEOUT:-170} python3 benchmarks/hybrid_step.py --samples .gpu/samples.npz --backends chunk,fla_hybrid \
+      --steps 4 --rounds 1 --out "$OUT/hybrid_step.json"
+    step check_qwen35 ${CHECK_TIMEOUT:-115} python3 -m varpack.cli.main check --model tiny-qwen3.5 --dtype bf16 --device cuda
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac

@@ -39,13 +39,12 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import sys
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._triton import import_kernels, triton_interpreted
 from ._base import Backend, BackendUnavailableError, Capabilities
 
 if TYPE_CHECKING:
@@ -196,40 +195,15 @@ def _blocks(kind: str, head_dim: int) -> tuple[int, int, int, int]:
     raise ValueError(f"triton_short: head dim D={head_dim} > {max(table)}")
 
 
-_KERNELS: dict[str, Any] = {}
-_KERNELS_LOCK = threading.Lock()
-
-
 def _triton_interpreted() -> bool:
-    """Whether Triton runs interpreted in this process. Triton decides when it is imported (its own library
-    kernels, ``tl.sum`` and the like, are ``triton.jit`` functions: ``TRITON_INTERPRET=1`` must be set before
-    ``import triton``); before that import, the variable decides."""
-    standard = sys.modules.get("triton.language.standard")
-    if standard is None:
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(getattr(standard, "sum", None), InterpretedFunction)
+    """Whether Triton runs interpreted in this process (:func:`varpack._triton.triton_interpreted`)."""
+    return triton_interpreted()
 
 
 def _kernels():
-    """The kernel module, imported once, in Triton's mode (:func:`_triton_interpreted`): compiled kernels for a
-    GPU, or interpreted ones (NumPy, CPU tensors) when Triton itself was imported with ``TRITON_INTERPRET=1``."""
-    with _KERNELS_LOCK:
-        module = _KERNELS.get("module")
-        if module is None:
-            # the kernels follow Triton's mode even if TRITON_INTERPRET changed after triton's import
-            interpreted, before = _triton_interpreted(), os.environ.get("TRITON_INTERPRET")
-            os.environ["TRITON_INTERPRET"] = "1" if interpreted else "0"
-            try:
-                module = importlib.import_module("varpack.attn._triton_short_kernels")
-            finally:
-                if before is None:
-                    os.environ.pop("TRITON_INTERPRET", None)
-                else:
-                    os.environ["TRITON_INTERPRET"] = before
-            _KERNELS["module"] = module
-        return module
+    """The kernel module in Triton's mode: compiled kernels for a GPU, or interpreted ones (NumPy, CPU
+    tensors) when Triton itself was imported with ``TRITON_INTERPRET=1`` (:func:`varpack._triton.import_kernels`)."""
+    return import_kernels("varpack.attn._triton_short_kernels")
 
 
 def _platform_reason(device_type: str) -> str | None:

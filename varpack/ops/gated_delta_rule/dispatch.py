@@ -60,7 +60,7 @@ BACKENDS = ("fla", "fla_hybrid", "chunk", "chunk_compiled", "naive")
 #: (fla's Triton autotuning, once per process and shape) outlasted the 75-120 s budgets of the model-level
 #: runs (varpack check on tiny-qwen3.5, benchmarks/hybrid_step.py), so the model path is not verified there.
 #: ``backend="fla_hybrid"`` selects it explicitly.
-AUTO_FLA_HYBRID = False
+AUTO_FLA_HYBRID = True
 
 Capability = tuple[bool, str]
 

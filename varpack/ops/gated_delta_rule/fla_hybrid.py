@@ -53,7 +53,11 @@ __all__ = [
     "FLA_CHUNK_SIZE",
     "DqkwgPlan",
     "FlaHybridBoundaries",
+    "DQKWG_IMPL",
+    "DQKWG_TRITON_LAUNCH",
+    "chunk_bwd_dqkwg",
     "chunk_bwd_dqkwg_torch",
+    "chunk_bwd_dqkwg_triton",
     "dqkwg_plan",
     "fla_hybrid_backward",
     "fla_hybrid_gated_delta_rule",
@@ -103,6 +107,10 @@ class DqkwgPlan:
     total_tokens: int
     num_chunks: int
     groups: tuple[_Group, ...]
+    #: every chunk's first token and length ``[NT]`` int32 on the device, fla's chunk order (the chunk table
+    #: of :func:`chunk_bwd_dqkwg_triton`)
+    chunk_start: torch.Tensor | None = None
+    chunk_len: torch.Tensor | None = None
 
 
 def dqkwg_plan(
@@ -152,7 +160,13 @@ def dqkwg_plan(
                 slots=torch.from_numpy(local * int(P) + pos).to(dev, non_blocking=True),
             )
         )
-    return DqkwgPlan(total_tokens=T, num_chunks=NT, groups=tuple(groups))
+    return DqkwgPlan(
+        total_tokens=T,
+        num_chunks=NT,
+        groups=tuple(groups),
+        chunk_start=torch.from_numpy(start.astype(np.int32)).to(dev, non_blocking=True),
+        chunk_len=torch.from_numpy(clen.astype(np.int32)).to(dev, non_blocking=True),
+    )
 
 
 def chunk_bwd_dqkwg_torch(
@@ -306,6 +320,140 @@ def _dqkwg_group(grp: _Group, q, k, v_new, do, dv, g, hs, dhs, scale, acc, mm, o
 
 
 # ----------------------------------------------------------------------------------------------------
+# the same step as one Triton kernel (varpack's own, _dqkwg_kernels.py), and the choice between the two
+
+#: Which implementation runs the replaced step: ``"auto"`` (the Triton kernel on CUDA for the ``"mixed"`` and
+#: ``"fp32"`` precisions, else the batched PyTorch one), ``"triton"`` or ``"torch"``. Module-level so that
+#: benchmarks/gated_delta.py can time both; the backward reads it when it runs.
+DQKWG_IMPLS = ("auto", "triton", "torch")
+DQKWG_IMPL = "auto"
+#: Launch of :func:`chunk_bwd_dqkwg_triton`: key / value block (each capped at the head dim's power of two),
+#: warps, pipeline stages.
+DQKWG_TRITON_LAUNCH = {"block_k": 64, "block_v": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def chunk_bwd_dqkwg_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_new: torch.Tensor,
+    g: torch.Tensor,
+    h: torch.Tensor,
+    dh: torch.Tensor,
+    dv: torch.Tensor,
+    do: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor,
+    *,
+    chunk_size: int = FLA_CHUNK_SIZE,
+    plan: DqkwgPlan | None = None,
+    precision: str = DEFAULT_PRECISION,
+    w_dtype: torch.dtype | None = None,
+    launch: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`chunk_bwd_dqkwg_torch`'s ``(dq, dk, dw, dg)`` from one Triton kernel
+    (:mod:`varpack.ops.gated_delta_rule._dqkwg_kernels`: one program per key block, chunk and value head; it
+    never transposes a ``tl.dot`` result, the miscompiled pattern of fla's own kernel on Hopper).
+
+    Same arguments, shapes and results as :func:`chunk_bwd_dqkwg_torch` for ``precision`` ``"mixed"``
+    (operands in ``h``'s dtype, fp32 accumulation; fp32 states use IEEE fp32) and ``"fp32"`` (IEEE fp32 dots);
+    ``launch``: :data:`DQKWG_TRITON_LAUNCH`'s keys. Grouped q/k heads: per-value-head ``dq, dk`` are summed
+    over each group afterwards (a ``[T, H, K]`` fp32 buffer each). Devices: CUDA; the CPU under Triton's
+    interpreter (``TRITON_INTERPRET=1`` before ``import triton``; how the tests run it).
+
+    Raises:
+        ValueError: ``precision`` ``"input"`` or unknown, fp64 tensors, a chunk size other than 64, shapes or a
+            ``plan`` that disagree with the tensors.
+        RuntimeError: a CPU tensor while Triton runs compiled (or CUDA while it runs interpreted).
+    """
+    from varpack._triton import import_kernels, triton_interpreted
+
+    if precision not in ("mixed", "fp32"):
+        raise ValueError(f"chunk_bwd_dqkwg_triton runs precision 'mixed' or 'fp32', got {precision!r}")
+    if h.dtype == torch.float64 or q.dtype == torch.float64:
+        raise ValueError("chunk_bwd_dqkwg_triton has no fp64 path (use chunk_bwd_dqkwg_torch)")
+    if chunk_size != FLA_CHUNK_SIZE:
+        raise ValueError(
+            f"chunk_bwd_dqkwg_triton is built for fla's chunk of {FLA_CHUNK_SIZE}, got {chunk_size}"
+        )
+    interpreted = triton_interpreted()
+    if (q.device.type == "cuda") == interpreted:
+        mode = "interpreted" if interpreted else "compiled"
+        raise RuntimeError(f"chunk_bwd_dqkwg_triton: tensors on {q.device} while Triton runs {mode}")
+    B, T, Hk, K = q.shape
+    H, V = v_new.shape[2], v_new.shape[3]
+    if plan is None:
+        plan = dqkwg_plan(cu_seqlens, chunk_size, device=q.device)
+    NT = plan.num_chunks
+    if B != 1 or h.shape != (1, NT, H, K, V) or dh.shape != h.shape or plan.total_tokens != T or H % Hk:
+        raise ValueError(
+            f"expected packed q [1, T={plan.total_tokens}, Hk, K] and h/dh [1, NT={NT}, H={H}, K={K}, V={V}] "
+            f"(the plan of cu_seqlens; H a multiple of Hk), got q {tuple(q.shape)}, h {tuple(h.shape)}, "
+            f"dh {tuple(dh.shape)}"
+        )
+    kern = import_kernels("varpack.ops.gated_delta_rule._dqkwg_kernels")
+    cfg = {**DQKWG_TRITON_LAUNCH, **(launch or {})}
+    BK = min(int(cfg["block_k"]), _pow2(K))
+    BV = min(int(cfg["block_v"]), _pow2(V))
+    NK = -(-K // BK)
+    ieee = precision == "fp32" or h.dtype == torch.float32
+    mm = torch.float32 if ieee else h.dtype
+    import triton.language as tl
+
+    MM = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[mm]
+    q3, k3 = q[0].contiguous(), k[0].contiguous()
+    vn, do3, dv3 = v_new[0].contiguous(), do[0].contiguous(), dv[0].contiguous()
+    g2 = g[0].contiguous().float()
+    hs, dhs = h[0].contiguous(), dh[0].contiguous()
+    dq = q.new_empty((T, H, K), dtype=torch.float32)
+    dk = q.new_empty((T, H, K), dtype=torch.float32)
+    dw = q.new_empty((T, H, K), dtype=w_dtype or h.dtype)
+    dg = q.new_empty((NK, T, H), dtype=torch.float32)
+    if NT:
+        opts = (
+            {} if interpreted else {"num_warps": int(cfg["num_warps"]), "num_stages": int(cfg["num_stages"])}
+        )
+        kern.chunk_bwd_dqkwg_kernel[(NT, NK, H)](
+            q3, k3, vn, do3, dv3, g2, hs, dhs, plan.chunk_start, plan.chunk_len,
+            dq, dk, dw, dg,
+            float(scale), T,
+            q3.stride(0), q3.stride(1), vn.stride(0), vn.stride(1), g2.stride(0),
+            hs.stride(0), hs.stride(1), hs.stride(2), hs.stride(3),
+            dq.stride(0), dq.stride(1), dw.stride(0), dw.stride(1), dg.stride(0),
+            GROUP=H // Hk, KDIM=K, VDIM=V, BT=FLA_CHUNK_SIZE, BK=BK, BV=BV,
+            MM=MM, IEEE=ieee, UPCAST=bool(kern.INTERPRETED) and mm != torch.float32,
+            **opts,
+        )  # fmt: skip
+    r = H // Hk
+    if r > 1:
+        dq = dq.view(T, Hk, r, K).sum(2)
+        dk = dk.view(T, Hk, r, K).sum(2)
+    dg = dg[0] if NK == 1 else dg.sum(0)
+    return dq.unsqueeze(0), dk.unsqueeze(0), dw.unsqueeze(0), dg.unsqueeze(0)
+
+
+def chunk_bwd_dqkwg(*args, impl: str | None = None, **kwargs):
+    """:func:`chunk_bwd_dqkwg_triton` or :func:`chunk_bwd_dqkwg_torch` (same arguments) by ``impl``
+    (default :data:`DQKWG_IMPL`; ``"auto"``: Triton on CUDA for ``"mixed"`` / ``"fp32"``, else PyTorch).
+
+    Raises:
+        ValueError: an unknown ``impl``; as the chosen function.
+    """
+    impl = DQKWG_IMPL if impl is None else impl
+    if impl not in DQKWG_IMPLS:
+        raise ValueError(f"dqkwg impl must be one of {DQKWG_IMPLS}, got {impl!r}")
+    q = args[0] if args else kwargs["q"]
+    precision = kwargs.get("precision", DEFAULT_PRECISION)
+    if impl == "auto":
+        impl = "triton" if q.device.type == "cuda" and precision in ("mixed", "fp32") else "torch"
+    fn = chunk_bwd_dqkwg_triton if impl == "triton" else chunk_bwd_dqkwg_torch
+    return fn(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
 # the autograd Function: fla forward, fla backward with dqkwg replaced
 
 
@@ -364,8 +512,8 @@ def _backward_impl(saved, do, dht, scale, l2, plan, precision):
             q=q, k=k, w=w, do=do, dv=dv, g=g, h0=h0, dht=dht, scale=scale, state_v_first=False, chunk_size=BT,
             **common,
         )  # fmt: skip
-        # fla's chunk_bwd_dqkwg is flagged wrong on this stack: never run it; varpack's PyTorch version instead
-        dq, dk, dw, dg = chunk_bwd_dqkwg_torch(
+        # fla's chunk_bwd_dqkwg is flagged wrong on this stack: never run it; varpack's own step instead
+        dq, dk, dw, dg = chunk_bwd_dqkwg(
             q, k, v_new, g, h, dh, dv, do, scale, cu,
             chunk_size=BT, plan=plan, precision=precision, w_dtype=w.dtype,
         )  # fmt: skip
