@@ -251,6 +251,7 @@ def test_saved_run_records_its_resolved_config(tmp_path):
     saved = out / CONFIG_FILE_NAME
     assert saved.is_file() and (out / "model.safetensors").is_file()
     assert run.config.lr == 3e-3 and config.lr is None  # resolved
+    assert run.config.torch_compile is False and config.torch_compile == "auto"  # resolved (CPU: eager)
     assert load_config_file(saved) == run.config
     assert _parse("sft", "--config", str(saved)) == run.config
     assert "varpack sft --config" in saved.read_text().splitlines()[0]

@@ -194,6 +194,19 @@ def test_cli_sft_three_steps(tmp_path, capsys):
     assert "packing report" in out and "samples   8" in out and "fill" in out
     assert "done: 3 steps, loss" in out
     assert "engine    single process" in out  # the engine the Trainer actually ran (#13)
+    # the step configuration and why, next to it (issue 18 item 5): torch_compile=auto stays eager on a CPU
+    # and compiles on a GPU machine (the lead's CUDA run of this test)
+    cuda = torch.cuda.is_available()
+    speed = (
+        "speed     regional torch.compile + chunked linear CE (auto on CUDA: fastest measured"
+        if cuda
+        else "speed     eager + chunked linear CE (auto: CPU run; compiled by default on CUDA only)\n"
+    )
+    assert "engine    single process\n" + speed in out
+    import yaml
+
+    saved = yaml.safe_load((out_dir / "varpack_config.yaml").read_text())
+    assert saved["torch_compile"] is cuda  # resolved, so the rerun line runs the same step
     model = AutoModelForCausalLM.from_pretrained(out_dir)
     tok = AutoTokenizer.from_pretrained(out_dir)
     assert model.config.vocab_size == 151936 and tok("Hello, world!")["input_ids"] == [9707, 11, 1879, 0]

@@ -267,5 +267,11 @@ def test_accelerate_launch_two_cpu_ranks_runs_ddp(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout + proc.stderr
     assert out.count("engine    DDP on 2 ranks") == 1, out[-3000:]
+    # the speed line names what the DDP-wrapped model runs: the logits loss (linear CE needs it unwrapped)
+    speed = [line for line in out.splitlines() if line.startswith("speed")]
+    assert speed == [
+        "speed     eager + CE on the logits (auto: CPU run; compiled by default on CUDA only; logits: loss_impl "
+        "auto: the model is wrapped (DistributedDataParallel))"
+    ], speed
     assert "done: 1 steps" in out
     assert not (tmp_path / "varpack-sft").exists()

@@ -7,14 +7,16 @@
 
 One flag per :class:`varpack.train.config.SFTConfig` field (``--weight-decay``, ``--dtype``,
 ``--dataloader-num-workers``, ``--report-to``, ``--extra-training-args JSON``, ...; booleans as
-``--flag/--no-flag``): ``varpack sft --help`` lists them all. ``--config run.yaml`` (or ``.json``) gives any
+``--flag/--no-flag``; ``--torch-compile [auto|true|false]``, ``auto`` by default: on for a single-process CUDA
+run, :func:`varpack.train.config.resolve_torch_compile`): ``varpack sft --help`` lists them all. ``--config run.yaml`` (or ``.json``) gives any
 of them from a file (:mod:`varpack.train.config_file`); flags on the command line override it. TRL / ms-swift
 spellings are accepted too (``--packing_length``, ``--max_length``, ``--learning_rate``, ``--attn_impl``,
 ``--padding_free true``; README.md "Flags for TRL / ms-swift users").
 
 Without ``--data`` the built-in chats are used; the tokenizer is the model directory's / GGUF file's own,
-else the embedded Qwen3 vocabulary. Prints the packing report (samples, packs, fill, overflow) first, then a
-progress bar with loss, tokens/s and pack fill, and saves the model and tokenizer to ``--output-dir``, with
+else the embedded Qwen3 vocabulary. Prints the packing report (samples, packs, fill, overflow) first, then the
+engine and the step configuration it runs, with the reason (``speed     regional torch.compile + chunked linear
+CE (auto on CUDA: ...)``), then a progress bar with loss, tokens/s and pack fill, and saves the model and tokenizer to ``--output-dir``, with
 the resolved settings as ``varpack_config.yaml`` (``--config`` reads it back).
 Runs on CPU and GPU, and under ``torchrun`` / ``accelerate launch`` (each rank trains on its share of the
 packs).

@@ -6,6 +6,8 @@ One flag per field, so no setting is unreachable from the command line:
 * name: ``--`` + the field name with ``_`` -> ``-`` (``packing_length`` -> ``--packing-length``), ``dest`` the
   field name;
 * ``Literal[...]`` -> ``choices``; ``bool`` -> ``--flag`` / ``--no-flag`` (``argparse.BooleanOptionalAction``);
+  :data:`varpack.train.config.AutoBool` (``bool | Literal["auto"]``) -> ``--flag [auto|true|false]`` (no
+  value: on) and ``--no-flag`` (off, hidden from ``--help``; :func:`parse_auto_bool`);
   ``tuple[str, ...]`` -> ``nargs="+"``; ``int`` / ``float`` / ``str`` (also ``X | None``) -> that type, or the
   stricter check named by the field's ``metadata["cli_type"]`` (:data:`CLI_TYPES`);
 * help text and metavar from the field's metadata (see :mod:`varpack.train.config`).
@@ -47,7 +49,9 @@ __all__ = [
     "config_to_argv",
     "field_names",
     "flag_name",
+    "is_auto_bool",
     "json_object",
+    "parse_auto_bool",
     "parse_bool",
 ]
 
@@ -109,6 +113,36 @@ def parse_bool(text: str) -> bool:
     if low in ("false", "0", "no", "n", "f"):
         return False
     raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+
+
+def parse_auto_bool(text: str) -> bool | str:
+    """``auto`` (any case) -> ``"auto"``, else :func:`parse_bool`: the value of an
+    :data:`varpack.train.config.AutoBool` flag.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bool(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be auto, true or false, got {text!r}") from None
+
+
+def is_auto_bool(annotation: Any) -> bool:
+    """Whether a field annotation is :data:`varpack.train.config.AutoBool` (``bool | Literal["auto"]``)."""
+    if typing.get_origin(annotation) not in (typing.Union, UnionType):
+        return False
+    args = typing.get_args(annotation)
+    return len(args) == 2 and bool in args and any(literal_choices(a) == ("auto",) for a in args)
+
+
+class _AutoSwitch(_Store):
+    """``--flag [auto|true|false]`` of a :data:`varpack.train.config.AutoBool` field: no value means ``true``."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", const=True, type=parse_auto_bool, **kw)
 
 
 class _AlwaysOn(argparse.Action):
@@ -254,6 +288,15 @@ def add_config_arguments(
                     "--no_" + f.name, action=_SwitchOff, default=default, help=argparse.SUPPRESS, **kw
                 )
             continue
+        if is_auto_bool(annotation):
+            kw.setdefault("metavar", "auto|true|false")
+            parser.add_argument(flag, action=_AutoSwitch, default=default, help=text, **kw)
+            for other in hidden:
+                parser.add_argument(other, action=_AutoSwitch, default=default, help=argparse.SUPPRESS, **kw)
+            kw.pop("metavar")
+            for off in dict.fromkeys(["--no-" + flag[2:], "--no_" + f.name]):  # --no-torch-compile: false
+                parser.add_argument(off, action=_SwitchOff, default=default, help=argparse.SUPPRESS, **kw)
+            continue
         if choices is not None:
             kw["choices"] = choices
         elif typing.get_origin(annotation) is tuple:
@@ -339,6 +382,8 @@ def config_to_argv(config: Any) -> list[str]:
         annotation = _strip_optional(hints[f.name])
         if annotation is bool:
             argv.append(flag if value else "--no-" + flag[2:])
+        elif is_auto_bool(annotation):
+            argv += [flag, "auto"] if value == "auto" else [flag if value else "--no-" + flag[2:]]
         elif value is None:
             continue
         elif typing.get_origin(annotation) is tuple:

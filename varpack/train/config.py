@@ -18,6 +18,10 @@ Field metadata keys (read by :mod:`varpack.train.cli_flags`):
   flag's help) and as keys of a ``--config`` file. Only where the other tool's setting means the same thing;
   README.md "Flags for TRL / ms-swift users" says where the behaviour around it differs.
 
+A field annotated :data:`AutoBool` (``bool | Literal["auto"]``, ``torch_compile``) is a tri-state switch:
+``--flag`` (on), ``--flag false`` / ``--no-flag`` (off), ``--flag auto``; a ``--config`` file gives ``true``,
+``false`` or ``auto``.
+
 :data:`ALWAYS_ON` lists the TRL / ms-swift switches that varpack cannot turn off (``padding_free``,
 ``packing``): ``true`` is accepted and changes nothing, ``false`` is refused.
 """
@@ -26,17 +30,22 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from varpack.plan.plan import DEFAULT_PACKING_LENGTH
 from varpack.plan.streaming import DEFAULT_BUFFER_SIZE
 
 __all__ = [
     "ALWAYS_ON",
+    "COMPILE_COLD_COST",
     "DEFAULT_LR",
     "AttnBackendName",
+    "AutoBool",
+    "CompileChoice",
     "DPOLossType",
     "DTypeName",
     "LossImpl",
@@ -47,6 +56,7 @@ __all__ = [
     "SFTConfig",
     "default_lr",
     "literal_choices",
+    "resolve_torch_compile",
 ]
 
 #: Default peak learning rate by model kind. A random-init built-in model (``tiny-qwen3``, ...) learns from
@@ -95,6 +105,12 @@ ObjectiveName = Literal["sft", "dpo"]
 DPOLossType = Literal["sigmoid", "robust"]
 #: torch dtype names of the parameters of a built-in model.
 DTypeName = Literal["float32", "bfloat16", "float16"]
+#: a switch whose default is decided per run: ``True``, ``False`` or ``"auto"`` (``torch_compile``).
+AutoBool = bool | Literal["auto"]
+
+#: What regional compile costs before the first step, as benchmarks/RESULTS.md measured it ("End-to-end SFT
+#: throughput, steady state": cold first step 13.9 s vs 0.69 s eager, Qwen3-0.6B shape, one H200).
+COMPILE_COLD_COST = "the first step compiles every decoder layer (~14 s for a 0.6B model on an H200)"
 
 
 def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
@@ -123,6 +139,95 @@ def default_lr(model: str, objective: str = "sft") -> tuple[float, str]:
     source, _ = resolve_model_source(model)
     kind = "random-init" if source in ("builtin", "external") else "pretrained"
     return (DEFAULT_DPO_LR if objective == "dpo" else DEFAULT_LR)[kind], kind
+
+
+def _truthy(value: Any) -> bool:
+    """A ``TrainingArguments`` keyword or an accelerate environment variable that is set and not off."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "0", "false", "no", "off")
+    return bool(value)
+
+
+class CompileChoice(NamedTuple):
+    """What :func:`resolve_torch_compile` decided for a run."""
+
+    #: compile the decoder layers (:func:`varpack.integrations.kernels.compile_layers`)
+    on: bool
+    #: why, as the ``speed`` line shows it in parentheses
+    reason: str
+    #: how to choose otherwise (``"--torch-compile false to skip"``), or ``""``
+    hint: str = ""
+
+
+def resolve_torch_compile(
+    config: SFTConfig, *, device: str, world_size: int = 1, environ: Mapping[str, str] | None = None
+) -> CompileChoice:
+    """Whether a run of ``config`` compiles its decoder layers (``SFTConfig.torch_compile``), and why.
+
+    ``True`` / ``False`` are the user's choice and returned as given. ``"auto"`` (the default) is ``True``
+    exactly when the run is on CUDA and no setting of ``config`` is known to conflict with regional compile
+    or is untested with it; benchmarks/RESULTS.md ("End-to-end SFT throughput, steady state", one H200,
+    Qwen3-0.6B shape) measured compile + chunked linear CE as the fastest exact configuration: 118 ms/step vs
+    157 ms without compile, after a cold first step of ~14 s (:data:`COMPILE_COLD_COST`). ``"auto"`` is
+    ``False`` with any of these, checked in this order:
+
+    * ``device`` is not ``"cuda"``: the speed-up was measured on CUDA only, and inductor on a CPU builds C++
+      for every layer before the first step;
+    * ``use_liger_kernel``: refused together with compile
+      (:data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`);
+    * FSDP (``fsdp``, ``extra_training_args["fsdp"]`` or accelerate's ``ACCELERATE_USE_FSDP``) or DeepSpeed
+      (``extra_training_args["deepspeed"]``, ``ACCELERATE_USE_DEEPSPEED``): compiled layers inside sharded
+      units are not tested;
+    * ``world_size > 1`` (DDP): compiled layers under several ranks are neither tested nor measured;
+    * ``lora``: peft's adapter layers inside compiled layers are not tested;
+    * ``extra_training_args["torch_compile"]``: transformers would compile the whole model around the
+      compiled layers.
+
+    Not a conflict: ``gradient_checkpointing`` (compiled layers recompute with the same boundaries,
+    tests/invariant/test_compile_and_liger.py::test_compiled_layers_with_gradient_checkpointing), the other
+    model families (Llama, Gemma2-style, Qwen3.5, Qwen3-Next, Qwen3-VL: compiled and exact in the same
+    file), ``streaming`` and ``objective="dpo"`` (the same packed forward; the DPO reference stays eager).
+
+    Args:
+        config: the run's settings.
+        device: the device type the run trains on (``"cuda"``, ``"cpu"``, ``"mps"``, ...: the Trainer's
+            ``TrainingArguments.device.type``).
+        world_size: processes training together (``torchrun`` / ``accelerate launch``).
+        environ: the environment accelerate reads (default: ``os.environ``).
+
+    Returns:
+        :class:`CompileChoice` ``(on, reason, hint)``: ``reason`` as ``varpack sft``'s ``speed`` line shows it
+        (``"--torch-compile"``, ``"auto on CUDA: fastest measured, benchmarks/RESULTS.md"``, ``"auto: CPU
+        run; compiled by default on CUDA only"``, ...), ``hint`` the flag that chooses otherwise (``auto``
+        only; none on a CPU, or beside Liger, which is refused with compile).
+    """
+    value = config.torch_compile
+    if value is True:
+        return CompileChoice(True, "--torch-compile")
+    if value is False:
+        return CompileChoice(False, "--torch-compile false")
+    env = os.environ if environ is None else environ
+    extra = config.extra_training_args
+    if device != "cuda":
+        return CompileChoice(False, f"auto: {device.upper()} run; compiled by default on CUDA only")
+    if config.use_liger_kernel:
+        return CompileChoice(False, "auto: --use-liger-kernel, which is not combined with compile")
+    anyway = "--torch-compile to compile anyway"
+    if config.fsdp or _truthy(extra.get("fsdp")) or _truthy(env.get("ACCELERATE_USE_FSDP")):
+        return CompileChoice(False, "auto: FSDP; compiled layers in sharded units are not tested", anyway)
+    if _truthy(extra.get("deepspeed")) or _truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
+        return CompileChoice(False, "auto: DeepSpeed; compiled layers under it are not tested", anyway)
+    if world_size > 1:
+        why = f"auto: {world_size} ranks (DDP); compiled layers under DDP are not tested or measured"
+        return CompileChoice(False, why, anyway)
+    if config.lora:
+        return CompileChoice(False, "auto: --lora; compiled layers with peft adapters are not tested", anyway)
+    if _truthy(extra.get("torch_compile")):
+        why = "auto: transformers' own torch_compile (extra_training_args) compiles the whole model"
+        return CompileChoice(False, why, anyway)
+    return CompileChoice(
+        True, "auto on CUDA: fastest measured, benchmarks/RESULTS.md", "--torch-compile false to skip"
+    )
 
 
 def _lr_help(defaults: dict[str, Any]) -> str:
@@ -200,8 +305,12 @@ class SFTConfig:
         use_liger_kernel: replace RMSNorm / RoPE / SwiGLU by Liger-Kernel's fused Triton kernels (CUDA; needs
             ``liger-kernel``): :func:`varpack.integrations.kernels.apply_liger_kernels`. The loss stays varpack's.
         torch_compile: ``torch.compile`` each decoder layer, varpack attention outside the graph
-            (:func:`varpack.integrations.kernels.compile_layers`); compiles in the first step. Not together with
-            ``use_liger_kernel`` (refused: :data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`).
+            (:func:`varpack.integrations.kernels.compile_layers`); ``True``, ``False`` or ``"auto"`` (default):
+            :func:`resolve_torch_compile` decides per run (on for a single-process CUDA run without Liger,
+            LoRA, FSDP or DeepSpeed; off on a CPU); :func:`varpack.train.sft.build_sft` returns the config with
+            the resolved ``True`` / ``False``, and ``varpack sft`` prints it on its ``speed`` line. Cost: the first
+            step compiles (:data:`COMPILE_COLD_COST`). ``True`` with ``use_liger_kernel`` is refused
+            (:data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`).
         save: save model + tokenizer at the end (with ``lora``: the adapter, peft's ``save_pretrained``).
         lora: wrap the model in a peft LoRA adapter (:func:`varpack.train.sft.apply_lora`) and train only the
             adapter weights; needs ``peft`` (``pip install 'varpack[lora]'``).
@@ -401,10 +510,15 @@ class SFTConfig:
             "varpack's"
         ),
     )
-    torch_compile: bool = field(
-        default=False,
+    torch_compile: AutoBool = field(
+        default="auto",
         metadata=_opt(
-            "torch.compile each decoder layer (varpack attention stays outside the graph); compiles in step 1"
+            "torch.compile each decoder layer (varpack attention stays outside the graph). auto: on for a "
+            "single-process CUDA run without --use-liger-kernel, --lora, FSDP or DeepSpeed (compile + chunked "
+            "linear CE is the fastest exact setup measured, benchmarks/RESULTS.md), off on a CPU; the run's "
+            "'speed' line says which and why. The first step compiles (~14 s for a 0.6B model on an H200). "
+            "--torch-compile: on; --torch-compile false or --no-torch-compile: off (default: %(default)s)",
+            metavar="auto|true|false",
         ),
     )
     save: bool = field(default=True, metadata=_opt("save the model and tokenizer to --output-dir at the end"))
@@ -497,6 +611,11 @@ class SFTConfig:
             ("num_proc", self.num_proc is None or self.num_proc >= 1, "must be >= 1"),
             ("dataloader_num_workers", self.dataloader_num_workers >= 0, "must be >= 0"),
             ("extra_training_args", isinstance(self.extra_training_args, dict), "must be a JSON object"),
+            (
+                "torch_compile",
+                isinstance(self.torch_compile, bool) or self.torch_compile == "auto",
+                "must be True, False or 'auto'",
+            ),
             ("lora_r", self.lora_r >= 1, "must be >= 1"),
             ("lora_alpha", self.lora_alpha >= 1, "must be >= 1"),
             ("lora_dropout", 0.0 <= self.lora_dropout < 1.0, "must be in [0, 1)"),

@@ -44,10 +44,16 @@ import torch
 from varpack.data.load import load_and_encode
 from varpack.plan.report import plan_summary, summary_text
 from varpack.schema import IGNORE_INDEX
-from varpack.train.config import DEFAULT_DPO_LR, DEFAULT_LR, SFTConfig, default_lr
+from varpack.train.config import DEFAULT_DPO_LR, DEFAULT_LR, SFTConfig, default_lr, resolve_torch_compile
 from varpack.train.config_file import CONFIG_FILE_NAME, write_config_file
 from varpack.train.reporting import RunReportCallback
-from varpack.train.trainer import EngineReportCallback, PackedSFTTrainer, PackEpochCallback, TrainCollator
+from varpack.train.trainer import (
+    EngineReportCallback,
+    PackedSFTTrainer,
+    PackEpochCallback,
+    SpeedReportCallback,
+    TrainCollator,
+)
 
 __all__ = [
     "SFTRun",
@@ -109,6 +115,9 @@ class SFTRun:
     lr_default_kind: str | None = None
     #: whether ``config.output_dir`` did not exist before this run (``Trainer`` creates it)
     created_output_dir: bool = False
+    #: :func:`varpack.train.config.resolve_torch_compile`'s decision (``config.torch_compile`` then holds
+    #: its ``on``), with the reason ``varpack sft``'s ``speed`` line prints
+    compile_choice: Any = None
 
 
 def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, encoded: Any = None) -> SFTRun:
@@ -121,6 +130,9 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
 
     ``config.lr=None`` is resolved here to :func:`varpack.train.config.default_lr` of ``config.model`` (the
     returned ``run.config`` holds the rate used, ``run.lr_default_kind`` the model kind it was chosen for).
+    ``config.torch_compile="auto"`` likewise to :func:`varpack.train.config.resolve_torch_compile` of the
+    Trainer's device and world size (``run.config.torch_compile`` holds ``True`` / ``False``,
+    ``run.compile_choice`` the reason).
     ``Trainer`` creates ``config.output_dir`` (``run.created_output_dir`` says whether it was new).
 
     Steps: refuse impossible kernel settings (before minutes of encoding), resolve the learning rate, load
@@ -175,11 +187,15 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     objective: Any = "sft"
     if dpo:
         objective = _dpo_objective(config, model, load)
+    training_args = training_arguments(config)
+    created_output_dir = not os.path.exists(training_args.output_dir)
+    compile_choice = resolve_torch_compile(
+        config, device=training_args.device.type, world_size=training_args.world_size
+    )
+    config = replace(config, torch_compile=compile_choice.on)
     model = _prepare_model(config, model, load)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id))
-    training_args = training_arguments(config)
-    created_output_dir = not os.path.exists(training_args.output_dir)
     sampler = None if plan is None else pack_sampler(config, plan, model, training_args)
     trainer = PackedSFTTrainer(
         model=model,
@@ -217,6 +233,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         report=report,
         lr_default_kind=lr_default_kind,
         created_output_dir=created_output_dir,
+        compile_choice=compile_choice,
     )
 
 
@@ -341,7 +358,7 @@ def _refuse_kernel_settings(config: SFTConfig) -> None:
     if config.use_liger_kernel:
         from varpack.integrations.kernels import LIGER_COMPILE_REFUSAL, liger_available
 
-        if config.torch_compile:
+        if config.torch_compile is True:  # "auto" resolves to off beside Liger
             raise ValueError(LIGER_COMPILE_REFUSAL)
 
         if not liger_available():
@@ -472,8 +489,16 @@ def plan_samples(
 def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any]) -> Any:
     """The model on varpack attention (loaded now if not yet), without a KV cache, with the requested
     Liger-Kernel / per-layer compile applied, then wrapped in a LoRA ``PeftModel`` with ``config.lora``
-    (:func:`varpack.train.lora.apply_lora`)."""
+    (:func:`varpack.train.lora.apply_lora`).
+
+    Raises:
+        ValueError: ``config.torch_compile`` still ``"auto"`` (:func:`varpack.train.config.resolve_torch_compile`
+            first: the choice needs the Trainer's device).
+    """
     from varpack.integrations.transformers import enable_varpack
+
+    if not isinstance(config.torch_compile, bool):
+        raise ValueError(f"torch_compile={config.torch_compile!r} must be resolved to True / False first")
 
     if model is None:
         model = load()
@@ -581,8 +606,12 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
     """Build and train a packed SFT run; print the packing report first and a summary at the end.
 
     The report names the learning rate and, when ``config.lr`` was left to the default, the model kind it
-    was chosen for (:data:`varpack.train.config.DEFAULT_LR`). A saved run also writes its resolved settings
-    (``lr`` resolved) to ``output_dir/varpack_config.yaml``, which ``varpack sft --config`` reads back. A saved
+    was chosen for (:data:`varpack.train.config.DEFAULT_LR`). When training begins it prints the engine
+    (:class:`varpack.train.trainer.EngineReportCallback`) and the step configuration with its reason
+    (:class:`varpack.train.trainer.SpeedReportCallback`: ``speed     regional torch.compile + chunked linear
+    CE (auto on CUDA: ...)``). A saved run also writes its resolved settings (``lr`` and ``torch_compile``
+    resolved) to ``output_dir/varpack_config.yaml``, which ``varpack sft --config`` reads back to the same
+    run. A saved
     or logged run (``save``, or ``report_to`` other than ``none``) writes the packing report to
     ``output_dir/packing_report.json`` when training starts (:mod:`varpack.train.reporting`). An output directory this run created is removed
     again when nothing was saved into it (``save=False``, or training failed).
@@ -618,6 +647,11 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
                 )
             print_fn(f"optimizer {_describe_lr(run)}")
         run.trainer.add_callback(EngineReportCallback(print_fn))  # prints once the model is wrapped
+        run.trainer.add_callback(
+            SpeedReportCallback(
+                run.trainer, run.compile_choice, liger=config.use_liger_kernel, print_fn=print_fn
+            )
+        )
         run.trainer.train()
         run.history = [h for h in run.trainer.state.log_history if "loss" in h]
         if config.save:

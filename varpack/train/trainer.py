@@ -32,10 +32,12 @@ __all__ = [
     "PackSamplingMixin",
     "PackedLossMixin",
     "PackedSFTTrainer",
+    "SpeedReportCallback",
     "TrainCollator",
     "batch_stats",
     "check_sampler_checkpoint",
     "describe_engine",
+    "describe_speed",
     "make_pack_sampler",
     "step_metrics",
 ]
@@ -107,8 +109,13 @@ class PackedLossMixin:
 
     # -- loss --------------------------------------------------------------------------------------
     def _use_linear_ce(self, model: Any) -> bool:
+        return self._linear_ce_choice(model)[0]
+
+    def _linear_ce_choice(self, model: Any) -> tuple[bool, str]:
+        """``(run the chunked linear CE, why)`` for ``model`` as ``compute_loss`` receives it (Trainer's
+        ``model_wrapped``); ``why`` names the setting or the reason ``loss_impl="auto"`` took the logits."""
         if self.loss_impl == "logits":
-            return False
+            return False, "--loss-impl logits"
         unwrapped = self.accelerator.unwrap_model(model)
         if _is_fully_sharded(unwrapped):
             # FSDP2 shards in place: the head's weight is gathered only inside the root module's forward
@@ -117,23 +124,39 @@ class PackedLossMixin:
                     "loss_impl='linear_ce' reads the LM head weight outside the forward, which FSDP2 has "
                     "sharded; use loss_impl='logits' or loss_impl='auto'"
                 )
-            return False
+            return False, "loss_impl auto: FSDP2 shards the LM head"
         if self.loss_impl == "linear_ce":
             if unwrapped is not model:
                 raise ValueError(
                     "loss_impl='linear_ce' needs an unwrapped model (it calls the base model and the head "
                     "separately); under DDP/FSDP use loss_impl='logits' or loss_impl='auto'"
                 )
-            return True
+            return True, "--loss-impl linear_ce"
+        if unwrapped is not model:
+            return False, f"loss_impl auto: the model is wrapped ({type(model).__name__})"
         cfg = getattr(unwrapped, "config", None)
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         transformed = getattr(text_cfg, "final_logit_softcapping", None) or getattr(
             text_cfg, "logit_scale", None
         )
+        if transformed:
+            return False, "loss_impl auto: the model softcaps or scales its logits"
         from varpack.ops.linear_ce.causal_lm import head_has_adapter
 
         # a LoRA adapter on the head: the logits path (linear CE reads head.weight and would skip it)
-        return unwrapped is model and not transformed and not head_has_adapter(unwrapped)
+        if head_has_adapter(unwrapped):
+            return False, "loss_impl auto: a LoRA adapter on the LM head"
+        return True, "loss_impl auto"
+
+    def planned_loss_impl(self, model: Any) -> tuple[str, str]:
+        """``(impl, why)``: the loss implementation ``compute_loss`` runs for ``model`` (pass Trainer's
+        ``model_wrapped``, what ``training_step`` gets once ``train()`` has wrapped it): ``"linear_ce"`` or
+        ``"logits"``, from the same decision as every step (an objective with ``supports_linear_ce = False``,
+        DPO, always reads the logits). After a step, ``loss_impl_used`` holds what ran."""
+        linear, why = self._linear_ce_choice(model)
+        if linear and not getattr(self.objective, "supports_linear_ce", True):
+            return "logits", f"the {self.objective.name} objective reads the logits"
+        return ("linear_ce" if linear else "logits"), why
 
     def compute_loss(
         self,
@@ -238,6 +261,61 @@ class EngineReportCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if state.is_world_process_zero and model is not None:
             self.print_fn(f"engine    {describe_engine(model, int(args.world_size))}")
+
+
+def describe_speed(choice: Any, *, loss_impl: str, loss_why: str, liger: bool = False) -> str:
+    """The step configuration of a run in one line (``varpack sft``'s ``speed`` line, without the label):
+    how the decoder layers run, which loss implementation, and why, e.g.
+    ``"regional torch.compile + chunked linear CE (auto on CUDA: fastest measured, benchmarks/RESULTS.md);
+    the first step compiles ...; --torch-compile false to skip"`` or ``"eager + chunked linear CE (auto: CPU
+    run; compiled by default on CUDA only)"``.
+
+    Args:
+        choice: :class:`varpack.train.config.CompileChoice` (:func:`varpack.train.config.resolve_torch_compile`).
+        loss_impl: ``"linear_ce"`` or ``"logits"``, what the loss runs (:meth:`PackedLossMixin.planned_loss_impl`).
+        loss_why: its reason; named when the loss runs on the logits.
+        liger: Liger-Kernel's layers are on the model.
+    """
+    from varpack.train.config import COMPILE_COLD_COST
+
+    layers = "regional torch.compile" if choice.on else "Liger-Kernel layers" if liger else "eager"
+    loss = {"linear_ce": "chunked linear CE", "logits": "CE on the logits"}.get(loss_impl, loss_impl)
+    why = choice.reason if loss_impl == "linear_ce" else f"{choice.reason}; logits: {loss_why}"
+    tail = [COMPILE_COLD_COST] if choice.on else []
+    if choice.hint:
+        tail.append(choice.hint)
+    return f"{layers} + {loss} ({why})" + "".join("; " + t for t in tail)
+
+
+class SpeedReportCallback(TrainerCallback):
+    """Prints ``speed     <describe_speed(...)>`` once, on the main process, when training begins (after the
+    engine line): the resolved ``torch_compile`` (:func:`varpack.train.config.resolve_torch_compile`) and the
+    loss implementation the steps will run (:meth:`PackedLossMixin.planned_loss_impl` of the wrapped model).
+    After the first optimizer step it compares that with the implementation that ran (``loss_impl_used``)
+    and prints a ``speed     note: ...`` line if they differ, so a report is never silently wrong."""
+
+    def __init__(self, trainer: Any, choice: Any, *, liger: bool = False, print_fn: Any = print) -> None:
+        self.trainer = trainer
+        self.choice = choice
+        self.liger = liger
+        self.print_fn = print_fn
+        self.reported: str | None = None
+        self.line: str | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        impl, why = self.trainer.planned_loss_impl(self.trainer.model_wrapped)
+        self.reported = impl
+        self.line = describe_speed(self.choice, loss_impl=impl, loss_why=why, liger=self.liger)
+        if state.is_world_process_zero:
+            self.print_fn(f"speed     {self.line}")
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        used = getattr(self.trainer, "loss_impl_used", None)
+        if self.reported is None or used is None:
+            return
+        if used != self.reported and state.is_world_process_zero:
+            self.print_fn(f"speed     note: the loss ran as {used}, not {self.reported} as reported above")
+        self.reported = None  # checked once
 
 
 def _is_fully_sharded(model: Any) -> bool:

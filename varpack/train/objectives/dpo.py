@@ -199,6 +199,9 @@ class DPOObjective:
     name = "dpo"
     #: the Trainer always asks :meth:`count_items` for the step's denominator (pairs, not tokens)
     own_item_count = True
+    #: :meth:`loss` reads log-probabilities from the logits whatever ``linear_ce`` says (the Trainer's report
+    #: of the loss implementation reads this)
+    supports_linear_ce = False
 
     def __init__(
         self,

@@ -1,0 +1,288 @@
+"""`torch_compile="auto"` (issue 18, item 5): on CUDA `varpack sft` compiles its decoder layers by default
+unless a setting conflicts or is untested with it, off on a CPU; the run says which on its `speed` line, and
+the saved varpack_config.yaml holds the resolved value. (Packed == unpacked of compiled layers:
+tests/invariant/test_compile_and_liger.py.)"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from varpack.cli.main import build_parser, main
+from varpack.train.cli_flags import config_from_args, config_to_argv, parse_auto_bool
+from varpack.train.config import COMPILE_COLD_COST, CompileChoice, SFTConfig, resolve_torch_compile
+from varpack.train.config_file import load_config_file, write_config_file
+
+ON_CUDA = "auto on CUDA: fastest measured, benchmarks/RESULTS.md"
+
+
+def _parse(*argv: str) -> SFTConfig:
+    return config_from_args(build_parser().parse_args(["sft", *argv]))
+
+
+# ------------------------------------------------------------------------------------------------------
+# the resolution
+# ------------------------------------------------------------------------------------------------------
+def test_auto_compiles_on_cuda_only():
+    auto = SFTConfig()
+    assert auto.torch_compile == "auto"
+    assert resolve_torch_compile(auto, device="cuda") == CompileChoice(
+        True, ON_CUDA, "--torch-compile false to skip"
+    )
+    for device in ("cpu", "mps", "xpu"):
+        choice = resolve_torch_compile(auto, device=device)
+        assert choice == CompileChoice(False, f"auto: {device.upper()} run; compiled by default on CUDA only")
+
+
+def test_explicit_values_are_kept_on_every_device():
+    for device in ("cuda", "cpu"):
+        assert resolve_torch_compile(SFTConfig(torch_compile=True), device=device) == (
+            True,
+            "--torch-compile",
+            "",
+        )
+        off = resolve_torch_compile(SFTConfig(torch_compile=False), device=device, world_size=4)
+        assert off == (False, "--torch-compile false", "")
+    # explicit True is the user's choice even where auto stays off (Liger + True is refused by build_sft)
+    assert resolve_torch_compile(SFTConfig(torch_compile=True, lora=True), device="cuda", world_size=2).on
+
+
+#: one setting that keeps "auto" eager on CUDA -> (config fields, world_size, environment, reason fragment)
+CONFLICTS = {
+    "liger": (dict(use_liger_kernel=True), 1, {}, "--use-liger-kernel"),
+    "fsdp": (dict(fsdp=True), 1, {}, "FSDP"),
+    "fsdp_extra": (dict(extra_training_args={"fsdp": "full_shard"}), 1, {}, "FSDP"),
+    "fsdp_accelerate": (dict(), 1, {"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
+    "deepspeed_extra": (dict(extra_training_args={"deepspeed": "ds.json"}), 1, {}, "DeepSpeed"),
+    "deepspeed_accelerate": (dict(), 1, {"ACCELERATE_USE_DEEPSPEED": "1"}, "DeepSpeed"),
+    "ddp": (dict(), 2, {}, "2 ranks (DDP)"),
+    "lora": (dict(lora=True), 1, {}, "--lora"),
+    "hf_compile": (
+        dict(extra_training_args={"torch_compile": True}),
+        1,
+        {},
+        "transformers' own torch_compile",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFLICTS))
+def test_each_conflict_keeps_auto_eager_on_cuda(name):
+    fields, world, env, fragment = CONFLICTS[name]
+    choice = resolve_torch_compile(SFTConfig(**fields), device="cuda", world_size=world, environ=env)
+    assert not choice.on and choice.reason.startswith("auto: ") and fragment in choice.reason, choice
+    # Liger + compile is refused, so no flag is offered to force it; the others name --torch-compile
+    assert choice.hint == ("" if name == "liger" else "--torch-compile to compile anyway")
+    # control: without that setting the same run compiles
+    assert resolve_torch_compile(SFTConfig(), device="cuda", world_size=1, environ={}).on
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(
+            gradient_checkpointing=True
+        ),  # compiled + recomputed layers are exact (test_compile_and_liger.py)
+        dict(objective="dpo"),
+        dict(streaming=True, max_steps=3),
+        dict(bf16=True, loss_impl="logits"),
+        dict(extra_training_args={"fsdp": "", "deepspeed": None, "torch_compile": False}),  # set but off
+    ],
+)
+def test_settings_that_do_not_conflict(fields):
+    assert resolve_torch_compile(
+        SFTConfig(**fields), device="cuda", environ={"ACCELERATE_USE_FSDP": "false"}
+    ).on
+
+
+def test_config_refuses_other_values():
+    for bad in (1, 0, "yes", "on", None):
+        with pytest.raises(
+            ValueError, match=r"SFTConfig\.torch_compile has an invalid value: .*True, False or 'auto'"
+        ):
+            SFTConfig(torch_compile=bad)
+
+
+# ------------------------------------------------------------------------------------------------------
+# flags and files
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "value"),
+    [
+        ((), "auto"),
+        (("--torch-compile",), True),
+        (("--torch-compile", "--max-steps", "3"), True),  # no value: on, the next flag is not eaten
+        (("--torch-compile", "true"), True),
+        (("--torch_compile", "True"), True),  # HF / TRL spelling
+        (("--torch-compile", "false"), False),
+        (("--torch-compile", "0"), False),
+        (("--no-torch-compile",), False),
+        (("--no_torch_compile",), False),
+        (("--torch-compile", "auto"), "auto"),
+        (("--torch-compile", "--torch-compile", "AUTO"), "auto"),  # the last one wins
+        (("--no-torch-compile", "--torch-compile"), True),
+    ],
+)
+def test_flag_parses_on_off_and_auto(argv, value):
+    assert _parse(*argv).torch_compile == value
+    assert _parse(*argv).max_steps == (3 if "--max-steps" in argv else -1)
+
+
+def test_bad_flag_value_is_a_usage_error(capsys):
+    assert main(["sft", "--torch-compile", "maybe", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--torch-compile" in err and "must be auto, true or false, got 'maybe'" in err
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_auto_bool("sometimes")
+
+
+@pytest.mark.parametrize("value", [True, False, "auto"])
+def test_flags_and_yaml_round_trip(tmp_path, value):
+    config = SFTConfig(torch_compile=value, seed=5)
+    argv = config_to_argv(config)
+    assert _parse(*argv) == config
+    path = write_config_file(config, tmp_path / "run.yaml")
+    assert load_config_file(path) == config == _parse("--config", str(path))
+    # a flag given on the command line overrides the file
+    assert _parse("--config", str(path), "--no-torch-compile").torch_compile is False
+
+
+def test_yaml_values(tmp_path, capsys):
+    for text, value in (("auto", "auto"), ("true", True), ("false", False), ("'auto'", "auto")):
+        path = tmp_path / "run.yaml"
+        path.write_text(f"torch_compile: {text}\n")
+        assert _parse("--config", str(path)).torch_compile == value, text
+    for text, rule in (
+        ("maybe", "true, false or auto"),
+        ("1", "true, false or auto"),
+        ("null", "not be null"),
+    ):
+        path.write_text(f"torch-compile: {text}\n")
+        assert main(["sft", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "SFTConfig.torch_compile has an invalid value" in err and rule in err, err
+
+
+# ------------------------------------------------------------------------------------------------------
+# the run: resolved config, compiled layers, the speed line
+# ------------------------------------------------------------------------------------------------------
+def test_explicit_flag_on_cpu_still_compiles_and_auto_does_not(tmp_path):
+    """--torch-compile on a CPU compiles every decoder layer as before; the default (auto) leaves them eager
+    and the returned config records the resolved value."""
+    from tests.train.test_cli_sft import _build
+    from varpack.integrations.kernels import decoder_layers
+
+    given = _parse("--torch-compile")
+    run = _build(tmp_path / "on", torch_compile=given.torch_compile)
+    assert run.config.torch_compile is True and run.compile_choice == (True, "--torch-compile", "")
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(run.model))
+    auto = _build(tmp_path / "auto")
+    assert auto.config.torch_compile is False
+    assert auto.compile_choice == (False, "auto: CPU run; compiled by default on CUDA only", "")
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(auto.model))
+
+
+def test_prepare_model_refuses_an_unresolved_auto():
+    from varpack.train.sft import _prepare_model
+
+    with pytest.raises(ValueError, match="resolved"):
+        _prepare_model(SFTConfig(), object(), lambda: None)
+
+
+def test_describe_speed():
+    from varpack.train.trainer import describe_speed
+
+    on = CompileChoice(True, ON_CUDA, "--torch-compile false to skip")
+    assert describe_speed(on, loss_impl="linear_ce", loss_why="loss_impl auto") == (
+        f"regional torch.compile + chunked linear CE ({ON_CUDA}); {COMPILE_COLD_COST}; --torch-compile false to skip"
+    )
+    cpu = CompileChoice(False, "auto: CPU run; compiled by default on CUDA only")
+    assert describe_speed(cpu, loss_impl="logits", loss_why="--loss-impl logits") == (
+        "eager + CE on the logits (auto: CPU run; compiled by default on CUDA only; logits: --loss-impl logits)"
+    )
+    liger = CompileChoice(False, "auto: --use-liger-kernel, which is not combined with compile")
+    assert describe_speed(liger, loss_impl="linear_ce", loss_why="", liger=True).startswith(
+        "Liger-Kernel layers + chunked linear CE (auto: --use-liger-kernel"
+    )
+
+
+def test_planned_loss_impl_follows_the_objective():
+    from varpack.train.trainer import PackedLossMixin
+
+    class Stub(PackedLossMixin):
+        def __init__(self, objective):
+            self.objective = objective
+
+        def _linear_ce_choice(self, model):
+            return True, "loss_impl auto"
+
+    class Dpo:
+        name = "dpo"
+        supports_linear_ce = False
+
+    class Sft:
+        name = "sft"
+
+    assert Stub(Sft()).planned_loss_impl(None) == ("linear_ce", "loss_impl auto")
+    assert Stub(Dpo()).planned_loss_impl(None) == ("logits", "the dpo objective reads the logits")
+    from varpack.train.objectives.dpo import DPOObjective
+
+    assert DPOObjective.supports_linear_ce is False
+
+
+def test_speed_note_when_the_loss_ran_otherwise():
+    """The speed line's loss is the planned one; if the first step ran another, a note says so."""
+    from types import SimpleNamespace
+
+    from varpack.train.trainer import SpeedReportCallback
+
+    lines: list[str] = []
+    trainer = SimpleNamespace(
+        model_wrapped=None, planned_loss_impl=lambda m: ("linear_ce", "loss_impl auto"), loss_impl_used=None
+    )
+    cb = SpeedReportCallback(trainer, CompileChoice(False, "--torch-compile false"), print_fn=lines.append)
+    state = SimpleNamespace(is_world_process_zero=True)
+    cb.on_train_begin(None, state, None)
+    assert lines == ["speed     eager + chunked linear CE (--torch-compile false)"]
+    trainer.loss_impl_used = "linear_ce"
+    cb.on_step_end(None, state, None)
+    assert len(lines) == 1  # as reported: nothing more
+    cb.on_train_begin(None, state, None)
+    trainer.loss_impl_used = "logits"
+    cb.on_step_end(None, state, None)
+    cb.on_step_end(None, state, None)  # checked once
+    assert lines[2:] == ["speed     note: the loss ran as logits, not linear_ce as reported above"]
+
+
+@pytest.mark.parametrize("loss_impl", ["auto", "logits"])
+def test_run_prints_the_speed_line_it_ran(tmp_path, loss_impl):
+    """A 1-step CPU run: the speed line names the loss implementation the step then ran."""
+    from tests.train.test_cli_sft import VOCAB, _Tok, synthetic_samples
+    from varpack.models import load_model
+    from varpack.train import run_sft
+
+    lines: list[str] = []
+    config = SFTConfig(
+        output_dir=str(tmp_path / "o"),
+        packing_length=32,
+        attn_backend="reference",
+        max_steps=1,
+        save=False,
+        loss_impl=loss_impl,
+        extra_training_args={"use_cpu": True},
+    )
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    run = run_sft(config, print_fn=lines.append, model=model, tokenizer=_Tok(), encoded=synthetic_samples())
+    speed = [line for line in lines if line.startswith("speed")]
+    used = run.trainer.loss_impl_used
+    assert used == ("linear_ce" if loss_impl == "auto" else "logits")
+    expected = {
+        "linear_ce": "chunked linear CE (auto: CPU run; compiled by default on CUDA only)",
+        "logits": "CE on the logits (auto: CPU run; compiled by default on CUDA only; logits: --loss-impl logits)",
+    }[used]
+    assert speed == [f"speed     eager + {expected}"]
+    engine = next(i for i, line in enumerate(lines) if line.startswith("engine"))
+    assert lines[engine + 1] == speed[0]  # next to the engine line
+    assert dataclasses.replace(run.config, lr=None, torch_compile="auto") == config
