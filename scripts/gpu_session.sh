@@ -185,12 +185,27 @@ PY
       timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
       grep -v -E "^(Triton autotuning|with key|finished after|best config)" "$OUT/$name.log" | tail -${TAIL:-14}
       echo "[$name] rc=$rc after $(( $(date +%s) - t0 )) s"; tune "$OUT/$name.log"; }
-    TAIL=8 step gdk_tests ${GDK_TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=6 \
-      tests/ops/test_dqkwg_triton.py tests/ops/test_fla_hybrid.py -k "dqkwg or matches_chunk_fp32"
-    TAIL=24 step gated_delta ${GDK_BENCH_TIMEOUT:-140} python3 benchmarks/gated_delta.py --methods chunk fla fla_hybrid fla_hybrid-torch
+    if [ "${FINAL16_ONLY:-0}" = 1 ]; then  # second call: the kernel tests only (fla's tests cost its autotuning)
+      TAIL=8 step gdk_tests ${GDK_TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=4 \
+        tests/ops/test_dqkwg_triton.py
+    else
+      TAIL=8 step gdk_tests ${GDK_TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=6 \
+        tests/ops/test_dqkwg_triton.py tests/ops/test_fla_hybrid.py -k "dqkwg or matches_chunk_fp32"
+      TAIL=24 step gated_delta ${GDK_BENCH_TIMEOUT:-140} python3 benchmarks/gated_delta.py --methods chunk fla fla_hybrid fla_hybrid-torch
+    fi
     step hybrid_step ${HYBRID_TIMEOUT:-170} python3 benchmarks/hybrid_step.py --samples .gpu/samples.npz --backends chunk,fla_hybrid \
       --steps 4 --rounds 1 --out "$OUT/hybrid_step.json"
     step check_qwen35 ${CHECK_TIMEOUT:-115} python3 -m varpack.cli.main check --model tiny-qwen3.5 --dtype bf16 --device cuda
+    ;;
+  final16b)  # #16 second call: the dqkwg GPU tests, the hybrid SFT step and varpack check with room for fla's
+    # autotuning (once per process and key; cached on disk, so the second process reuses the probe's), then
+    # #18 item 5: what varpack sft runs by default on CUDA
+    FINAL16_ONLY=1 TAIL=6 GDK_TESTS_TIMEOUT=${GDK_TESTS_TIMEOUT:-80} HYBRID_TIMEOUT=${HYBRID_TIMEOUT:-270} \
+      CHECK_TIMEOUT=${CHECK_TIMEOUT:-170} bash "$0" final16
+    t0=$(date +%s)
+    timeout ${SFT_TIMEOUT:-60} python3 -m varpack.cli.main sft --model tiny-qwen3 --max-steps 3 --packing-length 2048 \
+      --overflow split --bf16 --no-save > "$OUT/sft_default.log" 2>&1; echo "[sft_default] rc=$? after $(( $(date +%s) - t0 )) s"
+    grep -E "^(engine|speed|done|model)" "$OUT/sft_default.log"
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac

@@ -135,13 +135,15 @@ def _resolved_backend(
 
 def _gated_delta_backend(model: Any, device: torch.device) -> tuple[str, str] | None:
     """The gated delta rule backend the model's Gated DeltaNet layers run (and why), ``None`` without any."""
+    from varpack.integrations.gated_delta import layer_head_dims
     from varpack.models.registry import is_gated_delta_layer
     from varpack.ops.gated_delta_rule.dispatch import resolve_backend_reason
 
     layers = [m for m in model.modules() if is_gated_delta_layer(m)]
     if not layers:
         return None
-    return resolve_backend_reason(getattr(layers[0], "_varpack_gdn_backend", "auto"), device, needs_grad=True)
+    backend = getattr(layers[0], "_varpack_gdn_backend", "auto")
+    return resolve_backend_reason(backend, device, needs_grad=True, dims=layer_head_dims(layers[0]))
 
 
 def check_exactness(

@@ -179,16 +179,18 @@ def test_gpu_triton_dqkwg_matches_fp64_truth(block_k, block_v, Hk, H):
 
 @pytest.mark.gpu
 def test_gpu_triton_dqkwg_70000_one_token_sequences():
+    """70,000 one-token chunks: more than CUDA's 65,535 blocks on a grid's second axis (chunks run on the
+    first), equal to the PyTorch step."""
     if not torch.cuda.is_available() or triton_interpreted():
         pytest.skip("needs CUDA with compiled Triton")
     lengths = [1] * 70000
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=dev).manual_seed(0)  # drawn on the GPU: h / dh hold 1.1e9 values each
     T, H, K, V = len(lengths), 4, 64, 64
     cu = torch.arange(T + 1, dtype=torch.int64)
 
     def r(*s):
-        return torch.randn(*s, generator=gen).to(dev)
+        return torch.randn(*s, generator=gen, device=dev)
 
     p = {
         "q": r(1, T, 2, K).bfloat16(), "k": r(1, T, 2, K).bfloat16(), "v_new": r(1, T, H, V).bfloat16(),

@@ -451,7 +451,7 @@ def test_gpu_fla_hybrid_70000_one_token_sequences():
     beta = torch.rand(1, T, H, generator=gen).cuda().bfloat16()
     cu = _cu(lengths, torch.int64)
     do = torch.randn(1, T, H, V, generator=gen).cuda().bfloat16()
-    dht = torch.randn(N, H, K, V, generator=gen).cuda()
+    dht = torch.randn(N, H, K, V, generator=torch.Generator("cuda").manual_seed(1), device="cuda")
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
     o, s = _gpu_hybrid()(*leaves, cu_seqlens=cu, output_final_state=True, use_qk_l2norm_in_kernel=True)
     g1 = torch.autograd.grad((o.float() * do.float()).sum() + (s * dht).sum(), leaves)
@@ -589,7 +589,10 @@ def test_model_layers_reach_fla_hybrid_on_standins(standins, monkeypatch):
     monkeypatch.setattr(
         "varpack.integrations.gated_delta.prepare_fla_hybrid_boundaries", counting_prepare, raising=True
     )
-    monkeypatch.setattr(dispatch, "_fla_hybrid_capability", lambda device: (True, "ok (stand-ins)"))
+    probed = []  # the dims the layers ask the probe about: their own, so fla autotunes once per shape
+    monkeypatch.setattr(
+        dispatch, "_fla_hybrid_capability", lambda device, dims=None: (probed.append(dims), (True, "ok"))[1]
+    )
     monkeypatch.setattr(
         dispatch,
         "fla_hybrid_gated_delta_rule",
@@ -611,6 +614,9 @@ def test_model_layers_reach_fla_hybrid_on_standins(standins, monkeypatch):
     assert res["passed"], res["failures"]
     assert res["gated_delta_backend"] == "fla_hybrid"
     assert len(built) == 1  # one packed batch: built once, shared by every linear-attention layer
+    gdn = next(m for m in model.modules() if hasattr(m, "head_k_dim") and hasattr(m, "A_log"))
+    want = (gdn.key_dim // gdn.head_k_dim, gdn.value_dim // gdn.head_v_dim, gdn.head_k_dim, gdn.head_v_dim)
+    assert probed and set(probed) == {want}, (probed, want)
     monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
     assert not check_exactness(model, rows, backend="reference")["passed"]
 
@@ -629,6 +635,15 @@ def test_hybrid_probe_logic_on_standins(standins, monkeypatch):
         )
 
     assert dispatch._run_fla_hybrid_probe(torch.device("cpu"), rule) == (True, "ok")
+    shapes = []
+
+    def shape_rule(q, k, v, *a, **kw):
+        shapes.append((q.shape[2], v.shape[2], q.shape[3], v.shape[3]))
+        return rule(q, k, v, *a, **kw)
+
+    # at the caller's head dims (grouped heads, K != V): the probe's problem has them
+    assert dispatch._run_fla_hybrid_probe(torch.device("cpu"), shape_rule, (2, 4, 32, 16)) == (True, "ok")
+    assert shapes == [(2, 4, 32, 16)]
     real = standins._backward_impl
 
     def wrong(*a, **kw):
@@ -638,3 +653,42 @@ def test_hybrid_probe_logic_on_standins(standins, monkeypatch):
     monkeypatch.setattr(standins, "_backward_impl", wrong)
     ok, reason = dispatch._run_fla_hybrid_probe(torch.device("cpu"), rule)
     assert not ok and "dg" in reason, reason
+
+
+def test_probe_dims_key_and_validation():
+    """fla's probes are cached per device *and* head dims (a model's layers probe at their own, sharing fla's
+    autotuning with the real calls); malformed dims are refused; head_dims reads (Hk, H, K, V) off q / v
+    and gives None for shapes the backends refuse themselves."""
+    from varpack.ops.gated_delta_rule import dispatch
+
+    dev = torch.device("cuda", 0)
+    assert dispatch._probe_dims_key(dev) == ("cuda:0", dispatch.PROBE_DIMS)
+    assert dispatch._probe_dims_key(dev, (2, 4, 128, 128)) != dispatch._probe_dims_key(dev)
+    for bad in [(2, 3, 64, 64), (0, 2, 64, 64), (1, 2, 64)]:
+        with pytest.raises(ValueError, match="probe dims"):
+            dispatch.fla_hybrid_status("cpu", bad)
+    assert dispatch.fla_hybrid_status("cpu", (2, 4, 32, 16))[0] is False  # CPU: refused, with a reason
+    q, v = torch.zeros(1, 5, 2, 32), torch.zeros(1, 5, 4, 16)
+    assert dispatch.head_dims(q, v) == (2, 4, 32, 16)
+    assert dispatch.head_dims(q[0], v) is None
+    assert dispatch.head_dims(torch.zeros(1, 5, 3, 32), v) is None
+
+
+def test_short_conv_probes_at_its_own_channels(monkeypatch):
+    """short_conv asks fla's conv probe about its own (D, W) (fla autotunes its conv per (D, W))."""
+    import importlib
+
+    sc = importlib.import_module(
+        "varpack.ops.short_conv"
+    )  # the module (varpack.ops.short_conv is the function)
+    seen = []
+
+    def status(device, dims=None):
+        seen.append(dims)
+        return (False, "stand-in"), (False, "stand-in")
+
+    monkeypatch.setattr(sc, "fla_conv_status", status)
+    x, w = torch.randn(1, 7, 12), torch.randn(12, 3)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        sc.short_conv(x, w, None, "silu", cu_seqlens=[0, 3, 7], backend="fla")
+    assert seen == [(12, 3)]

@@ -162,7 +162,9 @@ def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attenti
 
     backend = getattr(layer, "_varpack_gdn_backend", "auto")
     device = hidden_states.device
-    rule_backend = resolve_backend(backend, device, needs_grad=_needs_grad(layer, hidden_states))
+    rule_backend = resolve_backend(
+        backend, device, needs_grad=_needs_grad(layer, hidden_states), dims=layer_head_dims(layer)
+    )
     conv_backend = "auto" if backend in ("auto", "fla", "fla_hybrid") and device.type == "cuda" else "torch"
     if conv_backend != "torch":
         conv_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
@@ -202,6 +204,17 @@ def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attenti
     )
     core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(core.reshape(B, T, -1))
+
+
+def layer_head_dims(layer: torch.nn.Module) -> tuple[int, int, int, int]:
+    """``(Hk, H, K, V)`` of a Gated DeltaNet layer (key heads, value heads, their dims): the dims fla's probes
+    run at, so that their autotuning is the layer's own (:func:`varpack.ops.gated_delta_rule.resolve_backend`)."""
+    return (
+        layer.key_dim // layer.head_k_dim,
+        layer.value_dim // layer.head_v_dim,
+        layer.head_k_dim,
+        layer.head_v_dim,
+    )
 
 
 def _needs_grad(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:

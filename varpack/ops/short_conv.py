@@ -48,9 +48,21 @@ CONV_BACKENDS = ("torch", "fla")
 Capability = tuple[bool, str]
 
 
-def _probe_fla_conv(device: torch.device) -> tuple[Capability, Capability]:
-    """fla's ``causal_conv1d`` forward and backward on a tiny packed bf16 problem vs :func:`short_conv` (the
-    PyTorch path) in fp32: ``((ok, reason) forward, (ok, reason) backward)``."""
+#: Channels and kernel width ``(D, W)`` of the probe problem when the caller does not name its own.
+CONV_PROBE_DIMS = (64, 4)
+
+
+def _conv_key(device: torch.device, dims: tuple[int, int] | None = None) -> tuple[str, tuple[int, int]]:
+    return probe_key(device), tuple(dims) if dims is not None else CONV_PROBE_DIMS
+
+
+def _probe_fla_conv(
+    device: torch.device, dims: tuple[int, int] | None = None
+) -> tuple[Capability, Capability]:
+    """fla's ``causal_conv1d`` forward and backward on a tiny packed bf16 problem (198 tokens) of the caller's
+    channels and width ``(D, W)`` (default :data:`CONV_PROBE_DIMS`) vs :func:`short_conv` (the PyTorch path)
+    in fp32: ``((ok, reason) forward, (ok, reason) backward)``. fla autotunes its conv kernels once per process
+    and ``(D, W)``: at the model's own dims the probe's autotuning is the model's."""
     rule, conv, reason = load_fla()
     if device.type != "cuda":
         no = (False, f"fla needs a CUDA device, got {device}")
@@ -62,9 +74,9 @@ def _probe_fla_conv(device: torch.device) -> tuple[Capability, Capability]:
     if conv is None:
         return cfwd, cbwd
     gen, T, cu_cpu, cu = probe_problem(device)
-    D = 64
+    D, W = dims if dims is not None else CONV_PROBE_DIMS
     x = bf16_randn(gen, device, 1, T, D).requires_grad_()
-    w = (0.5 * bf16_randn(gen, device, D, 4)).requires_grad_()
+    w = (0.5 * bf16_randn(gen, device, D, W)).requires_grad_()
     x_ref, w_ref = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     y_ref = short_conv(x_ref, w_ref, None, "silu", cu_seqlens=cu_cpu)
     dy = bf16_randn(gen, device, 1, T, D)
@@ -97,22 +109,28 @@ def _probe_fla_conv(device: torch.device) -> tuple[Capability, Capability]:
     return cfwd, cbwd
 
 
-_FLA_CONV_PROBE = ProbeOnce(_probe_fla_conv, key=probe_key, name="fla causal_conv1d")
+_FLA_CONV_PROBE = ProbeOnce(_probe_fla_conv, key=_conv_key, name="fla causal_conv1d")
 
 
-def fla_conv_status(device: torch.device | str | None = None) -> tuple[Capability, Capability]:
+def fla_conv_status(
+    device: torch.device | str | None = None, dims: tuple[int, int] | None = None
+) -> tuple[Capability, Capability]:
     """``((ok, reason) forward, (ok, reason) backward)`` of fla's ``causal_conv1d`` on ``device`` (default:
-    CUDA if available, else CPU), probed once per device (:class:`varpack._probe.ProbeOnce`).
+    CUDA if available, else CPU), probed once per device and ``(D, W)`` (default :data:`CONV_PROBE_DIMS`;
+    :func:`short_conv` passes its own) (:class:`varpack._probe.ProbeOnce`).
 
     The first call on a CUDA device runs a tiny packed problem there and compares it with this module's
     PyTorch path in fp32; fla's own refusals become the reason.
     """
-    return _FLA_CONV_PROBE(fla_device(device))
+    return _FLA_CONV_PROBE(fla_device(device), None if dims is None else (int(dims[0]), int(dims[1])))
 
 
-def resolve_conv_backend(backend: str, device: torch.device | str, *, needs_grad: bool = True) -> str:
+def resolve_conv_backend(
+    backend: str, device: torch.device | str, *, needs_grad: bool = True, dims: tuple[int, int] | None = None
+) -> str:
     """``"torch"`` or ``"fla"``: ``auto`` picks fla's Triton ``causal_conv1d`` on CUDA when its probe passed
-    (forward, and backward when ``needs_grad``), else the PyTorch path.
+    (forward, and backward when ``needs_grad``), else the PyTorch path. ``dims``: the call's ``(D, W)``, the
+    probe's problem (:func:`fla_conv_status`).
 
     Raises:
         ValueError: an unknown backend name.
@@ -123,7 +141,7 @@ def resolve_conv_backend(backend: str, device: torch.device | str, *, needs_grad
     device = torch.device(device)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return "torch"
-    conv_forward, conv_backward = fla_conv_status(device)
+    conv_forward, conv_backward = fla_conv_status(device, dims)
     ok, reason = conv_forward
     if ok and needs_grad:
         ok, reason = conv_backward
@@ -218,7 +236,7 @@ def short_conv(
     act = _activation(activation)
     if backend != "torch":
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        name = resolve_conv_backend(backend, x.device, needs_grad=needs_grad)
+        name = resolve_conv_backend(backend, x.device, needs_grad=needs_grad, dims=(D, W))
         if name == "fla" and seq_idx is not None and cu_seqlens is None:
             if backend == "fla":
                 raise ValueError("the fla short conv backend needs cu_seqlens (it does not read seq_idx)")

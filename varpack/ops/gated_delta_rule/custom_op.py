@@ -39,7 +39,7 @@ import torch
 from .._fla import fla_chunk_gated_delta_rule
 from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, normalize_optional_cu
 from .chunk import chunk_gated_delta_rule, prepare_chunk_layout
-from .dispatch import resolve_backend
+from .dispatch import head_dims, resolve_backend
 from .fla_hybrid import fla_hybrid_backward, fla_hybrid_gated_delta_rule
 from .naive import naive_recurrent_gated_delta_rule
 
@@ -220,19 +220,22 @@ _gated_delta_rule.register_autograd(_backward, setup_context=_setup_context)
 
 
 @torch.compiler.assume_constant_result
-def _resolve_constant(backend: str, device_type: str, device_index: int, needs_grad: bool) -> str:
-    """Backend resolution from guarded facts (device, grad mode), a trace-time constant under compile."""
+def _resolve_constant(
+    backend: str, device_type: str, device_index: int, needs_grad: bool, dims: tuple | None = None
+) -> str:
+    """Backend resolution from guarded facts (device, grad mode, head dims), a trace-time constant under
+    compile."""
     device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
-    return _resolve(backend, device, needs_grad)
+    return _resolve(backend, device, needs_grad, dims)
 
 
-def _resolve(backend: str, device: torch.device, needs_grad: bool) -> str:
+def _resolve(backend: str, device: torch.device, needs_grad: bool, dims: tuple | None = None) -> str:
     if backend == "chunk_compiled":
         raise ValueError(
             "backend 'chunk_compiled' is not run through the custom op (the op is one node of a compiled "
             "graph already); use 'chunk'"
         )
-    name = resolve_backend(backend, device, needs_grad=needs_grad)
+    name = resolve_backend(backend, device, needs_grad=needs_grad, dims=dims)
     if name == "chunk_compiled":  # not chosen by auto today; kept exact if that changes
         name = "chunk"
     if needs_grad and name not in _DIFFERENTIABLE:
@@ -276,7 +279,7 @@ def gated_delta_rule_op(
     )
     if torch.compiler.is_compiling():
         name = _resolve_constant(backend, q.device.type, -1 if q.device.index is None else q.device.index,
-                                 needs_grad)  # fmt: skip
+                                 needs_grad, head_dims(q, v))  # fmt: skip
     else:
         cu_seqlens = normalize_optional_cu(cu_seqlens)
         cu_seqlens_cpu = normalize_optional_cu(cu_seqlens_cpu, "cu_seqlens_cpu")
@@ -287,7 +290,7 @@ def gated_delta_rule_op(
         check_inputs(
             q, k, v, g, beta, initial_state, cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
         )
-        name = _resolve(backend, q.device, needs_grad)
+        name = _resolve(backend, q.device, needs_grad, head_dims(q, v))
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if (

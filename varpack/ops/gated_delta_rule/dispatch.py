@@ -47,6 +47,7 @@ __all__ = [
     "fla_gated_delta_status",
     "fla_hybrid_status",
     "gated_delta_rule",
+    "head_dims",
     "resolve_backend",
     "resolve_backend_reason",
 ]
@@ -65,9 +66,30 @@ AUTO_FLA_HYBRID = True
 Capability = tuple[bool, str]
 
 
-def _probe_fla(device: torch.device) -> tuple[Capability, Capability]:
-    """fla's ``chunk_gated_delta_rule`` forward and backward on a tiny packed bf16 problem vs
-    :func:`chunk_gated_delta_rule` in fp32: ``((ok, reason) forward, (ok, reason) backward)``."""
+#: Head counts and dims ``(Hk, H, K, V)`` of the probe problem when the caller does not name its own.
+PROBE_DIMS = (1, 2, 64, 64)
+Dims = tuple[int, int, int, int]
+
+
+def head_dims(q: torch.Tensor, v: torch.Tensor) -> Dims | None:
+    """``(Hk, H, K, V)`` of q ``[B, T, Hk, K]`` and v ``[B, T, H, V]``: the probe dims of a call (``None``
+    for malformed shapes, which the backends then refuse with their own message)."""
+    if q.dim() != 4 or v.dim() != 4:
+        return None
+    dims = (int(q.shape[2]), int(v.shape[2]), int(q.shape[3]), int(v.shape[3]))
+    return dims if min(dims) >= 1 and dims[1] % dims[0] == 0 else None
+
+
+def _probe_dims_key(device: torch.device, dims: Dims | None = None) -> tuple[str, Dims]:
+    return probe_key(device), tuple(dims) if dims is not None else PROBE_DIMS
+
+
+def _probe_fla(device: torch.device, dims: Dims | None = None) -> tuple[Capability, Capability]:
+    """fla's ``chunk_gated_delta_rule`` forward and backward on a tiny packed bf16 problem (198 tokens) of
+    the caller's head counts and dims ``(Hk, H, K, V)`` (default :data:`PROBE_DIMS`) vs
+    :func:`chunk_gated_delta_rule` in fp32: ``((ok, reason) forward, (ok, reason) backward)``. With the
+    model's own dims fla's Triton autotuning (once per process and (H, K, V) key; the bulk of a first call's
+    time) is shared by the probe and the model's layers instead of being paid twice."""
     rule, _, reason = load_fla()
     if device.type != "cuda":
         no = (False, f"fla needs a CUDA device, got {device}")
@@ -77,7 +99,7 @@ def _probe_fla(device: torch.device) -> tuple[Capability, Capability]:
         return no, no
 
     gen, T, cu_cpu, cu = probe_problem(device)
-    Hk, H, K, V = 1, 2, 64, 64
+    Hk, H, K, V = dims if dims is not None else PROBE_DIMS
 
     def rnd(*shape):
         return bf16_randn(gen, device, *shape)
@@ -120,35 +142,39 @@ def _probe_fla(device: torch.device) -> tuple[Capability, Capability]:
     return fwd, bwd
 
 
-_FLA_PROBE = ProbeOnce(_probe_fla, key=probe_key, name="fla chunk_gated_delta_rule")
+_FLA_PROBE = ProbeOnce(_probe_fla, key=_probe_dims_key, name="fla chunk_gated_delta_rule")
 
 
-def fla_gated_delta_status(device: torch.device | str | None = None) -> tuple[Capability, Capability]:
+def fla_gated_delta_status(
+    device: torch.device | str | None = None, dims: Dims | None = None
+) -> tuple[Capability, Capability]:
     """``((ok, reason) forward, (ok, reason) backward)`` of fla's gated delta rule on ``device`` (default:
-    CUDA if available, else CPU), probed once per device (:class:`varpack._probe.ProbeOnce`).
+    CUDA if available, else CPU), probed once per device and head dims ``(Hk, H, K, V)`` (default
+    :data:`PROBE_DIMS`; a model's layers pass their own, :func:`_probe_fla`) (:class:`varpack._probe.ProbeOnce`).
 
     The first call on a CUDA device runs a tiny problem there (a few milliseconds plus Triton compiles) and
     compares it with :func:`chunk_gated_delta_rule` in fp32; fla's own refusals (e.g. its Triton/Hopper check
     in the backward) become the reason.
     """
-    return _FLA_PROBE(fla_device(device))
+    return _FLA_PROBE(fla_device(device), _dims(dims))
 
 
-def _probe_fla_hybrid(device: torch.device) -> Capability:
+def _probe_fla_hybrid(device: torch.device, dims: Dims | None = None) -> Capability:
     """``fla_hybrid`` forward and backward (initial and final state included) on the tiny packed bf16 probe
-    problem vs :func:`chunk_gated_delta_rule` in fp32: ``(ok, reason)``."""
+    problem of head dims ``dims`` (:func:`_probe_fla`) vs :func:`chunk_gated_delta_rule` in fp32:
+    ``(ok, reason)``."""
     if device.type != "cuda":
         return False, f"fla_hybrid needs a CUDA device, got {device}"
-    return _run_fla_hybrid_probe(device, fla_hybrid_gated_delta_rule)
+    return _run_fla_hybrid_probe(device, fla_hybrid_gated_delta_rule, dims)
 
 
-def _run_fla_hybrid_probe(device: torch.device, rule) -> Capability:
+def _run_fla_hybrid_probe(device: torch.device, rule, dims: Dims | None = None) -> Capability:
     """The probe's problem through ``rule`` (``fla_hybrid_gated_delta_rule``; the CPU tests pass a stand-in)."""
     fns, reason = load_hybrid()
     if fns is None:
         return False, reason
     gen, T, cu_cpu, cu = probe_problem(device)
-    Hk, H, K, V = 1, 2, 64, 64
+    Hk, H, K, V = dims if dims is not None else PROBE_DIMS
     N = cu_cpu.numel() - 1
 
     def rnd(*shape):
@@ -183,19 +209,33 @@ def _run_fla_hybrid_probe(device: torch.device, rule) -> Capability:
     return True, "ok"
 
 
-_HYBRID_PROBE = ProbeOnce(_probe_fla_hybrid, key=probe_key, name="fla_hybrid gated delta rule")
+_HYBRID_PROBE = ProbeOnce(_probe_fla_hybrid, key=_probe_dims_key, name="fla_hybrid gated delta rule")
 
 
-def fla_hybrid_status(device: torch.device | str | None = None) -> Capability:
+def _dims(dims: Dims | None) -> Dims:
+    if dims is None:
+        return PROBE_DIMS
+    out = tuple(int(x) for x in dims)
+    if len(out) != 4 or min(out) < 1 or out[1] % out[0]:
+        raise ValueError(f"probe dims must be (Hk, H, K, V) with H a multiple of Hk, got {dims!r}")
+    return out  # type: ignore[return-value]
+
+
+def fla_hybrid_status(device: torch.device | str | None = None, dims: Dims | None = None) -> Capability:
     """``(ok, reason)`` of the ``fla_hybrid`` backend (forward and backward) on ``device`` (default: CUDA
-    if available, else CPU), probed once per device (:class:`varpack._probe.ProbeOnce`): a tiny packed bf16
-    problem with initial and final state compared with :func:`chunk_gated_delta_rule` in fp32 (Triton
-    compiles on the first call)."""
-    return _HYBRID_PROBE(fla_device(device))
+    if available, else CPU), probed once per device and head dims ``(Hk, H, K, V)`` (default
+    :data:`PROBE_DIMS`; :func:`_probe_fla`) (:class:`varpack._probe.ProbeOnce`): a tiny packed bf16 problem
+    with initial and final state compared with :func:`chunk_gated_delta_rule` in fp32 (Triton compiles and
+    fla autotunes on the first call).
+
+    Raises:
+        ValueError: malformed ``dims``.
+    """
+    return _HYBRID_PROBE(fla_device(device), _dims(dims))
 
 
-def _fla_capability(device: torch.device, needs_grad: bool) -> tuple[bool, str]:
-    forward, backward = fla_gated_delta_status(device)
+def _fla_capability(device: torch.device, needs_grad: bool, dims: Dims | None = None) -> tuple[bool, str]:
+    forward, backward = fla_gated_delta_status(device, dims)
     if not forward[0]:
         return False, forward[1]
     if needs_grad and not backward[0]:
@@ -203,18 +243,19 @@ def _fla_capability(device: torch.device, needs_grad: bool) -> tuple[bool, str]:
     return True, "ok" if backward[0] else "ok (forward only: no gradient needed)"
 
 
-def _fla_hybrid_capability(device: torch.device) -> tuple[bool, str]:
+def _fla_hybrid_capability(device: torch.device, dims: Dims | None = None) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, f"fla_hybrid needs a CUDA device, got {device}"
-    return fla_hybrid_status(device)
+    return fla_hybrid_status(device, dims)
 
 
 def available_backends(
-    device: torch.device | str | None = None, *, needs_grad: bool = True
+    device: torch.device | str | None = None, *, needs_grad: bool = True, dims: Dims | None = None
 ) -> dict[str, tuple[bool, str]]:
     """``{backend: (ok, reason)}`` on ``device`` (default: CUDA if available, else CPU).
 
-    Probes fla and fla_hybrid once per device (see :func:`fla_gated_delta_status`, :func:`fla_hybrid_status`).
+    Probes fla and fla_hybrid once per device and head dims ``dims`` ``(Hk, H, K, V)`` (see
+    :func:`fla_gated_delta_status`, :func:`fla_hybrid_status`).
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     out: dict[str, tuple[bool, str]] = {
@@ -225,18 +266,25 @@ def available_backends(
         out["chunk_compiled"] = (True, "ok (first call per shape class compiles)")
     else:
         out["chunk_compiled"] = (False, f"torch {torch.__version__} has no torch.compile")
-    out["fla"] = _fla_capability(device, needs_grad)
-    out["fla_hybrid"] = _fla_hybrid_capability(device)
+    out["fla"] = _fla_capability(device, needs_grad, dims)
+    out["fla_hybrid"] = _fla_hybrid_capability(device, dims)
     return out
 
 
 def resolve_backend(
-    backend: str = "auto", device: torch.device | str | None = None, *, needs_grad: bool = True
+    backend: str = "auto",
+    device: torch.device | str | None = None,
+    *,
+    needs_grad: bool = True,
+    dims: Dims | None = None,
 ) -> str:
     """The backend ``backend`` means on ``device``: ``auto`` resolved, a forced one checked.
 
+    ``dims``: the caller's head counts and dims ``(Hk, H, K, V)`` (:func:`head_dims`): fla's probes then run
+    at them, so their autotuning is the model's own (default :data:`PROBE_DIMS`).
+
     Raises:
-        ValueError: an unknown backend name.
+        ValueError: an unknown backend name; malformed ``dims``.
         RuntimeError: a forced backend that cannot run here, with its reason.
     """
     if backend != "auto" and backend not in BACKENDS:
@@ -246,26 +294,30 @@ def resolve_backend(
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if backend == "auto":
         if device.type == "cuda":
-            if _fla_capability(device, needs_grad)[0]:
+            if _fla_capability(device, needs_grad, dims)[0]:
                 return "fla"
-            if AUTO_FLA_HYBRID and _fla_hybrid_capability(device)[0]:
+            if AUTO_FLA_HYBRID and _fla_hybrid_capability(device, dims)[0]:
                 return "fla_hybrid"
         return "chunk"
     if backend in ("chunk", "naive"):
         return backend
     if backend == "fla":
-        ok, reason = _fla_capability(device, needs_grad)
+        ok, reason = _fla_capability(device, needs_grad, dims)
     elif backend == "fla_hybrid":
-        ok, reason = _fla_hybrid_capability(device)
+        ok, reason = _fla_hybrid_capability(device, dims)
     else:
-        ok, reason = available_backends(device, needs_grad=needs_grad)[backend]
+        ok, reason = available_backends(device, needs_grad=needs_grad, dims=dims)[backend]
     if not ok:
         raise RuntimeError(f"gated delta rule backend {backend!r} cannot run on {device}: {reason}")
     return backend
 
 
 def resolve_backend_reason(
-    backend: str = "auto", device: torch.device | str | None = None, *, needs_grad: bool = True
+    backend: str = "auto",
+    device: torch.device | str | None = None,
+    *,
+    needs_grad: bool = True,
+    dims: Dims | None = None,
 ) -> tuple[str, str]:
     """``(name, why)``: :func:`resolve_backend` and, for ``auto``, why each faster backend was or was not
     taken (fla's and fla_hybrid's probe results): what ``varpack check`` reports.
@@ -274,17 +326,18 @@ def resolve_backend_reason(
         ValueError / RuntimeError: as :func:`resolve_backend`.
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = resolve_backend(backend, device, needs_grad=needs_grad)
+    name = resolve_backend(backend, device, needs_grad=needs_grad, dims=dims)
     if backend != "auto":
         return name, "forced"
     if device.type != "cuda":
         return name, f"auto on {device.type}: varpack's chunked PyTorch path"
-    fla_ok, fla_why = _fla_capability(device, needs_grad)
+    fla_ok, fla_why = _fla_capability(device, needs_grad, dims)
     if fla_ok:
         return name, f"auto: fla {fla_why}"
     if not AUTO_FLA_HYBRID:
-        return name, f"auto: fla: {fla_why}; fla_hybrid: not chosen by auto yet (AUTO_FLA_HYBRID off; opt in with it)"
-    hyb_ok, hyb_why = _fla_hybrid_capability(device)
+        why = "not chosen by auto yet (AUTO_FLA_HYBRID off; opt in with it)"
+        return name, f"auto: fla: {fla_why}; fla_hybrid: {why}"
+    hyb_ok, hyb_why = _fla_hybrid_capability(device, dims)
     if hyb_ok:
         return name, f"auto: fla_hybrid probe passed (fla: {fla_why})"
     return name, f"auto: fla: {fla_why}; fla_hybrid: {hyb_why}"
@@ -337,7 +390,9 @@ def gated_delta_rule(
         raise ValueError(
             f"cu_seqlens_cpu must be a CPU copy of cu_seqlens, got a tensor on {cu_seqlens_cpu.device}"
         )
-    name = resolve_backend(backend, q.device, needs_grad=_needs_grad(q, k, v, g, beta, initial_state))
+    name = resolve_backend(
+        backend, q.device, needs_grad=_needs_grad(q, k, v, g, beta, initial_state), dims=head_dims(q, v)
+    )
     if name == "fla":
         if cu_seqlens is not None and q.shape[0] != 1:
             raise ValueError(
