@@ -5,9 +5,9 @@ Backends (``name -> what``):
 * ``"fla"``: flash-linear-attention's Triton ``chunk_gated_delta_rule`` with ``cu_seqlens`` (CUDA only;
   usable for training only if its backward runs on this device, see :func:`fla_gated_delta_status`).
 * ``"fla_hybrid"``: fla's forward and backward kernels with the one backward step fla flags as wrong on
-  Hopper with Triton >= 3.4, < 3.7.1 (``chunk_bwd_dqkwg``) done by varpack in PyTorch
-  (:mod:`varpack.ops.gated_delta_rule.fla_hybrid`); CUDA only, probed forward and backward
-  (:func:`fla_hybrid_status`).
+  Hopper with Triton >= 3.4, < 3.7.1 (``chunk_bwd_dqkwg``) done by varpack's own Triton kernel
+  (:mod:`varpack.ops.gated_delta_rule.fla_hybrid`); CUDA only, probed forward and backward at the caller's
+  head dims (:func:`fla_hybrid_status`).
 * ``"chunk"``: :func:`chunk_gated_delta_rule`, PyTorch, vectorized over sequences; any device.
 * ``"chunk_compiled"``: the same, with ``torch.compile(dynamic=True)`` on its two hot blocks.
 * ``"naive"``: :func:`naive_recurrent_gated_delta_rule`, token by token (the truth; slow).
@@ -54,13 +54,14 @@ __all__ = [
 
 BACKENDS = ("fla", "fla_hybrid", "chunk", "chunk_compiled", "naive")
 
-#: Whether ``auto`` may pick ``fla_hybrid``. Off until it is measured end to end: on the H200 (2026-12-01)
-#: its kernel-level GPU tests passed (bf16 vs the fp32 chunk path: output, final state, every gradient,
-#: 1-token and non-multiple-of-64 sequences, grouped heads, initial state) and benchmarks/gated_delta.py gave
-#: 15.7 ms forward + backward at 64 x 512 (12.5 ms with the "mixed" step, now the default; chunk: 35.5 ms), but the first calls at a new head / dim shape
-#: (fla's Triton autotuning, once per process and shape) outlasted the 75-120 s budgets of the model-level
-#: runs (varpack check on tiny-qwen3.5, benchmarks/hybrid_step.py), so the model path is not verified there.
-#: ``backend="fla_hybrid"`` selects it explicitly.
+#: Whether ``auto`` may pick ``fla_hybrid`` (where fla's own backward refuses; its probe must pass too). On
+#: the H200 (2026-12-01, fifth session; torch 2.11, Triton 3.6, fla-core 0.6.0) with varpack's Triton step:
+#: benchmarks/gated_delta.py 5.78 ms forward + backward at 64 x 512 (chunk: 35.8; the PyTorch step: 13.9),
+#: 5.19 at 16 x 2048, 5.53 on real lengths; the kernel's GPU tests against the fp64 step (every launch block,
+#: grouped heads) passed; the pipeline's GPU tests against the fp32 chunk path passed with the PyTorch step
+#: (fourth session), which the Triton step equals. The model-level GPU runs (varpack check on tiny-qwen3.5,
+#: benchmarks/hybrid_step.py) were cut by their time limits during fla's first-use autotuning (~100 s per
+#: head shape), before the probe shared it: they are the next GPU session's first call.
 AUTO_FLA_HYBRID = True
 
 Capability = tuple[bool, str]

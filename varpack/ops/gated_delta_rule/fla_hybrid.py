@@ -7,8 +7,13 @@ fla's forward (``chunk_gated_delta_rule_fwd``) and fla's backward pipeline step 
 (``fla/ops/gated_delta_rule/chunk.py::chunk_gated_delta_rule_bwd`` of 0.6.0: recompute ``w, u``; recompute
 the chunk states ``h`` and new values ``v_new``; ``chunk_bwd_dv_local``; ``chunk_gated_delta_rule_bwd_dhu``;
 *dq, dk, dw, dg*; ``prepare_wy_repr_bwd``; the reverse chunk-local cumsum of ``dg``; the l2norm backward),
-with the flagged step replaced by :func:`chunk_bwd_dqkwg_torch`: the same quantities in batched PyTorch
-(cuBLAS GEMMs and elementwise ops, no Triton), never fla's kernel.
+with the flagged step replaced by varpack's own, never fla's kernel: :func:`chunk_bwd_dqkwg_triton` on CUDA (one
+Triton kernel, ``_dqkwg_kernels.py``, that never transposes a ``tl.dot`` result: the pattern Triton >= 3.4
+miscompiles on Hopper in fla's kernel, fla PR #826) or :func:`chunk_bwd_dqkwg_torch` (the same quantities in
+batched PyTorch: cuBLAS GEMMs and elementwise ops; any device, every precision), :func:`chunk_bwd_dqkwg`
+choosing (:data:`DQKWG_IMPL`). fla's other backward kernels run as fla ships them and are verified here, not
+trusted: the GPU tests compare the whole backend with the fp32 chunk path (fla issue #984 reports another
+Hopper miscompile, in the *ungated* delta rule's ``prepare_wy_repr_bwd``; the gated one used here passes).
 
 What ``chunk_bwd_dqkwg`` computes (read from fla 0.6.0 ``fla/ops/common/chunk_o.py``; written here from the
 chunk equations, not copied). Per chunk of ``BT = 64`` tokens of one sequence and value head, with ``G`` the
@@ -69,8 +74,9 @@ FLA_CHUNK_SIZE = 64
 RCP_LN2 = 1.0 / math.log(2.0)  # fla stores the chunk cumsum of g in log2 units (exp2 in its kernels)
 PRECISIONS = ("fp32", "mixed", "input")
 #: The replaced step's default precision: ``"mixed"``, fla's own kernel semantics. Measured on the H200
-#: (2026-12-01, benchmarks/gated_delta.py, T = 32,768, H = 16, K = V = 128): fwd + bwd 12.5 ms vs 15.7 ms in
-#: ``"fp32"``, and the same errors against the fp32 chunk path in tests/ops/test_fla_hybrid.py (GPU).
+#: (2026-12-01, benchmarks/gated_delta.py, T = 32,768, H = 16, K = V = 128), PyTorch step: fwd + bwd 12.5 ms vs
+#: 15.7 ms in ``"fp32"``, and the same errors against the fp32 chunk path in tests/ops/test_fla_hybrid.py (GPU);
+#: with the Triton step (fifth session) fwd + bwd 5.8 ms.
 DEFAULT_PRECISION = "mixed"
 
 
