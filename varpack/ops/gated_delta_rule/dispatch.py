@@ -68,7 +68,7 @@ Capability = tuple[bool, str]
 
 
 #: Head counts and dims ``(Hk, H, K, V)`` of the probe problem when the caller does not name its own.
-PROBE_DIMS = (1, 2, 64, 64)
+PROBE_DIMS = (2, 4, 64, 64)  # the GPU tests' shape: a test run autotunes fla once for both
 Dims = tuple[int, int, int, int]
 
 
