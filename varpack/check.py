@@ -133,17 +133,15 @@ def _resolved_backend(
     return str(resolved), resolved.reason
 
 
-def _gated_delta_backend(model: Any, device: torch.device) -> tuple[str, str] | None:
-    """The gated delta rule backend the model's Gated DeltaNet layers run (and why), ``None`` without any."""
-    from varpack.integrations.gated_delta import layer_head_dims
-    from varpack.models.registry import is_gated_delta_layer
-    from varpack.ops.gated_delta_rule.dispatch import resolve_backend_reason
+def _gated_delta_backend(model: Any, device: torch.device, requested: str) -> tuple[str, str] | None:
+    """The gated delta rule backend the model's Gated DeltaNet layers run (and why), ``None`` without any;
+    a forced one that cannot run on ``device`` is refused up front (ValueError naming ``gated_delta_backend``)."""
+    from varpack.integrations.gated_delta import linear_attention_backend
 
-    layers = [m for m in model.modules() if is_gated_delta_layer(m)]
-    if not layers:
-        return None
-    backend = getattr(layers[0], "_varpack_gdn_backend", "auto")
-    return resolve_backend_reason(backend, device, needs_grad=True, dims=layer_head_dims(layers[0]))
+    try:
+        return linear_attention_backend(model, device, needs_grad=True)
+    except RuntimeError as exc:  # resolve_backend's refusal of a forced backend, with its reason
+        raise ValueError(f"gated_delta_backend={requested!r}: {exc}") from exc
 
 
 def check_exactness(
@@ -154,6 +152,7 @@ def check_exactness(
     dtype: torch.dtype | None = None,
     atol: float | None = None,
     reference_attn: str | None = None,
+    gated_delta_backend: str = "auto",
 ) -> dict[str, Any]:
     """Run ``samples`` packed (varpack attention, one row) and one by one (the model's own attention) and
     compare logits, loss and every parameter's gradient.
@@ -170,6 +169,11 @@ def check_exactness(
             additive term of the fp32-truth rule (bf16 default 2e-2, fp16 2e-3).
         reference_attn: attention implementation of the unpacked run; default the model's own from before
             :func:`enable_varpack` (``sdpa`` for most models, ``eager`` where sdpa is unsupported).
+        gated_delta_backend: gated delta rule backend of the packed run's linear-attention layers (Qwen3.5 /
+            Qwen3-Next): ``"auto"`` or a name of :data:`varpack.ops.gated_delta_rule.BACKENDS` (``fla``,
+            ``fla_hybrid``, ``chunk``, ``chunk_compiled``, ``naive``); set on the layers by
+            ``enable_varpack(linear_backend=...)`` (replacing what the model had) and checked against the device
+            before anything runs. The unpacked reference runs the model's own forward.
 
     Returns:
         dict with ``max_abs_logit_diff``, ``loss_packed``, ``loss_unpacked``, ``max_abs_grad_diff``,
@@ -178,23 +182,30 @@ def check_exactness(
         ``worst_grad_param``, ``tolerance``; for bf16/fp16 also ``logit_err_packed`` / ``logit_err_unpacked``
         (vs the fp32 truth), ``loss_err_*`` and ``grad_err_*``; for a model with Gated DeltaNet layers also
         ``gated_delta_backend`` / ``gated_delta_reason`` (the rule's backend for training, and why: the fla
-        and fla_hybrid probes on CUDA).
+        and fla_hybrid probes on CUDA; ``"forced"`` for a forced one).
 
     Raises:
         TypeError / ValueError: malformed samples (the collator names the sample and field), a model that is
             not a transformers model; varpack.attn.BackendUnavailableError: the backend cannot run here.
+        ValueError: ``gated_delta_backend`` unknown, forced for a model without Gated DeltaNet layers, or
+            forced and unable to run on the model's device (``gated_delta_backend='fla_hybrid': gated delta
+            rule backend 'fla_hybrid' cannot run on cpu: fla_hybrid needs a CUDA device, got cpu``).
     """
     from varpack.collate import PaddingFreeCollator
     from varpack.integrations.transformers import enable_varpack
+    from varpack.models.registry import require_gated_delta_layers
 
     rows = _as_sample_list(samples)
+    require_gated_delta_layers(model, gated_delta_backend)
     model_dtype = next(model.parameters()).dtype
     dtype = dtype or model_dtype
     if dtype != model_dtype:
         model = copy.deepcopy(model).to(dtype)
-    enable_varpack(model, backend=backend)
+    enable_varpack(model, backend=backend, linear_backend=gated_delta_backend)
     ref_attn = reference_attn or model._varpack_state.original_attn_implementation or "sdpa"
     device = next(model.parameters()).device
+    # a forced gated delta rule backend that cannot run here: refused before anything runs
+    gdn = _gated_delta_backend(model, device, gated_delta_backend)
     collate = PaddingFreeCollator()
     was_training = model.training
     model.eval()  # no dropout: the two runs must see the same function
@@ -272,7 +283,6 @@ def check_exactness(
             failures.append(f"{key} is not finite ({result[key]})")
     longest = max((len(r["input_ids"]) for r in rows), default=None)
     name, reason = _resolved_backend(model, backend, device, dtype, longest)
-    gdn = _gated_delta_backend(model, device)
     if gdn is not None:
         result.update(gated_delta_backend=gdn[0], gated_delta_reason=gdn[1])
     result.update(

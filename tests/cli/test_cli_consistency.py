@@ -97,6 +97,18 @@ def test_attn_backend_choices_are_the_registry():
     assert sorted(ATTN_BACKENDS) == sorted(["auto", *BACKENDS])
 
 
+def test_gated_delta_backend_choices_are_the_dispatch_backends():
+    """--gated-delta-backend of check and sft offers exactly 'auto' and dispatch.BACKENDS."""
+    from varpack.cli._common import GATED_DELTA_BACKENDS
+    from varpack.ops.gated_delta_rule.dispatch import BACKENDS
+
+    assert GATED_DELTA_BACKENDS == ("auto", *BACKENDS)
+    for cmd in ("check", "sft"):
+        actions = _subparsers()[cmd]._actions
+        (action,) = [a for a in actions if a.dest == "gated_delta_backend" and a.help != argparse.SUPPRESS]
+        assert tuple(action.choices) == GATED_DELTA_BACKENDS and action.default == "auto", cmd
+
+
 @pytest.mark.parametrize("cmd", ["plan", "sft", "demo"])
 def test_packing_strategy_choices_are_the_strategy_table(cmd):
     """--packing-strategy offers exactly the names of varpack.plan's STRATEGY_TABLE, each with its summary."""

@@ -40,6 +40,7 @@ NON_DEFAULT = dict(
     loss_reduction="sample",
     loss_impl="logits",
     attn_backend="flex",
+    gated_delta_backend="fla_hybrid",
     bf16=True,
     dtype="bfloat16",
     seed=7,

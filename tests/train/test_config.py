@@ -38,6 +38,7 @@ NON_DEFAULT = dict(
     loss_reduction="sample",
     loss_impl="logits",
     attn_backend="flex",
+    gated_delta_backend="fla_hybrid",
     bf16=True,
     dtype="bfloat16",
     seed=7,
@@ -139,6 +140,7 @@ def test_literal_fields_cover_the_closed_choices():
         "loss_reduction",
         "loss_impl",
         "attn_backend",
+        "gated_delta_backend",
         "dtype",
     }
 
@@ -151,6 +153,9 @@ def test_literals_agree_with_the_registries():
     assert literal_choices(HINTS["packing_strategy"]) == STRATEGIES
     assert literal_choices(HINTS["overflow"]) == OVERFLOW_POLICIES
     assert literal_choices(HINTS["attn_backend"]) == ATTN_BACKENDS
+    from varpack.cli._common import GATED_DELTA_BACKENDS
+
+    assert literal_choices(HINTS["gated_delta_backend"]) == GATED_DELTA_BACKENDS
     from varpack.train.objectives import OBJECTIVES
     from varpack.train.objectives.dpo import DPO_LOSS_TYPES
 

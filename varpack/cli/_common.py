@@ -22,6 +22,7 @@ from varpack._argtypes import float_above, int_at_least, max_steps_type
 __all__ = [
     "ATTN_BACKENDS",
     "DATA_ERRORS",
+    "GATED_DELTA_BACKENDS",
     "UsageError",
     "check_data_files",
     "flag_wording",
@@ -43,6 +44,11 @@ ATTN_BACKENDS: tuple[str, ...] = (
     "flash_attn_4",
     "triton_short",
 )
+
+#: ``--gated-delta-backend`` values: ``auto`` and the names of
+#: :data:`varpack.ops.gated_delta_rule.dispatch.BACKENDS` (kept here because that module imports torch;
+#: tests/cli/test_cli_consistency.py checks that they agree).
+GATED_DELTA_BACKENDS: tuple[str, ...] = ("auto", "fla", "fla_hybrid", "chunk", "chunk_compiled", "naive")
 
 #: Exceptions that a sub-command's run reports as ``varpack <command>: error: ...`` with exit code 1.
 DATA_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError)

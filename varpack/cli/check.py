@@ -1,6 +1,7 @@
 """``varpack check``: prove on a model that a packed step equals the unpacked step.
 
     varpack check [--model DIR|tiny-qwen3|...] [--data PATH...] [--attn-backend auto|reference|...]
+                  [--gated-delta-backend auto|fla|fla_hybrid|chunk|chunk_compiled|naive]
                   [--dtype fp32|bf16|fp16] [--device cpu|cuda] [--num-samples N] [--max-sample-length L]
                   [--seed S] [--json]
 
@@ -8,8 +9,12 @@ Encodes chat data (default: the built-in chats; for a vision-language model the 
 chats) with the model's tokenizer, takes the first ``--num-samples`` conversations (each cut to
 ``--max-sample-length`` tokens; image chats are never cut), runs them packed in one
 padding-free row (varpack attention) and one by one (the model's own attention), and prints max |logit
-diff|, the two losses and max |grad diff| with PASS / FAIL (:func:`varpack.check.check_exactness`). Exit
-status 0 on PASS, 1 on FAIL or an error (bad data, unknown model, no CUDA), 2 on a usage error. With ``--json`` stdout carries exactly one JSON object.
+diff|, the two losses and max |grad diff| with PASS / FAIL (:func:`varpack.check.check_exactness`). For a
+model with Gated DeltaNet layers (Qwen3.5, Qwen3-Next) it prints the gated delta rule backend of the packed run
+and why (``auto``'s probes, or ``forced`` by ``--gated-delta-backend``). Exit status 0 on PASS, 1 on FAIL or
+an error (bad data, unknown model, no CUDA; a ``--gated-delta-backend`` that cannot run on the device, with
+its reason, or given for a model without Gated DeltaNet layers), 2 on a usage error. With ``--json`` stdout
+carries exactly one JSON object.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import json
 import sys
 from typing import Any
 
-from varpack.cli._common import ATTN_BACKENDS, check_data_files, int_at_least
+from varpack.cli._common import ATTN_BACKENDS, GATED_DELTA_BACKENDS, check_data_files, int_at_least
 
 __all__ = ["register", "run"]
 
@@ -55,6 +60,18 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         choices=ATTN_BACKENDS,
         default="auto",
         help="varpack attention backend (default: %(default)s)",
+    )
+    p.add_argument(
+        "--gated-delta-backend",
+        dest="gated_delta_backend",
+        choices=GATED_DELTA_BACKENDS,
+        default="auto",
+        help=(
+            "gated delta rule backend of the linear-attention layers of Qwen3.5 / Qwen3-Next models in the "
+            "packed run. auto: fla, else fla_hybrid on CUDA when their probes pass, else chunk; a forced one "
+            "that cannot run on --device is an error with its reason; refused for a model without such layers "
+            "(default: %(default)s)"
+        ),
     )
     p.add_argument(
         "--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of the run (default: %(default)s)"
@@ -141,14 +158,25 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, _DTYPES[args.dtype])
     tokenizer = load_tokenizer_for(args.model)
     # the model comes first: image chats are encoded with its own mRoPE function and patch grid
-    model = load_model(args.model, dtype=dtype, seed=args.seed, attn_backend=args.attn_backend, device=device)
+    model = load_model(
+        args.model,
+        dtype=dtype,
+        seed=args.seed,
+        attn_backend=args.attn_backend,
+        device=device,
+        gated_delta_backend=args.gated_delta_backend,  # refused here for a model without Gated DeltaNet layers
+    )
+    # a forced gated delta rule backend that cannot run on the device: refused before the data is encoded
+    _refuse_unrunnable_gated_delta_backend(model, device, args.gated_delta_backend)
     # a VL model without --data is checked on images: the built-in image-caption chats
     data = load_and_encode(args.data, tokenizer, vl=is_vl_model(model), rope_model=model)
     if data.multimodal:
         rows = select_mm_samples(data.samples, args.num_samples)
     else:
         rows = select_samples(data.samples, args.num_samples, args.max_sample_length)
-    result = check_exactness(model, rows, backend=args.attn_backend, atol=args.atol)
+    result = check_exactness(
+        model, rows, backend=args.attn_backend, atol=args.atol, gated_delta_backend=args.gated_delta_backend
+    )
     result["samples_with_media"] = sum(1 for r in rows if "pixel_values" in r or "pixel_values_videos" in r)
     result["model"] = args.model
     result["device"] = str(device)
@@ -158,6 +186,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(result, type(model).__name__, sum(p.numel() for p in model.parameters()))
     return 0 if result["passed"] else 1
+
+
+def _refuse_unrunnable_gated_delta_backend(model: Any, device: str, requested: str) -> None:
+    """A forced ``--gated-delta-backend`` that cannot run on ``device``: an error with its reason (exit 1)."""
+    from varpack.integrations.gated_delta import linear_attention_backend
+
+    try:
+        linear_attention_backend(model, device, needs_grad=True)
+    except RuntimeError as exc:  # resolve_backend's refusal, with the reason
+        raise ValueError(f"--gated-delta-backend {requested}: {exc}") from exc
 
 
 def _print_table(r: dict[str, Any], model_class: str, num_params: int) -> None:
@@ -170,7 +208,10 @@ def _print_table(r: dict[str, Any], model_class: str, num_params: int) -> None:
         f"attention backend: {r['backend']} ({r['backend_reason']}); unpacked reference: {r['reference_attn']}"
     )
     if "gated_delta_backend" in r:
-        print(f"gated delta rule backend: {r['gated_delta_backend']} ({r['gated_delta_reason']})")
+        why = r["gated_delta_reason"]
+        if why == "forced":
+            why = f"forced: --gated-delta-backend {r['gated_delta_backend']}"
+        print(f"gated delta rule backend: {r['gated_delta_backend']} ({why})")
     loss_diff = abs(r["loss_packed"] - r["loss_unpacked"])
     print(f"  max |logit diff|  {r['max_abs_logit_diff']:.3e}")
     print(f"  loss packed       {r['loss_packed']:.6f}")

@@ -3,7 +3,8 @@
     varpack sft [--model DIR|tiny-qwen3|tiny-llama|...] [--data PATH...] [--output-dir DIR]
                 [--packing-length N] [--packing-strategy bfd|sequential] [--overflow error|drop|truncate|split]
                 [--epochs E | --max-steps S] [--lr LR] [--grad-accum K] [--packs-per-step P]
-                [--loss-reduction token|sample] [--attn-backend auto|...] [--bf16] [--seed S] ...
+                [--loss-reduction token|sample] [--attn-backend auto|...]
+                [--gated-delta-backend auto|fla|fla_hybrid|chunk|chunk_compiled|naive] [--bf16] [--seed S] ...
 
 One flag per :class:`varpack.train.config.SFTConfig` field (``--weight-decay``, ``--dtype``,
 ``--dataloader-num-workers``, ``--report-to``, ``--extra-training-args JSON``, ...; booleans as
@@ -14,7 +15,10 @@ spellings are accepted too (``--packing_length``, ``--max_length``, ``--learning
 ``--padding_free true``; README.md "Flags for TRL / ms-swift users").
 
 Without ``--data`` the built-in chats are used; the tokenizer is the model directory's / GGUF file's own,
-else the embedded Qwen3 vocabulary. Prints the packing report (samples, packs, fill, overflow) first, then the
+else the embedded Qwen3 vocabulary. Prints the packing report (samples, packs, fill, overflow) first, for a
+Qwen3.5 / Qwen3-Next model the gated delta rule backend of its linear-attention layers and why (``linear    gated
+delta rule: chunk (auto on cpu: ...)``; ``--gated-delta-backend`` forces one, refused with its reason where it
+cannot run, and for a model without such layers), then the
 engine and the step configuration it runs, with the reason (``speed     regional torch.compile + chunked linear
 CE (auto on CUDA: ...)``), then a progress bar with loss, tokens/s and pack fill, and saves the model and tokenizer to ``--output-dir``, with
 the resolved settings as ``varpack_config.yaml`` (``--config`` reads it back).

@@ -39,13 +39,17 @@ from varpack.models.gated_delta import TINY_MODELS, tiny_model  # re-exported: t
 from varpack.models.registry import is_gated_delta_layer as _is_gdn
 from varpack.ops._fla import load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
-from varpack.ops.gated_delta_rule.dispatch import fla_gated_delta_status, resolve_backend
+from varpack.ops.gated_delta_rule.dispatch import (
+    fla_gated_delta_status,
+    resolve_backend,
+    resolve_backend_reason,
+)
 from varpack.ops.gated_delta_rule.fla_hybrid import FlaHybridBoundaries, prepare_fla_hybrid_boundaries
 from varpack.ops.short_conv import short_conv
 from varpack.schema import SEQ_IDX, VARLEN_META
 from varpack.varlen.meta import VarlenMeta, varlen_meta_from_kwargs
 
-__all__ = ["TINY_MODELS", "patch_linear_attention", "tiny_model"]
+__all__ = ["TINY_MODELS", "linear_attention_backend", "patch_linear_attention", "tiny_model"]
 
 _CACHE_KEYS = ("cache", "cache_params", "past_key_values")
 # which modules are Gated DeltaNet layers (_is_gdn) is a model-family fact:
@@ -368,3 +372,43 @@ def patch_linear_attention(model: torch.nn.Module, *, backend: str = "auto") -> 
         m._varpack_gdn_backend = backend
         m._varpack_meta = None
     return len(layers)
+
+
+def linear_attention_backend(
+    model: torch.nn.Module, device: torch.device | str, *, needs_grad: bool = True
+) -> tuple[str, str] | None:
+    """The gated delta rule backend the Gated DeltaNet layers of ``model`` run on ``device``, and why.
+
+    Reads the backend :func:`patch_linear_attention` set on the layers (``"auto"`` on layers never patched)
+    and resolves it as their packed forward will (:func:`varpack.ops.gated_delta_rule.dispatch.resolve_backend_reason`):
+    ``"auto"`` with the probes' reasons (``("chunk", "auto on cpu: varpack's chunked PyTorch path")``), a
+    forced name as ``(name, "forced")``. Call it before training to refuse a forced backend that cannot run
+    here up front instead of at the first packed forward. The fla / fla_hybrid probes run once per device
+    (on CUDA: a tiny problem and Triton compiles on the first call).
+
+    Args:
+        model: a model, patched or not.
+        device: where the layers will run (the training device, not necessarily the model's now).
+        needs_grad: the layers will be trained (fla counts only if its backward runs too).
+
+    Returns:
+        ``(name, why)``, or ``None`` for a model without Gated DeltaNet layers.
+
+    Raises:
+        RuntimeError: a forced backend that cannot run on ``device``, with its reason
+            (``gated delta rule backend 'fla_hybrid' cannot run on cpu: fla_hybrid needs a CUDA device, got cpu``).
+        ValueError: the layers carry different backends (patched separately), or an unknown name.
+    """
+    layers = [m for m in model.modules() if _is_gdn(m)]
+    if not layers:
+        return None
+    names = sorted({getattr(m, "_varpack_gdn_backend", "auto") for m in layers})
+    if len(names) > 1:
+        raise ValueError(
+            f"the {len(layers)} Gated DeltaNet layers of {type(model).__name__} carry different gated delta "
+            f"rule backends {names}; patch them with one (patch_linear_attention(model, backend=...))"
+        )
+    # at the layers' own head dims: fla's probe then autotunes for the model's shape, once
+    return resolve_backend_reason(
+        names[0], torch.device(device), needs_grad=needs_grad, dims=layer_head_dims(layers[0])
+    )

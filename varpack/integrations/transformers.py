@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from varpack.models.registry import require_gated_delta_layers
 from varpack.schema import FLASH_ATTN_KWARGS, VARLEN_META
 from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
 from varpack.varlen.meta import varlen_meta_from_kwargs
@@ -450,8 +451,11 @@ def enable_varpack(
         model: a ``transformers`` ``PreTrainedModel`` whose attention layers dispatch through
             ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen2/3, Mistral, Gemma 2/3, Qwen3.5, ... in transformers 5.x).
         backend: varpack attention backend (``"auto"`` or a name of :data:`varpack.attn.registry.BACKENDS`).
-        linear_backend: gated-delta backend for linear-attention layers (passed to
-            :func:`varpack.integrations.gated_delta.patch_linear_attention`).
+        linear_backend: gated delta rule backend of the linear-attention (Gated DeltaNet) layers, passed to
+            :func:`varpack.integrations.gated_delta.patch_linear_attention`: ``"auto"`` or a name of
+            :data:`varpack.ops.gated_delta_rule.BACKENDS` (``fla``, ``fla_hybrid``, ``chunk``,
+            ``chunk_compiled``, ``naive``). A forced name is checked against the device at the first packed
+            forward (:func:`varpack.integrations.gated_delta.linear_attention_backend` checks it up front).
 
     Returns:
         The same model (modified in place): ``model.config._attn_implementation`` is
@@ -459,12 +463,15 @@ def enable_varpack(
         Calling it again replaces the previous hook (idempotent).
 
     Raises:
-        ValueError: unknown backend; PackingGuardError: a model with layers varpack cannot run exactly
+        ValueError: unknown backend or ``linear_backend``; a ``linear_backend`` other than ``"auto"`` for a
+            model without Gated DeltaNet layers (:func:`varpack.models.registry.require_gated_delta_layers`);
+            PackingGuardError: a model with layers varpack cannot run exactly
             (linear attention without :mod:`varpack.integrations.gated_delta`, Mamba / short-conv layers);
             TypeError: not a transformers model.
     """
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise TypeError(f"enable_varpack needs a transformers PreTrainedModel, got {type(model).__name__}")
+    require_gated_delta_layers(model, linear_backend, setting="linear_backend")
     num_linear = _linear_attention_layers(model)
     old = getattr(model, "_varpack_state", None)
     original = old.original_attn_implementation if old is not None else model.config._attn_implementation
@@ -489,6 +496,11 @@ def enable_varpack(
             raise PackingGuardError(
                 f"{type(model).__name__} has {num_linear} linear-attention layers but only {patched} were patched"
             )
+    if linear_backend != "auto" and not patched:  # Gated DeltaNet modules, but no linear_attention layer type
+        raise PackingGuardError(
+            f"linear_backend={linear_backend!r}: {type(model).__name__} has Gated DeltaNet modules but its config "
+            "lists no 'linear_attention' layer types, so varpack did not patch them"
+        )
 
     # The guard sits on the base model (``model.model`` of a *ForCausalLM): every path reaches it with the
     # same keywords -- model(**batch), and base-model-only calls such as varpack.ops.linear_ce's.

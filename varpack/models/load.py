@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from varpack.models.dense import QWEN3_VOCAB_SIZE
-from varpack.models.registry import builtin_family, builtin_names, family_of
+from varpack.models.registry import builtin_family, builtin_names, family_of, require_gated_delta_layers
 
 __all__ = [
     "GGUF_PACKAGES",
@@ -137,6 +137,7 @@ def load_model(
     vocab_size: int | None = None,
     device: torch.device | str | None = None,
     config_overrides: dict[str, Any] | None = None,
+    gated_delta_backend: str = "auto",
 ) -> Any:
     """Build or load a causal LM and (unless ``attn_backend is None``) switch it to varpack attention.
 
@@ -152,6 +153,11 @@ def load_model(
             models.
         device: where to put the model (default: CPU).
         config_overrides: config attributes to change on built-in configs (see :func:`model_config`).
+        gated_delta_backend: gated delta rule backend of a Qwen3.5 / Qwen3-Next model's linear-attention
+            layers (``enable_varpack(linear_backend=...)``): ``"auto"`` or a name of
+            :data:`varpack.ops.gated_delta_rule.BACKENDS`. Whether a forced name runs on the training device
+            is checked later (:func:`varpack.integrations.gated_delta.linear_attention_backend`, or the first
+            packed forward).
 
     A built-in model is built by its family (:meth:`varpack.models.ModelFamily.build`) under ``seed``; after
     ``enable_varpack`` the family prepares it for packed batches (:meth:`varpack.models.ModelFamily.prepare`:
@@ -161,9 +167,18 @@ def load_model(
         A ``transformers`` ``PreTrainedModel`` (a causal LM) in ``train()`` mode off, i.e. as loaded (eval).
 
     Raises:
-        ValueError: unknown name / path, a config override the built-in config does not take.
+        ValueError: unknown name / path, a config override the built-in config does not take; a
+            ``gated_delta_backend`` other than ``"auto"`` with ``attn_backend=None`` (nothing would be patched)
+            or for a model without Gated DeltaNet layers (:func:`varpack.models.registry.require_gated_delta_layers`,
+            naming ``name_or_dir``), or an unknown one.
     """
     from transformers import AutoModelForCausalLM
+
+    if gated_delta_backend != "auto" and attn_backend is None:
+        raise ValueError(
+            f"gated_delta_backend={gated_delta_backend!r} with attn_backend=None: the linear-attention layers "
+            "are patched only when the model is put on varpack attention"
+        )
 
     kind, source = resolve_model_source(name_or_dir)
     if kind == "builtin":
@@ -186,7 +201,8 @@ def load_model(
     if attn_backend is not None:
         from varpack.integrations.transformers import enable_varpack
 
-        enable_varpack(model, backend=attn_backend)
+        require_gated_delta_layers(model, gated_delta_backend, model_name=os.fspath(name_or_dir))
+        enable_varpack(model, backend=attn_backend, linear_backend=gated_delta_backend)
         family_of(model).prepare(model)  # VL: keep the text stream's boundaries out of the vision tower
     return model
 

@@ -40,6 +40,7 @@ __all__ = [
     "is_gated_delta_layer",
     "is_vl_model",
     "register_family",
+    "require_gated_delta_layers",
     "unregister_family",
 ]
 
@@ -67,6 +68,48 @@ def is_gated_delta_layer(module: torch.nn.Module) -> bool:
     :func:`varpack.integrations.gated_delta.patch_linear_attention`)."""
     name = type(module).__name__
     return name in GATED_DELTA_LAYER_CLASSES or (name.endswith("GatedDeltaNet") and hasattr(module, "A_log"))
+
+
+def require_gated_delta_layers(
+    model: torch.nn.Module,
+    backend: str,
+    *,
+    setting: str = "gated_delta_backend",
+    model_name: str | None = None,
+) -> int:
+    """The number of Gated DeltaNet mixers of ``model`` (:func:`is_gated_delta_layer`), refusing a forced
+    gated delta rule backend for a model without any: a backend other than ``"auto"`` can only have been
+    meant for a Qwen3.5 / Qwen3-Next model, and on a dense model it would change nothing.
+
+    Args:
+        model: the model (any ``torch.nn.Module``).
+        backend: the requested backend: ``"auto"`` (always accepted) or a forced name.
+        setting: the name the caller's user gave it under (``gated_delta_backend``, ``linear_backend``), for
+            the message (the CLI turns ``gated_delta_backend=...`` into ``--gated-delta-backend ...``).
+        model_name: what the user called the model (``tiny-qwen3``, a directory), shown beside its class.
+
+    Raises:
+        ValueError: ``backend`` is neither ``"auto"`` nor a name of :data:`varpack.ops.gated_delta_rule.BACKENDS`;
+            ``backend != "auto"`` and the model has no Gated DeltaNet mixer. The message names the setting, the
+            value and (the latter) the model.
+    """
+    from varpack.ops.gated_delta_rule import BACKENDS
+
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(
+            f"{setting}={backend!r} is not a gated delta rule backend; expected 'auto' or one of {BACKENDS}"
+        )
+    count = sum(1 for m in model.modules() if is_gated_delta_layer(m))
+    if backend != "auto" and count == 0:
+        label = (
+            type(model).__name__ if model_name is None else f"model {model_name!r} ({type(model).__name__})"
+        )
+        raise ValueError(
+            f"{setting}={backend!r} forces a gated delta rule backend, but {label} has no Gated DeltaNet "
+            f"(linear-attention) layers: the setting applies to Qwen3.5 / Qwen3-Next models only; leave "
+            f"{setting} at 'auto'"
+        )
+    return count
 
 
 def _config_of(model_or_config: Any) -> Any:

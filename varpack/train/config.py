@@ -48,6 +48,7 @@ __all__ = [
     "CompileChoice",
     "DPOLossType",
     "DTypeName",
+    "GatedDeltaBackendName",
     "LossImpl",
     "LossReduction",
     "ObjectiveName",
@@ -99,6 +100,9 @@ AttnBackendName = Literal[
     "flash_attn_4",
     "triton_short",
 ]
+#: ``auto`` and the names of :data:`varpack.ops.gated_delta_rule.dispatch.BACKENDS`
+#: (== ``varpack.cli._common.GATED_DELTA_BACKENDS``; checked).
+GatedDeltaBackendName = Literal["auto", "fla", "fla_hybrid", "chunk", "chunk_compiled", "naive"]
 #: :data:`varpack.train.objectives.OBJECTIVES` (checked to agree).
 ObjectiveName = Literal["sft", "dpo"]
 #: :data:`varpack.train.objectives.dpo.DPO_LOSS_TYPES` (checked to agree).
@@ -285,6 +289,13 @@ class SFTConfig:
         loss_impl: ``auto`` (``linear_ce`` when the model allows it and runs unwrapped, else ``logits``),
             ``linear_ce`` (chunked, no ``[T, V]`` logits) or ``logits``.
         attn_backend: varpack attention backend (``auto``, ``reference``, ``flex``, ...).
+        gated_delta_backend: gated delta rule backend of the linear-attention (Gated DeltaNet) layers of a
+            Qwen3.5 / Qwen3-Next model: ``auto`` (fla when it runs forward and backward on the device, else
+            ``fla_hybrid`` on CUDA when its probe passes, else ``chunk``: :mod:`varpack.ops.gated_delta_rule.dispatch`)
+            or a forced ``fla``, ``fla_hybrid``, ``chunk``, ``chunk_compiled``, ``naive``.
+            :func:`varpack.train.sft.build_sft` refuses, before the data is encoded where it can, a forced name for a
+            model without Gated DeltaNet layers and one that cannot run on the training device (with its
+            reason; never a silent fallback); ``varpack sft`` prints the backend and why on its ``linear`` line.
         rank_balance: under several ranks, balance every micro-batch's packs across the ranks by cost
             (:class:`varpack.data.sampler.BalancedPackSampler`, :mod:`varpack.plan.balance`); ``False``: the
             plan's per-epoch order dealt round-robin. Either way every sample once per epoch, no repeats.
@@ -450,6 +461,16 @@ class SFTConfig:
     attn_backend: AttnBackendName = field(
         default="auto",
         metadata=_opt("varpack attention backend (default: %(default)s)", aliases=("attn_impl",)),
+    )
+    gated_delta_backend: GatedDeltaBackendName = field(
+        default="auto",
+        metadata=_opt(
+            "gated delta rule backend of the linear-attention layers of Qwen3.5 / Qwen3-Next models. auto: fla "
+            "if it runs forward and backward on the device, else fla_hybrid on CUDA when its probe passes, else "
+            "chunk (varpack's PyTorch path); the run's 'linear' line says which and why. A forced one that "
+            "cannot run on the training device is an error with its reason; refused for a model without such "
+            "layers (default: %(default)s)"
+        ),
     )
     rank_balance: bool = field(
         default=True,

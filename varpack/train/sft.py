@@ -118,6 +118,10 @@ class SFTRun:
     #: :func:`varpack.train.config.resolve_torch_compile`'s decision (``config.torch_compile`` then holds
     #: its ``on``), with the reason ``varpack sft``'s ``speed`` line prints
     compile_choice: Any = None
+    #: ``(backend, why)`` of the Gated DeltaNet layers on the training device
+    #: (:func:`varpack.integrations.gated_delta.linear_attention_backend`; ``varpack sft``'s ``linear`` line),
+    #: ``None`` for a model without them
+    gated_delta: tuple[str, str] | None = None
 
 
 def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, encoded: Any = None) -> SFTRun:
@@ -134,12 +138,18 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     Trainer's device and world size (``run.config.torch_compile`` holds ``True`` / ``False``,
     ``run.compile_choice`` the reason).
     ``Trainer`` creates ``config.output_dir`` (``run.created_output_dir`` says whether it was new).
+    ``config.gated_delta_backend`` is checked on the Trainer's device (``run.gated_delta`` holds the backend of
+    a Qwen3.5 / Qwen3-Next model's linear-attention layers and why); a forced one is checked before the data
+    is encoded too, against the model (loaded early then) and this machine's device.
 
     Steps: refuse impossible kernel settings (before minutes of encoding), resolve the learning rate, load
     and encode the data, plan the packs, prepare the model, then the Trainer.
 
     Raises:
-        ValueError: bad settings, data, or overlong samples with ``overflow="error"``.
+        ValueError: bad settings, data, or overlong samples with ``overflow="error"``; a forced
+            ``gated_delta_backend`` for a model without Gated DeltaNet layers, or one that cannot run on the
+            training device (``gated_delta_backend='fla_hybrid': gated delta rule backend 'fla_hybrid' cannot
+            run on cpu: ...``).
     """
     from varpack.collate import PaddingFreeCollator
     from varpack.data.dataset import PackedDataset
@@ -162,6 +172,13 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         lr, lr_default_kind = default_lr(config.model, config.objective)
         config = replace(config, lr=lr)
     load = _model_loader(config)
+    # a mistaken forced gated delta rule backend is refused before minutes of encoding
+    if config.gated_delta_backend != "auto":
+        if model is None:
+            model = load()  # refuses a model without Gated DeltaNet layers (loaded once: it is kept)
+        else:
+            _require_gated_delta(config, model)
+        _gated_delta_choice(config, model, "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
     dpo = config.objective == "dpo"
     data_label = ", ".join(config.data) if config.data else ("built-in pairs" if dpo else "built-in chats")
@@ -194,6 +211,7 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
     )
     config = replace(config, torch_compile=compile_choice.on)
     model = _prepare_model(config, model, load)
+    gated_delta = _gated_delta_choice(config, model, training_args.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id))
     sampler = None if plan is None else pack_sampler(config, plan, model, training_args)
@@ -234,7 +252,33 @@ def build_sft(config: SFTConfig, *, model: Any = None, tokenizer: Any = None, en
         lr_default_kind=lr_default_kind,
         created_output_dir=created_output_dir,
         compile_choice=compile_choice,
+        gated_delta=gated_delta,
     )
+
+
+def _require_gated_delta(config: SFTConfig, model: Any) -> None:
+    """A forced ``config.gated_delta_backend`` for a given model without Gated DeltaNet layers: refused."""
+    from varpack.models.registry import require_gated_delta_layers
+
+    require_gated_delta_layers(model, config.gated_delta_backend, model_name=config.model)
+
+
+def _gated_delta_choice(config: SFTConfig, model: Any, device: Any) -> tuple[str, str] | None:
+    """``(backend, why)`` of the model's Gated DeltaNet layers on ``device`` (``None`` without any); a forced
+    backend says so (``"forced: --gated-delta-backend"``).
+
+    Raises:
+        ValueError: a forced ``config.gated_delta_backend`` that cannot run on ``device``, with the reason.
+    """
+    from varpack.integrations.gated_delta import linear_attention_backend
+
+    try:
+        choice = linear_attention_backend(model, device, needs_grad=True)
+    except RuntimeError as exc:  # resolve_backend's refusal of a forced backend, with its reason
+        raise ValueError(f"gated_delta_backend={config.gated_delta_backend!r}: {exc}") from exc
+    if choice is not None and choice[1] == "forced":
+        choice = (choice[0], "forced: --gated-delta-backend")
+    return choice
 
 
 def pack_sampler(config: SFTConfig, plan: Any, model: Any, training_args: Any) -> Any:
@@ -329,7 +373,9 @@ def _dpo_objective(config: SFTConfig, model: Any, load: Callable[[], Any]) -> An
         if model is not None:
             import copy
 
-            ref = enable_varpack(copy.deepcopy(model), backend=config.attn_backend)
+            ref = enable_varpack(
+                copy.deepcopy(model), backend=config.attn_backend, linear_backend=config.gated_delta_backend
+            )
         else:
             ref = load()
         ref.config.use_cache = False
@@ -371,7 +417,8 @@ def _refuse_kernel_settings(config: SFTConfig) -> None:
 
 
 def _model_loader(config: SFTConfig) -> Callable[[], Any]:
-    """``config.model`` loaded on varpack attention (``config.dtype``, ``config.seed``, ``config.attn_backend``)."""
+    """``config.model`` loaded on varpack attention (``config.dtype``, ``config.seed``, ``config.attn_backend``,
+    ``config.gated_delta_backend``)."""
     from varpack.models import load_model
 
     def load() -> Any:
@@ -380,6 +427,7 @@ def _model_loader(config: SFTConfig) -> Callable[[], Any]:
             dtype=getattr(torch, config.dtype),
             seed=config.seed,
             attn_backend=config.attn_backend,
+            gated_delta_backend=config.gated_delta_backend,
         )
 
     return load
@@ -503,7 +551,8 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any]) -> An
     if model is None:
         model = load()
     else:
-        enable_varpack(model, backend=config.attn_backend)
+        _require_gated_delta(config, model)
+        enable_varpack(model, backend=config.attn_backend, linear_backend=config.gated_delta_backend)
     model.config.use_cache = False
     if config.use_liger_kernel or config.torch_compile:
         from varpack.integrations.kernels import apply_liger_kernels, compile_layers
@@ -609,7 +658,9 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
     was chosen for (:data:`varpack.train.config.DEFAULT_LR`). When training begins it prints the engine
     (:class:`varpack.train.trainer.EngineReportCallback`) and the step configuration with its reason
     (:class:`varpack.train.trainer.SpeedReportCallback`: ``speed     regional torch.compile + chunked linear
-    CE (auto on CUDA: ...)``). A saved run also writes its resolved settings (``lr`` and ``torch_compile``
+    CE (auto on CUDA: ...)``). A model with Gated DeltaNet layers (Qwen3.5, Qwen3-Next) gets a ``linear`` line
+    after the ``model`` line: the gated delta rule backend on the training device and why (``linear    gated
+    delta rule: chunk (auto on cpu: varpack's chunked PyTorch path)``). A saved run also writes its resolved settings (``lr`` and ``torch_compile``
     resolved) to ``output_dir/varpack_config.yaml``, which ``varpack sft --config`` reads back to the same
     run. A saved
     or logged run (``save``, or ``report_to`` other than ``none``) writes the packing report to
@@ -639,6 +690,8 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
                     else f"loss {config.loss_reduction} mean)"
                 )
             )
+            if run.gated_delta is not None:
+                print_fn(f"linear    gated delta rule: {run.gated_delta[0]} ({run.gated_delta[1]})")
             if config.lora:
                 trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
                 print_fn(
