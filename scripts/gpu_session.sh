@@ -232,10 +232,11 @@ PY
       | tee "$OUT/check_qwen35.log" | tail -12; echo "[check] after $(( $(date +%s) - t0 )) s"
     save_triton_cache
     ;;
-  next16b)  # the hybrid SFT step (chunk vs fla_hybrid vs the peer rows of benchmarks/hybrid_step.py)
+  next16b)  # the hybrid SFT step: chunk vs fla_hybrid vs the peers (hf_padded_torch: the exact one; hf_padded: HF with
+    # fla as installed, expected to fail in fla's backward on Hopper; hf_flat_torch: padding-free, leaks, labelled)
     setup
     timeout ${HYBRID_TIMEOUT:-500} python3 benchmarks/hybrid_step.py --samples .gpu/samples.npz \
-      --backends ${HYBRID_BACKENDS:-chunk,fla_hybrid} --steps ${HYBRID_STEPS:-6} --rounds ${HYBRID_ROUNDS:-2} \
+      --backends ${HYBRID_BACKENDS:-chunk,fla_hybrid,hf_padded_torch,hf_padded,hf_flat_torch} --steps ${HYBRID_STEPS:-4} --rounds ${HYBRID_ROUNDS:-1} \
       --out "$OUT/hybrid_step.json" 2>&1 | grep -v -E "^(Triton autotuning|with key|finished after|best config|Autotuning kernel)" \
       | tee "$OUT/hybrid_step.log" | tail -14
     save_triton_cache
