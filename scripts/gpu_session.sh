@@ -12,8 +12,8 @@
 #   bash scripts/gpu_session.sh steady   # SFT table, steady state (cold pass untimed), 2 rounds, 8192 tokens
 #   bash scripts/gpu_session.sh multi    # issue 13, nvidia-h200-x2: scaling 1 -> 2 GPUs, FSDP2 1.7B memory (needs .gpu/data/*.jsonl)
 #   bash scripts/gpu_session.sh multi2   # issue 13: per-rank imbalance, varpack sft --fsdp (torchrun), accelerate launch
-#   bash scripts/gpu_session.sh next16   # issue 16 model level: every fla_hybrid GPU test + varpack check on tiny-qwen3.5
-#   bash scripts/gpu_session.sh next16b  # issue 16/18: benchmarks/hybrid_step.py (chunk vs fla_hybrid vs peers)
+#   bash scripts/gpu_session.sh next16   # issue 16 model level: every fla_hybrid / dqkwg GPU test (tiny-qwen3.5 check included)
+#   bash scripts/gpu_session.sh next16b  # issue 16/18: varpack check tiny-qwen3.5, benchmarks/hybrid_step.py with peers
 #        (both leave $OUT/triton-cache.tar.xz: copy it to .gpu/ so the next call skips fla's autotuning)
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
@@ -220,22 +220,25 @@ PY
     step check_qwen35 ${CHECK_TIMEOUT:-115} python3 -m varpack.cli.main check --model tiny-qwen3.5 --dtype bf16 --device cuda
     [ "${FINAL16_ONLY:-0}" = 1 ] || save_triton_cache
     ;;
-  next16)  # sixth session, #16 model level: every fla_hybrid GPU test, varpack check, the hybrid SFT step
-    # (~100 s of fla autotuning per new head shape unless .gpu/triton-cache.tar.xz from an earlier call is here)
+  next16)  # sixth session, #16 model level, call 1: every fla_hybrid GPU test (test_check's tiny-qwen3.5 check
+    # included). ~90 s of fla autotuning per new head shape (4 in these tests) unless .gpu/triton-cache.tar.xz
+    # from an earlier call is here; run next16b right after, on the warm machine (it keeps the cache too).
     setup
     t0=$(date +%s)
-    timeout ${GDK_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=12 \
+    timeout ${GDK_TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=14 \
       tests/ops/test_dqkwg_triton.py tests/ops/test_fla_hybrid.py tests/test_check.py -k "dqkwg or fla_hybrid or qwen35" \
-      2>&1 | grep -v -E "^(Triton autotuning|with key|finished after|best config|Autotuning kernel)" | tee "$OUT/gdk_tests.log" | tail -20
-    echo "[gdk_tests] after $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-    timeout ${CHECK_TIMEOUT:-150} python3 -m varpack.cli.main check --model tiny-qwen3.5 --dtype bf16 --device cuda 2>&1 \
-      | tee "$OUT/check_qwen35.log" | tail -12; echo "[check] after $(( $(date +%s) - t0 )) s"
+      2>&1 | grep -v -E "^(Triton autotuning|with key|finished after|best config|Autotuning kernel)" | tee "$OUT/gdk_tests.log" | tail -24
+    echo "[gdk_tests] after $(( $(date +%s) - t0 )) s"
     save_triton_cache
     ;;
-  next16b)  # the hybrid SFT step: chunk vs fla_hybrid vs the peers (hf_padded_torch: the exact one; hf_padded: HF with
-    # fla as installed, expected to fail in fla's backward on Hopper; hf_flat_torch: padding-free, leaks, labelled)
+  next16b)  # call 2: varpack check on tiny-qwen3.5 (the acceptance command; auto -> fla_hybrid), then the hybrid
+    # SFT step: chunk vs fla_hybrid vs the peers (hf_padded_torch: the exact one; hf_padded: HF with fla as
+    # installed, expected to fail in fla's backward on Hopper; hf_flat_torch: padding-free, leaks, labelled)
     setup
-    timeout ${HYBRID_TIMEOUT:-500} python3 benchmarks/hybrid_step.py --samples .gpu/samples.npz \
+    t0=$(date +%s)
+    timeout ${CHECK_TIMEOUT:-150} python3 -m varpack.cli.main check --model tiny-qwen3.5 --dtype bf16 --device cuda 2>&1 \
+      | tee "$OUT/check_qwen35.log" | tail -12; echo "[check] after $(( $(date +%s) - t0 )) s"
+    timeout ${HYBRID_TIMEOUT:-400} python3 benchmarks/hybrid_step.py --samples .gpu/samples.npz \
       --backends ${HYBRID_BACKENDS:-chunk,fla_hybrid,hf_padded_torch,hf_padded,hf_flat_torch} --steps ${HYBRID_STEPS:-4} --rounds ${HYBRID_ROUNDS:-1} \
       --out "$OUT/hybrid_step.json" 2>&1 | grep -v -E "^(Triton autotuning|with key|finished after|best config|Autotuning kernel)" \
       | tee "$OUT/hybrid_step.log" | tail -14
