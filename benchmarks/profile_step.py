@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("CUDA is not available; use --device cpu --small")
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     args.pad_batch, args.pad_token_id = 0, 0  # unused by the varpack configs; train.py's helpers read them
+    args.static_multiple_of, args.static_segments = 64, None  # the static configs' shape: train.py's defaults
     values = dict(T.QWEN3_0_6B)
     if args.small:
         values = dict(T.TINY)
@@ -249,10 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn, loss_note = T.make_loss_fn(args.config, args)
     opt = T.make_optimizer(model, device)
     counts = [T.supervised_count(st) for st in steps]
+    keep_cpu = T.keep_cpu_keys(args.config)
+    # _graphs: a graph inductor does not capture raises; kept for the rest of this one-config process
+    T.step_context(args.config).__enter__()
 
     def run(i: int) -> None:
         for mb in steps[i]:
-            loss = loss_fn(model, T.to_device(mb, device, T.VARPACK_CPU_KEYS), counts[i])
+            loss = loss_fn(model, T.to_device(mb, device, keep_cpu), counts[i])
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

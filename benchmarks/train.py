@@ -27,7 +27,23 @@ varpack:
   logits; backend ``--lce-backend``, the resolved one is reported). ``varpack_lce_chunked`` forces the
   chunked PyTorch backend.
 * ``*_liger`` / ``*_compile`` suffixes: the step options of ``varpack.integrations.kernels`` (Liger
-  RMSNorm/RoPE/SwiGLU; regional ``torch.compile`` of the decoder layers). They are exclusive.
+  RMSNorm/RoPE/SwiGLU; regional ``torch.compile`` of the decoder layers, the attention call a graph break).
+  They are exclusive.
+* ``varpack_lce_compile_ops``: regional compile with ``compile_layers(custom_ops=True, fullgraph=True)``:
+  attention is the ``varpack::varlen_attention`` custom op inside each layer's graph (no graph break; FA4's
+  native backward), shapes dynamic as in ``varpack_lce_compile``. The batch's boundaries go to the device once
+  per step (``VarlenMeta.on_device``) instead of a CPU -> device copy in every layer's graph.
+* ``varpack_lce_static_compile_ops``: the same with static shapes (``PaddingFreeCollator(static_shape=...)``,
+  ``varpack.collate.StaticShape.from_plan`` of the workload's plan, ``--static-multiple-of``,
+  ``--static-segments``): every pack padded to the same ``T``, segment count and ``max_seqlen`` bucket, layers
+  compiled with ``dynamic=False``. Costs the pad tokens; isolates that cost from the CUDA graphs below.
+* ``varpack_lce_static_graphs``: ``varpack_lce_static_compile_ops`` plus ``mode="reduce-overhead"``: each
+  decoder layer's forward and backward replayed as CUDA graphs (torch.compile's CUDA-graph trees; PyTorch docs,
+  torch.compile ``mode="reduce-overhead"`` and "CUDA Graphs" in the CUDA semantics notes), with
+  ``torch.compiler.cudagraph_mark_step_begin()`` at every step and inductor's ``triton.cudagraph_or_error``
+  on, so a layer that cannot be captured is an error, never a silent eager fallback (``cudagraph_skips``
+  counts them where the option is missing). Embedding, final norm, linear CE and AdamW stay eager. CUDA only
+  (refused elsewhere, in the row's error).
 
 TRL (``pip install 'varpack[trl]'``; not in the default list), two ``SFTTrainer`` runs on the same packs:
 
@@ -60,7 +76,8 @@ configuration is run again in the reverse order; the steady figure is the mean o
 ratio to the best peer of that round is reported, and a ratio that lands on different sides of 1 in the two
 rounds is flagged (order-dependent: not a result).
 
-Reported per configuration: real tokens/s (all tokens of the samples, no padding), supervised tokens/s
+Reported per configuration: real tokens/s (all tokens of the samples, no padding: a static config's pad
+tokens are not counted, and its ``pad_fraction`` = pad tokens / all tokens run is reported), supervised tokens/s
 (labels != -100), MFU = 6 * N_params * real tokens/s / 989e12 (H200 dense bf16 peak; N counts each
 parameter once, tied embeddings once; attention FLOPs are not counted), peak memory
 (``torch.cuda.max_memory_allocated``: weights + optimizer state + activations), the loss of the first step
@@ -72,6 +89,8 @@ Run (GPU; carry the samples file, e.g. ``.gpu/samples.npz``)::
     python benchmarks/train.py --samples .gpu/samples.npz --out runs/train.json
     python benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --configs hf_fa4_liger,varpack_lce
     python benchmarks/train.py --device cpu --small            # smoke test
+    python benchmarks/train.py --samples .gpu/samples.npz --configs varpack_lce_compile,varpack_lce_compile_ops,\
+        varpack_lce_static_compile_ops,varpack_lce_static_graphs
 """
 
 from __future__ import annotations
@@ -118,6 +137,9 @@ ALL_CONFIGS = (
     "varpack_lce_liger",
     "varpack_compile",
     "varpack_lce_compile",
+    "varpack_lce_compile_ops",
+    "varpack_lce_static_compile_ops",
+    "varpack_lce_static_graphs",
     "trl_varpack",
     "trl_padding_free",
 )
@@ -127,8 +149,10 @@ TRL_CONFIGS = ("trl_varpack", "trl_padding_free")
 TRL_ATTN_ORDER = ("flash_attention_4", "flash_attention_2", "flex_attention", "sdpa")
 #: the peers: what a user of HF / TRL would configure; the best peer is the fastest of those run
 PEERS = ("padded", "hf_fa4", "hf_flex", "hf_sdpa", "hf_fa4_liger", "trl_padding_free")
-#: suffixes of a varpack config that switch on a step option of varpack.integrations.kernels
-STEP_OPTIONS = ("_liger", "_compile")
+#: suffixes of a varpack config that switch on a step option: varpack.integrations.kernels' Liger layers and
+#: regional compile, ``_ops`` (attention as the custom op inside the compiled layer), ``_static`` (static-shape
+#: packs, ``dynamic=False``), ``_graphs`` (CUDA graphs: implies compile, ops and static)
+STEP_OPTIONS = ("_liger", "_compile", "_ops", "_static", "_graphs")
 DEFAULT_CONFIGS = "padded,hf_fa4,hf_flex,hf_fa4_liger,varpack,varpack_lce,varpack_lce_compile"
 HF_ATTN = {
     "hf_fa4": "flash_attention_4",
@@ -266,11 +290,13 @@ def collate_steps(
     else:
         from varpack.collate import PaddingFreeCollator
 
-        collator = PaddingFreeCollator()
+        static = "static" in split_config(config)[1]
+        collator = PaddingFreeCollator(
+            static_shape=static_shape_for(ds, args) if static else None, pad_token_id=args.pad_token_id
+        )
+        # sample_ids stays for real_token_count; to_device leaves it out of the model's input
         for i in chosen:
-            batch = dict(collator([ds[i]]))
-            batch.pop("sample_ids", None)
-            steps.append([batch])
+            steps.append([dict(collator([ds[i]]))])
     if torch.cuda.is_available() and torch.device(args.device).type == "cuda":
         steps = [
             [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in st]
@@ -285,10 +311,14 @@ def supervised_count(micro_batches: list[dict[str, Any]]) -> int:
 
 
 def real_token_count(micro_batches: list[dict[str, Any]]) -> int:
+    """Tokens of the samples, padding excluded: the attention mask's ones (padded), ``cu_seqlens[N]`` of a
+    varpack batch (its pad segments, static or ``pad_to_multiple_of``, come after its N samples), else all."""
     total = 0
     for mb in micro_batches:
         if "attention_mask" in mb:
             total += int(mb["attention_mask"].sum())
+        elif "varlen_meta" in mb and "sample_ids" in mb:
+            total += int(mb["varlen_meta"].cu_seqlens_q[len(mb["sample_ids"])])
         else:
             total += int(mb["input_ids"].numel())
     return total
@@ -304,26 +334,68 @@ def real_token_count(micro_batches: list[dict[str, Any]]) -> int:
 VARPACK_CPU_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 
+#: collated keys that are bookkeeping, never a model input
+BOOKKEEPING_KEYS = ("sample_ids",)
+
+
 def to_device(mb: dict[str, Any], device, keep_cpu: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {
+    """The model's input: tensors on ``device`` except ``keep_cpu``, bookkeeping keys dropped. A varpack batch
+    whose boundaries are not kept on the CPU gets its meta on the device (``VarlenMeta.on_device``: one copy
+    of the offsets, kept by the batch's meta) and ``cu_seq_lens_q/k`` as the views of that meta."""
+    meta = mb.get("varlen_meta")
+    on_device = meta is not None and "cu_seq_lens_q" not in keep_cpu
+    out = {
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in keep_cpu else v
         for k, v in mb.items()
+        if k not in BOOKKEEPING_KEYS and not (on_device and k in VARPACK_CPU_KEYS)
     }
+    if on_device:
+        out["varlen_meta"] = meta = meta.on_device(device)
+        out.update(meta.flash_attn_kwargs())
+    return out
 
 
 def split_config(config: str) -> tuple[str, set[str]]:
-    """``"varpack_lce_liger_compile"`` -> ``("varpack_lce", {"liger", "compile"})``."""
+    """``"varpack_lce_liger_compile"`` -> ``("varpack_lce", {"liger", "compile"})``;
+    ``"varpack_lce_static_graphs"`` -> ``("varpack_lce", {"static", "graphs", "compile", "ops"})``."""
     options = set()
     for suffix in STEP_OPTIONS:
         if config.endswith(suffix) or f"{suffix}_" in config:
             options.add(suffix[1:])
             config = config.replace(suffix, "")
+    if "graphs" in options:  # CUDA graphs replay compiled layers of one shape, attention inside the graph
+        options |= {"compile", "ops", "static"}
     return config, options
+
+
+def keep_cpu_keys(config: str) -> tuple[str, ...]:
+    """The batch keys :func:`to_device` leaves on the CPU for ``config``: the boundaries for the varpack configs
+    (varlen attention copies them to the device once per batch), except with ``_ops``, whose compiled layers
+    read the meta's offsets in their graphs: there the whole meta goes to the device
+    (``VarlenMeta.on_device``; a CUDA graph cannot take a CPU input)."""
+    if not config.startswith("varpack"):
+        return ()
+    return () if "ops" in split_config(config)[1] else VARPACK_CPU_KEYS
+
+
+def static_shape_for(ds: Any, args: argparse.Namespace):
+    """The :class:`varpack.collate.StaticShape` of the static configs: ``StaticShape.from_plan`` over the
+    workload's whole plan (every pack a run of it would meet), ``--static-multiple-of``, ``--static-segments``."""
+    from varpack.collate import StaticShape
+
+    return StaticShape.from_plan(ds.plan, multiple_of=args.static_multiple_of, segments=args.static_segments)
 
 
 def apply_step_options(model: torch.nn.Module, config: str) -> list[str]:
     """Liger-Kernel layers and/or regional torch.compile (varpack.integrations.kernels) for ``*_liger`` /
-    ``*_compile`` configs, after enable_varpack. Returns what was applied, for the report."""
+    ``*_compile`` configs, after enable_varpack: with ``_ops`` attention is the custom op inside each layer's
+    graph (``fullgraph=True``: a graph break is an error), with ``_static`` the layers are compiled for the one
+    static shape (``dynamic=False``), with ``_graphs`` as CUDA graphs (``mode="reduce-overhead"``). Returns what
+    was applied, for the report.
+
+    Raises:
+        ValueError: ``_graphs`` on a model that is not on a CUDA device (CUDA graphs need CUDA).
+    """
     from varpack.integrations.kernels import apply_liger_kernels, compile_layers
 
     _, options = split_config(config)
@@ -331,13 +403,48 @@ def apply_step_options(model: torch.nn.Module, config: str) -> list[str]:
     if "liger" in options:
         done.append("liger " + "+".join(apply_liger_kernels(model)))
     if "compile" in options:
-        done.append(f"compile x{compile_layers(model)}")
+        kw: dict[str, Any] = {}
+        notes = []
+        if "ops" in options:
+            kw.update(custom_ops=True, fullgraph=True)
+            notes.append("attention op in graph")
+        if "static" in options:
+            kw["dynamic"] = False
+            notes.append("static shapes")
+        if "graphs" in options:
+            device = next(model.parameters()).device
+            if device.type != "cuda":
+                raise ValueError(f"{config}: CUDA graphs need a CUDA device, the model is on {device}")
+            kw["mode"] = "reduce-overhead"
+            notes.append("CUDA graphs per layer")
+        done.append(f"compile x{compile_layers(model, **kw)}" + (f" ({', '.join(notes)})" if notes else ""))
     return done
+
+
+def step_context(config: str):
+    """The context a configuration's passes run in: for ``_graphs``, inductor's ``triton.cudagraph_or_error``
+    (a graph inductor would run eagerly instead of capturing it raises), where this torch has the option."""
+    import contextlib
+
+    if "graphs" not in split_config(config)[1]:
+        return contextlib.nullcontext()
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(inductor_config.triton, "cudagraph_or_error"):
+        return contextlib.nullcontext()  # the row's cudagraph_skips still counts skipped graphs
+    return inductor_config.patch({"triton.cudagraph_or_error": True})
+
+
+def cudagraph_skips() -> int:
+    """Graphs inductor ran without a CUDA graph so far in this process (``counters["inductor"]``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., torch.Tensor], str]:
     """``loss_fn(model, micro_batch_on_device, num_items) -> loss`` for a configuration, and a note."""
-    config, _ = split_config(config)
+    config, options = split_config(config)
     if config == "padded" or config.startswith("hf_"):
 
         def hf_loss(model, mb, num_items):
@@ -370,6 +477,14 @@ def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., t
         )
 
     fused.reason = reason  # type: ignore[attr-defined]
+    if "graphs" in options:
+        # CUDA-graph trees: a new step begins here (the previous step's graph outputs may be overwritten)
+        def graphed(model, mb, num_items):
+            torch.compiler.cudagraph_mark_step_begin()
+            return fused(model, mb, num_items)
+
+        graphed.reason = reason  # type: ignore[attr-defined]
+        return graphed, f"linear_ce {name} (chunk {args.chunk_size})"
     return fused, f"linear_ce {name} (chunk {args.chunk_size})"
 
 
@@ -394,6 +509,20 @@ def _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu) -> tuple[f
         losses.append(float(step_loss))
     sync(device)
     return first, time.perf_counter() - t0, losses
+
+
+def _static_stats(steps: list[list[dict[str, Any]]], counts: list[tuple[int, int]]) -> dict[str, Any]:
+    """A static config's shape (the first batch's: every batch has it) and its pad overhead: tokens run vs
+    real tokens (tokens/s counts the real ones only)."""
+    meta = steps[0][0]["varlen_meta"]
+    run = sum(int(mb["input_ids"].shape[-1]) for st in steps for mb in st)
+    real = sum(c[0] for c in counts)
+    return {
+        "static_tokens": int(meta.total_q),
+        "static_segments": int(meta.num_seqs),
+        "static_max_seqlen": int(meta.max_seqlen_q),
+        "pad_fraction": 1.0 - real / run,
+    }
 
 
 def _apply_trl_liger(model) -> str:
@@ -443,17 +572,24 @@ def run_config(
         n_params = count_params(model)
         row["n_params"] = n_params
         counts = [(real_token_count(st), supervised_count(st)) for st in steps]
-        keep_cpu = VARPACK_CPU_KEYS if config.startswith("varpack") else ()
+        keep_cpu = keep_cpu_keys(config)
+        if "static" in split_config(config)[1]:
+            row.update(_static_stats(steps, counts))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        # cold pass: every JIT compile / autotune of this configuration's shapes happens here, untimed for the
-        # steady figure and reported on its own (what a user waits for before the first steps)
-        cold_first, cold_s, losses = _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)
-        passes = [
-            _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)[1]
-            for _ in range(args.timed_passes)
-        ]
+        skips = cudagraph_skips()
+        with step_context(config):
+            # cold pass: every JIT compile / autotune of this configuration's shapes happens here (and every CUDA
+            # graph is recorded), untimed for the steady figure and reported on its own (what a user waits for
+            # before the first steps)
+            cold_first, cold_s, losses = _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)
+            passes = [
+                _train_pass(model, opt, steps, counts, loss_fn, device, keep_cpu)[1]
+                for _ in range(args.timed_passes)
+            ]
+        if "graphs" in split_config(config)[1]:
+            row["cudagraph_skips"] = cudagraph_skips() - skips
         elapsed = float(np.median(passes))
         row["timed_pass_s"] = passes
         real = sum(c[0] for c in counts)
@@ -766,6 +902,14 @@ def table(rows: list[dict[str, Any]]) -> str:
             note = "; ".join([f"auto -> {r['attn_resolved']}", *r.get("step_options", [])])
         elif not note and r.get("step_options"):
             note = "; ".join(r["step_options"])
+        if "pad_fraction" in r and "error" not in r:
+            static = (
+                f"static T={r['static_tokens']} N={r['static_segments']} max_seqlen={r['static_max_seqlen']}, "
+                f"pad {100 * r['pad_fraction']:.1f}% of tokens run"
+            )
+            note = f"{note}; {static}" if note else static
+        if r.get("cudagraph_skips"):
+            note += f"; {r['cudagraph_skips']} graphs NOT captured (cudagraph_skips)"
         if not note and "padding_fraction" in r:
             note = f"padding {100 * r['padding_fraction']:.0f}%, {r['micro_batches_per_step']:.1f} micro-batches/step"
         vs = "-"
@@ -824,6 +968,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--lce-backend", default="auto", help="linear cross-entropy backend for (d)")
     p.add_argument("--chunk-size", type=int, default=4096, help="linear cross-entropy chunk (tokens)")
+    p.add_argument(
+        "--static-multiple-of",
+        type=int,
+        default=64,
+        help="static configs: T_static (packing length + pad budget) rounded up to this",
+    )
+    p.add_argument(
+        "--static-segments",
+        type=int,
+        default=None,
+        help="static configs: segments per pack (samples + pad segments); default: the plan's most samples + 1",
+    )
     p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE_PEAK_FLOPS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="smoke mode: tiny model, packing 512, 4 steps")

@@ -114,3 +114,24 @@ def test_from_kwargs_builds_once_and_refuses_disagreeing_views():
     from_seq_idx = varlen_meta_from_kwargs({"seq_idx": i32([[0, 0, 1, 1, 1]])}, 5, "m")
     assert from_seq_idx.cu_seqlens_q.tolist() == [0, 2, 5]
     assert varlen_meta_from_kwargs({}, 5, "m") is None
+
+
+def test_from_lengths_carries_a_fixed_max_seqlen_bucket():
+    meta = VarlenMeta.from_lengths([3, 1, 5], max_seqlen=16)
+    assert meta.max_seqlen_q == meta.max_seqlen_k == 16 and meta.flash_attn_kwargs()["max_length_q"] == 16
+    with pytest.raises(ValueError, match="max_seqlen_q=4 but the longest segment"):
+        VarlenMeta.from_lengths([3, 1, 5], max_seqlen=4)
+
+
+def test_on_device_moves_the_offsets_once_and_keeps_the_host_facts():
+    meta = VarlenMeta.from_lengths([3, 1, 5], max_seqlen=8)
+    assert meta.on_device("cpu") is meta
+    moved = meta.on_device("meta")  # the meta device: its values cannot be read, so none is
+    assert moved is meta.on_device("meta")  # once per batch and device
+    assert moved.cu_seqlens_q.device.type == "meta" and moved.cu_seqlens_q is meta.cu_seqlens_on("meta")[0]
+    assert moved.cu_seqlens_k is moved.cu_seqlens_q and moved.self_attention
+    assert (moved.max_seqlen_q, moved.total_q, moved.num_seqs, moved.has_empty) == (8, 9, 3, False)
+    assert moved.host_offsets() == meta.host_offsets()  # read on the host already, never from the device
+    assert moved.cu_seqlens_cpu() is meta.cu_seqlens_q
+    assert moved.flash_attn_kwargs()["cu_seq_lens_q"] is moved.cu_seqlens_q
+    assert not hasattr(moved, "to")  # HF Trainer / accelerate never move it on their own

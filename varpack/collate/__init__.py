@@ -1,7 +1,9 @@
-"""Padding-free flattening: packs of samples -> one token row with its boundary metadata."""
+"""Padding-free flattening: packs of samples -> one token row with its boundary metadata (optionally of a fixed
+:class:`StaticShape`, for CUDA graphs)."""
 
 from __future__ import annotations
 
 from varpack.collate.padding_free import IGNORED_FIELDS, MEDIA_FIELDS, TOKEN_FIELDS, PaddingFreeCollator
+from varpack.collate.static import StaticShape
 
-__all__ = ["IGNORED_FIELDS", "MEDIA_FIELDS", "TOKEN_FIELDS", "PaddingFreeCollator"]
+__all__ = ["IGNORED_FIELDS", "MEDIA_FIELDS", "TOKEN_FIELDS", "PaddingFreeCollator", "StaticShape"]

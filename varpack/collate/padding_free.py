@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from varpack.collate.static import StaticShape
 from varpack.schema import (
     IGNORE_INDEX,
     INPUT_IDS,
@@ -84,6 +85,12 @@ def _name(sample_ids: list[Any], i: int) -> str:
     return (
         f"sample {sid} (#{i} of the batch)" if sid is not None else f"sample #{i} of the batch (no sample_id)"
     )
+
+
+def _batch_name(sample_ids: list[Any], limit: int = 6) -> str:
+    """How an error names a whole batch: its sample ids (the first few) and count."""
+    shown = ", ".join(str(s) for s in sample_ids[:limit]) + (", ..." if len(sample_ids) > limit else "")
+    return f"the batch of {len(sample_ids)} samples (sample_id {shown})"
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -243,9 +250,18 @@ class PaddingFreeCollator:
     ``sample_ids`` has no entry for it. The output is built with one concatenation per field and
     arange/repeat arithmetic: no per-token Python loop.
 
+    ``static_shape=StaticShape(tokens, segments, max_seqlen)`` (:mod:`varpack.collate.static`) gives every
+    row the same shapes instead, as CUDA graphs need: ``T = tokens`` and ``N = segments`` always, the real
+    samples followed by ``segments - n`` pad segments (pad tokens as above, split evenly, each at least one
+    token: never a zero-length segment), and ``max_length_q/k = max_seqlen`` (a fixed upper bound). A row that
+    does not fit raises, naming its samples; nothing is dropped or cut.
+
     Args:
         pad_to_multiple_of: pad the row length to a multiple of this (``None``: no padding).
-        pad_token_id: ``input_ids`` value of the pad segment.
+        pad_token_id: ``input_ids`` value of the pad segment(s).
+        static_shape: a :class:`~varpack.collate.StaticShape`: every row padded to its fixed ``tokens``,
+            ``segments`` and ``max_seqlen`` (exclusive with ``pad_to_multiple_of``; ``None``: shapes follow the
+            batch).
         position_planes: expected number of position planes ``P``; ``None`` infers it from the samples
             (``[1, T]`` output when no sample carries 2-D ``position_ids``). Setting it forces ``[P, 1, T]``
             output even for text-only batches (e.g. Qwen3-VL's 4 planes).
@@ -254,9 +270,14 @@ class PaddingFreeCollator:
         media_fields: names of additional media fields to concatenate along dim 0.
         ignore_fields: additional per-sample bookkeeping fields to drop (e.g. a dataset's ``id`` column).
 
+    Raises (from ``__init__``): TypeError / ValueError for bad options (``static_shape`` with
+    ``pad_to_multiple_of``).
+
     Raises (from ``__call__``):
         TypeError: the batch is not a list of sample dicts / packs.
-        ValueError: an empty batch; a sample without ``input_ids``/``labels``, with 0 tokens, with a token
+        ValueError: a row that does not fit ``static_shape`` (more samples than ``segments``, more tokens
+            than ``tokens``, a sample longer than ``max_seqlen``, too few pad tokens for the pad segments:
+            :meth:`StaticShape.pad_lengths`), naming the batch's samples; an empty batch; a sample without ``input_ids``/``labels``, with 0 tokens, with a token
             field (``input_ids``, ``labels``, ``loss_scale``, ``token_type_ids``, ``mm_token_type_ids``,
             ``attention_mask``, ``extra_fields``) that is not a 1-D sequence of numbers -- a scalar (``labels=1``
             as in classification rows), ``None``, a string, a nested list, a 2-D array -- or whose length
@@ -298,6 +319,7 @@ class PaddingFreeCollator:
         *,
         pad_to_multiple_of: int | None = None,
         pad_token_id: int = 0,
+        static_shape: StaticShape | None = None,
         position_planes: int | None = None,
         text_plane: int = 0,
         extra_fields: Iterable[str] = (),
@@ -310,12 +332,22 @@ class PaddingFreeCollator:
             or pad_to_multiple_of < 1
         ):
             raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
+        if static_shape is not None and not isinstance(static_shape, StaticShape):
+            raise TypeError(
+                f"static_shape must be a varpack.collate.StaticShape or None, got {type(static_shape).__name__}"
+            )
+        if static_shape is not None and pad_to_multiple_of is not None:
+            raise ValueError(
+                "pad_to_multiple_of and static_shape are exclusive: static_shape fixes the row length itself "
+                f"(tokens={static_shape.tokens}; StaticShape.for_packing(..., multiple_of=...) rounds it)"
+            )
         if position_planes is not None and (not isinstance(position_planes, int) or position_planes < 1):
             raise ValueError(f"position_planes must be a positive int or None, got {position_planes!r}")
         if position_planes is not None and not -position_planes <= text_plane < position_planes:
             raise ValueError(f"text_plane={text_plane} out of range for position_planes={position_planes}")
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_token_id = int(pad_token_id)
+        self.static_shape = static_shape
         self.position_planes = position_planes
         self.text_plane = int(text_plane)
         self.extra_fields = tuple(extra_fields)
@@ -335,7 +367,8 @@ class PaddingFreeCollator:
     def __repr__(self) -> str:
         return (
             f"PaddingFreeCollator(pad_to_multiple_of={self.pad_to_multiple_of}, pad_token_id={self.pad_token_id}, "
-            f"position_planes={self.position_planes}, text_plane={self.text_plane}, "
+            + (f"static_shape={self.static_shape}, " if self.static_shape is not None else "")
+            + f"position_planes={self.position_planes}, text_plane={self.text_plane}, "
             f"extra_fields={self.extra_fields})"
         )
 
@@ -430,12 +463,20 @@ class PaddingFreeCollator:
                     )
 
         total = int(lengths.sum())
-        pad = 0 if self.pad_to_multiple_of is None else (-total) % self.pad_to_multiple_of
-        seg_lengths = np.append(lengths, pad) if pad else lengths
+        max_seqlen = None
+        if self.static_shape is not None:  # fixed T, N and max_seqlen: pad segments of >= 1 token each
+            try:
+                pads = self.static_shape.pad_lengths(lengths)
+            except ValueError as exc:
+                raise ValueError(f"{_batch_name(names)}: {exc}") from None
+            pad, seg_lengths = int(pads.sum()), np.concatenate([lengths, pads])
+            max_seqlen = self.static_shape.max_seqlen
+        else:
+            pad = 0 if self.pad_to_multiple_of is None else (-total) % self.pad_to_multiple_of
+            seg_lengths = np.append(lengths, pad) if pad else lengths
         full = total + pad
-        meta = VarlenMeta.from_lengths(
-            seg_lengths
-        )  # the boundaries, once: validated, int32 (raises past int32)
+        # the boundaries, once: validated, int32 (raises past int32)
+        meta = VarlenMeta.from_lengths(seg_lengths, max_seqlen=max_seqlen)
         cu = meta.cu_seqlens.numpy().astype(np.int64)
         starts = cu[:-1]
         positions = np.arange(full, dtype=np.int64) - np.repeat(starts, seg_lengths)

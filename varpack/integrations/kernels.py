@@ -182,7 +182,14 @@ def compile_layers(
             for FA2 / FA3 (:func:`varpack.attn.custom_op.op_backward_kind`). Gated-delta mixers stay graph
             breaks either way (their op, :mod:`varpack.ops.gated_delta_rule.custom_op`, is not wired into
             :mod:`varpack.integrations.gated_delta` yet).
-        **compile_kw: passed to ``torch.compile`` (``mode``, ``fullgraph=False`` ...).
+        **compile_kw: passed to ``torch.compile`` (``mode``, ``fullgraph=False`` ...). CUDA graphs per layer:
+            ``custom_ops=True, dynamic=False, mode="reduce-overhead"`` on static-shape packs
+            (:class:`varpack.collate.StaticShape`) whose boundaries are on the device
+            (:meth:`varpack.varlen.VarlenMeta.on_device`: inductor does not capture a graph with CPU inputs),
+            with ``torch.compiler.cudagraph_mark_step_begin()`` before each step's forward; the attention
+            backend must launch without host reads (``flash_attn_4``, ``triton_short``: the GPU test of
+            tests/invariant/test_static_shapes.py checks both; the per-segment PyTorch
+            backends read the offsets). ``benchmarks/train.py``'s ``varpack_lce_static_graphs`` runs it.
 
     Returns:
         The number of layers compiled.

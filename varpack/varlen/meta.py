@@ -142,11 +142,17 @@ class VarlenMeta:
 
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
-    def from_lengths(cls, lengths: Any) -> VarlenMeta:
+    def from_lengths(cls, lengths: Any, *, max_seqlen: Any = None) -> VarlenMeta:
         """From the segment lengths ``[N]`` (positive integers; a zero-length segment is allowed), on the CPU.
 
+        Args:
+            lengths: ``[N]`` integer token counts, in stream order.
+            max_seqlen: the ``max_seqlen`` to carry (a host integer at least the longest segment: a fixed
+                bucket, e.g. :class:`varpack.collate.StaticShape`'s); default: the longest segment.
+
         Raises:
-            ValueError: not 1-D, empty, a negative length, or more tokens than int32 offsets can index.
+            ValueError: not 1-D, empty, a negative length, more tokens than int32 offsets can index, or a
+                ``max_seqlen`` below the longest segment.
         """
         arr = np.asarray(lengths)
         if arr.ndim != 1 or arr.size == 0:
@@ -160,7 +166,7 @@ class VarlenMeta:
         np.cumsum(arr, out=cu[1:])
         if cu[-1] > np.iinfo(np.int32).max:
             raise ValueError(f"the batch has {int(cu[-1])} tokens, more than int32 cu_seqlens can index")
-        return cls(torch.from_numpy(cu.astype(np.int32)))
+        return cls(torch.from_numpy(cu.astype(np.int32)), max_seqlen_q=max_seqlen)
 
     @classmethod
     def from_seq_idx(cls, seq_idx: Any, total: int) -> VarlenMeta:
@@ -259,6 +265,42 @@ class VarlenMeta:
             return q, k
 
         return self.memo(("cu_seqlens", str(device)), copy)
+
+    def on_device(self, device: torch.device | str) -> VarlenMeta:
+        """This batch's boundaries with the offsets on ``device``: a new frozen meta, built once per batch and
+        device (kept on this one), whose ``cu_seqlens_q/k`` are :meth:`cu_seqlens_on` ``(device)`` (one
+        host-to-device copy) and whose ``max_seqlen`` / ``T`` / ``has_empty`` and host offsets are this meta's
+        (already read on the host: no consumer of the device meta reads the device offsets back).
+
+        What a captured CUDA graph needs: every tensor a compiled layer reads lives on the device
+        (torch.compile's ``mode="reduce-overhead"`` skips CUDA graphs for a graph with CPU tensor inputs, and
+        under ``compile_layers(custom_ops=True)`` the layers read ``meta.cu_seqlens_q``). Named ``on_device``,
+        not ``to``: Hugging Face ``Trainer`` / accelerate move objects that have a ``.to`` method, and the meta
+        stays where the collator built it unless asked. A meta already on ``device`` is returned as is.
+        """
+        device = torch.device(device)
+        if self.cu_seqlens_q.device == device:
+            return self
+        cu_q, cu_k = self.cu_seqlens_on(device)  # outside build(): memo's lock is not re-entrant
+
+        def build() -> VarlenMeta:
+            moved = VarlenMeta(
+                cu_q,
+                None if self.self_attention else cu_k,
+                self.max_seqlen_q,
+                self.max_seqlen_k,
+                total_q=self.total_q,
+                total_k=self.total_k,
+            )
+            object.__setattr__(moved, "has_empty", self.has_empty)
+            known = self._derived.get("host_offsets")
+            if known is not None:  # read on the host already: kept, so the device offsets are never read
+                moved._derived["host_offsets"] = known
+            if self.cu_seqlens_q.device.type == "cpu":  # cu_seqlens_cpu(): this meta's tensor, no copy back
+                moved._derived[("cu_seqlens", "cpu")] = self.cu_seqlens_q
+            return moved
+
+        return self.memo(("on_device", str(device)), build)
 
     def cu_seqlens_cpu(self) -> torch.Tensor:
         """The query offsets on the CPU (int32): the tensor itself for a CPU meta, else one copy per batch."""

@@ -1,0 +1,273 @@
+"""Static-shape packs (``PaddingFreeCollator(static_shape=...)``, issue 18): packed-static == packed-dynamic ==
+each sample alone, for the real tokens' logits, the loss (token and sample mean, plain and linear CE) and every
+gradient, on tiny-qwen3 with the CPU attention backends; the pad segments behave as independent sequences;
+every pack has the same shapes, so a compiled layer (custom ops, ``dynamic=False``) is traced once.
+
+Negative controls: the boundaries dropped; the pad tokens supervised; the pad segments merged into the last
+sample's segment (the real tokens cannot see that under causal attention -- they never attend forward -- so it
+is caught by the pad segments' own logits, which must equal each pad segment run alone); dynamic-shape packs
+through the same ``dynamic=False`` compile, which must recompile.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.invariant.test_dense import VOCAB, make_samples, max_grad_diff, model_inputs, unpacked_run
+from varpack.collate import PaddingFreeCollator, StaticShape
+from varpack.loss import causal_lm_loss
+from varpack.models import load_model
+
+PAD_ID = 7
+SHAPE = StaticShape.for_packing(32, max_samples=6, multiple_of=8)  # tokens 40, segments 7, max_seqlen 34
+PACKS = [(5, 1, 7, 4), (9, 4), (2, 3, 2, 3, 2, 3), (31,), (16, 15, 1)]
+BACKENDS = ["reference", "sdpa", "flex", "torch_varlen", "triton_short"]
+
+
+def _model(backend):
+    from varpack.attn import BackendUnavailableError, resolve_backend
+
+    q = torch.zeros(4, 4, 16, requires_grad=True)
+    try:
+        resolve_backend(backend, q, q[:, :2], q[:, :2], cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32))
+    except BackendUnavailableError as exc:
+        pytest.skip(f"{backend} cannot run here: {exc}")
+    return load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend=backend)
+
+
+def static_batch(samples, shape=SHAPE):
+    return PaddingFreeCollator(static_shape=shape, pad_token_id=PAD_ID)([samples])
+
+
+def run(model, batch, *, reduction="token", num_items=None):
+    """Forward + backward of one collated row: (logits [T, V], loss, grads)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(**model_inputs(batch)).logits
+    loss = causal_lm_loss(
+        logits, batch["labels"], seq_idx=batch["seq_idx"], reduction=reduction, num_items_in_batch=num_items
+    )
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits[0].detach(), loss.detach(), grads
+
+
+def pad_segments_alone(model, batch, num_real):
+    """The logits of each pad segment run alone, as an ordinary one-sequence batch: ``[pad tokens, V]``."""
+    cu = batch["cu_seq_lens_q"].tolist()
+    out = []
+    with torch.no_grad():
+        for start, stop in zip(cu[num_real:-1], cu[num_real + 1 :]):
+            out.append(model(input_ids=batch["input_ids"][:, start:stop]).logits[0])
+    return torch.cat(out)
+
+
+def merge_pads_into_last_sample(batch, num_real):
+    """Sabotage: the pad segments become part of the last sample's segment (boundaries after it dropped)."""
+    bad = dict(batch)
+    cu = batch["cu_seq_lens_q"]
+    bad["cu_seq_lens_q"] = bad["cu_seq_lens_k"] = torch.cat([cu[:num_real], cu[-1:]])
+    bad.pop("varlen_meta")
+    return bad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_static_equals_dynamic_equals_unpacked(backend):
+    model = _model(backend)
+    for lengths in PACKS:
+        samples = make_samples(lengths, seed=len(lengths))
+        t = sum(lengths)
+        static = static_batch(samples)
+        dynamic = PaddingFreeCollator()([samples])
+        assert static["input_ids"].shape == (1, SHAPE.tokens) and static["max_length_q"] == SHAPE.max_seqlen
+        logits_s, loss_s, grads_s = run(model, static)
+        logits_d, loss_d, grads_d = run(model, dynamic)
+        logits_u, loss_u, grads_u = unpacked_run(model, samples)
+        assert (logits_s[:t] - logits_d).abs().max().item() <= 1e-5, lengths
+        assert (logits_s[:t] - logits_u).abs().max().item() <= 1e-5, lengths
+        torch.testing.assert_close(loss_s, loss_d, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loss_s, loss_u, rtol=1e-6, atol=1e-6)
+        assert len(grads_s) == len(list(model.parameters()))  # every parameter got a gradient
+        assert max_grad_diff(grads_s, grads_d) <= 1e-5, lengths
+        assert max_grad_diff(grads_s, grads_u) <= 1e-5, lengths
+        # the pad segments are independent sequences: each one's logits are those of it run alone
+        pads = pad_segments_alone(model, static, len(lengths))
+        assert (logits_s[t:] - pads).abs().max().item() <= 1e-5, lengths
+
+
+def test_supervised_count_and_sample_mean_see_only_the_samples():
+    model = _model("reference")
+    samples = make_samples((5, 1, 7, 4))
+    static, dynamic = static_batch(samples), PaddingFreeCollator()([samples])
+    n_static, n_dynamic = (int((b["labels"][:, 1:] != -100).sum()) for b in (static, dynamic))
+    assert n_static == n_dynamic  # num_items_in_batch: real supervised tokens only
+    for reduction, num_items in (("token", n_static), ("sample", None)):
+        _, loss_s, grads_s = run(model, static, reduction=reduction, num_items=num_items)
+        _, loss_d, grads_d = run(model, dynamic, reduction=reduction, num_items=num_items)
+        torch.testing.assert_close(loss_s, loss_d, rtol=1e-6, atol=1e-6)
+        assert max_grad_diff(grads_s, grads_d) <= 1e-6, reduction
+
+
+def test_linear_ce_loss_static_equals_dynamic():
+    from varpack.linear_ce import causal_lm_forward_with_linear_ce
+
+    model = _model("sdpa")
+    samples = make_samples((9, 4, 2, 11))
+    results = []
+    for batch in (static_batch(samples), PaddingFreeCollator()([samples])):
+        batch = {k: v for k, v in batch.items() if k != "sample_ids"}
+        model.zero_grad(set_to_none=True)
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        loss = causal_lm_forward_with_linear_ce(
+            model, dict(batch, use_cache=False), num_items_in_batch=n, backend="chunked", chunk_size=8
+        )
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+    (loss_s, grads_s), (loss_d, grads_d) = results
+    torch.testing.assert_close(loss_s, loss_d, rtol=1e-6, atol=1e-6)
+    assert max_grad_diff(grads_s, grads_d) <= 1e-6
+
+
+# -- negative controls ------------------------------------------------------------------------------------
+def test_negative_controls_fail():
+    model = _model("reference")
+    lengths = (5, 1, 7, 4)
+    samples = make_samples(lengths)
+    t = sum(lengths)
+    static = static_batch(samples)
+    logits_u, loss_u, grads_u = unpacked_run(model, samples)
+    logits_s, _, _ = run(model, static)
+    pads = pad_segments_alone(model, static, len(lengths))
+
+    # 1. the boundaries dropped (one segment over the row): the real tokens see each other
+    dropped = dict(static, cu_seq_lens_q=torch.tensor([0, SHAPE.tokens], dtype=torch.int32))
+    dropped["cu_seq_lens_k"] = dropped["cu_seq_lens_q"]
+    dropped["max_length_q"] = dropped["max_length_k"] = SHAPE.tokens
+    dropped.pop("varlen_meta")
+    logits_b, _, grads_b = run(model, dropped)
+    assert (logits_b[:t] - logits_u).abs().max().item() > 1e-3
+    assert max_grad_diff(grads_b, grads_u) > 1e-3
+
+    # 2. the pad tokens supervised: the loss and the gradients change
+    supervised = dict(static, labels=static["labels"].clone())
+    supervised["labels"][0, t + 1 :] = PAD_ID
+    _, loss_p, grads_p = run(model, supervised)
+    assert abs(loss_p.item() - loss_u.item()) > 1e-3
+    assert max_grad_diff(grads_p, grads_u) > 1e-3
+
+    # 3. the pad segments merged into the last sample: the real tokens cannot tell (causal: nothing attends
+    # forward), the pad segments' own logits can
+    merged = merge_pads_into_last_sample(static, len(lengths))
+    logits_m, loss_m, _ = run(model, merged)
+    assert (logits_m[:t] - logits_u).abs().max().item() <= 1e-5
+    torch.testing.assert_close(loss_m, loss_u, rtol=1e-6, atol=1e-6)
+    assert (logits_s[t:] - pads).abs().max().item() <= 1e-5  # the check passes on the right batch ...
+    assert (logits_m[t:] - pads).abs().max().item() > 1e-3  # ... and fails on the merged one
+
+
+# -- one compiled graph for every static pack -------------------------------------------------------------
+def test_static_packs_trace_one_graph_without_breaks():
+    """compile_layers(custom_ops=True, fullgraph=True, dynamic=False): static packs of different contents never
+    recompile (what CUDA graphs need: mode="reduce-overhead" records one graph per traced shape); the same
+    compile recompiles for dynamic-shape packs (the control). Compiled == eager for logits and gradients."""
+    from torch._dynamo.utils import counters
+
+    from varpack.integrations.kernels import compile_layers
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model("sdpa")
+    eager = copy.deepcopy(model)
+    assert compile_layers(model, backend="aot_eager", custom_ops=True, fullgraph=True, dynamic=False) == 2
+    graphs = None
+    for lengths in PACKS:
+        samples = make_samples(lengths, seed=len(lengths))
+        batch = static_batch(samples)
+        logits_c, loss_c, grads_c = run(model, batch)
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs > 0, lengths
+        logits_e, loss_e, grads_e = run(eager, batch)
+        torch.testing.assert_close(logits_c, logits_e, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-6)
+        assert max_grad_diff(grads_c, grads_e) <= 1e-6, lengths
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for lengths in PACKS[:2]:  # control: dynamic shapes through the same dynamic=False compile recompile
+        run(model, PaddingFreeCollator()([make_samples(lengths)]))
+    assert counters["stats"]["unique_graphs"] > graphs
+
+
+# -- GPU: the layers replayed as CUDA graphs ----------------------------------------------------------------
+def _on_cuda(batch):
+    """The model's batch on the GPU with the boundaries too (``VarlenMeta.on_device``): a CUDA graph takes no
+    CPU input."""
+    meta = batch["varlen_meta"].on_device("cuda")
+    out = {
+        k: v.cuda() if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+        if k not in ("sample_ids", "cu_seq_lens_q", "cu_seq_lens_k")
+    }
+    out["varlen_meta"] = meta
+    out.update(meta.flash_attn_kwargs())
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("backend", "dtype"), [("triton_short", torch.float32), ("flash_attn_4", torch.bfloat16)]
+)
+def test_gpu_cuda_graph_layers_equal_eager(backend, dtype):
+    """compile_layers(custom_ops=True, fullgraph=True, dynamic=False, mode="reduce-overhead") on static packs:
+    every layer captured (inductor's cudagraph_or_error on: a skipped graph raises), one dynamo graph for every
+    pack, logits / loss / every gradient equal to the same model run eagerly; the boundaries dropped differ."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine)")
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    from varpack.attn import BackendUnavailableError, resolve_backend
+    from varpack.integrations.kernels import compile_layers
+
+    q = torch.zeros(8, 4, 64, device="cuda", dtype=dtype, requires_grad=True)
+    try:
+        resolve_backend(backend, q, q, q, cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32))
+    except BackendUnavailableError as exc:
+        pytest.skip(f"{backend}: {exc}")
+    torch._dynamo.reset()
+    counters.clear()
+    model = load_model(
+        "tiny-qwen3", vocab_size=VOCAB, attn_backend=backend, config_overrides={"head_dim": 64}
+    ).to("cuda", dtype)
+    eager = copy.deepcopy(model)
+    compile_layers(model, custom_ops=True, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    graphs = None
+    with inductor_config.patch({"triton.cudagraph_or_error": True}):
+        for _ in range(2):  # the second pass replays the recorded graphs
+            for lengths in PACKS:
+                batch = _on_cuda(static_batch(make_samples(lengths, seed=len(lengths))))
+                torch.compiler.cudagraph_mark_step_begin()
+                logits_c, loss_c, grads_c = run(model, batch)
+                graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+                assert counters["stats"]["unique_graphs"] == graphs, lengths
+                logits_e, loss_e, grads_e = run(eager, batch)
+                scale = logits_e.abs().max().item()
+                assert (logits_c.float() - logits_e.float()).abs().max().item() <= tol * max(scale, 1.0), (
+                    lengths
+                )
+                torch.testing.assert_close(loss_c, loss_e, rtol=tol, atol=tol)
+                assert len(grads_c) == len(list(model.parameters()))
+                for name in grads_c:
+                    ref = grads_e[name].float()
+                    diff = (grads_c[name].float() - ref).abs().max().item()
+                    assert diff <= tol * max(ref.abs().max().item(), 1e-3), (lengths, name, diff)
+        assert counters["inductor"]["cudagraph_skips"] == 0
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        dropped = dict(batch)  # negative control: one segment over the row
+        dropped.pop("varlen_meta")
+        cu = torch.tensor([0, SHAPE.tokens], dtype=torch.int32)
+        dropped["cu_seq_lens_q"] = dropped["cu_seq_lens_k"] = cu
+        dropped["max_length_q"] = dropped["max_length_k"] = SHAPE.tokens
+        logits_b, _, _ = run(eager, dropped)
+        assert (logits_b.float() - logits_e.float()).abs().max().item() > 10 * tol * max(scale, 1.0)

@@ -1,0 +1,60 @@
+"""benchmarks/train.py's static / custom-op / CUDA-graph configs (issue 18): option parsing, the boundaries' place,
+real-token counting of static packs (pad tokens never counted as throughput), the CPU refusal of CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import train as T
+from varpack.collate import PaddingFreeCollator, StaticShape
+
+
+def test_config_options():
+    assert T.split_config("varpack_lce_compile") == ("varpack_lce", {"compile"})
+    assert T.split_config("varpack_lce_compile_ops") == ("varpack_lce", {"compile", "ops"})
+    assert T.split_config("varpack_lce_static_compile_ops") == ("varpack_lce", {"compile", "ops", "static"})
+    assert T.split_config("varpack_lce_static_graphs") == (
+        "varpack_lce",
+        {"compile", "ops", "static", "graphs"},
+    )
+    assert T.split_config("varpack_lce_chunked") == ("varpack_lce_chunked", set())
+    assert T.keep_cpu_keys("varpack_lce_compile") == T.VARPACK_CPU_KEYS
+    assert T.keep_cpu_keys("varpack_lce_static_graphs") == () == T.keep_cpu_keys("hf_fa4")
+    for name in ("varpack_lce_compile_ops", "varpack_lce_static_compile_ops", "varpack_lce_static_graphs"):
+        assert name in T.ALL_CONFIGS
+
+
+def test_static_pack_counts_real_tokens_and_moves_its_meta():
+    samples = [
+        {"input_ids": [5] * n, "labels": [-100] + [5] * (n - 1), "sample_id": i} for i, n in enumerate((3, 4))
+    ]
+    batch = PaddingFreeCollator(static_shape=StaticShape(tokens=16, segments=4, max_seqlen=16))([samples])
+    assert T.real_token_count([batch]) == 7 and batch["input_ids"].numel() == 16
+    assert T.supervised_count([batch]) == 5
+    stats = T._static_stats([[batch]], [(7, 5)])
+    assert stats == {
+        "static_tokens": 16,
+        "static_segments": 4,
+        "static_max_seqlen": 16,
+        "pad_fraction": 9 / 16,
+    }
+    moved = T.to_device(batch, "cpu", T.keep_cpu_keys("varpack_lce_static_graphs"))
+    assert "sample_ids" not in moved  # bookkeeping never reaches the model
+    assert moved["varlen_meta"] is batch["varlen_meta"]  # on the CPU: the meta itself
+    assert moved["cu_seq_lens_q"] is moved["varlen_meta"].cu_seqlens_q
+
+
+def test_cuda_graphs_refused_off_cuda():
+    from varpack.models import load_model
+
+    model = load_model("tiny-qwen3", vocab_size=64, attn_backend="sdpa")
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        T.apply_step_options(model, "varpack_lce_static_graphs")
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+    from torch._inductor import config
+
+    if hasattr(config.triton, "cudagraph_or_error"):  # a capture that fails is an error, not an eager run
+        with T.step_context("varpack_lce_static_graphs"):
+            assert config.triton.cudagraph_or_error
+        with T.step_context("varpack_lce_static_compile_ops"):
+            assert not config.triton.cudagraph_or_error

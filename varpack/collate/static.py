@@ -1,0 +1,246 @@
+"""Static-shape packed batches: every step has the same tensor shapes, so a step can be a captured CUDA graph.
+
+A CUDA graph replays fixed kernels on fixed buffers: a compiled region captured with
+``torch.compile(mode="reduce-overhead")`` is recorded once per distinct input shape (and per distinct Python
+int it specialises on), so packs whose token count ``T``, sample count ``N`` or ``max_seqlen`` differ from step
+to step record a new graph each time (PyTorch docs, "CUDA Graphs" in the CUDA semantics notes and
+``torch.compile``'s ``mode="reduce-overhead"``: "CUDA graphs ... require static input shapes"). A
+:class:`StaticShape` fixes the three:
+
+* ``tokens`` (``T_static``): every row is padded to exactly this many tokens;
+* ``segments`` (``N_static``): every row has exactly this many segments, so ``cu_seqlens`` is always
+  ``[N_static + 1]``: the real samples, then ``N_static - N`` pad segments that share the pad tokens, **each at
+  least one token long** (no zero-length segment: the varlen kernels are not verified on them);
+* ``max_seqlen``: a fixed Python int bucket, an upper bound of every segment (real and pad) of every row.
+  Every varpack attention backend accepts an upper bound: ``reference``, ``sdpa``, ``flex`` and
+  ``triton_short`` read the segments from ``cu_seqlens`` and ignore it; ``flash_attn`` (FA2), ``flash_attn_3``,
+  ``torch_varlen`` and ``flash_attn_4`` size their launch grid with it (blocks past a segment's end exit
+  early) and FA4's window arithmetic (:func:`varpack.attn.flash_attn4.fa4_window`) only uses it as "larger
+  than any segment"; ``auto``'s short-documents class (``max_seqlen <= 128``) is then read from the bucket.
+
+Pad tokens are what :class:`~varpack.collate.PaddingFreeCollator`'s ``pad_to_multiple_of`` pad segment holds:
+``input_ids = pad_token_id``, ``labels = -100`` (never supervised, so ``num_items_in_batch`` -- the count of
+``labels != -100`` -- counts real supervised tokens only), ``loss_scale = 0``, positions restarting at 0 in
+every pad segment, their own ``seq_idx`` values ``N .. N_static - 1``. Pad segments come after every real
+sample, so ``cu_seqlens[N]`` is the real token count (what ``varpack.train``'s ``batch_stats`` reads). Each
+pad segment attends only to itself (it is its own segment), and under causal attention no real token ever
+attends to a later one, so real tokens' logits, the loss and every gradient are those of the dynamic-shape
+batch (tests/invariant/test_static_shapes.py, with negative controls).
+
+Choosing a shape: :meth:`StaticShape.from_plan` reads a :class:`varpack.plan.PackPlan` (the tightest shape
+that holds every pack of the plan); :meth:`StaticShape.for_packing` needs only ``packing_length`` and the most
+samples a pack may hold (streaming, or plans not known in advance). The pad cost per step is
+``tokens - real tokens`` (reported by ``benchmarks/train.py``); pad tokens cost what any token costs outside
+attention, and attention over the pad is kept small by splitting the pad tokens evenly across the pad
+segments.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["StaticShape"]
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"StaticShape.{name} must be a positive int, got {value!r}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"StaticShape.{name} must be a positive int, got {type(value).__name__} {value!r}"
+        ) from None
+    if out < 1:
+        raise ValueError(f"StaticShape.{name} must be >= 1, got {out}")
+    return out
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    """The fixed shape of every packed row: ``tokens`` (``T``), ``segments`` (``N``: ``cu_seqlens`` has
+    ``N + 1`` entries) and the ``max_seqlen`` bucket (module docstring).
+
+    Args:
+        tokens: tokens of every row (``T_static``); ``input_ids`` etc. are ``[1, tokens]``.
+        segments: segments of every row (``N_static``): real samples plus pad segments. A row of ``n`` samples
+            and ``t`` tokens gets ``segments - n`` pad segments sharing ``tokens - t`` pad tokens, at least one
+            token each, so it needs ``n <= segments`` and ``tokens - t >= segments - n``, and ``n < segments``
+            when ``t < tokens``.
+        max_seqlen: the fixed ``max_seqlen`` (``max_length_q/k``) of every row, a bound of every segment.
+
+    Raises:
+        TypeError: a value that is not an integer. ValueError: a value below 1, ``segments`` or
+            ``max_seqlen`` above ``tokens``, ``tokens`` beyond int32 offsets, or ``segments * max_seqlen <
+            tokens`` (no row could be laid out).
+
+    Example:
+        >>> shape = StaticShape.for_packing(16, max_samples=3, multiple_of=8)
+        >>> shape
+        StaticShape(tokens=24, segments=4, max_seqlen=21)
+        >>> shape.pad_lengths([5, 7]).tolist()  # 12 real tokens, 2 samples -> 2 pad segments of 12 tokens
+        [6, 6]
+    """
+
+    tokens: int
+    segments: int
+    max_seqlen: int
+
+    def __post_init__(self) -> None:
+        tokens = _positive_int(self.tokens, "tokens")
+        segments = _positive_int(self.segments, "segments")
+        max_seqlen = _positive_int(self.max_seqlen, "max_seqlen")
+        if tokens > _INT32_MAX:
+            raise ValueError(f"StaticShape.tokens={tokens} is more than int32 cu_seqlens can index")
+        if segments > tokens:
+            raise ValueError(
+                f"StaticShape.segments={segments} > tokens={tokens}: every segment holds at least one token"
+            )
+        if max_seqlen > tokens:
+            raise ValueError(f"StaticShape.max_seqlen={max_seqlen} > tokens={tokens}")
+        if segments * max_seqlen < tokens:
+            raise ValueError(
+                f"StaticShape(tokens={tokens}, segments={segments}, max_seqlen={max_seqlen}): {segments} "
+                f"segments of at most {max_seqlen} tokens cannot hold {tokens} tokens"
+            )
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "segments", segments)
+        object.__setattr__(self, "max_seqlen", max_seqlen)
+
+    # -- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def for_packing(
+        cls, packing_length: int, max_samples: int, *, multiple_of: int = 64, max_seqlen: int | None = None
+    ) -> StaticShape:
+        """The shape that holds every pack of at most ``packing_length`` tokens and ``max_samples`` samples.
+
+        ``segments = max_samples + 1`` (a full pack keeps one pad segment), ``tokens = packing_length +
+        max_samples`` rounded up to ``multiple_of`` (a pack of one ``packing_length``-token sample still has a
+        token for each of its ``max_samples`` pad segments), ``max_seqlen = tokens - max_samples`` (at least
+        ``packing_length``: a pack of ``max_samples`` one-token samples puts all its pad tokens in its one pad
+        segment) unless given.
+
+        Raises:
+            ValueError / TypeError: non-positive or non-integer arguments; a given ``max_seqlen`` that some
+                pack within the bounds could exceed.
+        """
+        packing_length = _positive_int(packing_length, "packing_length")
+        max_samples = _positive_int(max_samples, "max_samples")
+        multiple_of = _positive_int(multiple_of, "multiple_of")
+        tokens = _round_up(packing_length + max_samples, multiple_of)
+        need = tokens - max_samples  # >= packing_length; n one-token samples leave tokens - n pad tokens
+        if max_seqlen is None:
+            max_seqlen = need
+        elif _positive_int(max_seqlen, "max_seqlen") < need:
+            raise ValueError(
+                f"max_seqlen={max_seqlen} is below {need}: a pack of {max_samples} one-token samples puts its "
+                f"{need} pad tokens in one pad segment"
+            )
+        return cls(tokens=tokens, segments=max_samples + 1, max_seqlen=max_seqlen)
+
+    @classmethod
+    def from_plan(cls, plan: Any, *, multiple_of: int = 64, segments: int | None = None) -> StaticShape:
+        """The tightest shape that holds every pack of ``plan`` (a :class:`varpack.plan.PackPlan`, read for
+        its CSR ``offsets`` ``[P+1]`` and ``item_lengths`` ``[I]``).
+
+        ``segments``: the most samples of a pack plus one (default), or a given bucket. ``tokens``: the fewest
+        that give every pack at least one token per pad segment (``max over packs of its tokens + its pad
+        segments``), rounded up to ``multiple_of``. ``max_seqlen``: the longest segment of any pack laid out
+        with these, its pad segments included.
+
+        Raises:
+            ValueError: an empty plan, or a given ``segments`` smaller than a pack's sample count (naming the
+                pack) or equal to it where that pack would need pad tokens.
+        """
+        offsets = np.asarray(plan.offsets, dtype=np.int64)
+        lengths = np.asarray(plan.item_lengths, dtype=np.int64)
+        multiple_of = _positive_int(multiple_of, "multiple_of")
+        if offsets.size < 2:
+            raise ValueError("StaticShape.from_plan: the plan has no packs")
+        counts = np.diff(offsets)
+        cumulative = np.concatenate([[0], np.cumsum(lengths)])
+        totals = cumulative[offsets[1:]] - cumulative[offsets[:-1]]
+        segments = int(counts.max()) + 1 if segments is None else _positive_int(segments, "segments")
+        pads = segments - counts
+        if (pads < 0).any():
+            p = int(np.flatnonzero(pads < 0)[0])
+            raise ValueError(f"pack {p} holds {int(counts[p])} samples, more than segments={segments}")
+        tokens = _round_up(int((totals + pads).max()), multiple_of)
+        short = (pads == 0) & (totals < tokens)
+        if short.any():
+            p = int(np.flatnonzero(short)[0])
+            raise ValueError(
+                f"pack {p} holds {int(counts[p])} samples = segments, so its {tokens - int(totals[p])} pad tokens "
+                f"have no pad segment; use segments > {int(counts.max())}"
+            )
+        pad_tokens = tokens - totals
+        longest_pad = int((-(-pad_tokens // np.maximum(pads, 1))).max()) if pad_tokens.any() else 0
+        longest = max(int(lengths.max()) if lengths.size else 1, longest_pad, 1)
+        return cls(tokens=tokens, segments=segments, max_seqlen=min(longest, tokens))
+
+    # -- layout -------------------------------------------------------------------------------------------
+    def pad_lengths(self, lengths: Any) -> np.ndarray:
+        """The pad segments of a row whose real segments have ``lengths`` (``[n]`` positive ints).
+
+        The ``tokens - sum(lengths)`` pad tokens are split as evenly as possible over ``segments - n`` pad
+        segments (the larger ones first), which keeps attention over the pad (quadratic in a segment's length)
+        small.
+
+        Returns:
+            int64 ``[segments - n]``, every entry ``>= 1`` (empty when the row is exactly full).
+
+        Raises:
+            ValueError: more samples than ``segments``, more tokens than ``tokens``, a sample longer than
+                ``max_seqlen`` (naming its index), fewer pad tokens than pad segments, pad tokens with no pad
+                segment left, or a pad segment that would exceed ``max_seqlen``.
+        """
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        n, total = int(lengths.size), int(lengths.sum())
+        where = f"a row of {n} samples and {total} tokens"
+        if n > self.segments:
+            raise ValueError(f"{where} does not fit {self}: more samples than segments={self.segments}")
+        if total > self.tokens:
+            raise ValueError(f"{where} does not fit {self}: more tokens than tokens={self.tokens}")
+        if n and int(lengths.max()) > self.max_seqlen:
+            i = int(np.argmax(lengths))
+            raise ValueError(
+                f"{where} does not fit {self}: sample #{i} has {int(lengths[i])} tokens, more than "
+                f"max_seqlen={self.max_seqlen}"
+            )
+        pad, k = self.tokens - total, self.segments - n
+        if pad == 0:
+            if k:
+                raise ValueError(
+                    f"{where} fills tokens={self.tokens} exactly but needs {k} more segments, and segments are "
+                    "never empty; raise tokens"
+                )
+            return np.zeros(0, dtype=np.int64)
+        if k == 0:
+            raise ValueError(
+                f"{where} does not fit {self}: its {pad} pad tokens need a pad segment but all {self.segments} "
+                "segments hold samples; raise segments"
+            )
+        if pad < k:
+            raise ValueError(
+                f"{where} does not fit {self}: {k} pad segments of at least one token need {k} pad tokens, "
+                f"only {pad} are left; raise tokens (StaticShape.for_packing / from_plan size it)"
+            )
+        base, extra = divmod(pad, k)
+        if base + (extra > 0) > self.max_seqlen:
+            raise ValueError(
+                f"{where} does not fit {self}: its {pad} pad tokens over {k} pad segments make a segment of "
+                f"{base + (extra > 0)} tokens, more than max_seqlen={self.max_seqlen}"
+            )
+        out = np.full(k, base, dtype=np.int64)
+        out[:extra] += 1
+        return out
