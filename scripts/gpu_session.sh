@@ -15,6 +15,7 @@
 #   bash scripts/gpu_session.sh next16   # issue 16 model level: every fla_hybrid / dqkwg GPU test (tiny-qwen3.5 check included)
 #   bash scripts/gpu_session.sh next16b  # issue 16/18: varpack check tiny-qwen3.5, benchmarks/hybrid_step.py with peers
 #        (both leave $OUT/triton-cache.tar.xz: copy it to .gpu/ so the next call skips fla's autotuning)
+#   bash scripts/gpu_session.sh perf18   # issue 18 (after fa4a): static-shape / CUDA-graph tests, step table with the new configs, profile
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
 #   bash scripts/gpu_session.sh short    # issue 17: triton_short GPU tests, launch-config sweep, bake-off with the
@@ -243,6 +244,17 @@ PY
       --out "$OUT/hybrid_step.json" 2>&1 | grep -v -E "^(Triton autotuning|with key|finished after|best config|Autotuning kernel)" \
       | tee "$OUT/hybrid_step.log" | tail -14
     save_triton_cache
+    ;;
+  perf18)  # issue 18 (after fa4a on the same machine): the static-shape / CUDA-graph GPU tests, the step table with
+    # the new configs beside the best peer (steady state, both orders), the device-kernel profile
+    setup
+    timeout ${PERF_TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=6 \
+      tests/invariant/test_static_shapes.py tests/ops/test_custom_ops.py 2>&1 | tee "$OUT/perf18_tests.log" | tail -12
+    timeout ${TRAIN_TIMEOUT:-330} python3 benchmarks/train.py --samples .gpu/samples.npz --steps ${STEPS:-14} \
+      --configs ${CONFIGS:-hf_fa4,hf_fa4_liger,varpack_lce_compile,varpack_lce_compile_ops,varpack_lce_static_compile_ops,varpack_lce_static_graphs} \
+      --out "$OUT/train_perf18.json" 2>&1 | tee "$OUT/train_perf18.log" | tail -22
+    timeout ${PROFILE_TIMEOUT:-100} python3 benchmarks/profile_step.py --samples .gpu/samples.npz --config ${BEST:-varpack_lce_compile} \
+      --steps 3 --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | tail -30
     ;;
   final16b)  # #16 second call: the dqkwg GPU tests, the hybrid SFT step and varpack check with room for fla's
     # autotuning (once per process and key; cached on disk, so the second process reuses the probe's), then
