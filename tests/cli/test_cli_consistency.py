@@ -246,6 +246,21 @@ def test_flag_wording_rewrites_only_this_commands_flags():
     assert flag_wording("grad_accum=2", plan) == "grad_accum=2"
 
 
+def test_flag_wording_names_a_flag_once():
+    """A library message that names a setting and its flag (``torch_compile (--torch-compile; ...)``) reads
+    ``--torch-compile (...)`` on the command line, not ``--torch-compile (--torch-compile; ...)``."""
+    from varpack.integrations.kernels import LIGER_COMPILE_REFUSAL
+
+    sft = _subparsers()["sft"]
+    text = flag_wording(LIGER_COMPILE_REFUSAL, sft)
+    assert "Choose one: --torch-compile (inductor fuses" in text, text
+    assert text.endswith("or --use-liger-kernel"), text
+    assert text.count("--torch-compile") == 1 and text.count("--use-liger-kernel") == 1, text
+    assert flag_wording("grad_accum (--grad-accum) and seed", sft) == "--grad-accum and seed"
+    # a flag in parentheses after another flag stays
+    assert flag_wording("grad_accum (--packs-per-step; x)", sft) == "--grad-accum (--packs-per-step; x)"
+
+
 # ------------------------------------------------------------------------------------------------------
 # item 10: defaults in --help
 # ------------------------------------------------------------------------------------------------------

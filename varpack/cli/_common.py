@@ -87,7 +87,9 @@ def flag_wording(message: str, parser: argparse.ArgumentParser) -> str:
     sub-command's flag (``overflow='drop'`` -> ``--overflow drop``, ``packing_length=256`` ->
     ``--packing-length 256``, ``SFTConfig.packing_length`` / ``use_liger_kernel`` -> ``--packing-length`` /
     ``--use-liger-kernel``). Only names that are flags of ``parser`` are changed; a bare name is changed only
-    when it has an underscore (``model`` or ``seed`` in prose stay as they are).
+    when it has an underscore (``model`` or ``seed`` in prose stay as they are). A setting followed by its own
+    flag in parentheses (``torch_compile (--torch-compile; ...)``) names the flag once
+    (``--torch-compile (...)``).
     """
     for action in parser._actions:  # argparse keeps its actions here; there is no public accessor
         if (
@@ -105,4 +107,8 @@ def flag_wording(message: str, parser: argparse.ArgumentParser) -> str:
             )
         if "_" in action.dest:
             message = re.sub(rf"(?<![\w.-])(?:SFTConfig\.)?{dest}(?![\w=])", flag, message)
+            # "setting (--flag; more)" became "--flag (--flag; more)": name the flag once
+            f = re.escape(flag)
+            message = re.sub(rf"{f} \({f}\)", flag, message)
+            message = re.sub(rf"{f} \({f}; ", f"{flag} (", message)
     return message
