@@ -150,13 +150,22 @@ def test_flags_and_yaml_round_trip(tmp_path, value):
 
 
 def test_yaml_values(tmp_path, capsys):
-    for text, value in (("auto", "auto"), ("true", True), ("false", False), ("'auto'", "auto")):
+    for text, value in (
+        ("auto", "auto"),
+        ("true", True),
+        ("false", False),
+        ("'auto'", "auto"),
+        ('"true"', True),  # quoted, as --torch-compile true reads it (was refused: "must be true, ...")
+        ("'False'", False),
+        ("'AUTO'", "auto"),
+    ):
         path = tmp_path / "run.yaml"
         path.write_text(f"torch_compile: {text}\n")
         assert _parse("--config", str(path)).torch_compile == value, text
     for text, rule in (
         ("maybe", "true, false or auto"),
         ("1", "true, false or auto"),
+        ("'maybe'", "got 'maybe'"),
         ("null", "not be null"),
     ):
         path.write_text(f"torch-compile: {text}\n")

@@ -14,7 +14,7 @@ A file is a mapping of :class:`varpack.train.config.SFTConfig` field names to va
 Keys: the field names, their flag spelling (``packing-length``) or an alias of the field
 (``metadata["aliases"]``: ``max_length``, ``learning_rate``, ...; :func:`varpack.train.cli_flags.field_names`);
 the always-on switches ``padding_free`` / ``packing`` may be ``true``; ``torch_compile`` takes ``true``, ``false``
-or ``auto``. Values are checked as the flags check
+or ``auto`` (quoted or not, any case). Values are checked as the flags check
 them (the same ``cli_type`` checks), then by the dataclass. Paths are read as on the command line, relative to
 the working directory. ``.json`` files are read with :mod:`json`, anything else as YAML (PyYAML, a dependency).
 
@@ -88,7 +88,7 @@ def _read_mapping(path: Path) -> dict[str, Any]:
 
 def _check_value(annotation: Any, meta: Mapping[str, Any], value: Any) -> Any:
     """``value`` of field ``name`` as the flag would give it; raises ``ValueError`` with the reason."""
-    from varpack.train.cli_flags import _cli_types, _strip_optional, is_auto_bool
+    from varpack.train.cli_flags import _cli_types, _strip_optional, is_auto_bool, parse_auto_bool
 
     optional = _strip_optional(annotation) is not annotation
     annotation = _strip_optional(annotation)
@@ -97,9 +97,11 @@ def _check_value(annotation: Any, meta: Mapping[str, Any], value: Any) -> Any:
             return None
         raise ValueError("must not be null")
     if is_auto_bool(annotation):
-        if not (isinstance(value, bool) or value == "auto"):
-            raise ValueError("must be true, false or auto")
-        return value
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "auto"):
+            return parse_auto_bool(value)  # quoted "true" / "False" / "AUTO", as the flag reads them
+        raise ValueError(f"must be true, false or auto, got {value!r}")
     if literal_choices(annotation) is not None:
         return value  # the dataclass checks it against the choices and names them
     if annotation is bool:
