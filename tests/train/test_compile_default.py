@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
 
 import pytest
 
@@ -215,6 +216,42 @@ def test_describe_speed():
     assert describe_speed(liger, loss_impl="linear_ce", loss_why="", liger=True).startswith(
         "Liger-Kernel layers + chunked linear CE (auto: --use-liger-kernel"
     )
+    # transformers' own torch_compile (--extra-training-args) compiles the whole model: never called "eager"
+    hf = CompileChoice(
+        False, "auto: transformers' own torch_compile (extra_training_args) compiles the whole model"
+    )
+    line = describe_speed(hf, loss_impl="linear_ce", loss_why="", hf_compile=True)
+    assert line.startswith(
+        "transformers' whole-model torch.compile + chunked linear CE (auto: transformers'"
+    ), line
+    both = describe_speed(
+        CompileChoice(True, "--torch-compile"), loss_impl="linear_ce", loss_why="", hf_compile=True
+    )
+    assert both.startswith(
+        "regional torch.compile inside transformers' whole-model torch.compile + chunked"
+    ), both
+    assert "eager" not in line + both
+
+
+def test_speed_line_names_transformers_compile(tmp_path):
+    """The speed line of a run given transformers' torch_compile in --extra-training-args says so (seen: the
+    line read "eager + chunked linear CE (auto: CPU run; ...)" while Trainer compiled the whole model)."""
+    from varpack.train.trainer import SpeedReportCallback
+
+    class Trainer:
+        model_wrapped = None
+
+        def planned_loss_impl(self, model):
+            return "linear_ce", ""
+
+    lines = []
+    choice = CompileChoice(False, "auto: CPU run; compiled by default on CUDA only")
+    callback = SpeedReportCallback(Trainer(), choice, print_fn=lines.append)
+    state = types.SimpleNamespace(is_world_process_zero=True)
+    callback.on_train_begin(types.SimpleNamespace(torch_compile=True), state, None)
+    callback.on_train_begin(types.SimpleNamespace(torch_compile=False), state, None)  # control
+    assert lines[0].startswith("speed     transformers' whole-model torch.compile + chunked linear CE"), lines
+    assert lines[1].startswith("speed     eager + chunked linear CE"), lines
 
 
 def test_planned_loss_impl_follows_the_objective():

@@ -263,7 +263,9 @@ class EngineReportCallback(TrainerCallback):
             self.print_fn(f"engine    {describe_engine(model, int(args.world_size))}")
 
 
-def describe_speed(choice: Any, *, loss_impl: str, loss_why: str, liger: bool = False) -> str:
+def describe_speed(
+    choice: Any, *, loss_impl: str, loss_why: str, liger: bool = False, hf_compile: bool = False
+) -> str:
     """The step configuration of a run in one line (``varpack sft``'s ``speed`` line, without the label):
     how the decoder layers run, which loss implementation, and why, e.g.
     ``"regional torch.compile + chunked linear CE (auto on CUDA: fastest measured, benchmarks/RESULTS.md);
@@ -275,10 +277,15 @@ def describe_speed(choice: Any, *, loss_impl: str, loss_why: str, liger: bool = 
         loss_impl: ``"linear_ce"`` or ``"logits"``, what the loss runs (:meth:`PackedLossMixin.planned_loss_impl`).
         loss_why: its reason; named when the loss runs on the logits.
         liger: Liger-Kernel's layers are on the model.
+        hf_compile: transformers' own ``TrainingArguments.torch_compile`` is on (through
+            ``extra_training_args``): Trainer compiles the whole model, so the layers are never called eager.
     """
     from varpack.train.config import COMPILE_COLD_COST
 
     layers = "regional torch.compile" if choice.on else "Liger-Kernel layers" if liger else "eager"
+    if hf_compile:
+        hf = "transformers' whole-model torch.compile"
+        layers = f"regional torch.compile inside {hf}" if choice.on else hf
     loss = {"linear_ce": "chunked linear CE", "logits": "CE on the logits"}.get(loss_impl, loss_impl)
     why = choice.reason if loss_impl == "linear_ce" else f"{choice.reason}; logits: {loss_why}"
     tail = [COMPILE_COLD_COST] if choice.on else []
@@ -305,7 +312,10 @@ class SpeedReportCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         impl, why = self.trainer.planned_loss_impl(self.trainer.model_wrapped)
         self.reported = impl
-        self.line = describe_speed(self.choice, loss_impl=impl, loss_why=why, liger=self.liger)
+        hf_compile = bool(getattr(args, "torch_compile", False))
+        self.line = describe_speed(
+            self.choice, loss_impl=impl, loss_why=why, liger=self.liger, hf_compile=hf_compile
+        )
         if state.is_world_process_zero:
             self.print_fn(f"speed     {self.line}")
 
