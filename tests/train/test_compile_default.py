@@ -150,6 +150,23 @@ def test_flags_and_yaml_round_trip(tmp_path, value):
     assert _parse("--config", str(path), "--no-torch-compile").torch_compile is False
 
 
+def test_help_names_every_auto_rule():
+    """--torch-compile's help names each case resolve_torch_compile keeps eager under auto (it left out
+    transformers' own torch_compile and said "off on a CPU" for every non-CUDA device)."""
+    sft = build_parser()._subparsers._group_actions[0].choices["sft"]
+    text = " ".join(next(a.help for a in sft._actions if a.dest == "torch_compile").split())
+    for rule in (
+        "single-process CUDA",
+        "--use-liger-kernel",
+        "--lora",
+        "FSDP",
+        "DeepSpeed",
+        "--extra-training-args",
+    ):
+        assert rule in text, (rule, text)
+    assert "any other device" in text, text
+
+
 def test_yaml_values(tmp_path, capsys):
     for text, value in (
         ("auto", "auto"),

@@ -535,8 +535,9 @@ class SFTConfig:
         default="auto",
         metadata=_opt(
             "torch.compile each decoder layer (varpack attention stays outside the graph). auto: on for a "
-            "single-process CUDA run without --use-liger-kernel, --lora, FSDP or DeepSpeed (compile + chunked "
-            "linear CE is the fastest exact setup measured, benchmarks/RESULTS.md), off on a CPU; the run's "
+            "single-process CUDA run without --use-liger-kernel, --lora, FSDP, DeepSpeed or transformers' own "
+            "torch_compile in --extra-training-args (compile + chunked linear CE is the fastest exact setup "
+            "measured, benchmarks/RESULTS.md), off on any other device (CPU, MPS, ...); the run's "
             "'speed' line says which and why. The first step compiles (~14 s for a 0.6B model on an H200). "
             "--torch-compile: on; --torch-compile false or --no-torch-compile: off (default: %(default)s)",
             metavar="auto|true|false",
