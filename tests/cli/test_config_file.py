@@ -395,3 +395,20 @@ def test_saved_config_reruns_from_another_directory(tmp_path, monkeypatch):
     again = load_config_file(path)
     assert all(Path(p).is_file() for p in again.data)
     assert dataclasses.replace(again, data=config.data, output_dir=config.output_dir) == config
+
+
+def test_saved_config_rerun_line_works_from_any_directory(tmp_path, monkeypatch):
+    """The first line's "rerun with: varpack sft --config ..." names the saved file by its absolute path, so the
+    line copied from `cat runs/a/varpack_config.yaml` runs from the project folder too (it said
+    "--config varpack_config.yaml", which failed there with "config file not found")."""
+    import shlex
+
+    out = tmp_path / "runs dir" / "a"
+    out.mkdir(parents=True)
+    monkeypatch.chdir(out)
+    path = write_config_file(SFTConfig(seed=7), CONFIG_FILE_NAME)  # a relative path, as the caller may give
+    first = path.read_text().splitlines()[0]
+    command = shlex.split(first.split("rerun with: ", 1)[1])
+    assert command[:3] == ["varpack", "sft", "--config"] and len(command) == 4, first
+    monkeypatch.chdir(tmp_path)  # elsewhere
+    assert Path(command[3]).is_absolute() and load_config_file(command[3]).seed == 7

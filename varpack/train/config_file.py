@@ -28,6 +28,7 @@ import dataclasses
 import difflib
 import json
 import os
+import shlex
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -210,7 +211,8 @@ def config_mapping(config: Any) -> dict[str, Any]:
 
 def write_config_file(config: Any, path: str | os.PathLike[str]) -> Path:
     """Write every field of ``config`` to ``path`` (``.json``: JSON, else YAML) so that
-    ``--config path`` (:func:`load_config_file`) gives ``config`` back.
+    ``--config path`` (:func:`load_config_file`) gives ``config`` back. A YAML file starts with a comment line
+    ``# varpack: ...; rerun with: varpack sft --config /absolute/path`` (shell-quoted).
 
     Returns:
         The path written.
@@ -222,8 +224,9 @@ def write_config_file(config: Any, path: str | os.PathLike[str]) -> Path:
     else:
         import yaml
 
+        rerun = shlex.quote(str(path.resolve()))  # absolute: the line runs from any working directory
         text = (
-            f"# varpack: the resolved settings of this run; rerun with: varpack sft --config {path.name}\n"
+            f"# varpack: the resolved settings of this run; rerun with: varpack sft --config {rerun}\n"
             + yaml.safe_dump(mapping, sort_keys=False, default_flow_style=False, allow_unicode=True)
         )
     path.write_text(text, encoding="utf-8")
