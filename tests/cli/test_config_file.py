@@ -412,3 +412,18 @@ def test_saved_config_rerun_line_works_from_any_directory(tmp_path, monkeypatch)
     assert command[:3] == ["varpack", "sft", "--config"] and len(command) == 4, first
     monkeypatch.chdir(tmp_path)  # elsewhere
     assert Path(command[3]).is_absolute() and load_config_file(command[3]).seed == 7
+
+
+def test_quoted_booleans_in_a_config_file(tmp_path, capsys):
+    """`bf16: 'false'` / `gradient_checkpointing: "True"` are read as the booleans they spell (a YAML writer may
+    quote them; they were refused as "must be true or false"); other strings and numbers are still refused,
+    naming the value."""
+    got = _parse(
+        "sft",
+        "--config",
+        str(_dump(tmp_path / "q.yaml", {"bf16": "false", "gradient_checkpointing": "True"})),
+    )
+    assert got == SFTConfig(bf16=False, gradient_checkpointing=True)
+    for bad in ("yes", "1", 1):
+        code, err = _main_err(["sft", "--config", str(_dump(tmp_path / "bad.yaml", {"bf16": bad}))], capsys)
+        assert code == 2 and "must be true or false" in err and repr(bad) in err, err

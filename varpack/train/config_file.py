@@ -14,7 +14,7 @@ A file is a mapping of :class:`varpack.train.config.SFTConfig` field names to va
 Keys: the field names, their flag spelling (``packing-length``) or an alias of the field
 (``metadata["aliases"]``: ``max_length``, ``learning_rate``, ...; :func:`varpack.train.cli_flags.field_names`);
 the always-on switches ``padding_free`` / ``packing`` may be ``true``; ``torch_compile`` takes ``true``, ``false``
-or ``auto`` (quoted or not, any case). Values are checked as the flags check
+or ``auto`` and a plain switch ``true`` or ``false`` (quoted or not, any case). Values are checked as the flags check
 them (the same ``cli_type`` checks), then by the dataclass. Paths are read as on the command line, relative to
 the working directory. ``.json`` files are read with :mod:`json`, anything else as YAML (PyYAML, a dependency).
 
@@ -106,8 +106,10 @@ def _check_value(annotation: Any, meta: Mapping[str, Any], value: Any) -> Any:
     if literal_choices(annotation) is not None:
         return value  # the dataclass checks it against the choices and names them
     if annotation is bool:
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"  # quoted "true" / "False", as a YAML writer may quote them
         if not isinstance(value, bool):
-            raise ValueError("must be true or false")
+            raise ValueError(f"must be true or false, got {value!r}")
         return value
     if typing.get_origin(annotation) is tuple:
         if isinstance(value, str):
