@@ -349,3 +349,23 @@ def test_run_prints_the_speed_line_it_ran(tmp_path, loss_impl):
     engine = next(i for i, line in enumerate(lines) if line.startswith("engine"))
     assert lines[engine + 1] == speed[0]  # next to the engine line
     assert dataclasses.replace(run.config, lr=None, torch_compile="auto") == config
+
+
+def test_report_lines_go_above_the_progress_bar(monkeypatch):
+    """The engine / speed lines are printed while the Trainer's tqdm bar is drawn: with the built-in print they
+    go through tqdm.write (they were glued to the bar's end: '0%| | 0/2 [...]engine    single process'); a
+    caller's own print_fn is kept as given."""
+    import tqdm.auto
+
+    from varpack.train.trainer import EngineReportCallback, _bar_safe
+
+    written = []
+    monkeypatch.setattr(tqdm.auto.tqdm, "write", classmethod(lambda cls, s, *a, **k: written.append(s)))
+    EngineReportCallback().print_fn("engine    single process")
+    assert written == ["engine    single process"]
+    lines = []
+
+    def own(line):
+        lines.append(line)
+
+    assert _bar_safe(own) is own

@@ -250,13 +250,23 @@ def describe_engine(model: Any, world_size: int, distributed_type: str | None = 
     return f"{name or distributed_type + ' data parallel'} {ranks}"
 
 
+def _bar_safe(print_fn: Any) -> Any:
+    """``print_fn`` for lines printed while the Trainer's progress bar is drawn: the built-in ``print`` becomes
+    ``tqdm.write`` (the line goes above the bar instead of being glued to its end); any other function is kept."""
+    if print_fn is not print:
+        return print_fn
+    from tqdm.auto import tqdm
+
+    return lambda line: tqdm.write(str(line))
+
+
 class EngineReportCallback(TrainerCallback):
     """Prints :func:`describe_engine` once, on the main process, when training begins (after the Trainer
     and accelerate have wrapped the model), so a run launched with ``torchrun`` or ``accelerate launch``
     says which engine it got."""
 
     def __init__(self, print_fn: Any = print) -> None:
-        self.print_fn = print_fn
+        self.print_fn = _bar_safe(print_fn)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if state.is_world_process_zero and model is not None:
@@ -305,7 +315,7 @@ class SpeedReportCallback(TrainerCallback):
         self.trainer = trainer
         self.choice = choice
         self.liger = liger
-        self.print_fn = print_fn
+        self.print_fn = _bar_safe(print_fn)
         self.reported: str | None = None
         self.line: str | None = None
 
