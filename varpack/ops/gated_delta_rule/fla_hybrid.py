@@ -175,6 +175,27 @@ def dqkwg_plan(
     )
 
 
+def _checked_plan(q, v_new, h, dh, cu_seqlens, chunk_size, plan):
+    """The dq/dk/dw/dg step's :class:`DqkwgPlan` (built from ``cu_seqlens`` when ``None``) and
+    ``(T, Hk, H, K, V)``, once the tensors are checked against it (both implementations).
+
+    Raises:
+        ValueError: shapes or a ``plan`` that disagree with the tensors; ``H`` not a multiple of ``Hk``.
+    """
+    B, T, Hk, K = q.shape
+    H, V = v_new.shape[2], v_new.shape[3]
+    if plan is None:
+        plan = dqkwg_plan(cu_seqlens, chunk_size, device=q.device)
+    NT = plan.num_chunks
+    if B != 1 or h.shape != (1, NT, H, K, V) or dh.shape != h.shape or plan.total_tokens != T or H % Hk:
+        raise ValueError(
+            f"expected packed q [1, T={plan.total_tokens}, Hk, K] and h/dh [1, NT={NT}, H={H}, K={K}, V={V}] "
+            f"(the plan of cu_seqlens; H a multiple of Hk), got q {tuple(q.shape)}, h {tuple(h.shape)}, "
+            f"dh {tuple(dh.shape)}"
+        )
+    return plan, (T, Hk, H, K, V)
+
+
 def chunk_bwd_dqkwg_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -224,16 +245,7 @@ def chunk_bwd_dqkwg_torch(
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    B, T, Hk, K = q.shape
-    H, V = v_new.shape[2], v_new.shape[3]
-    if plan is None:
-        plan = dqkwg_plan(cu_seqlens, chunk_size, device=q.device)
-    NT = plan.num_chunks
-    if B != 1 or h.shape != (1, NT, H, K, V) or dh.shape != h.shape or plan.total_tokens != T:
-        raise ValueError(
-            f"expected packed q [1, T={plan.total_tokens}, Hk, K] and h/dh [1, NT={NT}, H={H}, K={K}, V={V}] "
-            f"(the plan of cu_seqlens), got q {tuple(q.shape)}, h {tuple(h.shape)}, dh {tuple(dh.shape)}"
-        )
+    plan, (T, Hk, H, K, V) = _checked_plan(q, v_new, h, dh, cu_seqlens, chunk_size, plan)
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     mm = acc if precision == "fp32" else h.dtype
     out_acc = precision == "mixed" and mm != acc  # GEMM outputs in acc from low-precision operands
@@ -389,17 +401,8 @@ def chunk_bwd_dqkwg_triton(
     if (q.device.type == "cuda") == interpreted:
         mode = "interpreted" if interpreted else "compiled"
         raise RuntimeError(f"chunk_bwd_dqkwg_triton: tensors on {q.device} while Triton runs {mode}")
-    B, T, Hk, K = q.shape
-    H, V = v_new.shape[2], v_new.shape[3]
-    if plan is None:
-        plan = dqkwg_plan(cu_seqlens, chunk_size, device=q.device)
+    plan, (T, Hk, H, K, V) = _checked_plan(q, v_new, h, dh, cu_seqlens, chunk_size, plan)
     NT = plan.num_chunks
-    if B != 1 or h.shape != (1, NT, H, K, V) or dh.shape != h.shape or plan.total_tokens != T or H % Hk:
-        raise ValueError(
-            f"expected packed q [1, T={plan.total_tokens}, Hk, K] and h/dh [1, NT={NT}, H={H}, K={K}, V={V}] "
-            f"(the plan of cu_seqlens; H a multiple of Hk), got q {tuple(q.shape)}, h {tuple(h.shape)}, "
-            f"dh {tuple(dh.shape)}"
-        )
     kern = import_kernels("varpack.ops.gated_delta_rule._dqkwg_kernels")
     cfg = {**DQKWG_TRITON_LAUNCH, **(launch or {})}
     BK = min(int(cfg["block_k"]), _pow2(K))
