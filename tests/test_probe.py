@@ -97,3 +97,23 @@ def test_fla_adapter_is_the_bottom_floor():
 def test_fla_and_short_conv_import_in_either_order(order):
     code = f"import importlib\nfor m in {order!r}: importlib.import_module(m)\n"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_fla_autotune_notice_once_per_device_and_dims_never_on_cpu():
+    import io
+
+    import torch
+
+    from varpack.ops import _fla
+
+    _fla._NOTICED.clear()
+    out = io.StringIO()
+    cuda0 = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    assert _fla.autotune_notice(cuda0, (2, 4, 64, 64), file=out)
+    assert not _fla.autotune_notice(cuda0, (2, 4, 64, 64), file=out)  # same key: silent
+    assert _fla.autotune_notice(cuda0, (4, 8, 128, 128), file=out)  # new head shape: said again
+    assert not _fla.autotune_notice(torch.device("cpu"), (2, 4, 64, 64), file=out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert "(2, 4, 64, 64)" in lines[0] and "autotunes" in lines[0] and "cuda:0" in lines[0]
+    _fla._NOTICED.clear()

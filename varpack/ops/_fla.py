@@ -18,12 +18,14 @@ its own fla kernel against its own PyTorch path, next to its dispatch, once per 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "PROBE_TOL",
+    "autotune_notice",
     "FlaStatus",
     "bf16_randn",
     "fla_causal_conv1d",
@@ -200,6 +202,33 @@ def _load_fla_internals() -> tuple[dict | None, str]:
     return out, "ok"
 
 
+_NOTICED: set[tuple[str, tuple]] = set()
+
+
+def autotune_notice(device: torch.device, dims: tuple, *, file=None) -> bool:
+    """Say once per process, device and head dims that fla's kernels are about to be checked, and that fla
+    autotunes each Triton kernel on its first use of a head shape (returns whether it printed).
+
+    Measured on the H200 (torch 2.11, Triton 3.6, fla-core 0.6.0; benchmarks/RESULTS.md): 1-4 minutes
+    before the first step of a Qwen3.5-shaped model or ``varpack check --model tiny-qwen3.5``, with no
+    output meanwhile. fla keeps the results in Triton's cache (``FLA_CACHE_RESULTS``, on by default;
+    ``TRITON_CACHE_DIR``, default ``~/.triton/cache``), so later processes on the same machine skip most of
+    it. Printed to ``file`` (default stderr), never on CPU."""
+    key = (str(device), tuple(dims))
+    if torch.device(device).type != "cuda" or key in _NOTICED:
+        return False
+    _NOTICED.add(key)
+    cache = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache"
+    print(
+        f"varpack: checking fla's gated delta rule kernels on {device} at head dims (Hk, H, K, V) = {tuple(dims)}; "
+        f"fla autotunes each Triton kernel on first use of a head shape (1-4 min on an H200 without output; "
+        f"cached in {cache} for later runs)",
+        file=file if file is not None else sys.stderr,
+        flush=True,
+    )
+    return True
+
+
 def first_line(exc: BaseException) -> str:
     """``"<Type>: <first line of the message>"``: how a refusal raised by fla is reported."""
     text = str(exc).strip().splitlines()
@@ -208,7 +237,7 @@ def first_line(exc: BaseException) -> str:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Max absolute error of ``a`` relative to the largest ``|b|`` (float32)."""
-    a, b = a.float(), b.float()
+    a, b = a.detach().float(), b.detach().float()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
 
 

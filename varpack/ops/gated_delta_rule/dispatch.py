@@ -27,6 +27,7 @@ from varpack._probe import ProbeOnce
 
 from .._fla import (
     PROBE_TOL,
+    autotune_notice,
     bf16_randn,
     first_line,
     fla_chunk_gated_delta_rule,
@@ -58,10 +59,10 @@ BACKENDS = ("fla", "fla_hybrid", "chunk", "chunk_compiled", "naive")
 #: the H200 (2026-12-01, fifth session; torch 2.11, Triton 3.6, fla-core 0.6.0) with varpack's Triton step:
 #: benchmarks/gated_delta.py 5.78 ms forward + backward at 64 x 512 (chunk: 35.8; the PyTorch step: 13.9),
 #: 5.19 at 16 x 2048, 5.53 on real lengths; the kernel's GPU tests against the fp64 step (every launch block,
-#: grouped heads) passed; the pipeline's GPU tests against the fp32 chunk path passed with the PyTorch step
-#: (fourth session), which the Triton step equals. The model-level GPU runs (varpack check on tiny-qwen3.5,
-#: benchmarks/hybrid_step.py) were cut by their time limits during fla's first-use autotuning (~100 s per
-#: head shape), before the probe shared it: they are the next GPU session's first call.
+#: grouped heads) passed. Sixth session, same stack: every fla_hybrid / dqkwg GPU test passed (18, the 70,000
+#: one-token sequences included), ``varpack check --model tiny-qwen3.5 --dtype bf16 --device cuda`` PASS on
+#: fla_hybrid (auto), and benchmarks/hybrid_step.py ran the Qwen3.5-shaped step at 248 ms vs 707 ms on chunk
+#: (2.85x; benchmarks/RESULTS.md, "One H200, sixth session").
 AUTO_FLA_HYBRID = True
 
 Capability = tuple[bool, str]
@@ -101,6 +102,7 @@ def _probe_fla(device: torch.device, dims: Dims | None = None) -> tuple[Capabili
 
     gen, T, cu_cpu, cu = probe_problem(device)
     Hk, H, K, V = dims if dims is not None else PROBE_DIMS
+    autotune_notice(device, (Hk, H, K, V))
 
     def rnd(*shape):
         return bf16_randn(gen, device, *shape)
@@ -176,6 +178,7 @@ def _run_fla_hybrid_probe(device: torch.device, rule, dims: Dims | None = None) 
         return False, reason
     gen, T, cu_cpu, cu = probe_problem(device)
     Hk, H, K, V = dims if dims is not None else PROBE_DIMS
+    autotune_notice(device, (Hk, H, K, V))
     N = cu_cpu.numel() - 1
 
     def rnd(*shape):
