@@ -10,11 +10,12 @@ causal, and either bound is dropped when it is unbounded (``HAS_LEFT`` / ``HAS_R
 query tile (and the query range of a key tile, in the backward) comes from per-tile tables built once per
 batch (:mod:`varpack.attn.triton_short`), so a tile visits only the key tiles its documents can see.
 
-Masked and mask-free tiles (``MASK_FREE``): as in FlashAttention-2 and Triton's fused-attention tutorial, where
-the blocks off the causal diagonal skip the mask, each kernel splits its tile loop in three. A query tile's
-key tiles run from its ``lo`` in steps of ``BLOCK_N``; those lying wholly inside ``[max_i key_lo[i],
-min_i key_hi[i])`` (the keys that every query of the tile sees: one document, inside every query's band) form
-the mask-free run ``[full_lo, full_hi)`` (a table per tile, on the same grid). Loop 1 ``[lo, full_lo)`` and
+Masked and mask-free tiles (``MASK_FREE``): as in FlashAttention-2 (arXiv:2307.08691, causal masking: blocks
+wholly below the diagonal need no mask) and Triton's fused-attention tutorial (its off-diagonal and diagonal
+stages), each kernel splits its tile loop in three. A query tile's key tiles run from its ``lo`` in steps of
+``BLOCK_N``; those lying wholly inside ``[max_i key_lo[i], min_i key_hi[i])`` (the keys that every query of
+the tile sees: one document, inside every query's band) form the mask-free run ``[full_lo, full_hi)`` (a
+table per tile, on the same grid). Loop 1 ``[lo, full_lo)`` and
 loop 3 ``[full_hi, hi)`` apply the mask above and the ``< hi`` load bounds; loop 2 ``[full_lo, full_hi)``
 loads no document id, compares nothing and bounds no load except a padded head dim (and needs no ``-inf``
 guard: its scores are finite). A tile of several documents has no mask-free run (``full_lo = full_hi = hi``:
