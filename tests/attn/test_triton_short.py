@@ -139,6 +139,7 @@ MASK_FREE_CASES = [
     pytest.param([200, 7, 1, 1, 40], None, True, (-1, -1), 4, 2, 16, CFG_A, id="long-doc-gqa"),
     pytest.param([1, 150, 17, 1, 33], None, True, (70, -1), 2, 1, 16, CFG_B, id="causal-window-1-token-docs"),
     pytest.param([120, 9], None, False, (20, 45), 2, 2, 24, CFG_A, id="noncausal-window-d24"),
+    # Tq = Tk = 108: the padded last query tile and key tile both run mask-free ([75, 107))
     pytest.param([70, 5, 33], None, False, (-1, -1), 2, 1, 16, CFG_B, id="noncausal"),
     pytest.param([30, 2, 64], [64, 40, 70], True, (-1, -1), 2, 1, 16, CFG_A, id="q!=k-bottom-right"),
 ]
