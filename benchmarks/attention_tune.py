@@ -33,6 +33,7 @@ Printed / written (``--out`` JSON):
 Run (GPU)::
 
     python benchmarks/attention_tune.py --lengths-file .gpu/samples.npz --out runs/tune.json
+    # --mask-free both (default) times every config twice: give it about twice the budget, e.g. --time-budget 450
     python benchmarks/attention_tune.py --device cpu --small   # smoke test under TRITON_INTERPRET=1, seconds
 """
 
