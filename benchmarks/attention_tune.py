@@ -4,27 +4,36 @@ For each length mix (benchmarks/attention.py's: ``short``, ``lognormal`` = real 
 ``--lengths-file``, ``uniform2048``), T packed tokens, H/Hkv heads, head dim D, bf16, causal: the per-batch
 tile tables are built once (as with a batch ``VarlenMeta``), then each kernel is timed alone for every
 candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of :data:`FWD_GRID`, :data:`DKDV_GRID` and
-:data:`DQ_GRID`: one untimed pass (compilation; a config that fails to compile or launch, e.g. out of shared
-memory, is reported and skipped), then ``--iters`` timed calls (CUDA events, median). ``--time-budget``
-seconds bound the sweep: configs not reached in time are reported as skipped.
+:data:`DQ_GRID`, with the mask-free tiles on and off (``--mask-free both``, the default; ``on`` / ``off``: one
+of them; :attr:`varpack.attn.triton_short.TritonShortConfig.mask_free`): one untimed pass (compilation; a
+config that fails to compile or launch, e.g. out of shared memory, is reported and skipped), then ``--iters``
+timed calls (CUDA events, median). ``--time-budget`` seconds bound the sweep: configs not reached in time are
+reported as skipped.
 
 Printed / written (``--out`` JSON):
 
-* one table per mix: every config's time, for the forward useful TFLOP/s (causal ``2 * sum L^2 * H * D``), and
-  ``useful/computed``: the causal score elements that matter over those the kernel computes (tiles visited x
-  tile area, from the per-tile tables) -- the tile waste of that config on that mix;
+* one table per mix: every config's time with ``mask_free`` on / off, for the forward useful TFLOP/s (causal
+  ``2 * sum L^2 * H * D``), ``useful/computed``: the causal score elements that matter over those the kernel
+  computes (tiles visited x tile area, from the per-tile tables) -- the tile waste of that config on that mix,
+  ``mask-free iters``: the share of the kernel's tile iterations that run mask-free (from the same tables), and
+  ``mf gain``: the masked-only time over the mask-free time of that config;
+* per mix and kernel, the mask-free gain: best mask-free time vs best masked-only time (each over the grid);
 * the best config of each kernel per mix, its estimated fwd+bwd useful TFLOP/s (``3.5 x`` forward FLOPs over
-  fwd + delta + dK/dV + dQ kernel times), and the ``VARPACK_TRITON_SHORT_CONFIG`` JSON of that choice;
-* ``overall``: per kernel the config with the smallest summed slowdown vs each mix's best (the candidate for
+  fwd + delta + dK/dV + dQ kernel times), and the ``VARPACK_TRITON_SHORT_CONFIG`` JSON of that choice
+  (``mask_free``: the setting with the smaller summed best time of the three kernels on that mix);
+* ``overall``: the ``mask_free`` setting with the smaller summed best times over the mixes, then per kernel the
+  config with the smallest summed slowdown vs each mix's best at that setting (the candidate for
   :data:`varpack.attn.triton_short.BLOCKS`), with its env JSON;
 * correctness of every chosen config through the public entry point (``triton_short_attention(...,
   config=...)``, fwd + bwd): max |difference| of out / dq / dk / dv vs ``torch_varlen`` (``reference`` where
   torch_varlen is unavailable), beside the same numbers for the default config (``BLOCKS``), and vs the
-  fp32 ``reference`` on the first ``--check-docs`` documents (a baseline for the size of bf16 error).
+  fp32 ``reference`` on the first ``--check-docs`` documents (a baseline for the size of bf16 error); the default
+  config runs with ``mask_free`` on and off when both are swept.
 
 Run (GPU)::
 
     python benchmarks/attention_tune.py --lengths-file .gpu/samples.npz --out runs/tune.json
+    # --mask-free both (default) times every config twice: give it about twice the budget, e.g. --time-budget 450
     python benchmarks/attention_tune.py --device cpu --small   # smoke test under TRITON_INTERPRET=1, seconds
 """
 
@@ -106,6 +115,11 @@ SMALL_GRIDS: dict[str, tuple[Config, ...]] = {
     "bwd_dq": ((16, 16, 4, 1), (32, 16, 4, 1)),
 }
 KINDS = ("fwd", "bwd_dkdv", "bwd_dq")
+MASK_FREE_CHOICES = {"both": (True, False), "on": (True,), "off": (False,)}
+
+
+def mf_name(mask_free: bool) -> str:
+    return "on" if mask_free else "off"
 
 
 def grids(small: bool) -> dict[str, tuple[Config, ...]]:
@@ -169,8 +183,8 @@ class MixState:
         self.useful = float(sum(n * (n + 1) // 2 for n in lengths))  # causal score elements that matter
         self.rows: list[dict[str, Any]] = []
 
-    def launcher(self, kind: str, cfg: Config):
-        ts, config = self.ts, self.ts.TritonShortConfig(**{kind: cfg})
+    def launcher(self, kind: str, cfg: Config, mask_free: bool = True):
+        ts, config = self.ts, self.ts.TritonShortConfig(**{kind: cfg}, mask_free=mask_free)
         q, k, v, dout, lse, delta, tables = (
             self.q,
             self.k,
@@ -195,15 +209,35 @@ class MixState:
         n_iter = torch.where(hi > lo, (hi - lo + step - 1) // step, 0).sum().item()
         return self.useful / max(1.0, float(n_iter) * bm * bn)
 
+    def mask_free_share(self, kind: str, cfg: Config) -> float:
+        """Share of the kernel's tile iterations that run mask-free (whole tiles inside one visible band)."""
+        bm, bn = cfg[0], cfg[1]
+        if kind == "bwd_dkdv":
+            (lo, hi), (flo, fhi), step = self.tables.key_tiles(bn), self.tables.key_tiles_full(bn, bm), bm
+        else:
+            (lo, hi), (flo, fhi), step = self.tables.query_tiles(bm), self.tables.query_tiles_full(bm, bn), bn
+        n_iter = torch.where(hi > lo, (hi - lo + step - 1) // step, 0).sum().item()
+        return float(((fhi - flo) // step).sum().item()) / max(1.0, float(n_iter))
 
-def time_config(st: MixState, kind: str, cfg: Config, args, budget: Budget) -> dict[str, Any]:
-    """One row: ``cfg`` of kernel ``kind`` on one mix (untimed first call, then ``--iters`` timed)."""
-    row: dict[str, Any] = {"mix": st.mix, "kernel": kind, "config": list(cfg), "name": cfg_name(cfg)}
+
+def time_config(
+    st: MixState, kind: str, cfg: Config, mask_free: bool, args, budget: Budget
+) -> dict[str, Any]:
+    """One row: ``cfg`` of kernel ``kind`` with ``mask_free`` on one mix (untimed first call, then ``--iters``
+    timed)."""
+    row: dict[str, Any] = {
+        "mix": st.mix,
+        "kernel": kind,
+        "config": list(cfg),
+        "name": cfg_name(cfg),
+        "mask_free": mask_free,
+    }
     row["work_eff"] = st.work_efficiency(kind, cfg)
+    row["mask_free_share"] = st.mask_free_share(kind, cfg)
     if budget.left() <= 0:
         row["skipped"] = "time budget spent"
         return row
-    fn = st.launcher(kind, cfg)
+    fn = st.launcher(kind, cfg, mask_free)
     try:
         with torch.no_grad():
             t1 = time.perf_counter()
@@ -220,19 +254,74 @@ def time_config(st: MixState, kind: str, cfg: Config, args, budget: Budget) -> d
     return row
 
 
-def finish(st: MixState, small: bool) -> dict[str, Any]:
-    """The mix's record: its rows, the best config of each kernel, the estimated fwd+bwd TFLOP/s."""
-    best: dict[str, Any] = {}
+def _best_rows(rows: list[dict[str, Any]], mask_free: bool) -> dict[str, dict[str, Any]]:
+    """Per kernel, the fastest timed row with this ``mask_free`` setting."""
+    best = {}
     for kind in KINDS:
-        timed = [r for r in st.rows if r["kernel"] == kind and "ms" in r]
+        timed = [r for r in rows if r["kernel"] == kind and r["mask_free"] == mask_free and "ms" in r]
         if timed:
-            b = min(timed, key=lambda r: r["ms"])
-            default = next((r for r in timed if tuple(r["config"]) == grids(small)[kind][0]), None)
-            best[kind] = {
-                "config": b["config"],
-                "ms": b["ms"],
-                "default_ms": default["ms"] if default else None,
+            best[kind] = min(timed, key=lambda r: r["ms"])
+    return best
+
+
+def _best_total(rows: list[dict[str, Any]], mask_free: bool) -> float:
+    """Sum over the three kernels of the best time at ``mask_free`` (inf if a kernel has none)."""
+    best = _best_rows(rows, mask_free)
+    return sum(r["ms"] for r in best.values()) if len(best) == len(KINDS) else float("inf")
+
+
+def mask_free_gains(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per kernel: best mask-free time vs best masked-only time over the grid, and the gain at the config that
+    is best mask-free (masked-only ms / mask-free ms; > 1: the split pays)."""
+    gains: dict[str, Any] = {}
+    on, off = _best_rows(rows, True), _best_rows(rows, False)
+    for kind in KINDS:
+        if kind in on and kind in off:
+            same = next(
+                (
+                    r
+                    for r in rows
+                    if r["kernel"] == kind
+                    and not r["mask_free"]
+                    and r["config"] == on[kind]["config"]
+                    and "ms" in r
+                ),
+                None,
+            )
+            gains[kind] = {
+                "best_on": on[kind]["name"],
+                "best_on_ms": on[kind]["ms"],
+                "best_off": off[kind]["name"],
+                "best_off_ms": off[kind]["ms"],
+                "gain_best": off[kind]["ms"] / on[kind]["ms"],
+                "gain_same_config": same["ms"] / on[kind]["ms"] if same else None,
+                "mask_free_share": on[kind]["mask_free_share"],
             }
+    return gains
+
+
+def finish(st: MixState, small: bool, mf_values: tuple[bool, ...]) -> dict[str, Any]:
+    """The mix's record: its rows, the mask-free gains, the best config of each kernel (at the ``mask_free``
+    setting with the smaller summed best time), the estimated fwd+bwd TFLOP/s."""
+    mask_free = min(mf_values, key=lambda mf: _best_total(st.rows, mf))
+    best: dict[str, Any] = {}
+    for kind, b in _best_rows(st.rows, mask_free).items():
+        default = next(
+            (
+                r
+                for r in st.rows
+                if r["kernel"] == kind
+                and r["mask_free"] == mask_free
+                and tuple(r["config"]) == grids(small)[kind][0]
+                and "ms" in r
+            ),
+            None,
+        )
+        best[kind] = {
+            "config": b["config"],
+            "ms": b["ms"],
+            "default_ms": default["ms"] if default else None,
+        }
     record: dict[str, Any] = {
         "mix": st.mix,
         "H": st.heads,
@@ -246,6 +335,8 @@ def finish(st: MixState, small: bool) -> dict[str, Any]:
         "tables_ms": st.table_ms,
         "delta_ms": st.delta_ms,
         "rows": st.rows,
+        "mask_free": mask_free,
+        "mask_free_gain": mask_free_gains(st.rows),
         "best": best,
     }
     if len(best) == len(KINDS):
@@ -253,31 +344,37 @@ def finish(st: MixState, small: bool) -> dict[str, Any]:
         bwd_ms = st.delta_ms + best["bwd_dkdv"]["ms"] + best["bwd_dq"]["ms"]
         record["best_fwd_tflops"] = st.flops / fwd_ms / 1e9
         record["best_fwd_bwd_tflops_est"] = 3.5 * st.flops / (fwd_ms + bwd_ms) / 1e9
-        record["best_env"] = st.ts.TritonShortConfig(**{k: tuple(best[k]["config"]) for k in KINDS}).to_json()
+        record["best_env"] = st.ts.TritonShortConfig(
+            **{k: tuple(best[k]["config"]) for k in KINDS}, mask_free=mask_free
+        ).to_json()
     record["_tensors"] = (st.q, st.k, st.v, st.dout, st.cu, st.lengths)
     return record
 
 
-def overall(records: list[dict[str, Any]], small: bool) -> dict[str, Config]:
-    """Per kernel, the config that ran on every mix with the smallest sum over mixes of ``ms / best ms``."""
+def overall_mask_free(records: list[dict[str, Any]], mf_values: tuple[bool, ...]) -> bool:
+    """The ``mask_free`` setting with the smaller sum over mixes of the three kernels' best times."""
+    return min(mf_values, key=lambda mf: sum(_best_total(rec["rows"], mf) for rec in records))
+
+
+def overall(records: list[dict[str, Any]], small: bool, mask_free: bool = True) -> dict[str, Config]:
+    """Per kernel, the config that ran on every mix with the smallest sum over mixes of ``ms / best ms`` (rows
+    and bests at ``mask_free``)."""
     pick: dict[str, Config] = {}
     for kind in KINDS:
         scores: dict[Config, float] = {}
         for cfg in grids(small)[kind]:
             total = 0.0
             for rec in records:
+                rows = [r for r in rec["rows"] if r["mask_free"] == mask_free]
                 row = next(
-                    (
-                        r
-                        for r in rec["rows"]
-                        if r["kernel"] == kind and tuple(r["config"]) == cfg and "ms" in r
-                    ),
+                    (r for r in rows if r["kernel"] == kind and tuple(r["config"]) == cfg and "ms" in r),
                     None,
                 )
-                if row is None or kind not in rec["best"]:
+                best = _best_rows(rows, mask_free).get(kind)
+                if row is None or best is None:
                     total = float("inf")
                     break
-                total += row["ms"] / rec["best"][kind]["ms"]
+                total += row["ms"] / best["ms"]
             scores[cfg] = total
         finite = {c: s for c, s in scores.items() if s != float("inf")}
         if finite:
@@ -345,19 +442,54 @@ def print_mix(rec: dict[str, Any]) -> None:
     nan = float("nan")
     for r in rec["rows"]:
         note = r.get("error") or r.get("skipped") or ""
+        off = next(
+            (
+                o
+                for o in rec["rows"]
+                if r["mask_free"]
+                and not o["mask_free"]
+                and o["kernel"] == r["kernel"]
+                and o["config"] == r["config"]
+                and "ms" in o
+            ),
+            None,
+        )
+        gain = off["ms"] / r["ms"] if off and "ms" in r else nan
         body.append(
             [
                 r["kernel"],
                 r["name"],
+                mf_name(r["mask_free"]),
                 r.get("ms", nan),
+                gain,
                 r.get("tflops", nan),
                 r.get("work_eff", nan),
+                r.get("mask_free_share", nan),
                 r.get("first_call_s", nan),
                 note,
             ]
         )
-    headers = ["kernel", "config", "ms", "fwd TFLOP/s", "useful/computed", "first call s", "note"]
+    headers = [
+        "kernel",
+        "config",
+        "mask_free",
+        "ms",
+        "mf gain",
+        "fwd TFLOP/s",
+        "useful/computed",
+        "mask-free iters",
+        "first call s",
+        "note",
+    ]
     print(markdown_table(headers, body))
+    for kind, g in rec["mask_free_gain"].items():
+        same = f"; at {g['best_on']} {g['gain_same_config']:.2f}x" if g["gain_same_config"] else ""
+        print(
+            f"- mask-free gain {kind}: best on {g['best_on']} {g['best_on_ms']:.3f} ms vs best off "
+            f"{g['best_off']} {g['best_off_ms']:.3f} ms = {g['gain_best']:.2f}x{same} "
+            f"({g['mask_free_share']:.0%} of its tile iterations mask-free)"
+        )
+    print(f"- best below with mask_free {mf_name(rec['mask_free'])}")
     for kind, b in rec["best"].items():
         gain = f" ({b['default_ms'] / b['ms']:.2f}x the default)" if b["default_ms"] else ""
         print(f"- best {kind}: {cfg_name(tuple(b['config']))} {b['ms']:.3f} ms{gain}")
@@ -385,6 +517,12 @@ def main(argv: list[str] | None = None) -> int:
         "--time-budget", type=float, default=200.0, help="seconds for the sweep (then skip the rest)"
     )
     p.add_argument("--check-docs", type=int, default=64, help="documents of the fp32 baseline check")
+    p.add_argument(
+        "--mask-free",
+        choices=sorted(MASK_FREE_CHOICES),
+        default="both",
+        help="time every config with the mask-free tiles on and off (both), or one setting",
+    )
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -409,11 +547,13 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         p.error(f"triton_short cannot run on {device}: {reason}")
     heads, kv_heads = parse_heads(args.heads)[0]
+    mf_values = MASK_FREE_CHOICES[args.mask_free]
     real = read_lengths_file(args.lengths_file) if args.lengths_file else None
     budget = Budget(args.time_budget)
     print(
         f"# triton_short config sweep, {args.device} {args.dtype}, T={args.tokens}, H={heads}/{kv_heads}, "
-        f"D={args.head_dim}, causal; budget {args.time_budget:.0f} s; BLOCKS default {ts.BLOCKS}"
+        f"D={args.head_dim}, causal; mask_free {'/'.join(mf_name(m) for m in mf_values)}; "
+        f"budget {args.time_budget:.0f} s; BLOCKS default {ts.BLOCKS}"
     )
     states = []
     for mix in [m for m in args.mixes.split(",") if m]:
@@ -431,26 +571,44 @@ def main(argv: list[str] | None = None) -> int:
     # tails evenly across the mixes
     for kind, grid in grids(args.small).items():
         for cfg in grid:
-            for st in states:
-                st.rows.append(time_config(st, kind, cfg, args, budget))
-        partial = [{k: v for k, v in finish(st, args.small).items() if k != "_tensors"} for st in states]
+            for mask_free in mf_values:
+                for st in states:
+                    st.rows.append(time_config(st, kind, cfg, mask_free, args, budget))
+        partial = [
+            {k: v for k, v in finish(st, args.small, mf_values).items() if k != "_tensors"} for st in states
+        ]
         write_json(
             args.out, {"machine": machine_info(device), "args": vars(args), "records": partial}
         )  # if killed
         print(f"  swept {kind}; {budget.left():.0f} s of the budget left", file=sys.stderr, flush=True)
-    records = [finish(st, args.small) for st in states]
+    records = [finish(st, args.small, mf_values) for st in states]
     for rec in records:
         print_mix(rec)
-    pick = overall(records, args.small)
-    overall_env = ts.TritonShortConfig(**pick).to_json() if pick else None
+    overall_mf = overall_mask_free(records, mf_values)
+    pick = overall(records, args.small, overall_mf)
+    overall_env = ts.TritonShortConfig(**pick, mask_free=overall_mf).to_json() if pick else None
+    print("\n## mask-free gain per kernel (best masked-only ms / best mask-free ms; >1: the split pays)")
+    gain_rows = [
+        [rec["mix"], kind, g["gain_best"], g["gain_same_config"] or float("nan"), g["mask_free_share"]]
+        for rec in records
+        for kind, g in rec["mask_free_gain"].items()
+    ]
+    if gain_rows:
+        print(
+            markdown_table(
+                ["mix", "kernel", "gain (bests)", "gain (same config)", "mask-free iters"], gain_rows
+            )
+        )
     print(f"\n## overall (smallest summed slowdown over the mixes): {overall_env}")
     if not args.no_check:
         for rec in records:
-            configs: dict[str, Any] = {"default": ts.TritonShortConfig()}
+            configs: dict[str, Any] = {"default": ts.TritonShortConfig(mask_free=mf_values[0])}
+            if len(mf_values) > 1:
+                configs["default_mask_free_off"] = ts.TritonShortConfig(mask_free=False)
             if "best_env" in rec:
                 configs["best_of_mix"] = ts.TritonShortConfig.from_json(rec["best_env"])
             if pick:
-                configs["overall"] = ts.TritonShortConfig(**pick)
+                configs["overall"] = ts.TritonShortConfig(**pick, mask_free=overall_mf)
             rec["check"] = check(rec, configs, args)
             print(f"- check {rec['mix']}: {rec['check']}")
             sync(device)
@@ -468,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
             "grids": {k: [list(c) for c in g] for k, g in grids(args.small).items()},
             "records": records,
             "overall": {k: list(v) for k, v in pick.items()},
+            "overall_mask_free": overall_mf,
             "overall_env": overall_env,
         },
     )

@@ -9,6 +9,8 @@ tests/attn/test_attn_gpu.py (error at most k x plain PyTorch's own low-precision
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
@@ -78,9 +80,9 @@ def _reference_lse(q, k, cu_q, cu_k, *, causal, window_size, scale):
     return lse
 
 
-def _run(q, k, v, dout, cu_q, cu_k, causal, window, scale=None):
+def _run(q, k, v, dout, cu_q, cu_k, causal, window, scale=None, config=None):
     out, lse = ts.triton_short_attention(
-        q, k, v, cu_q, cu_k, causal=causal, window_size=window, softmax_scale=scale
+        q, k, v, cu_q, cu_k, causal=causal, window_size=window, softmax_scale=scale, config=config
     )
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     return out, lse, dq, dk, dv
@@ -111,8 +113,12 @@ CASES = [
 
 @pytest.mark.parametrize("lens_q,lens_k,causal,window,h,hkv,d", CASES)
 def test_fp32_matches_fp64_reference(lens_q, lens_k, causal, window, h, hkv, d):
+    _assert_fp32_matches_fp64(lens_q, lens_k, causal, window, h, hkv, d)
+
+
+def _assert_fp32_matches_fp64(lens_q, lens_k, causal, window, h, hkv, d, config=None):
     q, k, v, dout, cu_q, cu_k = _inputs(lens_q, lens_k, h, hkv, d, torch.float32)
-    got = _run(q, k, v, dout, cu_q, cu_k, causal, window, scale=0.3)
+    got = _run(q, k, v, dout, cu_q, cu_k, causal, window, scale=0.3, config=config)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     out, dq, dk, dv = _reference(q64, k64, v64, dout.double(), cu_q, cu_k, causal, window, scale=0.3)
     lse = _reference_lse(q64, k64, cu_q, cu_k, causal=causal, window_size=window, scale=0.3)
@@ -121,6 +127,139 @@ def test_fp32_matches_fp64_reference(lens_q, lens_k, causal, window, h, hkv, d):
     torch.testing.assert_close(got[1].double(), lse, rtol=1e-5, atol=1e-5)  # +inf where no key, on both
     for name, g, want in zip(("dq", "dk", "dv"), got[2:], (dq, dk, dv)):
         torch.testing.assert_close(g.double(), want, rtol=1e-5, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    return got
+
+
+# -- mask-free tiles (tiles wholly inside one document's visible band skip the mask) --------------------------
+
+CFG_A = {"fwd": (32, 16, 4, 1), "bwd_dkdv": (16, 32, 4, 1), "bwd_dq": (32, 16, 4, 1)}
+CFG_B = {"fwd": (16, 32, 4, 1), "bwd_dkdv": (32, 16, 4, 1), "bwd_dq": (16, 32, 4, 1)}
+MASK_FREE_CASES = [
+    # (lens_q, lens_k, causal, window, h, hkv, d, launch configs): long documents, so tiles lie wholly inside one
+    pytest.param([200, 7, 1, 1, 40], None, True, (-1, -1), 4, 2, 16, CFG_A, id="long-doc-gqa"),
+    pytest.param([1, 150, 17, 1, 33], None, True, (70, -1), 2, 1, 16, CFG_B, id="causal-window-1-token-docs"),
+    pytest.param([120, 9], None, False, (20, 45), 2, 2, 24, CFG_A, id="noncausal-window-d24"),
+    # Tq = Tk = 108: the padded last query tile and key tile both run mask-free ([75, 107))
+    pytest.param([70, 5, 33], None, False, (-1, -1), 2, 1, 16, CFG_B, id="noncausal"),
+    pytest.param([30, 2, 64], [64, 40, 70], True, (-1, -1), 2, 1, 16, CFG_A, id="q!=k-bottom-right"),
+]
+
+
+def _full_tile_counts(lens_q, lens_k, causal, window, cfg):
+    """Mask-free loop iterations of each kernel (tiles x steps) under ``cfg`` for these lengths."""
+    lens_k = lens_q if lens_k is None else lens_k
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    win = (window[0], 0 if causal else window[1])
+    tables = ts.TritonShortTables.build(cu_q, cu_k, sum(lens_q), sum(lens_k), causal=causal, window_size=win)
+    (fm, fn), (km, kn), (qm, qn) = (cfg[kind][:2] for kind in ("fwd", "bwd_dkdv", "bwd_dq"))
+    counts = {}
+    for kind, (lo, hi), step in (
+        ("fwd", tables.query_tiles_full(fm, fn), fn),
+        ("bwd_dkdv", tables.key_tiles_full(kn, km), km),
+        ("bwd_dq", tables.query_tiles_full(qm, qn), qn),
+    ):
+        counts[kind] = int(((hi - lo) // step).sum())
+    return counts
+
+
+@pytest.mark.parametrize("mask_free", [True, False], ids=["mask-free", "masked-only"])
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,h,hkv,d,cfg", MASK_FREE_CASES)
+def test_mask_free_on_and_off_match_fp64_reference(lens_q, lens_k, causal, window, h, hkv, d, cfg, mask_free):
+    """Both loop splits are exact on cases whose every kernel has mask-free tiles (asserted, so the case
+    really runs loop 2), crossing tile and document edges, with windows, q != k lengths, GQA, a padded D."""
+    counts = _full_tile_counts(lens_q, lens_k, causal, window, cfg)
+    assert min(counts.values()) > 0, counts
+    _assert_fp32_matches_fp64(
+        lens_q, lens_k, causal, window, h, hkv, d, ts.TritonShortConfig(**cfg, mask_free=mask_free)
+    )
+
+
+def test_mask_free_and_masked_only_agree_bitwise():
+    """Loop 2 does the same arithmetic as the masked loop on a tile where the mask keeps everything."""
+    lens = [200, 7, 1, 1, 40]
+    q, k, v, dout, cu, _ = _inputs(lens, None, 4, 2, 16, torch.float32)
+    on, off = (
+        _run(q, k, v, dout, cu, cu, True, (-1, -1), config=ts.TritonShortConfig(**CFG_B, mask_free=mf))
+        for mf in (True, False)
+    )
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), on, off):
+        assert torch.equal(a, b), name
+
+
+def test_shared_and_full_tile_tables_hand_computed():
+    """Documents [40, 8, 100] (A = [0, 40), B = [40, 48), C = [48, 148)), causal, 16-row tiles, Tq = 148: the
+    last tile has 12 padded rows, which must not empty its range."""
+    cu = torch.tensor([0, 40, 48, 148], dtype=torch.int32)
+    tables = ts.TritonShortTables.build(cu, cu, 148, 148, causal=True, window_size=(-1, 0))
+    big = ts._BIG
+    lo, hi = tables.query_tiles_shared(16)  # keys every query of the tile sees: [doc start, first query + 1)
+    assert lo.tolist() == [0, 0, big, 48, 48, 48, 48, 48, 48, 48]  # tile 2 holds A and B: empty
+    assert hi.tolist() == [1, 17, 0, 49, 65, 81, 97, 113, 129, 145]
+    tlo, thi = tables.query_tiles(16)
+    assert tlo.tolist() == [0, 0, 0, 48, 48, 48, 48, 48, 48, 48]
+    assert thi.tolist() == [16, 32, 48, 64, 80, 96, 112, 128, 144, 148]
+    # key steps of 16 from the tile's lo: whole steps inside [lo, hi) of the shared range; none -> [hi, hi)
+    lo, hi = tables.query_tiles_full(16, 16)
+    assert lo.tolist() == [16, 0, 48, 64, 48, 48, 48, 48, 48, 48]
+    assert hi.tolist() == [16, 16, 48, 64, 64, 80, 96, 112, 128, 144]  # last tile: [48, 144), then [144, 148)
+    lo, hi = tables.query_tiles_full(16, 32)  # steps of 32 from lo: tile 4's 17 shared keys hold none
+    assert lo.tolist() == [16, 32, 48, 64, 80, 48, 48, 48, 48, 48]
+    assert hi.tolist() == [16, 32, 48, 64, 80, 80, 80, 112, 112, 144]
+    # key tiles: queries that see every key of the tile = [last key, doc end)
+    lo, hi = tables.key_tiles_shared(16)
+    assert lo.tolist() == [15, 31, big, 63, 79, 95, 111, 127, 143, 147]
+    assert hi.tolist() == [40, 40, 0, 148, 148, 148, 148, 148, 148, 148]
+    lo, hi = tables.key_tiles_full(16, 16)  # query steps from key_tiles' lo [0, 16, 32, 48, ...]
+    assert lo.tolist() == [16, 40, 48, 64, 80, 96, 112, 128, 148, 148]
+    assert hi.tolist() == [32, 40, 48, 144, 144, 144, 144, 144, 148, 148]
+    # a window of 20 keys: tile 5 (queries 80..95) sees [75, 81) in common, too few for a whole step
+    windowed = ts.TritonShortTables.build(cu, cu, 148, 148, causal=True, window_size=(20, 0))
+    lo, hi = windowed.query_tiles_shared(16)
+    assert (lo[5].item(), hi[5].item()) == (75, 81)
+    lo, hi = windowed.query_tiles_full(16, 16)
+    assert torch.equal(lo, windowed.query_tiles(16)[1]) and torch.equal(hi, lo)  # no mask-free tile anywhere
+
+
+@pytest.mark.parametrize("mask_free", [True, False], ids=["mask-free", "masked-only"])
+def test_negative_control_mask_free_loop_reads_no_document_ids(mask_free):
+    """Corrupt the document ids of tokens that a kernel visits only in mask-free tiles: with the mask-free
+    split those rows keep the exact result (loop 2 is taken and reads no id); masked-only, they change. Rows
+    whose masked tiles read the corrupted ids change either way (the corruption is real)."""
+    # query tiles 1-5 (rows 16..95) see keys 0..15 mask-free; key tiles 0-1 see queries 32..47
+    lens = [100, 20]
+    q, k, v, dout, cu, _ = _inputs(lens, None, 2, 1, 16, torch.float32)
+    tables = ts.TritonShortTables.build(cu, cu, 120, 120, causal=True, window_size=(-1, 0))
+    lo, hi = tables.query_tiles_full(16, 16)
+    assert lo[1:6].tolist() == [0] * 5 and min(hi[1:6].tolist()) >= 16
+    lo, hi = tables.key_tiles_full(16, 16)
+    assert max(lo[:2].tolist()) <= 32 and min(hi[:2].tolist()) >= 48
+    bad_k, bad_q = tables.doc_k.clone(), tables.doc_q.clone()
+    bad_k[:16] = 7  # no document 7
+    bad_q[32:48] = 7
+    leaky_k = dataclasses.replace(tables, doc_k=bad_k, _tiles={}, _full_tiles={})
+    leaky_q = dataclasses.replace(tables, doc_q=bad_q, _tiles={}, _full_tiles={})
+    cfg = ts.TritonShortConfig(mask_free=mask_free)
+    args = (True, (-1, 0), 0.25, cfg)
+    with torch.no_grad():
+        out, lse = ts._forward(q, k, v, tables, *args)
+        out_k = ts._forward(q, k, v, leaky_k, *args)[0]
+        dq, dk, dv = ts._backward(dout, q, k, v, out, lse, tables, *args)
+        # same out / lse: only the dQ kernel's reads differ
+        dq_k = ts._backward(dout, q, k, v, out, lse, leaky_k, *args)[0]
+        _, dk_q, dv_q = ts._backward(dout, q, k, v, out, lse, leaky_q, *args)
+
+    def diff(a, b):
+        return (a - b).abs().max().item()
+
+    assert diff(out_k[:16], out[:16]) > 1e-2 and diff(dq_k[:16], dq[:16]) > 1e-2  # diagonal tiles: masked
+    assert diff(dk_q[32:48], dk[32:48]) > 1e-2 and diff(dv_q[32:48], dv[32:48]) > 1e-2
+    pairs = [(out_k[16:96], out[16:96]), (dq_k[16:96], dq[16:96]), (dk_q[:32], dk[:32]), (dv_q[:32], dv[:32])]
+    for name, (bad, good) in zip(("out", "dq", "dk", "dv"), pairs):
+        if mask_free:
+            assert torch.equal(bad, good), name
+        else:
+            assert diff(bad, good) > 1e-2, name
 
 
 LOW_PRECISION_CASES = [
@@ -252,6 +391,11 @@ def test_config_from_env_json_and_validation(monkeypatch):
     assert cfg.blocks("fwd", 128) == (32, 16, 2, 3) and cfg.blocks("bwd_dq", 64) == (16, 32, 4, 1)
     assert cfg.blocks("bwd_dkdv", 16) == SMALL_BLOCKS["bwd_dkdv"][256]  # left out: BLOCKS
     assert ts.TritonShortConfig.from_json(cfg.to_json()) == cfg
+    assert cfg.mask_free and json.loads(cfg.to_json())["mask_free"] is True  # default: on
+    monkeypatch.setenv(ts.CONFIG_ENV, '{"mask_free": false, "fwd": [32, 16, 2, 3]}')
+    off = ts.active_config()
+    assert off == ts.TritonShortConfig(fwd=(32, 16, 2, 3), mask_free=False)
+    assert ts.TritonShortConfig.from_json(off.to_json()) == off
     explicit = ts.TritonShortConfig(fwd=(64, 64, 4, 2))
     assert ts.active_config(explicit) is explicit  # an argument wins over the variable
     for bad, match in [
@@ -264,6 +408,8 @@ def test_config_from_env_json_and_validation(monkeypatch):
         ('{"fwd": [16, 16, 4, 0]}', "num_stages"),
         ('{"fwd": [16, 16, 4]}', "BLOCK_M, BLOCK_N"),
         ('{"fwd": {"BLOCK_M": 16}}', "exactly the keys"),
+        ('{"mask_free": 1}', "mask_free must be true or false"),
+        ('{"mask_free": "false"}', "mask_free must be true or false"),
     ]:
         monkeypatch.setenv(ts.CONFIG_ENV, bad)
         with pytest.raises(ValueError, match=match):
@@ -288,6 +434,7 @@ def test_config_override_is_used_and_exact(monkeypatch, how):
         out, _ = ts.triton_short_attention(q, k, v, cu, cu, config=cfg if how == "argument" else None)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert set(tables._tiles) == {("q", 32), ("k", 32)}
+    assert {k for k in tables._full_tiles if "_full" in k[0]} == {("q_full", 32, 16), ("k_full", 32, 16)}
     want = _reference(q, k, v, dout, cu, cu, True, (-1, -1))
     for g, w in zip((out, dq, dk, dv), want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-5)

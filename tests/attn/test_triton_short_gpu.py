@@ -1,7 +1,10 @@
-"""``triton_short`` compiled on the GPU with non-default launch configurations (issue 17's tuning sweep): larger
-tiles than ``BLOCKS`` must give the same results, by tests/attn/test_attn_gpu.py's fp32-truth rule."""
+"""``triton_short`` compiled on the GPU with non-default launch configurations (issue 17's tuning sweep) and with
+the mask-free tiles on and off: larger tiles than ``BLOCKS`` and both loop splits must give the same results,
+by tests/attn/test_attn_gpu.py's fp32-truth rule; a negative control shows the compiled mask-free loop is taken."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -22,23 +25,89 @@ CONFIGS = [  # (config, head dim): three compilations of each kernel, beside the
         {"fwd": (128, 128, 8, 2), "bwd_dkdv": (64, 128, 8, 2), "bwd_dq": (128, 64, 8, 2)}, 128, id="largest"
     ),
 ]
+MASK_FREE = pytest.mark.parametrize("mask_free", [True, False], ids=["mask-free", "masked-only"])
 
 
-@pytest.mark.parametrize("cfg,d", CONFIGS)
-def test_configs_match_reference(cfg, d):
+def _check(lens, h, hkv, d, config, causal=True, window=(-1, -1), name="triton_short"):
     from varpack.attn import triton_short as ts
 
-    lens = [37, 1, 300, 128, 5, 64, 65, 2]
-    q, k, v, dout, cu, _, _ = _inputs(lens, None, 4, 2, d, torch.bfloat16)
+    q, k, v, dout, cu, _, _ = _inputs(lens, None, h, hkv, d, torch.bfloat16)
     cu = cu.cuda()
-    config = ts.TritonShortConfig(**cfg)
     got = _fwd_bwd(
-        lambda a, b, c: ts.triton_short_attention(a, b, c, cu, cu, config=config)[0], q, k, v, dout
-    )
+        lambda a, b, c: ts.triton_short_attention(
+            a, b, c, cu, cu, causal=causal, window_size=window, config=config
+        )[0],
+        q, k, v, dout,
+    )  # fmt: skip
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    truth = _fwd_bwd(lambda a, b, c: reference_varlen_attention(a, b, c, cu, cu), q32, k32, v32, dout.float())
-    plain = _fwd_bwd(lambda a, b, c: reference_varlen_attention(a, b, c, cu, cu, upcast=False), q, k, v, dout)
+    kw = {"causal": causal, "window_size": window}
+    truth = _fwd_bwd(
+        lambda a, b, c: reference_varlen_attention(a, b, c, cu, cu, **kw), q32, k32, v32, dout.float()
+    )
+    plain = _fwd_bwd(
+        lambda a, b, c: reference_varlen_attention(a, b, c, cu, cu, upcast=False, **kw), q, k, v, dout
+    )
     for i, what in enumerate(("out", "dq", "dk", "dv")):
-        _check_fp32_truth(
-            f"triton_short {cfg} {what}", got[i], truth[i], plain[i], torch.bfloat16, 2 if i == 0 else 3
-        )
+        _check_fp32_truth(f"{name} {what}", got[i], truth[i], plain[i], torch.bfloat16, 2 if i == 0 else 3)
+    return got
+
+
+@MASK_FREE
+@pytest.mark.parametrize("cfg,d", CONFIGS)
+def test_configs_match_reference(cfg, d, mask_free):
+    from varpack.attn import triton_short as ts
+
+    config = ts.TritonShortConfig(**cfg, mask_free=mask_free)
+    _check([37, 1, 300, 128, 5, 64, 65, 2], 4, 2, d, config, name=f"triton_short {cfg} mask_free={mask_free}")
+
+
+@pytest.mark.parametrize(
+    "causal,window",
+    [(True, (-1, -1)), (True, (256, -1)), (False, (-1, -1))],
+    ids=["causal", "window", "full"],
+)
+def test_mask_free_on_and_off_long_and_short_documents(causal, window):
+    """bf16, D = 128, the default launch configs (``BLOCKS``): long documents (whose off-diagonal tiles run
+    mask-free; asserted from the tables) beside short ones, both splits against fp32 truth."""
+    from varpack.attn import triton_short as ts
+
+    lens = [1000, 37, 1, 300, 128, 5, 2000, 64, 65, 2, 700]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    win = (window[0], 0 if causal else window[1])
+    tables = ts.TritonShortTables.build(cu, cu, sum(lens), sum(lens), causal=causal, window_size=win)
+    for kind in ts.KERNEL_KINDS:
+        bm, bn = ts.TritonShortConfig().blocks(kind, 128)[:2]
+        lo, hi = tables.key_tiles_full(bn, bm) if kind == "bwd_dkdv" else tables.query_tiles_full(bm, bn)
+        assert (hi > lo).any().item(), f"{kind}: no mask-free tile, the case does not test the split"
+    for mf in (True, False):
+        _check(lens, 8, 2, 128, ts.TritonShortConfig(mask_free=mf), causal, window, f"mask_free={mf}")
+
+
+def test_negative_control_compiled_mask_free_loop_reads_no_document_ids():
+    """Forward with the default configs on the GPU: corrupt the document ids of keys 0..63; the query tiles
+    whose mask-free run covers those keys keep a bitwise-equal output with the split on (the compiled loop 2
+    is taken and reads no id) and change with it off."""
+    from varpack.attn import triton_short as ts
+
+    lens = [1000, 200]
+    q, k, v, _, cu, _, _ = _inputs(lens, None, 4, 2, 128, torch.bfloat16)
+    cu = cu.cuda()
+    tables = ts.TritonShortTables.build(cu, cu, 1200, 1200, causal=True, window_size=(-1, 0))
+    bad = tables.doc_k.clone()
+    bad[:64] = 7  # no document 7
+    leaky = dataclasses.replace(tables, doc_k=bad, _tiles={}, _full_tiles={})
+    bm, bn = ts.TritonShortConfig().blocks("fwd", 128)[:2]
+    lo, hi = tables.query_tiles_full(bm, bn)
+    tiles = ((lo <= 0) & (hi >= 64)).nonzero().flatten().tolist()
+    assert len(tiles) > 4, tiles
+    rows = torch.cat([torch.arange(t * bm, (t + 1) * bm) for t in tiles]).cuda()
+    with torch.no_grad():
+        for mask_free in (True, False):
+            args = (True, (-1, 0), 128**-0.5, ts.TritonShortConfig(mask_free=mask_free))
+            good = ts._forward(q, k, v, tables, *args)[0]
+            leak = ts._forward(q, k, v, leaky, *args)[0]
+            assert (leak[:64] - good[:64]).abs().max().item() > 1e-2  # diagonal tile: masked either way
+            if mask_free:
+                assert torch.equal(leak[rows], good[rows])
+            else:
+                assert (leak[rows] - good[rows]).abs().max().item() > 1e-2

@@ -10,6 +10,20 @@ causal, and either bound is dropped when it is unbounded (``HAS_LEFT`` / ``HAS_R
 query tile (and the query range of a key tile, in the backward) comes from per-tile tables built once per
 batch (:mod:`varpack.attn.triton_short`), so a tile visits only the key tiles its documents can see.
 
+Masked and mask-free tiles (``MASK_FREE``): as in FlashAttention-2 (arXiv:2307.08691, causal masking: blocks
+wholly below the diagonal need no mask) and Triton's fused-attention tutorial (its off-diagonal and diagonal
+stages), each kernel splits its tile loop in three. A query tile's key tiles run from its ``lo`` in steps of
+``BLOCK_N``; those lying wholly inside ``[max_i key_lo[i], min_i key_hi[i])`` (the keys that every query of
+the tile sees: one document, inside every query's band) form the mask-free run ``[full_lo, full_hi)`` (a
+table per tile, on the same grid). Loop 1 ``[lo, full_lo)`` and
+loop 3 ``[full_hi, hi)`` apply the mask above and the ``< hi`` load bounds; loop 2 ``[full_lo, full_hi)``
+loads no document id, compares nothing and bounds no load except a padded head dim (and needs no ``-inf``
+guard: its scores are finite). A tile of several documents has no mask-free run (``full_lo = full_hi = hi``:
+one masked loop, as with ``MASK_FREE`` off). The dK / dV kernel does the same over its key tile's query
+tiles with ``[max_j query_lo[j], min_j query_hi[j])``. Padded rows of the last tile (past ``Tq`` / ``Tk``)
+do not narrow the range; in loop 2 they load zeros (bounded by the tile's own ``m_ok`` / ``n_ok``) and their
+results are not stored.
+
 Forward: FlashAttention-2's online softmax (exp2 with the scale folded into log2 units), storing the
 log-sum-exp ``lse`` (natural log, ``[H, Tq]`` fp32; ``+inf`` for a query that sees no key, whose output is 0,
 flash-attn's convention). Backward: FlashAttention-2's: ``delta = rowsum(dO * O)``, then one kernel per key
@@ -83,15 +97,70 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _load_d(ptrs, d_mask, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A tile load in a mask-free loop: masked only on the head dim, and only when it is padded."""
+    if HEAD_DIM == BLOCK_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=d_mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, start, end, hi, hk, qk_scale, left, right,
+    stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax update of one query tile over the key tiles ``start, start + BLOCK_N, .. < end``.
+
+    ``MASKED``: the document / band mask and the ``< hi`` bound are applied per element. Not ``MASKED``: every
+    key of these tiles is visible to every query of the tile (the caller's mask-free range), so no document
+    ids are loaded, no compare runs, and no score is ``-inf`` (no guard for an all-masked row)."""
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = K + offs_n[None, :] * stride_kt + hk * stride_kh + offs_d[:, None]
+        v_ptrs = V + offs_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :]
+        if MASKED:
+            n_ok = offs_n < hi
+            kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            s = _dot(q, kt, PRECISION, UPCAST) * qk_scale
+            doc_k = tl.load(DOC_K + offs_n, mask=n_ok, other=-2)
+            keep = _keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row with no key yet: no NaN from -inf - -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            kt = _load_d(kt_ptrs, d_ok[:, None], HEAD_DIM, BLOCK_D)
+            s = _dot(q, kt, PRECISION, UPCAST) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new  # finite: every score of the tile is
+            v = _load_d(v_ptrs, d_ok[None, :], HEAD_DIM, BLOCK_D)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def attn_fwd(
-    Q, K, V, OUT, LSE, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI,
+    Q, K, V, OUT, LSE, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI,
     qk_scale,  # softmax_scale * log2(e)
     total_q, left, right,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_FREE: tl.constexpr,
 ):  # fmt: skip
+    """Output and lse of one query tile and head: key tiles ``[lo, hi)`` in steps of ``BLOCK_N``, the
+    mask-free ones ``[FULL_LO, FULL_HI)`` without the mask when ``MASK_FREE`` (module docstring)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -110,28 +179,28 @@ def attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        kt = tl.load(
-            K + offs_n[None, :] * stride_kt + hk * stride_kh + offs_d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+    if MASK_FREE:
+        full_lo = tl.load(FULL_LO + pid_m)  # on the grid lo + k * BLOCK_N; hi when the tile has no full tile
+        full_hi = tl.load(FULL_HI + pid_m)
+    else:
+        full_lo = hi
+        full_hi = hi
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, lo, full_lo, hi, hk, qk_scale, left, right,
+        stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
+        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+    )  # fmt: skip
+    if MASK_FREE:
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, full_lo, full_hi, hi, hk, qk_scale, left, right,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
+            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False,
         )  # fmt: skip
-        s = _dot(q, kt, PRECISION, UPCAST) * qk_scale
-        doc_k = tl.load(DOC_K + offs_n, mask=n_ok, other=-2)
-        keep = _keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN from -inf - -inf
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + offs_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, full_hi, hi, hi, hk, qk_scale, left, right,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
+            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
         )  # fmt: skip
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
-        m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     # natural-log lse; +inf where the query sees no key (flash-attn), so the backward's exp(s - lse) is 0
@@ -161,17 +230,59 @@ def attn_bwd_preprocess(
 
 
 @triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, start, end, hi, qk_scale, left, right,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """dK / dV of one key tile accumulated over the query tiles ``start, start + BLOCK_M, .. < end`` of head
+    ``h``; not ``MASKED``: every query of these tiles sees every key of the tile (no mask, no bound)."""
+    for start_m in range(start, end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_ptrs = Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+        do_ptrs = DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :]
+        if MASKED:
+            m_ok = offs_m < hi
+            q_mask = m_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+            do = tl.load(do_ptrs, mask=q_mask, other=0.0)
+            doc_q = tl.load(DOC_Q + offs_m, mask=m_ok, other=-1)
+            lim = tl.load(LIM + offs_m, mask=m_ok, other=0)
+            lse = tl.load(LSE + h * stride_lh + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(DELTA + h * stride_lh + offs_m, mask=m_ok, other=0.0)
+            st = _dot(k, tl.trans(q), PRECISION, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
+            keep = tl.trans(_keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT))
+            pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)
+        else:
+            q = _load_d(q_ptrs, d_ok[None, :], HEAD_DIM, BLOCK_D)
+            do = _load_d(do_ptrs, d_ok[None, :], HEAD_DIM, BLOCK_D)
+            lse = tl.load(LSE + h * stride_lh + offs_m) * 1.4426950408889634
+            delta = tl.load(DELTA + h * stride_lh + offs_m)
+            st = _dot(k, tl.trans(q), PRECISION, UPCAST) * qk_scale
+            pt = tl.exp2(st - lse[None, :])
+        dv += _dot(pt.to(do.dtype), do, PRECISION, UPCAST)
+        dpt = _dot(v, tl.trans(do), PRECISION, UPCAST)
+        dst = pt * (dpt - delta[None, :])
+        dk += _dot(dst.to(q.dtype), q, PRECISION, UPCAST)
+    return dk, dv
+
+
+@triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI,
     qk_scale, sm_scale, total_q, total_k, left, right,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_FREE: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key tile and KV head: loop over the query tiles that can see it, for every query head
-    of the GQA group (transposed scores ``s^T = k q^T``, FlashAttention-2 algorithm 2)."""
+    of the GQA group (transposed scores ``s^T = k q^T``, FlashAttention-2 algorithm 2); with ``MASK_FREE``
+    the query tiles ``[FULL_LO, FULL_HI)`` that see the whole key tile skip the mask."""
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -184,31 +295,32 @@ def attn_bwd_dkdv(
     doc_k = tl.load(DOC_K + offs_n, mask=n_ok, other=-2)
     lo = tl.load(TILE_LO + pid_n)
     hi = tl.load(TILE_HI + pid_n)
+    if MASK_FREE:
+        full_lo = tl.load(FULL_LO + pid_n)  # on the grid lo + k * BLOCK_M; hi when no full query tile
+        full_hi = tl.load(FULL_HI + pid_n)
+    else:
+        full_lo = hi
+        full_hi = hi
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < hi
-            q_mask = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(
-                Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
-            )
-            do = tl.load(
-                DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=q_mask, other=0.0
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, lo, full_lo, hi, qk_scale, left,
+            right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
+            HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+        )  # fmt: skip
+        if MASK_FREE:
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_lo, full_hi, hi, qk_scale,
+                left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
+                HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False,
             )  # fmt: skip
-            doc_q = tl.load(DOC_Q + offs_m, mask=m_ok, other=-1)
-            lim = tl.load(LIM + offs_m, mask=m_ok, other=0)
-            lse = tl.load(LSE + h * stride_lh + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
-            delta = tl.load(DELTA + h * stride_lh + offs_m, mask=m_ok, other=0.0)
-            st = _dot(k, tl.trans(q), PRECISION, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
-            keep = tl.trans(_keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT))
-            pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)
-            dv += _dot(pt.to(do.dtype), do, PRECISION, UPCAST)
-            dpt = _dot(v, tl.trans(do), PRECISION, UPCAST)
-            dst = pt * (dpt - delta[None, :])
-            dk += _dot(dst.to(q.dtype), q, PRECISION, UPCAST)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_hi, hi, hi, qk_scale,
+                left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
+                HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+            )  # fmt: skip
     tl.store(
         DK + offs_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
         (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask,
@@ -220,16 +332,52 @@ def attn_bwd_dkdv(
 
 
 @triton.jit
+def _dq_tiles(
+    dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, start, end, hi, qk_scale, left, right,
+    stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query tile accumulated over the key tiles ``start, start + BLOCK_N, .. < end``; not
+    ``MASKED``: every key of these tiles is visible to every query of the tile (no mask, no bound)."""
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = K + offs_n[None, :] * stride_kt + hk * stride_kh + offs_d[:, None]
+        vt_ptrs = V + offs_n[None, :] * stride_vt + hk * stride_vh + offs_d[:, None]
+        if MASKED:
+            n_ok = offs_n < hi
+            kv_mask = n_ok[None, :] & d_ok[:, None]
+            kt = tl.load(kt_ptrs, mask=kv_mask, other=0.0)
+            vt = tl.load(vt_ptrs, mask=kv_mask, other=0.0)
+            doc_k = tl.load(DOC_K + offs_n, mask=n_ok, other=-2)
+            s = _dot(q, kt, PRECISION, UPCAST) * qk_scale
+            keep = _keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT)
+            p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
+        else:
+            kt = _load_d(kt_ptrs, d_ok[:, None], HEAD_DIM, BLOCK_D)
+            vt = _load_d(vt_ptrs, d_ok[:, None], HEAD_DIM, BLOCK_D)
+            s = _dot(q, kt, PRECISION, UPCAST) * qk_scale
+            p = tl.exp2(s - lse[:, None])
+        dp = _dot(do, vt, PRECISION, UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(kt.dtype), tl.trans(kt), PRECISION, UPCAST)
+    return dq
+
+
+@triton.jit
 def attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI,
+    Q, K, V, DO, LSE, DELTA, DQ, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI,
     qk_scale, sm_scale, total_q, left, right,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_FREE: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query tile and head: loop over the key tiles its documents can see."""
+    """dQ of one query tile and head: loop over the key tiles its documents can see; with ``MASK_FREE`` the
+    key tiles ``[FULL_LO, FULL_HI)`` that every query of the tile sees whole skip the mask."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
@@ -242,28 +390,34 @@ def attn_bwd_dq(
     do = tl.load(DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=q_mask, other=0.0)
     doc_q = tl.load(DOC_Q + offs_m, mask=m_ok, other=-1)
     lim = tl.load(LIM + offs_m, mask=m_ok, other=0)
+    # padded rows: lse +inf, so their p is 0 in the mask-free loop too (their dq is not stored anyway)
     lse = tl.load(LSE + h * stride_lh + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + h * stride_lh + offs_m, mask=m_ok, other=0.0)
     lo = tl.load(TILE_LO + pid_m)
     hi = tl.load(TILE_HI + pid_m)
+    if MASK_FREE:
+        full_lo = tl.load(FULL_LO + pid_m)
+        full_hi = tl.load(FULL_HI + pid_m)
+    else:
+        full_lo = hi
+        full_hi = hi
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        kv_mask = n_ok[None, :] & d_ok[:, None]
-        kt = tl.load(
-            K + offs_n[None, :] * stride_kt + hk * stride_kh + offs_d[:, None], mask=kv_mask, other=0.0
-        )
-        vt = tl.load(
-            V + offs_n[None, :] * stride_vt + hk * stride_vh + offs_d[:, None], mask=kv_mask, other=0.0
-        )
-        doc_k = tl.load(DOC_K + offs_n, mask=n_ok, other=-2)
-        s = _dot(q, kt, PRECISION, UPCAST) * qk_scale
-        keep = _keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT)
-        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
-        dp = _dot(do, vt, PRECISION, UPCAST)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(kt.dtype), tl.trans(kt), PRECISION, UPCAST)
+    dq = _dq_tiles(
+        dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, lo, full_lo, hi, qk_scale, left, right,
+        stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
+        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+    )  # fmt: skip
+    if MASK_FREE:
+        dq = _dq_tiles(
+            dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, full_lo, full_hi, hi, qk_scale, left, right,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
+            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False,
+        )  # fmt: skip
+        dq = _dq_tiles(
+            dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, full_hi, hi, hi, qk_scale, left, right,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
+            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+        )  # fmt: skip
     tl.store(
         DQ + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
         (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask,

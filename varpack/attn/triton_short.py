@@ -7,7 +7,11 @@ the block-diagonal (causal / window) mask is applied inside the tile from per-to
 128-token tile serves four 32-token documents. A query tile visits only the keys its documents can see: the
 per-tile key range (and, for the backward, the per-key-tile query range) is computed on the device from
 ``cu_seqlens`` once per batch and kept on the batch's :class:`varpack.varlen.VarlenMeta` (``meta.memo``);
-nothing is read on the host (no sync per layer).
+nothing is read on the host (no sync per layer). Tiles that lie wholly inside one document's visible band (the
+off-diagonal tiles of a long document) skip the per-element mask, as FlashAttention-2's and Triton's
+fused-attention tutorial's off-diagonal blocks do: the per-tile mask-free runs come from the same tables
+(:meth:`TritonShortTables.query_tiles_full`, :meth:`TritonShortTables.key_tiles_full`), switchable with
+:attr:`TritonShortConfig.mask_free`.
 
 Semantics are :func:`varpack.attn.varlen_attention`'s (flash-attn's ``flash_attn_varlen_func``): GQA / MQA
 (``H % Hkv == 0``), causal and non-causal with the bottom-right alignment when a document has different query
@@ -80,7 +84,8 @@ KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 #: environment variable read at every call (parsed once per distinct value): a JSON object overriding
 #: :data:`BLOCKS` for every head dim, e.g. ``{"fwd": [128, 64, 8, 2], "bwd_dq": [128, 32, 4, 2]}``; each value
 #: is ``[BLOCK_M, BLOCK_N, num_warps, num_stages]`` or ``{"BLOCK_M": .., "BLOCK_N": .., "num_warps": ..,
-#: "num_stages": ..}``; kinds left out keep :data:`BLOCKS`. Empty or unset: no override.
+#: "num_stages": ..}``; kinds left out keep :data:`BLOCKS`. ``"mask_free": true / false`` sets
+#: :attr:`TritonShortConfig.mask_free` (default true). Empty or unset: no override.
 CONFIG_ENV = "VARPACK_TRITON_SHORT_CONFIG"
 
 _FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -122,20 +127,26 @@ def _checked_blocks(kind: str, value: Any) -> tuple[int, int, int, int]:
 class TritonShortConfig:
     """Launch configurations of the three kernels, overriding :data:`BLOCKS` for every head dim.
 
-    Each field is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` or None (keep :data:`BLOCKS`). For
+    Each kernel field is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` or None (keep :data:`BLOCKS`). For
     ``bwd_dkdv``, ``BLOCK_N`` is the key tile a program owns and ``BLOCK_M`` the query tile it loops over; for
-    ``fwd`` and ``bwd_dq`` the reverse. Checked on construction (:func:`_checked_blocks`: ValueError).
+    ``fwd`` and ``bwd_dq`` the reverse. ``mask_free`` (all three kernels): tiles wholly inside one document's
+    visible band skip the per-element mask (module docstring of :mod:`varpack.attn._triton_short_kernels`);
+    False runs every tile masked (the same arithmetic: equal results; kept to measure the gain on the GPU).
+    Checked on construction (:func:`_checked_blocks`; ``mask_free`` a bool: ValueError).
     """
 
     fwd: tuple[int, int, int, int] | None = None
     bwd_dkdv: tuple[int, int, int, int] | None = None
     bwd_dq: tuple[int, int, int, int] | None = None
+    mask_free: bool = True
 
     def __post_init__(self) -> None:
         for kind in KERNEL_KINDS:
             value = getattr(self, kind)
             if value is not None:
                 object.__setattr__(self, kind, _checked_blocks(kind, value))
+        if not isinstance(self.mask_free, bool):
+            raise ValueError(f"triton_short config: mask_free must be true or false, got {self.mask_free!r}")
 
     @classmethod
     def from_json(cls, text: str) -> TritonShortConfig:
@@ -152,14 +163,23 @@ class TritonShortConfig:
             raise ValueError(f"triton_short config: {CONFIG_ENV} is not JSON ({exc}): {text!r}") from None
         if not isinstance(obj, dict):
             raise ValueError(f"triton_short config: need a JSON object of kernels, got {text!r}")
-        for kind in obj:
-            if kind not in KERNEL_KINDS:
-                raise ValueError(f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS}")
-        return cls(**{kind: _checked_blocks(kind, v) for kind, v in obj.items()})
+        kwargs: dict[str, Any] = {}
+        for kind, value in obj.items():
+            if kind == "mask_free":
+                kwargs[kind] = value  # checked by __post_init__ (a JSON bool)
+            elif kind in KERNEL_KINDS:
+                kwargs[kind] = _checked_blocks(kind, value)
+            else:
+                raise ValueError(
+                    f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS} (or mask_free)"
+                )
+        return cls(**kwargs)
 
     def to_json(self) -> str:
-        """The :data:`CONFIG_ENV` text of this config (kinds left None are omitted)."""
-        return json.dumps({k: list(getattr(self, k)) for k in KERNEL_KINDS if getattr(self, k) is not None})
+        """The :data:`CONFIG_ENV` text of this config (kinds left None are omitted; ``mask_free`` always in)."""
+        obj: dict[str, Any] = {k: list(v) for k in KERNEL_KINDS if (v := getattr(self, k)) is not None}
+        obj["mask_free"] = self.mask_free
+        return json.dumps(obj)
 
     def blocks(self, kind: str, head_dim: int) -> tuple[int, int, int, int]:
         """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of kernel ``kind`` at head dim ``head_dim``."""
@@ -230,8 +250,13 @@ class TritonShortTables:
         doc_q: ``[Tq]`` int32 document of every query token; doc_k: ``[Tk]`` of every key token.
         lim: ``[Tq]`` int32 key-stream position of each query's diagonal ``i + end_k[d] - end_q[d]``
             (bottom-right alignment; ``i`` in self-attention).
-        key_lo, key_hi: ``[Tq]`` int64 visible key range ``[key_lo, key_hi)`` of every query (empty: ``[BIG, 0)``).
-        query_lo, query_hi: ``[Tk]`` int64 range of the queries that see each key.
+        key_lo, key_hi: ``[Tq]`` int64 visible key range ``[key_lo, key_hi)`` of every query (empty: ``[BIG, 0)``);
+            every key of it is visible (one document, inside the band), which the mask-free tiles rely on.
+        query_lo, query_hi: ``[Tk]`` int64 range of the queries that see each key (the same, transposed).
+
+    Per-tile tables (cached per tile size, device ops only): :meth:`query_tiles` / :meth:`key_tiles` (the
+    union range a tile visits), :meth:`query_tiles_shared` / :meth:`key_tiles_shared` (the range every row of
+    the tile sees) and :meth:`query_tiles_full` / :meth:`key_tiles_full` (the mask-free run of loop tiles).
     """
 
     doc_q: torch.Tensor
@@ -242,6 +267,7 @@ class TritonShortTables:
     query_lo: torch.Tensor
     query_hi: torch.Tensor
     _tiles: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _full_tiles: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -308,6 +334,28 @@ class TritonShortTables:
         """``[cdiv(Tk, block_n)]`` int32 query range of every key tile (the queries that see any of its keys)."""
         return self._tile("k", block_n, self.query_lo, self.query_hi)
 
+    def query_tiles_shared(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[cdiv(Tq, block_m)]`` int64 key range ``[max key_lo, min key_hi)`` that every query of each tile
+        sees (intersection; padded rows past ``Tq`` left out). Empty -- queries of two documents, or a query
+        that sees nothing -- as the sentinel ``[BIG, 0)``."""
+        return self._shared("q", block_m, self.key_lo, self.key_hi)
+
+    def key_tiles_shared(self, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[cdiv(Tk, block_n)]`` int64 query range that sees every key of each key tile (as
+        :meth:`query_tiles_shared`)."""
+        return self._shared("k", block_n, self.query_lo, self.query_hi)
+
+    def query_tiles_full(self, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[cdiv(Tq, block_m)]`` int32 ``[full_lo, full_hi)``: the key tiles of the forward / dQ loop (grid
+        ``lo + k * block_n`` from :meth:`query_tiles`) that lie wholly inside :meth:`query_tiles_shared`, so
+        skip the mask. No such tile: ``full_lo = full_hi = hi`` (the whole loop masked)."""
+        return self._full("q", block_m, block_n, self.query_tiles, self.query_tiles_shared)
+
+    def key_tiles_full(self, block_n: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[cdiv(Tk, block_n)]`` int32 mask-free run of query tiles (grid ``lo + k * block_m``) of every key
+        tile in the dK / dV loop (as :meth:`query_tiles_full`)."""
+        return self._full("k", block_n, block_m, self.key_tiles, self.key_tiles_shared)
+
     def _tile(self, side: str, block: int, lo: torch.Tensor, hi: torch.Tensor):
         key = (side, block)
         if key not in self._tiles:
@@ -316,6 +364,28 @@ class TritonShortTables:
             hi_p = torch.nn.functional.pad(hi, (0, pad), value=0).view(-1, block).amax(1)
             self._tiles[key] = (lo_p.to(torch.int32).contiguous(), hi_p.to(torch.int32).contiguous())
         return self._tiles[key]
+
+    def _shared(self, side: str, block: int, lo: torch.Tensor, hi: torch.Tensor):
+        key = (side + "_shared", block)
+        if key not in self._full_tiles:
+            pad = -lo.shape[0] % block  # padded rows neutral: lo 0 for the max, hi BIG for the min
+            lo_p = torch.nn.functional.pad(lo, (0, pad), value=0).view(-1, block).amax(1)
+            hi_p = torch.nn.functional.pad(hi, (0, pad), value=_BIG).view(-1, block).amin(1)
+            self._full_tiles[key] = _empty_as_sentinel(lo_p, hi_p)
+        return self._full_tiles[key]
+
+    def _full(self, side: str, block: int, step: int, tiles, shared):
+        key = (side + "_full", block, step)
+        if key not in self._full_tiles:
+            lo, hi = (t.to(torch.int64) for t in tiles(block))
+            s_lo, s_hi = shared(block)
+            # first grid start >= s_lo, then as many whole steps as end <= s_hi (int64: sentinels don't overflow)
+            start = lo + torch.div(s_lo - lo + step - 1, step, rounding_mode="floor") * step
+            end = start + torch.div(s_hi - start, step, rounding_mode="floor") * step
+            some = (s_hi > s_lo) & (end > start)
+            start, end = torch.where(some, start, hi), torch.where(some, end, hi)
+            self._full_tiles[key] = (start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous())
+        return self._full_tiles[key]
 
 
 def _seq_idx(cu: torch.Tensor, total: int) -> torch.Tensor:
@@ -390,18 +460,20 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
     group = h // k.shape[1]
     out = torch.empty_like(q)
     lse = torch.empty((h, total_q), device=q.device, dtype=torch.float32)
-    block_m, block_n, warps, stages = active_config(config).blocks("fwd", d)
+    config = active_config(config)
+    block_m, block_n, warps, stages = config.blocks("fwd", d)
     lo, hi = tables.query_tiles(block_m)
+    full_lo, full_hi = tables.query_tiles_full(block_m, block_n) if config.mask_free else (lo, hi)
     left, right, has_left, has_right = _mask_args(causal, window_size)
     grid = (triton_cdiv(total_q, block_m), h)
     kern.attn_fwd[grid](
-        q, k, v, out, lse, tables.doc_q, tables.doc_k, tables.lim, lo, hi,
+        q, k, v, out, lse, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
         scale * _LOG2E, total_q, left, right,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
     return out, lse
 
@@ -426,16 +498,18 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
     total_k, hkv, _ = k.shape
     left, right, has_left, has_right = _mask_args(causal, window_size)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    block_m, block_n, warps, stages = active_config(config).blocks("bwd_dkdv", d)
+    config = active_config(config)
+    block_m, block_n, warps, stages = config.blocks("bwd_dkdv", d)
     lo, hi = tables.key_tiles(block_n)
+    full_lo, full_hi = tables.key_tiles_full(block_n, block_m) if config.mask_free else (lo, hi)
     kern.attn_bwd_dkdv[(triton_cdiv(total_k, block_n), hkv)](
-        q, k, v, dout, lse, delta, dk, dv, tables.doc_q, tables.doc_k, tables.lim, lo, hi,
+        q, k, v, dout, lse, delta, dk, dv, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
         scale * _LOG2E, scale, total_q, total_k, left, right,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
     return dk, dv
 
@@ -447,16 +521,18 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
     hkv = k.shape[1]
     left, right, has_left, has_right = _mask_args(causal, window_size)
     dq = torch.empty_like(q)
-    block_m, block_n, warps, stages = active_config(config).blocks("bwd_dq", d)
+    config = active_config(config)
+    block_m, block_n, warps, stages = config.blocks("bwd_dq", d)
     lo, hi = tables.query_tiles(block_m)
+    full_lo, full_hi = tables.query_tiles_full(block_m, block_n) if config.mask_free else (lo, hi)
     kern.attn_bwd_dq[(triton_cdiv(total_q, block_m), h)](
-        q, k, v, dout, lse, delta, dq, tables.doc_q, tables.doc_k, tables.lim, lo, hi,
+        q, k, v, dout, lse, delta, dq, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
         scale * _LOG2E, scale, total_q, left, right,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
     return dq
 
