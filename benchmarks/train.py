@@ -826,6 +826,20 @@ def _resolved_varpack_backend(model, mb, device, dtype) -> str:
         return f"? ({type(exc).__name__}: {exc})"
 
 
+class Budget:
+    """Wall-clock budget of a run (``--time-budget``): ``spent()`` once ``seconds`` have passed since it was
+    made (never, for ``None``)."""
+
+    def __init__(self, seconds: float | None, clock=time.perf_counter) -> None:
+        self.seconds, self.clock, self.start = seconds, clock, clock()
+
+    def spent(self) -> bool:
+        return self.seconds is not None and self.clock() - self.start >= self.seconds
+
+    def reason(self) -> str:
+        return f"skipped: --time-budget {self.seconds:g} s spent before it started"
+
+
 def add_ratios(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Merge the rounds into one row per configuration: steady tokens/s = the mean over rounds; each round's
     ratio to ``padded`` and to that round's best peer; ``order_dependent`` when the ratios to the best peer
@@ -984,6 +998,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="smoke mode: tiny model, packing 512, 4 steps")
     p.add_argument("--out", default=None, help="write rows + machine facts as JSON here")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: a configuration not started within them is skipped (its row says so); the table so far "
+        "is printed after every round and --out rewritten after every configuration (partial: true until the "
+        "end), so a run cut by a wall-clock limit still leaves its finished rows",
+    )
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -1027,19 +1049,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# SFT step throughput, {args.device} {args.dtype}, packing_length {args.packing_length}")
     print(f"- samples: {source}; workload: {info}")
     rounds: list[list[dict[str, Any]]] = []
+    budget = Budget(args.time_budget)
+
+    def save(partial: bool) -> None:
+        write_json(
+            args.out,
+            {"machine": machine_info(device), "args": vars(args), "workload": info, "partial": partial,
+             "rows": add_ratios(rounds)},
+        )  # fmt: skip
+
     for rnd in range(args.rounds):
         order = configs if rnd == 0 else configs[::-1]
-        rows = []
+        rows: list[dict[str, Any]] = []
+        rounds.append(rows)
         for c in order:
+            if budget.spent():
+                rows.append({"config": c, "error": budget.reason()})
+                print(f"  round {rnd + 1}: {c} {budget.reason()}", file=sys.stderr, flush=True)
+                continue
             print(f"  round {rnd + 1}: running {c} ...", file=sys.stderr, flush=True)
             rows.append(run_config(c, ds, chosen, args, values))
             if "error" in rows[-1]:
                 print(f"  {c}: {rows[-1]['error']}", file=sys.stderr, flush=True)
+            save(partial=True)
         hf_ok = [r for r in rows if r["config"].startswith("hf_") and "error" not in r]
-        if not hf_ok and any(c.startswith("hf_") for c in configs) and "hf_sdpa" not in configs:
+        if (
+            not hf_ok
+            and any(c.startswith("hf_") for c in configs)
+            and "hf_sdpa" not in configs
+            and not budget.spent()
+        ):
             print("  running hf_sdpa (no HF flattening config ran) ...", file=sys.stderr, flush=True)
             rows.append(run_config("hf_sdpa", ds, chosen, args, values))
-        rounds.append(rows)
+        if rnd + 1 < args.rounds:  # the finished round's table, in case a wall-clock limit cuts the next one
+            print(f"\n(after round {rnd + 1})\n{table(add_ratios(rounds))}\n", flush=True)
     rows = add_ratios(rounds)
     print()
     print(table(rows))
@@ -1053,9 +1096,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} round(s) ({'given order, then reversed' if args.rounds == 2 else 'given order'}); "
         f"best peer per round: {best}."
     )
-    write_json(
-        args.out, {"machine": machine_info(device), "args": vars(args), "workload": info, "rows": rows}
-    )
+    save(partial=False)
     return 0
 
 

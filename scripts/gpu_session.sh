@@ -129,6 +129,7 @@ case "$stage" in
   steady)  # issue 18 item 1: every config after one untimed cold pass over its packs; given order, then reversed
     setup
     timeout ${TRAIN_TIMEOUT:-520} python3 benchmarks/train.py --samples .gpu/samples.npz --steps ${STEPS:-14} \
+      --time-budget $(( ${TRAIN_TIMEOUT:-520} - 90 )) \
       --packing-length ${PACKING_LENGTH:-8192} --configs ${CONFIGS:-padded,hf_fa4,hf_flex,hf_fa4_liger,varpack,varpack_lce,varpack_lce_compile} \
       --out "$OUT/train_steady.json" 2>&1 | tee "$OUT/train_steady.log" | tail -22
     ;;
@@ -253,6 +254,7 @@ PY
     timeout ${PERF_TESTS_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=6 \
       tests/invariant/test_static_shapes.py tests/ops/test_custom_ops.py 2>&1 | tee "$OUT/perf18_tests.log" | tail -12
     timeout ${TRAIN_TIMEOUT:-330} python3 benchmarks/train.py --samples .gpu/samples.npz --steps ${STEPS:-14} \
+      --time-budget $(( ${TRAIN_TIMEOUT:-330} - 90 )) \
       --configs ${CONFIGS:-hf_fa4,hf_fa4_liger,varpack_lce_compile,varpack_lce_compile_ops,varpack_lce_static_compile_ops,varpack_lce_static_graphs} \
       --out "$OUT/train_perf18.json" 2>&1 | tee "$OUT/train_perf18.log" | tail -22
     timeout ${PROFILE_TIMEOUT:-100} python3 benchmarks/profile_step.py --samples .gpu/samples.npz --config ${BEST:-varpack_lce_compile} \
