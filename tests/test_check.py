@@ -229,3 +229,45 @@ def test_cli_check_vl_model_runs_on_images(sabotage, monkeypatch, capsys):
         assert code == 1 and out["passed"] is False and out["max_abs_logit_diff"] > 1e-3
     else:
         assert code == 0 and out["passed"] is True and out["max_abs_logit_diff"] < 1e-5
+
+
+def test_fp32_truth_runs_varpacks_chunked_gated_delta_not_the_checked_kernels(monkeypatch):
+    """Where transformers' own forward cannot train (fla installed, its backward refused: the H200 stack), the
+    unpacked runs go through varpack's path; the bf16 ones with the checked backend, the fp32 truth with the
+    PyTorch chunked path (TF32-free, and no second fla autotuning for fp32)."""
+    import varpack.integrations.gated_delta as G
+
+    calls = []
+    real_rule = G.gated_delta_rule
+
+    def spy(q, *a, backend, **k):
+        calls.append((backend, q.dtype))
+        return real_rule(q, *a, backend=backend, **k)
+
+    real_resolve = G.resolve_backend
+
+    def resolve(backend, *a, **k):  # stands in for auto picking a kernel backend (fla_hybrid on the H200)
+        return "naive" if backend == "auto" else real_resolve(backend, *a, **k)
+
+    monkeypatch.setattr(G, "gated_delta_rule", spy)
+    monkeypatch.setattr(G, "resolve_backend", resolve)
+    monkeypatch.setattr(G, "_original_cannot_train", lambda layer, h: True)
+    model = load_model("tiny-qwen3.5", vocab_size=VOCAB, attn_backend="reference")
+    res = check_exactness(model, samples(lengths=(6, 1, 9)), backend="reference", dtype=torch.bfloat16)
+    assert res["passed"], res["failures"]
+    assert {b for b, d in calls if d == torch.bfloat16} == {"naive"}  # packed and unpacked: the checked one
+    assert {b for b, d in calls if d == torch.float32} == {"chunk"}  # the truth: varpack's chunked path
+
+
+def test_truth_gated_delta_keeps_naive_and_sets_chunk_otherwise():
+    from varpack.check import TRUTH_GATED_DELTA_BACKEND, _truth_gated_delta
+
+    model = load_model("tiny-qwen3.5", vocab_size=VOCAB, attn_backend="reference")
+    for requested, expected in (
+        ("fla_hybrid", TRUTH_GATED_DELTA_BACKEND),
+        ("auto", "chunk"),
+        ("naive", "naive"),
+    ):
+        assert _truth_gated_delta(model, requested) == expected
+        layers = [m for m in model.modules() if hasattr(m, "_varpack_gdn_backend")]
+        assert layers and {m._varpack_gdn_backend for m in layers} == {expected}

@@ -144,6 +144,26 @@ def _gated_delta_backend(model: Any, device: torch.device, requested: str) -> tu
         raise ValueError(f"gated_delta_backend={requested!r}: {exc}") from exc
 
 
+#: gated delta rule backend of the fp32 truth run wherever it goes through varpack's path (transformers' own
+#: forward cannot train there: fla installed, its backward refused, e.g. fla 0.6.0 on Hopper with Triton 3.6):
+#: varpack's PyTorch chunked path (fp32 matmuls, equal to the token-by-token recurrence to fp32 rounding,
+#: tested), not the kernels under test. Through fla_hybrid the truth would compute fla's dots in TF32 (Triton's
+#: default input precision for fp32), a weaker truth, and autotune every fla kernel a second time for fp32
+#: (minutes on an H200). Where transformers' own forward runs (CPU; fla absent or fully usable), the truth is
+#: that forward, as before.
+TRUTH_GATED_DELTA_BACKEND = "chunk"
+
+
+def _truth_gated_delta(fp32_model: Any, requested: str) -> str:
+    """Set the fp32 truth copy's Gated DeltaNet layers to :data:`TRUTH_GATED_DELTA_BACKEND` (``naive`` stays
+    ``naive``: the recurrence itself); returns the backend set."""
+    from varpack.integrations.gated_delta import patch_linear_attention
+
+    backend = "naive" if requested == "naive" else TRUTH_GATED_DELTA_BACKEND
+    patch_linear_attention(fp32_model, backend=backend)
+    return backend
+
+
 def check_exactness(
     model: Any,
     samples: Sequence[Mapping[str, Any]],
@@ -173,7 +193,9 @@ def check_exactness(
             Qwen3-Next): ``"auto"`` or a name of :data:`varpack.ops.gated_delta_rule.BACKENDS` (``fla``,
             ``fla_hybrid``, ``chunk``, ``chunk_compiled``, ``naive``); set on the layers by
             ``enable_varpack(linear_backend=...)`` (replacing what the model had) and checked against the device
-            before anything runs. The unpacked reference runs the model's own forward.
+            before anything runs. The unpacked reference runs the model's own forward; where that forward
+            cannot train (fla's backward refused) it runs varpack's path, and the fp32 truth then runs
+            :data:`TRUTH_GATED_DELTA_BACKEND` (not the kernels under test).
 
     Returns:
         dict with ``max_abs_logit_diff``, ``loss_packed``, ``loss_unpacked``, ``max_abs_grad_diff``,
@@ -215,6 +237,8 @@ def check_exactness(
         truth = None
         if dtype in _LOW_PRECISION_ATOL:
             fp32 = copy.deepcopy(model).float()
+            if gdn is not None:
+                _truth_gated_delta(fp32, gated_delta_backend)
             truth = _unpacked_run(fp32, collate, rows, device, ref_attn)
             del fp32
     finally:
