@@ -926,6 +926,13 @@ def table(rows: list[dict[str, Any]]) -> str:
             note += f"; {r['cudagraph_skips']} graphs NOT captured (cudagraph_skips)"
         if not note and "padding_fraction" in r:
             note = f"padding {100 * r['padding_fraction']:.0f}%, {r['micro_batches_per_step']:.1f} micro-batches/step"
+        if "real_tokens_per_s" in r:  # measured, but not in every round (e.g. --time-budget spent): say which
+            missing = [
+                f"round {i + 1} not measured ({x.get('error', 'no result')})"
+                for i, x in enumerate(r.get("rounds", []))
+                if "real_tokens_per_s" not in x
+            ]
+            note = "; ".join([note, *missing]) if note and missing else (note or "; ".join(missing))
         vs = "-"
         if "vs_best_peer" in r:
             vs = f"{r['vs_best_peer']:.2f} (" + " / ".join(f"{x:.2f}" for x in r["vs_best_peer_rounds"]) + ")"
@@ -1004,9 +1011,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="seconds: a configuration not started within them is skipped (its row says so); the table so far "
         "is printed after every round and --out rewritten after every configuration (partial: true until the "
-        "end), so a run cut by a wall-clock limit still leaves its finished rows",
+        "end), so a run cut by a wall-clock limit still leaves its finished rows; 0 skips every configuration",
     )
     args = p.parse_args(argv)
+    if args.time_budget is not None and not args.time_budget >= 0:  # NaN too
+        p.error(f"--time-budget must be a number of seconds >= 0, got {args.time_budget:g}")
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import train as T
 
 
@@ -63,3 +65,33 @@ def test_finished_rows_are_written_before_the_end(tmp_path, monkeypatch):
     assert T.main(argv) == 0
     assert seen == [["hf_sdpa"]]  # before varpack_lce ran, hf_sdpa's finished row was on disk
     assert json.loads(out.read_text())["partial"] is False
+
+
+def test_negative_or_nan_budget_is_refused(capsys):
+    for bad in ("-3", "nan"):
+        with pytest.raises(SystemExit) as exc:
+            T.main(["--small", "--device", "cpu", "--configs", "hf_sdpa", "--time-budget", bad])
+        assert exc.value.code == 2
+        assert "--time-budget must be a number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_a_row_measured_in_one_round_of_two_says_which_round_is_missing(monkeypatch, capsys):
+    """hf_sdpa runs in round 1, then the budget is spent: its row shows round 1's numbers and says that round 2
+    was not measured (the footer says 2 rounds)."""
+
+    class SpentAfterFirst(T.Budget):
+        calls = 0
+
+        def spent(self) -> bool:
+            SpentAfterFirst.calls += 1
+            return SpentAfterFirst.calls > 1
+
+    monkeypatch.setattr(T, "Budget", SpentAfterFirst)
+    rc = T.main(
+        ["--small", "--device", "cpu", "--configs", "hf_sdpa,varpack_lce", "--rounds", "2", "--time-budget", "60"]
+    )  # fmt: skip
+    assert rc == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| hf_sdpa |")]
+    row = rows[-1]  # the final table's
+    assert "round 2 not measured (skipped: --time-budget 60 s spent before it started)" in row
+    assert "1.00 (1.00)" in row  # round 1's ratio only

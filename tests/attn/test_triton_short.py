@@ -410,10 +410,15 @@ def test_config_from_env_json_and_validation(monkeypatch):
         ('{"fwd": {"BLOCK_M": 16}}', "exactly the keys"),
         ('{"mask_free": 1}', "mask_free must be true or false"),
         ('{"mask_free": "false"}', "mask_free must be true or false"),
+        ('{"mask_free": null}', "mask_free must be true or false"),
+        ('{"fwd": [16.9, 16, 4, 1]}', "integers"),  # never truncated to 16
+        ('{"fwd": [true, 16, 4, 1]}', "integers"),
+        ('{"fwd": "16161"}', "integers"),
     ]:
         monkeypatch.setenv(ts.CONFIG_ENV, bad)
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=match) as err:
             ts.active_config()
+        assert ts.CONFIG_ENV in str(err.value)  # names the variable a user set (and the field, by match)
     q, k, v, _, cu, _ = _inputs([4, 3], None, 2, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="triton_short config"):  # a bad override is an error, never ignored
         ts.triton_short_attention(q, k, v, cu, cu)

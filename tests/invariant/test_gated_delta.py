@@ -8,6 +8,8 @@ drop them). Whole-model runs use varpack's own attention for the full-attention 
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -221,6 +223,25 @@ def test_unpacked_rows_through_varpack_path_where_fla_cannot_train(monkeypatch):
     out_b.square().mean().backward()
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(pb.grad, pa.grad, atol=TOL, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_original_cannot_train_probes_fla_at_the_layers_own_head_dims(monkeypatch):
+    """The unpacked call's check (is fla's backward usable?) probes at the layer's (Hk, H, K, V), as the packed
+    path does: otherwise `varpack check` on CUDA autotunes fla a second time at the default probe dims and
+    prints a second autotune notice naming dims the model does not have."""
+    model = tiny_model("tiny-qwen3.5", vocab_size=512)
+    layer = next(m for m in model.modules() if gd._is_gdn(m))
+    asked = []
+    monkeypatch.setattr(gd, "load_fla", lambda: (object(), None, "ok"))
+
+    def status(device, dims=None):  # fla's forward runs, its backward is refused (the H200 stack)
+        asked.append(dims)
+        return (True, "ok"), (False, "fla backward refused")
+
+    monkeypatch.setattr(gd, "fla_gated_delta_status", status)
+    h = types.SimpleNamespace(device=torch.device("cuda", 0))  # a CUDA hidden state: only its device is read
+    assert gd._original_cannot_train(layer.train(), h)
+    assert asked == [gd.layer_head_dims(layer)] and asked[0] == (2, 4, 16, 16)
 
 
 def test_packed_guards():

@@ -42,6 +42,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -95,8 +96,8 @@ def _checked_blocks(kind: str, value: Any) -> tuple[int, int, int, int]:
     """``value`` (4 ints, or a mapping of :data:`_FIELDS`) as a checked ``(BLOCK_M, BLOCK_N, warps, stages)``.
 
     Raises:
-        ValueError: unknown kind, wrong shape, a block not a power of two >= 16 (``tl.dot``'s minimum), warps
-            not in 1/2/4/8/16, stages < 1.
+        ValueError: unknown kind, wrong shape, a value not an integer (``16.5``, ``true``), a block not a power
+            of two >= 16 (``tl.dot``'s minimum), warps not in 1/2/4/8/16, stages < 1.
     """
     if kind not in KERNEL_KINDS:
         raise ValueError(f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS}")
@@ -107,11 +108,13 @@ def _checked_blocks(kind: str, value: Any) -> tuple[int, int, int, int]:
                 f"triton_short config {kind}: need exactly the keys {_FIELDS}, got {sorted(value)}"
             )
         value = [value[f] for f in _FIELDS]
-    try:
-        bm, bn, warps, stages = (int(x) for x in value)
+    try:  # integers only (int() would truncate 16.9 and read true as 1 silently)
+        if any(isinstance(x, bool) for x in value):
+            raise TypeError("a bool is not a block size")
+        bm, bn, warps, stages = (operator.index(x) for x in value)
     except (TypeError, ValueError):
         raise ValueError(
-            f"triton_short config {kind}: need [BLOCK_M, BLOCK_N, num_warps, num_stages], got {value!r}"
+            f"triton_short config {kind}: need [BLOCK_M, BLOCK_N, num_warps, num_stages] (integers), got {value!r}"
         ) from None
     for name, b in (("BLOCK_M", bm), ("BLOCK_N", bn)):
         if b < 16 or b & (b - 1):
@@ -193,7 +196,12 @@ class TritonShortConfig:
 
 @functools.lru_cache(maxsize=8)
 def _env_config(text: str) -> TritonShortConfig:
-    return TritonShortConfig.from_json(text)
+    try:
+        return TritonShortConfig.from_json(text)
+    except ValueError as exc:  # name the variable the user set, whichever field is wrong
+        if CONFIG_ENV in str(exc):
+            raise
+        raise ValueError(f"{CONFIG_ENV}={text!r}: {exc}") from None
 
 
 def active_config(config: TritonShortConfig | None = None) -> TritonShortConfig:

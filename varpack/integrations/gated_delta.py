@@ -232,12 +232,15 @@ def _needs_grad(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
 
 def _original_cannot_train(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
     """True where transformers' own forward would dispatch to fla (installed) but fla's backward cannot run
-    on this device (fla 0.6.0 on Hopper with Triton < 3.7.1): training through the original would fail."""
+    on this device (fla 0.6.0 on Hopper with Triton < 3.7.1): training through the original would fail.
+    Probed at the layer's own head dims (:func:`layer_head_dims`), as the packed path probes: one fla
+    autotuning and one :func:`varpack.ops._fla.autotune_notice` for the model's shape, not a second pair at
+    the default probe dims."""
     if hidden_states.device.type != "cuda" or not _needs_grad(layer, hidden_states):
         return False
     if load_fla()[0] is None:
         return False
-    _, backward = fla_gated_delta_status(hidden_states.device)
+    _, backward = fla_gated_delta_status(hidden_states.device, layer_head_dims(layer))
     return not backward[0]
 
 
