@@ -271,3 +271,32 @@ def test_truth_gated_delta_keeps_naive_and_sets_chunk_otherwise():
         assert _truth_gated_delta(model, requested) == expected
         layers = [m for m in model.modules() if hasattr(m, "_varpack_gdn_backend")]
         assert layers and {m._varpack_gdn_backend for m in layers} == {expected}
+
+
+def test_fp32_truth_on_cuda_avoids_transformers_fla_forward(monkeypatch):
+    """Where transformers' own forward can train (fla absent, or fla fully usable on a newer Triton), the bf16
+    unpacked run is that forward, but the fp32 truth on CUDA must not be (it would be fla's TF32 kernels): it
+    runs varpack's chunked path. The device test of the routing is replaced so that this runs on a CPU."""
+    import varpack.integrations.gated_delta as G
+
+    calls = []
+    real_rule = G.gated_delta_rule
+
+    def spy(q, *a, backend, **k):
+        calls.append((backend, q.dtype, q.shape[1]))
+        return real_rule(q, *a, backend=backend, **k)
+
+    monkeypatch.setattr(G, "gated_delta_rule", spy)
+    monkeypatch.setattr(G, "_original_cannot_train", lambda layer, h: False)
+    monkeypatch.setattr(
+        G, "_truth_via_varpack", lambda layer, h: bool(getattr(layer, "_varpack_gdn_truth", False))
+    )
+    model = load_model("tiny-qwen3.5", vocab_size=VOCAB, attn_backend="reference")
+    res = check_exactness(model, samples(lengths=(6, 1, 9)), backend="reference", dtype=torch.bfloat16)
+    # routing only: on a CPU the unpacked rows here run transformers' PyTorch reference and the packed row
+    # varpack's chunked path, a pairing the simulated CUDA stack does not have (there both are fla's kernels)
+    assert "logit_err_packed" in res and res["gated_delta_backend"] == "chunk"
+    bf16 = [c for c in calls if c[1] == torch.bfloat16]
+    assert bf16 and {c[2] for c in bf16} == {16}  # only the packed row: the unpacked ones ran transformers'
+    assert {(b, t) for b, d, t in calls if d == torch.float32} == {("chunk", 6), ("chunk", 1), ("chunk", 9)}
+    assert not any(getattr(m, "_varpack_gdn_truth", False) for m in model.modules())  # the caller's model

@@ -144,23 +144,28 @@ def _gated_delta_backend(model: Any, device: torch.device, requested: str) -> tu
         raise ValueError(f"gated_delta_backend={requested!r}: {exc}") from exc
 
 
-#: gated delta rule backend of the fp32 truth run wherever it goes through varpack's path (transformers' own
-#: forward cannot train there: fla installed, its backward refused, e.g. fla 0.6.0 on Hopper with Triton 3.6):
-#: varpack's PyTorch chunked path (fp32 matmuls, equal to the token-by-token recurrence to fp32 rounding,
-#: tested), not the kernels under test. Through fla_hybrid the truth would compute fla's dots in TF32 (Triton's
-#: default input precision for fp32), a weaker truth, and autotune every fla kernel a second time for fp32
-#: (minutes on an H200). Where transformers' own forward runs (CPU; fla absent or fully usable), the truth is
-#: that forward, as before.
+#: gated delta rule backend of the fp32 truth run of a Gated DeltaNet model on CUDA: varpack's PyTorch chunked
+#: path (fp32 matmuls, equal to the token-by-token recurrence to fp32 rounding, tested), not the kernels under
+#: test. transformers' own forward on CUDA calls fla's Triton kernels when fla is installed (and where fla's
+#: backward is refused, varpack's path with the checked backend, fla_hybrid): fp32 dots in TF32 (Triton's
+#: default input precision for fp32), a weaker truth, and a second autotuning of every fla kernel for fp32
+#: (minutes on an H200). On the CPU the truth is transformers' own PyTorch reference forward, as before
+#: (independent of varpack's code). :func:`varpack.integrations.gated_delta._truth_via_varpack` routes it.
 TRUTH_GATED_DELTA_BACKEND = "chunk"
 
 
 def _truth_gated_delta(fp32_model: Any, requested: str) -> str:
     """Set the fp32 truth copy's Gated DeltaNet layers to :data:`TRUTH_GATED_DELTA_BACKEND` (``naive`` stays
-    ``naive``: the recurrence itself); returns the backend set."""
+    ``naive``: the recurrence itself) and mark them as the truth (their unpacked rows then run varpack's path
+    on CUDA); returns the backend set."""
     from varpack.integrations.gated_delta import patch_linear_attention
+    from varpack.models.registry import is_gated_delta_layer
 
     backend = "naive" if requested == "naive" else TRUTH_GATED_DELTA_BACKEND
     patch_linear_attention(fp32_model, backend=backend)
+    for module in fp32_model.modules():
+        if is_gated_delta_layer(module):
+            module._varpack_gdn_truth = True
     return backend
 
 
@@ -193,9 +198,9 @@ def check_exactness(
             Qwen3-Next): ``"auto"`` or a name of :data:`varpack.ops.gated_delta_rule.BACKENDS` (``fla``,
             ``fla_hybrid``, ``chunk``, ``chunk_compiled``, ``naive``); set on the layers by
             ``enable_varpack(linear_backend=...)`` (replacing what the model had) and checked against the device
-            before anything runs. The unpacked reference runs the model's own forward; where that forward
-            cannot train (fla's backward refused) it runs varpack's path, and the fp32 truth then runs
-            :data:`TRUTH_GATED_DELTA_BACKEND` (not the kernels under test).
+            before anything runs. The unpacked reference runs the model's own forward (varpack's path where
+            that forward cannot train: fla's backward refused); the fp32 truth on CUDA runs
+            :data:`TRUTH_GATED_DELTA_BACKEND`, not the kernels under test.
 
     Returns:
         dict with ``max_abs_logit_diff``, ``loss_packed``, ``loss_unpacked``, ``max_abs_grad_diff``,

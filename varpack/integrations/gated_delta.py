@@ -230,6 +230,15 @@ def _needs_grad(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
     )
 
 
+def _truth_via_varpack(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    """True for the fp32 truth copy of ``varpack check`` (``layer._varpack_gdn_truth``, set by
+    :func:`varpack.check._truth_gated_delta`) on CUDA: its unpacked rows run varpack's path with the layer's
+    backend (the PyTorch chunked path) rather than transformers' forward, which on CUDA calls fla's Triton
+    kernels when fla is installed (fp32 dots in TF32: a weaker truth, and a second autotuning). On the CPU
+    transformers' forward is its PyTorch reference: kept, an implementation independent of varpack's."""
+    return bool(getattr(layer, "_varpack_gdn_truth", False)) and hidden_states.device.type == "cuda"
+
+
 def _original_cannot_train(layer: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
     """True where transformers' own forward would dispatch to fla (installed) but fla's backward cannot run
     on this device (fla 0.6.0 on Hopper with Triton < 3.7.1): training through the original would fail.
@@ -254,7 +263,9 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, 
     attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
     meta = _current_meta(self, T, kwargs)
     if meta is None:
-        if cache is None and _original_cannot_train(self, hidden_states):
+        if cache is None and (
+            _truth_via_varpack(self, hidden_states) or _original_cannot_train(self, hidden_states)
+        ):
             # each row is one sequence: the same math through varpack's path, whose backward runs here
             rows = VarlenMeta(torch.arange(B + 1, dtype=torch.int32) * T)
             mask = (
