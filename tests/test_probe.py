@@ -113,7 +113,28 @@ def test_fla_autotune_notice_once_per_device_and_dims_never_on_cpu():
     assert not _fla.autotune_notice(cuda0, (2, 4, 64, 64), file=out)  # same key: silent
     assert _fla.autotune_notice(cuda0, (4, 8, 128, 128), file=out)  # new head shape: said again
     assert not _fla.autotune_notice(torch.device("cpu"), (2, 4, 64, 64), file=out)
+    assert _fla.autotune_notice(
+        cuda0, (2, 4, 64, 64), what="short conv", dims_name="(D, W)", file=out
+    )  # other kernels
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert "(2, 4, 64, 64)" in lines[0] and "autotunes" in lines[0] and "cuda:0" in lines[0]
+    assert "gated delta rule" in lines[0] and "short conv" in lines[2] and "(D, W)" in lines[2]
+    _fla._NOTICED.clear()
+
+
+def test_fla_autotune_notice_names_tritons_own_cache_dir(monkeypatch, tmp_path):
+    import io
+
+    import torch
+
+    from varpack.ops import _fla
+
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    _fla._NOTICED.clear()
+    out = io.StringIO()
+    assert _fla.autotune_notice(torch.device("cuda", 0), (1, 1, 16, 16), file=out)
+    assert str(tmp_path / ".triton" / "cache") in out.getvalue()  # TRITON_HOME honoured, as Triton does
     _fla._NOTICED.clear()

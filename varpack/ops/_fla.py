@@ -202,27 +202,45 @@ def _load_fla_internals() -> tuple[dict | None, str]:
     return out, "ok"
 
 
-_NOTICED: set[tuple[str, tuple]] = set()
+_NOTICED: set[tuple[str, str, tuple]] = set()
 
 
-def autotune_notice(device: torch.device, dims: tuple, *, file=None) -> bool:
-    """Say once per process, device and head dims that fla's kernels are about to be checked, and that fla
-    autotunes each Triton kernel on its first use of a head shape (returns whether it printed).
+def _triton_cache_dir() -> str:
+    """Triton's cache folder as Triton resolves it (``TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache``,
+    else ``~/.triton/cache``)."""
+    try:
+        from triton import knobs
+
+        return str(knobs.cache.dir)
+    except Exception:  # an older Triton without knobs
+        return os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache"
+
+
+def autotune_notice(
+    device: torch.device,
+    dims: tuple,
+    *,
+    what: str = "gated delta rule",
+    dims_name: str = "(Hk, H, K, V)",
+    file=None,
+) -> bool:
+    """Say once per process, kernel family (``what``), device and dims that fla's kernels are about to be
+    checked, and that fla autotunes each Triton kernel on its first use of a shape (returns whether it printed).
 
     Measured on the H200 (torch 2.11, Triton 3.6, fla-core 0.6.0; benchmarks/RESULTS.md): 1-4 minutes
     before the first step of a Qwen3.5-shaped model or ``varpack check --model tiny-qwen3.5``, with no
-    output meanwhile. fla keeps the results in Triton's cache (``FLA_CACHE_RESULTS``, on by default;
-    ``TRITON_CACHE_DIR``, default ``~/.triton/cache``), so later processes on the same machine skip most of
-    it. Printed to ``file`` (default stderr), never on CPU."""
-    key = (str(device), tuple(dims))
+    output meanwhile. fla keeps the results in Triton's cache (``FLA_CACHE_RESULTS``, on by default; the
+    folder as Triton resolves it), so later processes on the same machine skip most of it. Printed to
+    ``file`` (default stderr), never on CPU. Called by the probes of the gated delta rule
+    (:mod:`varpack.ops.gated_delta_rule.dispatch`) and of the short causal conv (:mod:`varpack.ops.short_conv`)."""
+    key = (what, str(device), tuple(dims))
     if torch.device(device).type != "cuda" or key in _NOTICED:
         return False
     _NOTICED.add(key)
-    cache = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache"
     print(
-        f"varpack: checking fla's gated delta rule kernels on {device} at head dims (Hk, H, K, V) = {tuple(dims)}; "
-        f"fla autotunes each Triton kernel on first use of a head shape (1-4 min on an H200 without output; "
-        f"cached in {cache} for later runs)",
+        f"varpack: checking fla's {what} kernels on {device} at {dims_name} = {tuple(dims)}; fla autotunes each "
+        f"Triton kernel on first use of a shape (1-4 min on an H200 without output; cached in "
+        f"{_triton_cache_dir()} for later runs)",
         file=file if file is not None else sys.stderr,
         flush=True,
     )

@@ -25,6 +25,7 @@ from varpack.varlen.boundaries import checked_host_cu_seqlens, normalize_cu_seql
 
 from ._fla import (
     PROBE_TOL,
+    autotune_notice,
     bf16_randn,
     first_line,
     fla_causal_conv1d,
@@ -73,6 +74,9 @@ def _probe_fla_conv(
     cfwd = cbwd = (False, "fla causal_conv1d not found")
     if conv is None:
         return cfwd, cbwd
+    autotune_notice(
+        device, tuple(dims) if dims is not None else CONV_PROBE_DIMS, what="short conv", dims_name="(D, W)"
+    )
     gen, T, cu_cpu, cu = probe_problem(device)
     D, W = dims if dims is not None else CONV_PROBE_DIMS
     x = bf16_randn(gen, device, 1, T, D).requires_grad_()
