@@ -376,6 +376,78 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                         r[f"{key}_vs_{base}"] = r[key] / b
 
 
+#: varlen peers of ``triton_short`` in the verdict (the strongest a user would configure is the fastest of them)
+VARLEN_PEERS = ("flash_attn_4", "flash_attn_3", "flash_attn", "torch_varlen", "flex")
+#: issue 17's goals, fwd + bwd useful TFLOP/s: mix -> (peer set, ratio, absolute floor)
+GOALS_17 = {"short": ("best", 2.0, 56.0), "lognormal": ("flash_attn_4", 1.3, 175.0)}
+#: margin by which triton_short must beat both auto's pick and the best peer, same run, to propose a row
+PROPOSE_MARGIN = 1.05
+
+
+def triton_short_verdict(
+    rows: list[dict[str, Any]], mix_info: dict[str, dict[str, float]]
+) -> list[dict[str, Any]]:
+    """Per case (mix, H, Hkv) where ``triton_short`` ran fwd + bwd: its speed against the best varlen peer that
+    ran (:data:`VARLEN_PEERS`), FA4 and ``auto`` in the same run, issue 17's goal for the mix
+    (:data:`GOALS_17`) met or not, and a proposed ``AUTO_TRITON_SHORT`` row (``TritonShortRule`` of the mix's
+    longest and mean length) only where triton_short beats auto's pick and the best peer by
+    :data:`PROPOSE_MARGIN`. Pure function of the rows (unit-tested)."""
+    cases: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if "fwd_bwd_tflops" in r:
+            cases.setdefault((r["mix"], r["H"], r["Hkv"]), {})[r["impl"]] = r
+    out = []
+    for (mix, h, hkv), by in cases.items():
+        ts = by.get("triton_short")
+        if ts is None:
+            continue
+        speed = ts["fwd_bwd_tflops"]
+        peers = {n: by[n]["fwd_bwd_tflops"] for n in VARLEN_PEERS if n in by}
+        best = max(peers, key=peers.get) if peers else None
+        v: dict[str, Any] = {"mix": mix, "H": h, "Hkv": hkv, "D": ts["D"], "triton_short": speed}
+        if best is not None:
+            v.update(best_peer=best, best_peer_tflops=peers[best], vs_best_peer=speed / peers[best])
+        if "flash_attn_4" in peers:
+            v["vs_flash_attn_4"] = speed / peers["flash_attn_4"]
+        if "auto" in by:
+            v.update(auto=by["auto"].get("note", ""), vs_auto=speed / by["auto"]["fwd_bwd_tflops"])
+        goal = GOALS_17.get(mix)
+        if goal is not None:
+            ref, ratio, floor = goal
+            got = v.get("vs_best_peer") if ref == "best" else v.get(f"vs_{ref}")
+            v["goal"] = f"{ratio:g}x {'the best peer' if ref == 'best' else ref} and >= {floor:g} TFLOP/s"
+            v["goal_met"] = got is not None and got >= ratio and speed >= floor
+        beats = [v.get("vs_auto"), v.get("vs_best_peer")]
+        if all(b is not None and b >= PROPOSE_MARGIN for b in beats) and mix in mix_info:
+            st = mix_info[mix]
+            v["propose"] = (
+                f"TritonShortRule(max_seqlen={int(st['max'])}, max_mean_seqlen={st['mean']:.0f}, training=True, "
+                f"head_dims=({ts['D']},))"
+            )
+        out.append(v)
+    return out
+
+
+def verdict_lines(verdicts: list[dict[str, Any]]) -> list[str]:
+    """The verdict as printed lines (one per case)."""
+    lines = []
+    for v in verdicts:
+        parts = [f"{v['mix']} H={v['H']}/{v['Hkv']} D={v['D']}: triton_short {v['triton_short']:.1f} TFLOP/s"]
+        if "best_peer" in v:
+            parts.append(f"{v['vs_best_peer']:.2f}x best peer {v['best_peer']} ({v['best_peer_tflops']:.1f})")
+        if "vs_flash_attn_4" in v:
+            parts.append(f"{v['vs_flash_attn_4']:.2f}x flash_attn_4")
+        if "vs_auto" in v:
+            parts.append(f"{v['vs_auto']:.2f}x auto ({v['auto']})")
+        if "goal" in v:
+            parts.append(f"issue 17 goal ({v['goal']}): {'MET' if v['goal_met'] else 'not met'}")
+        parts.append(
+            f"propose AUTO_TRITON_SHORT row {v['propose']}" if "propose" in v else "no AUTO_TRITON_SHORT row"
+        )
+        lines.append("- " + "; ".join(parts))
+    return lines
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     headers = [
         "mix",
@@ -511,9 +583,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     for mix, st in mix_info.items():
         print(f"- {mix}: {st}")
+    verdicts = triton_short_verdict(rows, mix_info)
+    if verdicts:
+        print(
+            f"\ntriton_short, same run (a row is proposed only at >= {PROPOSE_MARGIN:g}x auto and the best peer):"
+        )
+        print("\n".join(verdict_lines(verdicts)))
     write_json(
         args.out,
-        {"machine": machine_info(device), "args": vars(args), "mixes": mix_info, "rows": rows},
+        {
+            "machine": machine_info(device),
+            "args": vars(args),
+            "mixes": mix_info,
+            "rows": rows,
+            "triton_short": verdicts,
+        },
     )
     return 0
 

@@ -176,7 +176,7 @@ case "$stage" in
       VARPACK_TRITON_SHORT_CONFIG="$tuned" timeout ${ATTN_TIMEOUT:-120} python3 benchmarks/attention.py \
         --lengths-file .gpu/samples.npz --mixes $mix --heads 16/4 --head-dim 128 \
         --backends flash_attn_4,torch_varlen,flex,triton_short,auto ${ATTN_FLAGS---batch-meta} \
-        --out "$OUT/short_attention_$mix.json" 2>&1 | tee -a "$OUT/short_attention.log" | grep -E '^\| (mix|[a-z])' | tail -9
+        --out "$OUT/short_attention_$mix.json" 2>&1 | tee -a "$OUT/short_attention.log" | grep -E '^\| (mix|[a-z])|^- [a-z0-9]+ H=' | tail -11
     done
     ;;
   final)  # fourth session, one call: #16 fla_hybrid (GPU tests, benchmark, check, hybrid SFT step), #14 DPO, #13 accelerate
