@@ -891,6 +891,34 @@ def add_ratios(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
+#: issue 18's goals, steady state, same run: tokens/s ratio to the best peer, and MFU
+GOAL_VS_BEST_PEER, GOAL_MFU = 1.5, 0.40
+
+
+def goal_line(rows: list[dict[str, Any]]) -> str | None:
+    """Issue 18's verdict from the merged rows: the fastest varpack configuration (exact ones only: every
+    ``varpack*`` / ``trl_varpack`` row that measured), its ratio to the best peer in every round and its MFU,
+    against :data:`GOAL_VS_BEST_PEER` and :data:`GOAL_MFU`. ``None`` when no varpack row or no peer measured.
+    A goal counts as met only when every round's ratio meets it (an order-dependent ratio does not)."""
+    ours = [
+        r
+        for r in rows
+        if r["config"] not in PEERS and "real_tokens_per_s" in r and "vs_best_peer_rounds" in r
+    ]
+    if not ours:
+        return None
+    top = max(ours, key=lambda r: r["real_tokens_per_s"])
+    per_round = top["vs_best_peer_rounds"]
+    ratio_met = min(per_round) >= GOAL_VS_BEST_PEER
+    mfu_met = top["mfu"] >= GOAL_MFU
+    rounds = " / ".join(f"{x:.2f}" for x in per_round)
+    return (
+        f"issue 18 goals (same run, steady state): fastest varpack config {top['config']}: {rounds}x the best peer "
+        f"({', '.join(top['best_peer_rounds'])}) -- goal {GOAL_VS_BEST_PEER:g}x: {'MET' if ratio_met else 'not met'}; "
+        f"MFU {100 * top['mfu']:.1f}% -- goal {100 * GOAL_MFU:.0f}%: {'MET' if mfu_met else 'not met'}"
+    )
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     nan = float("nan")
     headers = [
@@ -1105,6 +1133,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} round(s) ({'given order, then reversed' if args.rounds == 2 else 'given order'}); "
         f"best peer per round: {best}."
     )
+    verdict = goal_line(rows)
+    if verdict:
+        print(verdict)
     save(partial=False)
     return 0
 

@@ -95,3 +95,26 @@ def test_a_row_measured_in_one_round_of_two_says_which_round_is_missing(monkeypa
     row = rows[-1]  # the final table's
     assert "round 2 not measured (skipped: --time-budget 60 s spent before it started)" in row
     assert "1.00 (1.00)" in row  # round 1's ratio only
+
+
+def test_goal_line_needs_every_round_and_exact_configs_only():
+    rows = [
+        {"config": "hf_fa4_liger", "real_tokens_per_s": 53000.0, "vs_best_peer_rounds": [1.0, 1.0], "mfu": 0.19},
+        {
+            "config": "varpack_lce_compile",
+            "real_tokens_per_s": 81000.0,
+            "vs_best_peer_rounds": [1.55, 1.49],
+            "best_peer_rounds": ["hf_fa4_liger", "hf_fa4_liger"],
+            "mfu": 0.41,
+        },
+        {"config": "varpack", "real_tokens_per_s": 50000.0, "vs_best_peer_rounds": [0.94, 0.95],
+         "best_peer_rounds": ["hf_fa4_liger", "hf_fa4_liger"], "mfu": 0.2},
+    ]  # fmt: skip
+    line = T.goal_line(rows)
+    assert "varpack_lce_compile" in line and "1.55 / 1.49x" in line
+    assert "goal 1.5x: not met" in line  # round 2 fell short: not met
+    assert "goal 40%: MET" in line
+    rows[1]["vs_best_peer_rounds"] = [1.55, 1.52]
+    assert "goal 1.5x: MET" in T.goal_line(rows)
+    assert T.goal_line([rows[0]]) is None  # no varpack row
+    assert T.goal_line([{"config": "varpack", "error": "skipped"}]) is None
