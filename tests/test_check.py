@@ -300,18 +300,3 @@ def test_fp32_truth_on_cuda_avoids_transformers_fla_forward(monkeypatch):
     assert bf16 and {c[2] for c in bf16} == {16}  # only the packed row: the unpacked ones ran transformers'
     assert {(b, t) for b, d, t in calls if d == torch.float32} == {("chunk", 6), ("chunk", 1), ("chunk", 9)}
     assert not any(getattr(m, "_varpack_gdn_truth", False) for m in model.modules())  # the caller's model
-
-
-def test_bf16_check_of_a_gated_delta_model_judges_a_cancelling_gradient_by_the_models_scale(monkeypatch):
-    """tiny-qwen3.5 in bf16 on these samples: the gradient of layer 2's A_log (a sum over tokens of dg_t * g_t
-    that cancels to ~6e-7) carries bf16 noise of its terms; judged against its own tiny max|g| the honest
-    packed run failed (err 3.5e-8 > 3.2e-8). With the scale floored at GRAD_SCALE_FLOOR of the model's largest
-    gradient it passes, and dropping the boundaries still fails on the logits and most gradients."""
-    model = load_model("tiny-qwen3.5", vocab_size=VOCAB, attn_backend="reference")
-    res = check_exactness(model, samples(lengths=(6, 1, 9)), backend="reference", dtype=torch.bfloat16)
-    assert res["passed"], res["failures"]
-    monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
-    bad = check_exactness(model, samples(lengths=(6, 1, 9)), backend="reference", dtype=torch.bfloat16)
-    assert not bad["passed"]
-    assert any(f.startswith("logits") for f in bad["failures"])
-    assert sum(f.startswith("grad of") for f in bad["failures"]) > 10
