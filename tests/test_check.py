@@ -300,3 +300,55 @@ def test_fp32_truth_on_cuda_avoids_transformers_fla_forward(monkeypatch):
     assert bf16 and {c[2] for c in bf16} == {16}  # only the packed row: the unpacked ones ran transformers'
     assert {(b, t) for b, d, t in calls if d == torch.float32} == {("chunk", 6), ("chunk", 1), ("chunk", 9)}
     assert not any(getattr(m, "_varpack_gdn_truth", False) for m in model.modules())  # the caller's model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_check_catches_a_backward_only_gate_gradient_leak(monkeypatch, dtype):
+    """A leak that leaves logits and loss equal: in the packed run's backward, each token's gate gradient also
+    gets 0.1x the summed gate gradient of the later tokens of the row (a reverse cumsum not reset at the
+    boundaries). Only the gradients of the gate path (dt_bias, in_proj_a, A_log: parameters with gradients
+    1e-5 of the embedding's) can show it, so their tolerance must stay relative to their own scale (a floor
+    relative to the model's largest gradient hid exactly this)."""
+    import torch.nn.functional as F
+
+    import varpack.integrations.gated_delta as G
+
+    class LeakyIdentity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, cu):
+            ctx.cu = cu
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, d):
+            out = d.clone()
+            for i in range(len(ctx.cu) - 2):
+                out[:, ctx.cu[i] : ctx.cu[i + 1]] += 0.1 * d[:, ctx.cu[i + 1] :].sum(1, keepdim=True)
+            return out, None
+
+    model = load_model("tiny-qwen3.5", vocab_size=VOCAB, attn_backend="reference")
+    rows = samples(lengths=(5, 7, 3))
+    honest = check_exactness(model, rows, backend="reference", dtype=dtype, gated_delta_backend="chunk")
+    assert honest["passed"], honest["failures"]
+
+    state = {"cu": None}
+    real_packed, real_softplus = G._packed_forward, F.softplus
+
+    def packed(layer, h, mask, meta):
+        cu = [int(x) for x in meta.cu_seqlens_cpu()]
+        state["cu"] = cu if len(cu) > 2 else None  # the packed row only; unpacked rows are one sample each
+        try:
+            return real_packed(layer, h, mask, meta)
+        finally:
+            state["cu"] = None
+
+    def softplus(x, *a, **k):  # the gate: g = -exp(A_log) * softplus(a + dt_bias)
+        y = real_softplus(x, *a, **k)
+        return LeakyIdentity.apply(y, state["cu"]) if state["cu"] is not None and y.dim() == 3 else y
+
+    monkeypatch.setattr(G, "_packed_forward", packed)
+    monkeypatch.setattr(F, "softplus", softplus)
+    leaky = check_exactness(model, rows, backend="reference", dtype=dtype, gated_delta_backend="chunk")
+    assert leaky["max_abs_logit_diff"] <= honest["max_abs_logit_diff"] + 2e-2  # the forward is untouched
+    assert not leaky["passed"]
+    assert any("dt_bias" in f or "in_proj_a" in f for f in leaky["failures"]), leaky["failures"]
