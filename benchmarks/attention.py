@@ -391,7 +391,8 @@ def triton_short_verdict(
     ran (:data:`VARLEN_PEERS`), FA4 and ``auto`` in the same run, issue 17's goal for the mix
     (:data:`GOALS_17`) met or not, and a proposed ``AUTO_TRITON_SHORT`` row (``TritonShortRule`` of the mix's
     longest and mean length) only where triton_short beats auto's pick and the best peer by
-    :data:`PROPOSE_MARGIN`. Pure function of the rows (unit-tested)."""
+    :data:`PROPOSE_MARGIN`; both only where its output was checked and is within 2x the worst peer's max |diff|
+    to the reference (``exact``). Pure function of the rows (unit-tested)."""
     cases: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in rows:
         if "fwd_bwd_tflops" in r:
@@ -411,14 +412,22 @@ def triton_short_verdict(
             v["vs_flash_attn_4"] = speed / peers["flash_attn_4"]
         if "auto" in by:
             v.update(auto=by["auto"].get("note", ""), vs_auto=speed / by["auto"]["fwd_bwd_tflops"])
+        # a speed counts only for a correct output: triton_short's max |diff| to the reference within 2x the worst
+        # peer's in the same run (the fp32-truth rule of varpack check); unchecked (--no-check) counts as not
+        peer_errs = [by[n]["max_abs_diff"] for n in peers if "max_abs_diff" in by[n]]
+        if "max_abs_diff" in ts and peer_errs:
+            v["max_abs_diff"], v["peer_max_abs_diff"] = ts["max_abs_diff"], max(peer_errs)
+            v["exact"] = bool(ts["max_abs_diff"] <= 2 * max(peer_errs) + 1e-6)
+        else:
+            v["exact"] = None
         goal = GOALS_17.get(mix)
         if goal is not None:
             ref, ratio, floor = goal
             got = v.get("vs_best_peer") if ref == "best" else v.get(f"vs_{ref}")
             v["goal"] = f"{ratio:g}x {'the best peer' if ref == 'best' else ref} and >= {floor:g} TFLOP/s"
-            v["goal_met"] = got is not None and got >= ratio and speed >= floor
+            v["goal_met"] = bool(v["exact"]) and got is not None and got >= ratio and speed >= floor
         beats = [v.get("vs_auto"), v.get("vs_best_peer")]
-        if all(b is not None and b >= PROPOSE_MARGIN for b in beats) and mix in mix_info:
+        if v["exact"] and all(b is not None and b >= PROPOSE_MARGIN for b in beats) and mix in mix_info:
             st = mix_info[mix]
             v["propose"] = (
                 f"TritonShortRule(max_seqlen={int(st['max'])}, max_mean_seqlen={st['mean']:.0f}, training=True, "
@@ -439,6 +448,12 @@ def verdict_lines(verdicts: list[dict[str, Any]]) -> list[str]:
             parts.append(f"{v['vs_flash_attn_4']:.2f}x flash_attn_4")
         if "vs_auto" in v:
             parts.append(f"{v['vs_auto']:.2f}x auto ({v['auto']})")
+        if v.get("exact") is None:
+            parts.append("output NOT checked against the reference (no goal, no row)")
+        elif not v["exact"]:
+            parts.append(
+                f"output WRONG: max diff {v['max_abs_diff']:.1e} > 2x the peers' worst {v['peer_max_abs_diff']:.1e}"
+            )
         if "goal" in v:
             parts.append(f"issue 17 goal ({v['goal']}): {'MET' if v['goal_met'] else 'not met'}")
         parts.append(

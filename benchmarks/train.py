@@ -899,7 +899,8 @@ def goal_line(rows: list[dict[str, Any]]) -> str | None:
     """Issue 18's verdict from the merged rows: the fastest varpack configuration (exact ones only: every
     ``varpack*`` / ``trl_varpack`` row that measured), its ratio to the best peer in every round and its MFU,
     against :data:`GOAL_VS_BEST_PEER` and :data:`GOAL_MFU`. ``None`` when no varpack row or no peer measured.
-    A goal counts as met only when every round's ratio meets it (an order-dependent ratio does not)."""
+    A goal counts as met only when every round's ratio meets it (an order-dependent ratio does not) and
+    every round has one (a round where every peer failed fails the ratio goal; one where the config failed, both)."""
     ours = [
         r
         for r in rows
@@ -909,9 +910,17 @@ def goal_line(rows: list[dict[str, Any]]) -> str | None:
         return None
     top = max(ours, key=lambda r: r["real_tokens_per_s"])
     per_round = top["vs_best_peer_rounds"]
-    ratio_met = min(per_round) >= GOAL_VS_BEST_PEER
-    mfu_met = top["mfu"] >= GOAL_MFU
+    # a round where the config or every peer failed has no ratio: the ratio goal is then not met; a round where
+    # the config itself failed: nor the MFU goal
+    runs = top.get("rounds") or []
+    total = max(len(runs), len(per_round))
+    missing = total - len(per_round)
+    failed = sum("real_tokens_per_s" not in r for r in runs)
+    ratio_met = not missing and all(x >= GOAL_VS_BEST_PEER for x in per_round)
+    mfu_met = not failed and top.get("mfu", 0.0) >= GOAL_MFU
     rounds = " / ".join(f"{x:.2f}" for x in per_round)
+    if missing:
+        rounds += f" (no ratio in {missing} of {total} rounds)"
     return (
         f"issue 18 goals (same run, steady state): fastest varpack config {top['config']}: {rounds}x the best peer "
         f"({', '.join(top['best_peer_rounds'])}) -- goal {GOAL_VS_BEST_PEER:g}x: {'MET' if ratio_met else 'not met'}; "

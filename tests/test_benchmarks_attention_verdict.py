@@ -6,7 +6,7 @@ from __future__ import annotations
 from benchmarks.attention import PROPOSE_MARGIN, triton_short_verdict, verdict_lines
 
 
-def _rows(mix, speeds, auto_note="-> torch_varlen"):
+def _rows(mix, speeds, auto_note="-> torch_varlen", errs=None):
     rows = []
     for impl, tf in speeds.items():
         row = {
@@ -21,6 +21,9 @@ def _rows(mix, speeds, auto_note="-> torch_varlen"):
             row["error"] = "RuntimeError: boom"
         else:
             row["fwd_bwd_tflops"] = tf
+            err = (errs or {}).get(impl, 2e-3)
+            if err is not None:
+                row["max_abs_diff"] = err
         rows.append(row)
     return rows
 
@@ -69,3 +72,16 @@ def test_small_lead_or_a_loss_proposes_nothing():
 def test_no_verdict_without_a_triton_short_measurement():
     assert triton_short_verdict(_rows("short", {"torch_varlen": 28.0, "auto": 28.0}), MIXES) == []
     assert triton_short_verdict(_rows("short", {"torch_varlen": 28.0, "triton_short": None}), MIXES) == []
+
+
+def test_a_wrong_or_unchecked_output_meets_no_goal_and_proposes_nothing():
+    speeds = {"flash_attn_4": 24.1, "torch_varlen": 27.8, "triton_short": 60.0, "auto": 27.8}
+    (ok,) = triton_short_verdict(_rows("short", speeds, errs={"flash_attn_4": 4e-3}), MIXES)
+    assert ok["exact"] is True and ok["goal_met"] is True and "propose" in ok  # 2e-3 <= 2 * 4e-3
+    (bad,) = triton_short_verdict(_rows("short", speeds, errs={"triton_short": 0.5}), MIXES)
+    assert bad["exact"] is False and bad["goal_met"] is False and "propose" not in bad
+    (line,) = verdict_lines([bad])
+    assert "output WRONG" in line and "not met" in line and "no AUTO_TRITON_SHORT row" in line
+    (unchecked,) = triton_short_verdict(_rows("short", speeds, errs={"triton_short": None}), MIXES)
+    assert unchecked["exact"] is None and unchecked["goal_met"] is False and "propose" not in unchecked
+    assert "NOT checked" in verdict_lines([unchecked])[0]

@@ -118,3 +118,22 @@ def test_goal_line_needs_every_round_and_exact_configs_only():
     assert "goal 1.5x: MET" in T.goal_line(rows)
     assert T.goal_line([rows[0]]) is None  # no varpack row
     assert T.goal_line([{"config": "varpack", "error": "skipped"}]) is None
+
+
+def test_goal_line_not_met_when_a_round_failed():
+    def row(config, tps):
+        return {"config": config, "real_tokens_per_s": tps, "step_ms": 1.0, "supervised_tokens_per_s": tps,
+                "mfu": 0.45, "cold_first_step_s": 1.0, "cold_pass_s": 1.0}  # fmt: skip
+
+    first = [row("hf_fa4", 10000.0), row("varpack_lce_compile", 20000.0)]
+    for second, mfu in (
+        (
+            [row("hf_fa4", 10000.0), {"config": "varpack_lce_compile", "error": "CUDA out of memory"}],
+            "not met",
+        ),
+        ([{"config": "hf_fa4", "error": "CUDA out of memory"}, row("varpack_lce_compile", 20000.0)], "MET"),
+    ):
+        line = T.goal_line(T.add_ratios([first, second]))
+        assert "no ratio in 1 of 2 rounds" in line
+        assert "goal 1.5x: not met" in line and f"goal 40%: {mfu}" in line
+    assert "goal 1.5x: MET" in T.goal_line(T.add_ratios([first, first]))
