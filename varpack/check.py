@@ -13,7 +13,7 @@ Pass rule:
 
 * float32: ``max_abs_logit_diff <= atol + 1e-5 * max|logit|`` (atol default 1e-4: fp32 GEMMs over a packed
   row and over one sample round differently), ``|loss diff| <= 1e-5 * max(1, |loss|)``, and per parameter
-  ``|g_packed - g_unpacked| <= 1e-8 + 1e-3 * max|g_unpacked|`` (the absolute term far below the ~1e-6 gradients of
+  ``|g_packed - g_unpacked| <= 1e-7 + 1e-3 * max|g_unpacked|`` (the absolute term far below the ~1e-6 gradients of
   a Gated DeltaNet layer's gate parameters, so a leak confined to them is seen);
 * bfloat16 / float16 (the fp32-truth rule, as in flash-attn's tests): an fp32 copy of the model runs unpacked
   (the truth); the packed low-precision run must be as close to the truth as the unpacked low-precision run
@@ -44,9 +44,9 @@ __all__ = ["check_exactness"]
 
 _LOW_PRECISION_ATOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
 #: float32 rule, absolute term of a gradient's bound: honest packed runs of the tiny Gated DeltaNet models differ
-#: by <= 2e-9 on gate gradients of max|g| ~1e-6 (within 5e-4 relative); 1e-4 (the earlier term) let a
-#: backward-only leak of 1e-6 in them pass (tests/test_check.py)
-FP32_GRAD_ATOL = 1e-8
+#: by <= 2e-9 on gate gradients of max|g| ~1e-6, fla_hybrid's pipeline (CPU stand-ins) by <= 4e-8 on A_log;
+#: 1e-4 (the earlier term) let a backward-only leak of ~1e-6 in them pass (tests/test_check.py)
+FP32_GRAD_ATOL = 1e-7
 
 
 def _as_sample_list(samples: Any) -> list[dict[str, Any]]:
