@@ -191,16 +191,20 @@ def _modeling_module(model: torch.nn.Module):
     return sys.modules[type(model).__module__]
 
 
+def _linear_funcs(module: Any) -> Iterator[tuple[str, Any, Any]]:
+    """``(name, function, its __wrapped__ reference or None)`` of each of :data:`HF_LINEAR_FUNCS` ``module`` has."""
+    for name in HF_LINEAR_FUNCS:
+        fn = getattr(module, name, None)
+        if fn is not None:
+            yield name, fn, getattr(fn, "__wrapped__", None)
+
+
 def hf_linear_impls(module: Any) -> dict[str, str]:
     """Which implementation each of transformers' Gated DeltaNet functions calls: ``"torch reference"`` or
     the ``module.name`` of the package function ``use_kernel_func_from_hub_with_fallback`` bound at import
     (read from its wrapper's closure; ``"unknown"`` when the wrapper has another shape)."""
     out = {}
-    for name in HF_LINEAR_FUNCS:
-        fn = getattr(module, name, None)
-        if fn is None:
-            continue
-        reference = getattr(fn, "__wrapped__", None)
+    for name, fn, reference in _linear_funcs(module):
         # not a transformers wrapper: the reference itself (set by hf_reference_functions)
         if reference is None:
             out[name] = "torch reference"
@@ -252,11 +256,7 @@ def hf_reference_functions(module: Any) -> None:
     Raises:
         RuntimeError: a function is not a transformers wrapper (another transformers release).
     """
-    for name in HF_LINEAR_FUNCS:
-        fn = getattr(module, name, None)
-        if fn is None:
-            continue
-        reference = getattr(fn, "__wrapped__", None)
+    for name, _, reference in _linear_funcs(module):
         if reference is None:
             raise RuntimeError(
                 f"{module.__name__}.{name} is not a transformers kernel wrapper (no __wrapped__)"
