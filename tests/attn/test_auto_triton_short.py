@@ -83,9 +83,9 @@ def test_varlen_attention_passes_the_mean_length_from_shapes(monkeypatch):
     seen = []
     real = interface.resolve_spec
 
-    def spy(name, spec):
+    def spy(name, spec, **kw):
         seen.append(spec)
-        return real(name, spec)
+        return real(name, spec, **kw)
 
     monkeypatch.setattr(interface, "resolve_spec", spy)
     lens = [3, 17, 1, 11]

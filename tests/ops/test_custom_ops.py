@@ -213,6 +213,35 @@ def test_backward_kinds_and_refusals():
         gated_delta_rule_op(*xs, cu_seqlens=torch.tensor([0, 5, 6, 36, 39]), backend="chunk_compiled")
 
 
+def test_auto_on_the_op_passes_over_backends_without_an_op_backward(monkeypatch):
+    """auto on the op's training path skips a backend that has no backward through the op (on the H200 the
+    short-documents class put torch_varlen first and the compiled step refused); without gradients it keeps
+    it; a forced backend is still refused. Here sdpa is made backward-less so the CPU exercises the path."""
+    from varpack.attn import BackendUnavailableError, custom_op
+    from varpack.attn.registry import resolve_spec
+
+    real = custom_op.op_backward_kind
+    monkeypatch.setattr(
+        custom_op, "op_backward_kind", lambda name, softcap=0.0: None if name == "sdpa" else real(name, softcap=softcap)
+    )
+    args = ("auto", "cpu", -1, torch.float32, 8, 4, 2, True, (-1, 0), 0.0)
+    assert custom_op._resolve_constant(*args, True, 200) == "reference"  # the compiled path's resolution
+    assert custom_op._resolve_constant(*args, False, 200) == "sdpa"
+    q, k, v = _qkv()
+    cu = _cu(LENGTHS)
+    got = varlen_attention_op(q, k, v, cu, cu, 7, 7)  # eager op path, needs gradients: reference, not a refusal
+    want = varlen_attention(q, k, v, cu, cu, 7, 7, backend="reference")
+    torch.testing.assert_close(got, want, **EXACT)
+    for a, b in zip(_grads(got, (q, k, v)), _grads(want, (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(BackendUnavailableError, match="no backward through varpack's custom op"):
+        varlen_attention_op(q, k, v, cu, cu, 7, 7, backend="sdpa")
+    spec = custom_op.CallSpec.from_tensors(q, k, v, causal=True, window_size=(-1, 0), softcap=0.0)
+    resolved = resolve_spec("auto", spec, exclude={"sdpa": "why not"})
+    assert str(resolved) == "reference" and "sdpa: why not" in resolved.reason
+    assert str(resolve_spec("sdpa", spec, exclude={"sdpa": "why not"})) == "sdpa"  # forced: never excluded
+
+
 # -- a whole Qwen3 decoder layer compiled with fullgraph -------------------------------------------------
 SHAPES = [(5, 1, 7, 4), (9, 4), (2, 3, 2, 3, 2, 3, 6)]
 
@@ -281,3 +310,33 @@ def test_gpu_op_equals_varlen_attention(backend):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for a, b in zip(_grads(got.float(), (q, k, v)), want_grads):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_trains_short_documents_through_the_op():
+    """The H200 failure this guards: a pack of short documents (max_seqlen <= AUTO_SHORT_MAX_SEQLEN) put
+    torch_varlen first in auto's order, which has no backward through the op, and the compiled training step
+    (benchmarks/train.py varpack_lce_compile_ops) refused. Through the op auto must now pick a backend with a
+    backward (the first of auto's order that has one), with output and gradients equal to that backend's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine)")
+    from varpack.attn import custom_op, resolve_backend
+    from varpack.attn.registry import resolve_spec
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = (100, 3, 64, 17, 128)
+    t = sum(lengths)
+    q, k, v = (
+        torch.randn(t, n, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_() for n in (8, 2, 2)
+    )
+    cu = _cu(lengths)
+    eager = str(resolve_backend("auto", q, k, v, cu_seqlens_q=cu, max_seqlen=128))
+    spec = custom_op.CallSpec.from_tensors(q, k, v, causal=True, window_size=(-1, 0), max_seqlen=128)
+    name = str(resolve_spec("auto", spec, exclude=custom_op._no_op_backward(True, 0.0)))
+    assert op_backward_kind(name) is not None, name
+    got = varlen_attention_op(q, k, v, cu, cu, 128, 128)  # refused before the fix when eager had no op backward
+    want = varlen_attention(q, k, v, cu, cu, 128, 128, backend=name)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(_grads(got.float(), (q, k, v)), _grads(want.float(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    print(f"auto: {eager} for varlen_attention, {name} through the op")

@@ -326,7 +326,7 @@ def _resolve_constant(
         device=device, dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads,
         causal=causal, window_size=window, softcap=softcap, needs_grad=needs_grad, max_seqlen=max_seqlen,
     )  # fmt: skip
-    name = str(resolve_spec(backend, spec))
+    name = str(resolve_spec(backend, spec, exclude=_no_op_backward(needs_grad, softcap)))
     _check_differentiable(name, softcap, needs_grad)
     return name
 
@@ -376,9 +376,11 @@ def varlen_attention_op(
         )  # fmt: skip
     from .interface import prepare_call
 
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     call = prepare_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, meta,
         causal=causal, window_size=window_size, softmax_scale=softmax_scale, softcap=softcap, backend=backend,
+        exclude=_no_op_backward(needs_grad, float(softcap or 0.0)),
     )  # fmt: skip
     _check_differentiable(call.backend, call.softcap, call.spec.needs_grad)
     out, _ = _varlen_attention(
@@ -386,6 +388,20 @@ def varlen_attention_op(
         call.softmax_scale, call.window_size[0], call.window_size[1], call.softcap, call.backend,
     )  # fmt: skip
     return out
+
+
+def _no_op_backward(needs_grad: bool, softcap: float) -> dict[str, str] | None:
+    """The backends ``auto`` passes over on the op's path when the call needs gradients: those with no
+    backward through the op (:func:`op_backward_kind` None), each with the reason; None without gradients.
+    Without it ``auto`` could pick one for a shape class (``torch_varlen`` for short documents,
+    :data:`varpack.attn.registry.AUTO_PRIORITY_SHORT`) and the training step would refuse."""
+    if not needs_grad:
+        return None
+    return {
+        name: f"no backward through varpack's custom op ({_NO_OP_BACKWARD.get(name, 'no native backward is wired')})"
+        for name in BACKENDS
+        if op_backward_kind(name, softcap=softcap) is None
+    }
 
 
 def _check_differentiable(name: str, softcap: float, needs_grad: bool) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -190,9 +191,11 @@ def prepare_call(
     softmax_scale: Any,
     softcap: Any,
     backend: str,
+    exclude: Mapping[str, str] | None = None,
 ) -> PreparedCall:
     """Every check and the backend resolution of :func:`varlen_attention` (also used by the custom op
-    :func:`varpack.attn.custom_op.varlen_attention_op`): errors as documented there."""
+    :func:`varpack.attn.custom_op.varlen_attention_op`, which passes ``exclude``: backends ``auto`` skips,
+    :func:`varpack.attn.registry.resolve_spec`): errors as documented there."""
     _check_tensors(q, k, v)
     meta = _call_meta(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, meta)
     if not isinstance(causal, bool):
@@ -220,7 +223,7 @@ def prepare_call(
         max_seqlen=max(meta.max_seqlen_q, meta.max_seqlen_k),
         mean_seqlen=q.shape[0] / meta.num_seqs if meta.num_seqs else None,
     )
-    name = str(resolve_spec(backend, spec))
+    name = str(resolve_spec(backend, spec, exclude=exclude))
     return PreparedCall(meta, cu_q, cu_k, causal, window_size, softmax_scale, softcap, spec, name)
 
 

@@ -7,6 +7,7 @@ picked, and why each one before it was skipped) so ``varpack check`` can report 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -204,8 +205,12 @@ def available_backends(
     return result
 
 
-def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
+def resolve_spec(name: str, spec: CallSpec, *, exclude: Mapping[str, str] | None = None) -> ResolvedBackend:
     """Resolve ``name`` (``"auto"`` or a backend name) for the call ``spec``.
+
+    ``exclude`` (``auto`` only): backends ``auto`` passes over, each with the reason reported among the skipped
+    ones (the custom op's training path, :mod:`varpack.attn.custom_op`, passes those with no backward through
+    the op). A forced name is never excluded.
 
     Raises:
         ValueError: unknown backend name.
@@ -227,6 +232,9 @@ def resolve_spec(name: str, spec: CallSpec) -> ResolvedBackend:
         order = ("triton_short", *(n for n in order if n != "triton_short"))
     skipped: list[str] = []
     for candidate in order:
+        if exclude and candidate in exclude:
+            skipped.append(f"{candidate}: {exclude[candidate]}")
+            continue
         ok, reason = BACKENDS[candidate].supports(spec)
         min_d = AUTO_MIN_HEAD_DIM_FOR_GRAD.get(candidate)
         if ok and min_d is not None and spec.needs_grad and spec.head_dim < min_d:
