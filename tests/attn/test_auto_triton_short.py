@@ -20,9 +20,27 @@ def _spec(max_seqlen=100, mean_seqlen=60.0, head_dim=128, needs_grad=True, devic
     )  # fmt: skip
 
 
-def test_default_table_is_empty_so_auto_never_picks_it():
-    assert registry.AUTO_TRITON_SHORT == ()
-    wanted, why = triton_short_wanted(_spec(max_seqlen=16, mean_seqlen=16.0))
+@pytest.mark.parametrize(
+    "spec_kw,wanted",
+    [
+        ({"max_seqlen": 128, "mean_seqlen": 74.0}, True),  # the measured short mix (H200, 2026-12-01)
+        ({"max_seqlen": 16, "mean_seqlen": 16.0}, True),
+        ({"max_seqlen": 128, "mean_seqlen": 74.0, "needs_grad": False}, False),  # forward: a tie, not a row
+        ({"max_seqlen": 128, "mean_seqlen": 90.0}, False),  # longer documents than measured
+        ({"max_seqlen": 1633, "mean_seqlen": 207.0}, False),  # the real-lengths mix: 1.03x FA4, no row
+        ({"max_seqlen": 100, "mean_seqlen": 60.0, "head_dim": 64}, False),  # D = 64 not measured
+        ({"max_seqlen": 100, "mean_seqlen": None}, False),  # the compiled op path passes no mean
+    ],
+)
+def test_default_table_is_the_measured_short_training_class(spec_kw, wanted):
+    got, why = triton_short_wanted(_spec(**spec_kw))
+    assert got is wanted, why
+    if not wanted:
+        assert "no AUTO_TRITON_SHORT row matches" in why
+
+
+def test_empty_table_means_never():
+    wanted, why = triton_short_wanted(_spec(max_seqlen=16, mean_seqlen=16.0), ())
     assert not wanted and "empty" in why
 
 

@@ -109,11 +109,19 @@ class TritonShortRule(NamedTuple):
 
 #: Where ``auto`` uses ``triton_short`` on CUDA (issue 17), filled from benchmarks/attention_tune.py and
 #: benchmarks/attention.py on the H200: a row is added only for a shape class where triton_short measured
-#: faster than what ``auto`` picks today. Empty: never (``auto`` as before). The compiled custom-op path
+#: faster than what ``auto`` picks today (empty: never, ``auto`` as before). The compiled custom-op path
 #: (:mod:`varpack.attn.custom_op`, ``_traced_call``) passes only the short class of ``max_seqlen`` and no mean,
 #: so rows that need more (a mean bound, a ``max_seqlen`` above :data:`AUTO_SHORT_MAX_SEQLEN`) match eagerly
 #: only until that path passes the row's class too.
-AUTO_TRITON_SHORT: tuple[TritonShortRule, ...] = ()
+#:
+#: Row 1, measured 2026-12-01 on the H200 (benchmarks/RESULTS.md, "seventh session"; T = 65,536 of 886
+#: documents of 16..128 tokens, mean 74, H = 16/4, D = 128, bf16, one VarlenMeta per batch): fwd+bwd
+#: triton_short 1.84 ms (45.2 TFLOP/s) vs torch_varlen 3.01 ms (what auto picked: 27.6), flash_attn_4 3.44 ms,
+#: flex 5.29 ms; forward alone the same as torch_varlen (0.658 vs 0.661 ms), so the row is for training only.
+#: On the real-lengths mix (max 1,633, mean 207) triton_short was 1.03x FA4: no row there.
+AUTO_TRITON_SHORT: tuple[TritonShortRule, ...] = (
+    TritonShortRule(max_seqlen=128, max_mean_seqlen=74.0, training=True, head_dims=(128,)),
+)
 
 
 def triton_short_wanted(spec: CallSpec, rules: tuple[TritonShortRule, ...] | None = None) -> tuple[bool, str]:
