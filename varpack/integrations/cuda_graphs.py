@@ -53,17 +53,24 @@ GRAPH_COMPILE_KW: dict[str, Any] = {
 }
 
 
-def compile_layers_as_graphs(model: torch.nn.Module, *, what: str = "CUDA graphs") -> int:
+def compile_layers_as_graphs(
+    model: torch.nn.Module, *, device: torch.device | str | None = None, what: str = "CUDA graphs"
+) -> int:
     """Compile every decoder layer of ``model`` (on varpack attention) for CUDA-graph replay
-    (:data:`GRAPH_COMPILE_KW`). Returns the number of layers compiled.
+    (:data:`GRAPH_COMPILE_KW`; compiled lazily, at the first call). Returns the number of layers compiled.
+
+    Args:
+        model: the model.
+        device: the device it will train on (a Trainer moves it there after this); default: its parameters'.
+        what: the setting named in the error.
 
     Raises:
-        ValueError: ``model``'s parameters are not on a CUDA device (``"{what}: CUDA graphs need a CUDA
-            device, the model is on cpu"``), nothing compiled; :func:`compile_layers`'s refusals.
+        ValueError: ``device`` is not CUDA (``"{what}: CUDA graphs need a CUDA device, the model is on cpu"``),
+            nothing compiled; :func:`varpack.integrations.kernels.compile_layers`' refusals.
     """
     from varpack.integrations.kernels import compile_layers
 
-    device = next(model.parameters()).device
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type != "cuda":
         raise ValueError(f"{what}: CUDA graphs need a CUDA device, the model is on {device}")
     return compile_layers(model, **GRAPH_COMPILE_KW)

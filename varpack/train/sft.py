@@ -250,7 +250,7 @@ def build_sft(
         config, device=training_args.device.type, world_size=training_args.world_size
     )
     config = replace(config, torch_compile=compile_choice.on)
-    model = _prepare_model(config, model, load)
+    model = _prepare_model(config, model, load, training_args.device)
     gated_delta = _gated_delta_choice(config, model, training_args.device)
     static_shape = static_pad = None
     if config.cuda_graphs or static_shapes:
@@ -583,9 +583,10 @@ def plan_samples(
     return lengths, plan
 
 
-def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any]) -> Any:
+def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], device: Any = None) -> Any:
     """The model on varpack attention (loaded now if not yet), without a KV cache, with the requested
-    Liger-Kernel / per-layer compile applied, then wrapped in a LoRA ``PeftModel`` with ``config.lora``
+    Liger-Kernel / per-layer compile applied (with ``config.cuda_graphs``: compiled for CUDA graphs on ``device``,
+    the training device, after :func:`_refuse_graph_model`), then wrapped in a LoRA ``PeftModel`` with ``config.lora``
     (:func:`varpack.train.lora.apply_lora`).
 
     Raises:
@@ -607,7 +608,7 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any]) -> An
         _refuse_graph_model(model)
         from varpack.integrations.cuda_graphs import compile_layers_as_graphs
 
-        compile_layers_as_graphs(model, what="--cuda-graphs")
+        compile_layers_as_graphs(model, device=device, what="--cuda-graphs")
     elif config.use_liger_kernel or config.torch_compile:
         from varpack.integrations.kernels import apply_liger_kernels, compile_layers
 
