@@ -82,7 +82,9 @@ def test_each_refusal_names_the_flag(name):
         check_cuda_graphs(config, device=device, world_size=world, environ=env)
     assert fragment in str(info.value), str(info.value)
     # control: the same settings without the flag pass, and the flag alone passes on one CUDA process
-    check_cuda_graphs(dataclasses.replace(config, cuda_graphs=False), device=device, world_size=world, environ=env)
+    check_cuda_graphs(
+        dataclasses.replace(config, cuda_graphs=False), device=device, world_size=world, environ=env
+    )
     check_cuda_graphs(SFTConfig(cuda_graphs=True), device="cuda", world_size=1, environ={})
 
 
@@ -124,7 +126,9 @@ def test_compile_for_graphs_refuses_a_cpu_device():
     from varpack.integrations.cuda_graphs import compile_layers_as_graphs
 
     model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa")
-    with pytest.raises(ValueError, match="--cuda-graphs: CUDA graphs need a CUDA device, the model is on cpu"):
+    with pytest.raises(
+        ValueError, match="--cuda-graphs: CUDA graphs need a CUDA device, the model is on cpu"
+    ):
         compile_layers_as_graphs(model, what="--cuda-graphs")
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
 
@@ -256,7 +260,9 @@ def test_speed_line_names_the_static_step_and_the_hint():
         "static shapes T=8320 N=92 max_seqlen=1672 (pad 1.6%), CUDA graphs per layer + chunked linear CE "
         "(--cuda-graphs); the first steps compile and capture every decoder layer"
     )
-    on = CompileChoice(True, "auto on CUDA: fastest measured, benchmarks/RESULTS.md", "--torch-compile false to skip")
+    on = CompileChoice(
+        True, "auto on CUDA: fastest measured, benchmarks/RESULTS.md", "--torch-compile false to skip"
+    )
     hinted = describe_speed(on, loss_impl="linear_ce", loss_why="", graphs_hint=True)
     assert hinted.endswith("; --torch-compile false to skip; " + CUDA_GRAPHS_HINT) and "\n" not in hinted
     assert CUDA_GRAPHS_HINT not in describe_speed(on, loss_impl="linear_ce", loss_why="")
