@@ -322,3 +322,25 @@ def test_gpu_sft_cuda_graphs_equals_the_default_run(tmp_path):
     assert CUDA_GRAPHS_HINT in next(line for line in lines_d if line.startswith("speed"))
     assert len(graphs) == len(default) == 3
     torch.testing.assert_close(graphs, default, rtol=2e-2, atol=2e-2)
+
+
+def test_hint_only_where_the_flag_would_run():
+    """The speed line's --cuda-graphs hint: a CUDA run the flag would not refuse; none on a CPU, with the flag
+    on, or beside a setting it refuses (--lora, --grad-accum 2, a Gated DeltaNet model)."""
+    from varpack.train import sft
+
+    def run(device="cuda", world=1, model="tiny-qwen3", **fields):
+        args = types.SimpleNamespace(device=torch.device(device), world_size=world)
+        return types.SimpleNamespace(
+            config=SFTConfig(**fields),
+            trainer=types.SimpleNamespace(args=args),
+            model=load_model(model, vocab_size=VOCAB) if model == "tiny-qwen3" else load_model(model),
+        )
+
+    assert sft._graphs_would_run(run())
+    assert not sft._graphs_would_run(run(device="cpu"))
+    assert not sft._graphs_would_run(run(cuda_graphs=True))
+    assert not sft._graphs_would_run(run(lora=True))
+    assert not sft._graphs_would_run(run(grad_accum=2))
+    assert not sft._graphs_would_run(run(world=2))
+    assert not sft._graphs_would_run(run(model="tiny-qwen3.5"))

@@ -790,7 +790,7 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
                 liger=config.use_liger_kernel,
                 print_fn=print_fn,
                 static=_describe_static(run) if config.cuda_graphs else None,
-                graphs_hint=not config.cuda_graphs and run.trainer.args.device.type == "cuda",
+                graphs_hint=_graphs_would_run(run),
             )
         )
         run.trainer.train()
@@ -836,6 +836,20 @@ def _rerunnable(config: SFTConfig) -> SFTConfig:
     return dataclasses.replace(
         config, data=data, model=local(config.model), output_dir=os.path.abspath(config.output_dir)
     )
+
+
+def _graphs_would_run(run: SFTRun) -> bool:
+    """Whether the ``speed`` line hints at ``--cuda-graphs``: a run without it that it would not refuse
+    (:func:`varpack.train.config.check_cuda_graphs` on the Trainer's device and world size, then the model)."""
+    config, args = run.config, run.trainer.args
+    if config.cuda_graphs or args.device.type != "cuda":
+        return False
+    try:
+        check_cuda_graphs(replace(config, cuda_graphs=True), device=args.device.type, world_size=args.world_size)
+        _refuse_graph_model(run.model)
+    except ValueError:
+        return False
+    return True
 
 
 def _describe_static(run: SFTRun) -> str:
