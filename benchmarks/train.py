@@ -343,16 +343,15 @@ def to_device(mb: dict[str, Any], device, keep_cpu: tuple[str, ...] = ()) -> dic
     whose boundaries are not kept on the CPU gets its meta on the device (``VarlenMeta.on_device``: one copy
     of the offsets, kept by the batch's meta) and ``cu_seq_lens_q/k`` as the views of that meta."""
     meta = mb.get("varlen_meta")
+    from varpack.integrations.cuda_graphs import boundaries_on_device
+
     on_device = meta is not None and "cu_seq_lens_q" not in keep_cpu
     out = {
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in keep_cpu else v
         for k, v in mb.items()
         if k not in BOOKKEEPING_KEYS and not (on_device and k in VARPACK_CPU_KEYS)
     }
-    if on_device:
-        out["varlen_meta"] = meta = meta.on_device(device)
-        out.update(meta.flash_attn_kwargs())
-    return out
+    return boundaries_on_device(out, device) if on_device else out
 
 
 def split_config(config: str) -> tuple[str, set[str]]:
@@ -390,19 +389,24 @@ def apply_step_options(model: torch.nn.Module, config: str) -> list[str]:
     """Liger-Kernel layers and/or regional torch.compile (varpack.integrations.kernels) for ``*_liger`` /
     ``*_compile`` configs, after enable_varpack: with ``_ops`` attention is the custom op inside each layer's
     graph (``fullgraph=True``: a graph break is an error), with ``_static`` the layers are compiled for the one
-    static shape (``dynamic=False``), with ``_graphs`` as CUDA graphs (``mode="reduce-overhead"``). Returns what
-    was applied, for the report.
+    static shape (``dynamic=False``), with ``_graphs`` as CUDA graphs (``mode="reduce-overhead"``:
+    :func:`varpack.integrations.cuda_graphs.compile_layers_as_graphs`, what ``varpack sft --cuda-graphs`` runs).
+    Returns what was applied, for the report.
 
     Raises:
         ValueError: ``_graphs`` on a model that is not on a CUDA device (CUDA graphs need CUDA).
     """
+    from varpack.integrations.cuda_graphs import compile_layers_as_graphs
     from varpack.integrations.kernels import apply_liger_kernels, compile_layers
 
     _, options = split_config(config)
     done = []
     if "liger" in options:
         done.append("liger " + "+".join(apply_liger_kernels(model)))
-    if "compile" in options:
+    if "graphs" in options:  # the library's one implementation (varpack sft --cuda-graphs runs it too)
+        n = compile_layers_as_graphs(model, what=config)
+        done.append(f"compile x{n} (attention op in graph, static shapes, CUDA graphs per layer)")
+    elif "compile" in options:
         kw: dict[str, Any] = {}
         notes = []
         if "ops" in options:
@@ -411,12 +415,6 @@ def apply_step_options(model: torch.nn.Module, config: str) -> list[str]:
         if "static" in options:
             kw["dynamic"] = False
             notes.append("static shapes")
-        if "graphs" in options:
-            device = next(model.parameters()).device
-            if device.type != "cuda":
-                raise ValueError(f"{config}: CUDA graphs need a CUDA device, the model is on {device}")
-            kw["mode"] = "reduce-overhead"
-            notes.append("CUDA graphs per layer")
         done.append(f"compile x{compile_layers(model, **kw)}" + (f" ({', '.join(notes)})" if notes else ""))
     return done
 
@@ -426,20 +424,19 @@ def step_context(config: str):
     (a graph inductor would run eagerly instead of capturing it raises), where this torch has the option."""
     import contextlib
 
+    from varpack.integrations.cuda_graphs import capture_or_error
+
     if "graphs" not in split_config(config)[1]:
         return contextlib.nullcontext()
-    from torch._inductor import config as inductor_config
-
-    if not hasattr(inductor_config.triton, "cudagraph_or_error"):
-        return contextlib.nullcontext()  # the row's cudagraph_skips still counts skipped graphs
-    return inductor_config.patch({"triton.cudagraph_or_error": True})
+    return capture_or_error()  # where torch lacks the option, the row's cudagraph_skips still counts skips
 
 
 def cudagraph_skips() -> int:
-    """Graphs inductor ran without a CUDA graph so far in this process (``counters["inductor"]``)."""
-    from torch._dynamo.utils import counters
+    """Graphs inductor ran without a CUDA graph so far in this process
+    (:func:`varpack.integrations.cuda_graphs.cudagraph_skips`)."""
+    from varpack.integrations.cuda_graphs import cudagraph_skips as skips
 
-    return int(counters["inductor"]["cudagraph_skips"])
+    return skips()
 
 
 def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., torch.Tensor], str]:
@@ -479,8 +476,10 @@ def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., t
     fused.reason = reason  # type: ignore[attr-defined]
     if "graphs" in options:
         # CUDA-graph trees: a new step begins here (the previous step's graph outputs may be overwritten)
+        from varpack.integrations.cuda_graphs import begin_step
+
         def graphed(model, mb, num_items):
-            torch.compiler.cudagraph_mark_step_begin()
+            begin_step()
             return fused(model, mb, num_items)
 
         graphed.reason = reason  # type: ignore[attr-defined]

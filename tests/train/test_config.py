@@ -51,6 +51,7 @@ NON_DEFAULT = dict(
     gradient_checkpointing=True,
     use_liger_kernel=True,
     torch_compile=True,
+    cuda_graphs=True,
     save=False,
     lora=True,
     lora_r=8,

@@ -42,6 +42,7 @@ from varpack.plan.streaming import DEFAULT_BUFFER_SIZE
 __all__ = [
     "ALWAYS_ON",
     "COMPILE_COLD_COST",
+    "CUDA_GRAPHS_HINT",
     "DEFAULT_LR",
     "AttnBackendName",
     "AutoBool",
@@ -55,6 +56,7 @@ __all__ = [
     "OverflowPolicy",
     "PackingStrategy",
     "SFTConfig",
+    "check_cuda_graphs",
     "default_lr",
     "literal_choices",
     "resolve_torch_compile",
@@ -168,7 +170,8 @@ def resolve_torch_compile(
 ) -> CompileChoice:
     """Whether a run of ``config`` compiles its decoder layers (``SFTConfig.torch_compile``), and why.
 
-    ``True`` / ``False`` are the user's choice and returned as given. ``"auto"`` (the default) is ``True``
+    ``cuda_graphs`` (with ``True`` or ``"auto"``): ``True``, reason ``"--cuda-graphs"`` (``False`` beside it is
+    refused by :func:`check_cuda_graphs`). ``True`` / ``False`` are the user's choice and returned as given. ``"auto"`` (the default) is ``True``
     exactly when the run is on CUDA and no setting of ``config`` is known to conflict with regional compile
     or is untested with it; benchmarks/RESULTS.md ("End-to-end SFT throughput, steady state", one H200,
     Qwen3-0.6B shape) measured compile + chunked linear CE as the fastest exact configuration: 118 ms/step vs
@@ -206,6 +209,8 @@ def resolve_torch_compile(
         only; none on a CPU, or beside Liger, which is refused with compile).
     """
     value = config.torch_compile
+    if config.cuda_graphs and value is not False:  # check_cuda_graphs refuses the rest
+        return CompileChoice(True, "--cuda-graphs")
     if value is True:
         return CompileChoice(True, "--torch-compile")
     if value is False:
@@ -232,6 +237,81 @@ def resolve_torch_compile(
     return CompileChoice(
         True, "auto on CUDA: fastest measured, benchmarks/RESULTS.md", "--torch-compile false to skip"
     )
+
+
+#: the hint a CUDA run without ``--cuda-graphs`` prints on its ``speed`` line (benchmarks/RESULTS.md, "End-to-end SFT
+#: throughput": ``varpack_lce_static_graphs`` 75 ms/step vs ``varpack_lce_compile`` 141 ms, Qwen3-0.6B shape,
+#: packing_length 8192, one H200).
+CUDA_GRAPHS_HINT = (
+    "--cuda-graphs for static shapes + CUDA graphs (1.9x measured on an H200, benchmarks/RESULTS.md)"
+)
+
+#: settings ``--cuda-graphs`` is refused with: (field, value test, why). Each needs what CUDA-graph trees cannot
+#: be shown to do with it (module docstring of :mod:`varpack.integrations.cuda_graphs`).
+_GRAPH_CONFLICTS: tuple[tuple[str, Any, str], ...] = (
+    ("torch_compile", lambda v: v is False, "CUDA graphs replay the compiled layers"),
+    ("streaming", bool, "the static shape is read from the whole plan, which a stream does not have"),
+    (
+        "packs_per_step",
+        lambda v: v != 1,
+        "the static shape is one pack's; a row of several packs would need another",
+    ),
+    (
+        "grad_accum",
+        lambda v: v != 1,
+        "a step's graph outputs may be overwritten by the next micro-batch's replay before the gradients "
+        "are accumulated",
+    ),
+    ("lora", bool, "peft adapters inside graph-captured layers are not tested"),
+    ("use_liger_kernel", bool, "Liger-Kernel's layers are not compiled"),
+    ("gradient_checkpointing", bool, "recomputation inside captured layers is not tested"),
+    ("fsdp", bool, "sharded units around captured layers are not tested"),
+    ("loss_impl", lambda v: v == "logits", "the measured step runs the fused linear CE (loss_impl auto)"),
+    ("objective", lambda v: v != "sft", "only the SFT objective is tested with CUDA graphs"),
+)
+
+
+def check_cuda_graphs(
+    config: SFTConfig, *, device: str, world_size: int = 1, environ: Mapping[str, str] | None = None
+) -> None:
+    """Refuse ``config.cuda_graphs`` where it cannot be shown to run exactly (never a silent fallback to the
+    default step). Nothing happens when ``cuda_graphs`` is off.
+
+    Checked in this order: the settings of :data:`_GRAPH_CONFLICTS` (``torch_compile=False``, ``streaming``,
+    ``packs_per_step != 1``, ``grad_accum != 1``, ``lora``, ``use_liger_kernel``, ``gradient_checkpointing``,
+    ``fsdp``, ``loss_impl="logits"``, ``objective="dpo"``), FSDP / DeepSpeed / transformers' own
+    ``torch_compile`` from ``extra_training_args`` or accelerate's environment, ``world_size > 1``, then
+    ``device != "cuda"``. (The model's own refusals -- vision-language, Gated DeltaNet layers -- are
+    :func:`varpack.train.sft.build_sft`'s, once the model is loaded.)
+
+    Raises:
+        ValueError: ``"--cuda-graphs ..."`` naming the conflicting setting and why.
+    """
+    if not config.cuda_graphs:
+        return
+    for name, bad, why in _GRAPH_CONFLICTS:
+        value = getattr(config, name)
+        if bad(value):
+            flag = name.replace("_", "-")
+            raise ValueError(f"--cuda-graphs with {flag}={value!r}: {why}")
+    env = os.environ if environ is None else environ
+    extra = config.extra_training_args
+    if _truthy(extra.get("fsdp")) or _truthy(env.get("ACCELERATE_USE_FSDP")):
+        raise ValueError("--cuda-graphs with FSDP: sharded units around captured layers are not tested")
+    if _truthy(extra.get("deepspeed")) or _truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
+        raise ValueError("--cuda-graphs with DeepSpeed: captured layers under it are not tested")
+    if _truthy(extra.get("torch_compile")):
+        raise ValueError(
+            "--cuda-graphs with transformers' own torch_compile (extra_training_args): it would compile the "
+            "whole model around the captured layers"
+        )
+    if world_size > 1:
+        raise ValueError(
+            f"--cuda-graphs with {world_size} ranks: captured layers under DDP are neither tested nor measured; "
+            "run one process"
+        )
+    if device != "cuda":
+        raise ValueError(f"--cuda-graphs needs a CUDA GPU; this run trains on {device}")
 
 
 def _lr_help(defaults: dict[str, Any]) -> str:
@@ -322,6 +402,11 @@ class SFTConfig:
             the resolved ``True`` / ``False``, and ``varpack sft`` prints it on its ``speed`` line. Cost: the first
             step compiles (:data:`COMPILE_COLD_COST`). ``True`` with ``use_liger_kernel`` is refused
             (:data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`).
+        cuda_graphs: the static-shape CUDA-graph step (:mod:`varpack.integrations.cuda_graphs`): the collator
+            pads every pack to ``StaticShape.from_plan(plan)``, the layers are compiled with
+            :data:`varpack.integrations.cuda_graphs.GRAPH_COMPILE_KW` and replayed as CUDA graphs, the loss is
+            the fused linear CE; ``torch_compile="auto"`` resolves to on. Refused by :func:`check_cuda_graphs`
+            where it is not shown to work (never ignored).
         save: save model + tokenizer at the end (with ``lora``: the adapter, peft's ``save_pretrained``).
         lora: wrap the model in a peft LoRA adapter (:func:`varpack.train.sft.apply_lora`) and train only the
             adapter weights; needs ``peft`` (``pip install 'varpack[lora]'``).
@@ -541,6 +626,19 @@ class SFTConfig:
             "'speed' line says which and why. The first step compiles (~14 s for a 0.6B model on an H200). "
             "--torch-compile: on; --torch-compile false or --no-torch-compile: off (default: %(default)s)",
             metavar="auto|true|false",
+        ),
+    )
+    cuda_graphs: bool = field(
+        default=False,
+        metadata=_opt(
+            "the fastest exact step measured: every pack padded to one static shape (StaticShape.from_plan over "
+            "the whole plan; the pad cost is on the 'speed' line), each decoder layer compiled whole with "
+            "attention inside (custom ops, fullgraph, dynamic=False) and replayed as CUDA graphs "
+            "(mode=reduce-overhead), fused linear CE: 75 vs 141 ms/step of the default (1.9x) for a 0.6B model "
+            "at packing length 8192 on an H200 (benchmarks/RESULTS.md). CUDA, one process, a planned run "
+            "(no --streaming), --packs-per-step 1, --grad-accum 1; refused (never ignored) with --torch-compile "
+            "false, --lora, --use-liger-kernel, --gradient-checkpointing, FSDP, DeepSpeed, several ranks, "
+            "--loss-impl logits, --objective dpo, vision-language or Gated DeltaNet models"
         ),
     )
     save: bool = field(default=True, metadata=_opt("save the model and tokenizer to --output-dir at the end"))

@@ -75,6 +75,13 @@ class PackedLossMixin:
     the collator's ``batch_stats``, all ranks): ``tokens_per_second``, ``tokens_per_step``,
     ``supervised_tokens_per_step``, ``packs_per_step``, ``samples_per_step`` and ``pack_fill``. They go
     through ``Trainer.log``, so every ``report_to`` integration (tensorboard, wandb, ...) records them.
+
+    ``cuda_graphs`` (``varpack sft --cuda-graphs``; the layers compiled by
+    :func:`varpack.integrations.cuda_graphs.compile_layers_as_graphs`, static-shape packs): every
+    ``training_step`` runs inside :func:`varpack.integrations.cuda_graphs.capture_or_error` (a layer that is
+    not captured raises), and ``compute_loss`` moves the batch's boundaries to the device
+    (:func:`~varpack.integrations.cuda_graphs.boundaries_on_device`) and begins a CUDA-graph step
+    (:func:`~varpack.integrations.cuda_graphs.begin_step`) before the forward.
     """
 
     def _init_packed_loss(
@@ -84,8 +91,10 @@ class PackedLossMixin:
         loss_impl: str = "auto",
         packing_length: int | None = None,
         objective: Any = "sft",
+        cuda_graphs: bool = False,
     ) -> None:
         self.objective = get_objective(objective) if isinstance(objective, str) else objective
+        self.cuda_graphs = bool(cuda_graphs)
         self.loss_reduction = loss_reduction
         self.loss_impl = loss_impl
         self.packing_length = packing_length
@@ -165,6 +174,11 @@ class PackedLossMixin:
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
+        if getattr(self, "cuda_graphs", False):
+            from varpack.integrations.cuda_graphs import begin_step, boundaries_on_device
+
+            inputs = boundaries_on_device(inputs, self.args.device)
+            begin_step()  # the previous micro-batch's graph outputs are consumed (backward and loss done)
         result = self.objective.loss(
             model,
             inputs,
@@ -189,6 +203,11 @@ class PackedLossMixin:
         if stats is not None:
             for key in STAT_KEYS:
                 self._window[key] += int(stats[key])
+        if getattr(self, "cuda_graphs", False):  # forward and backward: a graph not captured raises
+            from varpack.integrations.cuda_graphs import capture_or_error
+
+            with capture_or_error():
+                return super().training_step(model, inputs, *args, **kwargs)
         return super().training_step(model, inputs, *args, **kwargs)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -274,7 +293,14 @@ class EngineReportCallback(TrainerCallback):
 
 
 def describe_speed(
-    choice: Any, *, loss_impl: str, loss_why: str, liger: bool = False, hf_compile: bool = False
+    choice: Any,
+    *,
+    loss_impl: str,
+    loss_why: str,
+    liger: bool = False,
+    hf_compile: bool = False,
+    static: str | None = None,
+    graphs_hint: bool = False,
 ) -> str:
     """The step configuration of a run in one line (``varpack sft``'s ``speed`` line, without the label):
     how the decoder layers run, which loss implementation, and why, e.g.
@@ -289,18 +315,30 @@ def describe_speed(
         liger: Liger-Kernel's layers are on the model.
         hf_compile: transformers' own ``TrainingArguments.torch_compile`` is on (through
             ``extra_training_args``): Trainer compiles the whole model, so the layers are never called eager.
+        static: ``--cuda-graphs``' static shape and its pad cost (``"T=8320 N=92 max_seqlen=1672 (pad 1.6%)"``):
+            the line reads ``"static shapes T=... (pad ...), CUDA graphs per layer + chunked linear CE
+            (--cuda-graphs); the first steps compile and capture every decoder layer"``.
+        graphs_hint: append :data:`varpack.train.config.CUDA_GRAPHS_HINT` (a CUDA run without ``--cuda-graphs``).
     """
-    from varpack.train.config import COMPILE_COLD_COST
+    from varpack.train.config import COMPILE_COLD_COST, CUDA_GRAPHS_HINT
 
+    loss = {"linear_ce": "chunked linear CE", "logits": "CE on the logits"}.get(loss_impl, loss_impl)
+    if static is not None:
+        why = choice.reason if loss_impl == "linear_ce" else f"{choice.reason}; logits: {loss_why}"
+        return (
+            f"static shapes {static}, CUDA graphs per layer + {loss} ({why}); the first steps compile and "
+            "capture every decoder layer"
+        )
     layers = "regional torch.compile" if choice.on else "Liger-Kernel layers" if liger else "eager"
     if hf_compile:
         hf = "transformers' whole-model torch.compile"
         layers = f"regional torch.compile inside {hf}" if choice.on else hf
-    loss = {"linear_ce": "chunked linear CE", "logits": "CE on the logits"}.get(loss_impl, loss_impl)
     why = choice.reason if loss_impl == "linear_ce" else f"{choice.reason}; logits: {loss_why}"
     tail = [COMPILE_COLD_COST] if choice.on else []
     if choice.hint:
         tail.append(choice.hint)
+    if graphs_hint:
+        tail.append(CUDA_GRAPHS_HINT)
     return f"{layers} + {loss} ({why})" + "".join("; " + t for t in tail)
 
 
@@ -311,10 +349,21 @@ class SpeedReportCallback(TrainerCallback):
     After the first optimizer step it compares that with the implementation that ran (``loss_impl_used``)
     and prints a ``speed     note: ...`` line if they differ, so a report is never silently wrong."""
 
-    def __init__(self, trainer: Any, choice: Any, *, liger: bool = False, print_fn: Any = print) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        choice: Any,
+        *,
+        liger: bool = False,
+        print_fn: Any = print,
+        static: str | None = None,
+        graphs_hint: bool = False,
+    ) -> None:
         self.trainer = trainer
         self.choice = choice
         self.liger = liger
+        self.static = static
+        self.graphs_hint = graphs_hint
         self.print_fn = _bar_safe(print_fn)
         self.reported: str | None = None
         self.line: str | None = None
@@ -324,7 +373,13 @@ class SpeedReportCallback(TrainerCallback):
         self.reported = impl
         hf_compile = bool(getattr(args, "torch_compile", False))
         self.line = describe_speed(
-            self.choice, loss_impl=impl, loss_why=why, liger=self.liger, hf_compile=hf_compile
+            self.choice,
+            loss_impl=impl,
+            loss_why=why,
+            liger=self.liger,
+            hf_compile=hf_compile,
+            static=self.static,
+            graphs_hint=self.graphs_hint,
         )
         if state.is_world_process_zero:
             self.print_fn(f"speed     {self.line}")
@@ -489,6 +544,7 @@ class PackedSFTTrainer(PackSamplingMixin, PackedLossMixin, Trainer):
     Every training log entry carries varpack's per-step metrics (:func:`step_metrics`).
 
     ``pack_sampler``: this rank's :class:`varpack.data.sampler.BalancedPackSampler` (:class:`PackSamplingMixin`).
+    ``cuda_graphs``: each step as CUDA-graph replays (:class:`PackedLossMixin`; ``varpack sft --cuda-graphs``).
     """
 
     def __init__(
@@ -499,6 +555,7 @@ class PackedSFTTrainer(PackSamplingMixin, PackedLossMixin, Trainer):
         packing_length: int | None = None,
         objective: Any = "sft",
         pack_sampler: Any = None,
+        cuda_graphs: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -507,6 +564,7 @@ class PackedSFTTrainer(PackSamplingMixin, PackedLossMixin, Trainer):
             loss_impl=loss_impl,
             packing_length=packing_length,
             objective=objective,
+            cuda_graphs=cuda_graphs,
         )
         self._init_pack_sampler(pack_sampler)
 

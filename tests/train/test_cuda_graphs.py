@@ -1,0 +1,346 @@
+"""``varpack sft --cuda-graphs`` (issue 18, item 5): the flag and its config round trip, every refusal with its
+message (never a silent fallback), the static-shape collation of sft on the CPU (== the dynamic-shape run, with a
+negative control), the Trainer's CUDA-graph step hooks, the speed line; on a GPU a 3-step run whose losses equal
+the run without the flag and whose layers are all captured."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tests.train.test_cli_sft import VOCAB, _Tok, synthetic_samples
+from varpack.cli.main import build_parser, main
+from varpack.models import load_model
+from varpack.train.cli_flags import config_from_args, config_to_argv
+from varpack.train.config import (
+    CUDA_GRAPHS_HINT,
+    CompileChoice,
+    SFTConfig,
+    check_cuda_graphs,
+    resolve_torch_compile,
+)
+from varpack.train.config_file import load_config_file, write_config_file
+
+
+def _parse(*argv: str) -> SFTConfig:
+    return config_from_args(build_parser().parse_args(["sft", *argv]))
+
+
+# -- the flag --------------------------------------------------------------------------------------------
+def test_flag_parses_and_round_trips(tmp_path):
+    assert _parse().cuda_graphs is False
+    assert _parse("--cuda-graphs").cuda_graphs is True
+    assert _parse("--cuda-graphs", "--no-cuda-graphs").cuda_graphs is False
+    config = SFTConfig(cuda_graphs=True, seed=3)
+    assert _parse(*config_to_argv(config)) == config
+    path = write_config_file(config, tmp_path / "run.yaml")
+    assert load_config_file(path) == config == _parse("--config", str(path))
+    (tmp_path / "b.yaml").write_text("cuda_graphs: true\n")
+    assert _parse("--config", str(tmp_path / "b.yaml")).cuda_graphs is True
+    assert _parse("--config", str(tmp_path / "b.yaml"), "--no-cuda-graphs").cuda_graphs is False
+
+
+def test_flag_resolves_compile_on():
+    for value in ("auto", True):
+        choice = resolve_torch_compile(SFTConfig(cuda_graphs=True, torch_compile=value), device="cuda")
+        assert choice == CompileChoice(True, "--cuda-graphs")
+
+
+# -- refusals ----------------------------------------------------------------------------------------------
+#: fields, world_size, environment, device -> the message's fragment
+REFUSALS = {
+    "compile_off": (dict(torch_compile=False), 1, {}, "cuda", "with torch-compile=False"),
+    "streaming": (dict(streaming=True, max_steps=3), 1, {}, "cuda", "with streaming=True: the static shape"),
+    "packs_per_step": (dict(packs_per_step=2), 1, {}, "cuda", "with packs-per-step=2"),
+    "grad_accum": (dict(grad_accum=4), 1, {}, "cuda", "with grad-accum=4: a step's graph outputs"),
+    "lora": (dict(lora=True), 1, {}, "cuda", "with lora=True"),
+    "liger": (dict(use_liger_kernel=True), 1, {}, "cuda", "with use-liger-kernel=True"),
+    "checkpointing": (dict(gradient_checkpointing=True), 1, {}, "cuda", "with gradient-checkpointing=True"),
+    "fsdp": (dict(fsdp=True), 1, {}, "cuda", "with fsdp=True"),
+    "logits": (dict(loss_impl="logits"), 1, {}, "cuda", "with loss-impl='logits'"),
+    "dpo": (dict(objective="dpo"), 1, {}, "cuda", "with objective='dpo'"),
+    "fsdp_extra": (dict(extra_training_args={"fsdp": "full_shard"}), 1, {}, "cuda", "with FSDP"),
+    "fsdp_env": (dict(), 1, {"ACCELERATE_USE_FSDP": "true"}, "cuda", "with FSDP"),
+    "deepspeed": (dict(extra_training_args={"deepspeed": "ds.json"}), 1, {}, "cuda", "with DeepSpeed"),
+    "deepspeed_env": (dict(), 1, {"ACCELERATE_USE_DEEPSPEED": "1"}, "cuda", "with DeepSpeed"),
+    "hf_compile": (dict(extra_training_args={"torch_compile": True}), 1, {}, "cuda", "transformers' own"),
+    "ranks": (dict(), 2, {}, "cuda", "with 2 ranks"),
+    "cpu": (dict(), 1, {}, "cpu", "needs a CUDA GPU; this run trains on cpu"),
+    "mps": (dict(), 1, {}, "mps", "needs a CUDA GPU; this run trains on mps"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_each_refusal_names_the_flag(name):
+    fields, world, env, device, fragment = REFUSALS[name]
+    config = SFTConfig(cuda_graphs=True, **fields)
+    with pytest.raises(ValueError, match="--cuda-graphs") as info:
+        check_cuda_graphs(config, device=device, world_size=world, environ=env)
+    assert fragment in str(info.value), str(info.value)
+    # control: the same settings without the flag pass, and the flag alone passes on one CUDA process
+    check_cuda_graphs(
+        dataclasses.replace(config, cuda_graphs=False), device=device, world_size=world, environ=env
+    )
+    check_cuda_graphs(SFTConfig(cuda_graphs=True), device="cuda", world_size=1, environ={})
+
+
+def test_build_sft_refuses_on_a_cpu_before_encoding(tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU refusal needs a machine without CUDA")
+    from varpack.train import sft
+
+    def never(*a, **k):  # the refusal comes before minutes of encoding
+        raise AssertionError("encoded before refusing")
+
+    monkeypatch.setattr(sft, "load_and_encode", never)
+    config = SFTConfig(model="tiny-qwen3", output_dir=str(tmp_path / "o"), cuda_graphs=True, save=False)
+    with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA GPU; this run trains on cpu"):
+        sft.build_sft(config)
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_refuses_on_a_cpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU refusal needs a machine without CUDA")
+    rc = main(["sft", "--cuda-graphs", "--model", "tiny-qwen3", "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--cuda-graphs needs a CUDA GPU" in err, (rc, err)
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"), [("tiny-qwen3-vl", "vision-language"), ("tiny-qwen3.5", "Gated DeltaNet")]
+)
+def test_models_it_is_not_shown_for_are_refused(name, fragment):
+    from varpack.train.sft import _refuse_graph_model
+
+    with pytest.raises(ValueError, match=f"--cuda-graphs with .*{fragment}"):
+        _refuse_graph_model(load_model(name))
+    _refuse_graph_model(load_model("tiny-qwen3", vocab_size=VOCAB))  # control: a dense text model passes
+
+
+def test_compile_for_graphs_refuses_a_cpu_device():
+    from varpack.integrations.cuda_graphs import compile_layers_as_graphs
+
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa")
+    with pytest.raises(
+        ValueError, match="--cuda-graphs: CUDA graphs need a CUDA device, the model is on cpu"
+    ):
+        compile_layers_as_graphs(model, what="--cuda-graphs")
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
+
+
+# -- the static collation of sft, on the CPU ---------------------------------------------------------------
+def _static_build(tmp_path, *, static, **cfg):
+    from varpack.train.sft import build_sft
+
+    kw = dict(
+        model="tiny-qwen3",
+        output_dir=str(tmp_path / ("static" if static else "dynamic")),
+        packing_length=32,
+        attn_backend="reference",
+        save=False,
+        max_steps=3,
+        lr=1e-2,
+        extra_training_args={"optim": "sgd", "max_grad_norm": 0.0, "use_cpu": True},
+    )
+    kw.update(cfg)
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    return build_sft(
+        SFTConfig(**kw), model=model, tokenizer=_Tok(), encoded=synthetic_samples(), static_shapes=static
+    )
+
+
+def _train(run):
+    run.trainer.train()
+    losses = [h["loss"] for h in run.trainer.state.log_history if "loss" in h]
+    return losses, {n: p.detach().clone() for n, p in run.model.named_parameters()}
+
+
+def _supervise_pads(collator):
+    """Negative control: the pad tokens after the samples get labels (the static path's pads must never be)."""
+
+    def wrapped(features):
+        batch = collator(features)
+        real = int(batch["varlen_meta"].cu_seqlens_q[len(batch["sample_ids"])])
+        labels = batch["labels"].clone()
+        labels[0, real:] = batch["input_ids"][0, real:]
+        batch["labels"] = labels
+        return batch
+
+    return wrapped
+
+
+def test_static_shapes_sft_equals_the_dynamic_run(tmp_path):
+    """build_sft(static_shapes=True) pads every pack to StaticShape.from_plan(plan) (every row has its T, N and
+    max_seqlen), and 3 optimizer steps give the losses and weights of the dynamic-shape run; supervising the
+    pad tokens (control) changes the loss."""
+    dynamic = _static_build(tmp_path, static=False)
+    static = _static_build(tmp_path, static=True)
+    shape = static.static_shape
+    assert dynamic.static_shape is None and shape is not None
+    assert shape.tokens >= 32 and shape.segments == int(np.diff(static.plan.offsets).max()) + 1
+    assert 0 < static.static_pad < 1
+    for batch in static.trainer.get_train_dataloader():
+        meta = batch["varlen_meta"]
+        assert tuple(batch["input_ids"].shape) == (1, shape.tokens)
+        assert meta.num_seqs == shape.segments and meta.max_seqlen_q == shape.max_seqlen
+    losses_d, weights_d = _train(dynamic)
+    losses_s, weights_s = _train(static)
+    assert len(losses_d) == len(losses_s) == 3
+    torch.testing.assert_close(losses_s, losses_d, rtol=1e-5, atol=1e-6)
+    for name, w in weights_d.items():
+        torch.testing.assert_close(weights_s[name], w, rtol=1e-5, atol=1e-6, msg=name)
+    control = _static_build(tmp_path / "control", static=True)
+    control.trainer.data_collator = _supervise_pads(control.trainer.data_collator)
+    losses_c, _ = _train(control)
+    assert abs(losses_c[0] - losses_d[0]) > 1e-3
+
+
+def test_trainer_begins_a_graph_step_before_every_forward(tmp_path, monkeypatch):
+    """With cuda_graphs the Trainer moves the boundaries to the device, begins a CUDA-graph step before each
+    forward and runs every training step inside capture_or_error (wired on the CPU with eager layers; the
+    layers' capture is the GPU test's)."""
+    from varpack.integrations import cuda_graphs
+
+    calls = []
+    monkeypatch.setattr(cuda_graphs, "begin_step", lambda: calls.append("begin"))
+    real_move = cuda_graphs.boundaries_on_device
+
+    def move(batch, device):
+        calls.append("move")
+        return real_move(batch, device)
+
+    monkeypatch.setattr(cuda_graphs, "boundaries_on_device", move)
+    entered = []
+    real_ctx = cuda_graphs.capture_or_error
+
+    def ctx():
+        entered.append(1)
+        return real_ctx()
+
+    monkeypatch.setattr(cuda_graphs, "capture_or_error", ctx)
+    run = _static_build(tmp_path, static=True)
+    run.trainer.cuda_graphs = True
+    losses, _ = _train(run)
+    assert calls == ["move", "begin"] * 3 and len(entered) == 3
+    reference, _ = _train(_static_build(tmp_path / "ref", static=True))
+    torch.testing.assert_close(losses, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_boundaries_on_device_keeps_views():
+    from varpack.collate import PaddingFreeCollator
+    from varpack.integrations.cuda_graphs import boundaries_on_device
+
+    batch = PaddingFreeCollator()([synthetic_samples(3)])
+    moved = boundaries_on_device(dict(batch), "cpu")
+    assert moved["varlen_meta"] is batch["varlen_meta"]
+    assert moved["cu_seq_lens_q"] is moved["varlen_meta"].cu_seqlens_q
+    assert moved["max_length_q"] == batch["varlen_meta"].max_seqlen_q
+    assert boundaries_on_device({"input_ids": 1}, "cpu") == {"input_ids": 1}
+
+
+# -- the speed line ------------------------------------------------------------------------------------------
+def test_speed_line_names_the_static_step_and_the_hint():
+    from varpack.collate import StaticShape
+    from varpack.train.trainer import SpeedReportCallback, describe_speed
+
+    shape = StaticShape(tokens=8320, segments=92, max_seqlen=1672)
+    assert shape.describe() == "T=8320 N=92 max_seqlen=1672"
+    line = describe_speed(
+        CompileChoice(True, "--cuda-graphs"),
+        loss_impl="linear_ce",
+        loss_why="loss_impl auto",
+        static=f"{shape.describe()} (pad 1.6%)",
+    )
+    assert line == (
+        "static shapes T=8320 N=92 max_seqlen=1672 (pad 1.6%), CUDA graphs per layer + chunked linear CE "
+        "(--cuda-graphs); the first steps compile and capture every decoder layer"
+    )
+    on = CompileChoice(
+        True, "auto on CUDA: fastest measured, benchmarks/RESULTS.md", "--torch-compile false to skip"
+    )
+    hinted = describe_speed(on, loss_impl="linear_ce", loss_why="", graphs_hint=True)
+    assert hinted.endswith("; --torch-compile false to skip; " + CUDA_GRAPHS_HINT) and "\n" not in hinted
+    assert CUDA_GRAPHS_HINT not in describe_speed(on, loss_impl="linear_ce", loss_why="")
+    lines = []
+    trainer = types.SimpleNamespace(model_wrapped=None, planned_loss_impl=lambda m: ("linear_ce", ""))
+    cb = SpeedReportCallback(trainer, on, print_fn=lines.append, graphs_hint=True)
+    cb.on_train_begin(None, types.SimpleNamespace(is_world_process_zero=True), None)
+    assert lines == [f"speed     {hinted}"]
+
+
+def test_pad_fraction_of_a_plan():
+    from varpack.collate import StaticShape
+    from varpack.plan import plan_packs
+
+    plan = plan_packs([10, 20, 5, 7], 32)
+    shape = StaticShape.from_plan(plan, multiple_of=8)
+    assert shape.pad_fraction(plan) == pytest.approx(1 - 42 / (plan.num_packs * shape.tokens))
+
+
+# -- GPU ------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_sft_cuda_graphs_equals_the_default_run(tmp_path):
+    """``varpack sft --cuda-graphs``, 3 steps of tiny-qwen3 (head_dim 64, bf16, attention auto) on the built-in
+    chats: the losses equal the default run's (regional compile, no flag) within bf16 tolerance, every layer is
+    captured (cudagraph_skips == 0, a skip would also raise under capture_or_error), the speed line names the
+    static shape."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine)")
+    from varpack.integrations.cuda_graphs import cudagraph_skips
+    from varpack.train import run_sft
+
+    def run(flag):
+        lines = []
+        config = SFTConfig(
+            model="tiny-qwen3",
+            output_dir=str(tmp_path / str(flag)),
+            packing_length=1024,
+            overflow="truncate",
+            max_steps=3,
+            dtype="bfloat16",
+            save=False,
+            cuda_graphs=flag,
+        )
+        model = load_model(
+            "tiny-qwen3", dtype=torch.bfloat16, attn_backend="auto", config_overrides={"head_dim": 64}
+        )
+        torch._dynamo.reset()
+        result = run_sft(config, print_fn=lines.append, model=model)
+        return [h["loss"] for h in result.history], lines
+
+    before = cudagraph_skips()
+    graphs, lines = run(True)
+    assert cudagraph_skips() == before
+    speed = next(line for line in lines if line.startswith("speed"))
+    assert speed.startswith("speed     static shapes T=") and "CUDA graphs per layer" in speed, speed
+    default, lines_d = run(False)
+    assert CUDA_GRAPHS_HINT in next(line for line in lines_d if line.startswith("speed"))
+    assert len(graphs) == len(default) == 3
+    torch.testing.assert_close(graphs, default, rtol=2e-2, atol=2e-2)
+
+
+def test_hint_only_where_the_flag_would_run():
+    """The speed line's --cuda-graphs hint: a CUDA run the flag would not refuse; none on a CPU, with the flag
+    on, or beside a setting it refuses (--lora, --grad-accum 2, a Gated DeltaNet model)."""
+    from varpack.train import sft
+
+    def run(device="cuda", world=1, model="tiny-qwen3", **fields):
+        args = types.SimpleNamespace(device=torch.device(device), world_size=world)
+        return types.SimpleNamespace(
+            config=SFTConfig(**fields),
+            trainer=types.SimpleNamespace(args=args),
+            model=load_model(model, vocab_size=VOCAB) if model == "tiny-qwen3" else load_model(model),
+        )
+
+    assert sft._graphs_would_run(run())
+    assert not sft._graphs_would_run(run(device="cpu"))
+    assert not sft._graphs_would_run(run(cuda_graphs=True))
+    assert not sft._graphs_would_run(run(lora=True))
+    assert not sft._graphs_would_run(run(grad_accum=2))
+    assert not sft._graphs_would_run(run(world=2))
+    assert not sft._graphs_would_run(run(model="tiny-qwen3.5"))

@@ -1,0 +1,118 @@
+"""Decoder layers replayed as CUDA graphs on static-shape packs: the pieces ``varpack sft --cuda-graphs`` and
+``benchmarks/train.py``'s ``varpack_lce_static_graphs`` share (one implementation).
+
+A step runs as CUDA graphs when (PyTorch docs: ``torch.compile`` ``mode="reduce-overhead"``, "CUDA Graphs" in
+the CUDA semantics notes, and ``torch.compiler.cudagraph_mark_step_begin``):
+
+* every pack has the same shapes: :class:`varpack.collate.StaticShape` (``T``, ``N``, the ``max_seqlen``
+  bucket; ``StaticShape.from_plan`` over the run's whole plan) given to
+  :class:`varpack.collate.PaddingFreeCollator` (``static_shape=``);
+* each decoder layer is compiled whole for that one shape with attention inside its graph
+  (:func:`compile_layers_as_graphs`: :func:`varpack.integrations.kernels.compile_layers` with
+  :data:`GRAPH_COMPILE_KW`);
+* every tensor a layer reads is on the device, the boundaries included (:func:`boundaries_on_device`:
+  :meth:`varpack.varlen.VarlenMeta.on_device`; inductor captures no graph with a CPU input);
+* each step begins with :func:`begin_step` (``torch.compiler.cudagraph_mark_step_begin()``: the previous
+  step's graph outputs may be overwritten from here on);
+* the passes run inside :func:`capture_or_error` (inductor's ``triton.cudagraph_or_error``, where this torch
+  has it): a graph inductor would run eagerly instead of capturing it raises, never a silent eager fallback;
+  :func:`cudagraph_skips` counts the skipped ones where the option is missing.
+
+The attention backend must launch without host reads of the offsets (``flash_attn_4``, ``triton_short``;
+tests/invariant/test_static_shapes.py's GPU test); one that reads them fails the capture (an error, above).
+Embedding, final norm, the loss and the optimizer stay eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from varpack.schema import FLASH_ATTN_KWARGS, VARLEN_META
+
+__all__ = [
+    "GRAPH_COMPILE_KW",
+    "begin_step",
+    "boundaries_on_device",
+    "capture_or_error",
+    "compile_layers_as_graphs",
+    "cudagraph_skips",
+]
+
+#: :func:`varpack.integrations.kernels.compile_layers` keywords of CUDA-graph layers: attention as the custom op
+#: inside the layer's graph (``custom_ops``), no graph break allowed (``fullgraph``), one static shape
+#: (``dynamic=False``), CUDA-graph trees (``mode="reduce-overhead"``).
+GRAPH_COMPILE_KW: dict[str, Any] = {
+    "custom_ops": True,
+    "fullgraph": True,
+    "dynamic": False,
+    "mode": "reduce-overhead",
+}
+
+
+def compile_layers_as_graphs(
+    model: torch.nn.Module, *, device: torch.device | str | None = None, what: str = "CUDA graphs"
+) -> int:
+    """Compile every decoder layer of ``model`` (on varpack attention) for CUDA-graph replay
+    (:data:`GRAPH_COMPILE_KW`; compiled lazily, at the first call). Returns the number of layers compiled.
+
+    Args:
+        model: the model.
+        device: the device it will train on (a Trainer moves it there after this); default: its parameters'.
+        what: the setting named in the error.
+
+    Raises:
+        ValueError: ``device`` is not CUDA (``"{what}: CUDA graphs need a CUDA device, the model is on cpu"``),
+            nothing compiled; :func:`varpack.integrations.kernels.compile_layers`' refusals.
+    """
+    from varpack.integrations.kernels import compile_layers
+
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(f"{what}: CUDA graphs need a CUDA device, the model is on {device}")
+    return compile_layers(model, **GRAPH_COMPILE_KW)
+
+
+def boundaries_on_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """``batch`` (a model input dict) with its ``varlen_meta`` on ``device`` (:meth:`VarlenMeta.on_device`: one
+    copy of the offsets per batch, kept by the batch's meta) and ``cu_seq_lens_q/k`` / ``max_length_q/k`` as
+    that meta's views. A batch without a meta is returned unchanged; other tensors are left where they are.
+    Returns a new dict (``batch`` is not changed)."""
+    meta = batch.get(VARLEN_META)
+    if meta is None:
+        return batch
+    moved = meta.on_device(device)
+    out = {k: v for k, v in batch.items() if k not in FLASH_ATTN_KWARGS}
+    out[VARLEN_META] = moved
+    out.update(moved.flash_attn_kwargs())
+    return out
+
+
+def begin_step() -> None:
+    """A new step of the CUDA-graph trees begins (``torch.compiler.cudagraph_mark_step_begin()``): call it
+    before every training forward; the previous step's graph outputs may be overwritten after it."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+@contextlib.contextmanager
+def capture_or_error() -> Iterator[None]:
+    """Inside it, a graph inductor would run eagerly instead of capturing raises (inductor's
+    ``triton.cudagraph_or_error``), where this torch has the option; else nothing changes and
+    :func:`cudagraph_skips` still counts the skipped graphs."""
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(inductor_config.triton, "cudagraph_or_error"):
+        yield
+        return
+    with inductor_config.patch({"triton.cudagraph_or_error": True}):
+        yield
+
+
+def cudagraph_skips() -> int:
+    """Graphs inductor ran without a CUDA graph so far in this process (``counters["inductor"]``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
