@@ -58,6 +58,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "PackingGuardError",
     "attn_implementation_name",
+    "autocast_qkv",
     "enable_varpack",
     "is_varpack_attention",
     "register_varpack_attention",
@@ -92,6 +93,31 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
     if w <= 0:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     return (w - 1, 0) if causal else (w - 1, w - 1)
+
+
+def autocast_qkv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in the autocast dtype when autocast is on for their device and they are not all in it.
+
+    Under mixed precision (``--bf16``: float32 master weights, ``torch.autocast``) a Qwen3 / Llama layer hands
+    attention q and k in float32 (its RMSNorm's float32 weight promotes the bf16 projection) and v in bf16;
+    transformers' own attention functions run in the autocast dtype there (SDPA is on autocast's
+    lower-precision list; the flash-attention integration casts float32 inputs to
+    ``torch.get_autocast_dtype``), so varpack does the same. Without autocast nothing is cast: mixed dtypes
+    are then refused by :func:`varpack.attn.varlen_attention` (TypeError naming the three dtypes).
+
+    Args:
+        query, key, value: the attention inputs, any shape (only dtype and device are read).
+
+    Returns:
+        ``(query, key, value)``, cast with ``Tensor.to`` (a no-op for a tensor already in the dtype).
+    """
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    target = torch.get_autocast_dtype(device_type)
+    return query.to(target), key.to(target), value.to(target)
 
 
 def varpack_attention_forward(
@@ -147,6 +173,7 @@ def varpack_attention_forward(
     else:
         from varpack.attn import varlen_attention
 
+    query, key, value = autocast_qkv(query, key, value)
     if dropout:
         raise ValueError(
             f"varpack attention has no attention dropout (got dropout={dropout} from "
