@@ -13,6 +13,7 @@ logging steps only. See :mod:`varpack.train` for the whole pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -179,13 +180,17 @@ class PackedLossMixin:
 
             inputs = boundaries_on_device(inputs, self.args.device)
             begin_step()  # the previous micro-batch's graph outputs are consumed (backward and loss done)
-        result = self.objective.loss(
-            model,
-            inputs,
-            reduction=self.loss_reduction,
-            num_items_in_batch=num_items_in_batch,
-            linear_ce=self._use_linear_ce(model),
-        )
+        linear_ce = self._use_linear_ce(model)
+        # the linear CE runs the base model itself, past the autocast that accelerate wraps around
+        # model.forward under --bf16 / --fp16: without this context that path trained in float32
+        with self.accelerator.autocast() if linear_ce else contextlib.nullcontext():
+            result = self.objective.loss(
+                model,
+                inputs,
+                reduction=self.loss_reduction,
+                num_items_in_batch=num_items_in_batch,
+                linear_ce=linear_ce,
+            )
         loss, outputs, self.loss_impl_used = result.loss, result.outputs, result.impl
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # DDP averages gradients over ranks; the global count already divides by all ranks' items

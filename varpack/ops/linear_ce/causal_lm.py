@@ -148,6 +148,10 @@ def causal_lm_forward_with_linear_ce(
         model_inputs = _run_forward_pre_hooks(inner, model_inputs)
     outputs = base(**model_inputs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    if torch.is_autocast_enabled(hidden.device.type):
+        # mixed precision: autocast would run the LM head (a linear) in its dtype, as model.lm_head does on the
+        # logits path; the final norm's float32 weight leaves hidden in float32
+        hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
     labels = batch["labels"]
     rows = _rows(labels, "labels")
     if hidden.shape[:-1] != rows.shape:
