@@ -16,6 +16,7 @@
 #   bash scripts/gpu_session.sh next16b  # issue 16/18: varpack check tiny-qwen3.5, benchmarks/hybrid_step.py with peers
 #        (both leave $OUT/triton-cache.tar.xz: copy it to .gpu/ so the next call skips fla's autotuning)
 #   bash scripts/gpu_session.sh perf18   # issue 18 (after fa4a): static-shape / CUDA-graph tests, step table with the new configs, profile
+#   bash scripts/gpu_session.sh final18  # issue 18: sft --cuda-graphs (GPU test + user run vs default), compile_ops row
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
 #   bash scripts/gpu_session.sh short    # issue 17: triton_short GPU tests, launch-config sweep, bake-off with the
@@ -269,6 +270,22 @@ PY
     timeout ${SFT_TIMEOUT:-60} python3 -m varpack.cli.main sft --model tiny-qwen3 --max-steps 3 --packing-length 2048 \
       --overflow split --bf16 --no-save > "$OUT/sft_default.log" 2>&1; echo "[sft_default] rc=$? after $(( $(date +%s) - t0 )) s"
     grep -E "^(engine|speed|done|model)" "$OUT/sft_default.log"
+    ;;
+  final18)  # seventh session, last call: sft --cuda-graphs (GPU test, then the user's command beside the default),
+    # auto's backend exclusion on the op's training path (GPU test, then the compile_ops row beside the static-graph one)
+    setup
+    timeout ${TESTS18_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=5 tests/train/test_cuda_graphs.py \
+      tests/ops/test_custom_ops.py -k "cuda_graphs or short_documents" 2>&1 | tee "$OUT/final18_tests.log" | tail -8
+    for flag in --cuda-graphs --no-cuda-graphs; do
+      t0=$(date +%s)
+      timeout ${SFT18_TIMEOUT:-90} python3 -m varpack.cli.main sft $flag --model qwen3-0.6b-shape --bf16 --packing-length 8192 \
+        --data .gpu/data/code_alpaca.jsonl --overflow truncate --max-steps ${SFT18_STEPS:-30} --no-save --output-dir /tmp/sft18 \
+        > "$OUT/sft18$flag.log" 2>&1; echo "[sft $flag] rc=$? after $(( $(date +%s) - t0 )) s"
+      grep -E "^(engine|speed|done)|train_runtime|samples_per_second|tokens" "$OUT/sft18$flag.log" | tail -6
+    done
+    timeout ${TRAIN18_TIMEOUT:-170} python3 benchmarks/train.py --samples .gpu/samples.npz --steps 14 --rounds 1 \
+      --time-budget $(( ${TRAIN18_TIMEOUT:-170} - 40 )) --configs hf_fa4,varpack_lce_compile_ops,varpack_lce_static_graphs \
+      --out "$OUT/train_final18.json" 2>&1 | tee "$OUT/train_final18.log" | tail -8
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac

@@ -324,16 +324,20 @@ def test_gpu_auto_trains_short_documents_through_the_op():
     from varpack.attn.registry import resolve_spec
 
     gen = torch.Generator().manual_seed(0)
-    lengths = (100, 3, 64, 17, 128)
+    lengths = (100, 90, 128, 117, 3)  # short class, mean 87.6: above the AUTO_TRITON_SHORT row's 74
     t = sum(lengths)
     q, k, v = (
         torch.randn(t, n, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_() for n in (8, 2, 2)
     )
     cu = _cu(lengths)
     eager = str(resolve_backend("auto", q, k, v, cu_seqlens_q=cu, max_seqlen=128))
-    spec = custom_op.CallSpec.from_tensors(q, k, v, causal=True, window_size=(-1, 0), max_seqlen=128)
+    spec = custom_op.CallSpec.from_tensors(
+        q, k, v, causal=True, window_size=(-1, 0), max_seqlen=128, mean_seqlen=t / len(lengths)
+    )
     name = str(resolve_spec("auto", spec, exclude=custom_op._no_op_backward(True, 0.0)))
     assert op_backward_kind(name) is not None, name
+    if op_backward_kind(eager) is not None:
+        pytest.skip(f"auto picks {eager} here, which has an op backward: the exclusion is not exercised")
     got = varlen_attention_op(q, k, v, cu, cu, 128, 128)  # refused before the fix when eager had no op backward
     want = varlen_attention(q, k, v, cu, cu, 128, 128, backend=name)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
