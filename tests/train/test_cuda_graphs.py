@@ -122,6 +122,26 @@ def test_models_it_is_not_shown_for_are_refused(name, fragment):
     _refuse_graph_model(load_model("tiny-qwen3", vocab_size=VOCAB))  # control: a dense text model passes
 
 
+def test_float32_training_is_refused_with_the_fix_named(monkeypatch):
+    """float32 attention has no capturable backend with a backward through the op (auto reached sdpa, whose
+    host read of cu_seqlens failed inside the capture on the H200 with a CUDA-copy error): refused before
+    compiling, naming --bf16 / --dtype bfloat16. Controls: --bf16 and a bf16 model get past the check."""
+    from varpack.integrations import cuda_graphs
+    from varpack.train.sft import _prepare_model
+
+    compiled = []
+    monkeypatch.setattr(cuda_graphs, "compile_layers_as_graphs", lambda model, **kw: compiled.append(kw) or 0)
+    config = SFTConfig(cuda_graphs=True, torch_compile=True)
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa")
+    with pytest.raises(ValueError, match="--cuda-graphs with float32 training.*--bf16"):
+        _prepare_model(config, model, lambda: model, device="cuda")
+    assert not compiled
+    _prepare_model(dataclasses.replace(config, bf16=True), model, lambda: model, device="cuda")
+    bf16_model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa", dtype=torch.bfloat16)
+    _prepare_model(config, bf16_model, lambda: bf16_model, device="cuda")
+    assert len(compiled) == 2
+
+
 def test_compile_for_graphs_refuses_a_cpu_device():
     from varpack.integrations.cuda_graphs import compile_layers_as_graphs
 

@@ -613,6 +613,14 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], devic
     model.config.use_cache = False
     if config.cuda_graphs:
         _refuse_graph_model(model)
+        param_dtype = next(model.parameters()).dtype
+        if param_dtype == torch.float32 and not config.bf16:
+            # float32 attention: no varlen kernel that launches without reading cu_seqlens on the host has a
+            # backward through the op for it (auto would reach sdpa, which cannot be captured)
+            raise ValueError(
+                "--cuda-graphs with float32 training: the captured layers need bf16 / fp16 attention "
+                "(FlashAttention-4); pass --bf16 (mixed precision) or --dtype bfloat16"
+            )
         from varpack.integrations.cuda_graphs import compile_layers_as_graphs
 
         compile_layers_as_graphs(model, device=device, what="--cuda-graphs")
