@@ -287,5 +287,13 @@ PY
       --time-budget $(( ${TRAIN18_TIMEOUT:-170} - 40 )) --configs hf_fa4,varpack_lce_compile_ops,varpack_lce_static_graphs \
       --out "$OUT/train_final18.json" 2>&1 | tee "$OUT/train_final18.log" | tail -8
     ;;
+  last18)  # seventh session's last minutes: the op-exclusion GPU test, then varpack sft --cuda-graphs --bf16 as a user runs it
+    setup
+    timeout 45 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/ops/test_custom_ops.py -k short_documents 2>&1 | tail -3
+    timeout ${SFT18_TIMEOUT:-75} python3 -m varpack.cli.main sft --cuda-graphs --bf16 --model qwen3-0.6b-shape --packing-length 8192 \
+      --data .gpu/data/self_instruct.jsonl --overflow truncate --max-steps ${SFT18_STEPS:-20} --logging-steps 5 --no-save \
+      --output-dir /tmp/sft18 > "$OUT/sft_graphs_bf16.log" 2>&1; echo "[sft --cuda-graphs --bf16] rc=$?"
+    tr '\r' '\n' < "$OUT/sft_graphs_bf16.log" | grep -E "^(speed|engine|done)|tokens_per_second|Error" | tail -8
+    ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac
