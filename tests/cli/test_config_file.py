@@ -53,6 +53,7 @@ NON_DEFAULT = dict(
     gradient_checkpointing=True,
     use_liger_kernel=True,
     torch_compile=True,
+    cuda_graphs=True,
     save=False,
     report_to="tensorboard",
     extra_training_args={"max_grad_norm": 0.5, "optim": "sgd"},
