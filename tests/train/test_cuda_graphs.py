@@ -58,6 +58,14 @@ REFUSALS = {
     "packs_per_step": (dict(packs_per_step=2), 1, {}, "cuda", "with packs-per-step=2"),
     "grad_accum": (dict(grad_accum=4), 1, {}, "cuda", "with grad-accum=4: a step's graph outputs"),
     "lora": (dict(lora=True), 1, {}, "cuda", "with lora=True"),
+    "attn_sdpa": (dict(attn_backend="sdpa"), 1, {}, "cuda", "with attn-backend='sdpa': captured layers"),
+    "attn_torch_varlen": (
+        dict(attn_backend="torch_varlen"),
+        1,
+        {},
+        "cuda",
+        "with attn-backend='torch_varlen'",
+    ),
     "liger": (dict(use_liger_kernel=True), 1, {}, "cuda", "with use-liger-kernel=True"),
     "checkpointing": (dict(gradient_checkpointing=True), 1, {}, "cuda", "with gradient-checkpointing=True"),
     "fsdp": (dict(fsdp=True), 1, {}, "cuda", "with fsdp=True"),
@@ -364,3 +372,10 @@ def test_hint_only_where_the_flag_would_run():
     assert not sft._graphs_would_run(run(grad_accum=2))
     assert not sft._graphs_would_run(run(world=2))
     assert not sft._graphs_would_run(run(model="tiny-qwen3.5"))
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash_attn_4", "triton_short"])
+def test_capturable_attention_backends_pass_the_check(backend):
+    check_cuda_graphs(
+        SFTConfig(cuda_graphs=True, attn_backend=backend), device="cuda", world_size=1, environ={}
+    )

@@ -248,6 +248,9 @@ CUDA_GRAPHS_HINT = (
 
 #: settings ``--cuda-graphs`` is refused with: (field, value test, why). Each needs what CUDA-graph trees cannot
 #: be shown to do with it (module docstring of :mod:`varpack.integrations.cuda_graphs`).
+#: attention backends ``--cuda-graphs`` accepts (``auto`` resolves to flash_attn_4 on the measured shapes)
+GRAPH_ATTN_BACKENDS: tuple[str, ...] = ("auto", "flash_attn_4", "triton_short")
+
 _GRAPH_CONFLICTS: tuple[tuple[str, Any, str], ...] = (
     ("torch_compile", lambda v: v is False, "CUDA graphs replay the compiled layers"),
     ("streaming", bool, "the static shape is read from the whole plan, which a stream does not have"),
@@ -268,6 +271,12 @@ _GRAPH_CONFLICTS: tuple[tuple[str, Any, str], ...] = (
     ("fsdp", bool, "sharded units around captured layers are not tested"),
     ("loss_impl", lambda v: v == "logits", "the measured step runs the fused linear CE (loss_impl auto)"),
     ("objective", lambda v: v != "sft", "only the SFT objective is tested with CUDA graphs"),
+    (
+        "attn_backend",
+        lambda v: v not in GRAPH_ATTN_BACKENDS,
+        "captured layers need an attention backend that launches without reading cu_seqlens on the host and "
+        "has a backward through varpack's custom op: auto (-> flash_attn_4), flash_attn_4 or triton_short",
+    ),
 )
 
 
@@ -279,7 +288,8 @@ def check_cuda_graphs(
 
     Checked in this order: the settings of :data:`_GRAPH_CONFLICTS` (``torch_compile=False``, ``streaming``,
     ``packs_per_step != 1``, ``grad_accum != 1``, ``lora``, ``use_liger_kernel``, ``gradient_checkpointing``,
-    ``fsdp``, ``loss_impl="logits"``, ``objective="dpo"``), FSDP / DeepSpeed / transformers' own
+    ``fsdp``, ``loss_impl="logits"``, ``objective="dpo"``, an ``attn_backend`` outside
+    :data:`GRAPH_ATTN_BACKENDS`), FSDP / DeepSpeed / transformers' own
     ``torch_compile`` from ``extra_training_args`` or accelerate's environment, ``world_size > 1``, then
     ``device != "cuda"``. (The model's own refusals -- vision-language, Gated DeltaNet layers -- are
     :func:`varpack.train.sft.build_sft`'s, once the model is loaded.)
@@ -636,8 +646,8 @@ class SFTConfig:
             "attention inside (custom ops, fullgraph, dynamic=False) and replayed as CUDA graphs "
             "(mode=reduce-overhead), fused linear CE: 75 vs 141 ms/step of the default (1.9x) for a 0.6B model "
             "at packing length 8192 on an H200 (benchmarks/RESULTS.md). CUDA, one process, a planned run "
-            "(no --streaming), --packs-per-step 1, --grad-accum 1; refused (never ignored) with --torch-compile "
-            "false, --lora, --use-liger-kernel, --gradient-checkpointing, FSDP, DeepSpeed, several ranks, "
+            "(no --streaming), --packs-per-step 1, --grad-accum 1, bf16 (--bf16 or --dtype bfloat16), --attn-backend "
+            "auto / flash_attn_4 / triton_short; refused (never ignored) with --torch-compile false, --lora, --use-liger-kernel, --gradient-checkpointing, FSDP, DeepSpeed, several ranks, "
             "--loss-impl logits, --objective dpo, vision-language or Gated DeltaNet models"
         ),
     )
