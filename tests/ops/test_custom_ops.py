@@ -5,6 +5,7 @@ the op with a negative control, and a tiny Qwen3 compiled whole (fullgraph) equa
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -224,6 +225,8 @@ def test_auto_on_the_op_passes_over_backends_without_an_op_backward(monkeypatch)
     monkeypatch.setattr(
         custom_op, "op_backward_kind", lambda name, softcap=0.0: None if name == "sdpa" else real(name, softcap=softcap)
     )
+    # a fresh cache for the patched rule (the real one may hold the unpatched answer); restored after the test
+    monkeypatch.setattr(custom_op, "_no_op_backward", functools.cache(custom_op._no_op_backward.__wrapped__))
     args = ("auto", "cpu", -1, torch.float32, 8, 4, 2, True, (-1, 0), 0.0)
     assert custom_op._resolve_constant(*args, True, 200) == "reference"  # the compiled path's resolution
     assert custom_op._resolve_constant(*args, False, 200) == "sdpa"

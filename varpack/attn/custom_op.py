@@ -390,11 +390,13 @@ def varlen_attention_op(
     return out
 
 
+@functools.cache  # the eager op path asks once per attention call: built once per (grad, softcap)
 def _no_op_backward(needs_grad: bool, softcap: float) -> dict[str, str] | None:
     """The backends ``auto`` passes over on the op's path when the call needs gradients: those with no
     backward through the op (:func:`op_backward_kind` None), each with the reason; None without gradients.
     Without it ``auto`` could pick one for a shape class (``torch_varlen`` for short documents,
-    :data:`varpack.attn.registry.AUTO_PRIORITY_SHORT`) and the training step would refuse."""
+    :data:`varpack.attn.registry.AUTO_PRIORITY_SHORT`) and the training step would refuse. The dict is
+    cached and shared: read it, never change it."""
     if not needs_grad:
         return None
     return {

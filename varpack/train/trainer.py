@@ -328,8 +328,8 @@ def describe_speed(
     from varpack.train.config import COMPILE_COLD_COST, CUDA_GRAPHS_HINT
 
     loss = {"linear_ce": "chunked linear CE", "logits": "CE on the logits"}.get(loss_impl, loss_impl)
+    why = choice.reason if loss_impl == "linear_ce" else f"{choice.reason}; logits: {loss_why}"
     if static is not None:
-        why = choice.reason if loss_impl == "linear_ce" else f"{choice.reason}; logits: {loss_why}"
         return (
             f"static shapes {static}, CUDA graphs per layer + {loss} ({why}); the first steps compile and "
             "capture every decoder layer"
@@ -338,7 +338,6 @@ def describe_speed(
     if hf_compile:
         hf = "transformers' whole-model torch.compile"
         layers = f"regional torch.compile inside {hf}" if choice.on else hf
-    why = choice.reason if loss_impl == "linear_ce" else f"{choice.reason}; logits: {loss_why}"
     tail = [COMPILE_COLD_COST] if choice.on else []
     if choice.hint:
         tail.append(choice.hint)
