@@ -209,9 +209,12 @@ def make_optimizer(model: torch.nn.Module, device) -> torch.optim.Optimizer:
 
 
 def build_workload(
-    samples: list[dict[str, Any]], packing_length: int, steps: int
+    samples: list[dict[str, Any]], packing_length: int, steps: int, max_sample_length: int | None = None
 ) -> tuple[Any, list[int], dict[str, Any]]:
     """Plan packs over a prefix of ``samples`` with best-fit decreasing and pick the ``steps`` fullest.
+
+    ``max_sample_length``: only samples of at most this many tokens are used (a short-document workload cut
+    from the same data, e.g. 128 for issue 17's short class); the count left out is reported in ``info``.
 
     Returns:
         ``(PackedDataset over the prefix (plan order), indices of the chosen packs, info)``.
@@ -224,6 +227,10 @@ def build_workload(
 
     usable = [s for s in samples if s["length"] <= packing_length]
     dropped = len(samples) - len(usable)
+    longer = 0
+    if max_sample_length is not None:
+        kept = [s for s in usable if s["length"] <= max_sample_length]
+        longer, usable = len(usable) - len(kept), kept
     need = int(steps * packing_length * 1.1)
     prefix, total = [], 0
     for s in usable:
@@ -240,9 +247,17 @@ def build_workload(
     ds = PackedDataset(prefix, plan, shuffle=False)
     fill = np.asarray([int(lengths[np.asarray(p)].sum()) for p in plan.packs])
     chosen = sorted(np.argsort(-fill, kind="stable")[:steps].tolist())
+    used = lengths[np.concatenate([np.asarray(plan.packs[i]) for i in chosen])]
     info = {
         "samples_considered": len(prefix),
         "samples_longer_than_packing_length_skipped": dropped,
+        **(
+            {"max_sample_length": max_sample_length, "samples_longer_than_max_sample_length_skipped": longer}
+            if max_sample_length is not None
+            else {}
+        ),
+        "sample_length_mean": float(used.mean()),  # of the chosen packs' samples
+        "sample_length_max": int(used.max()),
         "packs_planned": plan.num_packs,
         "steps": len(chosen),
         "tokens_per_step_mean": float(fill[chosen].mean()),
@@ -533,15 +548,40 @@ def _apply_trl_liger(model) -> str:
     return "liger defaults (rope, rms_norm, swiglu, fused linear CE)"
 
 
+def split_backend(config: str) -> tuple[str, str | None]:
+    """``"varpack_lce@triton_short"`` -> ``("varpack_lce", "triton_short")``: a varpack / ``trl_varpack`` row
+    with its own attention backend (``--attn-backend`` for the others), so one run times several backends
+    side by side; ``("hf_fa4", None)`` without ``@``.
+
+    Raises:
+        ValueError: ``@`` on a config that does not use varpack's attention, or an empty backend.
+    """
+    base, at, backend = config.partition("@")
+    if not at:
+        return config, None
+    if not (base.startswith("varpack") or base == "trl_varpack") or not backend:
+        raise ValueError(
+            f"config {config!r}: '@backend' selects varpack's attention backend; only varpack* and trl_varpack "
+            "rows use it"
+        )
+    return base, backend
+
+
 def run_config(
     config: str, ds: Any, chosen: list[int], args: argparse.Namespace, values: dict[str, Any]
 ) -> dict[str, Any]:
     """Build a fresh model for ``config``, run the untimed cold pass over all packs, then the timed pass."""
+    full = config
+    config, backend = split_backend(config)
+    if backend is not None:  # this row's own attention backend (``varpack_lce@triton_short``)
+        args = argparse.Namespace(**{**vars(args), "attn_backend": backend})
     if config in TRL_CONFIGS:
-        return run_trl_config(config, ds, chosen, args, values)
+        row = run_trl_config(config, ds, chosen, args, values)
+        row["config"] = full
+        return row
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    row: dict[str, Any] = {"config": config}
+    row: dict[str, Any] = {"config": full}
     model = opt = None
     # Liger patches the modeling module itself (RoPE function, RMSNorm / MLP classes, the forward): restore it
     # afterwards, or every configuration run after a Liger one would silently use Liger's layers too
@@ -1016,8 +1056,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--pad-batch", type=int, default=8, help="padded micro-batch size (0: a whole step at once)"
     )
+    p.add_argument(
+        "--max-sample-length",
+        type=int,
+        default=None,
+        help="use only samples of at most this many tokens (a short-document workload from the same data)",
+    )
     p.add_argument("--pad-token-id", type=int, default=151643, help="Qwen3 <|endoftext|>")
-    p.add_argument("--attn-backend", default="auto", help="varpack attention backend for (c)/(d)")
+    p.add_argument(
+        "--attn-backend",
+        default="auto",
+        help="varpack attention backend for (c)/(d); one row may name its own: varpack_lce@triton_short",
+    )
     p.add_argument(
         "--trl-attn",
         default="auto",
@@ -1064,8 +1114,14 @@ def main(argv: list[str] | None = None) -> int:
         args.chunk_size = min(args.chunk_size, 128)
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
-        if c not in ALL_CONFIGS:
-            p.error(f"unknown config {c!r}; choose from {ALL_CONFIGS}")
+        try:
+            base, _ = split_backend(c)
+        except ValueError as exc:
+            p.error(str(exc))
+        if base not in ALL_CONFIGS:
+            p.error(f"unknown config {c!r}; choose from {ALL_CONFIGS} (varpack rows may add @<attention backend>)")
+    if len(set(configs)) != len(configs):
+        p.error(f"a config is listed twice: {args.configs}")
     if args.rounds not in (1, 2):
         p.error("--rounds must be 1 or 2")
 
@@ -1089,7 +1145,7 @@ def main(argv: list[str] | None = None) -> int:
         source = f"synthetic lognormal({DEFAULT_MU}, {DEFAULT_SIGMA}) random tokens"
     if args.pad_token_id >= values["vocab_size"]:
         args.pad_token_id = 0  # tiny smoke vocabulary
-    ds, chosen, info = build_workload(samples, args.packing_length, args.steps)
+    ds, chosen, info = build_workload(samples, args.packing_length, args.steps, args.max_sample_length)
 
     print(f"# SFT step throughput, {args.device} {args.dtype}, packing_length {args.packing_length}")
     print(f"- samples: {source}; workload: {info}")

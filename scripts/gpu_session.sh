@@ -17,6 +17,8 @@
 #        (both leave $OUT/triton-cache.tar.xz: copy it to .gpu/ so the next call skips fla's autotuning)
 #   bash scripts/gpu_session.sh perf18   # issue 18 (after fa4a): static-shape / CUDA-graph tests, step table with the new configs, profile
 #   bash scripts/gpu_session.sh final18  # issue 18: sft --cuda-graphs (GPU test + user run vs default), compile_ops row
+#   bash scripts/gpu_session.sh s8a      # GPU tests of --bf16 autocast / sft --cuda-graphs, then varpack sft --bf16 with and without --cuda-graphs
+#   bash scripts/gpu_session.sh s8b      # issue 17 end to end: SFT step on short samples, triton_short beside auto / FA4 / HF peers
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
 #   bash scripts/gpu_session.sh short    # issue 17: triton_short GPU tests, launch-config sweep, bake-off with the
@@ -294,6 +296,28 @@ PY
       --data .gpu/data/self_instruct.jsonl --overflow truncate --max-steps ${SFT18_STEPS:-20} --logging-steps 5 --no-save \
       --output-dir /tmp/sft18 > "$OUT/sft_graphs_bf16.log" 2>&1; echo "[sft --cuda-graphs --bf16] rc=$?"
     tr '\r' '\n' < "$OUT/sft_graphs_bf16.log" | grep -E "^(speed|engine|done)|tokens_per_second|Error" | tail -8
+    ;;
+  s8a)  # eighth session, call 2 (after fa4a): the GPU tests of the --bf16 autocast fix, of sft --cuda-graphs and of
+    # auto's op exclusion; then the user's varpack sft --bf16 on the 0.6B shape, with and without --cuda-graphs
+    setup
+    timeout ${TESTS_TIMEOUT:-220} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=8 \
+      tests/invariant/test_autocast.py tests/train/test_cuda_graphs.py tests/ops/test_custom_ops.py \
+      -k "autocast or cuda_graphs or short_documents" 2>&1 | tee "$OUT/s8a_tests.log" | tail -10
+    for flag in --cuda-graphs --no-cuda-graphs; do
+      t0=$(date +%s)
+      timeout ${SFT_TIMEOUT:-150} python3 -m varpack.cli.main sft $flag --bf16 --model qwen3-0.6b-shape --packing-length 8192 \
+        --data .gpu/data/code_alpaca.jsonl --overflow truncate --max-steps ${SFT_STEPS:-50} --logging-steps 10 --no-save \
+        --output-dir /tmp/sft8 > "$OUT/sft8$flag.log" 2>&1; echo "[sft $flag --bf16] rc=$? after $(( $(date +%s) - t0 )) s"
+      tr '\r' '\n' < "$OUT/sft8$flag.log" | grep -E "^(engine|speed|done)|tokens_per_second|Error" | tail -7 | cut -c1-260
+    done
+    ;;
+  s8b)  # eighth session, call 3: issue 17 end to end -- the SFT step on short documents (samples of at most
+    # ${SHORT_MAX:-128} tokens of the real data) with triton_short beside auto's pick, FA4 and the best HF peer
+    setup
+    timeout ${SHORT_TIMEOUT:-420} python3 benchmarks/train.py --samples .gpu/samples.npz --max-sample-length ${SHORT_MAX:-128} \
+      --steps ${SHORT_STEPS:-10} --rounds 2 --time-budget $(( ${SHORT_TIMEOUT:-420} - 60 )) \
+      --configs ${SHORT_CONFIGS:-hf_fa4,hf_fa4_liger,varpack_lce,varpack_lce@triton_short,varpack_lce_static_graphs@flash_attn_4,varpack_lce_static_graphs@triton_short} \
+      --out "$OUT/train_short.json" 2>&1 | tee "$OUT/train_short.log" | grep -v "^  round" | tail -22
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac

@@ -58,3 +58,38 @@ def test_cuda_graphs_refused_off_cuda():
             assert config.triton.cudagraph_or_error
         with T.step_context("varpack_lce_static_compile_ops"):
             assert not config.triton.cudagraph_or_error
+
+
+def test_a_row_names_its_own_attention_backend():
+    assert T.split_backend("varpack_lce_static_graphs@triton_short") == ("varpack_lce_static_graphs", "triton_short")
+    assert T.split_backend("trl_varpack@sdpa") == ("trl_varpack", "sdpa")
+    assert T.split_backend("hf_fa4") == ("hf_fa4", None)
+    for bad in ("hf_fa4@sdpa", "padded@flex", "varpack_lce@"):
+        with pytest.raises(ValueError, match="only varpack"):
+            T.split_backend(bad)
+
+
+def test_small_run_with_a_backend_per_row_and_short_samples(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "rows.json"
+    rc = T.main(
+        ["--device", "cpu", "--small", "--steps", "2", "--rounds", "1", "--timed-passes", "1",
+         "--max-sample-length", "200", "--configs", "varpack@sdpa,varpack@reference", "--out", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = {r["config"]: r for r in data["rows"]}
+    assert set(rows) == {"varpack@sdpa", "varpack@reference"}
+    assert rows["varpack@sdpa"]["attention"] == "varpack sdpa"
+    assert rows["varpack@reference"]["attention"] == "varpack reference"
+    # the same samples and weights: the first-step losses agree across backends
+    assert abs(rows["varpack@sdpa"]["loss_first"] - rows["varpack@reference"]["loss_first"]) < 1e-4
+    assert data["workload"]["max_sample_length"] == 200 and data["workload"]["sample_length_max"] <= 200
+    assert data["workload"]["samples_longer_than_max_sample_length_skipped"] > 0
+
+
+def test_unknown_backend_suffix_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        T.main(["--device", "cpu", "--small", "--configs", "hf_sdpa@flex"])
+    assert "only varpack" in capsys.readouterr().err

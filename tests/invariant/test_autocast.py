@@ -52,6 +52,36 @@ def test_packed_equals_unpacked_under_autocast(backend):
     assert max_grad_diff(grads_s, grads_u) > 5 * max(grad_diff, 1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "flash_attn_4", "triton_short"])
+def test_gpu_packed_equals_unpacked_under_autocast(backend):
+    """The CUDA form of the test above (``varpack sft --bf16`` on a GPU): float32 weights, CUDA autocast in
+    bf16, a varlen kernel that takes only 16-bit inputs (q and k arrive in float32 from Qwen3's RMSNorm)."""
+    from varpack.attn import available_backends
+
+    if backend != "auto" and not available_backends("cuda", torch.bfloat16).get(backend, (False,))[0]:
+        pytest.skip(f"{backend} not available here")
+    torch.manual_seed(0)
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend=backend).cuda()
+    samples = make_samples()
+
+    def run(fn, *args, **kw):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fn(*args, **kw, device="cuda")
+
+    logits_p, loss_p, grads_p = run(packed_run, model, samples)
+    logits_u, loss_u, grads_u = run(unpacked_run, model, samples, "sdpa")
+    assert logits_p.dtype == logits_u.dtype == torch.bfloat16
+    logit_diff = (logits_p.float() - logits_u.float()).abs().max().item()
+    grad_diff = max_grad_diff(grads_p, grads_u)
+    assert logit_diff <= 2e-2, logit_diff
+    torch.testing.assert_close(loss_p, loss_u, rtol=2e-3, atol=2e-3)
+    assert grad_diff <= 2e-2, grad_diff
+    logits_s, _, grads_s = run(packed_run, model, samples, sabotage=True)
+    assert (logits_s.float() - logits_u.float()).abs().max().item() > 10 * max(logit_diff, 1e-2)
+    assert max_grad_diff(grads_s, grads_u) > 5 * max(grad_diff, 1e-2)
+
+
 def test_sft_bf16_linear_ce_runs_under_autocast(monkeypatch, tmp_path):
     """varpack sft --bf16 on the chunked linear CE: the attention's inputs are bf16 (that path trained in float32
     before) and the first step's loss equals the --loss-impl logits run's (the path accelerate's autocast reaches;
