@@ -24,6 +24,7 @@ def _spec(max_seqlen=100, mean_seqlen=60.0, head_dim=128, needs_grad=True, devic
     "spec_kw,wanted",
     [
         ({"max_seqlen": 128, "mean_seqlen": 74.0}, True),  # the measured short mix (H200, 2026-12-01)
+        ({"max_seqlen": 128, "mean_seqlen": 87.4}, True),  # the real data's samples <= 128 tokens (SFT step)
         ({"max_seqlen": 16, "mean_seqlen": 16.0}, True),
         ({"max_seqlen": 128, "mean_seqlen": 74.0, "needs_grad": False}, False),  # forward: a tie, not a row
         ({"max_seqlen": 128, "mean_seqlen": 90.0}, False),  # longer documents than measured
