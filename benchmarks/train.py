@@ -597,7 +597,9 @@ def run_config(
 
             enable_varpack(model, backend=args.attn_backend)
             attn = f"varpack {args.attn_backend}"
-            row["attn_resolved"] = _resolved_varpack_backend(model, steps[0][0], device, dtype)
+            row["attn_resolved"] = _resolved_varpack_backend(
+                model, steps[0][0], device, dtype, args.attn_backend
+            )
             row["step_options"] = apply_step_options(model, config)
         elif config.endswith("_liger"):
             row["step_options"] = [_apply_trl_liger(model)]
@@ -849,8 +851,9 @@ def run_trl_config(
     return row
 
 
-def _resolved_varpack_backend(model, mb, device, dtype) -> str:
-    """Which varpack attention backend ``auto`` runs for this model's attention shape (for the report)."""
+def _resolved_varpack_backend(model, mb, device, dtype, backend: str = "auto") -> str:
+    """Which varpack attention backend ``backend`` (``auto`` or a forced name, checked against the call) runs for
+    this model's attention shape and the first pack's boundaries, eagerly (for the report)."""
     try:
         from varpack.attn import resolve_backend
 
@@ -860,7 +863,7 @@ def _resolved_varpack_backend(model, mb, device, dtype) -> str:
             t, cfg.num_attention_heads, cfg.head_dim, device=device, dtype=dtype, requires_grad=True
         )
         k = torch.empty(t, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
-        return str(resolve_backend("auto", q, k, k, cu_seqlens_q=mb["cu_seq_lens_q"]))
+        return str(resolve_backend(backend, q, k, k, cu_seqlens_q=mb["cu_seq_lens_q"]))
     except Exception as exc:
         return f"? ({type(exc).__name__}: {exc})"
 
@@ -989,7 +992,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         note = r.get("error", "")
         if not note and "attn_resolved" in r:
-            note = "; ".join([f"auto -> {r['attn_resolved']}", *r.get("step_options", [])])
+            backend = r.get("attention", "varpack auto").removeprefix("varpack ")
+            note = "; ".join([f"{backend} -> {r['attn_resolved']}", *r.get("step_options", [])])
         elif not note and r.get("step_options"):
             note = "; ".join(r["step_options"])
         if "pad_fraction" in r and "error" not in r:

@@ -83,6 +83,7 @@ def test_small_run_with_a_backend_per_row_and_short_samples(tmp_path, capsys):
     assert set(rows) == {"varpack@sdpa", "varpack@reference"}
     assert rows["varpack@sdpa"]["attention"] == "varpack sdpa"
     assert rows["varpack@reference"]["attention"] == "varpack reference"
+    assert rows["varpack@reference"]["attn_resolved"] == "reference"  # the row's backend, not auto's pick
     # the same samples and weights: the first-step losses agree across backends
     assert abs(rows["varpack@sdpa"]["loss_first"] - rows["varpack@reference"]["loss_first"]) < 1e-4
     assert data["workload"]["max_sample_length"] == 200 and data["workload"]["sample_length_max"] <= 200
