@@ -1123,7 +1123,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             p.error(str(exc))
         if base not in ALL_CONFIGS:
-            p.error(f"unknown config {c!r}; choose from {ALL_CONFIGS} (varpack rows may add @<attention backend>)")
+            p.error(
+                f"unknown config {c!r}; choose from {ALL_CONFIGS} (varpack rows may add @<attention backend>)"
+            )
     if len(set(configs)) != len(configs):
         p.error(f"a config is listed twice: {args.configs}")
     if args.rounds not in (1, 2):

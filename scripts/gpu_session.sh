@@ -319,5 +319,65 @@ PY
       --configs ${SHORT_CONFIGS:-hf_fa4,hf_fa4_liger,varpack_lce,varpack_lce@triton_short,varpack_lce_static_graphs@flash_attn_4,varpack_lce_static_graphs@triton_short} \
       --out "$OUT/train_short.json" 2>&1 | tee "$OUT/train_short.log" | grep -v "^  round" | tail -22
     ;;
+  s8c)  # issue 17, PackGQA: its GPU tests (with the autocast / op-exclusion ones of s8a), then triton_short alone on
+    # the short and real mixes for each launch config below, unpacked and packed; the fastest on the short mix
+    # (fwd+bwd) is written to /tmp/varpack_pack_cfg for s8d on the same warm machine
+    setup
+    timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=6 \
+      tests/attn/test_triton_short_gpu.py tests/invariant/test_autocast.py tests/ops/test_custom_ops.py \
+      -k "pack_gqa or autocast or short_documents" 2>&1 | tee "$OUT/s8c_tests.log" | tail -8
+    i=0
+    for cfg in '{"pack_gqa": false}' '{"pack_gqa": true}' \
+      '{"pack_gqa": true, "fwd": [128, 32, 4, 2], "bwd_dkdv": [64, 64, 4, 1], "bwd_dq": [128, 32, 8, 2]}' \
+      '{"pack_gqa": true, "fwd": [128, 64, 8, 2], "bwd_dkdv": [64, 128, 8, 1], "bwd_dq": [128, 64, 8, 2]}' \
+      '{"pack_gqa": true, "fwd": [256, 32, 8, 2], "bwd_dkdv": [128, 64, 8, 1], "bwd_dq": [256, 32, 8, 2]}' \
+      ${EXTRA_CFGS:-}; do
+      i=$((i + 1))
+      for mix in short lognormal; do
+        VARPACK_TRITON_SHORT_CONFIG="$cfg" timeout ${SWEEP_TIMEOUT:-45} python3 benchmarks/attention.py --lengths-file .gpu/samples.npz \
+          --mixes $mix --heads 16/4 --head-dim 128 --backends triton_short --batch-meta --no-dense \
+          --out "$OUT/pack_${i}_$mix.json" > "$OUT/pack_${i}_$mix.log" 2>&1 || echo "[cfg $i $mix] failed: $(tail -2 "$OUT/pack_${i}_$mix.log")"
+      done
+      echo "$cfg" > "$OUT/pack_${i}.cfg"
+    done
+    python3 - "$OUT" <<'PY' | tee "$OUT/pack_sweep.txt"
+import glob, json, os, sys
+out = sys.argv[1]
+rows = []
+for f in sorted(glob.glob(f"{out}/pack_*.cfg")):
+    i = os.path.basename(f)[5:-4]
+    cfg = open(f).read().strip()
+    t = {}
+    for mix in ("short", "lognormal"):
+        try:
+            r = [x for x in json.load(open(f"{out}/pack_{i}_{mix}.json"))["rows"] if x.get("impl") == "triton_short"][0]
+            t[mix] = (r["fwd_ms"], r.get("fwdbwd_ms") or r.get("fwd_bwd_ms"))
+        except Exception as e:  # noqa: BLE001
+            t[mix] = (None, None)
+    rows.append((i, cfg, t))
+    print(f"cfg {i}: short fwd/fwd+bwd ms {t['short']}, lognormal {t['lognormal']}: {cfg}")
+ok = [r for r in rows if r[2]["short"][1]]
+if ok:
+    best = min(ok, key=lambda r: r[2]["short"][1])
+    open("/tmp/varpack_pack_cfg", "w").write(best[1])
+    print(f"fastest on the short mix (fwd+bwd): cfg {best[0]}: {best[1]}")
+PY
+    ;;
+  s8d)  # issue 17: the bake-off with s8c's pick (or PACK_CFG) beside FA4 / torch_varlen / flex / auto, short and real
+    # mixes; then the SFT step on short samples (s8b's) with that config
+    setup
+    cfg=${PACK_CFG:-$(cat /tmp/varpack_pack_cfg 2>/dev/null)}
+    echo "VARPACK_TRITON_SHORT_CONFIG='$cfg'" | tee "$OUT/s8d_attention.log"
+    for mix in ${ATTN_MIXES:-short lognormal}; do
+      VARPACK_TRITON_SHORT_CONFIG="$cfg" timeout ${ATTN_TIMEOUT:-130} python3 benchmarks/attention.py \
+        --lengths-file .gpu/samples.npz --mixes $mix --heads 16/4 --head-dim 128 \
+        --backends flash_attn_4,torch_varlen,flex,triton_short,auto --batch-meta \
+        --out "$OUT/s8d_attention_$mix.json" 2>&1 | tee -a "$OUT/s8d_attention.log" | grep -E '^\| (mix|[a-z])|^- [a-z0-9]+ H=' | tail -11
+    done
+    [ "${S8D_TRAIN:-1}" = 1 ] && VARPACK_TRITON_SHORT_CONFIG="$cfg" timeout ${TRAIN_TIMEOUT:-200} python3 benchmarks/train.py \
+      --samples .gpu/samples.npz --max-sample-length 128 --steps 10 --rounds 2 --time-budget $(( ${TRAIN_TIMEOUT:-200} - 50 )) \
+      --configs ${TRAIN_CONFIGS:-hf_fa4,varpack_lce@torch_varlen,varpack_lce} \
+      --out "$OUT/s8d_train_short.json" 2>&1 | tee "$OUT/s8d_train_short.log" | grep -v "^  round" | tail -9
+    ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac

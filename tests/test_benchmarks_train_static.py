@@ -61,7 +61,10 @@ def test_cuda_graphs_refused_off_cuda():
 
 
 def test_a_row_names_its_own_attention_backend():
-    assert T.split_backend("varpack_lce_static_graphs@triton_short") == ("varpack_lce_static_graphs", "triton_short")
+    assert T.split_backend("varpack_lce_static_graphs@triton_short") == (
+        "varpack_lce_static_graphs",
+        "triton_short",
+    )
     assert T.split_backend("trl_varpack@sdpa") == ("trl_varpack", "sdpa")
     assert T.split_backend("hf_fa4") == ("hf_fa4", None)
     for bad in ("hf_fa4@sdpa", "padded@flex", "varpack_lce@"):

@@ -175,6 +175,75 @@ def test_mask_free_on_and_off_match_fp64_reference(lens_q, lens_k, causal, windo
     )
 
 
+# -- PackGQA: a program owns one KV head, its query tile's rows are the group's heads of fewer tokens -----------
+
+PACKED_CASES = [c for c in CASES if c.values[4] > c.values[5]]  # h > hkv: a group to pack
+
+
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,h,hkv,d", PACKED_CASES)
+def test_pack_gqa_matches_fp64_reference(lens_q, lens_k, causal, window, h, hkv, d):
+    """Every GQA case of the table packed (16-row tiles: 8 tokens x 2 heads, or 4 x 4): one-token documents,
+    zero-length ones, tile and document edges, windows, q != k lengths."""
+    cfg = ts.TritonShortConfig(pack_gqa=True)
+    for kind in ts.KERNEL_KINDS:  # the case really runs packed in all three kernels
+        assert ts._packing(cfg, h // hkv, cfg.blocks(kind, d)[0]) == (True, 16 // (h // hkv)), kind
+    _assert_fp32_matches_fp64(lens_q, lens_k, causal, window, h, hkv, d, cfg)
+
+
+@pytest.mark.parametrize("mask_free", [True, False], ids=["mask-free", "masked-only"])
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,h,hkv,d,cfg", [
+    c for c in MASK_FREE_CASES if c.values[4] > c.values[5]
+])  # fmt: skip
+def test_pack_gqa_with_mask_free_tiles_matches_fp64_reference(
+    lens_q, lens_k, causal, window, h, hkv, d, cfg, mask_free
+):
+    """Packed tiles span BLOCK_M / G tokens: the mask-free tables are built for that tile (they still have
+    mask-free runs here, asserted), and both loop splits stay exact."""
+    group = h // hkv
+    packed = {kind: (b[0] // group, *b[1:]) for kind, b in cfg.items()}  # query tiles of BLOCK_M / G tokens
+    counts = _full_tile_counts(lens_q, lens_k, causal, window, packed)
+    assert min(counts.values()) > 0, counts
+    _assert_fp32_matches_fp64(
+        lens_q, lens_k, causal, window, h, hkv, d,
+        ts.TritonShortConfig(**cfg, mask_free=mask_free, pack_gqa=True),
+    )  # fmt: skip
+
+
+def test_pack_gqa_equals_unpacked_and_is_skipped_where_it_cannot_pack():
+    """Packed and unpacked runs agree to rounding (the same sums in another order); a group that does not
+    divide BLOCK_M, or no group (H = Hkv), runs unpacked: results bitwise those of the unpacked config."""
+    lens = [5, 13, 18, 3, 9, 1, 30]
+    q, k, v, dout, cu, _ = _inputs(lens, None, 8, 2, 16, torch.float32)
+    on, off = (
+        _run(q, k, v, dout, cu, cu, True, (-1, -1), config=ts.TritonShortConfig(pack_gqa=p))
+        for p in (True, False)
+    )
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), on, off):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert ts._packing(ts.TritonShortConfig(pack_gqa=True), 3, 16) == (False, 16)  # 3 does not divide 16
+    assert ts._packing(ts.TritonShortConfig(pack_gqa=True), 1, 16) == (False, 16)
+    assert ts._packing(ts.TritonShortConfig(pack_gqa=False), 4, 16) == (False, 16)
+    q3, k3, v3, dout3, cu3, _ = _inputs(lens, None, 6, 2, 16, torch.float32)
+    on, off = (
+        _run(q3, k3, v3, dout3, cu3, cu3, True, (-1, -1), config=ts.TritonShortConfig(pack_gqa=p))
+        for p in (True, False)
+    )
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), on, off):
+        assert torch.equal(a, b), name
+
+
+def test_pack_gqa_negative_control_wrong_head_mapping_fails(monkeypatch):
+    """If the packed kernels were launched for a group they do not serve (rows mapped to the wrong query heads:
+    GROUP told 2 while H / Hkv = 4), the outputs differ from the reference: the tests above can fail."""
+    lens = [5, 13, 18, 3]
+    q, k, v, dout, cu, _ = _inputs(lens, None, 4, 1, 16, torch.float32)
+    want = _run(q, k, v, dout, cu, cu, True, (-1, -1), config=ts.TritonShortConfig(pack_gqa=False))
+    real = ts._packing
+    monkeypatch.setattr(ts, "_packing", lambda config, group, block_m: real(config, 2, block_m))
+    got = _run(q, k, v, dout, cu, cu, True, (-1, -1), config=ts.TritonShortConfig(pack_gqa=True))
+    assert not torch.allclose(got[0], want[0], rtol=1e-3, atol=1e-3)  # (NaN from unwritten rows also fails)
+
+
 def test_mask_free_and_masked_only_agree_bitwise():
     """Loop 2 does the same arithmetic as the masked loop on a tile where the mask keeps everything."""
     lens = [200, 7, 1, 1, 40]

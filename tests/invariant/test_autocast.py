@@ -63,7 +63,9 @@ def test_gpu_packed_equals_unpacked_under_autocast(backend):
         pytest.skip(f"{backend} not available here")
     torch.manual_seed(0)
     # head_dim 64: FA4's backward on sm90 is verified for D >= 64 only (tiny-qwen3 has 16)
-    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend=backend, config_overrides={"head_dim": 64})
+    model = load_model(
+        "tiny-qwen3", vocab_size=VOCAB, attn_backend=backend, config_overrides={"head_dim": 64}
+    )
     model = model.cuda()
     assert model.config.head_dim == 64
     samples = make_samples()

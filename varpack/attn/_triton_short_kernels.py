@@ -149,6 +149,27 @@ def _fwd_tiles(
 
 
 @triton.jit
+def _query_rows(pid_m, pid_h, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PACK_GQA: tl.constexpr):
+    """``(token [BLOCK_M], query head ([BLOCK_M], or a scalar when not packed), KV head)`` of the rows of
+    query tile ``pid_m``.
+
+    Not ``PACK_GQA``: ``pid_h`` is a query head and the rows are ``BLOCK_M`` consecutive tokens of it. With
+    ``PACK_GQA`` (FlashAttention-3's PackGQA layout): ``pid_h`` is a KV head and the rows are ``BLOCK_M //
+    GROUP`` consecutive tokens times the ``GROUP`` query heads that share it, token-major; the query tile (and
+    its tables) then spans ``BLOCK_M // GROUP`` tokens."""
+    rows = tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        hk = pid_h
+        offs_m = pid_m * (BLOCK_M // GROUP) + rows // GROUP
+        heads = hk * GROUP + rows % GROUP
+    else:
+        hk = pid_h // GROUP
+        offs_m = pid_m * BLOCK_M + rows
+        heads = pid_h  # a scalar: the addressing of the unpacked kernels as before
+    return offs_m, heads, hk
+
+
+@triton.jit
 def attn_fwd(
     Q, K, V, OUT, LSE, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI,
     qk_scale,  # softmax_scale * log2(e)
@@ -157,19 +178,19 @@ def attn_fwd(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASK_FREE: tl.constexpr,
+    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr,
 ):  # fmt: skip
     """Output and lse of one query tile and head: key tiles ``[lo, hi)`` in steps of ``BLOCK_N``, the
-    mask-free ones ``[FULL_LO, FULL_HI)`` without the mask when ``MASK_FREE`` (module docstring)."""
+    mask-free ones ``[FULL_LO, FULL_HI)`` without the mask when ``MASK_FREE`` (module docstring). With
+    ``PACK_GQA`` the program owns one KV head and its tile's rows are (token, query head of the group) pairs
+    (:func:`_query_rows`), so each K / V tile is loaded once for the whole group."""
     pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m, heads, hk = _query_rows(pid_m, tl.program_id(1), GROUP, BLOCK_M, PACK_GQA)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     m_ok = offs_m < total_q
     q = tl.load(
-        Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        Q + (offs_m * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :],
         mask=m_ok[:, None] & d_ok[None, :], other=0.0,
     )  # fmt: skip
     doc_q = tl.load(DOC_Q + offs_m, mask=m_ok, other=-1)
@@ -206,10 +227,10 @@ def attn_fwd(
     # natural-log lse; +inf where the query sees no key (flash-attn), so the backward's exp(s - lse) is 0
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tl.store(
-        OUT + offs_m[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        OUT + (offs_m * stride_ot + heads * stride_oh)[:, None] + offs_d[None, :],
         out.to(OUT.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :],
     )  # fmt: skip
-    tl.store(LSE + h * stride_lh + offs_m, lse, mask=m_ok)
+    tl.store(LSE + heads * stride_lh + offs_m, lse, mask=m_ok)
 
 
 @triton.jit
@@ -235,14 +256,25 @@ def _dkdv_tiles(
     stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, GROUP: tl.constexpr = 1, PACK_GQA: tl.constexpr = False,
 ):  # fmt: skip
     """dK / dV of one key tile accumulated over the query tiles ``start, start + BLOCK_M, .. < end`` of head
-    ``h``; not ``MASKED``: every query of these tiles sees every key of the tile (no mask, no bound)."""
-    for start_m in range(start, end, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_ptrs = Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
-        do_ptrs = DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :]
+    ``h``; not ``MASKED``: every query of these tiles sees every key of the tile (no mask, no bound). With
+    ``PACK_GQA``, ``h`` is the KV head and each query tile is ``BLOCK_M // GROUP`` tokens times the group's
+    query heads (rows token-major, as :func:`_query_rows`): one pass instead of one per query head."""
+    rows = tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        heads = h * GROUP + rows % GROUP
+        step = BLOCK_M // GROUP
+        row_tok = rows // GROUP
+    else:
+        heads = h
+        step = BLOCK_M
+        row_tok = rows
+    for start_m in range(start, end, step):
+        offs_m = start_m + row_tok
+        q_ptrs = Q + (offs_m * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :]
+        do_ptrs = DO + (offs_m * stride_dot + heads * stride_doh)[:, None] + offs_d[None, :]
         if MASKED:
             m_ok = offs_m < hi
             q_mask = m_ok[:, None] & d_ok[None, :]
@@ -250,16 +282,18 @@ def _dkdv_tiles(
             do = tl.load(do_ptrs, mask=q_mask, other=0.0)
             doc_q = tl.load(DOC_Q + offs_m, mask=m_ok, other=-1)
             lim = tl.load(LIM + offs_m, mask=m_ok, other=0)
-            lse = tl.load(LSE + h * stride_lh + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
-            delta = tl.load(DELTA + h * stride_lh + offs_m, mask=m_ok, other=0.0)
+            lse = (
+                tl.load(LSE + heads * stride_lh + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+            )
+            delta = tl.load(DELTA + heads * stride_lh + offs_m, mask=m_ok, other=0.0)
             st = _dot(k, tl.trans(q), PRECISION, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
             keep = tl.trans(_keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT))
             pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)
         else:
             q = _load_d(q_ptrs, d_ok[None, :], HEAD_DIM, BLOCK_D)
             do = _load_d(do_ptrs, d_ok[None, :], HEAD_DIM, BLOCK_D)
-            lse = tl.load(LSE + h * stride_lh + offs_m) * 1.4426950408889634
-            delta = tl.load(DELTA + h * stride_lh + offs_m)
+            lse = tl.load(LSE + heads * stride_lh + offs_m) * 1.4426950408889634
+            delta = tl.load(DELTA + heads * stride_lh + offs_m)
             st = _dot(k, tl.trans(q), PRECISION, UPCAST) * qk_scale
             pt = tl.exp2(st - lse[None, :])
         dv += _dot(pt.to(do.dtype), do, PRECISION, UPCAST)
@@ -278,11 +312,12 @@ def attn_bwd_dkdv(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASK_FREE: tl.constexpr,
+    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key tile and KV head: loop over the query tiles that can see it, for every query head
     of the GQA group (transposed scores ``s^T = k q^T``, FlashAttention-2 algorithm 2); with ``MASK_FREE``
-    the query tiles ``[FULL_LO, FULL_HI)`` that see the whole key tile skip the mask."""
+    the query tiles ``[FULL_LO, FULL_HI)`` that see the whole key tile skip the mask; with ``PACK_GQA`` the
+    group's heads are rows of each query tile (one loop, ``BLOCK_M // GROUP`` tokens per tile)."""
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -303,23 +338,23 @@ def attn_bwd_dkdv(
         full_hi = hi
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for g in range(GROUP):
-        h = hk * GROUP + g
+    for g in range(1 if PACK_GQA else GROUP):
+        h = hk if PACK_GQA else hk * GROUP + g
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, lo, full_lo, hi, qk_scale, left,
             right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
-            HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+            HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, GROUP, PACK_GQA,
         )  # fmt: skip
         if MASK_FREE:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_lo, full_hi, hi, qk_scale,
                 left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
-                HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False,
+                HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, GROUP, PACK_GQA,
             )  # fmt: skip
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_hi, hi, hi, qk_scale,
                 left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
-                HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+                HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, GROUP, PACK_GQA,
             )  # fmt: skip
     tl.store(
         DK + offs_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
@@ -374,25 +409,28 @@ def attn_bwd_dq(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASK_FREE: tl.constexpr,
+    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile and head: loop over the key tiles its documents can see; with ``MASK_FREE`` the
-    key tiles ``[FULL_LO, FULL_HI)`` that every query of the tile sees whole skip the mask."""
+    key tiles ``[FULL_LO, FULL_HI)`` that every query of the tile sees whole skip the mask; with ``PACK_GQA``
+    the tile's rows are the GQA group's heads of ``BLOCK_M // GROUP`` tokens (:func:`_query_rows`)."""
     pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m, heads, hk = _query_rows(pid_m, tl.program_id(1), GROUP, BLOCK_M, PACK_GQA)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     m_ok = offs_m < total_q
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + offs_m[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(
+        Q + (offs_m * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :], mask=q_mask, other=0.0
+    )
+    do = tl.load(
+        DO + (offs_m * stride_dot + heads * stride_doh)[:, None] + offs_d[None, :], mask=q_mask, other=0.0
+    )
     doc_q = tl.load(DOC_Q + offs_m, mask=m_ok, other=-1)
     lim = tl.load(LIM + offs_m, mask=m_ok, other=0)
     # padded rows: lse +inf, so their p is 0 in the mask-free loop too (their dq is not stored anyway)
-    lse = tl.load(LSE + h * stride_lh + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(DELTA + h * stride_lh + offs_m, mask=m_ok, other=0.0)
+    lse = tl.load(LSE + heads * stride_lh + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + heads * stride_lh + offs_m, mask=m_ok, other=0.0)
     lo = tl.load(TILE_LO + pid_m)
     hi = tl.load(TILE_HI + pid_m)
     if MASK_FREE:
@@ -419,6 +457,6 @@ def attn_bwd_dq(
             HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
         )  # fmt: skip
     tl.store(
-        DQ + offs_m[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+        DQ + (offs_m * stride_dqt + heads * stride_dqh)[:, None] + offs_d[None, :],
         (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask,
     )  # fmt: skip

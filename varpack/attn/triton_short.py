@@ -135,21 +135,30 @@ class TritonShortConfig:
     ``fwd`` and ``bwd_dq`` the reverse. ``mask_free`` (all three kernels): tiles wholly inside one document's
     visible band skip the per-element mask (module docstring of :mod:`varpack.attn._triton_short_kernels`);
     False runs every tile masked (the same arithmetic: equal results; kept to measure the gain on the GPU).
-    Checked on construction (:func:`_checked_blocks`; ``mask_free`` a bool: ValueError).
+    ``pack_gqa`` (all three kernels; FlashAttention-3's PackGQA): a program owns one KV head and its query
+    tile's rows are the ``G = H / Hkv`` query heads of ``BLOCK_M / G`` tokens, so every K / V tile is loaded once
+    per group instead of once per query head and a tile spans ``G`` times fewer tokens (fewer documents, less
+    masked work on short documents); ``BLOCK_M`` counts rows either way. Used when ``G > 1`` divides
+    ``BLOCK_M``; otherwise the kernels run unpacked. The same sums in another order: results equal up to
+    rounding. Checked on construction (:func:`_checked_blocks`; ``mask_free`` / ``pack_gqa`` bools: ValueError).
     """
 
     fwd: tuple[int, int, int, int] | None = None
     bwd_dkdv: tuple[int, int, int, int] | None = None
     bwd_dq: tuple[int, int, int, int] | None = None
     mask_free: bool = True
+    pack_gqa: bool = False
 
     def __post_init__(self) -> None:
         for kind in KERNEL_KINDS:
             value = getattr(self, kind)
             if value is not None:
                 object.__setattr__(self, kind, _checked_blocks(kind, value))
-        if not isinstance(self.mask_free, bool):
-            raise ValueError(f"triton_short config: mask_free must be true or false, got {self.mask_free!r}")
+        for flag in ("mask_free", "pack_gqa"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(
+                    f"triton_short config: {flag} must be true or false, got {getattr(self, flag)!r}"
+                )
 
     @classmethod
     def from_json(cls, text: str) -> TritonShortConfig:
@@ -168,20 +177,22 @@ class TritonShortConfig:
             raise ValueError(f"triton_short config: need a JSON object of kernels, got {text!r}")
         kwargs: dict[str, Any] = {}
         for kind, value in obj.items():
-            if kind == "mask_free":
+            if kind in ("mask_free", "pack_gqa"):
                 kwargs[kind] = value  # checked by __post_init__ (a JSON bool)
             elif kind in KERNEL_KINDS:
                 kwargs[kind] = _checked_blocks(kind, value)
             else:
                 raise ValueError(
-                    f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS} (or mask_free)"
+                    f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS} (or mask_free, "
+                    "pack_gqa)"
                 )
         return cls(**kwargs)
 
     def to_json(self) -> str:
-        """The :data:`CONFIG_ENV` text of this config (kinds left None are omitted; ``mask_free`` always in)."""
+        """The :data:`CONFIG_ENV` text of this config (kinds left None are omitted; the flags always in)."""
         obj: dict[str, Any] = {k: list(v) for k in KERNEL_KINDS if (v := getattr(self, k)) is not None}
         obj["mask_free"] = self.mask_free
+        obj["pack_gqa"] = self.pack_gqa
         return json.dumps(obj)
 
     def blocks(self, kind: str, head_dim: int) -> tuple[int, int, int, int]:
@@ -461,6 +472,13 @@ def _launch_opts(num_warps: int, num_stages: int, device: torch.device) -> dict[
     return {} if device.type == "cpu" else {"num_warps": num_warps, "num_stages": num_stages}
 
 
+def _packing(config: TritonShortConfig, group: int, block_m: int) -> tuple[bool, int]:
+    """``(pack_gqa, query tile in tokens)`` of a kernel whose query tile has ``block_m`` rows: packed when the
+    config asks for it and the group ``G > 1`` divides ``block_m`` (then ``block_m / G`` tokens per tile)."""
+    pack = config.pack_gqa and group > 1 and block_m % group == 0
+    return pack, block_m // group if pack else block_m
+
+
 def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [Tq, H, D], lse [H, Tq] fp32)``; ``config``: :func:`active_config`'s."""
     kern = _kernels()
@@ -470,10 +488,11 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
     lse = torch.empty((h, total_q), device=q.device, dtype=torch.float32)
     config = active_config(config)
     block_m, block_n, warps, stages = config.blocks("fwd", d)
-    lo, hi = tables.query_tiles(block_m)
-    full_lo, full_hi = tables.query_tiles_full(block_m, block_n) if config.mask_free else (lo, hi)
+    pack, tile_m = _packing(config, group, block_m)
+    lo, hi = tables.query_tiles(tile_m)
+    full_lo, full_hi = tables.query_tiles_full(tile_m, block_n) if config.mask_free else (lo, hi)
     left, right, has_left, has_right = _mask_args(causal, window_size)
-    grid = (triton_cdiv(total_q, block_m), h)
+    grid = (triton_cdiv(total_q, tile_m), k.shape[1] if pack else h)
     kern.attn_fwd[grid](
         q, k, v, out, lse, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
         scale * _LOG2E, total_q, left, right,
@@ -481,7 +500,7 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
         out.stride(0), out.stride(1), lse.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, PACK_GQA=pack, **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
     return out, lse
 
@@ -508,8 +527,9 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     config = active_config(config)
     block_m, block_n, warps, stages = config.blocks("bwd_dkdv", d)
+    pack, tile_m = _packing(config, h // hkv, block_m)
     lo, hi = tables.key_tiles(block_n)
-    full_lo, full_hi = tables.key_tiles_full(block_n, block_m) if config.mask_free else (lo, hi)
+    full_lo, full_hi = tables.key_tiles_full(block_n, tile_m) if config.mask_free else (lo, hi)
     kern.attn_bwd_dkdv[(triton_cdiv(total_k, block_n), hkv)](
         q, k, v, dout, lse, delta, dk, dv, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
         scale * _LOG2E, scale, total_q, total_k, left, right,
@@ -517,7 +537,7 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, PACK_GQA=pack, **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
     return dk, dv
 
@@ -531,16 +551,17 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
     dq = torch.empty_like(q)
     config = active_config(config)
     block_m, block_n, warps, stages = config.blocks("bwd_dq", d)
-    lo, hi = tables.query_tiles(block_m)
-    full_lo, full_hi = tables.query_tiles_full(block_m, block_n) if config.mask_free else (lo, hi)
-    kern.attn_bwd_dq[(triton_cdiv(total_q, block_m), h)](
+    pack, tile_m = _packing(config, h // hkv, block_m)
+    lo, hi = tables.query_tiles(tile_m)
+    full_lo, full_hi = tables.query_tiles_full(tile_m, block_n) if config.mask_free else (lo, hi)
+    kern.attn_bwd_dq[(triton_cdiv(total_q, tile_m), hkv if pack else h)](
         q, k, v, dout, lse, delta, dq, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
         scale * _LOG2E, scale, total_q, left, right,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, PACK_GQA=pack, **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
     return dq
 
