@@ -232,6 +232,18 @@ def test_pack_gqa_equals_unpacked_and_is_skipped_where_it_cannot_pack():
         assert torch.equal(a, b), name
 
 
+def test_pack_gqa_default_packs_from_the_measured_group_size():
+    """``pack_gqa=None`` (default): packed at G >= PACK_GQA_MIN_GROUP (4: measured faster on the H200), not at
+    G = 2 (slower on the real-lengths mix); True / False force it either way."""
+    assert ts.PACK_GQA_MIN_GROUP == 4
+    default = ts.TritonShortConfig()
+    assert ts._packing(default, 4, 64) == (True, 16) and ts._packing(default, 8, 64) == (True, 8)
+    assert ts._packing(default, 2, 64) == (False, 64) and ts._packing(default, 1, 64) == (False, 64)
+    assert ts._packing(ts.TritonShortConfig(pack_gqa=True), 2, 64) == (True, 32)
+    assert ts._packing(ts.TritonShortConfig(pack_gqa=False), 4, 64) == (False, 64)
+    assert ts._packing(default, 32, 16) == (False, 16)  # a group larger than the tile: unpacked
+
+
 def test_pack_gqa_negative_control_wrong_head_mapping_fails(monkeypatch):
     """If the packed kernels were launched for a group they do not serve (rows mapped to the wrong query heads:
     GROUP told 2 while H / Hkv = 4), the outputs differ from the reference: the tests above can fail."""
@@ -467,6 +479,11 @@ def test_config_from_env_json_and_validation(monkeypatch):
     assert ts.TritonShortConfig.from_json(off.to_json()) == off
     explicit = ts.TritonShortConfig(fwd=(64, 64, 4, 2))
     assert ts.active_config(explicit) is explicit  # an argument wins over the variable
+    assert json.loads(ts.TritonShortConfig().to_json())["pack_gqa"] is None  # default: by group size
+    for value in (True, False, None):
+        monkeypatch.setenv(ts.CONFIG_ENV, json.dumps({"pack_gqa": value}))
+        assert ts.active_config() == ts.TritonShortConfig(pack_gqa=value)
+        assert ts.TritonShortConfig.from_json(ts.active_config().to_json()) == ts.active_config()
     for bad, match in [
         ("{not json", "not JSON"),
         ("[1, 2]", "JSON object"),
@@ -480,6 +497,8 @@ def test_config_from_env_json_and_validation(monkeypatch):
         ('{"mask_free": 1}', "mask_free must be true or false"),
         ('{"mask_free": "false"}', "mask_free must be true or false"),
         ('{"mask_free": null}', "mask_free must be true or false"),
+        ('{"pack_gqa": 1}', "pack_gqa must be true, false or null"),
+        ('{"pack_gqa": "auto"}', "pack_gqa must be true, false or null"),
         ('{"fwd": [16.9, 16, 4, 1]}', "integers"),  # never truncated to 16
         ('{"fwd": [true, 16, 4, 1]}', "integers"),
         ('{"fwd": "16161"}', "integers"),

@@ -29,13 +29,15 @@ SCRIPT = textwrap.dedent(
 
     assert not kern.INTERPRETED
     ints = ("DOC_Q", "DOC_K", "LIM", "TILE_LO", "TILE_HI", "FULL_LO", "FULL_HI")
-    for mask_free, d, block_d, bm, bn, left, right in (
-        (True, 128, 128, 64, 32, False, True),  # the D = 128 default, causal: unmasked head-dim loads
-        (True, 96, 128, 64, 64, True, True),  # padded head dim, window on both sides
-        (False, 128, 128, 64, 32, False, True),  # masked only
+    for mask_free, pack, d, block_d, bm, bn, left, right in (
+        (True, False, 128, 128, 64, 32, False, True),  # the D = 128 default, causal: unmasked head-dim loads
+        (True, False, 96, 128, 64, 64, True, True),  # padded head dim, window on both sides
+        (False, False, 128, 128, 64, 32, False, True),  # masked only
+        (True, True, 128, 128, 64, 32, False, True),  # PackGQA: the group's heads as rows of the tile
+        (False, True, 96, 128, 64, 64, True, True),  # PackGQA, masked only, padded head dim, window
     ):
-        consts = dict(GROUP=2, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_LEFT=left,
-                      HAS_RIGHT=right, PRECISION="tf32", UPCAST=False, MASK_FREE=mask_free)
+        consts = dict(GROUP=4 if pack else 2, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_LEFT=left,
+                      HAS_RIGHT=right, PRECISION="tf32", UPCAST=False, MASK_FREE=mask_free, PACK_GQA=pack)
         for fn in (kern.attn_fwd, kern.attn_bwd_dkdv, kern.attn_bwd_dq):
             sig = {}
             for name in fn.arg_names:
@@ -52,12 +54,12 @@ SCRIPT = textwrap.dedent(
             src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
             assert compiled.asm["cubin"], fn.__name__
-            print(fn.__name__, mask_free, d, "ok")
+            print(fn.__name__, mask_free, pack, d, "ok")
     """
 )
 
 
-def test_kernels_compile_for_sm90_with_and_without_mask_free(tmp_path):
+def test_kernels_compile_for_sm90_with_and_without_mask_free_and_pack_gqa(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -67,4 +69,4 @@ def test_kernels_compile_for_sm90_with_and_without_mask_free(tmp_path):
     if done.returncode == 77:
         pytest.skip("this Triton has no NVIDIA backend")
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count(" ok") == 9, done.stdout
+    assert done.stdout.count(" ok") == 15, done.stdout

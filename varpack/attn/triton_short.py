@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BLOCKS",
     "CONFIG_ENV",
+    "PACK_GQA_MIN_GROUP",
     "TritonShortBackend",
     "TritonShortConfig",
     "TritonShortTables",
@@ -80,6 +81,13 @@ BLOCKS: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "bwd_dkdv": {64: (32, 64, 4, 1), 128: (32, 64, 4, 1), 256: (16, 32, 8, 1)},
     "bwd_dq": {64: (64, 32, 4, 1), 128: (64, 32, 4, 2), 256: (32, 16, 8, 1)},
 }
+#: :attr:`TritonShortConfig.pack_gqa` ``None`` (the default) packs the query heads of a GQA group into one
+#: program's tile from this group size ``G = H / Hkv`` on. Measured on the H200 (2026-12-01, eighth session;
+#: benchmarks/RESULTS.md; T = 65,536, D = 128, bf16, fwd+bwd, ``BLOCKS``): at G = 4 (H = 16/4) packed 1.65 vs
+#: 1.83 ms on the short mix and 2.76 vs 2.89 ms on the real-lengths mix; at G = 2 (16/8) 1.81 vs 1.86 ms short
+#: but 2.85 vs 2.78 ms real (slower): so not below 4. G = 8: tested for exactness, not timed. Larger BLOCK_M
+#: with packing was slower at G = 4 (1.88-2.34 ms short).
+PACK_GQA_MIN_GROUP = 4
 #: the three kernels whose launch configuration is chosen (keys of :data:`BLOCKS`)
 KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 #: environment variable read at every call (parsed once per distinct value): a JSON object overriding
@@ -138,27 +146,30 @@ class TritonShortConfig:
     ``pack_gqa`` (all three kernels; FlashAttention-3's PackGQA): a program owns one KV head and its query
     tile's rows are the ``G = H / Hkv`` query heads of ``BLOCK_M / G`` tokens, so every K / V tile is loaded once
     per group instead of once per query head and a tile spans ``G`` times fewer tokens (fewer documents, less
-    masked work on short documents); ``BLOCK_M`` counts rows either way. Used when ``G > 1`` divides
-    ``BLOCK_M``; otherwise the kernels run unpacked. The same sums in another order: results equal up to
-    rounding. Checked on construction (:func:`_checked_blocks`; ``mask_free`` / ``pack_gqa`` bools: ValueError).
+    masked work on short documents); ``BLOCK_M`` counts rows either way. True / False force it; None (default)
+    packs when ``G >= PACK_GQA_MIN_GROUP``, the groups where it measured faster. It runs only where ``G > 1``
+    divides ``BLOCK_M`` (otherwise unpacked). The same sums in another order: results equal up to rounding.
+    Checked on construction (:func:`_checked_blocks`; ``mask_free`` a bool, ``pack_gqa`` a bool or None:
+    ValueError).
     """
 
     fwd: tuple[int, int, int, int] | None = None
     bwd_dkdv: tuple[int, int, int, int] | None = None
     bwd_dq: tuple[int, int, int, int] | None = None
     mask_free: bool = True
-    pack_gqa: bool = False
+    pack_gqa: bool | None = None
 
     def __post_init__(self) -> None:
         for kind in KERNEL_KINDS:
             value = getattr(self, kind)
             if value is not None:
                 object.__setattr__(self, kind, _checked_blocks(kind, value))
-        for flag in ("mask_free", "pack_gqa"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(
-                    f"triton_short config: {flag} must be true or false, got {getattr(self, flag)!r}"
-                )
+        if not isinstance(self.mask_free, bool):
+            raise ValueError(f"triton_short config: mask_free must be true or false, got {self.mask_free!r}")
+        if self.pack_gqa is not None and not isinstance(self.pack_gqa, bool):
+            raise ValueError(
+                f"triton_short config: pack_gqa must be true, false or null (by group), got {self.pack_gqa!r}"
+            )
 
     @classmethod
     def from_json(cls, text: str) -> TritonShortConfig:
@@ -474,8 +485,10 @@ def _launch_opts(num_warps: int, num_stages: int, device: torch.device) -> dict[
 
 def _packing(config: TritonShortConfig, group: int, block_m: int) -> tuple[bool, int]:
     """``(pack_gqa, query tile in tokens)`` of a kernel whose query tile has ``block_m`` rows: packed when the
-    config asks for it and the group ``G > 1`` divides ``block_m`` (then ``block_m / G`` tokens per tile)."""
-    pack = config.pack_gqa and group > 1 and block_m % group == 0
+    config asks for it (``None``: when ``group >= PACK_GQA_MIN_GROUP``) and the group ``G > 1`` divides
+    ``block_m`` (then ``block_m / G`` tokens per tile)."""
+    wanted = group >= PACK_GQA_MIN_GROUP if config.pack_gqa is None else config.pack_gqa
+    pack = wanted and group > 1 and block_m % group == 0
     return pack, block_m // group if pack else block_m
 
 
