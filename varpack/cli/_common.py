@@ -17,14 +17,16 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from varpack._argtypes import float_above, int_at_least, max_steps_type
+from varpack._argtypes import DTYPE_SPELLINGS, dtype_spelling, float_above, int_at_least, max_steps_type
 
 __all__ = [
     "ATTN_BACKENDS",
     "DATA_ERRORS",
+    "DTYPE_SPELLINGS",
     "GATED_DELTA_BACKENDS",
     "UsageError",
     "check_data_files",
+    "dtype_spelling",
     "flag_wording",
     "float_above",
     "int_at_least",

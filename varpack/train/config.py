@@ -12,7 +12,8 @@ Field metadata keys (read by :mod:`varpack.train.cli_flags`):
 * ``help``: the flag's help text, or a callable ``defaults -> str`` (``defaults``: the parser's defaults).
 * ``metavar``: the flag's metavar.
 * ``cli_type``: the argparse value check, one of :data:`varpack.train.cli_flags.CLI_TYPES`
-  (``"int>=0"``, ``"int>=1"``, ``"float>0"``, ``"max_steps"``, ``"json_object"``); default: from the annotation.
+  (``"dtype"``, ``"int>=0"``, ``"int>=1"``, ``"float>0"``, ``"max_steps"``, ``"json_object"``); default: from
+  the annotation.
 * ``aliases``: other names of the setting, as TRL / ms-swift spell them (``max_length`` for
   ``packing_length``): accepted as flags (``--max_length``, hidden from ``--help`` apart from a note in the
   flag's help) and as keys of a ``--config`` file. Only where the other tool's setting means the same thing;
@@ -36,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from varpack._argtypes import DTYPE_SPELLINGS
 from varpack.plan.plan import DEFAULT_PACKING_LENGTH
 from varpack.plan.streaming import DEFAULT_BUFFER_SIZE
 
@@ -397,7 +399,9 @@ class SFTConfig:
             runs through the model's logits (``loss_impl="auto"``), as the chunked linear CE reads the LM head
             outside the sharded forward.
         bf16: train in bfloat16 autocast (mixed precision; master weights stay float32).
-        dtype: parameter dtype of built-in models (``float32`` default).
+        dtype: parameter dtype of the model (``float32`` default; a loaded model is cast to it); ``bf16`` /
+            ``fp16`` / ``fp32`` are taken as ``bfloat16`` / ``float16`` / ``float32``
+            (:data:`varpack._argtypes.DTYPE_SPELLINGS`).
         seed: random-init seed of built-in models, plan seed and Trainer seed.
         logging_steps: log every N optimizer steps.
         num_proc: encoding worker processes.
@@ -592,7 +596,12 @@ class SFTConfig:
     )
     bf16: bool = field(default=False, metadata=_opt("bfloat16 mixed precision"))
     dtype: DTypeName = field(
-        default="float32", metadata=_opt("parameter dtype of built-in models (default: %(default)s)")
+        default="float32",
+        metadata=_opt(
+            "parameter dtype of the model; also bf16, fp16, fp32, as varpack check spells them "
+            "(default: %(default)s)",
+            cli_type="dtype",
+        ),
     )
     seed: int = field(
         default=0,
@@ -724,6 +733,8 @@ class SFTConfig:
     )
 
     def __post_init__(self) -> None:
+        # bf16 -> bfloat16, ... (``varpack check``'s spellings; a --config file may use either)
+        object.__setattr__(self, "dtype", DTYPE_SPELLINGS.get(self.dtype, self.dtype))
         if isinstance(self.data, str):
             object.__setattr__(self, "data", (self.data,))
         else:
