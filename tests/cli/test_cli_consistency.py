@@ -259,6 +259,10 @@ def test_flag_wording_names_a_flag_once():
     assert flag_wording("grad_accum (--grad-accum) and seed", sft) == "--grad-accum and seed"
     # a flag in parentheses after another flag stays
     assert flag_wording("grad_accum (--packs-per-step; x)", sft) == "--grad-accum (--packs-per-step; x)"
+    # a setting as flag then field (varpack.train.config.setting_text) stays; a field after another flag not
+    text = "--packs-per-step 2 (packs_per_step=2) and --torch-compile false (torch_compile=False)"
+    assert flag_wording(text, sft) == text
+    assert flag_wording("--lora (grad_accum=2)", sft) == "--lora (--grad-accum 2)"
 
 
 DTYPE_SPELLINGS = [

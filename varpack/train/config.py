@@ -62,6 +62,7 @@ __all__ = [
     "default_lr",
     "literal_choices",
     "resolve_torch_compile",
+    "setting_text",
 ]
 
 #: Default peak learning rate by model kind. A random-init built-in model (``tiny-qwen3``, ...) learns from
@@ -282,6 +283,21 @@ _GRAPH_CONFLICTS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
+def setting_text(name: str, value: Any) -> str:
+    """A setting as both audiences spell it: the ``varpack sft`` flag, then the :class:`SFTConfig` field
+    (``--lora (lora=True)``, ``--packs-per-step 2 (packs_per_step=2)``, ``--torch-compile false
+    (torch_compile=False)``). On the command line :func:`varpack.cli._common.flag_wording` leaves the field in
+    the parentheses as it is (a ``--config`` file's key)."""
+    flag = "--" + name.replace("_", "-")
+    if value is True:
+        shown = flag
+    elif value is False:
+        shown = f"{flag} false" if _hints().get(name) == AutoBool else "--no-" + flag[2:]
+    else:
+        shown = f"{flag} {value}"
+    return f"{shown} ({name}={value!r})"
+
+
 def check_cuda_graphs(
     config: SFTConfig, *, device: str, world_size: int = 1, environ: Mapping[str, str] | None = None
 ) -> None:
@@ -297,15 +313,15 @@ def check_cuda_graphs(
     :func:`varpack.train.sft.build_sft`'s, once the model is loaded.)
 
     Raises:
-        ValueError: ``"--cuda-graphs ..."`` naming the conflicting setting and why.
+        ValueError: ``"--cuda-graphs ..."`` naming the conflicting setting as flag and field
+            (:func:`setting_text`: ``--cuda-graphs with --lora (lora=True): ...``) and why.
     """
     if not config.cuda_graphs:
         return
     for name, bad, why in _GRAPH_CONFLICTS:
         value = getattr(config, name)
         if bad(value):
-            flag = name.replace("_", "-")
-            raise ValueError(f"--cuda-graphs with {flag}={value!r}: {why}")
+            raise ValueError(f"--cuda-graphs with {setting_text(name, value)}: {why}")
     env = os.environ if environ is None else environ
     extra = config.extra_training_args
     if _truthy(extra.get("fsdp")) or _truthy(env.get("ACCELERATE_USE_FSDP")):
