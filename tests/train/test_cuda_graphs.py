@@ -53,12 +53,24 @@ def test_flag_resolves_compile_on():
 # -- refusals ----------------------------------------------------------------------------------------------
 #: fields, world_size, environment, device -> the message's fragment
 REFUSALS = {
-    "compile_off": (dict(torch_compile=False), 1, {}, "cuda", "with --torch-compile false (torch_compile=False): CUDA graphs"),
-    "streaming": (dict(streaming=True, max_steps=3), 1, {}, "cuda", "with --streaming (streaming=True): the static shape"),
+    "compile_off": (
+        dict(torch_compile=False),
+        1,
+        {},
+        "cuda",
+        "with --torch-compile false (torch_compile=False)",
+    ),
+    "streaming": (
+        dict(streaming=True, max_steps=3),
+        1,
+        {},
+        "cuda",
+        "with --streaming (streaming=True): the static",
+    ),
     "packs_per_step": (dict(packs_per_step=2), 1, {}, "cuda", "with --packs-per-step 2 (packs_per_step=2): "),
-    "grad_accum": (dict(grad_accum=4), 1, {}, "cuda", "with --grad-accum 4 (grad_accum=4): a step's graph outputs"),
+    "grad_accum": (dict(grad_accum=4), 1, {}, "cuda", "with --grad-accum 4 (grad_accum=4): a step's"),
     "lora": (dict(lora=True), 1, {}, "cuda", "with --lora (lora=True): peft"),
-    "attn_sdpa": (dict(attn_backend="sdpa"), 1, {}, "cuda", "with --attn-backend sdpa (attn_backend='sdpa'): captured layers"),
+    "attn_sdpa": (dict(attn_backend="sdpa"), 1, {}, "cuda", "with --attn-backend sdpa (attn_backend='sdpa')"),
     "attn_torch_varlen": (
         dict(attn_backend="torch_varlen"),
         1,
@@ -67,7 +79,13 @@ REFUSALS = {
         "with --attn-backend torch_varlen (attn_backend='torch_varlen')",
     ),
     "liger": (dict(use_liger_kernel=True), 1, {}, "cuda", "with --use-liger-kernel (use_liger_kernel=True)"),
-    "checkpointing": (dict(gradient_checkpointing=True), 1, {}, "cuda", "with --gradient-checkpointing (gradient_checkpointing=True)"),
+    "checkpointing": (
+        dict(gradient_checkpointing=True),
+        1,
+        {},
+        "cuda",
+        "with --gradient-checkpointing (gradient_checkpointing=True)",
+    ),
     "fsdp": (dict(fsdp=True), 1, {}, "cuda", "with --fsdp (fsdp=True)"),
     "logits": (dict(loss_impl="logits"), 1, {}, "cuda", "with --loss-impl logits (loss_impl='logits')"),
     "dpo": (dict(objective="dpo"), 1, {}, "cuda", "with --objective dpo (objective='dpo')"),
@@ -101,8 +119,14 @@ def test_each_refusal_names_the_flag(name):
     [
         (["--lora"], "--cuda-graphs with --lora (lora=True): peft adapters"),
         (["--packs-per-step", "2"], "--cuda-graphs with --packs-per-step 2 (packs_per_step=2): the static"),
-        (["--no-torch-compile"], "--cuda-graphs with --torch-compile false (torch_compile=False): CUDA graphs"),
-        (["--attn-backend", "sdpa"], "--cuda-graphs with --attn-backend sdpa (attn_backend='sdpa'): captured"),
+        (
+            ["--no-torch-compile"],
+            "--cuda-graphs with --torch-compile false (torch_compile=False): CUDA graphs",
+        ),
+        (
+            ["--attn-backend", "sdpa"],
+            "--cuda-graphs with --attn-backend sdpa (attn_backend='sdpa'): captured",
+        ),
     ],
 )
 def test_cli_refusal_names_the_flag_and_the_field(flags, shown, tmp_path, capsys):
