@@ -59,6 +59,7 @@ __all__ = [
     "PackingStrategy",
     "SFTConfig",
     "check_cuda_graphs",
+    "check_precision",
     "default_lr",
     "literal_choices",
     "resolve_torch_compile",
@@ -298,6 +299,31 @@ def setting_text(name: str, value: Any) -> str:
     return f"{shown} ({name}={value!r})"
 
 
+def check_precision(config: SFTConfig) -> None:
+    """Refuse ``bf16`` with a ``dtype`` other than ``float32``. ``bf16`` is mixed precision: transformers'
+    ``TrainingArguments.bf16``, bfloat16 autocast over float32 master weights (the optimizer updates float32
+    weights); ``dtype`` is the weights' own dtype. With ``dtype="bfloat16"`` there is no float32 master copy,
+    so ``bf16`` would not be what runs; with ``dtype="float16"`` the float16 weights are cast to bfloat16 in every
+    autocast op and get float16 gradients without loss scaling. Either way one of the two settings is not what
+    the user asked for, so neither is picked silently.
+
+    Raises:
+        ValueError: naming both settings (:func:`setting_text`) and the two ways out.
+    """
+    if not config.bf16 or config.dtype == "float32":
+        return
+    what = {
+        "bfloat16": "--dtype bfloat16 makes the weights themselves bfloat16, so there would be no float32 master copy",
+        "float16": "float16 weights would be cast to bfloat16 in every autocast op and get float16 gradients "
+        "without loss scaling",
+    }[config.dtype]
+    raise ValueError(
+        f"{setting_text('dtype', config.dtype)} with {setting_text('bf16', True)}: --bf16 is bfloat16 autocast "
+        f"over float32 master weights, and {what}. Pass one of them: --bf16 alone (mixed precision, float32 "
+        f"master weights) or --dtype {config.dtype} alone ({config.dtype} weights and optimizer state, less memory)"
+    )
+
+
 def check_cuda_graphs(
     config: SFTConfig, *, device: str, world_size: int = 1, environ: Mapping[str, str] | None = None
 ) -> None:
@@ -414,10 +440,11 @@ class SFTConfig:
             only (accelerate shards on GPUs and would run plain DDP on CPUs: refused there). The loss then
             runs through the model's logits (``loss_impl="auto"``), as the chunked linear CE reads the LM head
             outside the sharded forward.
-        bf16: train in bfloat16 autocast (mixed precision; master weights stay float32).
+        bf16: train in bfloat16 autocast (mixed precision; master weights stay float32): needs ``dtype="float32"``
+            (:func:`check_precision`).
         dtype: parameter dtype of the model (``float32`` default; a loaded model is cast to it); ``bf16`` /
             ``fp16`` / ``fp32`` are taken as ``bfloat16`` / ``float16`` / ``float32``
-            (:data:`varpack._argtypes.DTYPE_SPELLINGS`).
+            (:data:`varpack._argtypes.DTYPE_SPELLINGS`). With ``bf16`` only ``float32`` (:func:`check_precision`).
         seed: random-init seed of built-in models, plan seed and Trainer seed.
         logging_steps: log every N optimizer steps.
         num_proc: encoding worker processes.
@@ -610,12 +637,17 @@ class SFTConfig:
             "(torch.distributed.fsdp.fully_shard through transformers / accelerate, one unit per decoder layer)"
         ),
     )
-    bf16: bool = field(default=False, metadata=_opt("bfloat16 mixed precision"))
+    bf16: bool = field(
+        default=False,
+        metadata=_opt(
+            "bfloat16 mixed precision: bfloat16 autocast over float32 master weights (--dtype float32)"
+        ),
+    )
     dtype: DTypeName = field(
         default="float32",
         metadata=_opt(
-            "parameter dtype of the model; also bf16, fp16, fp32, as varpack check spells them "
-            "(default: %(default)s)",
+            "parameter dtype of the model; also bf16, fp16, fp32, as varpack check spells them. --bf16 is "
+            "autocast over float32 weights: refused beside bfloat16 / float16 (default: %(default)s)",
             cli_type="dtype",
         ),
     )

@@ -56,6 +56,7 @@ from varpack.train.config import (
     DEFAULT_LR,
     SFTConfig,
     check_cuda_graphs,
+    check_precision,
     default_lr,
     resolve_torch_compile,
 )
@@ -185,13 +186,15 @@ def build_sft(
             it is refused (``--cuda-graphs ...``, naming the setting); a forced
             ``gated_delta_backend`` for a model without Gated DeltaNet layers, or one that cannot run on the
             training device (``gated_delta_backend='fla_hybrid': gated delta rule backend 'fla_hybrid' cannot
-            run on cpu: ...``).
+            run on cpu: ...``); ``bf16`` with a ``dtype`` other than float32
+            (:func:`varpack.train.config.check_precision`).
     """
     from varpack.collate import PaddingFreeCollator
     from varpack.data.dataset import PackedDataset
     from varpack.models import load_tokenizer_for
 
     _refuse_kernel_settings(config)
+    check_precision(config)  # --bf16 with --dtype bfloat16 / float16
     # before minutes of encoding; checked again below on the Trainer's device and world size
     check_cuda_graphs(
         config,
