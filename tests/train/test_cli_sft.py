@@ -333,3 +333,38 @@ def test_bf16_beside_a_half_dtype_is_refused_before_encoding(dtype, tmp_path, ca
     check_precision(SFTConfig(dtype=dtype))
     check_precision(SFTConfig(bf16=True))
     check_precision(SFTConfig(dtype="float32", bf16=True))
+
+
+@pytest.mark.parametrize(
+    ("bf16", "dtype", "lora", "shown"),
+    [
+        (False, "float32", False, "precision float32 weights, "),
+        (True, "float32", False, "precision bf16 autocast over float32 master weights, "),
+        (False, "bfloat16", False, "precision bfloat16 weights, "),
+        (False, "bfloat16", True, "precision float32 weights (frozen: bfloat16), "),  # peft's float32 adapter
+    ],
+)
+def test_model_line_names_the_training_precision(tmp_path, bf16, dtype, lora, shown):
+    """No line of `varpack sft` said the training precision (a fresh user's review): the ``model`` line does,
+    from the Trainer's autocast and the trained parameters' dtype (frozen ones of another dtype named after)."""
+    from varpack.train import run_sft
+
+    if lora:
+        pytest.importorskip("peft")
+
+    lines: list[str] = []
+    config = SFTConfig(
+        output_dir=str(tmp_path / "o"),
+        packing_length=32,
+        attn_backend="reference",
+        max_steps=1,
+        save=False,
+        bf16=bf16,
+        dtype=dtype,
+        lora=lora,
+        extra_training_args={"use_cpu": True},
+    )
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference", dtype=getattr(torch, dtype))
+    run_sft(config, print_fn=lines.append, model=model, tokenizer=_Tok(), encoded=synthetic_samples())
+    (line,) = [line for line in lines if line.startswith("model     ")]
+    assert shown in line and line.count("precision") == 1, line
