@@ -11,7 +11,11 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["float_above", "int_at_least", "max_steps_type"]
+__all__ = ["DTYPE_SPELLINGS", "dtype_spelling", "float_above", "int_at_least", "max_steps_type"]
+
+#: ``--dtype``'s two spellings of each floating dtype: short (``varpack check``'s) -> torch's (``varpack sft``'s,
+#: :data:`varpack.train.config.DTypeName`). Both commands accept both.
+DTYPE_SPELLINGS: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -55,3 +59,19 @@ def max_steps_type(text: str) -> int:
     if value != -1 and value < 1:
         raise argparse.ArgumentTypeError(f"must be -1 (run --epochs) or an integer >= 1, got {text!r}")
     return value
+
+
+def dtype_spelling(short: bool) -> Callable[[str], str]:
+    """``argparse`` type of ``--dtype``: either spelling of :data:`DTYPE_SPELLINGS` (any case) -> the command's
+    own, the short one (``bf16``) when ``short`` else torch's (``bfloat16``). Anything else is returned as given,
+    so that the flag's ``choices`` refuse it with argparse's own error listing the command's spellings."""
+    to_short = {long: s for s, long in DTYPE_SPELLINGS.items()}
+
+    def parse(text: str) -> str:
+        low = text.strip().lower()
+        if low in DTYPE_SPELLINGS or low in to_short:
+            return to_short.get(low, low) if short else DTYPE_SPELLINGS.get(low, low)
+        return text
+
+    parse.__name__ = "dtype_short" if short else "dtype_torch"
+    return parse

@@ -259,6 +259,52 @@ def test_flag_wording_names_a_flag_once():
     assert flag_wording("grad_accum (--grad-accum) and seed", sft) == "--grad-accum and seed"
     # a flag in parentheses after another flag stays
     assert flag_wording("grad_accum (--packs-per-step; x)", sft) == "--grad-accum (--packs-per-step; x)"
+    # a setting as flag then field (varpack.train.config.setting_text) stays; a field after another flag not
+    text = "--packs-per-step 2 (packs_per_step=2) and --torch-compile false (torch_compile=False)"
+    assert flag_wording(text, sft) == text
+    assert flag_wording("--lora (grad_accum=2)", sft) == "--lora (--grad-accum 2)"
+
+
+DTYPE_SPELLINGS = [
+    ("bf16", "bfloat16", "bf16"),
+    ("bfloat16", "bfloat16", "bf16"),
+    ("fp16", "float16", "fp16"),
+    ("float16", "float16", "fp16"),
+    ("fp32", "float32", "fp32"),
+    ("float32", "float32", "fp32"),
+]
+
+
+@pytest.mark.parametrize(("given", "torch_name", "short"), DTYPE_SPELLINGS)
+def test_dtype_takes_both_spellings_in_sft_and_check(given, torch_name, short, tmp_path):
+    """``sft --dtype`` took float32 / bfloat16 / float16 and ``check --dtype`` bf16 / fp16 / fp32 (a fresh user's
+    review): each takes both; sft keeps torch's names in its config, check its short ones; a --config file too."""
+    from varpack.train.cli_flags import config_from_args
+    from varpack.train.config import SFTConfig
+
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["sft", "--dtype", given])).dtype == torch_name
+    assert config_from_args(parser.parse_args(["demo", "--dtype", given.upper()])).dtype == torch_name
+    assert parser.parse_args(["check", "--dtype", given]).dtype == short
+    assert SFTConfig(dtype=given).dtype == torch_name
+    path = tmp_path / "run.yaml"
+    path.write_text(f"dtype: {given}\n")
+    assert config_from_args(parser.parse_args(["sft", "--config", str(path)])).dtype == torch_name
+
+
+def test_dtype_help_defaults_and_errors_keep_each_commands_spelling(capsys):
+    subs = _subparsers()
+    assert subs["sft"].parse_args([]).dtype == "float32" and subs["check"].parse_args([]).dtype == "fp32"
+    sft, check = _help_of(subs["sft"]), _help_of(subs["check"])
+    assert "--dtype {float32,bfloat16,float16} parameter dtype of the model; also bf16, fp16, fp32" in sft
+    assert "(default: float32)" in sft
+    assert "--dtype {bf16,fp16,fp32} dtype of the run; also float32, bfloat16, float16" in check, check
+    assert "(default: fp32)" in check
+    for cmd, shown in (("sft", "'float32', 'bfloat16', 'float16'"), ("check", "'bf16', 'fp16', 'fp32'")):
+        code, out, err = _run([cmd, "--dtype", "bf32"], capsys)
+        assert code == 2 and out == "", err
+        expected = f"varpack {cmd}: error: argument --dtype: invalid choice: 'bf32' (choose from {shown})"
+        assert expected in err, err
 
 
 # ------------------------------------------------------------------------------------------------------

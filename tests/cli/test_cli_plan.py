@@ -105,6 +105,33 @@ def test_plan_overlong_error_then_split(tmp_path, capsys, tokenizer):
     assert plan.num_packs == summary["num_packs"]
 
 
+@pytest.mark.parametrize("policy", ["truncate", "split", "drop"])
+def test_plan_json_counts_each_overlong_sample_once(policy, tmp_path, capsys, tokenizer):
+    """A fresh user's question: does ``--overflow truncate --json`` count a truncated sample as extra pieces?
+    No: a truncated sample is one packed item (its kept prefix, which the plan stores as one piece, so
+    ``num_pieces == num_truncated``); only ``split`` makes several. Every sample is counted once: packed whole,
+    or dropped / truncated / split under the policy named, and every input token is packed or dropped."""
+    rows = _chats(6, long_id=4)
+    lengths = _template_lengths(tokenizer, rows)
+    assert lengths[4] > 256 and max(lengths[:4] + lengths[5:]) <= 256
+    data = _write(tmp_path, rows)
+    rc = main(["plan", str(data), "--packing-length", "256", "--overflow", policy, "--json"])
+    s = json.loads(capsys.readouterr().out)
+    assert rc == 0 and s["overflow_policy"] == s["overflow"]["policy"] == policy
+    whole = s["num_items"] - s["num_pieces"]
+    assert whole == 5 and s["num_overlong"] == 1
+    outcomes = s["num_dropped"] + s["num_truncated"] + s["num_split"] + s["num_empty"]
+    assert whole + outcomes == s["num_samples"] == 6
+    assert s["total_tokens"] + s["tokens_dropped"] == s["input_tokens"] == sum(lengths)
+    expected = {  # policy -> (items, pieces, dropped, truncated, split, tokens dropped)
+        "truncate": (6, 1, 0, 1, 0, lengths[4] - 256),
+        "split": (5 + math.ceil(lengths[4] / 256), math.ceil(lengths[4] / 256), 0, 0, 1, 0),
+        "drop": (5, 0, 1, 0, 0, lengths[4]),
+    }[policy]
+    counts = ("num_items", "num_pieces", "num_dropped", "num_truncated", "num_split", "tokens_dropped")
+    assert tuple(s[k] for k in counts) == expected, s
+
+
 def test_plan_missing_file(tmp_path, capsys):
     rc = main(["plan", str(tmp_path / "nope.jsonl"), "--json"])
     captured = capsys.readouterr()

@@ -305,3 +305,66 @@ def test_sft_refuses_early_and_clearly(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1 and "no pack to train on" in err and "sample ids 0, 1" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "fp16", "bf16"])
+def test_bf16_beside_a_half_dtype_is_refused_before_encoding(dtype, tmp_path, capsys, monkeypatch):
+    """``--dtype float16 --bf16`` (float16 weights under bfloat16 autocast) ran without a word (a fresh user's
+    review); ``--dtype bfloat16 --bf16`` gave bfloat16 weights where --bf16 promises float32 master weights.
+    Both are refused before the data is encoded, naming both flags and both ways out. Controls: each alone."""
+    from varpack.cli.main import main
+    from varpack.train import sft
+    from varpack.train.config import check_precision
+
+    def never(*a, **k):
+        raise AssertionError("encoded before refusing")
+
+    monkeypatch.setattr(sft, "load_and_encode", never)
+    torch_name = {"fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype)
+    code = main(["sft", "--dtype", dtype, "--bf16", "--max-steps", "1", "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"varpack sft: error: --dtype {torch_name} (dtype='{torch_name}') with --bf16 (bf16=True): " in err
+    assert "--bf16 is bfloat16 autocast over float32 master weights" in err
+    assert f"--bf16 alone (mixed precision, float32 master weights) or --dtype {torch_name} alone" in err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match=rf"--dtype {torch_name} \(dtype='{torch_name}'\) with --bf16"):
+        build_sft(SFTConfig(dtype=dtype, bf16=True, output_dir=str(tmp_path / "o")))
+    check_precision(SFTConfig(dtype=dtype))
+    check_precision(SFTConfig(bf16=True))
+    check_precision(SFTConfig(dtype="float32", bf16=True))
+
+
+@pytest.mark.parametrize(
+    ("bf16", "dtype", "lora", "shown"),
+    [
+        (False, "float32", False, "precision float32 weights, "),
+        (True, "float32", False, "precision bf16 autocast over float32 master weights, "),
+        (False, "bfloat16", False, "precision bfloat16 weights, "),
+        (False, "bfloat16", True, "precision float32 weights (frozen: bfloat16), "),  # peft's float32 adapter
+    ],
+)
+def test_model_line_names_the_training_precision(tmp_path, bf16, dtype, lora, shown):
+    """No line of `varpack sft` said the training precision (a fresh user's review): the ``model`` line does,
+    from the Trainer's autocast and the trained parameters' dtype (frozen ones of another dtype named after)."""
+    from varpack.train import run_sft
+
+    if lora:
+        pytest.importorskip("peft")
+
+    lines: list[str] = []
+    config = SFTConfig(
+        output_dir=str(tmp_path / "o"),
+        packing_length=32,
+        attn_backend="reference",
+        max_steps=1,
+        save=False,
+        bf16=bf16,
+        dtype=dtype,
+        lora=lora,
+        extra_training_args={"use_cpu": True},
+    )
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference", dtype=getattr(torch, dtype))
+    run_sft(config, print_fn=lines.append, model=model, tokenizer=_Tok(), encoded=synthetic_samples())
+    (line,) = [line for line in lines if line.startswith("model     ")]
+    assert shown in line and line.count("precision") == 1, line

@@ -227,7 +227,18 @@ def test_describe_speed():
     )
     cpu = CompileChoice(False, "auto: CPU run; compiled by default on CUDA only")
     assert describe_speed(cpu, loss_impl="logits", loss_why="--loss-impl logits") == (
-        "eager + CE on the logits (auto: CPU run; compiled by default on CUDA only; logits: --loss-impl logits)"
+        "eager + CE on the logits (auto: CPU run; compiled by default on CUDA only; loss forced by --loss-impl "
+        "logits)"
+    )
+    # a forced linear CE is named too (it read as auto's choice: "eager + chunked linear CE (auto: CPU run; ...)")
+    assert describe_speed(cpu, loss_impl="linear_ce", loss_why="--loss-impl linear_ce") == (
+        "eager + chunked linear CE (auto: CPU run; compiled by default on CUDA only; loss forced by --loss-impl "
+        "linear_ce)"
+    )
+    # auto's own choice of the logits keeps its reason
+    assert describe_speed(cpu, loss_impl="logits", loss_why="loss_impl auto: the model is wrapped (DDP)") == (
+        "eager + CE on the logits (auto: CPU run; compiled by default on CUDA only; logits: loss_impl auto: the "
+        "model is wrapped (DDP))"
     )
     liger = CompileChoice(False, "auto: --use-liger-kernel, which is not combined with compile")
     assert describe_speed(liger, loss_impl="linear_ce", loss_why="", liger=True).startswith(
@@ -319,9 +330,10 @@ def test_speed_note_when_the_loss_ran_otherwise():
     assert lines[2:] == ["speed     note: the loss ran as logits, not linear_ce as reported above"]
 
 
-@pytest.mark.parametrize("loss_impl", ["auto", "logits"])
+@pytest.mark.parametrize("loss_impl", ["auto", "logits", "linear_ce"])
 def test_run_prints_the_speed_line_it_ran(tmp_path, loss_impl):
-    """A 1-step CPU run: the speed line names the loss implementation the step then ran."""
+    """A 1-step CPU run: the speed line names the loss implementation the step then ran, and a forced one as
+    forced."""
     from tests.train.test_cli_sft import VOCAB, _Tok, synthetic_samples
     from varpack.models import load_model
     from varpack.train import run_sft
@@ -340,11 +352,13 @@ def test_run_prints_the_speed_line_it_ran(tmp_path, loss_impl):
     run = run_sft(config, print_fn=lines.append, model=model, tokenizer=_Tok(), encoded=synthetic_samples())
     speed = [line for line in lines if line.startswith("speed")]
     used = run.trainer.loss_impl_used
-    assert used == ("linear_ce" if loss_impl == "auto" else "logits")
-    expected = {
-        "linear_ce": "chunked linear CE (auto: CPU run; compiled by default on CUDA only)",
-        "logits": "CE on the logits (auto: CPU run; compiled by default on CUDA only; logits: --loss-impl logits)",
-    }[used]
+    assert used == ("linear_ce" if loss_impl == "auto" else loss_impl)
+    cpu = "auto: CPU run; compiled by default on CUDA only"
+    expected = {  # a forced implementation says so (it read as auto's choice: a fresh user's review)
+        "auto": f"chunked linear CE ({cpu})",
+        "linear_ce": f"chunked linear CE ({cpu}; loss forced by --loss-impl linear_ce)",
+        "logits": f"CE on the logits ({cpu}; loss forced by --loss-impl logits)",
+    }[loss_impl]
     assert speed == [f"speed     eager + {expected}"]
     engine = next(i for i, line in enumerate(lines) if line.startswith("engine"))
     assert lines[engine + 1] == speed[0]  # next to the engine line

@@ -53,24 +53,42 @@ def test_flag_resolves_compile_on():
 # -- refusals ----------------------------------------------------------------------------------------------
 #: fields, world_size, environment, device -> the message's fragment
 REFUSALS = {
-    "compile_off": (dict(torch_compile=False), 1, {}, "cuda", "with torch-compile=False"),
-    "streaming": (dict(streaming=True, max_steps=3), 1, {}, "cuda", "with streaming=True: the static shape"),
-    "packs_per_step": (dict(packs_per_step=2), 1, {}, "cuda", "with packs-per-step=2"),
-    "grad_accum": (dict(grad_accum=4), 1, {}, "cuda", "with grad-accum=4: a step's graph outputs"),
-    "lora": (dict(lora=True), 1, {}, "cuda", "with lora=True"),
-    "attn_sdpa": (dict(attn_backend="sdpa"), 1, {}, "cuda", "with attn-backend='sdpa': captured layers"),
+    "compile_off": (
+        dict(torch_compile=False),
+        1,
+        {},
+        "cuda",
+        "with --torch-compile false (torch_compile=False)",
+    ),
+    "streaming": (
+        dict(streaming=True, max_steps=3),
+        1,
+        {},
+        "cuda",
+        "with --streaming (streaming=True): the static",
+    ),
+    "packs_per_step": (dict(packs_per_step=2), 1, {}, "cuda", "with --packs-per-step 2 (packs_per_step=2): "),
+    "grad_accum": (dict(grad_accum=4), 1, {}, "cuda", "with --grad-accum 4 (grad_accum=4): a step's"),
+    "lora": (dict(lora=True), 1, {}, "cuda", "with --lora (lora=True): peft"),
+    "attn_sdpa": (dict(attn_backend="sdpa"), 1, {}, "cuda", "with --attn-backend sdpa (attn_backend='sdpa')"),
     "attn_torch_varlen": (
         dict(attn_backend="torch_varlen"),
         1,
         {},
         "cuda",
-        "with attn-backend='torch_varlen'",
+        "with --attn-backend torch_varlen (attn_backend='torch_varlen')",
     ),
-    "liger": (dict(use_liger_kernel=True), 1, {}, "cuda", "with use-liger-kernel=True"),
-    "checkpointing": (dict(gradient_checkpointing=True), 1, {}, "cuda", "with gradient-checkpointing=True"),
-    "fsdp": (dict(fsdp=True), 1, {}, "cuda", "with fsdp=True"),
-    "logits": (dict(loss_impl="logits"), 1, {}, "cuda", "with loss-impl='logits'"),
-    "dpo": (dict(objective="dpo"), 1, {}, "cuda", "with objective='dpo'"),
+    "liger": (dict(use_liger_kernel=True), 1, {}, "cuda", "with --use-liger-kernel (use_liger_kernel=True)"),
+    "checkpointing": (
+        dict(gradient_checkpointing=True),
+        1,
+        {},
+        "cuda",
+        "with --gradient-checkpointing (gradient_checkpointing=True)",
+    ),
+    "fsdp": (dict(fsdp=True), 1, {}, "cuda", "with --fsdp (fsdp=True)"),
+    "logits": (dict(loss_impl="logits"), 1, {}, "cuda", "with --loss-impl logits (loss_impl='logits')"),
+    "dpo": (dict(objective="dpo"), 1, {}, "cuda", "with --objective dpo (objective='dpo')"),
     "fsdp_extra": (dict(extra_training_args={"fsdp": "full_shard"}), 1, {}, "cuda", "with FSDP"),
     "fsdp_env": (dict(), 1, {"ACCELERATE_USE_FSDP": "true"}, "cuda", "with FSDP"),
     "deepspeed": (dict(extra_training_args={"deepspeed": "ds.json"}), 1, {}, "cuda", "with DeepSpeed"),
@@ -94,6 +112,30 @@ def test_each_refusal_names_the_flag(name):
         dataclasses.replace(config, cuda_graphs=False), device=device, world_size=world, environ=env
     )
     check_cuda_graphs(SFTConfig(cuda_graphs=True), device="cuda", world_size=1, environ={})
+
+
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [
+        (["--lora"], "--cuda-graphs with --lora (lora=True): peft adapters"),
+        (["--packs-per-step", "2"], "--cuda-graphs with --packs-per-step 2 (packs_per_step=2): the static"),
+        (
+            ["--no-torch-compile"],
+            "--cuda-graphs with --torch-compile false (torch_compile=False): CUDA graphs",
+        ),
+        (
+            ["--attn-backend", "sdpa"],
+            "--cuda-graphs with --attn-backend sdpa (attn_backend='sdpa'): captured",
+        ),
+    ],
+)
+def test_cli_refusal_names_the_flag_and_the_field(flags, shown, tmp_path, capsys):
+    """A CLI user typed --lora and read "--cuda-graphs with lora=True" (a fresh user's review): the refusal
+    names the flag as typed and the config field (a --config file's key), each once. It comes before the data
+    is encoded, so no GPU is needed to see it."""
+    rc = main(["sft", "--cuda-graphs", *flags, "--model", "tiny-qwen3", "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"varpack sft: error: {shown}" in err, (rc, err)
 
 
 def test_build_sft_refuses_on_a_cpu_before_encoding(tmp_path, monkeypatch):

@@ -17,14 +17,16 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from varpack._argtypes import float_above, int_at_least, max_steps_type
+from varpack._argtypes import DTYPE_SPELLINGS, dtype_spelling, float_above, int_at_least, max_steps_type
 
 __all__ = [
     "ATTN_BACKENDS",
     "DATA_ERRORS",
+    "DTYPE_SPELLINGS",
     "GATED_DELTA_BACKENDS",
     "UsageError",
     "check_data_files",
+    "dtype_spelling",
     "flag_wording",
     "float_above",
     "int_at_least",
@@ -89,7 +91,8 @@ def flag_wording(message: str, parser: argparse.ArgumentParser) -> str:
     ``--use-liger-kernel``). Only names that are flags of ``parser`` are changed; a bare name is changed only
     when it has an underscore (``model`` or ``seed`` in prose stay as they are). A setting followed by its own
     flag in parentheses (``torch_compile (--torch-compile; ...)``) names the flag once
-    (``--torch-compile (...)``).
+    (``--torch-compile (...)``); a setting written as flag then field (``--packs-per-step 2 (packs_per_step=2)``,
+    :func:`varpack.train.config.setting_text`) stays as it is.
     """
     for action in parser._actions:  # argparse keeps its actions here; there is no public accessor
         if (
@@ -102,7 +105,11 @@ def flag_wording(message: str, parser: argparse.ArgumentParser) -> str:
         if action.nargs != 0:  # takes a value: name=value -> --flag value
             message = re.sub(
                 rf"(?<![\w.-])(?:SFTConfig\.)?{dest}=('[^']*'|\"[^\"]*\"|[^\s,;)]+)",
-                lambda m, flag=flag: f"{flag} {m.group(1).strip(chr(39) + chr(34))}",
+                lambda m, flag=flag: (
+                    m.group(0)  # "--flag value (name=value)": the field beside its flag stays
+                    if re.search(rf"{re.escape(flag)}(?: \S+)? \($", m.string[: m.start()])
+                    else f"{flag} {m.group(1).strip(chr(39) + chr(34))}"
+                ),
                 message,
             )
         if "_" in action.dest:

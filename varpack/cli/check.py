@@ -14,7 +14,8 @@ model with Gated DeltaNet layers (Qwen3.5, Qwen3-Next) it prints the gated delta
 and why (``auto``'s probes, or ``forced`` by ``--gated-delta-backend``). Exit status 0 on PASS, 1 on FAIL or
 an error (bad data, unknown model, no CUDA; a ``--gated-delta-backend`` that cannot run on the device, with
 its reason, or given for a model without Gated DeltaNet layers), 2 on a usage error. With ``--json`` stdout
-carries exactly one JSON object.
+carries exactly one JSON object. ``--dtype`` also takes torch's spellings (``float32``, ``bfloat16``,
+``float16``), as ``varpack sft`` does.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ import json
 import sys
 from typing import Any
 
-from varpack.cli._common import ATTN_BACKENDS, GATED_DELTA_BACKENDS, check_data_files, int_at_least
+from varpack.cli._common import (
+    ATTN_BACKENDS,
+    DTYPE_SPELLINGS,
+    GATED_DELTA_BACKENDS,
+    check_data_files,
+    dtype_spelling,
+    int_at_least,
+)
 
 __all__ = ["register", "run"]
-
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -74,7 +80,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
-        "--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of the run (default: %(default)s)"
+        "--dtype",
+        type=dtype_spelling(short=True),
+        choices=sorted(DTYPE_SPELLINGS),
+        default="fp32",
+        help="dtype of the run; also float32, bfloat16, float16, as varpack sft spells them (default: %(default)s)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument(
@@ -155,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--device {device!r} is not a device: {exc}") from exc
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device} but CUDA is not available here")
-    dtype = getattr(torch, _DTYPES[args.dtype])
+    dtype = getattr(torch, DTYPE_SPELLINGS[args.dtype])
     tokenizer = load_tokenizer_for(args.model)
     # the model comes first: image chats are encoded with its own mRoPE function and patch grid
     model = load_model(

@@ -5,7 +5,8 @@ One flag per field, so no setting is unreachable from the command line:
 
 * name: ``--`` + the field name with ``_`` -> ``-`` (``packing_length`` -> ``--packing-length``), ``dest`` the
   field name;
-* ``Literal[...]`` -> ``choices``; ``bool`` -> ``--flag`` / ``--no-flag`` (``argparse.BooleanOptionalAction``);
+* ``Literal[...]`` -> ``choices`` (with a ``metadata["cli_type"]``, also that type: other spellings mapped onto
+  the choices, ``--dtype bf16`` -> ``bfloat16``); ``bool`` -> ``--flag`` / ``--no-flag`` (``argparse.BooleanOptionalAction``);
   :data:`varpack.train.config.AutoBool` (``bool | Literal["auto"]``) -> ``--flag [auto|true|false]`` (no
   value: on) and ``--no-flag`` (off, hidden from ``--help``; :func:`parse_auto_bool`);
   ``tuple[str, ...]`` -> ``nargs="+"``; ``int`` / ``float`` / ``str`` (also ``X | None``) -> that type, or the
@@ -173,9 +174,10 @@ def json_object(text: str) -> dict[str, Any]:
 
 
 def _cli_types() -> dict[str, Callable[[str], Any]]:
-    from varpack._argtypes import float_above, int_at_least, max_steps_type
+    from varpack._argtypes import dtype_spelling, float_above, int_at_least, max_steps_type
 
     return {
+        "dtype": dtype_spelling(short=False),
         "int>=0": int_at_least(0),
         "int>=1": int_at_least(1),
         "int>=2": int_at_least(2),
@@ -185,8 +187,9 @@ def _cli_types() -> dict[str, Callable[[str], Any]]:
     }
 
 
-#: ``metadata["cli_type"]`` names -> the argparse value checks (the same as ``varpack plan``'s flags).
-CLI_TYPES: tuple[str, ...] = ("int>=0", "int>=1", "int>=2", "float>0", "max_steps", "json_object")
+#: ``metadata["cli_type"]`` names -> the argparse value checks (the same as ``varpack plan``'s flags); ``dtype``:
+#: ``bf16`` / ``fp16`` / ``fp32`` -> torch's names, for the field's ``choices`` (as ``varpack check --dtype``).
+CLI_TYPES: tuple[str, ...] = ("dtype", "int>=0", "int>=1", "int>=2", "float>0", "max_steps", "json_object")
 
 
 def flag_name(field_name: str) -> str:
@@ -297,14 +300,16 @@ def add_config_arguments(
             for off in dict.fromkeys(["--no-" + flag[2:], "--no_" + f.name]):  # --no-torch-compile: false
                 parser.add_argument(off, action=_SwitchOff, default=default, help=argparse.SUPPRESS, **kw)
             continue
+        if "cli_type" in meta and meta["cli_type"] not in types:
+            raise TypeError(f"{config_cls.__name__}.{f.name}: unknown cli_type {meta['cli_type']!r}")
         if choices is not None:
             kw["choices"] = choices
+            if "cli_type" in meta:  # other spellings mapped onto the choices (dtype: bf16 -> bfloat16)
+                kw["type"] = types[meta["cli_type"]]
         elif typing.get_origin(annotation) is tuple:
             kw["nargs"] = "+"
             default = list(default) or None
         elif "cli_type" in meta:
-            if meta["cli_type"] not in types:
-                raise TypeError(f"{config_cls.__name__}.{f.name}: unknown cli_type {meta['cli_type']!r}")
             kw["type"] = types[meta["cli_type"]]
         elif annotation in (int, float, str):
             kw["type"] = annotation

@@ -12,7 +12,8 @@ Field metadata keys (read by :mod:`varpack.train.cli_flags`):
 * ``help``: the flag's help text, or a callable ``defaults -> str`` (``defaults``: the parser's defaults).
 * ``metavar``: the flag's metavar.
 * ``cli_type``: the argparse value check, one of :data:`varpack.train.cli_flags.CLI_TYPES`
-  (``"int>=0"``, ``"int>=1"``, ``"float>0"``, ``"max_steps"``, ``"json_object"``); default: from the annotation.
+  (``"dtype"``, ``"int>=0"``, ``"int>=1"``, ``"float>0"``, ``"max_steps"``, ``"json_object"``); default: from
+  the annotation.
 * ``aliases``: other names of the setting, as TRL / ms-swift spell them (``max_length`` for
   ``packing_length``): accepted as flags (``--max_length``, hidden from ``--help`` apart from a note in the
   flag's help) and as keys of a ``--config`` file. Only where the other tool's setting means the same thing;
@@ -36,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
+from varpack._argtypes import DTYPE_SPELLINGS
 from varpack.plan.plan import DEFAULT_PACKING_LENGTH
 from varpack.plan.streaming import DEFAULT_BUFFER_SIZE
 
@@ -57,9 +59,11 @@ __all__ = [
     "PackingStrategy",
     "SFTConfig",
     "check_cuda_graphs",
+    "check_precision",
     "default_lr",
     "literal_choices",
     "resolve_torch_compile",
+    "setting_text",
 ]
 
 #: Default peak learning rate by model kind. A random-init built-in model (``tiny-qwen3``, ...) learns from
@@ -280,6 +284,46 @@ _GRAPH_CONFLICTS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
+def setting_text(name: str, value: Any) -> str:
+    """A setting as both audiences spell it: the ``varpack sft`` flag, then the :class:`SFTConfig` field
+    (``--lora (lora=True)``, ``--packs-per-step 2 (packs_per_step=2)``, ``--torch-compile false
+    (torch_compile=False)``). On the command line :func:`varpack.cli._common.flag_wording` leaves the field in
+    the parentheses as it is (a ``--config`` file's key)."""
+    flag = "--" + name.replace("_", "-")
+    if value is True:
+        shown = flag
+    elif value is False:
+        shown = f"{flag} false" if _hints().get(name) == AutoBool else "--no-" + flag[2:]
+    else:
+        shown = f"{flag} {value}"
+    return f"{shown} ({name}={value!r})"
+
+
+def check_precision(config: SFTConfig) -> None:
+    """Refuse ``bf16`` with a ``dtype`` other than ``float32``. ``bf16`` is mixed precision: transformers'
+    ``TrainingArguments.bf16``, bfloat16 autocast over float32 master weights (the optimizer updates float32
+    weights); ``dtype`` is the weights' own dtype. With ``dtype="bfloat16"`` there is no float32 master copy,
+    so ``bf16`` would not be what runs; with ``dtype="float16"`` the float16 weights are cast to bfloat16 in every
+    autocast op and get float16 gradients without loss scaling. Either way one of the two settings is not what
+    the user asked for, so neither is picked silently.
+
+    Raises:
+        ValueError: naming both settings (:func:`setting_text`) and the two ways out.
+    """
+    if not config.bf16 or config.dtype == "float32":
+        return
+    what = {
+        "bfloat16": "--dtype bfloat16 makes the weights themselves bfloat16, so there would be no float32 master copy",
+        "float16": "float16 weights would be cast to bfloat16 in every autocast op and get float16 gradients "
+        "without loss scaling",
+    }[config.dtype]
+    raise ValueError(
+        f"{setting_text('dtype', config.dtype)} with {setting_text('bf16', True)}: --bf16 is bfloat16 autocast "
+        f"over float32 master weights, and {what}. Pass one of them: --bf16 alone (mixed precision, float32 "
+        f"master weights) or --dtype {config.dtype} alone ({config.dtype} weights and optimizer state, less memory)"
+    )
+
+
 def check_cuda_graphs(
     config: SFTConfig, *, device: str, world_size: int = 1, environ: Mapping[str, str] | None = None
 ) -> None:
@@ -295,15 +339,15 @@ def check_cuda_graphs(
     :func:`varpack.train.sft.build_sft`'s, once the model is loaded.)
 
     Raises:
-        ValueError: ``"--cuda-graphs ..."`` naming the conflicting setting and why.
+        ValueError: ``"--cuda-graphs ..."`` naming the conflicting setting as flag and field
+            (:func:`setting_text`: ``--cuda-graphs with --lora (lora=True): ...``) and why.
     """
     if not config.cuda_graphs:
         return
     for name, bad, why in _GRAPH_CONFLICTS:
         value = getattr(config, name)
         if bad(value):
-            flag = name.replace("_", "-")
-            raise ValueError(f"--cuda-graphs with {flag}={value!r}: {why}")
+            raise ValueError(f"--cuda-graphs with {setting_text(name, value)}: {why}")
     env = os.environ if environ is None else environ
     extra = config.extra_training_args
     if _truthy(extra.get("fsdp")) or _truthy(env.get("ACCELERATE_USE_FSDP")):
@@ -396,8 +440,11 @@ class SFTConfig:
             only (accelerate shards on GPUs and would run plain DDP on CPUs: refused there). The loss then
             runs through the model's logits (``loss_impl="auto"``), as the chunked linear CE reads the LM head
             outside the sharded forward.
-        bf16: train in bfloat16 autocast (mixed precision; master weights stay float32).
-        dtype: parameter dtype of built-in models (``float32`` default).
+        bf16: train in bfloat16 autocast (mixed precision; master weights stay float32): needs ``dtype="float32"``
+            (:func:`check_precision`).
+        dtype: parameter dtype of the model (``float32`` default; a loaded model is cast to it); ``bf16`` /
+            ``fp16`` / ``fp32`` are taken as ``bfloat16`` / ``float16`` / ``float32``
+            (:data:`varpack._argtypes.DTYPE_SPELLINGS`). With ``bf16`` only ``float32`` (:func:`check_precision`).
         seed: random-init seed of built-in models, plan seed and Trainer seed.
         logging_steps: log every N optimizer steps.
         num_proc: encoding worker processes.
@@ -590,9 +637,19 @@ class SFTConfig:
             "(torch.distributed.fsdp.fully_shard through transformers / accelerate, one unit per decoder layer)"
         ),
     )
-    bf16: bool = field(default=False, metadata=_opt("bfloat16 mixed precision"))
+    bf16: bool = field(
+        default=False,
+        metadata=_opt(
+            "bfloat16 mixed precision: bfloat16 autocast over float32 master weights (--dtype float32)"
+        ),
+    )
     dtype: DTypeName = field(
-        default="float32", metadata=_opt("parameter dtype of built-in models (default: %(default)s)")
+        default="float32",
+        metadata=_opt(
+            "parameter dtype of the model; also bf16, fp16, fp32, as varpack check spells them. --bf16 is "
+            "autocast over float32 weights: refused beside bfloat16 / float16 (default: %(default)s)",
+            cli_type="dtype",
+        ),
     )
     seed: int = field(
         default=0,
@@ -724,6 +781,8 @@ class SFTConfig:
     )
 
     def __post_init__(self) -> None:
+        # bf16 -> bfloat16, ... (``varpack check``'s spellings; a --config file may use either)
+        object.__setattr__(self, "dtype", DTYPE_SPELLINGS.get(self.dtype, self.dtype))
         if isinstance(self.data, str):
             object.__setattr__(self, "data", (self.data,))
         else:

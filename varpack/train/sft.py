@@ -56,6 +56,7 @@ from varpack.train.config import (
     DEFAULT_LR,
     SFTConfig,
     check_cuda_graphs,
+    check_precision,
     default_lr,
     resolve_torch_compile,
 )
@@ -185,13 +186,15 @@ def build_sft(
             it is refused (``--cuda-graphs ...``, naming the setting); a forced
             ``gated_delta_backend`` for a model without Gated DeltaNet layers, or one that cannot run on the
             training device (``gated_delta_backend='fla_hybrid': gated delta rule backend 'fla_hybrid' cannot
-            run on cpu: ...``).
+            run on cpu: ...``); ``bf16`` with a ``dtype`` other than float32
+            (:func:`varpack.train.config.check_precision`).
     """
     from varpack.collate import PaddingFreeCollator
     from varpack.data.dataset import PackedDataset
     from varpack.models import load_tokenizer_for
 
     _refuse_kernel_settings(config)
+    check_precision(config)  # --bf16 with --dtype bfloat16 / float16
     # before minutes of encoding; checked again below on the Trainer's device and world size
     check_cuda_graphs(
         config,
@@ -746,7 +749,8 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
     """Build and train a packed SFT run; print the packing report first and a summary at the end.
 
     The report names the learning rate and, when ``config.lr`` was left to the default, the model kind it
-    was chosen for (:data:`varpack.train.config.DEFAULT_LR`). When training begins it prints the engine
+    was chosen for (:data:`varpack.train.config.DEFAULT_LR`); the ``model`` line the training precision
+    (``precision bf16 autocast over float32 master weights``, ``precision float32 weights``). When training begins it prints the engine
     (:class:`varpack.train.trainer.EngineReportCallback`) and the step configuration with its reason
     (:class:`varpack.train.trainer.SpeedReportCallback`: ``speed     regional torch.compile + chunked linear
     CE (auto on CUDA: ...)``). A model with Gated DeltaNet layers (Qwen3.5, Qwen3-Next) gets a ``linear`` line
@@ -772,7 +776,7 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
             n_params = sum(p.numel() for p in run.model.parameters())
             print_fn(
                 f"model     {config.model} ({type(run.model).__name__}, {n_params / 1e6:.1f}M params, "
-                f"attention {run.model.config._attn_implementation}, "
+                f"precision {_describe_precision(run)}, attention {run.model.config._attn_implementation}, "
                 + (
                     f"loss dpo {config.loss_type}, beta {config.beta:g}, reference: "
                     + ("the model without its adapters" if config.lora else "a frozen copy of the start")
@@ -863,6 +867,28 @@ def _graphs_would_run(run: SFTRun) -> bool:
 def _describe_static(run: SFTRun) -> str:
     """``T=8320 N=92 max_seqlen=1672 (pad 1.6%)``: the run's static shape and its pad cost over the plan."""
     return f"{run.static_shape.describe()} (pad {100 * run.static_pad:.1f}%)"
+
+
+def _describe_precision(run: SFTRun) -> str:
+    """The training precision on the ``model`` line: the Trainer's autocast (``TrainingArguments.bf16`` /
+    ``fp16``: ``--bf16`` or ``--extra-training-args``) over the dtype of the trained parameters, e.g. ``float32
+    weights``, ``bf16 autocast over float32 master weights``, ``bfloat16 weights``; frozen parameters of
+    another dtype (a LoRA run's base) are named after it (``float32 weights (frozen: bfloat16)``)."""
+    args = run.trainer.args
+    amp = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+    trained: dict[str, None] = {}
+    frozen: dict[str, None] = {}
+    for p in run.model.parameters():
+        (trained if p.requires_grad else frozen)[str(p.dtype).removeprefix("torch.")] = None
+    names = " / ".join(trained) or "no trained"
+    if amp is None:
+        text = f"{names} weights"
+    elif list(trained) == ["float32"]:
+        text = f"{amp} autocast over float32 master weights"
+    else:
+        text = f"{amp} autocast over {names} weights"
+    other = [d for d in frozen if d not in trained]
+    return text + (f" (frozen: {' / '.join(other)})" if other else "")
 
 
 def _describe_lr(run: SFTRun) -> str:

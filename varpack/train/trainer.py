@@ -316,7 +316,9 @@ def describe_speed(
     Args:
         choice: :class:`varpack.train.config.CompileChoice` (:func:`varpack.train.config.resolve_torch_compile`).
         loss_impl: ``"linear_ce"`` or ``"logits"``, what the loss runs (:meth:`PackedLossMixin.planned_loss_impl`).
-        loss_why: its reason; named when the loss runs on the logits.
+        loss_why: its reason (:meth:`PackedLossMixin.planned_loss_impl`); named when the loss runs on the
+            logits, and when it is the user's flag (``"--loss-impl linear_ce"``: ``...; loss forced by --loss-impl
+            linear_ce``), so a forced implementation never reads as auto's choice.
         liger: Liger-Kernel's layers are on the model.
         hf_compile: transformers' own ``TrainingArguments.torch_compile`` is on (through
             ``extra_training_args``): Trainer compiles the whole model, so the layers are never called eager.
@@ -328,7 +330,10 @@ def describe_speed(
     from varpack.train.config import COMPILE_COLD_COST, CUDA_GRAPHS_HINT
 
     loss = {"linear_ce": "chunked linear CE", "logits": "CE on the logits"}.get(loss_impl, loss_impl)
-    why = choice.reason if loss_impl == "linear_ce" else f"{choice.reason}; logits: {loss_why}"
+    if loss_why.startswith("--loss-impl"):  # the user's flag, not loss_impl auto's choice
+        why = f"{choice.reason}; loss forced by {loss_why}"
+    else:
+        why = choice.reason if loss_impl == "linear_ce" else f"{choice.reason}; logits: {loss_why}"
     if static is not None:
         return (
             f"static shapes {static}, CUDA graphs per layer + {loss} ({why}); the first steps compile and "
