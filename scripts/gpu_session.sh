@@ -19,6 +19,9 @@
 #   bash scripts/gpu_session.sh final18  # issue 18: sft --cuda-graphs (GPU test + user run vs default), compile_ops row
 #   bash scripts/gpu_session.sh s8a      # GPU tests of --bf16 autocast / sft --cuda-graphs, then varpack sft --bf16 with and without --cuda-graphs
 #   bash scripts/gpu_session.sh s8b      # issue 17 end to end: SFT step on short samples, triton_short beside auto / FA4 / HF peers
+#   bash scripts/gpu_session.sh s8c      # issue 17: PackGQA GPU tests + launch-config sweep (writes /tmp/varpack_pack_cfg)
+#   bash scripts/gpu_session.sh s8d      # issue 17: bake-off with s8c's pick + the SFT step on short samples
+#   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
 #   bash scripts/gpu_session.sh short    # issue 17: triton_short GPU tests, launch-config sweep, bake-off with the
@@ -385,6 +388,13 @@ PY
       --samples .gpu/samples.npz --max-sample-length 128 --steps 10 --rounds 2 --time-budget $(( ${TRAIN_TIMEOUT:-200} - 50 )) \
       --configs ${TRAIN_CONFIGS:-hf_fa4,varpack_lce@torch_varlen,varpack_lce} \
       --out "$OUT/s8d_train_short.json" 2>&1 | tee "$OUT/s8d_train_short.log" | grep -v "^  round" | tail -9
+    ;;
+  s8e)  # issue 17/18: the real mix end to end with triton_short beside FA4 (static graphs and the compiled op path;
+    # measures the fused table builds), then the short-document SFT step's static rows
+    setup
+    timeout ${TRAIN_TIMEOUT:-280} python3 benchmarks/train.py --samples .gpu/samples.npz --steps 14 --rounds 2 \
+      --time-budget $(( ${TRAIN_TIMEOUT:-280} - 80 )) --configs ${REAL_CONFIGS:-hf_fa4,varpack_lce_static_graphs@flash_attn_4,varpack_lce_static_graphs@triton_short,varpack_lce_compile_ops@flash_attn_4,varpack_lce_compile_ops@triton_short} \
+      --out "$OUT/s8e_train_real.json" 2>&1 | tee "$OUT/s8e_train_real.log" | grep -v "^  round" | tail -9
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac

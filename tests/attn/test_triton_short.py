@@ -256,6 +256,69 @@ def test_pack_gqa_negative_control_wrong_head_mapping_fails(monkeypatch):
     assert not torch.allclose(got[0], want[0], rtol=1e-3, atol=1e-3)  # (NaN from unwritten rows also fails)
 
 
+# -- fused table builds (two Triton launches instead of ~65 PyTorch ops per call) ---------------------------
+
+
+def _random_lengths(gen, n, hi, zero_share=0.2):
+    lens = torch.randint(1, hi + 1, (n,), generator=gen)
+    return torch.where(torch.rand(n, generator=gen) < zero_share, 0, lens).tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fused_tables_equal_the_pytorch_build(seed):
+    """Every per-token and per-tile table of the fused launches equals the PyTorch build, integer for integer:
+    zero-length documents, one-token ones, q != k lengths, causal / windowed / full masks, given or searched
+    document ids, tile sizes 2..64 and loop steps not dividing them."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 24, (1,), generator=gen))
+    lens_q = _random_lengths(gen, n, 20)
+    lens_k = lens_q if seed % 2 == 0 else _random_lengths(gen, n, 20)
+    if sum(lens_q) == 0 or sum(lens_k) == 0:
+        lens_q, lens_k = [3, *lens_q], [3, *lens_k]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = (
+        cu_q
+        if lens_k is lens_q
+        else torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    )
+    tq, tk = sum(lens_q), sum(lens_k)
+    for causal, window in (
+        (True, (-1, 0)),
+        (True, (5, 0)),
+        (False, (-1, -1)),
+        (False, (3, 7)),
+        (False, (0, -1)),
+    ):
+        kw = dict(causal=causal, window_size=window)
+        want = ts.TritonShortTables.build(cu_q, cu_k, tq, tk, **kw, fused=False)
+        for given in (None, VarlenMeta(cu_q, None, tq, total_q=tq).seq_idx().reshape(-1)):
+            got = ts.TritonShortTables.build(cu_q, cu_k, tq, tk, **kw, doc_q=given, fused=True)
+            assert got.fused and not want.fused
+            for name in ("doc_q", "doc_k", "lim", "key_lo", "key_hi", "query_lo", "query_hi"):
+                a, b = getattr(got, name), getattr(want, name)
+                assert a.dtype == b.dtype and torch.equal(a, b), (name, causal, window, a, b)
+            for side in ("q", "k"):
+                for block, step in ((2, 1), (4, 3), (16, 5), (64, 32)):
+                    fused = got.launch_tables(side, block, step, mask_free=True)
+                    plain = want.launch_tables(side, block, step, mask_free=True)
+                    for what, a, b in zip(("lo", "hi", "full_lo", "full_hi"), fused, plain):
+                        assert torch.equal(a, b), (side, block, step, what, causal, window)
+                    assert got.launch_tables(side, block, step, mask_free=False)[2] is fused[0]  # not read
+
+
+def test_fused_tables_negative_control_and_default():
+    """The comparison above can fail: a fused build of other boundaries differs; and the fused build is the
+    default where the kernels run (here: the interpreter), the PyTorch one is kept as the reference."""
+    cu = torch.tensor([0, 5, 5, 12, 20], dtype=torch.int32)
+    other = torch.tensor([0, 6, 6, 12, 20], dtype=torch.int32)
+    kw = dict(causal=True, window_size=(-1, 0))
+    assert ts.TritonShortTables.build(cu, cu, 20, 20, **kw).fused
+    a = ts.TritonShortTables.build(cu, cu, 20, 20, **kw, fused=True)
+    b = ts.TritonShortTables.build(other, other, 20, 20, **kw, fused=False)
+    assert not torch.equal(a.key_lo, b.key_lo) and not torch.equal(a.doc_q, b.doc_q)
+    assert not torch.equal(a.launch_tables("q", 4, 4, True)[0], b.launch_tables("q", 4, 4, True)[0])
+
+
 def test_mask_free_and_masked_only_agree_bitwise():
     """Loop 2 does the same arithmetic as the masked loop on a tile where the mask keeps everything."""
     lens = [200, 7, 1, 1, 40]
@@ -526,8 +589,9 @@ def test_config_override_is_used_and_exact(monkeypatch, how):
         mp.setattr(ts, "_tables", lambda *a, **kw: tables)
         out, _ = ts.triton_short_attention(q, k, v, cu, cu, config=cfg if how == "argument" else None)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert tables.fused  # the default where the kernels run: one launch per tile size
     assert set(tables._tiles) == {("q", 32), ("k", 32)}
-    assert {k for k in tables._full_tiles if "_full" in k[0]} == {("q_full", 32, 16), ("k_full", 32, 16)}
+    assert set(tables._full_tiles) == {("q_launch", 32, 16), ("k_launch", 32, 16)}
     want = _reference(q, k, v, dout, cu, cu, True, (-1, -1))
     for g, w in zip((out, dq, dk, dv), want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-5)

@@ -55,11 +55,27 @@ SCRIPT = textwrap.dedent(
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
             assert compiled.asm["cubin"], fn.__name__
             print(fn.__name__, mask_free, pack, d, "ok")
+    target = GPUTarget("cuda", 90, 32)
+    i64 = ("KEY_LO", "KEY_HI", "QUERY_LO", "QUERY_HI", "LO", "HI")
+    for fn, consts in (
+        (kern.build_token_tables, dict(HAS_LEFT=False, HAS_RIGHT=True, GIVEN_DOC=False, SELF=True, STEPS=10, BLOCK=1024)),
+        (kern.build_token_tables, dict(HAS_LEFT=True, HAS_RIGHT=True, GIVEN_DOC=True, SELF=False, STEPS=3, BLOCK=1024)),
+        (kern.build_tile_tables, dict(TILE=16)),
+        (kern.build_tile_tables, dict(TILE=128)),
+    ):
+        sig = {
+            name: "constexpr" if name in consts else "*i64" if name in i64 else "*i32" if name.isupper() else "i32"
+            for name in fn.arg_names
+        }
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+        assert triton.compile(src, target=target, options={"num_warps": 4}).asm["cubin"], fn.__name__
+        print(fn.__name__, "tables", "ok")
     """
 )
 
 
 def test_kernels_compile_for_sm90_with_and_without_mask_free_and_pack_gqa(tmp_path):
+    """The attention kernels (mask-free split on / off, PackGQA on / off) and the two table kernels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -69,4 +85,4 @@ def test_kernels_compile_for_sm90_with_and_without_mask_free_and_pack_gqa(tmp_pa
     if done.returncode == 77:
         pytest.skip("this Triton has no NVIDIA backend")
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count(" ok") == 15, done.stdout
+    assert done.stdout.count(" ok") == 19, done.stdout

@@ -44,7 +44,15 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-__all__ = ["INTERPRETED", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_preprocess", "attn_fwd"]
+__all__ = [
+    "INTERPRETED",
+    "attn_bwd_dkdv",
+    "attn_bwd_dq",
+    "attn_bwd_preprocess",
+    "attn_fwd",
+    "build_tile_tables",
+    "build_token_tables",
+]
 
 #: the kernels below were built for Triton's interpreter (CPU tensors) rather than for a GPU
 INTERPRETED: bool = bool(knobs.runtime.interpret)
@@ -460,3 +468,116 @@ def attn_bwd_dq(
         DQ + (offs_m * stride_dqt + heads * stride_dqh)[:, None] + offs_d[None, :],
         (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask,
     )  # fmt: skip
+
+
+# -- per-batch tables in two launches (instead of ~40 + ~25 per tile size of small PyTorch ops) -------------
+
+
+@triton.jit
+def _segment_of(CU, n, pos, STEPS: tl.constexpr):
+    """Segment of each position: the count of ``CU[1..n]`` that are ``<= pos`` (``searchsorted(cu[1:], pos,
+    right=True)``, as :meth:`varpack.varlen.VarlenMeta.seq_idx` builds it), by a vectorised upper-bound binary
+    search of ``STEPS = bit_length(n)`` steps; ``pos`` int64."""
+    first = tl.zeros(pos.shape, dtype=tl.int64)
+    count = tl.zeros(pos.shape, dtype=tl.int64) + n
+    for _ in range(STEPS):
+        half = count // 2
+        probe = first + half
+        active = count > 0
+        le = active & (tl.load(CU + probe + 1, mask=active, other=0).to(tl.int64) <= pos)
+        first = tl.where(le, probe + 1, first)
+        count = tl.where(active, tl.where(le, count - half - 1, half), 0)
+    return first
+
+
+@triton.jit
+def build_token_tables(
+    CU_Q, CU_K, SEQ_Q, DOC_Q, LIM, KEY_LO, KEY_HI, DOC_K, QUERY_LO, QUERY_HI,
+    n, total_q, total_k, left, right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, GIVEN_DOC: tl.constexpr, SELF: tl.constexpr,
+    STEPS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """:meth:`varpack.attn.triton_short.TritonShortTables.build` in one launch: per query token its document
+    (given in ``SEQ_Q`` when ``GIVEN_DOC``, else searched in ``CU_Q``), diagonal ``lim`` and visible key range
+    ``[KEY_LO, KEY_HI)``; per key token its document and the range of queries that see it (empty ranges as the
+    ``[BIG, 0)`` sentinel). ``SELF``: the keys are the queries' stream (``CU_K`` is ``CU_Q``, equal totals)."""
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    big = 2147483647
+    m_q = offs < total_q
+    if GIVEN_DOC:
+        doc = tl.load(SEQ_Q + offs, mask=m_q, other=0).to(tl.int64)
+    else:
+        doc = _segment_of(CU_Q, n, offs, STEPS)
+    doc = tl.where(m_q, doc, 0)
+    q_end = tl.load(CU_Q + doc + 1, mask=m_q, other=0).to(tl.int64)
+    k_start = tl.load(CU_K + doc, mask=m_q, other=0).to(tl.int64)
+    k_end = tl.load(CU_K + doc + 1, mask=m_q, other=0).to(tl.int64)
+    lim = offs + (k_end - q_end)
+    lo = k_start
+    hi = k_end
+    if HAS_LEFT:
+        lo = tl.maximum(lo, lim - left)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, lim + right + 1)
+    empty = hi <= lo
+    tl.store(DOC_Q + offs, doc.to(tl.int32), mask=m_q)
+    tl.store(LIM + offs, lim.to(tl.int32), mask=m_q)
+    tl.store(KEY_LO + offs, tl.where(empty, big, lo), mask=m_q)
+    tl.store(KEY_HI + offs, tl.where(empty, 0, hi), mask=m_q)
+
+    m_k = offs < total_k
+    if SELF:
+        doc_k = doc
+    else:
+        doc_k = tl.where(m_k, _segment_of(CU_K, n, offs, STEPS), 0)
+    q_start = tl.load(CU_Q + doc_k, mask=m_k, other=0).to(tl.int64)
+    q_stop = tl.load(CU_Q + doc_k + 1, mask=m_k, other=0).to(tl.int64)
+    shift = tl.load(CU_K + doc_k + 1, mask=m_k, other=0).to(tl.int64) - q_stop
+    qlo = q_start
+    qhi = q_stop
+    if HAS_RIGHT:
+        qlo = tl.maximum(qlo, offs - right - shift)
+    if HAS_LEFT:
+        qhi = tl.minimum(qhi, offs + left - shift + 1)
+    empty_k = qhi <= qlo
+    tl.store(DOC_K + offs, doc_k.to(tl.int32), mask=m_k)
+    tl.store(QUERY_LO + offs, tl.where(empty_k, big, qlo), mask=m_k)
+    tl.store(QUERY_HI + offs, tl.where(empty_k, 0, qhi), mask=m_k)
+
+
+@triton.jit
+def _floor_div(a, b):
+    """``floor(a / b)`` for int64 ``a`` and ``b > 0`` (Triton's ``//`` truncates toward zero)."""
+    return tl.where(a >= 0, a // b, -((-a + b - 1) // b))
+
+
+@triton.jit
+def build_tile_tables(
+    LO, HI, TILE_LO, TILE_HI, FULL_LO, FULL_HI, total, step,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    """The tile tables of one tile size in one launch (one program per tile of ``TILE`` rows), as
+    :meth:`~varpack.attn.triton_short.TritonShortTables.query_tiles` / ``_full`` compute them: the union range
+    ``[min LO, max HI)`` the tile's loop visits, and its mask-free run ``[FULL_LO, FULL_HI)`` on the loop's
+    grid ``TILE_LO + k * step`` inside the range every row sees (``[max LO, min HI)``; padded rows past
+    ``total`` left out; none: ``FULL_LO = FULL_HI = TILE_HI``)."""
+    t = tl.program_id(0)
+    rows = t * TILE + tl.arange(0, TILE)
+    ok = rows < total
+    big = 2147483647
+    lo_r = tl.load(LO + rows, mask=ok, other=big).to(tl.int64)
+    hi_r = tl.load(HI + rows, mask=ok, other=0).to(tl.int64)
+    lo = tl.min(lo_r, 0)
+    hi = tl.max(hi_r, 0)
+    s_lo = tl.max(tl.where(ok, lo_r, 0), 0)
+    s_hi = tl.min(tl.where(ok, hi_r, big), 0)
+    shared = s_hi > s_lo
+    s_lo = tl.where(shared, s_lo, big)
+    s_hi = tl.where(shared, s_hi, 0)
+    start = lo + _floor_div(s_lo - lo + step - 1, step) * step
+    end = start + _floor_div(s_hi - start, step) * step
+    some = (s_hi > s_lo) & (end > start)
+    tl.store(TILE_LO + t, lo.to(tl.int32))
+    tl.store(TILE_HI + t, hi.to(tl.int32))
+    tl.store(FULL_LO + t, tl.where(some, start, hi).to(tl.int32))
+    tl.store(FULL_HI + t, tl.where(some, end, hi).to(tl.int32))

@@ -286,7 +286,14 @@ class TritonShortTables:
 
     Per-tile tables (cached per tile size, device ops only): :meth:`query_tiles` / :meth:`key_tiles` (the
     union range a tile visits), :meth:`query_tiles_shared` / :meth:`key_tiles_shared` (the range every row of
-    the tile sees) and :meth:`query_tiles_full` / :meth:`key_tiles_full` (the mask-free run of loop tiles).
+    the tile sees) and :meth:`query_tiles_full` / :meth:`key_tiles_full` (the mask-free run of loop tiles);
+    :meth:`launch_tables`: what one kernel launch reads.
+
+    ``fused`` (where the kernels run: CUDA, or the CPU under Triton's interpreter): the per-token tables come
+    from one Triton launch (``build_token_tables``) and each kernel's tile tables from one more
+    (``build_tile_tables``), the same integers as the PyTorch ops of the unfused path (about 40 ops per build
+    and 25 per tile size: on the custom-op path, where no batch meta reaches the call, every layer's forward and
+    backward rebuilt them, thousands of small kernels per step).
     """
 
     doc_q: torch.Tensor
@@ -298,6 +305,7 @@ class TritonShortTables:
     query_hi: torch.Tensor
     _tiles: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _full_tiles: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    fused: bool = field(default=False, repr=False)
 
     @classmethod
     def build(
@@ -311,13 +319,21 @@ class TritonShortTables:
         window_size: tuple[int, int],
         doc_q: torch.Tensor | None = None,
         doc_k: torch.Tensor | None = None,
+        fused: bool | None = None,
     ) -> TritonShortTables:
         """From the ``[N+1]`` offsets on the kernel's device (device ops only: values never read on the host).
 
         ``doc_q`` / ``doc_k`` may pass the streams' ``seq_idx`` when they already exist (the batch meta's);
-        otherwise they are built by :class:`varpack.varlen.VarlenMeta` (varpack's one ``seq_idx`` builder).
+        otherwise they are built by :class:`varpack.varlen.VarlenMeta` (varpack's one ``seq_idx`` builder), or
+        by the fused launch's binary search of the offsets (the same ``searchsorted(cu[1:], i, right=True)``).
+        ``fused``: one Triton launch (class docstring); default where this process runs the kernels on the
+        offsets' device, else the PyTorch ops.
         """
         device = cu_seqlens_q.device
+        if fused is None:
+            fused = _platform_reason(device.type) is None
+        if fused:
+            return cls._build_fused(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, doc_q)
         cu_q = cu_seqlens_q.to(torch.int64)
         cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(torch.int64)
         pos_q = torch.arange(total_q, device=device, dtype=torch.int64)
@@ -355,6 +371,73 @@ class TritonShortTables:
             query_lo=query_lo,
             query_hi=query_hi,
         )
+
+    @classmethod
+    def _build_fused(cls, cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, doc_q):
+        kern = _kernels()
+        device = cu_seqlens_q.device
+        cu_q = cu_seqlens_q.to(torch.int32).contiguous()
+        cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(torch.int32).contiguous()
+        same = cu_seqlens_k is cu_seqlens_q and total_k == total_q
+        n = cu_q.numel() - 1
+        left, right = int(window_size[0]), 0 if causal else int(window_size[1])
+        i32, i64 = dict(device=device, dtype=torch.int32), dict(device=device, dtype=torch.int64)
+        out = cls(
+            doc_q=torch.empty(total_q, **i32),
+            doc_k=torch.empty(total_k, **i32),
+            lim=torch.empty(total_q, **i32),
+            key_lo=torch.empty(total_q, **i64),
+            key_hi=torch.empty(total_q, **i64),
+            query_lo=torch.empty(total_k, **i64),
+            query_hi=torch.empty(total_k, **i64),
+            fused=True,
+        )
+        given = doc_q is not None and doc_q.numel() == total_q
+        block = 64 if kern.INTERPRETED else 1024
+        kern.build_token_tables[(triton_cdiv(max(total_q, total_k, 1), block),)](
+            cu_q, cu_k, doc_q.reshape(-1) if given else cu_q, out.doc_q, out.lim, out.key_lo, out.key_hi,
+            out.doc_k, out.query_lo, out.query_hi, n, total_q, total_k, max(left, 0), max(right, 0),
+            HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, GIVEN_DOC=given, SELF=same,
+            STEPS=max(n, 1).bit_length(), BLOCK=block,
+        )  # fmt: skip
+        return out
+
+    def launch_tables(
+        self, side: str, block: int, step: int, mask_free: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(lo, hi, full_lo, full_hi)`` int32 ``[tiles]`` of one kernel launch: ``side="q"`` for the forward /
+        dQ kernels (query tiles of ``block`` tokens, key loop step ``step``), ``"k"`` for dK/dV (key tiles,
+        query loop step). Without ``mask_free`` the full run is not read: ``(lo, hi, lo, hi)``. Fused tables
+        compute all four in one launch (``build_tile_tables``; a power-of-two ``block``), else
+        :meth:`query_tiles` / :meth:`query_tiles_full` (or the key ones)."""
+        if side not in ("q", "k"):
+            raise ValueError(f"side must be 'q' or 'k', got {side!r}")
+        if self.fused and block & (block - 1) == 0:
+            key = (side + "_launch", block, step)
+            if key not in self._full_tiles:
+                src_lo, src_hi = (self.key_lo, self.key_hi) if side == "q" else (self.query_lo, self.query_hi)
+                total = src_lo.shape[0]
+                tiles = triton_cdiv(total, block)
+                lo, hi, full_lo, full_hi = (
+                    torch.empty(tiles, device=src_lo.device, dtype=torch.int32) for _ in range(4)
+                )
+                if tiles:
+                    _kernels().build_tile_tables[(tiles,)](
+                        src_lo, src_hi, lo, hi, full_lo, full_hi, total, step, TILE=block
+                    )
+                self._tiles.setdefault((side, block), (lo, hi))
+                self._full_tiles[key] = (full_lo, full_hi)
+            lo, hi = self._tiles[(side, block)]
+            full_lo, full_hi = self._full_tiles[key]
+        else:
+            tiles, full = (
+                (self.query_tiles, self.query_tiles_full)
+                if side == "q"
+                else (self.key_tiles, self.key_tiles_full)
+            )
+            lo, hi = tiles(block)
+            full_lo, full_hi = full(block, step) if mask_free else (lo, hi)
+        return (lo, hi, full_lo, full_hi) if mask_free else (lo, hi, lo, hi)
 
     def query_tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[cdiv(Tq, block_m)]`` int32 key range ``[lo, hi)`` of every query tile (union of its queries')."""
@@ -502,8 +585,7 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
     config = active_config(config)
     block_m, block_n, warps, stages = config.blocks("fwd", d)
     pack, tile_m = _packing(config, group, block_m)
-    lo, hi = tables.query_tiles(tile_m)
-    full_lo, full_hi = tables.query_tiles_full(tile_m, block_n) if config.mask_free else (lo, hi)
+    lo, hi, full_lo, full_hi = tables.launch_tables("q", tile_m, block_n, config.mask_free)
     left, right, has_left, has_right = _mask_args(causal, window_size)
     grid = (triton_cdiv(total_q, tile_m), k.shape[1] if pack else h)
     kern.attn_fwd[grid](
@@ -541,8 +623,7 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
     config = active_config(config)
     block_m, block_n, warps, stages = config.blocks("bwd_dkdv", d)
     pack, tile_m = _packing(config, h // hkv, block_m)
-    lo, hi = tables.key_tiles(block_n)
-    full_lo, full_hi = tables.key_tiles_full(block_n, tile_m) if config.mask_free else (lo, hi)
+    lo, hi, full_lo, full_hi = tables.launch_tables("k", block_n, tile_m, config.mask_free)
     kern.attn_bwd_dkdv[(triton_cdiv(total_k, block_n), hkv)](
         q, k, v, dout, lse, delta, dk, dv, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
         scale * _LOG2E, scale, total_q, total_k, left, right,
@@ -565,8 +646,7 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
     config = active_config(config)
     block_m, block_n, warps, stages = config.blocks("bwd_dq", d)
     pack, tile_m = _packing(config, h // hkv, block_m)
-    lo, hi = tables.query_tiles(tile_m)
-    full_lo, full_hi = tables.query_tiles_full(tile_m, block_n) if config.mask_free else (lo, hi)
+    lo, hi, full_lo, full_hi = tables.launch_tables("q", tile_m, block_n, config.mask_free)
     kern.attn_bwd_dq[(triton_cdiv(total_q, tile_m), hkv if pack else h)](
         q, k, v, dout, lse, delta, dq, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
         scale * _LOG2E, scale, total_q, left, right,
