@@ -94,7 +94,8 @@ KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 #: :data:`BLOCKS` for every head dim, e.g. ``{"fwd": [128, 64, 8, 2], "bwd_dq": [128, 32, 4, 2]}``; each value
 #: is ``[BLOCK_M, BLOCK_N, num_warps, num_stages]`` or ``{"BLOCK_M": .., "BLOCK_N": .., "num_warps": ..,
 #: "num_stages": ..}``; kinds left out keep :data:`BLOCKS`. ``"mask_free": true / false`` sets
-#: :attr:`TritonShortConfig.mask_free` (default true). Empty or unset: no override.
+#: :attr:`TritonShortConfig.mask_free` (default true); ``"pack_gqa": true / false / null`` sets
+#: :attr:`TritonShortConfig.pack_gqa` (default null: by group size). Empty or unset: no override.
 CONFIG_ENV = "VARPACK_TRITON_SHORT_CONFIG"
 
 _FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
