@@ -89,8 +89,9 @@ Run (GPU; carry the samples file, e.g. ``.gpu/samples.npz``)::
     python benchmarks/train.py --samples .gpu/samples.npz --out runs/train.json
     python benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --configs hf_fa4_liger,varpack_lce
     python benchmarks/train.py --device cpu --small            # smoke test
-    python benchmarks/train.py --samples .gpu/samples.npz --configs varpack_lce_compile,varpack_lce_compile_ops,\
-        varpack_lce_static_compile_ops,varpack_lce_static_graphs
+    python benchmarks/train.py --samples .gpu/samples.npz --configs varpack_lce@sdpa,varpack_lce@triton_short
+    python benchmarks/train.py --samples .gpu/samples.npz \\
+        --configs varpack_lce_compile,varpack_lce_compile_ops,varpack_lce_static_compile_ops,varpack_lce_static_graphs
 """
 
 from __future__ import annotations
@@ -554,15 +555,24 @@ def split_backend(config: str) -> tuple[str, str | None]:
     side by side; ``("hf_fa4", None)`` without ``@``.
 
     Raises:
-        ValueError: ``@`` on a config that does not use varpack's attention, or an empty backend.
+        ValueError: ``@`` on a config that does not use varpack's attention, an empty backend, or one that is
+            not ``auto`` or a name of :data:`varpack.attn.BACKENDS` (refused before any row runs, not in a
+            row's error after the others have run).
     """
+    from varpack.attn import BACKENDS
+
     base, at, backend = config.partition("@")
     if not at:
         return config, None
-    if not (base.startswith("varpack") or base == "trl_varpack") or not backend:
+    if not (base.startswith("varpack") or base == "trl_varpack"):
         raise ValueError(
             f"config {config!r}: '@backend' selects varpack's attention backend; only varpack* and trl_varpack "
             "rows use it"
+        )
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(
+            f"config {config!r}: unknown attention backend {backend!r} after '@'; choose 'auto' or one of "
+            f"{sorted(BACKENDS)}"
         )
     return base, backend
 
@@ -1048,7 +1058,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--packing-length", type=int, default=8192)
     p.add_argument(
-        "--steps", type=int, default=14, help="packs (= optimizer steps) per pass; each config runs 2 passes"
+        "--steps",
+        type=int,
+        default=14,
+        help="packs (= optimizer steps) per pass; each config runs one cold pass + --timed-passes",
     )
     p.add_argument(
         "--timed-passes", type=int, default=3, help="timed passes after the cold one; the median is reported"
@@ -1070,14 +1083,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--attn-backend",
         default="auto",
-        help="varpack attention backend for (c)/(d); one row may name its own: varpack_lce@triton_short",
+        help="varpack attention backend of the varpack* and trl_varpack rows; one row may name its own: "
+        "varpack_lce@triton_short",
     )
     p.add_argument(
         "--trl-attn",
         default="auto",
         help=f"trl_padding_free attention: auto (first that builds of {TRL_ATTN_ORDER}; sdpa on CPU) or one",
     )
-    p.add_argument("--lce-backend", default="auto", help="linear cross-entropy backend for (d)")
+    p.add_argument(
+        "--lce-backend", default="auto", help="linear cross-entropy backend of the varpack_lce* rows"
+    )
     p.add_argument("--chunk-size", type=int, default=4096, help="linear cross-entropy chunk (tokens)")
     p.add_argument(
         "--static-multiple-of",
@@ -1093,7 +1109,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE_PEAK_FLOPS)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--small", action="store_true", help="smoke mode: tiny model, packing 512, 4 steps")
+    p.add_argument(
+        "--small", action="store_true", help="smoke mode: tiny model, packing at most 512, at most 4 steps"
+    )
     p.add_argument("--out", default=None, help="write rows + machine facts as JSON here")
     p.add_argument(
         "--time-budget",
@@ -1114,7 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
     values = dict(QWEN3_0_6B)
     if args.small:
         values = dict(TINY)
-        args.packing_length, args.steps = min(args.packing_length, 512), 4
+        args.packing_length, args.steps = min(args.packing_length, 512), min(args.steps, 4)
         args.chunk_size = min(args.chunk_size, 128)
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
@@ -1126,6 +1144,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error(
                 f"unknown config {c!r}; choose from {ALL_CONFIGS} (varpack rows may add @<attention backend>)"
             )
+    from varpack.attn import BACKENDS
+
+    if args.attn_backend not in ("auto", *BACKENDS):
+        p.error(
+            f"--attn-backend: unknown attention backend {args.attn_backend!r}; choose 'auto' or one of "
+            f"{sorted(BACKENDS)}"
+        )
     if len(set(configs)) != len(configs):
         p.error(f"a config is listed twice: {args.configs}")
     if args.rounds not in (1, 2):

@@ -67,8 +67,19 @@ def test_a_row_names_its_own_attention_backend():
     )
     assert T.split_backend("trl_varpack@sdpa") == ("trl_varpack", "sdpa")
     assert T.split_backend("hf_fa4") == ("hf_fa4", None)
-    for bad in ("hf_fa4@sdpa", "padded@flex", "varpack_lce@"):
+    for bad in ("hf_fa4@sdpa", "padded@flex"):
         with pytest.raises(ValueError, match="only varpack"):
+            T.split_backend(bad)
+    assert T.split_backend("varpack@auto") == ("varpack", "auto")
+    # a varpack row with no, a misspelled or a doubled backend: the backend is named, not the row
+    for bad, name in (
+        ("varpack_lce@", "''"),
+        ("varpack@nonexistent", "'nonexistent'"),
+        ("varpack@sdpa@flex", "'sdpa@flex'"),
+    ):
+        with pytest.raises(
+            ValueError, match=f"unknown attention backend {name} after '@'; choose 'auto' or one of"
+        ):
             T.split_backend(bad)
 
 
@@ -91,9 +102,29 @@ def test_small_run_with_a_backend_per_row_and_short_samples(tmp_path, capsys):
     assert abs(rows["varpack@sdpa"]["loss_first"] - rows["varpack@reference"]["loss_first"]) < 1e-4
     assert data["workload"]["max_sample_length"] == 200 and data["workload"]["sample_length_max"] <= 200
     assert data["workload"]["samples_longer_than_max_sample_length_skipped"] > 0
+    assert data["workload"]["steps"] == 2  # --small caps --steps at 4, never raises the 2 asked for
 
 
 def test_unknown_backend_suffix_is_refused(capsys):
     with pytest.raises(SystemExit):
         T.main(["--device", "cpu", "--small", "--configs", "hf_sdpa@flex"])
     assert "only varpack" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--configs", "varpack@nonexistent"], "unknown attention backend 'nonexistent' after '@'"),
+        (
+            ["--configs", "varpack", "--attn-backend", "nonexistent"],
+            "--attn-backend: unknown attention backend",
+        ),
+    ],
+)
+def test_unknown_backend_name_is_refused_before_any_row_runs(argv, message, capsys):
+    # before the fix: the run started and the row failed (exit 0) after every other row had run
+    with pytest.raises(SystemExit) as exc:
+        T.main(["--device", "cpu", "--small", *argv])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "running" not in captured.out
