@@ -1223,7 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
     best = next((r["best_peer_rounds"] for r in rows if "best_peer_rounds" in r), None)
     print(
         f"MFU = 6 * N * real tokens/s / {args.peak_flops:.3g} (N = {n_params}, attention FLOPs not counted). "
-        f"Each config: one untimed cold pass over its {args.steps} packs, then {args.timed_passes} timed passes "
+        f"Each config: one untimed cold pass over its {args.steps} packs, then {args.timed_passes} timed pass{'es' if args.timed_passes != 1 else ''} "
         f"over the same packs (median); "
         f"{args.rounds} round(s) ({'given order, then reversed' if args.rounds == 2 else 'given order'}); "
         f"best peer per round: {best}."

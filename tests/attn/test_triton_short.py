@@ -211,7 +211,8 @@ def test_pack_gqa_with_mask_free_tiles_matches_fp64_reference(
 
 def test_pack_gqa_equals_unpacked_and_is_skipped_where_it_cannot_pack():
     """Packed and unpacked runs agree to rounding (the same sums in another order); a group that does not
-    divide BLOCK_M, or no group (H = Hkv), runs unpacked: results bitwise those of the unpacked config."""
+    divide BLOCK_M runs unpacked by default (bitwise the unpacked config's results) and is refused when
+    pack_gqa is forced; no group (H = Hkv) is the unpacked layout."""
     lens = [5, 13, 18, 3, 9, 1, 30]
     q, k, v, dout, cu, _ = _inputs(lens, None, 8, 2, 16, torch.float32)
     on, off = (
@@ -220,13 +221,15 @@ def test_pack_gqa_equals_unpacked_and_is_skipped_where_it_cannot_pack():
     )
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), on, off):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    assert ts._packing(ts.TritonShortConfig(pack_gqa=True), 3, 16) == (False, 16)  # 3 does not divide 16
-    assert ts._packing(ts.TritonShortConfig(pack_gqa=True), 1, 16) == (False, 16)
+    assert ts._packing(ts.TritonShortConfig(pack_gqa=None), 3, 16) == (False, 16)  # 3 does not divide 16
+    assert ts._packing(ts.TritonShortConfig(pack_gqa=True), 1, 16) == (False, 16)  # a group of one: the same
     assert ts._packing(ts.TritonShortConfig(pack_gqa=False), 4, 16) == (False, 16)
     q3, k3, v3, dout3, cu3, _ = _inputs(lens, None, 6, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="pack_gqa=true needs the GQA group G = H / Hkv = 3 to divide"):
+        _run(q3, k3, v3, dout3, cu3, cu3, True, (-1, -1), config=ts.TritonShortConfig(pack_gqa=True))
     on, off = (
         _run(q3, k3, v3, dout3, cu3, cu3, True, (-1, -1), config=ts.TritonShortConfig(pack_gqa=p))
-        for p in (True, False)
+        for p in (None, False)
     )
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), on, off):
         assert torch.equal(a, b), name

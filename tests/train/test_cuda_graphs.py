@@ -153,6 +153,24 @@ def test_build_sft_refuses_on_a_cpu_before_encoding(tmp_path, monkeypatch):
     assert not (tmp_path / "o").exists()
 
 
+def test_build_sft_refuses_float32_training_before_encoding(tmp_path, monkeypatch):
+    """A model loaded by name in float32 without --bf16 is refused before the encoding (it was refused only
+    after encoding and loading, minutes with real data); --bf16 or --dtype bfloat16 gets past this check."""
+    from varpack.train import sft
+
+    def never(*a, **k):
+        raise AssertionError("encoded before refusing")
+
+    monkeypatch.setattr(sft, "load_and_encode", never)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the CUDA check, to the dtype one
+    config = SFTConfig(model="tiny-qwen3", output_dir=str(tmp_path / "o"), cuda_graphs=True, save=False)
+    with pytest.raises(ValueError, match="--cuda-graphs with float32 training.*--bf16"):
+        sft.build_sft(config)
+    for ok in (dataclasses.replace(config, bf16=True), dataclasses.replace(config, dtype="bfloat16")):
+        with pytest.raises(AssertionError, match="encoded before refusing"):  # reached the encoding
+            sft.build_sft(ok)
+
+
 def test_cli_refuses_on_a_cpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("the CPU refusal needs a machine without CUDA")

@@ -149,7 +149,7 @@ class TritonShortConfig:
     per group instead of once per query head and a tile spans ``G`` times fewer tokens (fewer documents, less
     masked work on short documents); ``BLOCK_M`` counts rows either way. True / False force it; None (default)
     packs when ``G >= PACK_GQA_MIN_GROUP``, the groups where it measured faster. It runs only where ``G > 1``
-    divides ``BLOCK_M`` (otherwise unpacked). The same sums in another order: results equal up to rounding.
+    divides ``BLOCK_M`` (otherwise unpacked; forced True there: ValueError). The same sums in another order: results equal up to rounding.
     Checked on construction (:func:`_checked_blocks`; ``mask_free`` a bool, ``pack_gqa`` a bool or None:
     ValueError).
     """
@@ -570,7 +570,18 @@ def _launch_opts(num_warps: int, num_stages: int, device: torch.device) -> dict[
 def _packing(config: TritonShortConfig, group: int, block_m: int) -> tuple[bool, int]:
     """``(pack_gqa, query tile in tokens)`` of a kernel whose query tile has ``block_m`` rows: packed when the
     config asks for it (``None``: when ``group >= PACK_GQA_MIN_GROUP``) and the group ``G > 1`` divides
-    ``block_m`` (then ``block_m / G`` tokens per tile)."""
+    ``block_m`` (then ``block_m / G`` tokens per tile).
+
+    Raises:
+        ValueError: ``pack_gqa=True`` forced with a group ``G > 1`` that does not divide ``block_m`` (a forced
+            setting is never ignored silently; a group of 1 is the unpacked layout itself).
+    """
+    if config.pack_gqa and group > 1 and block_m % group:
+        raise ValueError(
+            f"triton_short config: pack_gqa=true needs the GQA group G = H / Hkv = {group} to divide the query "
+            f"tile's BLOCK_M = {block_m} rows; use pack_gqa null (packed by group size where it can) or a BLOCK_M "
+            f"that G divides"
+        )
     wanted = group >= PACK_GQA_MIN_GROUP if config.pack_gqa is None else config.pack_gqa
     pack = wanted and group > 1 and block_m % group == 0
     return pack, block_m // group if pack else block_m

@@ -201,6 +201,10 @@ def build_sft(
         device="cuda" if torch.cuda.is_available() else "cpu",
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
     )
+    if config.cuda_graphs and model is None and config.dtype == "float32" and not config.bf16:
+        # the model is loaded in config.dtype: float32 training, refused before minutes of encoding (a model
+        # object passed in is checked by its parameters' dtype in _prepare_model)
+        raise ValueError(_GRAPHS_FLOAT32)
     if static_shapes and config.streaming:
         raise ValueError(
             "static_shapes: the static shape is read from the whole plan, which --streaming lacks"
@@ -593,6 +597,12 @@ def plan_samples(
     return lengths, plan
 
 
+_GRAPHS_FLOAT32 = (
+    "--cuda-graphs with float32 training: the captured layers need bf16 / fp16 attention "
+    "(FlashAttention-4); pass --bf16 (mixed precision) or --dtype bfloat16"
+)
+
+
 def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], device: Any = None) -> Any:
     """The model on varpack attention (loaded now if not yet), without a KV cache, with the requested
     Liger-Kernel / per-layer compile applied (with ``config.cuda_graphs``: compiled for CUDA graphs on ``device``,
@@ -620,10 +630,7 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], devic
         if param_dtype == torch.float32 and not config.bf16:
             # float32 attention: no varlen kernel that launches without reading cu_seqlens on the host has a
             # backward through the op for it (auto would reach sdpa, which cannot be captured)
-            raise ValueError(
-                "--cuda-graphs with float32 training: the captured layers need bf16 / fp16 attention "
-                "(FlashAttention-4); pass --bf16 (mixed precision) or --dtype bfloat16"
-            )
+            raise ValueError(_GRAPHS_FLOAT32)
         from varpack.integrations.cuda_graphs import compile_layers_as_graphs
 
         compile_layers_as_graphs(model, device=device, what="--cuda-graphs")
