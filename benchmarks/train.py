@@ -1153,6 +1153,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     if len(set(configs)) != len(configs):
         p.error(f"a config is listed twice: {args.configs}")
+    runs: dict[tuple[str, str | None], str] = {}  # what each row runs: varpack rows with their backend resolved
+    for c in configs:
+        base, backend = split_backend(c)
+        uses_backend = base.startswith("varpack") or base == "trl_varpack"
+        run = (base, (backend or args.attn_backend) if uses_backend else None)
+        if run in runs:
+            p.error(f"configs {runs[run]!r} and {c!r} run the same thing (attention backend {run[1]!r})")
+        runs[run] = c
     if args.rounds not in (1, 2):
         p.error("--rounds must be 1 or 2")
 

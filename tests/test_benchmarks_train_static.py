@@ -128,3 +128,13 @@ def test_unknown_backend_name_is_refused_before_any_row_runs(argv, message, caps
     assert exc.value.code == 2
     captured = capsys.readouterr()
     assert message in captured.err and "running" not in captured.out
+
+
+def test_two_spellings_of_one_row_are_refused(capsys):
+    """``varpack`` runs ``--attn-backend`` (auto by default): beside ``varpack@auto`` it would be timed twice."""
+    with pytest.raises(SystemExit):
+        T.main(["--device", "cpu", "--small", "--configs", "varpack,varpack@auto"])
+    assert "run the same thing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        T.main(["--device", "cpu", "--small", "--attn-backend", "sdpa", "--configs", "varpack@sdpa,varpack"])
+    assert "run the same thing" in capsys.readouterr().err
