@@ -335,6 +335,20 @@ def test_bf16_beside_a_half_dtype_is_refused_before_encoding(dtype, tmp_path, ca
     check_precision(SFTConfig(dtype="float32", bf16=True))
 
 
+def one_step_cpu_run(tmp_path, model, **config_kw):
+    """``(run, config, printed lines)`` of a 1-step, unsaved CPU ``run_sft`` of ``model`` (reference attention,
+    packing_length 32) on :func:`synthetic_samples`, with ``config_kw`` set on the :class:`SFTConfig`."""
+    from varpack.train import run_sft
+
+    lines: list[str] = []
+    config = SFTConfig(
+        output_dir=str(tmp_path / "o"), packing_length=32, attn_backend="reference", max_steps=1, save=False,
+        extra_training_args={"use_cpu": True}, **config_kw,
+    )  # fmt: skip
+    run = run_sft(config, print_fn=lines.append, model=model, tokenizer=_Tok(), encoded=synthetic_samples())
+    return run, config, lines
+
+
 @pytest.mark.parametrize(
     ("bf16", "dtype", "lora", "shown"),
     [
@@ -347,24 +361,11 @@ def test_bf16_beside_a_half_dtype_is_refused_before_encoding(dtype, tmp_path, ca
 def test_model_line_names_the_training_precision(tmp_path, bf16, dtype, lora, shown):
     """No line of `varpack sft` said the training precision (a fresh user's review): the ``model`` line does,
     from the Trainer's autocast and the trained parameters' dtype (frozen ones of another dtype named after)."""
-    from varpack.train import run_sft
 
     if lora:
         pytest.importorskip("peft")
 
-    lines: list[str] = []
-    config = SFTConfig(
-        output_dir=str(tmp_path / "o"),
-        packing_length=32,
-        attn_backend="reference",
-        max_steps=1,
-        save=False,
-        bf16=bf16,
-        dtype=dtype,
-        lora=lora,
-        extra_training_args={"use_cpu": True},
-    )
     model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference", dtype=getattr(torch, dtype))
-    run_sft(config, print_fn=lines.append, model=model, tokenizer=_Tok(), encoded=synthetic_samples())
+    _, _, lines = one_step_cpu_run(tmp_path, model, bf16=bf16, dtype=dtype, lora=lora)
     (line,) = [line for line in lines if line.startswith("model     ")]
     assert shown in line and line.count("precision") == 1, line

@@ -334,22 +334,11 @@ def test_speed_note_when_the_loss_ran_otherwise():
 def test_run_prints_the_speed_line_it_ran(tmp_path, loss_impl):
     """A 1-step CPU run: the speed line names the loss implementation the step then ran, and a forced one as
     forced."""
-    from tests.train.test_cli_sft import VOCAB, _Tok, synthetic_samples
+    from tests.train.test_cli_sft import VOCAB, one_step_cpu_run
     from varpack.models import load_model
-    from varpack.train import run_sft
 
-    lines: list[str] = []
-    config = SFTConfig(
-        output_dir=str(tmp_path / "o"),
-        packing_length=32,
-        attn_backend="reference",
-        max_steps=1,
-        save=False,
-        loss_impl=loss_impl,
-        extra_training_args={"use_cpu": True},
-    )
     model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
-    run = run_sft(config, print_fn=lines.append, model=model, tokenizer=_Tok(), encoded=synthetic_samples())
+    run, config, lines = one_step_cpu_run(tmp_path, model, loss_impl=loss_impl)
     speed = [line for line in lines if line.startswith("speed")]
     used = run.trainer.loss_impl_used
     assert used == ("linear_ce" if loss_impl == "auto" else loss_impl)
