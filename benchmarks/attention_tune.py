@@ -82,6 +82,10 @@ FWD_GRID: tuple[Config, ...] = (
     (128, 64, 8, 2),
     (128, 64, 8, 3),
     (128, 128, 8, 2),
+    # packed GQA (rows = tokens x group, PACK_GQA_MIN_GROUP): 64 rows are 16 tokens at G = 4
+    (64, 32, 4, 3),
+    (64, 16, 4, 2),
+    (128, 32, 8, 2),
 )
 #: dK/dV candidates (key tile BLOCK_N owned by a program, query tile BLOCK_M looped over).
 DKDV_GRID: tuple[Config, ...] = (
@@ -95,6 +99,10 @@ DKDV_GRID: tuple[Config, ...] = (
     (32, 128, 4, 2),
     (32, 128, 8, 2),
     (64, 128, 8, 2),
+    # packed GQA: the looped query tile of BLOCK_M rows is BLOCK_M / G tokens
+    (64, 64, 4, 1),
+    (64, 32, 4, 1),
+    (32, 64, 8, 1),
 )
 #: dQ candidates (query tile BLOCK_M owned by a program, key tile BLOCK_N looped over).
 DQ_GRID: tuple[Config, ...] = (
@@ -107,6 +115,9 @@ DQ_GRID: tuple[Config, ...] = (
     (128, 32, 8, 2),
     (128, 64, 8, 2),
     (128, 32, 4, 3),
+    # packed GQA
+    (64, 16, 4, 2),
+    (64, 64, 4, 1),
 )
 #: --small (CPU interpreter smoke): tiny tiles, two per kernel
 SMALL_GRIDS: dict[str, tuple[Config, ...]] = {

@@ -21,6 +21,7 @@
 #   bash scripts/gpu_session.sh s8b      # issue 17 end to end: SFT step on short samples, triton_short beside auto / FA4 / HF peers
 #   bash scripts/gpu_session.sh s8c      # issue 17: PackGQA GPU tests + launch-config sweep (writes /tmp/varpack_pack_cfg)
 #   bash scripts/gpu_session.sh s8d      # issue 17: bake-off with s8c's pick + the SFT step on short samples
+#   bash scripts/gpu_session.sh s9a      # issue 17: per-kernel sweep with PackGQA (16/4, short + real), pick -> /tmp/varpack_pack_cfg for s8d
 #   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
@@ -395,6 +396,18 @@ PY
     timeout ${TRAIN_TIMEOUT:-280} python3 benchmarks/train.py --samples .gpu/samples.npz --steps 14 --rounds 2 \
       --time-budget $(( ${TRAIN_TIMEOUT:-280} - 80 )) --configs ${REAL_CONFIGS:-hf_fa4,varpack_lce_static_graphs@flash_attn_4,varpack_lce_static_graphs@triton_short,varpack_lce_compile_ops@flash_attn_4,varpack_lce_compile_ops@triton_short} \
       --out "$OUT/s8e_train_real.json" 2>&1 | tee "$OUT/s8e_train_real.log" | grep -v "^  round" | tail -9
+    ;;
+  s9a)  # issue 17, ninth session: per-kernel launch-config sweep with PackGQA on at 16/4 (short + real mixes,
+    # mask-free tiles on), overall pick written to /tmp/varpack_pack_cfg for s8d on the same warm machine
+    setup
+    timeout ${TUNE_TIMEOUT:-330} python3 benchmarks/attention_tune.py --lengths-file .gpu/samples.npz \
+      --mixes short,lognormal --heads 16/4 --head-dim 128 --mask-free on --time-budget ${TUNE_BUDGET:-220} \
+      --out "$OUT/s9a_tune.json" > "$OUT/s9a_tune.log" 2>&1; echo "[tune] rc=$?"
+    grep -E "^## overall|^- check|best config|TFLOP/s;" "$OUT/s9a_tune.log" | cut -c1-400
+    python3 - "$OUT/s9a_tune.json" <<'PY' | tee /tmp/varpack_pack_cfg
+import json, sys
+print(json.load(open(sys.argv[1])).get("overall_env") or "")
+PY
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac
