@@ -249,8 +249,18 @@ def sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_fn(fn: Callable[[], Any], device: Any, *, warmup: int = 3, iters: int = 10) -> dict[str, float]:
-    """Median / min milliseconds of ``fn()`` after ``warmup`` calls: CUDA events on CUDA, perf_counter else."""
+def time_fn(
+    fn: Callable[[], Any], device: Any, *, warmup: int = 3, iters: int = 10, queued: bool = False
+) -> dict[str, float]:
+    """Median / min milliseconds of ``fn()`` after ``warmup`` calls: CUDA events on CUDA, perf_counter else.
+
+    ``queued=False`` (synced): the host waits for each call before issuing the next, so a call's time includes
+    the host's launch path (Python, argument binding) whenever the GPU idles behind it. ``queued=True`` (CUDA):
+    every call is issued back to back between its own pair of events and the host waits once at the end, as
+    ``triton.testing.do_bench`` and ``torch.utils.benchmark`` do: while the host runs ahead of the GPU, a call's
+    time is its GPU time (the steady state of a training loop, whose host issues the next kernels while the GPU
+    runs the last ones); a call whose host path is slower than its kernels still shows it. On the CPU both are
+    the same."""
     import torch
 
     for _ in range(warmup):
@@ -258,6 +268,17 @@ def time_fn(fn: Callable[[], Any], device: Any, *, warmup: int = 3, iters: int =
     sync(device)
     times = []
     cuda = torch.device(device).type == "cuda"
+    if cuda and queued:
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
+        ]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
+        return {"ms": statistics.median(times), "min_ms": min(times), "iters": iters}
     for _ in range(iters):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

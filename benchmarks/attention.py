@@ -16,7 +16,13 @@ lengths sum to exactly T; q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (bf16, D = 128, c
 Useful FLOPs (FlashAttention's convention): causal forward = ``2 * sum_i L_i^2 * H * D`` (QK^T and PV,
 ``2 * 2 * L^2 * H * D``, halved by the causal mask); backward = 2.5 x forward; fwd+bwd = 3.5 x forward. The
 dense reference counts ``2 * T^2 * H * D``. TFLOP/s = useful FLOPs / median time (CUDA events, after
-warm-up; FlashAttention-4 compiles ~3 s per shape class on its first call, which warm-up absorbs).
+warm-up; FlashAttention-4 compiles ~3 s per shape class on its first call, which warm-up absorbs). Every call is
+timed twice (``benchmarks._common.time_fn``): *queued* -- calls issued back to back, each between its own events,
+one wait at the end (``triton.testing.do_bench``'s method): the steady state of a training loop, whose host runs
+ahead of the GPU; the table's ``fwd ms`` / ``fwd+bwd ms``, the ratios and the issue 17 verdict -- and *synced* --
+the host waits for each call, so a call's host path (Python dispatch, argument binding, launches) counts
+whenever the GPU idles behind it: the ``synced`` columns and a second verdict. Before the ninth session
+(2026-12-01) the tables held the synced times only.
 
 Per-batch derived objects (FlexAttention's block mask, triton_short's tile tables) are built inside every
 timed call by default, as before. ``--batch-meta`` builds the batch's ``VarlenMeta`` once per case and passes it
@@ -316,20 +322,22 @@ def run_case(
             if isinstance(runner, tuple):
                 runner, which = runner
                 row["note"] = f"SDPA {which}, one sequence of {total}"
-            row["fwd_ms"] = time_fn(runner.fwd, device, warmup=args.warmup, iters=args.iters)["ms"]
-            if not args.fwd_only:
-                row["fwd_bwd_ms"] = time_fn(runner.fwd_bwd, device, warmup=args.warmup, iters=args.iters)[
-                    "ms"
-                ]
+            # queued (the table's, steady state) then synced (each call waited for: host path included)
+            for suffix, queued in (("", True), ("_synced", False)):
+                timed = {"warmup": args.warmup, "iters": args.iters, "queued": queued}
+                row[f"fwd_ms{suffix}"] = time_fn(runner.fwd, device, **timed)["ms"]
+                if not args.fwd_only:
+                    row[f"fwd_bwd_ms{suffix}"] = time_fn(runner.fwd_bwd, device, **timed)["ms"]
             if truth is not None and check:
                 with torch.no_grad():
                     row["max_abs_diff"] = float((runner.output().float() - truth).abs().max())
         except Exception as exc:  # a backend that cannot run this case: recorded, never fatal
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        if "fwd_ms" in row:
-            row["fwd_tflops"] = useful_flops / row["fwd_ms"] / 1e9
-        if "fwd_bwd_ms" in row:
-            row["fwd_bwd_tflops"] = 3.5 * useful_flops / row["fwd_bwd_ms"] / 1e9
+        for suffix in ("", "_synced"):
+            if f"fwd_ms{suffix}" in row:
+                row[f"fwd_tflops{suffix}"] = useful_flops / row[f"fwd_ms{suffix}"] / 1e9
+            if f"fwd_bwd_ms{suffix}" in row:
+                row[f"fwd_bwd_tflops{suffix}"] = 3.5 * useful_flops / row[f"fwd_bwd_ms{suffix}"] / 1e9
         rows.append(row)
         sync(device)
         if device.type == "cuda":
@@ -385,33 +393,41 @@ PROPOSE_MARGIN = 1.05
 
 
 def triton_short_verdict(
-    rows: list[dict[str, Any]], mix_info: dict[str, dict[str, float]]
+    rows: list[dict[str, Any]], mix_info: dict[str, dict[str, float]], timing: str = "queued"
 ) -> list[dict[str, Any]]:
     """Per case (mix, H, Hkv) where ``triton_short`` ran fwd + bwd: its speed against the best varlen peer that
     ran (:data:`VARLEN_PEERS`), FA4 and ``auto`` in the same run, issue 17's goal for the mix
     (:data:`GOALS_17`) met or not, and a proposed ``AUTO_TRITON_SHORT`` row (``TritonShortRule`` of the mix's
     longest and mean length) only where triton_short beats auto's pick and the best peer by
     :data:`PROPOSE_MARGIN`; both only where its output was checked and is within 2x the worst peer's max |diff|
-    to the reference (``exact``). Pure function of the rows (unit-tested)."""
+    to the reference (``exact``). ``timing``: ``"queued"`` (the rows' ``fwd_bwd_tflops``, calls issued back to
+    back: the steady state) or ``"synced"`` (``fwd_bwd_tflops_synced``, each call waited for). Pure function of
+    the rows (unit-tested).
+
+    Raises:
+        ValueError: another ``timing``."""
+    if timing not in ("queued", "synced"):
+        raise ValueError(f"timing must be 'queued' or 'synced', got {timing!r}")
+    key = "fwd_bwd_tflops" if timing == "queued" else "fwd_bwd_tflops_synced"
     cases: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in rows:
-        if "fwd_bwd_tflops" in r:
+        if key in r:
             cases.setdefault((r["mix"], r["H"], r["Hkv"]), {})[r["impl"]] = r
     out = []
     for (mix, h, hkv), by in cases.items():
         ts = by.get("triton_short")
         if ts is None:
             continue
-        speed = ts["fwd_bwd_tflops"]
-        peers = {n: by[n]["fwd_bwd_tflops"] for n in VARLEN_PEERS if n in by}
+        speed = ts[key]
+        peers = {n: by[n][key] for n in VARLEN_PEERS if n in by}
         best = max(peers, key=peers.get) if peers else None
-        v: dict[str, Any] = {"mix": mix, "H": h, "Hkv": hkv, "D": ts["D"], "triton_short": speed}
+        v: dict[str, Any] = {"mix": mix, "H": h, "Hkv": hkv, "D": ts["D"], "timing": timing, "triton_short": speed}
         if best is not None:
             v.update(best_peer=best, best_peer_tflops=peers[best], vs_best_peer=speed / peers[best])
         if "flash_attn_4" in peers:
             v["vs_flash_attn_4"] = speed / peers["flash_attn_4"]
         if "auto" in by:
-            v.update(auto=by["auto"].get("note", ""), vs_auto=speed / by["auto"]["fwd_bwd_tflops"])
+            v.update(auto=by["auto"].get("note", ""), vs_auto=speed / by["auto"][key])
         # a speed counts only for a correct output: triton_short's max |diff| to the reference within 2x the worst
         # peer's in the same run (the fp32-truth rule of varpack check); unchecked (--no-check) counts as not
         peer_errs = [by[n]["max_abs_diff"] for n in peers if "max_abs_diff" in by[n]]
@@ -441,7 +457,10 @@ def verdict_lines(verdicts: list[dict[str, Any]]) -> list[str]:
     """The verdict as printed lines (one per case)."""
     lines = []
     for v in verdicts:
-        parts = [f"{v['mix']} H={v['H']}/{v['Hkv']} D={v['D']}: triton_short {v['triton_short']:.1f} TFLOP/s"]
+        parts = [
+            f"{v['mix']} H={v['H']}/{v['Hkv']} D={v['D']} ({v.get('timing', 'queued')}): "
+            f"triton_short {v['triton_short']:.1f} TFLOP/s"
+        ]
         if "best_peer" in v:
             parts.append(f"{v['vs_best_peer']:.2f}x best peer {v['best_peer']} ({v['best_peer_tflops']:.1f})")
         if "vs_flash_attn_4" in v:
@@ -473,6 +492,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         "fwd TFLOP/s",
         "fwd+bwd ms",
         "fwd+bwd TFLOP/s",
+        "fwd+bwd ms synced",
+        "fwd+bwd TFLOP/s synced",
         "fwd+bwd vs torch_varlen",
         "fwd+bwd vs dense",
         "fwd vs dense",
@@ -492,6 +513,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 r.get("fwd_tflops", nan),
                 r.get("fwd_bwd_ms", nan),
                 r.get("fwd_bwd_tflops", nan),
+                r.get("fwd_bwd_ms_synced", nan),
+                r.get("fwd_bwd_tflops_synced", nan),
                 r.get("fwd_bwd_tflops_vs_torch_varlen", nan),
                 r.get("fwd_bwd_tflops_vs_dense_cudnn", nan),
                 r.get("fwd_tflops_vs_dense_cudnn", nan),
@@ -599,11 +622,13 @@ def main(argv: list[str] | None = None) -> int:
     for mix, st in mix_info.items():
         print(f"- {mix}: {st}")
     verdicts = triton_short_verdict(rows, mix_info)
+    verdicts_synced = triton_short_verdict(rows, mix_info, timing="synced")
     if verdicts:
         print(
-            f"\ntriton_short, same run (a row is proposed only at >= {PROPOSE_MARGIN:g}x auto and the best peer):"
+            f"\ntriton_short, same run (a row is proposed only at >= {PROPOSE_MARGIN:g}x auto and the best peer); "
+            "queued = calls issued back to back (steady state), synced = each call waited for (host path in):"
         )
-        print("\n".join(verdict_lines(verdicts)))
+        print("\n".join(verdict_lines(verdicts + verdicts_synced)))
     write_json(
         args.out,
         {
@@ -612,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
             "mixes": mix_info,
             "rows": rows,
             "triton_short": verdicts,
+            "triton_short_synced": verdicts_synced,
         },
     )
     return 0

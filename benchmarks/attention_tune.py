@@ -19,7 +19,7 @@ Printed / written (``--out`` JSON):
   ``mf gain``: the masked-only time over the mask-free time of that config;
 * per mix and kernel, the mask-free gain: best mask-free time vs best masked-only time (each over the grid);
 * the best config of each kernel per mix, its estimated fwd+bwd useful TFLOP/s (``3.5 x`` forward FLOPs over
-  fwd + delta + dK/dV + dQ kernel times), and the ``VARPACK_TRITON_SHORT_CONFIG`` JSON of that choice
+  fwd + dK/dV + dQ kernel times; the dQ kernel computes delta, ``delta_in_dq``), and the ``VARPACK_TRITON_SHORT_CONFIG`` JSON of that choice
   (``mask_free``: the setting with the smaller summed best time of the three kernels on that mix);
 * ``overall``: the ``mask_free`` setting with the smaller summed best times over the mixes, then per kernel the
   config with the smallest summed slowdown vs each mix's best at that setting (the candidate for
@@ -210,7 +210,8 @@ class MixState:
             return lambda: ts._forward(q, k, v, tables, True, w, sc, config)
         if kind == "bwd_dkdv":
             return lambda: ts._backward_dkdv(dout, q, k, v, lse, delta, tables, True, w, sc, config)
-        return lambda: ts._backward_dq(dout, q, k, v, lse, delta, tables, True, w, sc, config)
+        out = self.out if config.delta_in_dq else None  # delta computed in the dQ kernel (rewrites the same values)
+        return lambda: ts._backward_dq(dout, q, k, v, lse, delta, tables, True, w, sc, config, out=out)
 
     def work_efficiency(self, kind: str, cfg: Config) -> float:
         """Useful causal score elements / score elements the kernel computes (tiles visited x tile area)."""
@@ -352,7 +353,9 @@ def finish(st: MixState, small: bool, mf_values: tuple[bool, ...]) -> dict[str, 
     }
     if len(best) == len(KINDS):
         fwd_ms = best["fwd"]["ms"]
-        bwd_ms = st.delta_ms + best["bwd_dkdv"]["ms"] + best["bwd_dq"]["ms"]
+        # delta's own pass only without delta_in_dq (TritonShortConfig's default computes it in the dQ kernel)
+        delta_ms = 0.0 if st.ts.TritonShortConfig().delta_in_dq else st.delta_ms
+        bwd_ms = delta_ms + best["bwd_dkdv"]["ms"] + best["bwd_dq"]["ms"]
         record["best_fwd_tflops"] = st.flops / fwd_ms / 1e9
         record["best_fwd_bwd_tflops_est"] = 3.5 * st.flops / (fwd_ms + bwd_ms) / 1e9
         record["best_env"] = st.ts.TritonShortConfig(

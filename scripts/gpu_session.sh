@@ -22,6 +22,7 @@
 #   bash scripts/gpu_session.sh s8c      # issue 17: PackGQA GPU tests + launch-config sweep (writes /tmp/varpack_pack_cfg)
 #   bash scripts/gpu_session.sh s8d      # issue 17: bake-off with s8c's pick + the SFT step on short samples
 #   bash scripts/gpu_session.sh s9a      # issue 17: per-kernel sweep with PackGQA (16/4, short + real), pick -> /tmp/varpack_pack_cfg for s8d
+#   bash scripts/gpu_session.sh s9b      # issue 17: GPU tests (delta_in_dq, PackGQA), bake-off with queued + synced timings (S9_HEADS, ATTN_MIXES)
 #   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
@@ -408,6 +409,33 @@ PY
 import json, sys
 print(json.load(open(sys.argv[1])).get("overall_env") or "")
 PY
+    ;;
+  s9b)  # issue 17, ninth session (after fa4a): GPU tests of delta_in_dq / PackGQA / the custom op, then the
+    # bake-off (queued and synced timings) beside FA4 / torch_varlen / flex / auto at ${S9_HEADS:-16/4}
+    setup
+    [ "${S9_TESTS:-1}" = 1 ] && timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=5 \
+      tests/attn/test_triton_short_gpu.py tests/ops/test_custom_ops.py -k "delta_in_dq or pack_gqa or triton_short or short_documents" \
+      2>&1 | tee "$OUT/s9b_tests.log" | tail -6
+    heads=${S9_HEADS:-16/4}; tag=${heads//\//-}
+    for mix in ${ATTN_MIXES:-short lognormal}; do
+      timeout ${ATTN_TIMEOUT:-150} python3 benchmarks/attention.py --lengths-file .gpu/samples.npz --mixes $mix \
+        --heads $heads --head-dim 128 --backends flash_attn_4,torch_varlen,flex,triton_short,auto --batch-meta \
+        --out "$OUT/s9b_attention_${mix}_$tag.json" > "$OUT/s9b_attention_${mix}_$tag.log" 2>&1 || tail -3 "$OUT/s9b_attention_${mix}_$tag.log"
+      python3 - "$OUT/s9b_attention_${mix}_$tag.json" <<'PY' 2>&1 | tee -a "$OUT/s9b_attention_$tag.txt"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    if r["impl"] in ("padded_sdpa", "dense_cudnn"):
+        continue
+    print(f"{r['mix']} {r['H']}/{r['Hkv']} {r['impl']:14s} fwd {r.get('fwd_ms', 0):.3f} / synced {r.get('fwd_ms_synced', 0):.3f}  "
+          f"fwd+bwd {r.get('fwd_bwd_ms', 0):.3f} ms {r.get('fwd_bwd_tflops', 0):.1f} TF / synced {r.get('fwd_bwd_ms_synced', 0):.3f} ms "
+          f"{r.get('fwd_bwd_tflops_synced', 0):.1f} TF  d={r.get('max_abs_diff', float('nan')):.1e} {r.get('note', '')} {r.get('error', '')[:120]}")
+for key in ("triton_short", "triton_short_synced"):
+    for v in d.get(key, []):
+        print(f"  [{key}] vs best {v.get('vs_best_peer', 0):.2f} ({v.get('best_peer')}), vs FA4 {v.get('vs_flash_attn_4', 0):.2f}, "
+              f"vs auto {v.get('vs_auto', 0):.2f}, goal met: {v.get('goal_met')}")
+PY
+    done
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac

@@ -85,3 +85,23 @@ def test_a_wrong_or_unchecked_output_meets_no_goal_and_proposes_nothing():
     (unchecked,) = triton_short_verdict(_rows("short", speeds, errs={"triton_short": None}), MIXES)
     assert unchecked["exact"] is None and unchecked["goal_met"] is False and "propose" not in unchecked
     assert "NOT checked" in verdict_lines([unchecked])[0]
+
+
+def test_synced_verdict_reads_the_synced_speeds():
+    """queued and synced timings of one run give separate verdicts: met on one, not on the other."""
+    rows = _rows("short", {"torch_varlen": 28.0, "triton_short": 60.0, "auto": 28.0})
+    synced = {"torch_varlen": 27.0, "triton_short": 50.0, "auto": 27.0}
+    for row in rows:
+        row["fwd_bwd_tflops_synced"] = synced[row["impl"]]
+    (queued,) = triton_short_verdict(rows, MIXES)
+    (slow,) = triton_short_verdict(rows, MIXES, timing="synced")
+    assert queued["goal_met"] and queued["timing"] == "queued"
+    assert not slow["goal_met"] and slow["triton_short"] == 50.0 and slow["timing"] == "synced"
+    assert "(synced)" in verdict_lines([slow])[0]
+
+
+def test_unknown_timing_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="timing"):
+        triton_short_verdict([], MIXES, timing="wall")

@@ -259,6 +259,64 @@ def test_pack_gqa_negative_control_wrong_head_mapping_fails(monkeypatch):
     assert not torch.allclose(got[0], want[0], rtol=1e-3, atol=1e-3)  # (NaN from unwritten rows also fails)
 
 
+# -- delta = rowsum(dO * O) computed in the dQ kernel (TritonShortConfig.delta_in_dq) -------------------------
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize(
+    "lens_q,lens_k,causal,window,h,hkv",
+    [
+        pytest.param([1, 1, 7, 20, 1, 6], None, True, (-1, -1), 4, 1, id="one-token-docs"),
+        pytest.param([6, 0, 19, 0, 9], None, True, (4, -1), 4, 2, id="zero-length-window"),
+        pytest.param([2, 21, 3], [21, 2, 9], True, (-1, -1), 4, 2, id="q!=k"),
+    ],
+)
+def test_delta_in_dq_equals_the_separate_pass(lens_q, lens_k, causal, window, h, hkv, pack_gqa):
+    """The dQ kernel writes ``delta`` for every (token, head) row -- packed or not, padded last tile left out --
+    equal to the preprocessing kernel's; the whole backward equals the separate-pass backward to rounding."""
+    q, k, v, dout, cu_q, cu_k = _inputs(lens_q, lens_k, h, hkv, 16, torch.float32)
+    tables = ts.TritonShortTables.build(cu_q, cu_k, q.shape[0], k.shape[0], causal=causal, window_size=window)
+    scale = 16**-0.5
+    config = ts.TritonShortConfig(pack_gqa=pack_gqa)
+    with torch.no_grad():
+        out, lse = ts._forward(q, k, v, tables, causal, window, scale, config)
+        want = ts._backward_delta(dout, out, lse)
+        got = torch.full_like(lse, float("nan"))  # every row must be written
+        ts._backward_dq(dout, q, k, v, lse, got, tables, causal, window, scale, config, out=out)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(want, (dout.double() * out.double()).sum(-1).T.float(), rtol=1e-5, atol=1e-5)
+    fused, separate = (
+        _run(q, k, v, dout, cu_q, cu_k, causal, window, config=dataclasses.replace(config, delta_in_dq=d))
+        for d in (True, False)
+    )
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), fused, separate):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_delta_in_dq_negative_control_dkdv_reads_the_written_delta():
+    """Run before the dQ kernel has written it, the dK / dV kernel sees an unwritten delta (NaN here) and dk is
+    wrong: the order dQ -> dK / dV of the fused backward is what makes the tests above pass."""
+    q, k, v, dout, cu, _ = _inputs([5, 13, 18, 3], None, 4, 2, 16, torch.float32)
+    tables = ts.TritonShortTables.build(cu, cu, q.shape[0], q.shape[0], causal=True, window_size=(-1, -1))
+    config, scale = ts.TritonShortConfig(), 16**-0.5
+    with torch.no_grad():
+        out, lse = ts._forward(q, k, v, tables, True, (-1, -1), scale, config)
+        delta = torch.full_like(lse, float("nan"))
+        dk_early, _ = ts._backward_dkdv(dout, q, k, v, lse, delta, tables, True, (-1, -1), scale, config)
+        ts._backward_dq(dout, q, k, v, lse, delta, tables, True, (-1, -1), scale, config, out=out)
+        dk, _ = ts._backward_dkdv(dout, q, k, v, lse, delta, tables, True, (-1, -1), scale, config)
+    assert torch.isnan(dk_early).any() and not torch.isnan(dk).any()
+
+
+def test_delta_in_dq_config_flag():
+    """Default on; JSON round trip; a non-bool refused."""
+    assert ts.TritonShortConfig().delta_in_dq is True
+    off = ts.TritonShortConfig.from_json('{"delta_in_dq": false}')
+    assert off.delta_in_dq is False and json.loads(off.to_json())["delta_in_dq"] is False
+    with pytest.raises(ValueError, match="delta_in_dq must be true or false"):
+        ts.TritonShortConfig(delta_in_dq=1)
+
+
 # -- fused table builds (two Triton launches instead of ~65 PyTorch ops per call) ---------------------------
 
 

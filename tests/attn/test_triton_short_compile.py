@@ -39,6 +39,10 @@ SCRIPT = textwrap.dedent(
         consts = dict(GROUP=4 if pack else 2, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_LEFT=left,
                       HAS_RIGHT=right, PRECISION="tf32", UPCAST=False, MASK_FREE=mask_free, PACK_GQA=pack)
         for fn in (kern.attn_fwd, kern.attn_bwd_dkdv, kern.attn_bwd_dq):
+            if "DELTA_IN_DQ" in fn.arg_names:  # delta computed in the dQ kernel, except in the masked-only case
+                consts = dict(consts, DELTA_IN_DQ=mask_free or pack)
+            else:
+                consts.pop("DELTA_IN_DQ", None)
             sig = {}
             for name in fn.arg_names:
                 if name in consts:
@@ -75,7 +79,8 @@ SCRIPT = textwrap.dedent(
 
 
 def test_kernels_compile_for_sm90_with_and_without_mask_free_and_pack_gqa(tmp_path):
-    """The attention kernels (mask-free split on / off, PackGQA on / off) and the two table kernels."""
+    """The attention kernels (mask-free split on / off, PackGQA on / off, delta in the dQ kernel on / off) and the
+    two table kernels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

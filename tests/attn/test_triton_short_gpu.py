@@ -136,3 +136,16 @@ def test_pack_gqa_matches_reference(h, hkv, cfg, causal, window):
     plain = _check(lens, h, hkv, 128, dataclasses.replace(config, pack_gqa=False), causal, window, "unpacked")
     for i, what in enumerate(("out", "dq", "dk", "dv")):
         torch.testing.assert_close(got[i].float(), plain[i].float(), rtol=2e-2, atol=2e-2, msg=what)
+
+
+@pytest.mark.parametrize("h,hkv", [(16, 4), (16, 8)], ids=["g4-packed", "g2-unpacked"])
+def test_delta_in_dq_matches_reference_and_the_separate_pass(h, hkv):
+    """delta = rowsum(dO * O) computed in the compiled dQ kernel (the default) vs its own preprocessing pass:
+    both by the fp32-truth rule, and equal to each other up to fp32 rounding of the row sums."""
+    from varpack.attn import triton_short as ts
+
+    lens = [1000, 37, 1, 300, 128, 5, 2000, 64, 65, 2, 700, 17, 90]
+    fused = _check(lens, h, hkv, 128, ts.TritonShortConfig(), name=f"delta_in_dq {h}/{hkv}")
+    separate = _check(lens, h, hkv, 128, ts.TritonShortConfig(delta_in_dq=False), name="delta pass")
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        torch.testing.assert_close(fused[i].float(), separate[i].float(), rtol=1e-2, atol=1e-2, msg=what)

@@ -28,7 +28,8 @@ Forward: FlashAttention-2's online softmax (exp2 with the scale folded into log2
 log-sum-exp ``lse`` (natural log, ``[H, Tq]`` fp32; ``+inf`` for a query that sees no key, whose output is 0,
 flash-attn's convention). Backward: FlashAttention-2's: ``delta = rowsum(dO * O)``, then one kernel per key
 tile and KV head for dK / dV (looping over the query heads of its GQA group: no atomics) and one per query
-tile and head for dQ.
+tile and head for dQ. By default the dQ kernel runs first and computes ``delta`` for its own rows on the way
+(``DELTA_IN_DQ``), saving the separate preprocessing pass; the dK / dV kernel reads it.
 
 Whether these kernels run interpreted (``TRITON_INTERPRET=1``, NumPy on the CPU) is fixed by ``triton.jit``
 when this module is imported, and must agree with Triton's own import (its library functions are
@@ -410,18 +411,23 @@ def _dq_tiles(
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI,
+    Q, K, V, DO, LSE, DELTA, DQ, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI, OUT,
     qk_scale, sm_scale, total_q, left, right,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_lh,
+    stride_dqt, stride_dqh, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr,
+    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, DELTA_IN_DQ: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile and head: loop over the key tiles its documents can see; with ``MASK_FREE`` the
     key tiles ``[FULL_LO, FULL_HI)`` that every query of the tile sees whole skip the mask; with ``PACK_GQA``
-    the tile's rows are the GQA group's heads of ``BLOCK_M // GROUP`` tokens (:func:`_query_rows`)."""
+    the tile's rows are the GQA group's heads of ``BLOCK_M // GROUP`` tokens (:func:`_query_rows`).
+
+    ``DELTA_IN_DQ``: the tile's ``delta = rowsum(dO * O)`` is computed here from ``OUT`` (the grid covers every
+    (token, query head) row once) and stored to ``DELTA`` for the dK / dV kernel launched after this one, in
+    place of :func:`attn_bwd_preprocess`'s separate pass over O and dO (dO is loaded here anyway); otherwise it
+    is read from ``DELTA``."""
     pid_m = tl.program_id(0)
     offs_m, heads, hk = _query_rows(pid_m, tl.program_id(1), GROUP, BLOCK_M, PACK_GQA)
     offs_d = tl.arange(0, BLOCK_D)
@@ -438,7 +444,14 @@ def attn_bwd_dq(
     lim = tl.load(LIM + offs_m, mask=m_ok, other=0)
     # padded rows: lse +inf, so their p is 0 in the mask-free loop too (their dq is not stored anyway)
     lse = tl.load(LSE + heads * stride_lh + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(DELTA + heads * stride_lh + offs_m, mask=m_ok, other=0.0)
+    if DELTA_IN_DQ:
+        o = tl.load(
+            OUT + (offs_m * stride_ot + heads * stride_oh)[:, None] + offs_d[None, :], mask=q_mask, other=0.0
+        )
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + heads * stride_lh + offs_m, delta, mask=m_ok)
+    else:
+        delta = tl.load(DELTA + heads * stride_lh + offs_m, mask=m_ok, other=0.0)
     lo = tl.load(TILE_LO + pid_m)
     hi = tl.load(TILE_HI + pid_m)
     if MASK_FREE:

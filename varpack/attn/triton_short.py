@@ -95,7 +95,8 @@ KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 #: is ``[BLOCK_M, BLOCK_N, num_warps, num_stages]`` or ``{"BLOCK_M": .., "BLOCK_N": .., "num_warps": ..,
 #: "num_stages": ..}``; kinds left out keep :data:`BLOCKS`. ``"mask_free": true / false`` sets
 #: :attr:`TritonShortConfig.mask_free` (default true); ``"pack_gqa": true / false / null`` sets
-#: :attr:`TritonShortConfig.pack_gqa` (default null: by group size). Empty or unset: no override.
+#: :attr:`TritonShortConfig.pack_gqa` (default null: by group size); ``"delta_in_dq": true / false`` sets
+#: :attr:`TritonShortConfig.delta_in_dq` (default true). Empty or unset: no override.
 CONFIG_ENV = "VARPACK_TRITON_SHORT_CONFIG"
 
 _FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -150,8 +151,11 @@ class TritonShortConfig:
     masked work on short documents); ``BLOCK_M`` counts rows either way. True / False force it; None (default)
     packs when ``G >= PACK_GQA_MIN_GROUP``, the groups where it measured faster. It runs only where ``G > 1``
     divides ``BLOCK_M`` (otherwise unpacked; forced True there: ValueError). The same sums in another order: results equal up to rounding.
-    Checked on construction (:func:`_checked_blocks`; ``mask_free`` a bool, ``pack_gqa`` a bool or None:
-    ValueError).
+    ``delta_in_dq`` (backward): the dQ kernel runs first and computes ``delta = rowsum(dO * O)`` of its own rows
+    on the way, stored for the dK / dV kernel (default True), instead of a separate preprocessing pass over O and
+    dO (False; kept to measure the gain on the GPU). The same products and fp32 row sums: results equal up to
+    rounding. Checked on construction (:func:`_checked_blocks`; ``mask_free`` and ``delta_in_dq`` bools,
+    ``pack_gqa`` a bool or None: ValueError).
     """
 
     fwd: tuple[int, int, int, int] | None = None
@@ -159,14 +163,16 @@ class TritonShortConfig:
     bwd_dq: tuple[int, int, int, int] | None = None
     mask_free: bool = True
     pack_gqa: bool | None = None
+    delta_in_dq: bool = True
 
     def __post_init__(self) -> None:
         for kind in KERNEL_KINDS:
             value = getattr(self, kind)
             if value is not None:
                 object.__setattr__(self, kind, _checked_blocks(kind, value))
-        if not isinstance(self.mask_free, bool):
-            raise ValueError(f"triton_short config: mask_free must be true or false, got {self.mask_free!r}")
+        for flag in ("mask_free", "delta_in_dq"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"triton_short config: {flag} must be true or false, got {getattr(self, flag)!r}")
         if self.pack_gqa is not None and not isinstance(self.pack_gqa, bool):
             raise ValueError(
                 f"triton_short config: pack_gqa must be true, false or null (by group), got {self.pack_gqa!r}"
@@ -189,14 +195,14 @@ class TritonShortConfig:
             raise ValueError(f"triton_short config: need a JSON object of kernels, got {text!r}")
         kwargs: dict[str, Any] = {}
         for kind, value in obj.items():
-            if kind in ("mask_free", "pack_gqa"):
+            if kind in ("mask_free", "pack_gqa", "delta_in_dq"):
                 kwargs[kind] = value  # checked by __post_init__ (a JSON bool)
             elif kind in KERNEL_KINDS:
                 kwargs[kind] = _checked_blocks(kind, value)
             else:
                 raise ValueError(
                     f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS} (or mask_free, "
-                    "pack_gqa)"
+                    "pack_gqa, delta_in_dq)"
                 )
         return cls(**kwargs)
 
@@ -205,6 +211,7 @@ class TritonShortConfig:
         obj: dict[str, Any] = {k: list(v) for k in KERNEL_KINDS if (v := getattr(self, k)) is not None}
         obj["mask_free"] = self.mask_free
         obj["pack_gqa"] = self.pack_gqa
+        obj["delta_in_dq"] = self.delta_in_dq
         return json.dumps(obj)
 
     def blocks(self, kind: str, head_dim: int) -> tuple[int, int, int, int]:
@@ -648,8 +655,10 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
     return dk, dv
 
 
-def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, config=None):
-    """``dq`` ``[Tq, H, D]`` (one program per query tile and head)."""
+def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, config=None, out=None):
+    """``dq`` ``[Tq, H, D]`` (one program per query tile and head). With ``out`` (the forward's output) the kernel
+    computes ``delta`` of its rows and writes it into ``delta`` (``[H, Tq]`` fp32, may be uninitialised) for the
+    dK / dV kernel (:attr:`TritonShortConfig.delta_in_dq`); without it, ``delta`` is read."""
     kern = _kernels()
     total_q, h, d = q.shape
     hkv = k.shape[1]
@@ -659,21 +668,29 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
     block_m, block_n, warps, stages = config.blocks("bwd_dq", d)
     pack, tile_m = _packing(config, h // hkv, block_m)
     lo, hi, full_lo, full_hi = tables.launch_tables("q", tile_m, block_n, config.mask_free)
+    o = dout if out is None else out  # not read without DELTA_IN_DQ
     kern.attn_bwd_dq[(triton_cdiv(total_q, tile_m), hkv if pack else h)](
-        q, k, v, dout, lse, delta, dq, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
+        q, k, v, dout, lse, delta, dq, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi, o,
         scale * _LOG2E, scale, total_q, left, right,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), o.stride(0), o.stride(1),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, PACK_GQA=pack, **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, PACK_GQA=pack, DELTA_IN_DQ=out is not None,
+        **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
     return dq
 
 
 def _backward(dout, q, k, v, out, lse, tables, causal, window_size, scale, config=None):
-    """``(dq, dk, dv)``: delta, then the dK/dV and the dQ kernels (:func:`active_config`'s launch configs)."""
+    """``(dq, dk, dv)`` (:func:`active_config`'s launch configs): the dQ kernel computing ``delta`` on the way,
+    then the dK/dV kernel (:attr:`TritonShortConfig.delta_in_dq`); or delta's own pass, dK/dV, then dQ."""
     config = active_config(config)
+    if config.delta_in_dq:
+        delta = torch.empty_like(lse)
+        dq = _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, config, out=out)
+        dk, dv = _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale, config)
+        return dq, dk, dv
     delta = _backward_delta(dout, out, lse)
     dk, dv = _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale, config)
     dq = _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, config)
@@ -693,10 +710,13 @@ class _TritonShortFunction(torch.autograd.Function):
         ctx.tables, ctx.causal, ctx.window_size, ctx.scale = tables, causal, window_size, scale
         ctx.config = config
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (never read) at every backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # the output took no part in the loss
+            return None, None, None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
         dq, dk, dv = _backward(
