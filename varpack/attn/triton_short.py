@@ -21,14 +21,14 @@ would need the tanh derivative; not written). fp16 / bf16 / fp32 (fp32 matmuls i
 dims up to 256 (padded to a power of two >= 16 inside the kernel).
 
 Forward and backward are Triton kernels (:mod:`varpack.attn._triton_short_kernels`: FlashAttention-2's online
-softmax forward storing ``lse`` ``[H, Tq]`` fp32; backward with ``delta = rowsum(dO * O)``, one dK/dV kernel
-per key tile and KV head that loops over its GQA group, and one dQ kernel), wrapped in a
-``torch.autograd.Function`` (:func:`triton_short_attention`).
+softmax forward storing ``lse`` ``[H, Tq]`` fp32; backward with ``delta = rowsum(dO * O)``, computed by the dQ
+kernel on the way (:attr:`TritonShortConfig.delta_in_dq`), then one dK/dV kernel per key tile and KV head that
+loops over its GQA group), wrapped in a ``torch.autograd.Function`` (:func:`triton_short_attention`).
 
 Devices: CUDA; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1`` set before ``import triton``:
-Triton decides then, for the whole process), which is how the tests run it (small shapes: NumPy speed). ``auto`` does not
-use it yet: it will for the short-document shape classes (:data:`varpack.attn.registry.AUTO_PRIORITY_SHORT`)
-once benchmarks/attention.py has measured it on the H200 beside FA4 / torch_varlen / flex.
+Triton decides then, for the whole process), which is how the tests run it (small shapes: NumPy speed). ``auto`` puts it first for the shape classes of
+:data:`varpack.attn.registry.AUTO_TRITON_SHORT`, the rows where benchmarks/attention.py and benchmarks/train.py
+measured it fastest on the H200 beside FA4 / torch_varlen / flex (benchmarks/RESULTS.md).
 
 Sources: FlashAttention-2 (Dao, 2023, arXiv:2307.08691); Triton's fused-attention tutorial
 (triton-lang/triton, python/tutorials/06-fused-attention.py); the document-mask idea of FlexAttention's
@@ -806,7 +806,8 @@ def op_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, window_size, scale)
 
 
 class TritonShortBackend(Backend):
-    """The ``triton_short`` backend (module docstring). Not in ``auto`` until measured on the H200."""
+    """The ``triton_short`` backend (module docstring); ``auto`` takes it where a row of
+    :data:`varpack.attn.registry.AUTO_TRITON_SHORT` matches."""
 
     name = "triton_short"
     capabilities = Capabilities(
