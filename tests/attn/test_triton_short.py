@@ -245,6 +245,19 @@ def test_pack_gqa_default_packs_from_the_measured_group_size():
     assert ts._packing(ts.TritonShortConfig(pack_gqa=True), 2, 64) == (True, 32)
     assert ts._packing(ts.TritonShortConfig(pack_gqa=False), 4, 64) == (False, 64)
     assert ts._packing(default, 32, 16) == (False, 16)  # a group larger than the tile: unpacked
+    # short documents (mean <= PACK_GQA_SHORT_MEAN tokens): packed from G = 2 on; forced settings win
+    short, long = ts.PACK_GQA_SHORT_MEAN, ts.PACK_GQA_SHORT_MEAN + 1
+    assert ts._packing(default, 2, 64, short) == (True, 32) and ts._packing(default, 2, 64, long) == (False, 64)
+    assert ts._packing(default, 1, 64, 10.0) == (False, 64)
+    assert ts._packing(ts.TritonShortConfig(pack_gqa=False), 2, 64, 10.0) == (False, 64)
+
+
+def test_tables_carry_the_mean_document_length():
+    """``TritonShortTables.mean_q`` = Tq / N from shapes (zero-length documents count), on both build paths."""
+    cu = torch.tensor([0, 6, 6, 25, 25, 40], dtype=torch.int32)
+    for fused in (True, False):
+        t = ts.TritonShortTables.build(cu, cu, 40, 40, causal=True, window_size=(-1, -1), fused=fused)
+        assert t.mean_q == 8.0, fused
 
 
 def test_pack_gqa_negative_control_wrong_head_mapping_fails(monkeypatch):
@@ -254,7 +267,7 @@ def test_pack_gqa_negative_control_wrong_head_mapping_fails(monkeypatch):
     q, k, v, dout, cu, _ = _inputs(lens, None, 4, 1, 16, torch.float32)
     want = _run(q, k, v, dout, cu, cu, True, (-1, -1), config=ts.TritonShortConfig(pack_gqa=False))
     real = ts._packing
-    monkeypatch.setattr(ts, "_packing", lambda config, group, block_m: real(config, 2, block_m))
+    monkeypatch.setattr(ts, "_packing", lambda config, group, block_m, mean=None: real(config, 2, block_m, mean))
     got = _run(q, k, v, dout, cu, cu, True, (-1, -1), config=ts.TritonShortConfig(pack_gqa=True))
     assert not torch.allclose(got[0], want[0], rtol=1e-3, atol=1e-3)  # (NaN from unwritten rows also fails)
 
@@ -642,7 +655,9 @@ def test_config_override_is_used_and_exact(monkeypatch, how):
     results, and the launches really use them (the per-tile tables are built for those tile sizes)."""
     lens = [5, 13, 18, 3, 9, 1, 30]
     q, k, v, dout, cu, _ = _inputs(lens, None, 4, 2, 16, torch.float32)
-    cfg = ts.TritonShortConfig(fwd=(32, 16, 4, 1), bwd_dkdv=(16, 32, 4, 1), bwd_dq=(32, 16, 4, 1))
+    cfg = ts.TritonShortConfig(  # unpacked: a query tile is BLOCK_M tokens (short documents pack from G = 2)
+        fwd=(32, 16, 4, 1), bwd_dkdv=(16, 32, 4, 1), bwd_dq=(32, 16, 4, 1), pack_gqa=False
+    )
     if how == "env":
         monkeypatch.setenv(ts.CONFIG_ENV, cfg.to_json())
     tables = ts.TritonShortTables.build(cu, cu, sum(lens), sum(lens), causal=True, window_size=(-1, 0))

@@ -59,6 +59,7 @@ __all__ = [
     "BLOCKS",
     "CONFIG_ENV",
     "PACK_GQA_MIN_GROUP",
+    "PACK_GQA_SHORT_MEAN",
     "TritonShortBackend",
     "TritonShortConfig",
     "TritonShortTables",
@@ -88,6 +89,13 @@ BLOCKS: dict[str, dict[int, tuple[int, int, int, int]]] = {
 #: but 2.85 vs 2.78 ms real (slower): so not below 4. G = 8: tested for exactness, not timed. Larger BLOCK_M
 #: with packing was slower at G = 4 (1.88-2.34 ms short).
 PACK_GQA_MIN_GROUP = 4
+#: ... and at a smaller group (2, 3) when the call's documents are short: mean query-document length
+#: (:attr:`TritonShortTables.mean_q`, tokens) at most this, the short-document class of
+#: :data:`varpack.attn.registry.AUTO_PRIORITY_SHORT`. Measured on the H200 at G = 2 (16/8): packed 1.81 vs 1.86 ms
+#: on the short mix (mean 74), 2.85 vs 2.78 ms (slower) on the real-lengths mix (mean 207), eighth session; ninth
+#: session, with this rule, short mix at 16/8 in one run: 1.41 vs 1.49 ms queued, 2.10x torch_varlen
+#: (benchmarks/RESULTS.md). Means between 74 and 128 are not measured separately.
+PACK_GQA_SHORT_MEAN = 128.0
 #: the three kernels whose launch configuration is chosen (keys of :data:`BLOCKS`)
 KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 #: environment variable read at every call (parsed once per distinct value): a JSON object overriding
@@ -149,7 +157,8 @@ class TritonShortConfig:
     tile's rows are the ``G = H / Hkv`` query heads of ``BLOCK_M / G`` tokens, so every K / V tile is loaded once
     per group instead of once per query head and a tile spans ``G`` times fewer tokens (fewer documents, less
     masked work on short documents); ``BLOCK_M`` counts rows either way. True / False force it; None (default)
-    packs when ``G >= PACK_GQA_MIN_GROUP``, the groups where it measured faster. It runs only where ``G > 1``
+    packs when ``G >= PACK_GQA_MIN_GROUP``, or at a smaller group when the call's mean document length
+    (:attr:`TritonShortTables.mean_q`) is at most :data:`PACK_GQA_SHORT_MEAN`: where it measured faster. It runs only where ``G > 1``
     divides ``BLOCK_M`` (otherwise unpacked; forced True there: ValueError). The same sums in another order: results equal up to rounding.
     ``delta_in_dq`` (backward): the dQ kernel runs first and computes ``delta = rowsum(dO * O)`` of its own rows
     on the way, stored for the dK / dV kernel (default True), instead of a separate preprocessing pass over O and
@@ -314,6 +323,9 @@ class TritonShortTables:
     _tiles: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _full_tiles: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     fused: bool = field(default=False, repr=False)
+    #: mean query-document length ``Tq / N`` (a Python float from shapes: no host read; None if unknown), for
+    #: :attr:`TritonShortConfig.pack_gqa`'s default at a group of 2 or 3 (:data:`PACK_GQA_SHORT_MEAN`)
+    mean_q: float | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -340,8 +352,11 @@ class TritonShortTables:
         device = cu_seqlens_q.device
         if fused is None:
             fused = _platform_reason(device.type) is None
+        mean_q = total_q / max(int(cu_seqlens_q.numel()) - 1, 1)
         if fused:
-            return cls._build_fused(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, doc_q)
+            out = cls._build_fused(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, doc_q)
+            out.mean_q = mean_q
+            return out
         cu_q = cu_seqlens_q.to(torch.int64)
         cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(torch.int64)
         pos_q = torch.arange(total_q, device=device, dtype=torch.int64)
@@ -378,6 +393,7 @@ class TritonShortTables:
             key_hi=key_hi,
             query_lo=query_lo,
             query_hi=query_hi,
+            mean_q=mean_q,
         )
 
     @classmethod
@@ -574,9 +590,12 @@ def _launch_opts(num_warps: int, num_stages: int, device: torch.device) -> dict[
     return {} if device.type == "cpu" else {"num_warps": num_warps, "num_stages": num_stages}
 
 
-def _packing(config: TritonShortConfig, group: int, block_m: int) -> tuple[bool, int]:
+def _packing(
+    config: TritonShortConfig, group: int, block_m: int, mean: float | None = None
+) -> tuple[bool, int]:
     """``(pack_gqa, query tile in tokens)`` of a kernel whose query tile has ``block_m`` rows: packed when the
-    config asks for it (``None``: when ``group >= PACK_GQA_MIN_GROUP``) and the group ``G > 1`` divides
+    config asks for it (``None``: when ``group >= PACK_GQA_MIN_GROUP``, or when the mean query-document length
+    ``mean`` (tokens, a Python number) is at most :data:`PACK_GQA_SHORT_MEAN`) and the group ``G > 1`` divides
     ``block_m`` (then ``block_m / G`` tokens per tile).
 
     Raises:
@@ -589,7 +608,10 @@ def _packing(config: TritonShortConfig, group: int, block_m: int) -> tuple[bool,
             f"tile's BLOCK_M = {block_m} rows; use pack_gqa null (packed by group size where it can) or a BLOCK_M "
             f"that G divides"
         )
-    wanted = group >= PACK_GQA_MIN_GROUP if config.pack_gqa is None else config.pack_gqa
+    if config.pack_gqa is None:
+        wanted = group >= PACK_GQA_MIN_GROUP or (mean is not None and mean <= PACK_GQA_SHORT_MEAN)
+    else:
+        wanted = config.pack_gqa
     pack = wanted and group > 1 and block_m % group == 0
     return pack, block_m // group if pack else block_m
 
@@ -603,7 +625,7 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
     lse = torch.empty((h, total_q), device=q.device, dtype=torch.float32)
     config = active_config(config)
     block_m, block_n, warps, stages = config.blocks("fwd", d)
-    pack, tile_m = _packing(config, group, block_m)
+    pack, tile_m = _packing(config, group, block_m, tables.mean_q)
     lo, hi, full_lo, full_hi = tables.launch_tables("q", tile_m, block_n, config.mask_free)
     left, right, has_left, has_right = _mask_args(causal, window_size)
     grid = (triton_cdiv(total_q, tile_m), k.shape[1] if pack else h)
@@ -641,7 +663,7 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     config = active_config(config)
     block_m, block_n, warps, stages = config.blocks("bwd_dkdv", d)
-    pack, tile_m = _packing(config, h // hkv, block_m)
+    pack, tile_m = _packing(config, h // hkv, block_m, tables.mean_q)
     lo, hi, full_lo, full_hi = tables.launch_tables("k", block_n, tile_m, config.mask_free)
     kern.attn_bwd_dkdv[(triton_cdiv(total_k, block_n), hkv)](
         q, k, v, dout, lse, delta, dk, dv, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
@@ -666,7 +688,7 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
     dq = torch.empty_like(q)
     config = active_config(config)
     block_m, block_n, warps, stages = config.blocks("bwd_dq", d)
-    pack, tile_m = _packing(config, h // hkv, block_m)
+    pack, tile_m = _packing(config, h // hkv, block_m, tables.mean_q)
     lo, hi, full_lo, full_hi = tables.launch_tables("q", tile_m, block_n, config.mask_free)
     o = dout if out is None else out  # not read without DELTA_IN_DQ
     kern.attn_bwd_dq[(triton_cdiv(total_q, tile_m), hkv if pack else h)](
