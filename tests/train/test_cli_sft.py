@@ -361,7 +361,20 @@ def one_step_cpu_run(tmp_path, model, **config_kw):
 def test_model_line_names_the_training_precision(tmp_path, bf16, dtype, lora, shown):
     """No line of `varpack sft` said the training precision (a fresh user's review): the ``model`` line does,
     from the Trainer's autocast and the trained parameters' dtype (frozen ones of another dtype named after)."""
+    line = _model_line_precision(tmp_path, bf16, dtype, lora, shown)
+    assert "float16 on the CPU" not in line
 
+
+def test_model_line_says_float16_on_the_cpu_is_slow(tmp_path):
+    """A CPU run in float16 weights (a fresh user's slow first run, with no word why) says so on the model line."""
+    from varpack.train.sft import CPU_FLOAT16_NOTE
+
+    line = _model_line_precision(tmp_path, False, "float16", False, "precision float16 weights (")
+    assert CPU_FLOAT16_NOTE in line
+
+
+def _model_line_precision(tmp_path, bf16, dtype, lora, shown):
+    """The ``model`` line of a 1-step CPU run of tiny-qwen3 in ``dtype`` (``shown`` in it, precision said once)."""
     if lora:
         pytest.importorskip("peft")
 
@@ -369,3 +382,4 @@ def test_model_line_names_the_training_precision(tmp_path, bf16, dtype, lora, sh
     _, _, lines = one_step_cpu_run(tmp_path, model, bf16=bf16, dtype=dtype, lora=lora)
     (line,) = [line for line in lines if line.startswith("model     ")]
     assert shown in line and line.count("precision") == 1, line
+    return line

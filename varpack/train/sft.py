@@ -876,11 +876,18 @@ def _describe_static(run: SFTRun) -> str:
     return f"{run.static_shape.describe()} (pad {100 * run.static_pad:.1f}%)"
 
 
+#: said on the ``model`` line of a CPU run in float16 (weights or autocast): PyTorch's CPU float16 matmuls have no
+#: fast path on most x86 CPUs -- a 1024 x 1024 matmul took 2.83 s in float16, 40 ms in bfloat16 and 10.7 ms in
+#: float32 on the 2-core x86 machine CI runs on (torch 2.13.0 CPU build, 2026-12-01)
+CPU_FLOAT16_NOTE = "float16 on the CPU: slow matmuls, ~265x float32's time measured on x86; train in float32 here"
+
+
 def _describe_precision(run: SFTRun) -> str:
     """The training precision on the ``model`` line: the Trainer's autocast (``TrainingArguments.bf16`` /
     ``fp16``: ``--bf16`` or ``--extra-training-args``) over the dtype of the trained parameters, e.g. ``float32
     weights``, ``bf16 autocast over float32 master weights``, ``bfloat16 weights``; frozen parameters of
-    another dtype (a LoRA run's base) are named after it (``float32 weights (frozen: bfloat16)``)."""
+    another dtype (a LoRA run's base) are named after it (``float32 weights (frozen: bfloat16)``). A CPU run in
+    float16 says it will be slow (:data:`CPU_FLOAT16_NOTE`)."""
     args = run.trainer.args
     amp = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     trained: dict[str, None] = {}
@@ -895,7 +902,10 @@ def _describe_precision(run: SFTRun) -> str:
     else:
         text = f"{amp} autocast over {names} weights"
     other = [d for d in frozen if d not in trained]
-    return text + (f" (frozen: {' / '.join(other)})" if other else "")
+    text += f" (frozen: {' / '.join(other)})" if other else ""
+    if args.device.type == "cpu" and (amp == "fp16" or "float16" in trained or "float16" in frozen):
+        text += f" ({CPU_FLOAT16_NOTE})"
+    return text
 
 
 def _describe_lr(run: SFTRun) -> str:
