@@ -70,12 +70,12 @@ Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 #: forward candidates (query tile BLOCK_M, key tile BLOCK_N); all fit Hopper's 227 KiB of shared memory at
 #: D <= 128 in bf16 by the usual estimate ((BLOCK_M + 2 * stages * BLOCK_N) * D * 2 bytes), the largest near it.
 FWD_GRID: tuple[Config, ...] = (
-    (64, 64, 4, 2),  # BLOCKS default
+    (64, 64, 4, 2),  # BLOCKS at D = 64
     (64, 64, 4, 3),
     (32, 32, 4, 2),
     (32, 32, 2, 2),  # short documents: 32x32 tiles waste least (useful/computed 0.49 vs 0.31 at 64x64)
     (32, 64, 4, 2),
-    (64, 32, 4, 2),
+    (64, 32, 4, 2),  # BLOCKS at D = 128
     (64, 128, 4, 2),
     (128, 32, 4, 2),
     (128, 64, 4, 2),
@@ -89,7 +89,7 @@ FWD_GRID: tuple[Config, ...] = (
 )
 #: dK/dV candidates (key tile BLOCK_N owned by a program, query tile BLOCK_M looped over).
 DKDV_GRID: tuple[Config, ...] = (
-    (32, 64, 4, 1),  # BLOCKS default
+    (32, 64, 4, 1),  # BLOCKS at D = 64 / 128
     (32, 64, 4, 2),
     (16, 64, 4, 2),
     (16, 32, 2, 2),
@@ -106,8 +106,8 @@ DKDV_GRID: tuple[Config, ...] = (
 )
 #: dQ candidates (query tile BLOCK_M owned by a program, key tile BLOCK_N looped over).
 DQ_GRID: tuple[Config, ...] = (
-    (64, 32, 4, 1),  # BLOCKS default
-    (64, 32, 4, 2),
+    (64, 32, 4, 1),  # BLOCKS at D = 64
+    (64, 32, 4, 2),  # BLOCKS at D = 128
     (32, 32, 4, 2),
     (32, 32, 2, 2),
     (64, 64, 4, 2),
@@ -312,6 +312,12 @@ def mask_free_gains(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return gains
 
 
+def _default_config(st: MixState, kind: str, small: bool) -> Config:
+    """The config a run without an override launches for ``kind`` at this head dim: ``BLOCKS``' (the first of
+    the small grid under ``--small``, whose tiles ``BLOCKS`` does not use)."""
+    return grids(small)[kind][0] if small else st.ts.TritonShortConfig().blocks(kind, st.d)
+
+
 def finish(st: MixState, small: bool, mf_values: tuple[bool, ...]) -> dict[str, Any]:
     """The mix's record: its rows, the mask-free gains, the best config of each kernel (at the ``mask_free``
     setting with the smaller summed best time), the estimated fwd+bwd TFLOP/s."""
@@ -324,7 +330,7 @@ def finish(st: MixState, small: bool, mf_values: tuple[bool, ...]) -> dict[str, 
                 for r in st.rows
                 if r["kernel"] == kind
                 and r["mask_free"] == mask_free
-                and tuple(r["config"]) == grids(small)[kind][0]
+                and tuple(r["config"]) == _default_config(st, kind, small)
                 and "ms" in r
             ),
             None,

@@ -93,8 +93,9 @@ PACK_GQA_MIN_GROUP = 4
 #: (:attr:`TritonShortTables.mean_q`, tokens) at most this, the short-document class of
 #: :data:`varpack.attn.registry.AUTO_PRIORITY_SHORT`. Measured on the H200 at G = 2 (16/8): packed 1.81 vs 1.86 ms
 #: on the short mix (mean 74), 2.85 vs 2.78 ms (slower) on the real-lengths mix (mean 207), eighth session; ninth
-#: session, with this rule, short mix at 16/8 in one run: 1.41 vs 1.49 ms queued, 2.10x torch_varlen
-#: (benchmarks/RESULTS.md). Means between 74 and 128 are not measured separately.
+#: session, short mix at 16/8, queued: 1.41 ms packed by this rule (2.10x torch_varlen in that run) vs 1.49 ms
+#: unpacked in an earlier run (1.98x its torch_varlen) (benchmarks/RESULTS.md). Means between 74 and 128 are not
+#: measured separately.
 PACK_GQA_SHORT_MEAN = 128.0
 #: the three kernels whose launch configuration is chosen (keys of :data:`BLOCKS`)
 KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
