@@ -23,6 +23,7 @@
 #   bash scripts/gpu_session.sh s8d      # issue 17: bake-off with s8c's pick + the SFT step on short samples
 #   bash scripts/gpu_session.sh s9a      # issue 17: per-kernel sweep with PackGQA (16/4, short + real), pick -> /tmp/varpack_pack_cfg for s8d
 #   bash scripts/gpu_session.sh s9b      # issue 17: GPU tests (delta_in_dq, PackGQA), bake-off with queued + synced timings (S9_HEADS, ATTN_MIXES)
+#   python3 benchmarks/attention_profile.py --lengths-file .gpu/samples.npz --mix short --heads 16/4   # per-kernel / host / queued vs synced
 #   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)

@@ -1,0 +1,171 @@
+"""Where one varlen attention call's time goes (issue 17): device kernels, host path, queued vs synced.
+
+For each backend on one length mix (benchmarks/attention.py's mixes and inputs: T packed tokens, H/Hkv heads,
+head dim D, causal, one ``VarlenMeta`` per batch as in training), after warm-up:
+
+* ``kernels``: ``torch.profiler`` over ``--iters`` forward + backward calls; per kernel, the mean device time per
+  call (self time; on the CPU: the ``aten`` / Triton ops' self CPU time), and their sum;
+* ``host ms``: host wall time per forward + backward call while the calls are issued without waiting (the device
+  catches up after the loop): varpack's dispatch, the backend's Python wrapper and its launches;
+* ``queued ms`` / ``synced ms``: ``benchmarks._common.time_fn`` with ``queued=True`` / ``False``
+  (benchmarks/attention.py's two timings). ``synced - queued`` is the host path the device idles behind when each
+  call is waited for.
+
+The ninth session's figures (benchmarks/RESULTS.md, "Where the time went") came from a one-off script that did the
+same; this is it, kept.
+
+Run (GPU)::
+
+    python benchmarks/attention_profile.py --lengths-file .gpu/samples.npz --mix short --heads 16/4 \\
+        --backends triton_short,flash_attn_4 --out runs/profile.json
+    python benchmarks/attention_profile.py --device cpu --small   # smoke test (triton_short interpreted)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1 :][:1] == ["cpu"]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # triton_short on the CPU: decided when triton is imported
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import machine_info, markdown_table, sync, time_fn, write_json  # noqa: E402
+from benchmarks.attention import (  # noqa: E402
+    DEFAULT_MU,
+    DEFAULT_SIGMA,
+    _inputs,
+    mix_lengths,
+    parse_heads,
+    read_lengths_file,
+    varlen_runner,
+)
+
+
+def kernel_times(events, calls: int, device_type: str) -> list[tuple[str, float]]:
+    """``[(name, mean µs per call)]`` of the profiled events' self time on ``device_type`` ("cuda": device
+    kernels; "cpu": host ops), largest first; names with no time are left out."""
+    rows = []
+    for e in events:
+        us = e.self_device_time_total if device_type == "cuda" else e.self_cpu_time_total
+        if us > 0:
+            rows.append((e.key, us / calls))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def host_ms(fn, calls: int, device: torch.device) -> float:
+    """Host wall ms per ``fn()`` issued ``calls`` times without waiting (the device synchronised before and after,
+    outside the measured span)."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e3
+    sync(device)
+    return host
+
+
+def profile_backend(name: str, q, k, v, cu, max_len: int, args, device: torch.device) -> dict[str, Any]:
+    runner = varlen_runner(name, q, k, v, cu, max_len, batch_meta=True)
+    row: dict[str, Any] = {"backend": name}
+    try:
+        for _ in range(args.warmup):
+            runner.fwd_bwd()
+        timed = {"warmup": 1, "iters": args.iters}
+        row["queued_ms"] = time_fn(runner.fwd_bwd, device, queued=True, **timed)["ms"]
+        row["synced_ms"] = time_fn(runner.fwd_bwd, device, queued=False, **timed)["ms"]
+        row["host_ms"] = host_ms(runner.fwd_bwd, args.iters, device)
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(args.iters):
+                runner.fwd_bwd()
+            sync(device)
+        kernels = kernel_times(prof.key_averages(), args.iters, device.type)
+        row["kernels"] = [{"name": n, "us": us} for n, us in kernels[: args.top]]
+        row["kernel_sum_ms"] = sum(us for _, us in kernels) / 1e3
+    except Exception as exc:  # a backend that cannot run here: reported, never fatal
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="bfloat16 (cuda default) / float32 (cpu default)")
+    p.add_argument("--tokens", type=int, default=65536)
+    p.add_argument("--mix", default="short", help="short, lognormal, uniform512, uniform2048")
+    p.add_argument("--heads", default="16/4", help="one H/Hkv pair")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--backends", default="triton_short,flash_attn_4,torch_varlen")
+    p.add_argument("--lengths-file", default=None, help="real lengths for the lognormal mix")
+    p.add_argument("--max-len", type=int, default=8192)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--top", type=int, default=8, help="kernels listed per backend")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--small", action="store_true", help="smoke mode: T=256, H=4/2, D=32, 1 iteration")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available; use --device cpu --small for a smoke run")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if args.small:
+        args.tokens, args.head_dim, args.heads, args.max_len = 256, 32, "4/2", 128
+        args.warmup, args.iters = 1, 1
+    ((heads, kv_heads),) = parse_heads(args.heads)
+    real = read_lengths_file(args.lengths_file) if args.lengths_file else None
+    lengths = mix_lengths(
+        args.mix, args.tokens, real=real, mu=DEFAULT_MU, sigma=DEFAULT_SIGMA, max_len=args.max_len, seed=args.seed
+    )
+    total = sum(lengths)
+    q, k, v = _inputs(total, heads, kv_heads, args.head_dim, device, getattr(torch, args.dtype), args.seed)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
+    print(
+        f"# attention profile, {args.device} {args.dtype}, mix {args.mix}: T={total} N={len(lengths)} "
+        f"max {max(lengths)}, H={heads}/{kv_heads}, D={args.head_dim}, causal, batch meta, fwd+bwd per call"
+    )
+    rows = [
+        profile_backend(name, q, k, v, cu, max(lengths), args, device)
+        for name in args.backends.split(",")
+        if name
+    ]
+    nan = float("nan")
+    print(
+        markdown_table(
+            ["backend", "queued ms", "synced ms", "synced - queued", "host ms", "kernel sum ms", "note"],
+            [
+                [
+                    r["backend"],
+                    r.get("queued_ms", nan),
+                    r.get("synced_ms", nan),
+                    r.get("synced_ms", nan) - r.get("queued_ms", nan),
+                    r.get("host_ms", nan),
+                    r.get("kernel_sum_ms", nan),
+                    r.get("error", ""),
+                ]
+                for r in rows
+            ],
+        )
+    )
+    for r in rows:
+        if r.get("kernels"):
+            print(f"\n{r['backend']}: top kernels, mean µs per fwd+bwd call")
+            print(markdown_table(["kernel", "µs"], [[x["name"][:90], x["us"]] for x in r["kernels"]]))
+    write_json(args.out, {"machine": machine_info(device), "args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
