@@ -24,6 +24,7 @@
 #   bash scripts/gpu_session.sh s9a      # issue 17: per-kernel sweep with PackGQA (16/4, short + real), pick -> /tmp/varpack_pack_cfg for s8d
 #   bash scripts/gpu_session.sh s9b      # issue 17: GPU tests (delta_in_dq, PackGQA), bake-off with queued + synced timings (S9_HEADS, ATTN_MIXES)
 #   python3 benchmarks/attention_profile.py --lengths-file .gpu/samples.npz --mix short --heads 16/4   # per-kernel / host / queued vs synced
+#   bash scripts/gpu_session.sh s10a     # issue 17: re-sweep after delta_in_dq + attention_profile.py on short / real mixes
 #   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
 #   bash scripts/gpu_session.sh final    # fla_hybrid tests + bench + check + hybrid step (#16), DPO bench (#14), accelerate engine (#13)
@@ -436,6 +437,19 @@ for key in ("triton_short", "triton_short_synced"):
         print(f"  [{key}] vs best {v.get('vs_best_peer', 0):.2f} ({v.get('best_peer')}), vs FA4 {v.get('vs_flash_attn_4', 0):.2f}, "
               f"vs auto {v.get('vs_auto', 0):.2f}, goal met: {v.get('goal_met')}")
 PY
+    done
+    ;;
+  s10a)  # issue 17, next session's first measurement (after fa4a): the per-kernel sweep again now that the dQ kernel
+    # computes delta (dQ's stages: 1 measured 1.14x before it), then the profile of triton_short beside FA4 on both mixes
+    setup
+    timeout ${TUNE_TIMEOUT:-300} python3 benchmarks/attention_tune.py --lengths-file .gpu/samples.npz \
+      --mixes short,lognormal --heads 16/4 --head-dim 128 --mask-free on --time-budget ${TUNE_BUDGET:-200} \
+      --out "$OUT/s10a_tune.json" > "$OUT/s10a_tune.log" 2>&1; echo "[tune] rc=$?"
+    grep -E "^## overall|^- best |TFLOP/s;" "$OUT/s10a_tune.log" | cut -c1-300
+    for mix in short lognormal; do
+      timeout ${PROFILE_TIMEOUT:-120} python3 benchmarks/attention_profile.py --lengths-file .gpu/samples.npz --mix $mix \
+        --heads 16/4 --backends triton_short,flash_attn_4 --out "$OUT/s10a_profile_$mix.json" 2>&1 \
+        | grep -v USDT | tee "$OUT/s10a_profile_$mix.log" | head -8
     done
     ;;
   *) echo "unknown stage $stage"; exit 2;;
