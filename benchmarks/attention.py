@@ -536,6 +536,17 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def checked_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """``args.device`` as a device (a usage error when it is CUDA and none is there); fills ``args.dtype`` when
+    unset: bfloat16 on CUDA, float32 on the CPU."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available; use --device cpu --small for a smoke run")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -568,11 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("CUDA is not available; use --device cpu --small for a smoke run")
-    if args.dtype is None:
-        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    device = checked_device(p, args)
     if args.small:
         args.tokens, args.head_dim, args.heads = 512, 32, "4/2"
         args.max_len = min(args.max_len, 256)

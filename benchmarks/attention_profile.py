@@ -3,8 +3,10 @@
 For each backend on one length mix (benchmarks/attention.py's mixes and inputs: T packed tokens, H/Hkv heads,
 head dim D, causal, one ``VarlenMeta`` per batch as in training), after warm-up:
 
-* ``kernels``: ``torch.profiler`` over ``--iters`` forward + backward calls; per kernel, the mean device time per
-  call (self time; on the CPU: the ``aten`` / Triton ops' self CPU time), and their sum;
+* ``kernels``: ``torch.profiler`` over ``--iters`` forward + backward calls, attributed as benchmarks/profile_step.py
+  does (:func:`benchmarks._profile_attr.attribute`: device kernels only, the GPU-side spans of autograd and
+  ``record_function`` ranges left out; on the CPU the leaf ATen ops stand in); per kernel the mean device time
+  per call, and the sum of all kernels per call;
 * ``host ms``: host wall time per forward + backward call while the calls are issued without waiting (the device
   catches up after the loop): varpack's dispatch, the backend's Python wrapper and its launches;
 * ``queued ms`` / ``synced ms``: ``benchmarks._common.time_fn`` with ``queued=True`` / ``False``
@@ -38,27 +40,26 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _profile_attr as A  # noqa: E402
 from benchmarks._common import machine_info, markdown_table, sync, time_fn, write_json  # noqa: E402
 from benchmarks.attention import (  # noqa: E402
     DEFAULT_MU,
     DEFAULT_SIGMA,
+    MIXES,
     _inputs,
+    checked_device,
     mix_lengths,
     parse_heads,
     read_lengths_file,
     varlen_runner,
 )
+from benchmarks.profile_step import events_from_profiler  # noqa: E402
 
 
-def kernel_times(events, calls: int, device_type: str) -> list[tuple[str, float]]:
-    """``[(name, mean µs per call)]`` of the profiled events' self time on ``device_type`` ("cuda": device
-    kernels; "cpu": host ops), largest first; names with no time are left out."""
-    rows = []
-    for e in events:
-        us = e.self_device_time_total if device_type == "cuda" else e.self_cpu_time_total
-        if us > 0:
-            rows.append((e.key, us / calls))
-    return sorted(rows, key=lambda r: -r[1])
+def kernel_rows(att: A.Attribution, calls: int) -> list[dict[str, Any]]:
+    """Per kernel of :func:`benchmarks._profile_attr.attribute`'s ``top`` (largest first): name, category and
+    mean µs per call over ``calls`` profiled calls."""
+    return [{"name": name, "category": cat, "us": us / calls} for name, cat, us, _ in att.top]
 
 
 def host_ms(fn, calls: int, device: torch.device) -> float:
@@ -90,9 +91,12 @@ def profile_backend(name: str, q, k, v, cu, max_len: int, args, device: torch.de
             for _ in range(args.iters):
                 runner.fwd_bwd()
             sync(device)
-        kernels = kernel_times(prof.key_averages(), args.iters, device.type)
-        row["kernels"] = [{"name": n, "us": us} for n, us in kernels[: args.top]]
-        row["kernel_sum_ms"] = sum(us for _, us in kernels) / 1e3
+        # profile_step.py's attribution: GPU-side spans of autograd / record_function ranges are not kernels
+        # (torch.profiler reports them with the time of the kernels they enclose: counted once, not twice)
+        records = events_from_profiler(list(prof.events()), -1, device.type)
+        att = A.attribute(records, device="cuda" if device.type == "cuda" else "cpu", top=args.top)
+        row["kernels"] = kernel_rows(att, args.iters)
+        row["kernel_sum_ms"] = att.kernel_total_us / args.iters / 1e3
     except Exception as exc:  # a backend that cannot run here: reported, never fatal
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return row
@@ -116,15 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="smoke mode: T=256, H=4/2, D=32, 1 iteration")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("CUDA is not available; use --device cpu --small for a smoke run")
-    if args.dtype is None:
-        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    device = checked_device(p, args)
     if args.small:
         args.tokens, args.head_dim, args.heads, args.max_len = 256, 32, "4/2", 128
         args.warmup, args.iters = 1, 1
-    ((heads, kv_heads),) = parse_heads(args.heads)
+    try:
+        pairs = parse_heads(args.heads)
+    except ValueError as exc:
+        p.error(str(exc))
+    if len(pairs) != 1:
+        p.error(f"--heads takes one H/Hkv pair, got {args.heads!r}")
+    if args.mix not in MIXES:
+        p.error(f"--mix {args.mix!r}: choose one of {', '.join(MIXES)}")
+    ((heads, kv_heads),) = pairs
     real = read_lengths_file(args.lengths_file) if args.lengths_file else None
     lengths = mix_lengths(
         args.mix, args.tokens, real=real, mu=DEFAULT_MU, sigma=DEFAULT_SIGMA, max_len=args.max_len, seed=args.seed
@@ -162,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if r.get("kernels"):
             print(f"\n{r['backend']}: top kernels, mean µs per fwd+bwd call")
-            print(markdown_table(["kernel", "µs"], [[x["name"][:90], x["us"]] for x in r["kernels"]]))
+            print(
+                markdown_table(
+                    ["kernel", "category", "µs"], [[x["name"][:90], x["category"], x["us"]] for x in r["kernels"]]
+                )
+            )
     write_json(args.out, {"machine": machine_info(device), "args": vars(args), "rows": rows})
     return 0
 

@@ -1,22 +1,25 @@
-"""benchmarks/attention_profile.py (issue 17): per-kernel mean times from profiler events, and a CPU smoke run
+"""benchmarks/attention_profile.py (issue 17): per-kernel mean times (profile_step.py's attribution), and a CPU smoke run
 that writes every timing of each backend (an unknown backend reported, not fatal)."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
+from benchmarks import _profile_attr as A
 from benchmarks import attention_profile as AP
 
 
-def _ev(key, device_us, cpu_us):
-    return SimpleNamespace(key=key, self_device_time_total=device_us, self_cpu_time_total=cpu_us)
-
-
-def test_kernel_times_per_call_largest_first_and_by_device():
-    events = [_ev("attn_fwd", 300.0, 5.0), _ev("aten::empty", 0.0, 40.0), _ev("attn_bwd_dq", 900.0, 1.0)]
-    assert AP.kernel_times(events, 3, "cuda") == [("attn_bwd_dq", 300.0), ("attn_fwd", 100.0)]
-    assert AP.kernel_times(events, 1, "cpu")[0] == ("aten::empty", 40.0)
+def test_kernel_rows_are_per_call_and_skip_annotation_spans():
+    """GPU-side spans of autograd ranges enclose the kernels' time; counted as kernels they would double it."""
+    events = [
+        A.Event("_TritonShortFunction", "cuda", 0.0, 300.0, is_annotation=True, parents=("x",)),
+        A.Event("attn_fwd", "cuda", 0.0, 300.0, parents=("attn_fwd",)),
+        A.Event("attn_bwd_dq", "cuda", 400.0, 900.0, parents=("attn_bwd_dq",)),
+    ]
+    att = A.attribute(events, top=5)
+    rows = AP.kernel_rows(att, 3)
+    assert [r["name"] for r in rows] == ["attn_bwd_dq", "attn_fwd"] and rows[0]["us"] == 300.0
+    assert att.kernel_total_us == 1200.0
 
 
 def test_cpu_smoke_run_writes_all_timings(tmp_path, capsys):
