@@ -355,9 +355,9 @@ class TritonShortTables:
             fused = _platform_reason(device.type) is None
         mean_q = total_q / max(int(cu_seqlens_q.numel()) - 1, 1)
         if fused:
-            out = cls._build_fused(cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, doc_q)
-            out.mean_q = mean_q
-            return out
+            return cls._build_fused(
+                cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, doc_q, mean_q
+            )
         cu_q = cu_seqlens_q.to(torch.int64)
         cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(torch.int64)
         pos_q = torch.arange(total_q, device=device, dtype=torch.int64)
@@ -398,7 +398,7 @@ class TritonShortTables:
         )
 
     @classmethod
-    def _build_fused(cls, cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, doc_q):
+    def _build_fused(cls, cu_seqlens_q, cu_seqlens_k, total_q, total_k, causal, window_size, doc_q, mean_q):
         kern = _kernels()
         device = cu_seqlens_q.device
         cu_q = cu_seqlens_q.to(torch.int32).contiguous()
@@ -416,6 +416,7 @@ class TritonShortTables:
             query_lo=torch.empty(total_k, **i64),
             query_hi=torch.empty(total_k, **i64),
             fused=True,
+            mean_q=mean_q,
         )
         given = doc_q is not None and doc_q.numel() == total_q
         block = 64 if kern.INTERPRETED else 1024
