@@ -29,6 +29,11 @@ timed call by default, as before. ``--batch-meta`` builds the batch's ``VarlenMe
 to every call, as a model does (one meta per batch, read by every layer): those objects are then built once
 and reused, which is the per-layer cost in training.
 
+``--ts-variant NAME=JSON`` (repeatable) adds a row ``triton_short[NAME]``: triton_short with that
+``VARPACK_TRITON_SHORT_CONFIG`` (e.g. ``rows={"lpt": false}``: row-order tiles instead of longest first), timed
+right after the backends on the same inputs, so a launch option is compared within one run; variants are not in
+the verdict.
+
 Before timing, every backend's forward output is compared with the ``reference`` backend (per-sample SDPA)
 on the same inputs: ``max|d|`` in the table; a backend that mixes samples shows up there.
 
@@ -49,6 +54,8 @@ Run (GPU)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -184,15 +191,31 @@ def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone().requires_grad_()
 
 
-def varlen_runner(backend: str, q, k, v, cu: torch.Tensor, max_len: int, batch_meta: bool = False) -> Runner:
+def varlen_runner(
+    backend: str,
+    q,
+    k,
+    v,
+    cu: torch.Tensor,
+    max_len: int,
+    batch_meta: bool = False,
+    ts_config: str | None = None,
+) -> Runner:
     """``varlen_attention`` on ``backend``; with ``batch_meta`` one :class:`VarlenMeta` (built here, outside the
-    timing) is passed to every call, so per-batch derived objects are built on the first call only."""
+    timing) is passed to every call, so per-batch derived objects are built on the first call only. ``ts_config``:
+    the ``VARPACK_TRITON_SHORT_CONFIG`` JSON set around every call (a ``--ts-variant``), restored after it."""
     meta = VarlenMeta(cu, None, max_len, max_len, total_q=q.shape[0]) if batch_meta else None
 
-    def call(q_, k_, v_):
+    def plain_call(q_, k_, v_):
         if meta is not None:
             return varlen_attention(q_, k_, v_, causal=True, backend=backend, meta=meta)
         return varlen_attention(q_, k_, v_, cu, cu, max_len, max_len, causal=True, backend=backend)
+
+    def call(q_, k_, v_):
+        if ts_config is None:
+            return plain_call(q_, k_, v_)
+        with ts_config_env(ts_config):  # the backward runs inside too: the variant's kernels, both ways
+            return plain_call(q_, k_, v_)
 
     qg, kg, vg = _leaf(q), _leaf(k), _leaf(v)
     dout = torch.randn_like(q)
@@ -202,7 +225,11 @@ def varlen_runner(backend: str, q, k, v, cu: torch.Tensor, max_len: int, batch_m
             return call(q, k, v)
 
     def fwd_bwd():
-        call(qg, kg, vg).backward(dout)
+        if ts_config is None:
+            call(qg, kg, vg).backward(dout)
+        else:
+            with ts_config_env(ts_config):
+                call(qg, kg, vg).backward(dout)
         qg.grad = kg.grad = vg.grad = None
 
     return Runner(fwd, fwd_bwd, fwd)
@@ -294,6 +321,47 @@ def dense_runner(q, k, v, device) -> tuple[Runner, str]:
     return Runner(fwd, fwd_bwd, fwd), choice[0]
 
 
+@contextlib.contextmanager
+def ts_config_env(text: str):
+    """``VARPACK_TRITON_SHORT_CONFIG=text`` for the block (read by triton_short at every call), then restored."""
+    from varpack.attn.triton_short import CONFIG_ENV
+
+    old = os.environ.get(CONFIG_ENV)
+    os.environ[CONFIG_ENV] = text
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(CONFIG_ENV, None)
+        else:
+            os.environ[CONFIG_ENV] = old
+
+
+def parse_ts_variants(items: list[str]) -> list[tuple[str, str]]:
+    """``--ts-variant NAME=JSON`` values as ``(row name "triton_short[NAME]", JSON)``, each JSON checked by
+    :meth:`varpack.attn.triton_short.TritonShortConfig.from_json`.
+
+    Raises:
+        ValueError: no ``=``, an empty or repeated name, or a JSON the config refuses (its message, naming the
+            variant)."""
+    from varpack.attn.triton_short import TritonShortConfig
+
+    out: list[tuple[str, str]] = []
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--ts-variant {item!r}: need NAME=JSON, e.g. 'rows={{\"lpt\": false}}'")
+        row = f"triton_short[{name.strip()}]"
+        if row in (r for r, _ in out):
+            raise ValueError(f"--ts-variant {item!r}: the name {name.strip()!r} is given twice")
+        try:
+            TritonShortConfig.from_json(text)
+        except ValueError as exc:
+            raise ValueError(f"--ts-variant {name.strip()!r}: {exc}") from None
+        out.append((row, text))
+    return out
+
+
 def run_case(
     mix: str,
     lengths: list[int],
@@ -301,6 +369,7 @@ def run_case(
     kv_heads: int,
     args: argparse.Namespace,
     backends: list[str],
+    variants: list[tuple[str, str]] = (),
 ) -> list[dict[str, Any]]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     total = sum(lengths)
@@ -352,6 +421,15 @@ def run_case(
             note = f"{note}; batch meta".lstrip("; ")
         record(
             name, lambda name=name: varlen_runner(name, q, k, v, cu, max_len, args.batch_meta), flops, note
+        )
+    for name, text in variants:  # triton_short under another config, same inputs, right after the backends
+        record(
+            name,
+            lambda text=text: varlen_runner(
+                "triton_short", q, k, v, cu, max_len, args.batch_meta, ts_config=text
+            ),
+            flops,
+            f"VARPACK_TRITON_SHORT_CONFIG={text}",
         )
     record(
         "padded_sdpa",
@@ -421,7 +499,14 @@ def triton_short_verdict(
         speed = ts[key]
         peers = {n: by[n][key] for n in VARLEN_PEERS if n in by}
         best = max(peers, key=peers.get) if peers else None
-        v: dict[str, Any] = {"mix": mix, "H": h, "Hkv": hkv, "D": ts["D"], "timing": timing, "triton_short": speed}
+        v: dict[str, Any] = {
+            "mix": mix,
+            "H": h,
+            "Hkv": hkv,
+            "D": ts["D"],
+            "timing": timing,
+            "triton_short": speed,
+        }
         if best is not None:
             v.update(best_peer=best, best_peer_tflops=peers[best], vs_best_peer=speed / peers[best])
         if "flash_attn_4" in peers:
@@ -577,9 +662,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="smoke mode: T=512, H=4/2, D=32, 1 iteration")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument(
+        "--ts-variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="also time triton_short with this VARPACK_TRITON_SHORT_CONFIG JSON as row triton_short[NAME] "
+        "(repeatable; e.g. 'rows={\"lpt\": false}'), in the same run as the backends; not in the verdict",
+    )
     args = p.parse_args(argv)
 
     device = checked_device(p, args)
+    try:
+        variants = parse_ts_variants(args.ts_variant)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.small:
         args.tokens, args.head_dim, args.heads = 512, 32, "4/2"
         args.max_len = min(args.max_len, 256)
@@ -617,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         mix_info[mix] = length_stats(lengths)
         for heads, kv_heads in parse_heads(args.heads):
-            rows.extend(run_case(mix, lengths, heads, kv_heads, args, backends))
+            rows.extend(run_case(mix, lengths, heads, kv_heads, args, backends, variants))
             print(f"  done {mix} H={heads} Hkv={kv_heads}", file=sys.stderr, flush=True)
     add_ratios(rows)
     print()

@@ -247,7 +247,10 @@ def test_pack_gqa_default_packs_from_the_measured_group_size():
     assert ts._packing(default, 32, 16) == (False, 16)  # a group larger than the tile: unpacked
     # short documents (mean <= PACK_GQA_SHORT_MEAN tokens): packed from G = 2 on; forced settings win
     short, long = ts.PACK_GQA_SHORT_MEAN, ts.PACK_GQA_SHORT_MEAN + 1
-    assert ts._packing(default, 2, 64, short) == (True, 32) and ts._packing(default, 2, 64, long) == (False, 64)
+    assert ts._packing(default, 2, 64, short) == (True, 32) and ts._packing(default, 2, 64, long) == (
+        False,
+        64,
+    )
     assert ts._packing(default, 1, 64, 10.0) == (False, 64)
     assert ts._packing(ts.TritonShortConfig(pack_gqa=False), 2, 64, 10.0) == (False, 64)
 
@@ -267,7 +270,9 @@ def test_pack_gqa_negative_control_wrong_head_mapping_fails(monkeypatch):
     q, k, v, dout, cu, _ = _inputs(lens, None, 4, 1, 16, torch.float32)
     want = _run(q, k, v, dout, cu, cu, True, (-1, -1), config=ts.TritonShortConfig(pack_gqa=False))
     real = ts._packing
-    monkeypatch.setattr(ts, "_packing", lambda config, group, block_m, mean=None: real(config, 2, block_m, mean))
+    monkeypatch.setattr(
+        ts, "_packing", lambda config, group, block_m, mean=None: real(config, 2, block_m, mean)
+    )
     got = _run(q, k, v, dout, cu, cu, True, (-1, -1), config=ts.TritonShortConfig(pack_gqa=True))
     assert not torch.allclose(got[0], want[0], rtol=1e-3, atol=1e-3)  # (NaN from unwritten rows also fails)
 
@@ -328,6 +333,94 @@ def test_delta_in_dq_config_flag():
     assert off.delta_in_dq is False and json.loads(off.to_json())["delta_in_dq"] is False
     with pytest.raises(ValueError, match="delta_in_dq must be true or false"):
         ts.TritonShortConfig(delta_in_dq=1)
+
+
+# -- longest-processing-time-first tile order (TritonShortConfig.lpt) ----------------------------------------
+
+
+def test_lpt_tile_order_is_a_permutation_longest_loop_first():
+    """Per side and tile size: every tile exactly once, loop lengths ``hi - lo`` non-increasing, ties in row order,
+    tiles that see nothing (a zero-length document's key tile here) last; cached."""
+    lens_q, lens_k = [3, 40, 0, 9, 1, 16], [3, 40, 17, 9, 1, 16]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    for fused in (True, False):
+        tables = ts.TritonShortTables.build(
+            cu_q, cu_k, sum(lens_q), sum(lens_k), causal=True, window_size=(-1, -1), fused=fused
+        )
+        for side, block in (("q", 16), ("q", 4), ("k", 16), ("k", 8)):
+            order = tables.tile_order(side, block)
+            lo, hi = tables.query_tiles(block) if side == "q" else tables.key_tiles(block)
+            work = (hi.long() - lo.long()).tolist()
+            assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(len(work)))
+            ranked = [(-work[t], t) for t in order.tolist()]
+            assert ranked == sorted(ranked), (side, block, ranked)  # longest first, ties by tile index
+            assert tables.tile_order(side, block) is order
+        # the zero-length query document's keys (tokens 43..59) are seen by no query: their key tiles come last
+        lo, hi = tables.key_tiles(8)
+        empty = [t for t in range(lo.numel()) if hi[t] <= lo[t]]
+        assert empty and tables.tile_order("k", 8).tolist()[-len(empty) :] == empty
+    with pytest.raises(ValueError, match="side must be"):
+        tables.tile_order("x", 16)
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize(
+    "lens_q,lens_k,causal,window,h,hkv",
+    [
+        pytest.param([1, 1, 7, 40, 1, 6, 2], None, True, (-1, -1), 4, 1, id="one-token-and-long-docs"),
+        pytest.param([6, 0, 35, 0, 9], None, True, (4, -1), 4, 2, id="zero-length-window"),
+        pytest.param([2, 21, 3], [21, 2, 9], True, (-1, -1), 4, 2, id="q!=k"),
+        pytest.param([5, 33, 18, 3], None, False, (-1, -1), 2, 2, id="noncausal"),
+    ],
+)
+def test_lpt_order_and_row_order_agree_bitwise(lens_q, lens_k, causal, window, h, hkv, pack_gqa):
+    """Longest-first and row order run the same per-tile computations (no atomics): output, lse and dq / dk / dv
+    bitwise equal; both match the fp64 reference."""
+    q, k, v, dout, cu_q, cu_k = _inputs(lens_q, lens_k, h, hkv, 16, torch.float32)
+    config = ts.TritonShortConfig(pack_gqa=pack_gqa)
+    lpt, rows = (
+        _run(q, k, v, dout, cu_q, cu_k, causal, window, config=dataclasses.replace(config, lpt=flag))
+        for flag in (True, False)
+    )
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), lpt, rows):
+        assert torch.equal(a, b), name
+    want = _reference(q, k, v, dout, cu_q, cu_k, causal, window)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), (lpt[0], *lpt[2:]), want):
+        torch.testing.assert_close(g, w.to(g.dtype), rtol=1e-5, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_lpt_negative_control_the_kernels_read_the_order(monkeypatch):
+    """An order that is not a permutation (every rank mapped to tile 0) leaves the other tiles unwritten, so the
+    results no longer match the reference: the 1-D grid's tiles really come from :meth:`tile_order`."""
+    lens = [5, 13, 18, 3, 9, 1, 30]
+    q, k, v, dout, cu, _ = _inputs(lens, None, 4, 2, 16, torch.float32)
+    want = _reference(q, k, v, dout, cu, cu, True, (-1, -1))
+    got = _run(q, k, v, dout, cu, cu, True, (-1, -1), config=ts.TritonShortConfig(lpt=True))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=2e-5)
+    monkeypatch.setattr(
+        ts.TritonShortTables,
+        "tile_order",
+        lambda self, side, block: torch.zeros(
+            triton_tiles(q.shape[0] if side == "q" else k.shape[0], block), dtype=torch.int32
+        ),
+    )
+    bad = _run(q, k, v, dout, cu, cu, True, (-1, -1), config=ts.TritonShortConfig(lpt=True))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), (bad[0], *bad[2:]), want):
+        assert not torch.allclose(g, w, rtol=1e-3, atol=1e-3), name
+
+
+def triton_tiles(total: int, block: int) -> int:
+    return -(-total // block)
+
+
+def test_lpt_config_flag():
+    """Default on; JSON round trip; a non-bool refused."""
+    assert ts.TritonShortConfig().lpt is True
+    off = ts.TritonShortConfig.from_json('{"lpt": false}')
+    assert off.lpt is False and json.loads(off.to_json())["lpt"] is False
+    with pytest.raises(ValueError, match="lpt must be true or false"):
+        ts.TritonShortConfig(lpt="yes")
 
 
 # -- fused table builds (two Triton launches instead of ~65 PyTorch ops per call) ---------------------------
@@ -667,7 +760,12 @@ def test_config_override_is_used_and_exact(monkeypatch, how):
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert tables.fused  # the default where the kernels run: one launch per tile size
     assert set(tables._tiles) == {("q", 32), ("k", 32)}
-    assert set(tables._full_tiles) == {("q_launch", 32, 16), ("k_launch", 32, 16)}
+    assert set(tables._full_tiles) == {
+        ("q_launch", 32, 16),
+        ("k_launch", 32, 16),
+        ("q_order", 32),
+        ("k_order", 32),
+    }
     want = _reference(q, k, v, dout, cu, cu, True, (-1, -1))
     for g, w in zip((out, dq, dk, dv), want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-5)

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     from varpack.attn import _triton_short_kernels as kern
 
     assert not kern.INTERPRETED
-    ints = ("DOC_Q", "DOC_K", "LIM", "TILE_LO", "TILE_HI", "FULL_LO", "FULL_HI")
+    ints = ("DOC_Q", "DOC_K", "LIM", "TILE_LO", "TILE_HI", "FULL_LO", "FULL_HI", "ORDER")
     for mask_free, pack, d, block_d, bm, bn, left, right in (
         (True, False, 128, 128, 64, 32, False, True),  # the D = 128 default, causal: unmasked head-dim loads
         (True, False, 96, 128, 64, 64, True, True),  # padded head dim, window on both sides
@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent(
         (False, True, 96, 128, 64, 64, True, True),  # PackGQA, masked only, padded head dim, window
     ):
         consts = dict(GROUP=4 if pack else 2, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_LEFT=left,
-                      HAS_RIGHT=right, PRECISION="tf32", UPCAST=False, MASK_FREE=mask_free, PACK_GQA=pack)
+                      HAS_RIGHT=right, PRECISION="tf32", UPCAST=False, MASK_FREE=mask_free, PACK_GQA=pack,
+                      LPT=mask_free)  # the longest-first tile order (1-D grid) and row order (2-D grid)
         for fn in (kern.attn_fwd, kern.attn_bwd_dkdv, kern.attn_bwd_dq):
             if "DELTA_IN_DQ" in fn.arg_names:  # delta computed in the dQ kernel, except in the masked-only case
                 consts = dict(consts, DELTA_IN_DQ=mask_free or pack)
@@ -79,8 +80,8 @@ SCRIPT = textwrap.dedent(
 
 
 def test_kernels_compile_for_sm90_with_and_without_mask_free_and_pack_gqa(tmp_path):
-    """The attention kernels (mask-free split on / off, PackGQA on / off, delta in the dQ kernel on / off) and the
-    two table kernels."""
+    """The attention kernels (mask-free split on / off, PackGQA on / off, delta in the dQ kernel on / off, the
+    longest-first tile order on / off) and the two table kernels."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a real compile, not a cache hit
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

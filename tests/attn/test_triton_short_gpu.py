@@ -149,3 +149,32 @@ def test_delta_in_dq_matches_reference_and_the_separate_pass(h, hkv):
     separate = _check(lens, h, hkv, 128, ts.TritonShortConfig(delta_in_dq=False), name="delta pass")
     for i, what in enumerate(("out", "dq", "dk", "dv")):
         torch.testing.assert_close(fused[i].float(), separate[i].float(), rtol=1e-2, atol=1e-2, msg=what)
+
+
+@pytest.mark.parametrize("h,hkv", [(16, 4), (16, 8)], ids=["g4-packed", "g2"])
+def test_lpt_order_matches_reference_and_row_order_bitwise(h, hkv):
+    """The longest-first tile order (1-D grid, the default) compiled: by the fp32-truth rule, bitwise equal to the
+    row-order 2-D grid (the same per-tile work, no atomics); negative control: an order mapping every rank to
+    tile 0 leaves the other tiles unwritten and the output differs."""
+    from varpack.attn import triton_short as ts
+
+    lens = [1000, 37, 1, 300, 128, 5, 2000, 64, 65, 2, 700, 17, 90]
+    lpt = _check(lens, h, hkv, 128, ts.TritonShortConfig(lpt=True), name=f"lpt {h}/{hkv}")
+    rows = _check(lens, h, hkv, 128, ts.TritonShortConfig(lpt=False), name="row order")
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        assert torch.equal(lpt[i], rows[i]), what
+    q, k, v, _, cu, _, _ = _inputs(lens, None, h, hkv, 128, torch.bfloat16)
+    cu = cu.cuda()
+    tables = ts.TritonShortTables.build(cu, cu, sum(lens), sum(lens), causal=True, window_size=(-1, 0))
+    config = ts.TritonShortConfig(lpt=True)
+    with torch.no_grad():
+        good = ts._forward(q, k, v, tables, True, (-1, 0), 128**-0.5, config)[0]
+        good_copy = torch.full_like(good, float("nan"))  # its freed block is what the next output reuses
+        order = tables.tile_order(
+            "q", ts._packing(config, h // hkv, config.blocks("fwd", 128)[0], tables.mean_q)[1]
+        )
+        assert sorted(order.tolist()) == list(range(order.numel()))
+        order.zero_()  # the cached order, now every rank -> tile 0
+        del good_copy
+        bad = ts._forward(q, k, v, tables, True, (-1, 0), 128**-0.5, config)[0]
+    assert not torch.allclose(bad.float(), good.float(), rtol=1e-2, atol=1e-2)

@@ -179,22 +179,40 @@ def _query_rows(pid_m, pid_h, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, PACK_G
 
 
 @triton.jit
+def _program_tile(ORDER, n_heads, LPT: tl.constexpr):
+    """``(tile, head)`` of this program. Not ``LPT``: the 2-D grid ``(tiles, heads)``, tiles in row order. With
+    ``LPT`` (longest-processing-time first): a 1-D grid of ``tiles x n_heads`` programs, heads varying fastest,
+    whose ``r``-th tile is ``ORDER[r]`` -- the tiles sorted by descending loop length, built once per batch
+    (:meth:`varpack.attn.triton_short.TritonShortTables.tile_order`), so the GPU's block scheduler starts the
+    longest tiles (the last query tiles of long documents, the first key tiles in the backward) first and the
+    short ones fill the tail, instead of a long tile launched late holding the kernel's last wave."""
+    if LPT:
+        pid = tl.program_id(0)
+        tile = tl.load(ORDER + pid // n_heads)
+        head = pid % n_heads
+    else:
+        tile = tl.program_id(0)
+        head = tl.program_id(1)
+    return tile, head
+
+
+@triton.jit
 def attn_fwd(
-    Q, K, V, OUT, LSE, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI,
+    Q, K, V, OUT, LSE, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI, ORDER,
     qk_scale,  # softmax_scale * log2(e)
-    total_q, left, right,
+    total_q, left, right, n_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr,
+    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, LPT: tl.constexpr,
 ):  # fmt: skip
     """Output and lse of one query tile and head: key tiles ``[lo, hi)`` in steps of ``BLOCK_N``, the
     mask-free ones ``[FULL_LO, FULL_HI)`` without the mask when ``MASK_FREE`` (module docstring). With
     ``PACK_GQA`` the program owns one KV head and its tile's rows are (token, query head of the group) pairs
     (:func:`_query_rows`), so each K / V tile is loaded once for the whole group."""
-    pid_m = tl.program_id(0)
-    offs_m, heads, hk = _query_rows(pid_m, tl.program_id(1), GROUP, BLOCK_M, PACK_GQA)
+    pid_m, pid_h = _program_tile(ORDER, n_heads, LPT)
+    offs_m, heads, hk = _query_rows(pid_m, pid_h, GROUP, BLOCK_M, PACK_GQA)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     m_ok = offs_m < total_q
@@ -314,21 +332,20 @@ def _dkdv_tiles(
 
 @triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI,
-    qk_scale, sm_scale, total_q, total_k, left, right,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI, ORDER,
+    qk_scale, sm_scale, total_q, total_k, left, right, n_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr,
+    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, LPT: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key tile and KV head: loop over the query tiles that can see it, for every query head
     of the GQA group (transposed scores ``s^T = k q^T``, FlashAttention-2 algorithm 2); with ``MASK_FREE``
     the query tiles ``[FULL_LO, FULL_HI)`` that see the whole key tile skip the mask; with ``PACK_GQA`` the
     group's heads are rows of each query tile (one loop, ``BLOCK_M // GROUP`` tokens per tile)."""
-    pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
+    pid_n, hk = _program_tile(ORDER, n_heads, LPT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -411,14 +428,14 @@ def _dq_tiles(
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI, OUT,
-    qk_scale, sm_scale, total_q, left, right,
+    Q, K, V, DO, LSE, DELTA, DQ, DOC_Q, DOC_K, LIM, TILE_LO, TILE_HI, FULL_LO, FULL_HI, OUT, ORDER,
+    qk_scale, sm_scale, total_q, left, right, n_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, DELTA_IN_DQ: tl.constexpr,
+    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, DELTA_IN_DQ: tl.constexpr, LPT: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile and head: loop over the key tiles its documents can see; with ``MASK_FREE`` the
     key tiles ``[FULL_LO, FULL_HI)`` that every query of the tile sees whole skip the mask; with ``PACK_GQA``
@@ -428,8 +445,8 @@ def attn_bwd_dq(
     (token, query head) row once) and stored to ``DELTA`` for the dK / dV kernel launched after this one, in
     place of :func:`attn_bwd_preprocess`'s separate pass over O and dO (dO is loaded here anyway); otherwise it
     is read from ``DELTA``."""
-    pid_m = tl.program_id(0)
-    offs_m, heads, hk = _query_rows(pid_m, tl.program_id(1), GROUP, BLOCK_M, PACK_GQA)
+    pid_m, pid_h = _program_tile(ORDER, n_heads, LPT)
+    offs_m, heads, hk = _query_rows(pid_m, pid_h, GROUP, BLOCK_M, PACK_GQA)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     m_ok = offs_m < total_q

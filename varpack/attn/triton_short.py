@@ -105,7 +105,8 @@ KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 #: "num_stages": ..}``; kinds left out keep :data:`BLOCKS`. ``"mask_free": true / false`` sets
 #: :attr:`TritonShortConfig.mask_free` (default true); ``"pack_gqa": true / false / null`` sets
 #: :attr:`TritonShortConfig.pack_gqa` (default null: by group size); ``"delta_in_dq": true / false`` sets
-#: :attr:`TritonShortConfig.delta_in_dq` (default true). Empty or unset: no override.
+#: :attr:`TritonShortConfig.delta_in_dq` (default true); ``"lpt": true / false`` sets :attr:`TritonShortConfig.lpt`
+#: (default true). Empty or unset: no override.
 CONFIG_ENV = "VARPACK_TRITON_SHORT_CONFIG"
 
 _FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -164,8 +165,13 @@ class TritonShortConfig:
     ``delta_in_dq`` (backward): the dQ kernel runs first and computes ``delta = rowsum(dO * O)`` of its own rows
     on the way, stored for the dK / dV kernel (default True), instead of a separate preprocessing pass over O and
     dO (False; kept to measure the gain on the GPU). The same products and fp32 row sums: results equal up to
-    rounding. Checked on construction (:func:`_checked_blocks`; ``mask_free`` and ``delta_in_dq`` bools,
-    ``pack_gqa`` a bool or None: ValueError).
+    rounding. ``lpt`` (all three kernels): programs take their tiles longest first -- a 1-D grid over the tiles
+    sorted by descending loop length (:meth:`TritonShortTables.tile_order`, built once per batch on the device),
+    the longest-processing-time-first rule of list scheduling (Graham, 1969; FlashAttention-2/3 launch causal query
+    tiles in reverse for the same reason) -- so a long document's heavy tiles do not start in the kernel's last
+    wave; False keeps row order (the 2-D grid ``(tiles, heads)``). Every tile computes the same thing either way:
+    results are bitwise equal. Checked on construction (:func:`_checked_blocks`; ``mask_free``, ``delta_in_dq``
+    and ``lpt`` bools, ``pack_gqa`` a bool or None: ValueError).
     """
 
     fwd: tuple[int, int, int, int] | None = None
@@ -174,15 +180,18 @@ class TritonShortConfig:
     mask_free: bool = True
     pack_gqa: bool | None = None
     delta_in_dq: bool = True
+    lpt: bool = True
 
     def __post_init__(self) -> None:
         for kind in KERNEL_KINDS:
             value = getattr(self, kind)
             if value is not None:
                 object.__setattr__(self, kind, _checked_blocks(kind, value))
-        for flag in ("mask_free", "delta_in_dq"):
+        for flag in ("mask_free", "delta_in_dq", "lpt"):
             if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"triton_short config: {flag} must be true or false, got {getattr(self, flag)!r}")
+                raise ValueError(
+                    f"triton_short config: {flag} must be true or false, got {getattr(self, flag)!r}"
+                )
         if self.pack_gqa is not None and not isinstance(self.pack_gqa, bool):
             raise ValueError(
                 f"triton_short config: pack_gqa must be true, false or null (by group), got {self.pack_gqa!r}"
@@ -205,14 +214,14 @@ class TritonShortConfig:
             raise ValueError(f"triton_short config: need a JSON object of kernels, got {text!r}")
         kwargs: dict[str, Any] = {}
         for kind, value in obj.items():
-            if kind in ("mask_free", "pack_gqa", "delta_in_dq"):
+            if kind in ("mask_free", "pack_gqa", "delta_in_dq", "lpt"):
                 kwargs[kind] = value  # checked by __post_init__ (a JSON bool)
             elif kind in KERNEL_KINDS:
                 kwargs[kind] = _checked_blocks(kind, value)
             else:
                 raise ValueError(
                     f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS} (or mask_free, "
-                    "pack_gqa, delta_in_dq)"
+                    "pack_gqa, delta_in_dq, lpt)"
                 )
         return cls(**kwargs)
 
@@ -222,6 +231,7 @@ class TritonShortConfig:
         obj["mask_free"] = self.mask_free
         obj["pack_gqa"] = self.pack_gqa
         obj["delta_in_dq"] = self.delta_in_dq
+        obj["lpt"] = self.lpt
         return json.dumps(obj)
 
     def blocks(self, kind: str, head_dim: int) -> tuple[int, int, int, int]:
@@ -465,6 +475,24 @@ class TritonShortTables:
             full_lo, full_hi = full(block, step) if mask_free else (lo, hi)
         return (lo, hi, full_lo, full_hi) if mask_free else (lo, hi, lo, hi)
 
+    def tile_order(self, side: str, block: int) -> torch.Tensor:
+        """``[tiles]`` int32 permutation of the tiles of ``block`` rows (``side="q"``: query tiles, their key
+        ranges; ``"k"``: key tiles, their query ranges), longest loop first: sorted by descending ``hi - lo`` of
+        :meth:`query_tiles` / :meth:`key_tiles` (a tile's loop runs ``ceil((hi - lo) / step)`` iterations, the same
+        order at every step), ties in row order (a stable sort: the same order on every call); tiles that see
+        nothing (the ``[BIG, 0)`` sentinel) last. Read by the kernels under :attr:`TritonShortConfig.lpt`;
+        cached; device ops only (no host read)."""
+        if side not in ("q", "k"):
+            raise ValueError(f"side must be 'q' or 'k', got {side!r}")
+        key = (side + "_order", block)
+        if key not in self._full_tiles:
+            tiles = self.query_tiles if side == "q" else self.key_tiles
+            lo, hi = self._tiles.get((side, block)) or tiles(block)
+            work = hi.to(torch.int64) - lo.to(torch.int64)
+            order = torch.argsort(work, descending=True, stable=True).to(torch.int32).contiguous()
+            self._full_tiles[key] = (order, order)
+        return self._full_tiles[key][0]
+
     def query_tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[cdiv(Tq, block_m)]`` int32 key range ``[lo, hi)`` of every query tile (union of its queries')."""
         return self._tile("q", block_m, self.key_lo, self.key_hi)
@@ -618,6 +646,17 @@ def _packing(
     return pack, block_m // group if pack else block_m
 
 
+def _grid(
+    tables: TritonShortTables, config: TritonShortConfig, side: str, block: int, tiles: int, heads: int
+) -> tuple[tuple[int, ...], torch.Tensor]:
+    """``(grid, order)`` of one launch over ``tiles`` tiles of ``block`` rows and ``heads`` heads: with
+    :attr:`TritonShortConfig.lpt` a 1-D grid and the tile order (:meth:`TritonShortTables.tile_order`), else the
+    2-D ``(tiles, heads)`` grid (the order is then not read: ``doc_q`` stands in as the pointer)."""
+    if config.lpt:
+        return (tiles * heads,), tables.tile_order(side, block)
+    return (tiles, heads), tables.doc_q
+
+
 def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [Tq, H, D], lse [H, Tq] fp32)``; ``config``: :func:`active_config`'s."""
     kern = _kernels()
@@ -630,15 +669,16 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
     pack, tile_m = _packing(config, group, block_m, tables.mean_q)
     lo, hi, full_lo, full_hi = tables.launch_tables("q", tile_m, block_n, config.mask_free)
     left, right, has_left, has_right = _mask_args(causal, window_size)
-    grid = (triton_cdiv(total_q, tile_m), k.shape[1] if pack else h)
+    heads = k.shape[1] if pack else h
+    grid, order = _grid(tables, config, "q", tile_m, triton_cdiv(total_q, tile_m), heads)
     kern.attn_fwd[grid](
-        q, k, v, out, lse, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
-        scale * _LOG2E, total_q, left, right,
+        q, k, v, out, lse, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi, order,
+        scale * _LOG2E, total_q, left, right, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, PACK_GQA=pack, **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt, **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
     return out, lse
 
@@ -667,14 +707,15 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
     block_m, block_n, warps, stages = config.blocks("bwd_dkdv", d)
     pack, tile_m = _packing(config, h // hkv, block_m, tables.mean_q)
     lo, hi, full_lo, full_hi = tables.launch_tables("k", block_n, tile_m, config.mask_free)
-    kern.attn_bwd_dkdv[(triton_cdiv(total_k, block_n), hkv)](
+    grid, order = _grid(tables, config, "k", block_n, triton_cdiv(total_k, block_n), hkv)
+    kern.attn_bwd_dkdv[grid](
         q, k, v, dout, lse, delta, dk, dv, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi,
-        scale * _LOG2E, scale, total_q, total_k, left, right,
+        order, scale * _LOG2E, scale, total_q, total_k, left, right, hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, PACK_GQA=pack, **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt, **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
     return dk, dv
 
@@ -693,14 +734,16 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
     pack, tile_m = _packing(config, h // hkv, block_m, tables.mean_q)
     lo, hi, full_lo, full_hi = tables.launch_tables("q", tile_m, block_n, config.mask_free)
     o = dout if out is None else out  # not read without DELTA_IN_DQ
-    kern.attn_bwd_dq[(triton_cdiv(total_q, tile_m), hkv if pack else h)](
+    heads = hkv if pack else h
+    grid, order = _grid(tables, config, "q", tile_m, triton_cdiv(total_q, tile_m), heads)
+    kern.attn_bwd_dq[grid](
         q, k, v, dout, lse, delta, dq, tables.doc_q, tables.doc_k, tables.lim, lo, hi, full_lo, full_hi, o,
-        scale * _LOG2E, scale, total_q, left, right,
+        order, scale * _LOG2E, scale, total_q, left, right, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0), o.stride(0), o.stride(1),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, PACK_GQA=pack, DELTA_IN_DQ=out is not None,
+        MASK_FREE=config.mask_free, PACK_GQA=pack, DELTA_IN_DQ=out is not None, LPT=config.lpt,
         **_launch_opts(warps, stages, q.device),
     )  # fmt: skip
     return dq
