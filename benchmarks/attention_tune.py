@@ -86,11 +86,15 @@ FWD_GRID: tuple[Config, ...] = (
     (64, 32, 4, 3),
     (64, 16, 4, 2),
     (128, 32, 8, 2),
+    # tenth session: around the pick (64, 32, 4, 2)
+    (64, 32, 4, 1),
+    (64, 32, 8, 2),
+    (64, 32, 2, 2),
 )
 #: dK/dV candidates (key tile BLOCK_N owned by a program, query tile BLOCK_M looped over).
 DKDV_GRID: tuple[Config, ...] = (
-    (32, 64, 4, 1),  # BLOCKS at D = 64 / 128
-    (32, 64, 4, 2),
+    (32, 64, 4, 1),  # BLOCKS at D = 64
+    (32, 64, 4, 2),  # BLOCKS at D = 128
     (16, 64, 4, 2),
     (16, 32, 2, 2),
     (32, 32, 4, 2),
@@ -103,11 +107,15 @@ DKDV_GRID: tuple[Config, ...] = (
     (64, 64, 4, 1),
     (64, 32, 4, 1),
     (32, 64, 8, 1),
+    # tenth session: around the pick (32, 64, 4, 2)
+    (32, 64, 4, 3),
+    (32, 64, 2, 2),
+    (64, 64, 4, 3),
 )
 #: dQ candidates (query tile BLOCK_M owned by a program, key tile BLOCK_N looped over).
 DQ_GRID: tuple[Config, ...] = (
     (64, 32, 4, 1),  # BLOCKS at D = 64
-    (64, 32, 4, 2),  # BLOCKS at D = 128
+    (64, 32, 4, 2),
     (32, 32, 4, 2),
     (32, 32, 2, 2),
     (64, 64, 4, 2),
@@ -116,8 +124,15 @@ DQ_GRID: tuple[Config, ...] = (
     (128, 64, 8, 2),
     (128, 32, 4, 3),
     # packed GQA
-    (64, 16, 4, 2),
+    (64, 16, 4, 2),  # BLOCKS at D = 128
     (64, 64, 4, 1),
+    # tenth session: around the picks (64, 16, 4, 2) (short) and (64, 64, 4, 2) (real lengths)
+    (64, 16, 4, 1),
+    (64, 16, 4, 3),
+    (64, 64, 4, 3),
+    (64, 128, 4, 2),
+    (64, 64, 8, 2),
+    (128, 64, 4, 2),
 )
 #: --small (CPU interpreter smoke): tiny tiles, two per kernel
 SMALL_GRIDS: dict[str, tuple[Config, ...]] = {
@@ -210,7 +225,9 @@ class MixState:
             return lambda: ts._forward(q, k, v, tables, True, w, sc, config)
         if kind == "bwd_dkdv":
             return lambda: ts._backward_dkdv(dout, q, k, v, lse, delta, tables, True, w, sc, config)
-        out = self.out if config.delta_in_dq else None  # delta computed in the dQ kernel (rewrites the same values)
+        out = (
+            self.out if config.delta_in_dq else None
+        )  # delta computed in the dQ kernel (rewrites the same values)
         return lambda: ts._backward_dq(dout, q, k, v, lse, delta, tables, True, w, sc, config, out=out)
 
     def work_efficiency(self, kind: str, cfg: Config) -> float:
@@ -313,9 +330,13 @@ def mask_free_gains(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _default_config(st: MixState, kind: str, small: bool) -> Config:
-    """The config a run without an override launches for ``kind`` at this head dim: ``BLOCKS``' (the first of
-    the small grid under ``--small``, whose tiles ``BLOCKS`` does not use)."""
-    return grids(small)[kind][0] if small else st.ts.TritonShortConfig().blocks(kind, st.d)
+    """The config a run without an override launches for ``kind`` at this head dim, group and mean document length:
+    ``BLOCKS``' (``BLOCKS_UNPACKED``' where the kernel runs without PackGQA; the first of the small grid under
+    ``--small``, whose tiles ``BLOCKS`` does not use)."""
+    if small:
+        return grids(small)[kind][0]
+    ts, group = st.ts, st.heads // st.kv_heads
+    return ts._launch_blocks(ts.TritonShortConfig(), kind, st.d, group, st.total / len(st.lengths))[0]
 
 
 def finish(st: MixState, small: bool, mf_values: tuple[bool, ...]) -> dict[str, Any]:

@@ -24,8 +24,9 @@
 #   bash scripts/gpu_session.sh s9a      # issue 17: per-kernel sweep with PackGQA (16/4, short + real), pick -> /tmp/varpack_pack_cfg for s8d
 #   bash scripts/gpu_session.sh s9b      # issue 17: GPU tests (delta_in_dq, PackGQA), bake-off with queued + synced timings (S9_HEADS, ATTN_MIXES)
 #   python3 benchmarks/attention_profile.py --lengths-file .gpu/samples.npz --mix short --heads 16/4   # per-kernel / host / queued vs synced
-#   bash scripts/gpu_session.sh s10b     # issue 17: lpt GPU tests + bake-off with the row-order variant (S10_HEADS, ATTN_MIXES)
-#   bash scripts/gpu_session.sh s10c     # issue 17: per-kernel sweep with lpt on (TUNE_MIXES, TUNE_BUDGET)
+#   bash scripts/gpu_session.sh s10b     # issue 17: lpt GPU tests + bake-off with triton_short variants in the same run (S10_HEADS, ATTN_MIXES,
+#        S10_VARIANTS: NAME=JSON lines for attention.py --ts-variant; S10_TESTS=0 skips the tests)
+#   bash scripts/gpu_session.sh s10c     # issue 17: per-kernel sweep, short + real mixes (TUNE_MIXES, TUNE_BUDGET; noisy: ~10% run to run)
 #   bash scripts/gpu_session.sh s10a     # issue 17: re-sweep after delta_in_dq + attention_profile.py on short / real mixes
 #   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
@@ -64,6 +65,24 @@ save_triton_cache() {
   tar -cJf "$OUT/triton-cache.tar.xz" -C "$TRITON_CACHE" . 2>/dev/null
   local mb=$(( $(stat -c %s "$OUT/triton-cache.tar.xz") / 1048576 ))
   if [ "$mb" -ge 16 ]; then rm -f "$OUT/triton-cache.tar.xz"; echo "triton cache: ${mb} MiB, too large to bring back"; fi
+}
+
+# one line per varlen backend of a benchmarks/attention.py JSON (queued and synced), then the issue 17 verdicts
+attention_summary() {
+  python3 - "$1" <<'PY' 2>&1
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    if r["impl"] in ("padded_sdpa", "dense_cudnn"):
+        continue
+    print(f"{r['mix']} {r['H']}/{r['Hkv']} {r['impl']:20s} fwd {r.get('fwd_ms', 0):.3f} / synced {r.get('fwd_ms_synced', 0):.3f}  "
+          f"fwd+bwd {r.get('fwd_bwd_ms', 0):.3f} ms {r.get('fwd_bwd_tflops', 0):.1f} TF / synced {r.get('fwd_bwd_ms_synced', 0):.3f} ms "
+          f"{r.get('fwd_bwd_tflops_synced', 0):.1f} TF  d={r.get('max_abs_diff', float('nan')):.1e} {r.get('error', '')[:120]}")
+for key in ("triton_short", "triton_short_synced"):
+    for v in d.get(key, []):
+        print(f"  [{key}] vs best {v.get('vs_best_peer', 0):.2f} ({v.get('best_peer')}), vs FA4 {v.get('vs_flash_attn_4', 0):.2f}, "
+              f"vs auto {v.get('vs_auto', 0):.2f}, goal met: {v.get('goal_met')}")
+PY
 }
 
 setup() {
@@ -425,20 +444,7 @@ PY
       timeout ${ATTN_TIMEOUT:-150} python3 benchmarks/attention.py --lengths-file .gpu/samples.npz --mixes $mix \
         --heads $heads --head-dim 128 --backends flash_attn_4,torch_varlen,flex,triton_short,auto --batch-meta \
         --out "$OUT/s9b_attention_${mix}_$tag.json" > "$OUT/s9b_attention_${mix}_$tag.log" 2>&1 || tail -3 "$OUT/s9b_attention_${mix}_$tag.log"
-      python3 - "$OUT/s9b_attention_${mix}_$tag.json" <<'PY' 2>&1 | tee -a "$OUT/s9b_attention_$tag.txt"
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["rows"]:
-    if r["impl"] in ("padded_sdpa", "dense_cudnn"):
-        continue
-    print(f"{r['mix']} {r['H']}/{r['Hkv']} {r['impl']:14s} fwd {r.get('fwd_ms', 0):.3f} / synced {r.get('fwd_ms_synced', 0):.3f}  "
-          f"fwd+bwd {r.get('fwd_bwd_ms', 0):.3f} ms {r.get('fwd_bwd_tflops', 0):.1f} TF / synced {r.get('fwd_bwd_ms_synced', 0):.3f} ms "
-          f"{r.get('fwd_bwd_tflops_synced', 0):.1f} TF  d={r.get('max_abs_diff', float('nan')):.1e} {r.get('note', '')} {r.get('error', '')[:120]}")
-for key in ("triton_short", "triton_short_synced"):
-    for v in d.get(key, []):
-        print(f"  [{key}] vs best {v.get('vs_best_peer', 0):.2f} ({v.get('best_peer')}), vs FA4 {v.get('vs_flash_attn_4', 0):.2f}, "
-              f"vs auto {v.get('vs_auto', 0):.2f}, goal met: {v.get('goal_met')}")
-PY
+      attention_summary "$OUT/s9b_attention_${mix}_$tag.json" | tee -a "$OUT/s9b_attention_$tag.txt"
     done
     ;;
   s10a)  # issue 17, next session's first measurement (after fa4a): the per-kernel sweep again now that the dQ kernel
@@ -455,36 +461,27 @@ PY
     done
     ;;
   s10b)  # issue 17, tenth session (after fa4a): GPU tests of the longest-first tile order (lpt), then the bake-off
-    # beside FA4 / torch_varlen / flex / auto with the row-order variant timed in the same run, at ${S10_HEADS:-16/4}
+    # beside FA4 / torch_varlen / flex / auto at ${S10_HEADS:-16/4}, with two triton_short variants timed in the same run:
+    # lpt on (measured slower: off by default) and blocks9 = the ninth session's dK/dV and dQ configs (before s10c's sweep)
     setup
     [ "${S10_TESTS:-1}" = 1 ] && timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --durations=5 \
       tests/attn/test_triton_short_gpu.py tests/attn/test_attn_gpu.py -k "lpt or delta_in_dq or pack_gqa or triton_short" \
       2>&1 | tee "$OUT/s10b_tests.log" | tail -6
     heads=${S10_HEADS:-16/4}; tag=${heads//\//-}
+    # S10_VARIANTS: one NAME=JSON per line (attention.py --ts-variant); default: lpt on, and the ninth session's blocks
+    variants=${S10_VARIANTS:-$'lpt={"lpt": true}\nblocks9={"bwd_dkdv": [32, 64, 4, 1], "bwd_dq": [64, 32, 4, 2]}'}
+    variant_args=(); while IFS= read -r line; do [ -n "$line" ] && variant_args+=(--ts-variant "$line"); done <<< "$variants"
     for mix in ${ATTN_MIXES:-short lognormal}; do
       SECONDS=0
       timeout ${ATTN_TIMEOUT:-200} python3 benchmarks/attention.py --lengths-file .gpu/samples.npz --mixes $mix \
         --heads $heads --head-dim 128 --backends ${S10_BACKENDS:-flash_attn_4,torch_varlen,flex,triton_short,auto} --batch-meta \
-        --ts-variant 'rows={"lpt": false}' ${S10_VARIANTS:-} \
+        "${variant_args[@]}" \
         --out "$OUT/s10b_attention_${mix}_$tag.json" > "$OUT/s10b_attention_${mix}_$tag.log" 2>&1 || tail -3 "$OUT/s10b_attention_${mix}_$tag.log"
       echo "[attention $mix $heads] ${SECONDS}s"
-      python3 - "$OUT/s10b_attention_${mix}_$tag.json" <<'PY' 2>&1 | tee -a "$OUT/s10b_attention_$tag.txt"
-import json, sys
-d = json.load(open(sys.argv[1]))
-for r in d["rows"]:
-    if r["impl"] in ("padded_sdpa", "dense_cudnn"):
-        continue
-    print(f"{r['mix']} {r['H']}/{r['Hkv']} {r['impl']:20s} fwd {r.get('fwd_ms', 0):.3f} / synced {r.get('fwd_ms_synced', 0):.3f}  "
-          f"fwd+bwd {r.get('fwd_bwd_ms', 0):.3f} ms {r.get('fwd_bwd_tflops', 0):.1f} TF / synced {r.get('fwd_bwd_ms_synced', 0):.3f} ms "
-          f"{r.get('fwd_bwd_tflops_synced', 0):.1f} TF  d={r.get('max_abs_diff', float('nan')):.1e} {r.get('error', '')[:120]}")
-for key in ("triton_short", "triton_short_synced"):
-    for v in d.get(key, []):
-        print(f"  [{key}] vs best {v.get('vs_best_peer', 0):.2f} ({v.get('best_peer')}), vs FA4 {v.get('vs_flash_attn_4', 0):.2f}, "
-              f"vs auto {v.get('vs_auto', 0):.2f}, goal met: {v.get('goal_met')}")
-PY
+      attention_summary "$OUT/s10b_attention_${mix}_$tag.json" | tee -a "$OUT/s10b_attention_$tag.txt"
     done
     ;;
-  s10c)  # issue 17: the per-kernel sweep with the longest-first order (lpt, the default now), short + real mixes
+  s10c)  # issue 17: the per-kernel sweep (default lpt: row order), short + real mixes
     setup
     SECONDS=0
     timeout ${TUNE_TIMEOUT:-300} python3 benchmarks/attention_tune.py --lengths-file .gpu/samples.npz \

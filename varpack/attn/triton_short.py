@@ -60,6 +60,7 @@ __all__ = [
     "CONFIG_ENV",
     "PACK_GQA_MIN_GROUP",
     "PACK_GQA_SHORT_MEAN",
+    "BLOCKS_UNPACKED",
     "TritonShortBackend",
     "TritonShortConfig",
     "TritonShortTables",
@@ -77,10 +78,23 @@ _BIG = 2**31 - 1  # tile-range sentinel: an empty range is [_BIG, 0)
 #: D = 128: the overall pick of benchmarks/attention_tune.py on the H200 (2026-12-01; short, real-length and
 #: uniform-2048 mixes, T = 65,536, H = 16/4, bf16): forward 1.06-1.14x and dQ 1.00-1.08x the earlier
 #: (64, 64, 4, 2) / (64, 32, 4, 1), errors vs torch_varlen unchanged. D = 64 / 256: not tuned yet.
+#: Tenth session (after ``delta_in_dq`` moved delta into the dQ kernel; benchmarks/RESULTS.md): with PackGQA (every
+#: kernel at 16/4, and at 16/8 on short documents) dK/dV (32, 64, 4, 3) and dQ (64, 16, 4, 3), measured in one
+#: bake-off beside the earlier (32, 64, 4, 1) / (64, 32, 4, 2): 2.15 vs 2.43 ms fwd+bwd on the real-lengths mix and
+#: 1.18 vs 1.29 ms on the short mix (16/4); unpacked kernels keep those earlier ones (:data:`BLOCKS_UNPACKED`).
 BLOCKS: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "fwd": {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (64, 32, 8, 1)},
-    "bwd_dkdv": {64: (32, 64, 4, 1), 128: (32, 64, 4, 1), 256: (16, 32, 8, 1)},
-    "bwd_dq": {64: (64, 32, 4, 1), 128: (64, 32, 4, 2), 256: (32, 16, 8, 1)},
+    "bwd_dkdv": {64: (32, 64, 4, 1), 128: (32, 64, 4, 3), 256: (16, 32, 8, 1)},
+    "bwd_dq": {64: (64, 32, 4, 1), 128: (64, 16, 4, 3), 256: (32, 16, 8, 1)},
+}
+#: Entries that replace :data:`BLOCKS` (same head-dim buckets) where a kernel runs without PackGQA
+#: (:attr:`TritonShortConfig.pack_gqa` off, or by default a group below :data:`PACK_GQA_MIN_GROUP` on documents of
+#: mean length above :data:`PACK_GQA_SHORT_MEAN`): the PackGQA picks lose there. Measured on the H200 (tenth
+#: session, 16/8, real-lengths mix, unpacked, one bake-off): dK/dV (32, 64, 4, 1) + dQ (64, 32, 4, 2) 2.45 ms
+#: fwd+bwd; with the PackGQA picks 3.42 ms, with their dQ only 2.55 ms. Kinds and buckets left out keep :data:`BLOCKS`.
+BLOCKS_UNPACKED: dict[str, dict[int, tuple[int, int, int, int]]] = {
+    "bwd_dkdv": {128: (32, 64, 4, 1)},
+    "bwd_dq": {128: (64, 32, 4, 2)},
 }
 #: :attr:`TritonShortConfig.pack_gqa` ``None`` (the default) packs the query heads of a GQA group into one
 #: program's tile from this group size ``G = H / Hkv`` on. Measured on the H200 (2026-12-01, eighth session;
@@ -106,7 +120,7 @@ KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 #: :attr:`TritonShortConfig.mask_free` (default true); ``"pack_gqa": true / false / null`` sets
 #: :attr:`TritonShortConfig.pack_gqa` (default null: by group size); ``"delta_in_dq": true / false`` sets
 #: :attr:`TritonShortConfig.delta_in_dq` (default true); ``"lpt": true / false`` sets :attr:`TritonShortConfig.lpt`
-#: (default true). Empty or unset: no override.
+#: (default false). Empty or unset: no override.
 CONFIG_ENV = "VARPACK_TRITON_SHORT_CONFIG"
 
 _FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -169,8 +183,11 @@ class TritonShortConfig:
     sorted by descending loop length (:meth:`TritonShortTables.tile_order`, built once per batch on the device),
     the longest-processing-time-first rule of list scheduling (Graham, 1969; FlashAttention-2/3 launch causal query
     tiles in reverse for the same reason) -- so a long document's heavy tiles do not start in the kernel's last
-    wave; False keeps row order (the 2-D grid ``(tiles, heads)``). Every tile computes the same thing either way:
-    results are bitwise equal. Checked on construction (:func:`_checked_blocks`; ``mask_free``, ``delta_in_dq``
+    wave. Default False (row order, the 2-D grid ``(tiles, heads)``): on the H200 (tenth session, 16/4, one
+    bake-off) longest-first was slower, 1.40 vs 1.30 ms fwd+bwd on the short mix and 2.50 vs 2.44 ms on the
+    real-lengths mix (neighbouring tiles of one document, launched together in row order, share their K / V
+    loads; sorted, they scatter). Every tile computes the same thing either way: results are bitwise equal.
+    Checked on construction (:func:`_checked_blocks`; ``mask_free``, ``delta_in_dq``
     and ``lpt`` bools, ``pack_gqa`` a bool or None: ValueError).
     """
 
@@ -180,7 +197,7 @@ class TritonShortConfig:
     mask_free: bool = True
     pack_gqa: bool | None = None
     delta_in_dq: bool = True
-    lpt: bool = True
+    lpt: bool = False
 
     def __post_init__(self) -> None:
         for kind in KERNEL_KINDS:
@@ -234,14 +251,16 @@ class TritonShortConfig:
         obj["lpt"] = self.lpt
         return json.dumps(obj)
 
-    def blocks(self, kind: str, head_dim: int) -> tuple[int, int, int, int]:
-        """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of kernel ``kind`` at head dim ``head_dim``."""
+    def blocks(self, kind: str, head_dim: int, packed: bool = True) -> tuple[int, int, int, int]:
+        """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of kernel ``kind`` at head dim ``head_dim``: this config's
+        own value, else :data:`BLOCKS` -- or, for a kernel that runs without PackGQA (``packed`` False),
+        :data:`BLOCKS_UNPACKED` where it has the entry."""
         value = getattr(self, kind)
         if value is not None:
             if head_dim > 256:
                 raise ValueError(f"triton_short: head dim D={head_dim} > 256")
             return value
-        return _blocks(kind, head_dim)
+        return _blocks(kind, head_dim, packed)
 
 
 @functools.lru_cache(maxsize=8)
@@ -265,10 +284,12 @@ def active_config(config: TritonShortConfig | None = None) -> TritonShortConfig:
     return _env_config(os.environ.get(CONFIG_ENV, ""))
 
 
-def _blocks(kind: str, head_dim: int) -> tuple[int, int, int, int]:
+def _blocks(kind: str, head_dim: int, packed: bool = True) -> tuple[int, int, int, int]:
     table = BLOCKS[kind]
     for bound in sorted(table):
         if head_dim <= bound:
+            if not packed:
+                return BLOCKS_UNPACKED.get(kind, {}).get(bound, table[bound])
             return table[bound]
     raise ValueError(f"triton_short: head dim D={head_dim} > {max(table)}")
 
@@ -638,12 +659,27 @@ def _packing(
             f"tile's BLOCK_M = {block_m} rows; use pack_gqa null (packed by group size where it can) or a BLOCK_M "
             f"that G divides"
         )
-    if config.pack_gqa is None:
-        wanted = group >= PACK_GQA_MIN_GROUP or (mean is not None and mean <= PACK_GQA_SHORT_MEAN)
-    else:
-        wanted = config.pack_gqa
-    pack = wanted and group > 1 and block_m % group == 0
+    pack = _wants_pack(config, group, mean) and group > 1 and block_m % group == 0
     return pack, block_m // group if pack else block_m
+
+
+def _wants_pack(config: TritonShortConfig, group: int, mean: float | None) -> bool:
+    """Whether PackGQA is asked for (before the divisibility check of :func:`_packing`): the config's setting, or
+    by default ``group >= PACK_GQA_MIN_GROUP`` or a mean document length ``mean`` at most
+    :data:`PACK_GQA_SHORT_MEAN`."""
+    if config.pack_gqa is None:
+        return group >= PACK_GQA_MIN_GROUP or (mean is not None and mean <= PACK_GQA_SHORT_MEAN)
+    return config.pack_gqa and group > 1
+
+
+def _launch_blocks(
+    config: TritonShortConfig, kind: str, head_dim: int, group: int, mean: float | None
+) -> tuple[tuple[int, int, int, int], bool, int]:
+    """``(blocks, pack_gqa, query tile in tokens)`` of one launch: the launch configuration of the layout the call
+    asks for (:meth:`TritonShortConfig.blocks`, packed or not by :func:`_wants_pack`), then :func:`_packing`."""
+    blocks = config.blocks(kind, head_dim, packed=_wants_pack(config, group, mean) and group > 1)
+    pack, tile_m = _packing(config, group, blocks[0], mean)
+    return blocks, pack, tile_m
 
 
 def _grid(
@@ -665,8 +701,7 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
     out = torch.empty_like(q)
     lse = torch.empty((h, total_q), device=q.device, dtype=torch.float32)
     config = active_config(config)
-    block_m, block_n, warps, stages = config.blocks("fwd", d)
-    pack, tile_m = _packing(config, group, block_m, tables.mean_q)
+    (block_m, block_n, warps, stages), pack, tile_m = _launch_blocks(config, "fwd", d, group, tables.mean_q)
     lo, hi, full_lo, full_hi = tables.launch_tables("q", tile_m, block_n, config.mask_free)
     left, right, has_left, has_right = _mask_args(causal, window_size)
     heads = k.shape[1] if pack else h
@@ -704,8 +739,9 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
     left, right, has_left, has_right = _mask_args(causal, window_size)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     config = active_config(config)
-    block_m, block_n, warps, stages = config.blocks("bwd_dkdv", d)
-    pack, tile_m = _packing(config, h // hkv, block_m, tables.mean_q)
+    (block_m, block_n, warps, stages), pack, tile_m = _launch_blocks(
+        config, "bwd_dkdv", d, h // hkv, tables.mean_q
+    )
     lo, hi, full_lo, full_hi = tables.launch_tables("k", block_n, tile_m, config.mask_free)
     grid, order = _grid(tables, config, "k", block_n, triton_cdiv(total_k, block_n), hkv)
     kern.attn_bwd_dkdv[grid](
@@ -730,8 +766,9 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
     left, right, has_left, has_right = _mask_args(causal, window_size)
     dq = torch.empty_like(q)
     config = active_config(config)
-    block_m, block_n, warps, stages = config.blocks("bwd_dq", d)
-    pack, tile_m = _packing(config, h // hkv, block_m, tables.mean_q)
+    (block_m, block_n, warps, stages), pack, tile_m = _launch_blocks(
+        config, "bwd_dq", d, h // hkv, tables.mean_q
+    )
     lo, hi, full_lo, full_hi = tables.launch_tables("q", tile_m, block_n, config.mask_free)
     o = dout if out is None else out  # not read without DELTA_IN_DQ
     heads = hkv if pack else h
