@@ -7,7 +7,8 @@ candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of :data:`FWD_GRID`, :da
 :data:`DQ_GRID`, with the mask-free tiles on and off (``--mask-free both``, the default; ``on`` / ``off``: one
 of them; :attr:`varpack.attn.triton_short.TritonShortConfig.mask_free`): one untimed pass (compilation; a
 config that fails to compile or launch, e.g. out of shared memory, is reported and skipped), then ``--iters``
-timed calls (CUDA events, median). ``--time-budget`` seconds bound the sweep: configs not reached in time are
+timed calls (CUDA events, median; ``--timing queued``, the default: issued back to back, the kernel's GPU time;
+``synced``: each call waited for). ``--time-budget`` seconds bound the sweep: configs not reached in time are
 reported as skipped.
 
 Printed / written (``--out`` JSON):
@@ -273,7 +274,8 @@ def time_config(
             fn()  # untimed: compiles (once per config; the other mixes reuse it)
             sync(st.device)
             row["first_call_s"] = time.perf_counter() - t1
-            row["ms"] = time_fn(fn, st.device, warmup=1, iters=args.iters)["ms"]
+            queued = args.timing == "queued"
+            row["ms"] = time_fn(fn, st.device, warmup=1, iters=args.iters, queued=queued)["ms"]
     except Exception as exc:  # out of shared memory / registers, or a compile error: reported
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         if st.device.type == "cuda":
@@ -554,6 +556,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-len", type=int, default=8192)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--timing",
+        choices=("queued", "synced"),
+        default="queued",
+        help="queued (default): calls issued back to back, each between its own CUDA events (the kernel's GPU "
+        "time, as benchmarks/attention.py's table); synced: the host waits for each call (the launch path counts; "
+        "before the tenth session the only mode, and ~10%% noisy run to run)",
+    )
     p.add_argument(
         "--time-budget", type=float, default=200.0, help="seconds for the sweep (then skip the rest)"
     )

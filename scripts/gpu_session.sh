@@ -27,6 +27,7 @@
 #   bash scripts/gpu_session.sh s10b     # issue 17: lpt GPU tests + bake-off with triton_short variants in the same run (S10_HEADS, ATTN_MIXES,
 #        S10_VARIANTS: NAME=JSON lines for attention.py --ts-variant; S10_TESTS=0 skips the tests)
 #   bash scripts/gpu_session.sh s10c     # issue 17: per-kernel sweep, short + real mixes (TUNE_MIXES, TUNE_BUDGET; noisy: ~10% run to run)
+#   bash scripts/gpu_session.sh s11a     # issue 17: sweep of the unpacked kernels (16/8, real mix), its pick as a same-run variant
 #   bash scripts/gpu_session.sh s10a     # issue 17: re-sweep after delta_in_dq + attention_profile.py on short / real mixes
 #   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check
@@ -488,6 +489,16 @@ PY
       --mixes ${TUNE_MIXES:-short,lognormal} --heads ${S10_HEADS:-16/4} --head-dim 128 --mask-free on --time-budget ${TUNE_BUDGET:-200} \
       --out "$OUT/s10c_tune.json" > "$OUT/s10c_tune.log" 2>&1; echo "[tune] rc=$? ${SECONDS}s"
     grep -E "^## overall|^- best |TFLOP/s;|^- check" "$OUT/s10c_tune.log" | cut -c1-400
+    ;;
+  s11a)  # issue 17, next session (after fa4a): the unpacked kernels at 16/8 on the real mix (Qwen3-0.6B's shape;
+    # BLOCKS_UNPACKED, never swept unpacked): the per-kernel sweep (queued timing), then its pick as a same-run variant
+    setup
+    timeout ${TUNE_TIMEOUT:-240} python3 benchmarks/attention_tune.py --lengths-file .gpu/samples.npz --mixes lognormal \
+      --heads 16/8 --head-dim 128 --mask-free on --time-budget ${TUNE_BUDGET:-150} \
+      --out "$OUT/s11a_tune.json" > "$OUT/s11a_tune.log" 2>&1; echo "[tune] rc=$?"
+    grep -E "^- best |TFLOP/s;|^- check" "$OUT/s11a_tune.log" | cut -c1-400
+    best=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["records"][0].get("best_env", ""))' "$OUT/s11a_tune.json")
+    [ -n "$best" ] && OUT="$OUT" S10_HEADS=16/8 ATTN_MIXES=lognormal S10_TESTS=0 S10_VARIANTS="swept=$best" bash "$0" s10b
     ;;
   *) echo "unknown stage $stage"; exit 2;;
 esac
