@@ -206,30 +206,24 @@ def varlen_runner(
     the ``VARPACK_TRITON_SHORT_CONFIG`` JSON set around every call (a ``--ts-variant``), restored after it."""
     meta = VarlenMeta(cu, None, max_len, max_len, total_q=q.shape[0]) if batch_meta else None
 
-    def plain_call(q_, k_, v_):
+    def call(q_, k_, v_):
         if meta is not None:
             return varlen_attention(q_, k_, v_, causal=True, backend=backend, meta=meta)
         return varlen_attention(q_, k_, v_, cu, cu, max_len, max_len, causal=True, backend=backend)
 
-    def call(q_, k_, v_):
-        if ts_config is None:
-            return plain_call(q_, k_, v_)
-        with ts_config_env(ts_config):  # the backward runs inside too: the variant's kernels, both ways
-            return plain_call(q_, k_, v_)
+    def scope():  # the variant's config around the forward and the backward (read at every kernel launch)
+        return contextlib.nullcontext() if ts_config is None else ts_config_env(ts_config)
 
     qg, kg, vg = _leaf(q), _leaf(k), _leaf(v)
     dout = torch.randn_like(q)
 
     def fwd():
-        with torch.no_grad():
+        with torch.no_grad(), scope():
             return call(q, k, v)
 
     def fwd_bwd():
-        if ts_config is None:
+        with scope():
             call(qg, kg, vg).backward(dout)
-        else:
-            with ts_config_env(ts_config):
-                call(qg, kg, vg).backward(dout)
         qg.grad = kg.grad = vg.grad = None
 
     return Runner(fwd, fwd_bwd, fwd)

@@ -354,6 +354,9 @@ class TritonShortTables:
     query_hi: torch.Tensor
     _tiles: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _full_tiles: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    #: :meth:`tile_order`'s permutations by (side, tile size); not an init field: a copy (``dataclasses.replace``)
+    #: starts without them
+    _orders: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     fused: bool = field(default=False, repr=False)
     #: mean query-document length ``Tq / N`` (a Python float from shapes: no host read; None if unknown), for
     #: :attr:`TritonShortConfig.pack_gqa`'s default at a group of 2 or 3 (:data:`PACK_GQA_SHORT_MEAN`)
@@ -505,14 +508,13 @@ class TritonShortTables:
         cached; device ops only (no host read)."""
         if side not in ("q", "k"):
             raise ValueError(f"side must be 'q' or 'k', got {side!r}")
-        key = (side + "_order", block)
-        if key not in self._full_tiles:
+        key = (side, block)
+        if key not in self._orders:
             tiles = self.query_tiles if side == "q" else self.key_tiles
-            lo, hi = self._tiles.get((side, block)) or tiles(block)
+            lo, hi = self._tiles.get(key) or tiles(block)
             work = hi.to(torch.int64) - lo.to(torch.int64)
-            order = torch.argsort(work, descending=True, stable=True).to(torch.int32).contiguous()
-            self._full_tiles[key] = (order, order)
-        return self._full_tiles[key][0]
+            self._orders[key] = torch.argsort(work, descending=True, stable=True).to(torch.int32).contiguous()
+        return self._orders[key]
 
     def query_tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[cdiv(Tq, block_m)]`` int32 key range ``[lo, hi)`` of every query tile (union of its queries')."""
@@ -659,17 +661,19 @@ def _packing(
             f"tile's BLOCK_M = {block_m} rows; use pack_gqa null (packed by group size where it can) or a BLOCK_M "
             f"that G divides"
         )
-    pack = _wants_pack(config, group, mean) and group > 1 and block_m % group == 0
+    pack = _wants_pack(config, group, mean) and block_m % group == 0
     return pack, block_m // group if pack else block_m
 
 
 def _wants_pack(config: TritonShortConfig, group: int, mean: float | None) -> bool:
-    """Whether PackGQA is asked for (before the divisibility check of :func:`_packing`): the config's setting, or
-    by default ``group >= PACK_GQA_MIN_GROUP`` or a mean document length ``mean`` at most
-    :data:`PACK_GQA_SHORT_MEAN`."""
+    """Whether PackGQA is asked for (before the divisibility check of :func:`_packing`): never for a group of 1
+    (nothing to pack); else the config's setting, or by default ``group >= PACK_GQA_MIN_GROUP`` or a mean
+    document length ``mean`` at most :data:`PACK_GQA_SHORT_MEAN`."""
+    if group <= 1:
+        return False
     if config.pack_gqa is None:
         return group >= PACK_GQA_MIN_GROUP or (mean is not None and mean <= PACK_GQA_SHORT_MEAN)
-    return config.pack_gqa and group > 1
+    return config.pack_gqa
 
 
 def _launch_blocks(
@@ -677,7 +681,7 @@ def _launch_blocks(
 ) -> tuple[tuple[int, int, int, int], bool, int]:
     """``(blocks, pack_gqa, query tile in tokens)`` of one launch: the launch configuration of the layout the call
     asks for (:meth:`TritonShortConfig.blocks`, packed or not by :func:`_wants_pack`), then :func:`_packing`."""
-    blocks = config.blocks(kind, head_dim, packed=_wants_pack(config, group, mean) and group > 1)
+    blocks = config.blocks(kind, head_dim, packed=_wants_pack(config, group, mean))
     pack, tile_m = _packing(config, group, blocks[0], mean)
     return blocks, pack, tile_m
 
