@@ -27,6 +27,7 @@
 #   bash scripts/gpu_session.sh s10b     # issue 17: lpt GPU tests + bake-off with triton_short variants in the same run (S10_HEADS, ATTN_MIXES,
 #        S10_VARIANTS: NAME=JSON lines for attention.py --ts-variant; S10_TESTS=0 skips the tests)
 #   bash scripts/gpu_session.sh s10c     # issue 17: per-kernel sweep, short + real mixes (TUNE_MIXES, TUNE_BUDGET; noisy: ~10% run to run)
+#   bash scripts/gpu_session.sh s12a     # issue 17: backward pipeline-depth variants (16/4, same run), then s11a
 #   bash scripts/gpu_session.sh s11a     # issue 17: sweep of the unpacked kernels (16/8, real mix), its pick as a same-run variant
 #   bash scripts/gpu_session.sh s10a     # issue 17: re-sweep after delta_in_dq + attention_profile.py on short / real mixes
 #   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
@@ -489,6 +490,13 @@ PY
       --mixes ${TUNE_MIXES:-short,lognormal} --heads ${S10_HEADS:-16/4} --head-dim 128 --mask-free on --time-budget ${TUNE_BUDGET:-200} \
       --out "$OUT/s10c_tune.json" > "$OUT/s10c_tune.log" 2>&1; echo "[tune] rc=$? ${SECONDS}s"
     grep -E "^## overall|^- best |TFLOP/s;|^- check" "$OUT/s10c_tune.log" | cut -c1-400
+    ;;
+  s12a)  # issue 17, eleventh session (after fa4a): deeper pipelines for the PackGQA backward kernels (16/4; num_stages 3
+    # paid 3% each in the tenth session), as same-run variants on the real and short mixes; then s11a
+    OUT="$OUT" S10_TESTS=0 ATTN_MIXES="lognormal short" S10_BACKENDS=flash_attn_4,torch_varlen,triton_short,auto \
+      S10_VARIANTS=${S12_VARIANTS:-$'same={}\ndkdv4={"bwd_dkdv": [32, 64, 4, 4]}\ndq4={"bwd_dq": [64, 16, 4, 4]}\nboth4={"bwd_dkdv": [32, 64, 4, 4], "bwd_dq": [64, 16, 4, 4]}\ndq32s3={"bwd_dq": [64, 32, 4, 3]}\nfwd3={"fwd": [64, 32, 4, 3]}'} \
+      bash "$0" s10b
+    [ "${S12_S11A:-1}" = 1 ] && OUT="$OUT" bash "$0" s11a
     ;;
   s11a)  # issue 17, next session (after fa4a): the unpacked kernels at 16/8 on the real mix (Qwen3-0.6B's shape;
     # BLOCKS_UNPACKED, never swept unpacked): the per-kernel sweep (queued timing), then its pick as a same-run variant

@@ -475,6 +475,63 @@ def test_lpt_config_flag():
         ts.TritonShortConfig(lpt="yes")
 
 
+def test_maxnreg_config_parsing_and_launch_options(monkeypatch):
+    """Register caps per kernel: JSON object -> sorted checked pairs, round trip, defaults from MAXNREG, refusals
+    naming the field; the launch options carry the cap on CUDA only (the interpreter takes no launch options)."""
+    cfg = ts.TritonShortConfig.from_json('{"maxnreg": {"bwd_dq": 160, "fwd": 168}}')
+    assert cfg.maxnreg == (("bwd_dq", 160), ("fwd", 168))
+    assert ts.TritonShortConfig.from_json(cfg.to_json()) == cfg
+    assert "maxnreg" not in json.loads(ts.TritonShortConfig().to_json())  # unset: not written
+    assert cfg.registers("fwd", 128) == 168 and cfg.registers("bwd_dkdv", 128) is None
+    monkeypatch.setitem(ts.MAXNREG, "bwd_dkdv", {128: 200})
+    assert cfg.registers("bwd_dkdv", 128) == 200 and cfg.registers("bwd_dkdv", 256) is None
+    assert (
+        ts.TritonShortConfig(maxnreg=(("bwd_dkdv", 64),)).registers("bwd_dkdv", 128) == 64
+    )  # own beats default
+    for bad, match in (
+        ('{"maxnreg": {"fwd": 300}}', "32..255"),
+        ('{"maxnreg": {"fwd": true}}', "32..255"),
+        ('{"maxnreg": {"fwd": 16}}', "32..255"),
+        ('{"maxnreg": {"bwd": 128}}', "unknown kernel"),
+        ('{"maxnreg": [128]}', "must be an object"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ts.TritonShortConfig.from_json(bad)
+    with pytest.raises(ValueError, match="given twice"):
+        ts.TritonShortConfig(maxnreg=(("fwd", 128), ("fwd", 160)))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert ts._launch_opts(4, 3, cuda, 168) == {"num_warps": 4, "num_stages": 3, "maxnreg": 168}
+    assert ts._launch_opts(4, 3, cuda) == {"num_warps": 4, "num_stages": 3}
+    assert ts._launch_opts(4, 3, cpu, 168) == {}
+
+
+def test_maxnreg_reaches_every_kernel_launch(monkeypatch):
+    """Each kernel launches with its own cap (a spy on the launch options), and the results stay those of the
+    uncapped run (the interpreter ignores the cap: this checks the plumbing; bitwise equality of the compiled
+    kernels is the GPU test's)."""
+    seen = []
+    real = ts._launch_opts
+
+    def spy(warps, stages, device, maxnreg=None):
+        seen.append(maxnreg)
+        return real(warps, stages, device, maxnreg)
+
+    monkeypatch.setattr(ts, "_launch_opts", spy)
+    q, k, v, dout, cu_q, cu_k = _inputs([5, 17, 3], None, 4, 2, 32, torch.float32, seed=3)
+    runs = []
+    for cfg in (
+        ts.TritonShortConfig(),
+        ts.TritonShortConfig(maxnreg=(("fwd", 168), ("bwd_dkdv", 200), ("bwd_dq", 128))),
+    ):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, _ = ts.triton_short_attention(*leaves, cu_q, cu_k, causal=True, config=cfg)
+        out.backward(dout)
+        runs.append([out.detach(), *(t.grad for t in leaves)])
+    assert seen == [None, None, None, 168, 128, 200]  # forward, then dQ (delta on the way), then dK/dV
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 # -- fused table builds (two Triton launches instead of ~65 PyTorch ops per call) ---------------------------
 
 

@@ -61,6 +61,7 @@ __all__ = [
     "PACK_GQA_MIN_GROUP",
     "PACK_GQA_SHORT_MEAN",
     "BLOCKS_UNPACKED",
+    "MAXNREG",
     "TritonShortBackend",
     "TritonShortConfig",
     "TritonShortTables",
@@ -96,6 +97,9 @@ BLOCKS_UNPACKED: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "bwd_dkdv": {128: (32, 64, 4, 1)},
     "bwd_dq": {128: (64, 32, 4, 2)},
 }
+#: Default register caps per thread (:attr:`TritonShortConfig.maxnreg`) by kernel and head-dim bucket; kernels and
+#: buckets left out are uncapped. None yet: the caps are measured as same-run variants first.
+MAXNREG: dict[str, dict[int, int]] = {}
 #: :attr:`TritonShortConfig.pack_gqa` ``None`` (the default) packs the query heads of a GQA group into one
 #: program's tile from this group size ``G = H / Hkv`` on. Measured on the H200 (2026-12-01, eighth session;
 #: benchmarks/RESULTS.md; T = 65,536, D = 128, bf16, fwd+bwd, ``BLOCKS``): at G = 4 (H = 16/4) packed 1.65 vs
@@ -120,7 +124,8 @@ KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 #: :attr:`TritonShortConfig.mask_free` (default true); ``"pack_gqa": true / false / null`` sets
 #: :attr:`TritonShortConfig.pack_gqa` (default null: by group size); ``"delta_in_dq": true / false`` sets
 #: :attr:`TritonShortConfig.delta_in_dq` (default true); ``"lpt": true / false`` sets :attr:`TritonShortConfig.lpt`
-#: (default false). Empty or unset: no override.
+#: (default false); ``"maxnreg": {"fwd": 168, ..}`` sets :attr:`TritonShortConfig.maxnreg` (register caps per kernel).
+#: Empty or unset: no override.
 CONFIG_ENV = "VARPACK_TRITON_SHORT_CONFIG"
 
 _FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -160,6 +165,35 @@ def _checked_blocks(kind: str, value: Any) -> tuple[int, int, int, int]:
     return bm, bn, warps, stages
 
 
+def _checked_maxnreg(value: Any) -> tuple[tuple[str, int], ...]:
+    """``value`` (``(kind, registers)`` pairs or a mapping) as sorted checked pairs.
+
+    Raises:
+        ValueError: unknown kind, a kind twice, a cap not an integer in 32..255.
+    """
+    pairs = list(value.items()) if isinstance(value, dict) else list(value)
+    out: dict[str, int] = {}
+    for pair in pairs:
+        try:
+            kind, n = pair
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"triton_short config maxnreg: need (kernel, registers) pairs, got {pair!r}"
+            ) from None
+        if kind not in KERNEL_KINDS:
+            raise ValueError(
+                f"triton_short config maxnreg: unknown kernel {kind!r}; choose from {KERNEL_KINDS}"
+            )
+        if kind in out:
+            raise ValueError(f"triton_short config maxnreg: {kind} given twice")
+        if isinstance(n, bool) or not isinstance(n, int) or not 32 <= n <= 255:
+            raise ValueError(
+                f"triton_short config maxnreg {kind}: need an integer in 32..255 registers, got {n!r}"
+            )
+        out[kind] = n
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class TritonShortConfig:
     """Launch configurations of the three kernels, overriding :data:`BLOCKS` for every head dim.
@@ -187,8 +221,15 @@ class TritonShortConfig:
     bake-off) longest-first was slower, 1.40 vs 1.30 ms fwd+bwd on the short mix and 2.50 vs 2.44 ms on the
     real-lengths mix (neighbouring tiles of one document, launched together in row order, share their K / V
     loads; sorted, they scatter). Every tile computes the same thing either way: results are bitwise equal.
+    ``maxnreg`` (per kernel, CUDA only): ``(kind, registers)`` pairs capping the registers per thread of that kernel
+    (ptxas ``.maxnreg``; Triton's ``maxnreg`` launch option), e.g. ``(("fwd", 168),)``. At 255 registers (what the
+    kernels take uncapped at D = 128) a 4-warp program leaves room for 2 per SM; a cap of 168 lets 3 share an SM
+    (more latency hidden) at the price of spills to local memory -- a trade only a measurement decides. Kernels
+    left out are uncapped (:data:`MAXNREG`'s defaults apply). The same instructions in another register
+    allocation: results are bitwise equal.
     Checked on construction (:func:`_checked_blocks`; ``mask_free``, ``delta_in_dq``
-    and ``lpt`` bools, ``pack_gqa`` a bool or None: ValueError).
+    and ``lpt`` bools, ``pack_gqa`` a bool or None, ``maxnreg`` kinds of :data:`KERNEL_KINDS` with integers in
+    32..255: ValueError).
     """
 
     fwd: tuple[int, int, int, int] | None = None
@@ -198,8 +239,10 @@ class TritonShortConfig:
     pack_gqa: bool | None = None
     delta_in_dq: bool = True
     lpt: bool = False
+    maxnreg: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "maxnreg", _checked_maxnreg(self.maxnreg))
         for kind in KERNEL_KINDS:
             value = getattr(self, kind)
             if value is not None:
@@ -233,12 +276,18 @@ class TritonShortConfig:
         for kind, value in obj.items():
             if kind in ("mask_free", "pack_gqa", "delta_in_dq", "lpt"):
                 kwargs[kind] = value  # checked by __post_init__ (a JSON bool)
+            elif kind == "maxnreg":
+                if not isinstance(value, dict):
+                    raise ValueError(
+                        f'triton_short config: maxnreg must be an object like {{"fwd": 168}}, got {value!r}'
+                    )
+                kwargs[kind] = tuple(value.items())
             elif kind in KERNEL_KINDS:
                 kwargs[kind] = _checked_blocks(kind, value)
             else:
                 raise ValueError(
                     f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS} (or mask_free, "
-                    "pack_gqa, delta_in_dq, lpt)"
+                    "pack_gqa, delta_in_dq, lpt, maxnreg)"
                 )
         return cls(**kwargs)
 
@@ -249,7 +298,21 @@ class TritonShortConfig:
         obj["pack_gqa"] = self.pack_gqa
         obj["delta_in_dq"] = self.delta_in_dq
         obj["lpt"] = self.lpt
+        if self.maxnreg:
+            obj["maxnreg"] = dict(self.maxnreg)
         return json.dumps(obj)
+
+    def registers(self, kind: str, head_dim: int) -> int | None:
+        """The register cap of kernel ``kind``: this config's own, else :data:`MAXNREG`'s for the head-dim bucket
+        of ``head_dim`` (None: uncapped)."""
+        own = dict(self.maxnreg)
+        if kind in own:
+            return own[kind]
+        table = MAXNREG.get(kind, {})
+        for bound in sorted(table):
+            if head_dim <= bound:
+                return table[bound]
+        return None
 
     def blocks(self, kind: str, head_dim: int, packed: bool = True) -> tuple[int, int, int, int]:
         """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of kernel ``kind`` at head dim ``head_dim``: this config's
@@ -639,8 +702,17 @@ def _upcast(kern, dtype: torch.dtype) -> bool:
     return bool(kern.INTERPRETED) and dtype == torch.bfloat16
 
 
-def _launch_opts(num_warps: int, num_stages: int, device: torch.device) -> dict[str, int]:
-    return {} if device.type == "cpu" else {"num_warps": num_warps, "num_stages": num_stages}
+def _launch_opts(
+    num_warps: int, num_stages: int, device: torch.device, maxnreg: int | None = None
+) -> dict[str, int]:
+    """Triton launch options of a compiled kernel (none under the CPU interpreter): warps, stages and, where set,
+    the register cap ``maxnreg``."""
+    if device.type == "cpu":
+        return {}
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        opts["maxnreg"] = maxnreg
+    return opts
 
 
 def _packing(
@@ -717,7 +789,8 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
         out.stride(0), out.stride(1), lse.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt, **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt,
+        **_launch_opts(warps, stages, q.device, config.registers("fwd", d)),
     )  # fmt: skip
     return out, lse
 
@@ -755,7 +828,8 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt, **_launch_opts(warps, stages, q.device),
+        MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt,
+        **_launch_opts(warps, stages, q.device, config.registers("bwd_dkdv", d)),
     )  # fmt: skip
     return dk, dv
 
@@ -785,7 +859,7 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
         MASK_FREE=config.mask_free, PACK_GQA=pack, DELTA_IN_DQ=out is not None, LPT=config.lpt,
-        **_launch_opts(warps, stages, q.device),
+        **_launch_opts(warps, stages, q.device, config.registers("bwd_dq", d)),
     )  # fmt: skip
     return dq
 
