@@ -28,6 +28,7 @@
 #        S10_VARIANTS: NAME=JSON lines for attention.py --ts-variant; S10_TESTS=0 skips the tests)
 #   bash scripts/gpu_session.sh s10c     # issue 17: per-kernel sweep, short + real mixes (TUNE_MIXES, TUNE_BUDGET; noisy: ~10% run to run)
 #   bash scripts/gpu_session.sh s12a     # issue 17: backward pipeline-depth variants (16/4, same run), then s11a
+#   bash scripts/gpu_session.sh s12b     # issue 17: register-cap (maxnreg) variants, same run, 16/4 and 16/8
 #   bash scripts/gpu_session.sh s11a     # issue 17: sweep of the unpacked kernels (16/8, real mix), its pick as a same-run variant
 #   bash scripts/gpu_session.sh s10a     # issue 17: re-sweep after delta_in_dq + attention_profile.py on short / real mixes
 #   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
@@ -497,6 +498,16 @@ PY
       S10_VARIANTS=${S12_VARIANTS:-$'same={}\ndkdv4={"bwd_dkdv": [32, 64, 4, 4]}\ndq4={"bwd_dq": [64, 16, 4, 4]}\nboth4={"bwd_dkdv": [32, 64, 4, 4], "bwd_dq": [64, 16, 4, 4]}\ndq32s3={"bwd_dq": [64, 32, 4, 3]}\nfwd3={"fwd": [64, 32, 4, 3]}'} \
       bash "$0" s10b
     [ "${S12_S11A:-1}" = 1 ] && OUT="$OUT" bash "$0" s11a
+    ;;
+  s12b)  # issue 17, eleventh session (after fa4a): register caps (maxnreg) as same-run variants: at 255 registers a
+    # 4-warp program leaves room for 2 per SM; 168 lets 3 share it, 128 four (ptxas -v: spills grow); 16/4 then 16/8
+    v=$'same={}\nf168={"maxnreg": {"fwd": 168}}\nq168={"maxnreg": {"bwd_dq": 168}}\nfq168={"maxnreg": {"fwd": 168, "bwd_dq": 168}}'
+    v+=$'\nfq128={"maxnreg": {"fwd": 128, "bwd_dq": 128}}\nkv168s2={"bwd_dkdv": [32, 64, 4, 2], "maxnreg": {"bwd_dkdv": 168}}'
+    for heads in ${S12_HEADS:-16/4 16/8}; do
+      OUT="$OUT" S10_TESTS=0 S10_HEADS=$heads ATTN_MIXES="lognormal short" S10_BACKENDS=flash_attn_4,torch_varlen,triton_short,auto \
+        S10_VARIANTS=${S12_VARIANTS:-$v} bash "$0" s10b
+    done
+    (cd "$OUT" && tar -cJf s12b_raw.tar.xz s10b_attention_*.json s10b_attention_*.log && rm -f s10b_attention_*.json s10b_attention_*.log)
     ;;
   s11a)  # issue 17, next session (after fa4a): the unpacked kernels at 16/8 on the real mix (Qwen3-0.6B's shape;
     # BLOCKS_UNPACKED, never swept unpacked): the per-kernel sweep (queued timing), then its pick as a same-run variant
