@@ -29,6 +29,7 @@
 #   bash scripts/gpu_session.sh s10c     # issue 17: per-kernel sweep, short + real mixes (TUNE_MIXES, TUNE_BUDGET; noisy: ~10% run to run)
 #   bash scripts/gpu_session.sh s12a     # issue 17: backward pipeline-depth variants (16/4, same run), then s11a
 #   bash scripts/gpu_session.sh s12b     # issue 17: register-cap (maxnreg) variants, same run, 16/4 and 16/8
+#   bash scripts/gpu_session.sh s12c     # issue 17: GPU tests + bake-off with the committed maxnreg defaults (every peer), 16/4 and 16/8
 #   bash scripts/gpu_session.sh s11a     # issue 17: sweep of the unpacked kernels (16/8, real mix), its pick as a same-run variant
 #   bash scripts/gpu_session.sh s10a     # issue 17: re-sweep after delta_in_dq + attention_profile.py on short / real mixes
 #   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
@@ -508,6 +509,17 @@ PY
         S10_VARIANTS=${S12_VARIANTS:-$v} bash "$0" s10b
     done
     (cd "$OUT" && tar -cJf s12b_raw.tar.xz s10b_attention_*.json s10b_attention_*.log && rm -f s10b_attention_*.json s10b_attention_*.log)
+    ;;
+  s12c)  # issue 17, eleventh session (after fa4a): GPU tests (maxnreg caps bitwise + reach ptxas, and the rest of
+    # triton_short's), then the bake-off with the committed defaults (MAXNREG fwd 128) beside every peer incl. flex,
+    # with forward variants around the cap, 16/4 then 16/8
+    v=$'same={}\nnocap={"maxnreg": {"fwd": 255}}\nf128s1={"fwd": [64, 32, 4, 1]}\nf96s1={"fwd": [64, 32, 4, 1], "maxnreg": {"fwd": 96}}\nf128n16={"fwd": [64, 16, 4, 2]}'
+    tests=${S10_TESTS:-1}
+    for heads in ${S12_HEADS:-16/4 16/8}; do
+      OUT="$OUT" S10_TESTS=$tests S10_HEADS=$heads ATTN_MIXES="lognormal short" S10_VARIANTS=${S12_VARIANTS:-$v} bash "$0" s10b
+      tests=0
+    done
+    (cd "$OUT" && tar -cJf s12c_raw.tar.xz s10b_attention_*.json s10b_attention_*.log && rm -f s10b_attention_*.json s10b_attention_*.log)
     ;;
   s11a)  # issue 17, next session (after fa4a): the unpacked kernels at 16/8 on the real mix (Qwen3-0.6B's shape;
     # BLOCKS_UNPACKED, never swept unpacked): the per-kernel sweep (queued timing), then its pick as a same-run variant

@@ -484,7 +484,9 @@ def test_maxnreg_config_parsing_and_launch_options(monkeypatch):
     assert "maxnreg" not in json.loads(ts.TritonShortConfig().to_json())  # unset: not written
     assert cfg.registers("fwd", 128) == 168 and cfg.registers("bwd_dkdv", 128) is None
     monkeypatch.setitem(ts.MAXNREG, "bwd_dkdv", {128: 200})
-    assert cfg.registers("bwd_dkdv", 128) == 200 and cfg.registers("bwd_dkdv", 256) is None
+    assert cfg.registers("bwd_dkdv", 128) == 200 and cfg.registers("bwd_dkdv", 96) == 200  # bucket 128
+    assert cfg.registers("bwd_dkdv", 256) is None and cfg.registers("bwd_dkdv", 64) is None  # other buckets
+    assert ts.TritonShortConfig().registers("fwd", 128) == ts.MAXNREG["fwd"][128]  # the default table
     assert (
         ts.TritonShortConfig(maxnreg=(("bwd_dkdv", 64),)).registers("bwd_dkdv", 128) == 64
     )  # own beats default
@@ -527,7 +529,8 @@ def test_maxnreg_reaches_every_kernel_launch(monkeypatch):
         out, _ = ts.triton_short_attention(*leaves, cu_q, cu_k, causal=True, config=cfg)
         out.backward(dout)
         runs.append([out.detach(), *(t.grad for t in leaves)])
-    assert seen == [None, None, None, 168, 128, 200]  # forward, then dQ (delta on the way), then dK/dV
+    # forward, then dQ (delta on the way), then dK/dV; D = 32 is the 64 bucket, where MAXNREG has no default
+    assert seen == [None, None, None, 168, 128, 200]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 

@@ -178,3 +178,40 @@ def test_lpt_order_matches_reference_and_row_order_bitwise(h, hkv):
         del good_copy
         bad = ts._forward(q, k, v, tables, True, (-1, 0), 128**-0.5, config)[0]
     assert not torch.allclose(bad.float(), good.float(), rtol=1e-2, atol=1e-2)
+
+
+def _compiled(fn, maxnreg):
+    """The compiled kernels of ``fn`` (every device) whose launch options carried this register cap."""
+    found = []
+    for caches in fn.device_caches.values():
+        found += [k for k in caches[0].values() if getattr(k.metadata, "maxnreg", None) == maxnreg]
+    return found
+
+
+@pytest.mark.parametrize("h,hkv", [(16, 4), (16, 8)], ids=["g4-packed", "g2"])
+def test_maxnreg_caps_match_reference_bitwise_and_reach_ptxas(h, hkv):
+    """Register caps (the default MAXNREG, explicit caps on every kernel, and none) compiled: by the fp32-truth
+    rule and bitwise equal to each other (the same instructions, another register allocation). The caps must
+    reach the compiled kernels: each capped kernel uses at most its cap of registers (an uncapped one takes
+    255 at D = 128; ptxas ``-v``, benchmarks/RESULTS.md) -- a cap lost on the way fails here."""
+    from varpack.attn import _triton_short_kernels as kern
+    from varpack.attn import triton_short as ts
+
+    lens = [1000, 37, 1, 300, 128, 5, 2000, 64, 65, 2, 700, 17, 90]
+    caps = (("bwd_dkdv", 200), ("bwd_dq", 160), ("fwd", 120))
+    runs = {
+        "default": _check(lens, h, hkv, 128, ts.TritonShortConfig(), name=f"maxnreg default {h}/{hkv}"),
+        "capped": _check(lens, h, hkv, 128, ts.TritonShortConfig(maxnreg=caps), name="capped"),
+        "uncapped": _check(
+            lens, h, hkv, 128, ts.TritonShortConfig(maxnreg=tuple((k, 255) for k, _ in caps)), name="uncapped"
+        ),
+    }
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        assert torch.equal(runs["default"][i], runs["capped"][i]), what
+        assert torch.equal(runs["default"][i], runs["uncapped"][i]), what
+    for fn, cap in ((kern.attn_bwd_dkdv, 200), (kern.attn_bwd_dq, 160), (kern.attn_fwd, 120)):
+        compiled = _compiled(fn, cap)
+        assert compiled, f"{fn.__name__}: no kernel compiled with maxnreg={cap}"
+        assert all(k.n_regs <= cap for k in compiled), (fn.__name__, [k.n_regs for k in compiled])
+    uncapped = _compiled(kern.attn_fwd, 255)
+    assert uncapped and max(k.n_regs for k in uncapped) > 120  # the control: without the cap it takes more

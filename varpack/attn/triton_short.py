@@ -98,8 +98,13 @@ BLOCKS_UNPACKED: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "bwd_dq": {128: (64, 32, 4, 2)},
 }
 #: Default register caps per thread (:attr:`TritonShortConfig.maxnreg`) by kernel and head-dim bucket; kernels and
-#: buckets left out are uncapped. None yet: the caps are measured as same-run variants first.
-MAXNREG: dict[str, dict[int, int]] = {}
+#: buckets left out are uncapped. D = 128 forward: 128. Uncapped it takes 255 registers (ptxas ``-v``), so 2 of its
+#: 4-warp programs share an SM; at 128 (a few hundred bytes of spills) 4 do, which the 48 KB of shared memory of
+#: (64, 32, 4, 2) allows. Measured on the H200 (eleventh session, benchmarks/RESULTS.md; same-run variants, T =
+#: 65,536, bf16): forward 0.518 vs 0.566 ms on the real-lengths mix at 16/4, 0.621 vs 0.667 ms at 16/8. Caps of 168
+#: on the forward or the dQ kernel changed nothing; 128 on the dQ kernel and 168 on dK/dV (at 2 stages) were slower.
+MAXNREG: dict[str, dict[int, int]] = {"fwd": {128: 128}}
+_HEAD_DIM_BUCKETS = (64, 128, 256)  # the head-dim buckets of BLOCKS and MAXNREG
 #: :attr:`TritonShortConfig.pack_gqa` ``None`` (the default) packs the query heads of a GQA group into one
 #: program's tile from this group size ``G = H / Hkv`` on. Measured on the H200 (2026-12-01, eighth session;
 #: benchmarks/RESULTS.md; T = 65,536, D = 128, bf16, fwd+bwd, ``BLOCKS``): at G = 4 (H = 16/4) packed 1.65 vs
@@ -304,15 +309,12 @@ class TritonShortConfig:
 
     def registers(self, kind: str, head_dim: int) -> int | None:
         """The register cap of kernel ``kind``: this config's own, else :data:`MAXNREG`'s for the head-dim bucket
-        of ``head_dim`` (None: uncapped)."""
+        of ``head_dim`` (64, 128, 256: the first one >= ``head_dim``; None: uncapped)."""
         own = dict(self.maxnreg)
         if kind in own:
             return own[kind]
-        table = MAXNREG.get(kind, {})
-        for bound in sorted(table):
-            if head_dim <= bound:
-                return table[bound]
-        return None
+        bucket = next((b for b in _HEAD_DIM_BUCKETS if head_dim <= b), None)
+        return MAXNREG.get(kind, {}).get(bucket)
 
     def blocks(self, kind: str, head_dim: int, packed: bool = True) -> tuple[int, int, int, int]:
         """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of kernel ``kind`` at head dim ``head_dim``: this config's
