@@ -25,10 +25,10 @@ SCRIPT = textwrap.dedent(
 
     if "nvidia" not in backends:
         raise SystemExit(77)
+    from benchmarks.triton_short_registers import signature
     from varpack.attn import _triton_short_kernels as kern
 
     assert not kern.INTERPRETED
-    ints = ("DOC_Q", "DOC_K", "LIM", "TILE_LO", "TILE_HI", "FULL_LO", "FULL_HI", "ORDER")
     for mask_free, pack, d, block_d, bm, bn, left, right in (
         (True, False, 128, 128, 64, 32, False, True),  # the D = 128 default, causal: unmasked head-dim loads
         (True, False, 96, 128, 64, 64, True, True),  # padded head dim, window on both sides
@@ -44,19 +44,7 @@ SCRIPT = textwrap.dedent(
                 consts = dict(consts, DELTA_IN_DQ=mask_free or pack)
             else:
                 consts.pop("DELTA_IN_DQ", None)
-            sig = {}
-            for name in fn.arg_names:
-                if name in consts:
-                    sig[name] = "constexpr"
-                elif name in ints:
-                    sig[name] = "*i32"
-                elif name in ("LSE", "DELTA"):
-                    sig[name] = "*fp32"
-                elif name.isupper():
-                    sig[name] = "*bf16"
-                else:
-                    sig[name] = "fp32" if name.endswith("scale") else "i32"
-            src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+            src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, consts), constexprs=consts)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
             assert compiled.asm["cubin"], fn.__name__
             print(fn.__name__, mask_free, pack, d, "ok")

@@ -1,0 +1,56 @@
+"""benchmarks/triton_short_registers.py on the CPU: the kernels compile for sm_90a and ptxas's report is read --
+a register cap given in the config reaches ptxas (registers at most the cap, spills appear) and an uncapped
+kernel takes more (the control); the occupancy arithmetic against the sm_90 limits by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_programs_per_sm_by_the_sm90_limits():
+    from benchmarks.triton_short_registers import programs_per_sm
+
+    # 255 registers -> 256 per thread x 128 threads = 32,768: 2 programs of 4 warps; 128 -> 4
+    assert programs_per_sm(255, 24 * 1024, 4) == {"by_registers": 2, "by_shared": 9}
+    assert programs_per_sm(128, 24 * 1024, 4)["by_registers"] == 4
+    assert programs_per_sm(121, 0, 4)["by_registers"] == 4  # rounded up to 128
+    assert programs_per_sm(32, 0, 1) == {"by_registers": 32, "by_shared": 32}  # the 32-program limit
+    assert programs_per_sm(64, 100 * 1024, 16)["by_registers"] == 2  # 2 x 16 warps = 32; registers allow 2
+
+
+def test_report_compiles_for_sm90_and_reads_ptxas(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    config = {"fwd": [32, 32, 4, 1], "bwd_dq": [32, 16, 4, 1], "bwd_dkdv": [16, 32, 4, 1]}
+    rows = {}
+    for name, cfg in (("capped", dict(config, maxnreg={"fwd": 64})), ("uncapped", config)):
+        out = tmp_path / f"{name}.json"
+        done = subprocess.run(
+            [sys.executable, "benchmarks/triton_short_registers.py", "--heads", "16/4", "--head-dim", "64",
+             "--mean", "50", "--config", json.dumps(cfg), "--json", str(out)],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        if "no NVIDIA backend" in done.stderr:
+            pytest.skip("this Triton has no NVIDIA backend")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("\n| ") == 4  # header + 3 kernels
+        rows[name] = {r["kernel"]: r for r in json.loads(out.read_text())["rows"]}
+    capped, uncapped = rows["capped"]["fwd"], rows["uncapped"]["fwd"]
+    assert capped["maxnreg"] == 64 and capped["registers"] <= 64 and capped["spill_stores"] > 0
+    assert (
+        uncapped["maxnreg"] is None and uncapped["registers"] > 64
+    )  # the control: the cap made the difference
+    assert capped["config"] == [32, 32, 4, 1] and capped["pack_gqa"] is True  # G = 4 packs
+    for r in rows["capped"].values():
+        assert r["shared"] > 0 and r["by_registers"] >= 1 and r["by_shared"] >= 1
