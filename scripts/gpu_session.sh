@@ -513,7 +513,7 @@ PY
   s12c)  # issue 17, eleventh session (after fa4a): GPU tests (maxnreg caps bitwise + reach ptxas, and the rest of
     # triton_short's), then the bake-off with the committed defaults (MAXNREG fwd 128) beside every peer incl. flex,
     # with forward variants around the cap, 16/4 then 16/8
-    v=$'same={}\nnocap={"maxnreg": {"fwd": 255}}\nf128s1={"fwd": [64, 32, 4, 1]}\nf96s1={"fwd": [64, 32, 4, 1], "maxnreg": {"fwd": 96}}\nf128n16={"fwd": [64, 16, 4, 2]}'
+    v=$'same={}\nnocap={"maxnreg": {"fwd": 255}}\nf128s1={"fwd": [64, 32, 4, 1], "maxnreg": {"fwd": 128}}\nf96s1={"fwd": [64, 32, 4, 1], "maxnreg": {"fwd": 96}}\nf128n16={"fwd": [64, 16, 4, 2], "maxnreg": {"fwd": 128}}'
     tests=${S10_TESTS:-1}
     for heads in ${S12_HEADS:-16/4 16/8}; do
       OUT="$OUT" S10_TESTS=$tests S10_HEADS=$heads ATTN_MIXES="lognormal short" S10_VARIANTS=${S12_VARIANTS:-$v} bash "$0" s10b

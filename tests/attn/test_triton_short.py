@@ -487,6 +487,9 @@ def test_maxnreg_config_parsing_and_launch_options(monkeypatch):
     assert cfg.registers("bwd_dkdv", 128) == 200 and cfg.registers("bwd_dkdv", 96) == 200  # bucket 128
     assert cfg.registers("bwd_dkdv", 256) is None and cfg.registers("bwd_dkdv", 64) is None  # other buckets
     assert ts.TritonShortConfig().registers("fwd", 128) == ts.MAXNREG["fwd"][128]  # the default table
+    # own tile sizes without a cap: uncapped (the default cap belongs to the default tiles)
+    assert ts.TritonShortConfig(fwd=(128, 64, 8, 2)).registers("fwd", 128) is None
+    assert ts.TritonShortConfig(fwd=(128, 64, 8, 2), maxnreg=(("fwd", 200),)).registers("fwd", 128) == 200
     assert (
         ts.TritonShortConfig(maxnreg=(("bwd_dkdv", 64),)).registers("bwd_dkdv", 128) == 64
     )  # own beats default

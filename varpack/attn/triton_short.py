@@ -230,8 +230,8 @@ class TritonShortConfig:
     (ptxas ``.maxnreg``; Triton's ``maxnreg`` launch option), e.g. ``(("fwd", 168),)``. At 255 registers (what the
     kernels take uncapped at D = 128) a 4-warp program leaves room for 2 per SM; a cap of 168 lets 3 share an SM
     (more latency hidden) at the price of spills to local memory -- a trade only a measurement decides. Kernels
-    left out are uncapped (:data:`MAXNREG`'s defaults apply). The same instructions in another register
-    allocation: results are bitwise equal.
+    left out take :data:`MAXNREG`'s default cap (uncapped where it has no entry). The same instructions in another register
+    allocation: results are bitwise equal. A kernel given its own launch config here gets no default cap.
     Checked on construction (:func:`_checked_blocks`; ``mask_free``, ``delta_in_dq``
     and ``lpt`` bools, ``pack_gqa`` a bool or None, ``maxnreg`` kinds of :data:`KERNEL_KINDS` with integers in
     32..255: ValueError).
@@ -308,11 +308,15 @@ class TritonShortConfig:
         return json.dumps(obj)
 
     def registers(self, kind: str, head_dim: int) -> int | None:
-        """The register cap of kernel ``kind``: this config's own, else :data:`MAXNREG`'s for the head-dim bucket
-        of ``head_dim`` (64, 128, 256: the first one >= ``head_dim``; None: uncapped)."""
+        """The register cap of kernel ``kind``: this config's own; else, where the kernel keeps its default launch
+        config, :data:`MAXNREG`'s for the head-dim bucket of ``head_dim`` (64, 128, 256: the first one >=
+        ``head_dim``). A kernel given its own launch config and no cap is uncapped (None): a default cap was
+        measured with the default tile sizes only."""
         own = dict(self.maxnreg)
         if kind in own:
             return own[kind]
+        if getattr(self, kind) is not None:
+            return None
         bucket = next((b for b in _HEAD_DIM_BUCKETS if head_dim <= b), None)
         return MAXNREG.get(kind, {}).get(bucket)
 
