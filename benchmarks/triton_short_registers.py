@@ -132,9 +132,20 @@ def report(
     return rows
 
 
+def _heads(text: str) -> str:
+    """``H/Hkv`` with ``Hkv`` dividing ``H`` (argparse type: a clear error otherwise)."""
+    try:
+        h, hkv = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads: need H/Hkv such as 16/4, got {text!r}") from None
+    if h < 1 or hkv < 1 or h % hkv:
+        raise argparse.ArgumentTypeError(f"--heads {text}: Hkv must be >= 1 and divide H")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--heads", default="16/4", help="H/Hkv (default 16/4)")
+    p.add_argument("--heads", type=_heads, default="16/4", help="H/Hkv (default 16/4)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--mean", type=float, default=None, help="mean document length (tokens): PackGQA's rule")
     p.add_argument("--config", default="", help="VARPACK_TRITON_SHORT_CONFIG JSON (default: the defaults)")

@@ -28,6 +28,14 @@ def test_programs_per_sm_by_the_sm90_limits():
     assert programs_per_sm(64, 100 * 1024, 16)["by_registers"] == 2  # 2 x 16 warps = 32; registers allow 2
 
 
+def test_bad_heads_are_refused_by_name():
+    from benchmarks.triton_short_registers import main
+
+    for bad in ("16", "16/5", "a/b", "0/4"):
+        with pytest.raises(SystemExit):  # argparse's error (exit 2), before anything compiles
+            main(["--heads", bad])
+
+
 def test_report_compiles_for_sm90_and_reads_ptxas(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
