@@ -34,6 +34,12 @@ and reused, which is the per-layer cost in training.
 right after the backends on the same inputs, so a launch option is compared within one run; variants are not in
 the verdict.
 
+``--rounds R`` (R > 1): every configuration of a case (backends, variants, the padded and dense references) is
+first run once untimed-for-the-table (compiles, caches: its figures are kept as ``*_first``, the cold pass), then
+timed R times, round r in the order rotated by r, so no configuration always runs first or last; a row's figure is
+the median of its rounds (each round's in ``*_rounds``). Every configuration's inputs and buffers are alive at once.
+R = 1 (default): each configuration timed once, in order, as before.
+
 Before timing, every backend's forward output is compared with the ``reference`` backend (per-sample SDPA)
 on the same inputs: ``max|d|`` in the table; a backend that mixes samples shows up there.
 
@@ -56,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -377,35 +384,8 @@ def run_case(
             truth = varlen_runner("reference", q, k, v, cu, max_len).output().float()
     rows: list[dict[str, Any]] = []
     base = {"mix": mix, "H": heads, "Hkv": kv_heads, "D": args.head_dim, "T": total, "N": len(lengths)}
-
-    def record(name: str, make, useful_flops: float, note: str = "", check: bool = True) -> None:
-        row = dict(base, impl=name, note=note)
-        try:
-            runner = make()
-            if isinstance(runner, tuple):
-                runner, which = runner
-                row["note"] = f"SDPA {which}, one sequence of {total}"
-            # queued (the table's, steady state) then synced (each call waited for: host path included)
-            for suffix, queued in (("", True), ("_synced", False)):
-                timed = {"warmup": args.warmup, "iters": args.iters, "queued": queued}
-                row[f"fwd_ms{suffix}"] = time_fn(runner.fwd, device, **timed)["ms"]
-                if not args.fwd_only:
-                    row[f"fwd_bwd_ms{suffix}"] = time_fn(runner.fwd_bwd, device, **timed)["ms"]
-            if truth is not None and check:
-                with torch.no_grad():
-                    row["max_abs_diff"] = float((runner.output().float() - truth).abs().max())
-        except Exception as exc:  # a backend that cannot run this case: recorded, never fatal
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        for suffix in ("", "_synced"):
-            if f"fwd_ms{suffix}" in row:
-                row[f"fwd_tflops{suffix}"] = useful_flops / row[f"fwd_ms{suffix}"] / 1e9
-            if f"fwd_bwd_ms{suffix}" in row:
-                row[f"fwd_bwd_tflops{suffix}"] = 3.5 * useful_flops / row[f"fwd_bwd_ms{suffix}"] / 1e9
-        rows.append(row)
-        sync(device)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
+    #: (name, make, useful FLOPs, note, compare with the reference), in the table's order
+    entries: list[tuple[str, Any, float, str, bool]] = []
     for name in backends:
         note = ""
         if name == "auto":
@@ -413,31 +393,87 @@ def run_case(
             note = f"-> {picked}"
         if args.batch_meta:
             note = f"{note}; batch meta".lstrip("; ")
-        record(
-            name, lambda name=name: varlen_runner(name, q, k, v, cu, max_len, args.batch_meta), flops, note
+        entries.append(
+            (name, lambda name=name: varlen_runner(name, q, k, v, cu, max_len, args.batch_meta), flops, note, True)
         )
     for name, text in variants:  # triton_short under another config, same inputs, right after the backends
-        record(
-            name,
-            lambda text=text: varlen_runner(
-                "triton_short", q, k, v, cu, max_len, args.batch_meta, ts_config=text
-            ),
-            flops,
-            f"VARPACK_TRITON_SHORT_CONFIG={text}",
+        make = lambda text=text: varlen_runner(  # noqa: E731
+            "triton_short", q, k, v, cu, max_len, args.batch_meta, ts_config=text
         )
-    record(
-        "padded_sdpa",
-        lambda: padded_runner(q, k, v, lengths, args.pad_batch),
-        flops,
-        f"batches of {args.pad_batch}",
-    )
+        entries.append((name, make, flops, f"VARPACK_TRITON_SHORT_CONFIG={text}", True))
+    entries.append(
+        ("padded_sdpa", lambda: padded_runner(q, k, v, lengths, args.pad_batch), flops,
+         f"batches of {args.pad_batch}", True)
+    )  # fmt: skip
     if not args.no_dense:
-        record(
-            "dense_cudnn",
-            lambda: dense_runner(q, k, v, device),
-            causal_fwd_flops([total], heads, args.head_dim),
-            check=False,
-        )
+        entries.append(
+            ("dense_cudnn", lambda: dense_runner(q, k, v, device), causal_fwd_flops([total], heads, args.head_dim),
+             "", False)
+        )  # fmt: skip
+
+    def time_row(row: dict[str, Any], runner) -> None:
+        """One timing of ``runner`` into ``row``: queued (the table's, steady state) then synced (each call waited
+        for: host path included)."""
+        for suffix, queued in (("", True), ("_synced", False)):
+            timed = {"warmup": args.warmup, "iters": args.iters, "queued": queued}
+            row[f"fwd_ms{suffix}"] = time_fn(runner.fwd, device, **timed)["ms"]
+            if not args.fwd_only:
+                row[f"fwd_bwd_ms{suffix}"] = time_fn(runner.fwd_bwd, device, **timed)["ms"]
+
+    def start(name: str, make, note: str, check: bool) -> tuple[dict[str, Any], Any]:
+        row = dict(base, impl=name, note=note)
+        try:
+            runner = make()
+            if isinstance(runner, tuple):
+                runner, which = runner
+                row["note"] = f"SDPA {which}, one sequence of {total}"
+            time_row(row, runner)  # rounds > 1: the untimed first pass (compiles, caches); else the timing
+            if truth is not None and check:
+                with torch.no_grad():
+                    row["max_abs_diff"] = float((runner.output().float() - truth).abs().max())
+        except Exception as exc:  # a backend that cannot run this case: recorded, never fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            runner = None
+        return row, runner
+
+    keys = ("fwd_ms", "fwd_bwd_ms", "fwd_ms_synced", "fwd_bwd_ms_synced")
+    rounds = max(int(getattr(args, "rounds", 1)), 1)
+    if rounds == 1:  # one configuration at a time, its memory freed before the next
+        for name, make, _, note, check in entries:
+            row, _ = start(name, make, note, check)
+            rows.append(row)
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    else:  # every configuration alive at once, timed in rounds, each round in another rotation of the order
+        started = [start(name, make, note, check) for name, make, _, note, check in entries]
+        per_round: list[dict[str, list[float]]] = [{} for _ in started]
+        for r in range(rounds):
+            for i in [(r + j) % len(started) for j in range(len(started))]:
+                row, runner = started[i]
+                if runner is None:
+                    continue
+                one: dict[str, Any] = {}
+                time_row(one, runner)
+                for key in keys:
+                    if key in one:
+                        per_round[i].setdefault(key, []).append(one[key])
+        for (row, _), timings in zip(started, per_round):
+            for key, values in timings.items():
+                row[f"{key}_first"] = row[key]  # the untimed pass's figure (cold caches, first compiles)
+                row[key] = statistics.median(values)
+                row[f"{key}_rounds"] = values
+            rows.append(row)
+        started.clear()
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for row, (_, _, useful_flops, _, _) in zip(rows[-len(entries):], entries):
+        for suffix in ("", "_synced"):
+            if f"fwd_ms{suffix}" in row:
+                row[f"fwd_tflops{suffix}"] = useful_flops / row[f"fwd_ms{suffix}"] / 1e9
+            if f"fwd_bwd_ms{suffix}" in row:
+                row[f"fwd_bwd_tflops{suffix}"] = 3.5 * useful_flops / row[f"fwd_bwd_ms{suffix}"] / 1e9
     return rows
 
 
@@ -645,6 +681,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pad-batch", type=int, default=8, help="samples per padded SDPA batch")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every configuration this many times, each round in another rotation of the order, after one "
+        "untimed pass over all of them; the table gives the median of the rounds (default 1: one timing each, "
+        "in order)",
+    )
     p.add_argument("--fwd-only", action="store_true")
     p.add_argument(
         "--batch-meta",

@@ -6,11 +6,17 @@ and how many programs fit one SM by registers and by shared memory: the occupanc
 (:data:`varpack.attn.triton_short.MAXNREG`) trades against spills.
 
 Not a timing. It says which caps are worth a same-run variant on the GPU (``benchmarks/attention.py
---ts-variant``); only that decides (eleventh session: the forward capped at 128 registers spills ~1.4 KB and runs
-8% faster on the real mix, benchmarks/RESULTS.md).
+--ts-variant``); only that decides (eleventh session: the forward capped at 128 registers runs 8% faster on the
+real mix, benchmarks/RESULTS.md).
+
+The compile specializes the arguments as a launch does (:func:`launch_attrs`: 16-divisible pointers and integers).
+Until the twelfth session it did not, and compiled a different kernel from the one a call runs: the loop loads of
+dK / dV not pipelined, 932 B of spills and 49 KB of shared memory reported where the launched kernel has none and
+81 KB. ``--launched`` (GPU) runs one call and prints what the driver loaded, to check this compile against.
 
     python benchmarks/triton_short_registers.py --heads 16/4 --head-dim 128 --mean 207
     python benchmarks/triton_short_registers.py --config '{"maxnreg": {"bwd_dq": 168}}'
+    python benchmarks/triton_short_registers.py --heads 16/4 --mean 207 --launched   # GPU: beside the launched ones
 
 Limits per SM on sm_90 (CUDA C++ Programming Guide, compute capability 9.0): 65,536 registers, allocated per warp
 in units of 256 (8 per thread); 228 KB of shared memory, 1 KB of it reserved per program; 32 programs, 64 warps.
@@ -53,6 +59,32 @@ def signature(fn, consts: dict, dtype: str = "bf16") -> dict[str, str]:
     return sig
 
 
+def int_values(fn, heads: int, kv_heads: int, head_dim: int, tokens: int, pack: bool) -> dict[str, int]:
+    """The integer arguments a call of these shapes passes to kernel ``fn`` (contiguous ``[T, H, D]`` q / out / dO / dQ,
+    ``[T, Hkv, D]`` k / v / dK / dV, ``[H, T]`` lse / delta; causal, no window), by argument name."""
+    values = {"total_q": tokens, "total_k": tokens, "left": 0, "right": 0, "n_heads": kv_heads if pack else heads}
+    for name in fn.arg_names:
+        if name.startswith("stride_"):
+            tensor, axis = name[len("stride_") :-1], name[-1]
+            width = kv_heads if tensor in ("k", "v", "dk", "dv") else heads
+            values[name] = {"t": width * head_dim, "h": head_dim}[axis] if tensor != "l" else tokens
+    return values
+
+
+def launch_attrs(fn, sig: dict[str, str], values: dict[str, int]) -> dict[tuple[int], list]:
+    """Triton's launch specialization of ``fn``'s arguments (``JITFunction.run``: a pointer whose address, or an
+    integer whose value, is a multiple of 16 is marked ``tt.divisibility = 16``), for a compile without a launch.
+    Every tensor counts as 16-byte aligned (PyTorch's allocations are); integers by ``values`` (left unmarked where
+    unknown). Without these marks the compiler cannot vectorise the tile loads, and registers, spills and shared
+    memory differ from the kernel a call runs."""
+    attrs = {}
+    for i, name in enumerate(fn.arg_names):
+        kind = sig[name]
+        if kind.startswith("*") or (kind == "i32" and name in values and values[name] % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 def ptxas_report(ptx: str, ptxas: str, arch: str = "sm_90a") -> dict[str, int]:
     """``{"registers", "spill_stores", "spill_loads"}`` of the one kernel in ``ptx`` (``ptxas -v``).
 
@@ -90,9 +122,10 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict[str, int]:
 
 
 def report(
-    heads: str, head_dim: int, mean: float | None, config_json: str, causal: bool = True
+    heads: str, head_dim: int, mean: float | None, config_json: str, causal: bool = True, tokens: int = 65536
 ) -> list[dict]:
-    """One row per kernel (forward, dQ, dK/dV) as a call of these shapes would launch it."""
+    """One row per kernel (forward, dQ, dK/dV) as a call of these shapes (``tokens`` packed tokens) would launch
+    it, with the launch's argument specialization (:func:`launch_attrs`)."""
     import triton
     from triton.backends import backends
     from triton.backends.compiler import GPUTarget
@@ -121,14 +154,56 @@ def report(
         )  # fmt: skip
         if "DELTA_IN_DQ" in fn.arg_names:
             consts["DELTA_IN_DQ"] = config.delta_in_dq
+        if "DP_FIRST" in fn.arg_names:
+            consts["DP_FIRST"] = config.dp_first
+        consts["MASKED_STAGES"] = config.masked_stages
         options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": cap} if cap else {})}
-        src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, consts), constexprs=consts)
+        sig = signature(fn, consts)
+        attrs = launch_attrs(fn, sig, int_values(fn, h, hkv, head_dim, tokens, pack))
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         row = {"kernel": kind, "config": [block_m, block_n, warps, stages], "pack_gqa": pack, "maxnreg": cap}
         row.update(ptxas_report(compiled.asm["ptx"], ptxas))
         row["shared"] = int(compiled.metadata.shared)
         row.update(programs_per_sm(row["registers"], row["shared"], warps))
         rows.append(row)
+    return rows
+
+
+def launched(heads: str, head_dim: int, mean: float | None, config_json: str, tokens: int = 65536) -> list[dict]:
+    """GPU: the kernels one triton_short forward + backward of these shapes actually launched (documents of
+    ``mean`` tokens, default 128; bf16, causal), read from Triton's cache of compiled kernels: registers, spills
+    (bytes) and shared memory as the driver loaded them -- the check of :func:`report`'s compile without a GPU."""
+    import torch
+
+    from varpack.attn import _triton_short_kernels as kern
+    from varpack.attn.triton_short import TritonShortConfig, triton_short_attention
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--launched needs a CUDA GPU")
+    h, hkv = (int(x) for x in heads.split("/"))
+    length = max(int(round(mean or 128)), 1)
+    lengths = [length] * (tokens // length) + ([tokens % length] if tokens % length else [])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(tokens, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k, v = (
+        torch.randn(tokens, hkv, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        for _ in range(2)
+    )
+    out, _ = triton_short_attention(q, k, v, cu, cu, config=TritonShortConfig.from_json(config_json))
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    rows = []
+    for kind, fn in (("fwd", kern.attn_fwd), ("bwd_dq", kern.attn_bwd_dq), ("bwd_dkdv", kern.attn_bwd_dkdv)):
+        for cache in (c[0] for c in fn.device_caches.values()):
+            for compiled in cache.values():
+                compiled._init_handles()
+                md = compiled.metadata
+                rows.append(
+                    {"kernel": kind, "num_warps": md.num_warps, "num_stages": md.num_stages,
+                     "registers": compiled.n_regs, "spills": compiled.n_spills, "shared": int(md.shared)}
+                )  # fmt: skip
     return rows
 
 
@@ -148,10 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=_heads, default="16/4", help="H/Hkv (default 16/4)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--mean", type=float, default=None, help="mean document length (tokens): PackGQA's rule")
+    p.add_argument("--tokens", type=int, default=65536, help="packed tokens T of the call (its lse stride)")
     p.add_argument("--config", default="", help="VARPACK_TRITON_SHORT_CONFIG JSON (default: the defaults)")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument(
+        "--launched",
+        action="store_true",
+        help="GPU: also run one call of these shapes and print the kernels it launched (registers, spills, shared)",
+    )
     args = p.parse_args(argv)
-    rows = report(args.heads, args.head_dim, args.mean, args.config)
+    rows = report(args.heads, args.head_dim, args.mean, args.config, tokens=args.tokens)
     print(
         f"# triton_short on sm_90a, H={args.heads}, D={args.head_dim}, mean={args.mean}, config {args.config or '{}'}"
     )
@@ -164,9 +245,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['spill_stores']} / {r['spill_loads']} | {r['shared'] / 1024:.1f} | {r['by_registers']} | "
             f"{r['by_shared']} |"
         )
+    launched_rows = []
+    if args.launched:
+        launched_rows = launched(args.heads, args.head_dim, args.mean, args.config, tokens=args.tokens)
+        print("\nlaunched on this GPU (Triton's compiled-kernel cache):")
+        print("| kernel | warps | stages | registers | spills (B) | shared (KB) |")
+        print("|---|---|---|---|---|---|")
+        for r in launched_rows:
+            print(
+                f"| {r['kernel']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | {r['spills']} | "
+                f"{r['shared'] / 1024:.1f} |"
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "rows": rows, "launched": launched_rows}, f, indent=1)
     return 0
 
 

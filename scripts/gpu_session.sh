@@ -81,7 +81,9 @@ for r in d["rows"]:
         continue
     print(f"{r['mix']} {r['H']}/{r['Hkv']} {r['impl']:20s} fwd {r.get('fwd_ms', 0):.3f} / synced {r.get('fwd_ms_synced', 0):.3f}  "
           f"fwd+bwd {r.get('fwd_bwd_ms', 0):.3f} ms {r.get('fwd_bwd_tflops', 0):.1f} TF / synced {r.get('fwd_bwd_ms_synced', 0):.3f} ms "
-          f"{r.get('fwd_bwd_tflops_synced', 0):.1f} TF  d={r.get('max_abs_diff', float('nan')):.1e} {r.get('error', '')[:120]}")
+          f"{r.get('fwd_bwd_tflops_synced', 0):.1f} TF  d={r.get('max_abs_diff', float('nan')):.1e} {r.get('error', '')[:120]}"
+          + (f"  rounds {'/'.join(f'{x:.3f}' for x in r['fwd_bwd_ms_rounds'])} first {r.get('fwd_bwd_ms_first', 0):.3f}"
+             if "fwd_bwd_ms_rounds" in r else ""))
 for key in ("triton_short", "triton_short_synced"):
     for v in d.get(key, []):
         print(f"  [{key}] vs best {v.get('vs_best_peer', 0):.2f} ({v.get('best_peer')}), vs FA4 {v.get('vs_flash_attn_4', 0):.2f}, "
@@ -479,7 +481,7 @@ PY
       SECONDS=0
       timeout ${ATTN_TIMEOUT:-200} python3 benchmarks/attention.py --lengths-file .gpu/samples.npz --mixes $mix \
         --heads $heads --head-dim 128 --backends ${S10_BACKENDS:-flash_attn_4,torch_varlen,flex,triton_short,auto} --batch-meta \
-        "${variant_args[@]}" \
+        --rounds ${S10_ROUNDS:-1} "${variant_args[@]}" \
         --out "$OUT/s10b_attention_${mix}_$tag.json" > "$OUT/s10b_attention_${mix}_$tag.log" 2>&1 || tail -3 "$OUT/s10b_attention_${mix}_$tag.log"
       echo "[attention $mix $heads] ${SECONDS}s"
       attention_summary "$OUT/s10b_attention_${mix}_$tag.json" | tee -a "$OUT/s10b_attention_$tag.txt"
@@ -520,6 +522,25 @@ PY
       tests=0
     done
     (cd "$OUT" && tar -cJf s12c_raw.tar.xz s10b_attention_*.json s10b_attention_*.log && rm -f s10b_attention_*.json s10b_attention_*.log)
+    ;;
+  s13a)  # issue 17, twelfth session (after fa4a): GPU tests of dp_first / masked_stages (bitwise) and of the register
+    # caps; the kernels one call launches beside the CPU compile (triton_short_registers.py --launched); the real-mix
+    # profile per kernel (triton_short, FA4); then the real mix at 16/4 and 16/8 in 3 rotated rounds with variants
+    setup
+    timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/attn/test_triton_short_gpu.py \
+      -k "dp_first or maxnreg" 2>&1 | tail -8 | tee "$OUT/s13a_tests.log"
+    timeout 200 python3 benchmarks/triton_short_registers.py --heads 16/4 --mean 207 --launched \
+      --json "$OUT/s13a_registers.json" > "$OUT/s13a_registers.txt" 2>&1; echo "[registers] rc=$?"; tail -12 "$OUT/s13a_registers.txt"
+    timeout ${PROFILE_TIMEOUT:-150} python3 benchmarks/attention_profile.py --lengths-file .gpu/samples.npz --mix lognormal \
+      --heads 16/4 --backends triton_short,flash_attn_4 --out "$OUT/s13a_profile.json" 2>&1 | grep -v USDT > "$OUT/s13a_profile.log"
+    grep -E "^\|" "$OUT/s13a_profile.log" | head -30
+    v=${S13_VARIANTS:-$'same={}\ndpold={"dp_first": false}\nms1={"masked_stages": 1}\nms2={"masked_stages": 2}\nms1old={"dp_first": false, "masked_stages": 1}'}
+    for heads in ${S13_HEADS:-16/4 16/8}; do
+      OUT="$OUT" S10_TESTS=0 S10_ROUNDS=${S13_ROUNDS:-3} S10_HEADS=$heads ATTN_MIXES=lognormal \
+        S10_BACKENDS=flash_attn_4,triton_short S10_VARIANTS="$v" bash "$0" s10b
+    done
+    (cd "$OUT" && tar -cJf s13a_raw.tar.xz s10b_attention_*.json s10b_attention_*.log s13a_profile.json s13a_registers.json \
+      && rm -f s10b_attention_*.json s10b_attention_*.log s13a_profile.json s13a_registers.json)
     ;;
   s11a)  # issue 17, next session (after fa4a): the unpacked kernels at 16/8 on the real mix (Qwen3-0.6B's shape;
     # BLOCKS_UNPACKED, never swept unpacked): the per-kernel sweep (queued timing), then its pick as a same-run variant

@@ -61,3 +61,38 @@ def test_variant_row_runs_beside_the_backends_on_the_cpu(tmp_path):
     assert '"lpt": false' in var["note"] and var["fwd_bwd_ms"] > 0
     assert var["max_abs_diff"] == rows["triton_short"]["max_abs_diff"]  # bitwise-equal outputs, both orders
     assert CONFIG_ENV not in os.environ
+
+
+def test_rounds_time_every_config_in_rotated_order_and_report_the_median(monkeypatch, tmp_path):
+    """--rounds 3 (CPU, a fake clock): one untimed pass over every configuration first (kept as ``*_first``), then
+    three rounds, each starting one configuration later; a row's figure is the median of its rounds."""
+    import benchmarks.attention as A
+
+    calls: list[tuple[int, bool]] = []  # (runner id, queued) of every fwd+bwd timing, in order
+    ids: dict[int, int] = {}
+
+    def fake_time_fn(fn, device, *, warmup=3, iters=10, queued=False):
+        owner = ids.setdefault(id(fn.__self__) if hasattr(fn, "__self__") else id(fn), len(ids))
+        if getattr(fn, "__name__", "") == "fwd_bwd" or "fwd_bwd" in repr(fn):
+            calls.append((owner, queued))
+        # each configuration's n-th timing takes 10 * (config + 1) + n ms: rounds differ, the median is known
+        n = sum(1 for c in calls if c[0] == owner)
+        return {"ms": 10.0 * (owner + 1) + n, "min_ms": 0.0, "iters": iters}
+
+    monkeypatch.setattr(A, "time_fn", fake_time_fn)
+    out = tmp_path / "r.json"
+    rc = A.main(
+        ["--device", "cpu", "--small", "--mixes", "short", "--backends", "reference,sdpa", "--no-dense",
+         "--no-check", "--rounds", "3", "--out", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["reference", "sdpa", "padded_sdpa"]
+    for r in rows:
+        assert len(r["fwd_bwd_ms_rounds"]) == 3 and len(r["fwd_ms_synced_rounds"]) == 3
+        assert r["fwd_bwd_ms"] == sorted(r["fwd_bwd_ms_rounds"])[1]  # the median of three
+        assert r["fwd_bwd_ms_first"] not in r["fwd_bwd_ms_rounds"]  # the cold pass is reported apart
+    # queued fwd+bwd timings: the first pass in table order, then round r starts at configuration r
+    queued = [owner for owner, q in calls if q]
+    first, rest = queued[:3], queued[3:]
+    assert rest == [first[(r + j) % 3] for r in range(3) for j in range(3)]

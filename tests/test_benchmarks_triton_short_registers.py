@@ -62,3 +62,25 @@ def test_report_compiles_for_sm90_and_reads_ptxas(tmp_path):
     assert capped["config"] == [32, 32, 4, 1] and capped["pack_gqa"] is True  # G = 4 packs
     for r in rows["capped"].values():
         assert r["shared"] > 0 and r["by_registers"] >= 1 and r["by_shared"] >= 1
+
+
+def test_launch_attrs_mark_what_a_launch_would_specialize():
+    """Pointers and 16-divisible integers get ``tt.divisibility = 16`` (Triton's launch specialization); the GQA
+    group count (4) and integers with no known value stay unmarked; strides follow the tensors' layouts."""
+    from benchmarks.triton_short_registers import int_values, launch_attrs, signature
+    from varpack.attn import _triton_short_kernels as kern
+
+    fn = kern.attn_bwd_dkdv
+    pointers = {"Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DOC_Q", "DOC_K", "LIM", "ORDER"}
+    pointers |= {"TILE_LO", "TILE_HI", "FULL_LO", "FULL_HI"}
+    sig = signature(fn, {n: 0 for n in fn.arg_names if n.isupper() and n not in pointers})  # the rest: constexprs
+    values = int_values(fn, heads=16, kv_heads=4, head_dim=128, tokens=65536, pack=True)
+    assert values["stride_qt"] == 16 * 128 and values["stride_kt"] == 4 * 128 and values["stride_dkh"] == 128
+    assert values["stride_lh"] == 65536 and values["n_heads"] == 4
+    attrs = launch_attrs(fn, sig, values)
+    marked = {fn.arg_names[i[0]] for i in attrs}
+    assert {"Q", "K", "DK", "LSE", "DOC_Q", "stride_qt", "stride_lh", "total_q", "left"} <= marked
+    assert not {"n_heads", "qk_scale", "sm_scale"} & marked
+    assert all(v == [["tt.divisibility", 16]] for v in attrs.values())
+    odd = launch_attrs(fn, sig, dict(values, total_q=65535))
+    assert "total_q" not in {fn.arg_names[i[0]] for i in odd}  # not a multiple of 16: left unmarked

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
 
     if "nvidia" not in backends:
         raise SystemExit(77)
-    from benchmarks.triton_short_registers import signature
+    from benchmarks.triton_short_registers import int_values, launch_attrs, signature
     from varpack.attn import _triton_short_kernels as kern
 
     assert not kern.INTERPRETED
@@ -44,7 +44,15 @@ SCRIPT = textwrap.dedent(
                 consts = dict(consts, DELTA_IN_DQ=mask_free or pack)
             else:
                 consts.pop("DELTA_IN_DQ", None)
-            src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, consts), constexprs=consts)
+            if "DP_FIRST" in fn.arg_names:  # dP issued before the softmax, except with PackGQA off
+                consts = dict(consts, DP_FIRST=pack)
+            else:
+                consts.pop("DP_FIRST", None)
+            consts["MASKED_STAGES"] = None if mask_free else 1  # masked loops unpipelined where every loop is masked
+            sig = signature(fn, consts)
+            # specialized as a launch would be, and not at all (a launch on unaligned strides)
+            attrs = launch_attrs(fn, sig, int_values(fn, 8, 2, d, 4096, pack)) if not left else {}
+            src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
             assert compiled.asm["cubin"], fn.__name__
             print(fn.__name__, mask_free, pack, d, "ok")

@@ -215,3 +215,18 @@ def test_maxnreg_caps_match_reference_bitwise_and_reach_ptxas(h, hkv):
         assert all(k.n_regs <= cap for k in compiled), (fn.__name__, [k.n_regs for k in compiled])
     uncapped = _compiled(kern.attn_fwd, 255)
     assert uncapped and max(k.n_regs for k in uncapped) > 120  # the control: without the cap it takes more
+
+
+@pytest.mark.parametrize("h,hkv", [(16, 4), (16, 8)], ids=["g4-packed", "g2"])
+def test_dp_first_and_masked_stages_match_reference_bitwise(h, hkv):
+    """The backward's dP matmul issued before or after the softmax (``dp_first``) and the masked loops at another
+    pipeline depth (``masked_stages``) compiled: each by the fp32-truth rule, and bitwise equal to the default run
+    (independent instructions in another order; the same operations on the same values)."""
+    from varpack.attn import triton_short as ts
+
+    lens = [1000, 37, 1, 300, 128, 5, 2000, 64, 65, 2, 700, 17, 90]
+    base = _check(lens, h, hkv, 128, ts.TritonShortConfig(), name=f"loop order default {h}/{hkv}")
+    for extra in ({"dp_first": False}, {"masked_stages": 1}, {"dp_first": False, "masked_stages": 2}):
+        got = _check(lens, h, hkv, 128, ts.TritonShortConfig(**extra), name=f"loop order {extra}")
+        for i, what in enumerate(("out", "dq", "dk", "dv")):
+            assert torch.equal(base[i], got[i]), (extra, what)

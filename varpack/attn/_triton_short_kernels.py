@@ -121,14 +121,15 @@ def _fwd_tiles(
     stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, STAGES: tl.constexpr = None,
 ):  # fmt: skip
-    """Online-softmax update of one query tile over the key tiles ``start, start + BLOCK_N, .. < end``.
+    """Online-softmax update of one query tile over the key tiles ``start, start + BLOCK_N, .. < end``
+    (``STAGES``: this loop's pipeline depth, None: the launch's ``num_stages``).
 
     ``MASKED``: the document / band mask and the ``< hi`` bound are applied per element. Not ``MASKED``: every
     key of these tiles is visible to every query of the tile (the caller's mask-free range), so no document
     ids are loaded, no compare runs, and no score is ``-inf`` (no guard for an all-masked row)."""
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt_ptrs = K + offs_n[None, :] * stride_kt + hk * stride_kh + offs_d[:, None]
         v_ptrs = V + offs_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :]
@@ -205,7 +206,7 @@ def attn_fwd(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, LPT: tl.constexpr,
+    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, LPT: tl.constexpr, MASKED_STAGES: tl.constexpr = None,
 ):  # fmt: skip
     """Output and lse of one query tile and head: key tiles ``[lo, hi)`` in steps of ``BLOCK_N``, the
     mask-free ones ``[FULL_LO, FULL_HI)`` without the mask when ``MASK_FREE`` (module docstring). With
@@ -236,7 +237,7 @@ def attn_fwd(
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, lo, full_lo, hi, hk, qk_scale, left, right,
         stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, MASKED_STAGES,
     )  # fmt: skip
     if MASK_FREE:
         acc, l_i, m_i = _fwd_tiles(
@@ -247,7 +248,7 @@ def attn_fwd(
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, full_hi, hi, hi, hk, qk_scale, left, right,
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, MASKED_STAGES,
         )  # fmt: skip
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -284,11 +285,14 @@ def _dkdv_tiles(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     MASKED: tl.constexpr, GROUP: tl.constexpr = 1, PACK_GQA: tl.constexpr = False,
+    DP_FIRST: tl.constexpr = True, STAGES: tl.constexpr = None,
 ):  # fmt: skip
     """dK / dV of one key tile accumulated over the query tiles ``start, start + BLOCK_M, .. < end`` of head
     ``h``; not ``MASKED``: every query of these tiles sees every key of the tile (no mask, no bound). With
     ``PACK_GQA``, ``h`` is the KV head and each query tile is ``BLOCK_M // GROUP`` tokens times the group's
-    query heads (rows token-major, as :func:`_query_rows`): one pass instead of one per query head."""
+    query heads (rows token-major, as :func:`_query_rows`): one pass instead of one per query head.
+    ``DP_FIRST``: ``dP^T = V dO^T`` is issued right after the scores, before the softmax (else after ``dV``'s
+    update); ``STAGES``: this loop's pipeline depth (None: the launch's ``num_stages``)."""
     rows = tl.arange(0, BLOCK_M)
     if PACK_GQA:
         heads = h * GROUP + rows % GROUP
@@ -298,7 +302,7 @@ def _dkdv_tiles(
         heads = h
         step = BLOCK_M
         row_tok = rows
-    for start_m in range(start, end, step):
+    for start_m in tl.range(start, end, step, num_stages=STAGES):
         offs_m = start_m + row_tok
         q_ptrs = Q + (offs_m * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :]
         do_ptrs = DO + (offs_m * stride_dot + heads * stride_doh)[:, None] + offs_d[None, :]
@@ -313,18 +317,21 @@ def _dkdv_tiles(
                 tl.load(LSE + heads * stride_lh + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
             )
             delta = tl.load(DELTA + heads * stride_lh + offs_m, mask=m_ok, other=0.0)
-            st = _dot(k, tl.trans(q), PRECISION, UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M]
-            keep = tl.trans(_keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT))
-            pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)
         else:
             q = _load_d(q_ptrs, d_ok[None, :], HEAD_DIM, BLOCK_D)
             do = _load_d(do_ptrs, d_ok[None, :], HEAD_DIM, BLOCK_D)
             lse = tl.load(LSE + heads * stride_lh + offs_m) * 1.4426950408889634
             delta = tl.load(DELTA + heads * stride_lh + offs_m)
-            st = _dot(k, tl.trans(q), PRECISION, UPCAST) * qk_scale
-            pt = tl.exp2(st - lse[None, :])
+        st = _dot(k, tl.trans(q), PRECISION, UPCAST)  # [BLOCK_N, BLOCK_M], unscaled
+        if DP_FIRST:
+            dpt = _dot(v, tl.trans(do), PRECISION, UPCAST)
+        pt = tl.exp2(st * qk_scale - lse[None, :])
+        if MASKED:
+            keep = tl.trans(_keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT))
+            pt = tl.where(keep, pt, 0.0)
         dv += _dot(pt.to(do.dtype), do, PRECISION, UPCAST)
-        dpt = _dot(v, tl.trans(do), PRECISION, UPCAST)
+        if not DP_FIRST:
+            dpt = _dot(v, tl.trans(do), PRECISION, UPCAST)
         dst = pt * (dpt - delta[None, :])
         dk += _dot(dst.to(q.dtype), q, PRECISION, UPCAST)
     return dk, dv
@@ -340,6 +347,7 @@ def attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, LPT: tl.constexpr,
+    DP_FIRST: tl.constexpr = True, MASKED_STAGES: tl.constexpr = None,
 ):  # fmt: skip
     """dK, dV of one key tile and KV head: loop over the query tiles that can see it, for every query head
     of the GQA group (transposed scores ``s^T = k q^T``, FlashAttention-2 algorithm 2); with ``MASK_FREE``
@@ -370,17 +378,20 @@ def attn_bwd_dkdv(
             dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, lo, full_lo, hi, qk_scale, left,
             right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
             HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, GROUP, PACK_GQA,
+            DP_FIRST, MASKED_STAGES,
         )  # fmt: skip
         if MASK_FREE:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_lo, full_hi, hi, qk_scale,
                 left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
                 HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, GROUP, PACK_GQA,
+                DP_FIRST,
             )  # fmt: skip
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_hi, hi, hi, qk_scale,
                 left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
                 HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, GROUP, PACK_GQA,
+                DP_FIRST, MASKED_STAGES,
             )  # fmt: skip
     tl.store(
         DK + offs_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
@@ -398,11 +409,12 @@ def _dq_tiles(
     stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, DP_FIRST: tl.constexpr = True, STAGES: tl.constexpr = None,
 ):  # fmt: skip
     """dQ of one query tile accumulated over the key tiles ``start, start + BLOCK_N, .. < end``; not
-    ``MASKED``: every key of these tiles is visible to every query of the tile (no mask, no bound)."""
-    for start_n in range(start, end, BLOCK_N):
+    ``MASKED``: every key of these tiles is visible to every query of the tile (no mask, no bound).
+    ``DP_FIRST`` / ``STAGES``: as :func:`_dkdv_tiles`'."""
+    for start_n in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt_ptrs = K + offs_n[None, :] * stride_kt + hk * stride_kh + offs_d[:, None]
         vt_ptrs = V + offs_n[None, :] * stride_vt + hk * stride_vh + offs_d[:, None]
@@ -412,15 +424,18 @@ def _dq_tiles(
             kt = tl.load(kt_ptrs, mask=kv_mask, other=0.0)
             vt = tl.load(vt_ptrs, mask=kv_mask, other=0.0)
             doc_k = tl.load(DOC_K + offs_n, mask=n_ok, other=-2)
-            s = _dot(q, kt, PRECISION, UPCAST) * qk_scale
-            keep = _keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT)
-            p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
         else:
             kt = _load_d(kt_ptrs, d_ok[:, None], HEAD_DIM, BLOCK_D)
             vt = _load_d(vt_ptrs, d_ok[:, None], HEAD_DIM, BLOCK_D)
-            s = _dot(q, kt, PRECISION, UPCAST) * qk_scale
-            p = tl.exp2(s - lse[:, None])
-        dp = _dot(do, vt, PRECISION, UPCAST)
+        s = _dot(q, kt, PRECISION, UPCAST)  # unscaled
+        if DP_FIRST:
+            dp = _dot(do, vt, PRECISION, UPCAST)
+        p = tl.exp2(s * qk_scale - lse[:, None])
+        if MASKED:
+            keep = _keep(doc_q, doc_k, lim, offs_n, left, right, HAS_LEFT, HAS_RIGHT)
+            p = tl.where(keep, p, 0.0)
+        if not DP_FIRST:
+            dp = _dot(do, vt, PRECISION, UPCAST)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(kt.dtype), tl.trans(kt), PRECISION, UPCAST)
     return dq
@@ -436,6 +451,7 @@ def attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, DELTA_IN_DQ: tl.constexpr, LPT: tl.constexpr,
+    DP_FIRST: tl.constexpr = True, MASKED_STAGES: tl.constexpr = None,
 ):  # fmt: skip
     """dQ of one query tile and head: loop over the key tiles its documents can see; with ``MASK_FREE`` the
     key tiles ``[FULL_LO, FULL_HI)`` that every query of the tile sees whole skip the mask; with ``PACK_GQA``
@@ -481,18 +497,18 @@ def attn_bwd_dq(
     dq = _dq_tiles(
         dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, lo, full_lo, hi, qk_scale, left, right,
         stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, DP_FIRST, MASKED_STAGES,
     )  # fmt: skip
     if MASK_FREE:
         dq = _dq_tiles(
             dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, full_lo, full_hi, hi, qk_scale, left, right,
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False,
+            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, DP_FIRST,
         )  # fmt: skip
         dq = _dq_tiles(
             dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, full_hi, hi, hi, qk_scale, left, right,
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
+            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, DP_FIRST, MASKED_STAGES,
         )  # fmt: skip
     tl.store(
         DQ + (offs_m * stride_dqt + heads * stride_dqh)[:, None] + offs_d[None, :],

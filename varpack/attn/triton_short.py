@@ -245,6 +245,8 @@ class TritonShortConfig:
     delta_in_dq: bool = True
     lpt: bool = False
     maxnreg: tuple[tuple[str, int], ...] = ()
+    dp_first: bool = True
+    masked_stages: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "maxnreg", _checked_maxnreg(self.maxnreg))
@@ -252,7 +254,13 @@ class TritonShortConfig:
             value = getattr(self, kind)
             if value is not None:
                 object.__setattr__(self, kind, _checked_blocks(kind, value))
-        for flag in ("mask_free", "delta_in_dq", "lpt"):
+        stages = self.masked_stages
+        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+            raise ValueError(
+                f"triton_short config: masked_stages must be an integer >= 1 or null (the launch's num_stages), "
+                f"got {stages!r}"
+            )
+        for flag in ("mask_free", "delta_in_dq", "lpt", "dp_first"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(
                     f"triton_short config: {flag} must be true or false, got {getattr(self, flag)!r}"
@@ -279,8 +287,8 @@ class TritonShortConfig:
             raise ValueError(f"triton_short config: need a JSON object of kernels, got {text!r}")
         kwargs: dict[str, Any] = {}
         for kind, value in obj.items():
-            if kind in ("mask_free", "pack_gqa", "delta_in_dq", "lpt"):
-                kwargs[kind] = value  # checked by __post_init__ (a JSON bool)
+            if kind in ("mask_free", "pack_gqa", "delta_in_dq", "lpt", "dp_first", "masked_stages"):
+                kwargs[kind] = value  # checked by __post_init__ (a JSON bool, or an integer / null)
             elif kind == "maxnreg":
                 if not isinstance(value, dict):
                     raise ValueError(
@@ -292,7 +300,7 @@ class TritonShortConfig:
             else:
                 raise ValueError(
                     f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS} (or mask_free, "
-                    "pack_gqa, delta_in_dq, lpt, maxnreg)"
+                    "pack_gqa, delta_in_dq, lpt, maxnreg, dp_first, masked_stages)"
                 )
         return cls(**kwargs)
 
@@ -303,6 +311,8 @@ class TritonShortConfig:
         obj["pack_gqa"] = self.pack_gqa
         obj["delta_in_dq"] = self.delta_in_dq
         obj["lpt"] = self.lpt
+        obj["dp_first"] = self.dp_first
+        obj["masked_stages"] = self.masked_stages
         if self.maxnreg:
             obj["maxnreg"] = dict(self.maxnreg)
         return json.dumps(obj)
@@ -795,7 +805,7 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
         out.stride(0), out.stride(1), lse.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt,
+        MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt, MASKED_STAGES=config.masked_stages,
         **_launch_opts(warps, stages, q.device, config.registers("fwd", d)),
     )  # fmt: skip
     return out, lse
@@ -835,6 +845,7 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
         MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt,
+        DP_FIRST=config.dp_first, MASKED_STAGES=config.masked_stages,
         **_launch_opts(warps, stages, q.device, config.registers("bwd_dkdv", d)),
     )  # fmt: skip
     return dk, dv
@@ -865,6 +876,7 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
         MASK_FREE=config.mask_free, PACK_GQA=pack, DELTA_IN_DQ=out is not None, LPT=config.lpt,
+        DP_FIRST=config.dp_first, MASKED_STAGES=config.masked_stages,
         **_launch_opts(warps, stages, q.device, config.registers("bwd_dq", d)),
     )  # fmt: skip
     return dq
