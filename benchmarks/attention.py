@@ -34,11 +34,13 @@ and reused, which is the per-layer cost in training.
 right after the backends on the same inputs, so a launch option is compared within one run; variants are not in
 the verdict.
 
-``--rounds R`` (R > 1): every configuration of a case (backends, variants, the padded and dense references) is
-first run once untimed-for-the-table (compiles, caches: its figures are kept as ``*_first``, the cold pass), then
-timed R times, round r in the order rotated by r, so no configuration always runs first or last; a row's figure is
-the median of its rounds (each round's in ``*_rounds``). Every configuration's inputs and buffers are alive at once.
-R = 1 (default): each configuration timed once, in order, as before.
+``--rounds R`` (R > 1): the compared configurations of a case (backends and variants) are first run once
+untimed-for-the-table (compiles, caches: its figures are kept as ``*_first``, the cold pass), then timed R times,
+round r in the order rotated by r and reversed in odd rounds (:func:`round_order`), so none always runs first,
+last or right after the same one; a row's figure is the median of its rounds (each round's in ``*_rounds``). Their
+inputs and buffers are alive at once. The padded and dense references are timed once afterwards: a dense call
+over 65K tokens runs the GPU at full power for seconds and slowed whatever was timed next by up to 6% (twelfth
+session, benchmarks/RESULTS.md). R = 1 (default): each configuration timed once, in order, as before.
 
 Before timing, every backend's forward output is compared with the ``reference`` backend (per-sample SDPA)
 on the same inputs: ``max|d|`` in the table; a backend that mixes samples shows up there.
@@ -438,18 +440,26 @@ def run_case(
 
     keys = ("fwd_ms", "fwd_bwd_ms", "fwd_ms_synced", "fwd_bwd_ms_synced")
     rounds = max(int(getattr(args, "rounds", 1)), 1)
-    if rounds == 1:  # one configuration at a time, its memory freed before the next
-        for name, make, _, note, check in entries:
+    n_varlen = len(backends) + len(variants)  # the compared configurations; then the padded / dense references
+
+    def one_at_a_time(chosen) -> None:  # each configuration timed once, its memory freed before the next
+        for name, make, _, note, check in chosen:
             row, _ = start(name, make, note, check)
             rows.append(row)
             sync(device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    else:  # every configuration alive at once, timed in rounds, each round in another rotation of the order
-        started = [start(name, make, note, check) for name, make, _, note, check in entries]
+
+    if rounds == 1:
+        one_at_a_time(entries)
+    else:
+        # the compared configurations alive at once: one untimed-for-the-table pass, then the rounds; the
+        # references (a dense 65K-token causal call runs the GPU at full power for seconds, slowing whatever runs
+        # next) once each afterwards
+        started = [start(name, make, note, check) for name, make, _, note, check in entries[:n_varlen]]
         per_round: list[dict[str, list[float]]] = [{} for _ in started]
         for r in range(rounds):
-            for i in [(r + j) % len(started) for j in range(len(started))]:
+            for i in round_order(len(started), r):
                 row, runner = started[i]
                 if runner is None:
                     continue
@@ -468,6 +478,7 @@ def run_case(
         sync(device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        one_at_a_time(entries[n_varlen:])
     for row, (_, _, useful_flops, _, _) in zip(rows[-len(entries):], entries):
         for suffix in ("", "_synced"):
             if f"fwd_ms{suffix}" in row:
@@ -475,6 +486,14 @@ def run_case(
             if f"fwd_bwd_ms{suffix}" in row:
                 row[f"fwd_bwd_tflops{suffix}"] = 3.5 * useful_flops / row[f"fwd_bwd_ms{suffix}"] / 1e9
     return rows
+
+
+def round_order(n: int, r: int) -> list[int]:
+    """Order of ``n`` configurations in round ``r`` of ``--rounds``: the table order rotated by ``r // 2``, reversed
+    in odd rounds -- so no configuration is always first or last, nor always right after the same one (a
+    configuration that heats the GPU slows the next). Two configurations: 01, 10, 10, 01, ..."""
+    order = [(r // 2 + j) % n for j in range(n)]
+    return order[::-1] if r % 2 else order
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:

@@ -542,6 +542,22 @@ PY
     (cd "$OUT" && tar -cJf s13a_raw.tar.xz s10b_attention_*.json s10b_attention_*.log s13a_profile.json s13a_registers.json \
       && rm -f s10b_attention_*.json s10b_attention_*.log s13a_profile.json s13a_registers.json)
     ;;
+  s13b)  # issue 17, twelfth session (after fa4a): GPU tests of free_block (wider tiles for the mask-free runs), then
+    # the real mix at 16/4 in 3 rounds with free_block variants (dQ's, the forward's, dK/dV's)
+    setup
+    timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/attn/test_triton_short_gpu.py \
+      -k "free_block" 2>&1 | tail -8 | tee "$OUT/s13b_tests.log"
+    v=$'same={}\nqf32={"free_block": {"bwd_dq": 32}}\nqf32s2={"bwd_dq": [64, 16, 4, 2], "free_block": {"bwd_dq": 32}}'
+    v+=$'\nqf64s2={"bwd_dq": [64, 16, 4, 2], "free_block": {"bwd_dq": 64}}\nq64={"bwd_dq": [64, 64, 4, 2]}'
+    v+=$'\nff64={"free_block": {"fwd": 64}, "maxnreg": {"fwd": 168}}\nff64s1={"fwd": [64, 32, 4, 1], "free_block": {"fwd": 64}, "maxnreg": {"fwd": 168}}'
+    v+=$'\nkf64={"bwd_dkdv": [32, 64, 4, 2], "free_block": {"bwd_dkdv": 64}}'
+    for heads in ${S13_HEADS:-16/4}; do
+      OUT="$OUT" S10_TESTS=0 S10_ROUNDS=${S13_ROUNDS:-3} S10_HEADS=$heads ATTN_MIXES=${S13_MIXES:-lognormal} \
+        S10_BACKENDS=flash_attn_4,triton_short S10_VARIANTS="${S13_VARIANTS:-$v}" bash "$0" s10b
+    done
+    (cd "$OUT" && tar -cJf s13b_raw.tar.xz s10b_attention_*.json s10b_attention_*.log \
+      && rm -f s10b_attention_*.json s10b_attention_*.log)
+    ;;
   s11a)  # issue 17, next session (after fa4a): the unpacked kernels at 16/8 on the real mix (Qwen3-0.6B's shape;
     # BLOCKS_UNPACKED, never swept unpacked): the per-kernel sweep (queued timing), then its pick as a same-run variant
     setup

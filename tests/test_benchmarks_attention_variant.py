@@ -63,20 +63,32 @@ def test_variant_row_runs_beside_the_backends_on_the_cpu(tmp_path):
     assert CONFIG_ENV not in os.environ
 
 
-def test_rounds_time_every_config_in_rotated_order_and_report_the_median(monkeypatch, tmp_path):
-    """--rounds 3 (CPU, a fake clock): one untimed pass over every configuration first (kept as ``*_first``), then
-    three rounds, each starting one configuration later; a row's figure is the median of its rounds."""
+def test_round_order_varies_first_last_and_neighbours():
+    from benchmarks.attention import round_order
+
+    assert [round_order(2, r) for r in range(4)] == [[0, 1], [1, 0], [1, 0], [0, 1]]
+    orders = [round_order(5, r) for r in range(4)]
+    assert all(sorted(o) == list(range(5)) for o in orders)
+    assert len({o[0] for o in orders}) >= 3 and len({o[-1] for o in orders}) >= 3
+    # the configuration right before 0 is not always the same one
+    before = {o[o.index(0) - 1] if o.index(0) else None for o in orders}
+    assert len(before) >= 2
+
+
+def test_rounds_time_every_config_in_varied_order_and_report_the_median(monkeypatch, tmp_path):
+    """--rounds 3 (CPU, a fake clock): one untimed pass over the compared configurations first (kept as
+    ``*_first``), then three rounds in :func:`round_order`; a row's figure is the median of its rounds. The padded
+    reference is timed once, after the rounds."""
     import benchmarks.attention as A
 
-    calls: list[tuple[int, bool]] = []  # (runner id, queued) of every fwd+bwd timing, in order
+    calls: list[tuple[int, bool]] = []  # (timed function id, queued) of every fwd+bwd timing, in order
     ids: dict[int, int] = {}
 
     def fake_time_fn(fn, device, *, warmup=3, iters=10, queued=False):
-        owner = ids.setdefault(id(fn.__self__) if hasattr(fn, "__self__") else id(fn), len(ids))
-        if getattr(fn, "__name__", "") == "fwd_bwd" or "fwd_bwd" in repr(fn):
+        owner = ids.setdefault(id(fn), len(ids))
+        if "fwd_bwd" in getattr(fn, "__qualname__", ""):
             calls.append((owner, queued))
-        # each configuration's n-th timing takes 10 * (config + 1) + n ms: rounds differ, the median is known
-        n = sum(1 for c in calls if c[0] == owner)
+        n = sum(1 for c in calls if c[0] == owner)  # each timing of a function takes longer: rounds differ
         return {"ms": 10.0 * (owner + 1) + n, "min_ms": 0.0, "iters": iters}
 
     monkeypatch.setattr(A, "time_fn", fake_time_fn)
@@ -88,11 +100,12 @@ def test_rounds_time_every_config_in_rotated_order_and_report_the_median(monkeyp
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["impl"] for r in rows] == ["reference", "sdpa", "padded_sdpa"]
-    for r in rows:
+    for r in rows[:2]:
         assert len(r["fwd_bwd_ms_rounds"]) == 3 and len(r["fwd_ms_synced_rounds"]) == 3
         assert r["fwd_bwd_ms"] == sorted(r["fwd_bwd_ms_rounds"])[1]  # the median of three
         assert r["fwd_bwd_ms_first"] not in r["fwd_bwd_ms_rounds"]  # the cold pass is reported apart
-    # queued fwd+bwd timings: the first pass in table order, then round r starts at configuration r
+    assert "fwd_bwd_ms_rounds" not in rows[2] and rows[2]["fwd_bwd_ms"] > 0  # the reference: once, afterwards
     queued = [owner for owner, q in calls if q]
-    first, rest = queued[:3], queued[3:]
-    assert rest == [first[(r + j) % 3] for r in range(3) for j in range(3)]
+    first, rest, padded = queued[:2], queued[2:8], queued[8:]
+    assert rest == [first[i] for r in range(3) for i in A.round_order(2, r)]
+    assert len(padded) == 1 and padded[0] not in first

@@ -175,6 +175,64 @@ def test_mask_free_on_and_off_match_fp64_reference(lens_q, lens_k, causal, windo
     )
 
 
+def _wide(cfg, factor=2):
+    """``free_block`` of ``factor`` x each kernel's loop tile (BLOCK_N of forward / dQ, BLOCK_M of dK / dV)."""
+    return {kind: factor * cfg[kind][0 if kind == "bwd_dkdv" else 1] for kind in ("fwd", "bwd_dkdv", "bwd_dq")}
+
+
+@pytest.mark.parametrize("pack_gqa", [False, None], ids=["unpacked", "packed-by-group"])
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,h,hkv,d,cfg", MASK_FREE_CASES)
+def test_free_block_wide_mask_free_tiles_match_fp64_reference(lens_q, lens_k, causal, window, h, hkv, d, cfg, pack_gqa):
+    """Mask-free runs in tiles 2x and 4x the loop tile (whole wide tiles first, the remainder in loop tiles) are
+    exact on the mask-free cases (windows, q != k lengths, GQA packed or not, a padded head dim)."""
+    for factor in (2, 4):
+        config = ts.TritonShortConfig(**cfg, pack_gqa=pack_gqa, free_block=_wide(cfg, factor))
+        _assert_fp32_matches_fp64(lens_q, lens_k, causal, window, h, hkv, d, config)
+
+
+def test_free_block_wide_loop_is_taken():
+    """The negative control of the test above: on a 200-token document every kernel has whole wide tiles in its
+    mask-free run (counted from the tables), and each gradient's sums then differ in the last bits from the
+    default run's (another accumulation order) -- a wide loop never taken would leave them bitwise equal."""
+    lens, cfg = [200, 7, 1, 1, 40], MASK_FREE_CASES[0].values[7]
+    wide = _wide(cfg)
+    counts = _full_tile_counts(lens, None, True, (-1, -1), {k: (v[0], v[1]) for k, v in cfg.items()})
+    assert min(counts.values()) >= 4, counts  # at least two wide tiles' worth of loop tiles per kernel
+    base = _assert_fp32_matches_fp64(lens, None, True, (-1, -1), 4, 2, 16, ts.TritonShortConfig(**cfg, pack_gqa=False))
+    for only in wide:  # each kernel's wide loop on its own: its own output changes
+        config = ts.TritonShortConfig(**cfg, pack_gqa=False, free_block={only: wide[only]})
+        got = _assert_fp32_matches_fp64(lens, None, True, (-1, -1), 4, 2, 16, config)
+        changed = {name for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), base, got) if not torch.equal(a, b)}
+        # the forward's output and lse feed the backward: a wider forward loop changes everything downstream
+        want = {"fwd": {"out", "lse", "dq", "dk", "dv"}, "bwd_dq": {"dq"}, "bwd_dkdv": {"dk", "dv"}}[only]
+        assert changed == want, (only, changed)
+
+
+def test_free_block_config_parsing_and_launch_check():
+    cfg = ts.TritonShortConfig.from_json('{"free_block": {"bwd_dq": 32, "fwd": 64}}')
+    assert cfg.free_block == (("bwd_dq", 32), ("fwd", 64))
+    assert json.loads(cfg.to_json())["free_block"] == {"bwd_dq": 32, "fwd": 64}
+    assert ts.TritonShortConfig.from_json(cfg.to_json()) == cfg
+    assert "free_block" not in json.loads(ts.TritonShortConfig().to_json())
+    assert cfg.free_loop_block("bwd_dq", 16) == 32 and cfg.free_loop_block("bwd_dkdv", 32) == 32  # unset: the tile
+    with pytest.raises(ValueError, match="free_block fwd: 64 is not a multiple of the kernel's loop tile 128"):
+        cfg.free_loop_block("fwd", 128)
+    for bad, match in (
+        ('{"free_block": {"fwd": 48}}', "power of two >= 16"),
+        ('{"free_block": {"fwd": 8}}', "power of two >= 16"),
+        ('{"free_block": {"fwd": true}}', "power of two >= 16"),
+        ('{"free_block": {"bwd": 64}}', "unknown kernel"),
+        ('{"free_block": [64]}', "must be an object"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ts.TritonShortConfig.from_json(bad)
+    q, k, v, dout, cu_q, cu_k = _inputs([40, 3], None, 2, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="not a multiple"):  # refused at launch, where the loop tile is known
+        ts.triton_short_attention(
+            q, k, v, cu_q, cu_k, config=ts.TritonShortConfig(fwd=(16, 32, 4, 1), free_block={"fwd": 16})
+        )
+
+
 # -- PackGQA: a program owns one KV head, its query tile's rows are the group's heads of fewer tokens -----------
 
 PACKED_CASES = [c for c in CASES if c.values[4] > c.values[5]]  # h > hkv: a group to pack

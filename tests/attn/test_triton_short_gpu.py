@@ -230,3 +230,22 @@ def test_dp_first_and_masked_stages_match_reference_bitwise(h, hkv):
         got = _check(lens, h, hkv, 128, ts.TritonShortConfig(**extra), name=f"loop order {extra}")
         for i, what in enumerate(("out", "dq", "dk", "dv")):
             assert torch.equal(base[i], got[i]), (extra, what)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"free_block": {"bwd_dq": 32}},
+        {"free_block": {"bwd_dq": 64}, "bwd_dq": (64, 16, 4, 2)},
+        {"free_block": {"fwd": 64}, "maxnreg": {"fwd": 168}},
+        {"free_block": {"bwd_dkdv": 64}, "bwd_dkdv": (32, 64, 4, 2)},
+    ],
+    ids=["dq32", "dq64s2", "fwd64", "dkdv64"],
+)
+def test_free_block_matches_reference(extra):
+    """Wider tiles for the mask-free runs (``free_block``) compiled, at 16/4 (PackGQA) on documents long enough
+    to have them: by the fp32-truth rule (another accumulation order, so not bitwise the default's)."""
+    from varpack.attn import triton_short as ts
+
+    lens = [1000, 37, 1, 300, 128, 5, 2000, 64, 65, 2, 700, 17, 90]
+    _check(lens, 16, 4, 128, ts.TritonShortConfig(**extra), name=f"free_block {extra}")

@@ -207,9 +207,12 @@ def attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, LPT: tl.constexpr, MASKED_STAGES: tl.constexpr = None,
+    FREE_BLOCK: tl.constexpr = 0,
 ):  # fmt: skip
     """Output and lse of one query tile and head: key tiles ``[lo, hi)`` in steps of ``BLOCK_N``, the
-    mask-free ones ``[FULL_LO, FULL_HI)`` without the mask when ``MASK_FREE`` (module docstring). With
+    mask-free ones ``[FULL_LO, FULL_HI)`` without the mask when ``MASK_FREE`` (module docstring); with
+    ``FREE_BLOCK > BLOCK_N`` (a multiple of it) the mask-free run goes in key tiles of ``FREE_BLOCK`` as far as
+    whole ones fit, then in ``BLOCK_N``. With
     ``PACK_GQA`` the program owns one KV head and its tile's rows are (token, query head of the group) pairs
     (:func:`_query_rows`), so each K / V tile is loaded once for the whole group."""
     pid_m, pid_h = _program_tile(ORDER, n_heads, LPT)
@@ -240,8 +243,16 @@ def attn_fwd(
         HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, MASKED_STAGES,
     )  # fmt: skip
     if MASK_FREE:
+        wide_hi = full_lo
+        if FREE_BLOCK > BLOCK_N:  # the mask-free run in wider key tiles first, its remainder below
+            wide_hi = full_lo + (full_hi - full_lo) // FREE_BLOCK * FREE_BLOCK
+            acc, l_i, m_i = _fwd_tiles(
+                acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, full_lo, wide_hi, hi, hk, qk_scale, left, right,
+                stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
+                HEAD_DIM, BLOCK_D, FREE_BLOCK, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False,
+            )  # fmt: skip
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, full_lo, full_hi, hi, hk, qk_scale, left, right,
+            acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, wide_hi, full_hi, hi, hk, qk_scale, left, right,
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
             HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False,
         )  # fmt: skip
@@ -347,7 +358,7 @@ def attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, LPT: tl.constexpr,
-    DP_FIRST: tl.constexpr = True, MASKED_STAGES: tl.constexpr = None,
+    DP_FIRST: tl.constexpr = True, MASKED_STAGES: tl.constexpr = None, FREE_BLOCK: tl.constexpr = 0,
 ):  # fmt: skip
     """dK, dV of one key tile and KV head: loop over the query tiles that can see it, for every query head
     of the GQA group (transposed scores ``s^T = k q^T``, FlashAttention-2 algorithm 2); with ``MASK_FREE``
@@ -381,8 +392,18 @@ def attn_bwd_dkdv(
             DP_FIRST, MASKED_STAGES,
         )  # fmt: skip
         if MASK_FREE:
+            wide_hi = full_lo
+            if FREE_BLOCK > BLOCK_M:  # the mask-free run in wider query tiles first, its remainder below
+                wide = FREE_BLOCK // GROUP if PACK_GQA else FREE_BLOCK  # tokens per wide tile
+                wide_hi = full_lo + (full_hi - full_lo) // wide * wide
+                dk, dv = _dkdv_tiles(
+                    dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_lo, wide_hi, hi, qk_scale,
+                    left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
+                    HEAD_DIM, BLOCK_D, FREE_BLOCK, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, GROUP, PACK_GQA,
+                    DP_FIRST,
+                )  # fmt: skip
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_lo, full_hi, hi, qk_scale,
+                dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, wide_hi, full_hi, hi, qk_scale,
                 left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
                 HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, GROUP, PACK_GQA,
                 DP_FIRST,
@@ -451,7 +472,7 @@ def attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, DELTA_IN_DQ: tl.constexpr, LPT: tl.constexpr,
-    DP_FIRST: tl.constexpr = True, MASKED_STAGES: tl.constexpr = None,
+    DP_FIRST: tl.constexpr = True, MASKED_STAGES: tl.constexpr = None, FREE_BLOCK: tl.constexpr = 0,
 ):  # fmt: skip
     """dQ of one query tile and head: loop over the key tiles its documents can see; with ``MASK_FREE`` the
     key tiles ``[FULL_LO, FULL_HI)`` that every query of the tile sees whole skip the mask; with ``PACK_GQA``
@@ -500,8 +521,16 @@ def attn_bwd_dq(
         HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, DP_FIRST, MASKED_STAGES,
     )  # fmt: skip
     if MASK_FREE:
+        wide_hi = full_lo
+        if FREE_BLOCK > BLOCK_N:  # the mask-free run in wider key tiles first, its remainder below
+            wide_hi = full_lo + (full_hi - full_lo) // FREE_BLOCK * FREE_BLOCK
+            dq = _dq_tiles(
+                dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, full_lo, wide_hi, hi, qk_scale, left, right,
+                stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
+                HEAD_DIM, BLOCK_D, FREE_BLOCK, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, DP_FIRST,
+            )  # fmt: skip
         dq = _dq_tiles(
-            dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, full_lo, full_hi, hi, qk_scale, left, right,
+            dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, wide_hi, full_hi, hi, qk_scale, left, right,
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
             HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, DP_FIRST,
         )  # fmt: skip

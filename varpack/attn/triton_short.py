@@ -170,11 +170,12 @@ def _checked_blocks(kind: str, value: Any) -> tuple[int, int, int, int]:
     return bm, bn, warps, stages
 
 
-def _checked_maxnreg(value: Any) -> tuple[tuple[str, int], ...]:
-    """``value`` (``(kind, registers)`` pairs or a mapping) as sorted checked pairs.
+def _checked_per_kernel(field_name: str, value: Any, unit: str, ok, need: str) -> tuple[tuple[str, int], ...]:
+    """``value`` (``(kind, n)`` pairs or a mapping) as sorted checked pairs: kinds of :data:`KERNEL_KINDS`, each
+    once, integers ``n`` with ``ok(n)`` (``need`` says what is allowed).
 
     Raises:
-        ValueError: unknown kind, a kind twice, a cap not an integer in 32..255.
+        ValueError: unknown kind, a kind twice, a value not an integer or not allowed.
     """
     pairs = list(value.items()) if isinstance(value, dict) else list(value)
     out: dict[str, int] = {}
@@ -183,20 +184,41 @@ def _checked_maxnreg(value: Any) -> tuple[tuple[str, int], ...]:
             kind, n = pair
         except (TypeError, ValueError):
             raise ValueError(
-                f"triton_short config maxnreg: need (kernel, registers) pairs, got {pair!r}"
+                f"triton_short config {field_name}: need (kernel, {unit}) pairs, got {pair!r}"
             ) from None
         if kind not in KERNEL_KINDS:
             raise ValueError(
-                f"triton_short config maxnreg: unknown kernel {kind!r}; choose from {KERNEL_KINDS}"
+                f"triton_short config {field_name}: unknown kernel {kind!r}; choose from {KERNEL_KINDS}"
             )
         if kind in out:
-            raise ValueError(f"triton_short config maxnreg: {kind} given twice")
-        if isinstance(n, bool) or not isinstance(n, int) or not 32 <= n <= 255:
-            raise ValueError(
-                f"triton_short config maxnreg {kind}: need an integer in 32..255 registers, got {n!r}"
-            )
+            raise ValueError(f"triton_short config {field_name}: {kind} given twice")
+        if isinstance(n, bool) or not isinstance(n, int) or not ok(n):
+            raise ValueError(f"triton_short config {field_name} {kind}: need {need}, got {n!r}")
         out[kind] = n
     return tuple(sorted(out.items()))
+
+
+def _checked_maxnreg(value: Any) -> tuple[tuple[str, int], ...]:
+    """``value`` (``(kind, registers)`` pairs or a mapping) as sorted checked pairs.
+
+    Raises:
+        ValueError: unknown kind, a kind twice, a cap not an integer in 32..255.
+    """
+    return _checked_per_kernel(
+        "maxnreg", value, "registers", lambda n: 32 <= n <= 255, "an integer in 32..255 registers"
+    )
+
+
+def _checked_free_block(value: Any) -> tuple[tuple[str, int], ...]:
+    """``value`` (``(kind, block)`` pairs or a mapping) as sorted checked pairs.
+
+    Raises:
+        ValueError: unknown kind, a kind twice, a block not a power of two >= 16 (whether it is a multiple of
+            the kernel's loop tile is checked at launch, where that tile is known).
+    """
+    return _checked_per_kernel(
+        "free_block", value, "block", lambda n: n >= 16 and n & (n - 1) == 0, "a power of two >= 16"
+    )
 
 
 @dataclass(frozen=True)
@@ -247,9 +269,11 @@ class TritonShortConfig:
     maxnreg: tuple[tuple[str, int], ...] = ()
     dp_first: bool = True
     masked_stages: int | None = None
+    free_block: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "maxnreg", _checked_maxnreg(self.maxnreg))
+        object.__setattr__(self, "free_block", _checked_free_block(self.free_block))
         for kind in KERNEL_KINDS:
             value = getattr(self, kind)
             if value is not None:
@@ -289,10 +313,10 @@ class TritonShortConfig:
         for kind, value in obj.items():
             if kind in ("mask_free", "pack_gqa", "delta_in_dq", "lpt", "dp_first", "masked_stages"):
                 kwargs[kind] = value  # checked by __post_init__ (a JSON bool, or an integer / null)
-            elif kind == "maxnreg":
+            elif kind in ("maxnreg", "free_block"):
                 if not isinstance(value, dict):
                     raise ValueError(
-                        f'triton_short config: maxnreg must be an object like {{"fwd": 168}}, got {value!r}'
+                        f'triton_short config: {kind} must be an object like {{"fwd": 64}}, got {value!r}'
                     )
                 kwargs[kind] = tuple(value.items())
             elif kind in KERNEL_KINDS:
@@ -300,7 +324,7 @@ class TritonShortConfig:
             else:
                 raise ValueError(
                     f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS} (or mask_free, "
-                    "pack_gqa, delta_in_dq, lpt, maxnreg, dp_first, masked_stages)"
+                    "pack_gqa, delta_in_dq, lpt, maxnreg, dp_first, masked_stages, free_block)"
                 )
         return cls(**kwargs)
 
@@ -315,7 +339,24 @@ class TritonShortConfig:
         obj["masked_stages"] = self.masked_stages
         if self.maxnreg:
             obj["maxnreg"] = dict(self.maxnreg)
+        if self.free_block:
+            obj["free_block"] = dict(self.free_block)
         return json.dumps(obj)
+
+    def free_loop_block(self, kind: str, loop_block: int) -> int:
+        """The tile of kernel ``kind``'s mask-free loop (:attr:`free_block`): its own entry, else ``loop_block`` (the
+        launch's loop tile: ``BLOCK_N`` of the forward / dQ, ``BLOCK_M`` of dK / dV).
+
+        Raises:
+            ValueError: an entry that is not a multiple of ``loop_block``.
+        """
+        block = dict(self.free_block).get(kind, loop_block)
+        if block % loop_block:
+            raise ValueError(
+                f"triton_short config free_block {kind}: {block} is not a multiple of the kernel's loop tile "
+                f"{loop_block}"
+            )
+        return block
 
     def registers(self, kind: str, head_dim: int) -> int | None:
         """The register cap of kernel ``kind``: this config's own; else, where the kernel keeps its default launch
@@ -806,6 +847,7 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
         GROUP=group, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
         MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt, MASKED_STAGES=config.masked_stages,
+        FREE_BLOCK=config.free_loop_block("fwd", block_n),
         **_launch_opts(warps, stages, q.device, config.registers("fwd", d)),
     )  # fmt: skip
     return out, lse
@@ -846,6 +888,7 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
         MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt,
         DP_FIRST=config.dp_first, MASKED_STAGES=config.masked_stages,
+        FREE_BLOCK=config.free_loop_block("bwd_dkdv", block_m),
         **_launch_opts(warps, stages, q.device, config.registers("bwd_dkdv", d)),
     )  # fmt: skip
     return dk, dv
@@ -877,6 +920,7 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
         MASK_FREE=config.mask_free, PACK_GQA=pack, DELTA_IN_DQ=out is not None, LPT=config.lpt,
         DP_FIRST=config.dp_first, MASKED_STAGES=config.masked_stages,
+        FREE_BLOCK=config.free_loop_block("bwd_dq", block_n),
         **_launch_opts(warps, stages, q.device, config.registers("bwd_dq", d)),
     )  # fmt: skip
     return dq
