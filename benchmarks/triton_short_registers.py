@@ -156,7 +156,6 @@ def report(
             consts["DELTA_IN_DQ"] = config.delta_in_dq
         if "DP_FIRST" in fn.arg_names:
             consts["DP_FIRST"] = config.dp_first
-        consts["MASKED_STAGES"] = config.masked_stages
         options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": cap} if cap else {})}
         sig = signature(fn, consts)
         attrs = launch_attrs(fn, sig, int_values(fn, h, hkv, head_dim, tokens, pack))

@@ -558,6 +558,15 @@ PY
     (cd "$OUT" && tar -cJf s13b_raw.tar.xz s10b_attention_*.json s10b_attention_*.log \
       && rm -f s10b_attention_*.json s10b_attention_*.log)
     ;;
+  s13c)  # issue 17, twelfth session (after fa4a): the GPU tests of triton_short (s10b's selection), then the bake-off
+    # with every peer at ${S13_HEADS:-16/4}, real and short mixes, 3 rotated rounds, variants: the earlier dP order, dQ on 8 warps
+    v=${S13_VARIANTS:-$'same={}\ndpold={"dp_first": false}\ndq8w={"bwd_dq": [64, 16, 8, 3]}'}
+    heads=${S13_HEADS:-16/4}; tag=${heads//\//-}
+    OUT="$OUT" S10_TESTS=${S10_TESTS:-1} S10_ROUNDS=${S13_ROUNDS:-3} S10_HEADS=$heads ATTN_MIXES="lognormal short" \
+      S10_VARIANTS="$v" bash "$0" s10b
+    (cd "$OUT" && tar -cJf s13c_raw_$tag.tar.xz s10b_attention_*.json s10b_attention_*.log \
+      && rm -f s10b_attention_*.json s10b_attention_*.log)
+    ;;
   s11a)  # issue 17, next session (after fa4a): the unpacked kernels at 16/8 on the real mix (Qwen3-0.6B's shape;
     # BLOCKS_UNPACKED, never swept unpacked): the per-kernel sweep (queued timing), then its pick as a same-run variant
     setup

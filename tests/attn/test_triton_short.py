@@ -175,64 +175,6 @@ def test_mask_free_on_and_off_match_fp64_reference(lens_q, lens_k, causal, windo
     )
 
 
-def _wide(cfg, factor=2):
-    """``free_block`` of ``factor`` x each kernel's loop tile (BLOCK_N of forward / dQ, BLOCK_M of dK / dV)."""
-    return {kind: factor * cfg[kind][0 if kind == "bwd_dkdv" else 1] for kind in ("fwd", "bwd_dkdv", "bwd_dq")}
-
-
-@pytest.mark.parametrize("pack_gqa", [False, None], ids=["unpacked", "packed-by-group"])
-@pytest.mark.parametrize("lens_q,lens_k,causal,window,h,hkv,d,cfg", MASK_FREE_CASES)
-def test_free_block_wide_mask_free_tiles_match_fp64_reference(lens_q, lens_k, causal, window, h, hkv, d, cfg, pack_gqa):
-    """Mask-free runs in tiles 2x and 4x the loop tile (whole wide tiles first, the remainder in loop tiles) are
-    exact on the mask-free cases (windows, q != k lengths, GQA packed or not, a padded head dim)."""
-    for factor in (2, 4):
-        config = ts.TritonShortConfig(**cfg, pack_gqa=pack_gqa, free_block=_wide(cfg, factor))
-        _assert_fp32_matches_fp64(lens_q, lens_k, causal, window, h, hkv, d, config)
-
-
-def test_free_block_wide_loop_is_taken():
-    """The negative control of the test above: on a 200-token document every kernel has whole wide tiles in its
-    mask-free run (counted from the tables), and each gradient's sums then differ in the last bits from the
-    default run's (another accumulation order) -- a wide loop never taken would leave them bitwise equal."""
-    lens, cfg = [200, 7, 1, 1, 40], MASK_FREE_CASES[0].values[7]
-    wide = _wide(cfg)
-    counts = _full_tile_counts(lens, None, True, (-1, -1), {k: (v[0], v[1]) for k, v in cfg.items()})
-    assert min(counts.values()) >= 4, counts  # at least two wide tiles' worth of loop tiles per kernel
-    base = _assert_fp32_matches_fp64(lens, None, True, (-1, -1), 4, 2, 16, ts.TritonShortConfig(**cfg, pack_gqa=False))
-    for only in wide:  # each kernel's wide loop on its own: its own output changes
-        config = ts.TritonShortConfig(**cfg, pack_gqa=False, free_block={only: wide[only]})
-        got = _assert_fp32_matches_fp64(lens, None, True, (-1, -1), 4, 2, 16, config)
-        changed = {name for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), base, got) if not torch.equal(a, b)}
-        # the forward's output and lse feed the backward: a wider forward loop changes everything downstream
-        want = {"fwd": {"out", "lse", "dq", "dk", "dv"}, "bwd_dq": {"dq"}, "bwd_dkdv": {"dk", "dv"}}[only]
-        assert changed == want, (only, changed)
-
-
-def test_free_block_config_parsing_and_launch_check():
-    cfg = ts.TritonShortConfig.from_json('{"free_block": {"bwd_dq": 32, "fwd": 64}}')
-    assert cfg.free_block == (("bwd_dq", 32), ("fwd", 64))
-    assert json.loads(cfg.to_json())["free_block"] == {"bwd_dq": 32, "fwd": 64}
-    assert ts.TritonShortConfig.from_json(cfg.to_json()) == cfg
-    assert "free_block" not in json.loads(ts.TritonShortConfig().to_json())
-    assert cfg.free_loop_block("bwd_dq", 16) == 32 and cfg.free_loop_block("bwd_dkdv", 32) == 32  # unset: the tile
-    with pytest.raises(ValueError, match="free_block fwd: 64 is not a multiple of the kernel's loop tile 128"):
-        cfg.free_loop_block("fwd", 128)
-    for bad, match in (
-        ('{"free_block": {"fwd": 48}}', "power of two >= 16"),
-        ('{"free_block": {"fwd": 8}}', "power of two >= 16"),
-        ('{"free_block": {"fwd": true}}', "power of two >= 16"),
-        ('{"free_block": {"bwd": 64}}', "unknown kernel"),
-        ('{"free_block": [64]}', "must be an object"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            ts.TritonShortConfig.from_json(bad)
-    q, k, v, dout, cu_q, cu_k = _inputs([40, 3], None, 2, 1, 16, torch.float32)
-    with pytest.raises(ValueError, match="not a multiple"):  # refused at launch, where the loop tile is known
-        ts.triton_short_attention(
-            q, k, v, cu_q, cu_k, config=ts.TritonShortConfig(fwd=(16, 32, 4, 1), free_block={"fwd": 16})
-        )
-
-
 # -- PackGQA: a program owns one KV head, its query tile's rows are the group's heads of fewer tokens -----------
 
 PACKED_CASES = [c for c in CASES if c.values[4] > c.values[5]]  # h > hkv: a group to pack
@@ -596,40 +538,30 @@ def test_maxnreg_reaches_every_kernel_launch(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_dp_first_and_masked_stages_parse_and_are_refused_when_malformed():
-    cfg = ts.TritonShortConfig.from_json('{"dp_first": false, "masked_stages": 1}')
-    assert cfg.dp_first is False and cfg.masked_stages == 1
-    assert ts.TritonShortConfig().dp_first is True and ts.TritonShortConfig().masked_stages is None  # defaults
-    back = json.loads(cfg.to_json())
-    assert back["dp_first"] is False and back["masked_stages"] == 1
+def test_dp_first_config_flag():
+    cfg = ts.TritonShortConfig.from_json('{"dp_first": false}')
+    assert cfg.dp_first is False and ts.TritonShortConfig().dp_first is True  # default: dP first
+    assert json.loads(cfg.to_json())["dp_first"] is False
     assert ts.TritonShortConfig.from_json(cfg.to_json()) == cfg
-    assert ts.TritonShortConfig.from_json('{"masked_stages": null}').masked_stages is None
-    for bad, match in (
-        ('{"dp_first": 1}', "dp_first must be true or false"),
-        ('{"masked_stages": 0}', "masked_stages must be an integer >= 1"),
-        ('{"masked_stages": true}', "masked_stages must be an integer >= 1"),
-        ('{"masked_stages": 1.5}', "masked_stages must be an integer >= 1"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            ts.TritonShortConfig.from_json(bad)
+    with pytest.raises(ValueError, match="dp_first must be true or false"):
+        ts.TritonShortConfig.from_json('{"dp_first": 1}')
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
-def test_dp_first_and_masked_stages_give_bitwise_equal_results(pack):
-    """dP issued before or after the softmax, and the masked loops' pipeline depth, change the order of independent
-    instructions only: every output and gradient bitwise equal (documents of 1 token, documents crossing tiles,
-    a GQA group of 2), and by the fp32-truth rule of the default run (checked by the module's other tests)."""
+def test_dp_first_on_and_off_give_bitwise_equal_results(pack):
+    """dP issued before or after the softmax changes the order of independent instructions only: every output and
+    gradient bitwise equal (documents of 1 token, documents crossing tiles, a GQA group of 2); exactness against
+    the reference is the module's other tests' (the default is dP first)."""
     q, k, v, dout, cu_q, cu_k = _inputs([1, 29, 3, 40, 7], None, 4, 2, 32, torch.bfloat16, seed=5)
     runs = []
-    for extra in ({}, {"dp_first": False}, {"masked_stages": 1}, {"dp_first": False, "masked_stages": 2}):
-        cfg = ts.TritonShortConfig(pack_gqa=pack, **extra)
+    for dp_first in (True, False):
+        cfg = ts.TritonShortConfig(pack_gqa=pack, dp_first=dp_first)
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out, lse = ts.triton_short_attention(*leaves, cu_q, cu_k, causal=True, config=cfg)
         out.backward(dout)
         runs.append([out.detach(), lse, *(t.grad for t in leaves)])
-    for other in runs[1:]:
-        for a, b in zip(runs[0], other):
-            assert torch.equal(a, b)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
     assert runs[0][2].abs().sum() > 0  # gradients reached q: not a trivially equal zero
 
 

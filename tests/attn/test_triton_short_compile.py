@@ -48,7 +48,6 @@ SCRIPT = textwrap.dedent(
                 consts = dict(consts, DP_FIRST=pack)
             else:
                 consts.pop("DP_FIRST", None)
-            consts["MASKED_STAGES"] = None if mask_free else 1  # masked loops unpipelined where every loop is masked
             sig = signature(fn, consts)
             # specialized as a launch would be, and not at all (a launch on unaligned strides)
             attrs = launch_attrs(fn, sig, int_values(fn, 8, 2, d, 4096, pack)) if not left else {}

@@ -121,15 +121,14 @@ def _fwd_tiles(
     stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASKED: tl.constexpr, STAGES: tl.constexpr = None,
+    MASKED: tl.constexpr,
 ):  # fmt: skip
-    """Online-softmax update of one query tile over the key tiles ``start, start + BLOCK_N, .. < end``
-    (``STAGES``: this loop's pipeline depth, None: the launch's ``num_stages``).
+    """Online-softmax update of one query tile over the key tiles ``start, start + BLOCK_N, .. < end``.
 
     ``MASKED``: the document / band mask and the ``< hi`` bound are applied per element. Not ``MASKED``: every
     key of these tiles is visible to every query of the tile (the caller's mask-free range), so no document
     ids are loaded, no compare runs, and no score is ``-inf`` (no guard for an all-masked row)."""
-    for start_n in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+    for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt_ptrs = K + offs_n[None, :] * stride_kt + hk * stride_kh + offs_d[:, None]
         v_ptrs = V + offs_n[:, None] * stride_vt + hk * stride_vh + offs_d[None, :]
@@ -206,13 +205,10 @@ def attn_fwd(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, LPT: tl.constexpr, MASKED_STAGES: tl.constexpr = None,
-    FREE_BLOCK: tl.constexpr = 0,
+    MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, LPT: tl.constexpr,
 ):  # fmt: skip
     """Output and lse of one query tile and head: key tiles ``[lo, hi)`` in steps of ``BLOCK_N``, the
-    mask-free ones ``[FULL_LO, FULL_HI)`` without the mask when ``MASK_FREE`` (module docstring); with
-    ``FREE_BLOCK > BLOCK_N`` (a multiple of it) the mask-free run goes in key tiles of ``FREE_BLOCK`` as far as
-    whole ones fit, then in ``BLOCK_N``. With
+    mask-free ones ``[FULL_LO, FULL_HI)`` without the mask when ``MASK_FREE`` (module docstring). With
     ``PACK_GQA`` the program owns one KV head and its tile's rows are (token, query head of the group) pairs
     (:func:`_query_rows`), so each K / V tile is loaded once for the whole group."""
     pid_m, pid_h = _program_tile(ORDER, n_heads, LPT)
@@ -240,26 +236,18 @@ def attn_fwd(
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, lo, full_lo, hi, hk, qk_scale, left, right,
         stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, MASKED_STAGES,
+        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
     )  # fmt: skip
     if MASK_FREE:
-        wide_hi = full_lo
-        if FREE_BLOCK > BLOCK_N:  # the mask-free run in wider key tiles first, its remainder below
-            wide_hi = full_lo + (full_hi - full_lo) // FREE_BLOCK * FREE_BLOCK
-            acc, l_i, m_i = _fwd_tiles(
-                acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, full_lo, wide_hi, hi, hk, qk_scale, left, right,
-                stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-                HEAD_DIM, BLOCK_D, FREE_BLOCK, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False,
-            )  # fmt: skip
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, wide_hi, full_hi, hi, hk, qk_scale, left, right,
+            acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, full_lo, full_hi, hi, hk, qk_scale, left, right,
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
             HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, doc_q, lim, K, V, DOC_K, full_hi, hi, hi, hk, qk_scale, left, right,
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, MASKED_STAGES,
+            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True,
         )  # fmt: skip
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -296,14 +284,14 @@ def _dkdv_tiles(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     MASKED: tl.constexpr, GROUP: tl.constexpr = 1, PACK_GQA: tl.constexpr = False,
-    DP_FIRST: tl.constexpr = True, STAGES: tl.constexpr = None,
+    DP_FIRST: tl.constexpr = True,
 ):  # fmt: skip
     """dK / dV of one key tile accumulated over the query tiles ``start, start + BLOCK_M, .. < end`` of head
     ``h``; not ``MASKED``: every query of these tiles sees every key of the tile (no mask, no bound). With
     ``PACK_GQA``, ``h`` is the KV head and each query tile is ``BLOCK_M // GROUP`` tokens times the group's
     query heads (rows token-major, as :func:`_query_rows`): one pass instead of one per query head.
     ``DP_FIRST``: ``dP^T = V dO^T`` is issued right after the scores, before the softmax (else after ``dV``'s
-    update); ``STAGES``: this loop's pipeline depth (None: the launch's ``num_stages``)."""
+    update, the earlier order)."""
     rows = tl.arange(0, BLOCK_M)
     if PACK_GQA:
         heads = h * GROUP + rows % GROUP
@@ -313,7 +301,7 @@ def _dkdv_tiles(
         heads = h
         step = BLOCK_M
         row_tok = rows
-    for start_m in tl.range(start, end, step, num_stages=STAGES):
+    for start_m in range(start, end, step):
         offs_m = start_m + row_tok
         q_ptrs = Q + (offs_m * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :]
         do_ptrs = DO + (offs_m * stride_dot + heads * stride_doh)[:, None] + offs_d[None, :]
@@ -358,7 +346,7 @@ def attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, LPT: tl.constexpr,
-    DP_FIRST: tl.constexpr = True, MASKED_STAGES: tl.constexpr = None, FREE_BLOCK: tl.constexpr = 0,
+    DP_FIRST: tl.constexpr = True,
 ):  # fmt: skip
     """dK, dV of one key tile and KV head: loop over the query tiles that can see it, for every query head
     of the GQA group (transposed scores ``s^T = k q^T``, FlashAttention-2 algorithm 2); with ``MASK_FREE``
@@ -389,21 +377,11 @@ def attn_bwd_dkdv(
             dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, lo, full_lo, hi, qk_scale, left,
             right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
             HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, GROUP, PACK_GQA,
-            DP_FIRST, MASKED_STAGES,
+            DP_FIRST,
         )  # fmt: skip
         if MASK_FREE:
-            wide_hi = full_lo
-            if FREE_BLOCK > BLOCK_M:  # the mask-free run in wider query tiles first, its remainder below
-                wide = FREE_BLOCK // GROUP if PACK_GQA else FREE_BLOCK  # tokens per wide tile
-                wide_hi = full_lo + (full_hi - full_lo) // wide * wide
-                dk, dv = _dkdv_tiles(
-                    dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_lo, wide_hi, hi, qk_scale,
-                    left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
-                    HEAD_DIM, BLOCK_D, FREE_BLOCK, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, GROUP, PACK_GQA,
-                    DP_FIRST,
-                )  # fmt: skip
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, wide_hi, full_hi, hi, qk_scale,
+                dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_lo, full_hi, hi, qk_scale,
                 left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
                 HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, GROUP, PACK_GQA,
                 DP_FIRST,
@@ -412,7 +390,7 @@ def attn_bwd_dkdv(
                 dk, dv, k, v, doc_k, offs_n, Q, DO, LSE, DELTA, DOC_Q, LIM, h, full_hi, hi, hi, qk_scale,
                 left, right, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, offs_d, d_ok,
                 HEAD_DIM, BLOCK_D, BLOCK_M, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, GROUP, PACK_GQA,
-                DP_FIRST, MASKED_STAGES,
+                DP_FIRST,
             )  # fmt: skip
     tl.store(
         DK + offs_n[:, None] * stride_dkt + hk * stride_dkh + offs_d[None, :],
@@ -430,12 +408,12 @@ def _dq_tiles(
     stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MASKED: tl.constexpr, DP_FIRST: tl.constexpr = True, STAGES: tl.constexpr = None,
+    MASKED: tl.constexpr, DP_FIRST: tl.constexpr = True,
 ):  # fmt: skip
     """dQ of one query tile accumulated over the key tiles ``start, start + BLOCK_N, .. < end``; not
     ``MASKED``: every key of these tiles is visible to every query of the tile (no mask, no bound).
-    ``DP_FIRST`` / ``STAGES``: as :func:`_dkdv_tiles`'."""
-    for start_n in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+    ``DP_FIRST``: as :func:`_dkdv_tiles`'."""
+    for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kt_ptrs = K + offs_n[None, :] * stride_kt + hk * stride_kh + offs_d[:, None]
         vt_ptrs = V + offs_n[None, :] * stride_vt + hk * stride_vh + offs_d[:, None]
@@ -472,7 +450,7 @@ def attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     MASK_FREE: tl.constexpr, PACK_GQA: tl.constexpr, DELTA_IN_DQ: tl.constexpr, LPT: tl.constexpr,
-    DP_FIRST: tl.constexpr = True, MASKED_STAGES: tl.constexpr = None, FREE_BLOCK: tl.constexpr = 0,
+    DP_FIRST: tl.constexpr = True,
 ):  # fmt: skip
     """dQ of one query tile and head: loop over the key tiles its documents can see; with ``MASK_FREE`` the
     key tiles ``[FULL_LO, FULL_HI)`` that every query of the tile sees whole skip the mask; with ``PACK_GQA``
@@ -518,26 +496,18 @@ def attn_bwd_dq(
     dq = _dq_tiles(
         dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, lo, full_lo, hi, qk_scale, left, right,
         stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, DP_FIRST, MASKED_STAGES,
+        HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, DP_FIRST,
     )  # fmt: skip
     if MASK_FREE:
-        wide_hi = full_lo
-        if FREE_BLOCK > BLOCK_N:  # the mask-free run in wider key tiles first, its remainder below
-            wide_hi = full_lo + (full_hi - full_lo) // FREE_BLOCK * FREE_BLOCK
-            dq = _dq_tiles(
-                dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, full_lo, wide_hi, hi, qk_scale, left, right,
-                stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-                HEAD_DIM, BLOCK_D, FREE_BLOCK, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, DP_FIRST,
-            )  # fmt: skip
         dq = _dq_tiles(
-            dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, wide_hi, full_hi, hi, qk_scale, left, right,
+            dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, full_lo, full_hi, hi, qk_scale, left, right,
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
             HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, False, DP_FIRST,
         )  # fmt: skip
         dq = _dq_tiles(
             dq, q, do, lse, delta, doc_q, lim, K, V, DOC_K, hk, full_hi, hi, hi, qk_scale, left, right,
             stride_kt, stride_kh, stride_vt, stride_vh, offs_d, d_ok,
-            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, DP_FIRST, MASKED_STAGES,
+            HEAD_DIM, BLOCK_D, BLOCK_N, HAS_LEFT, HAS_RIGHT, PRECISION, UPCAST, True, DP_FIRST,
         )  # fmt: skip
     tl.store(
         DQ + (offs_m * stride_dqt + heads * stride_dqh)[:, None] + offs_d[None, :],

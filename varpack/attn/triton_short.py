@@ -129,7 +129,8 @@ KERNEL_KINDS: tuple[str, ...] = ("fwd", "bwd_dkdv", "bwd_dq")
 #: :attr:`TritonShortConfig.mask_free` (default true); ``"pack_gqa": true / false / null`` sets
 #: :attr:`TritonShortConfig.pack_gqa` (default null: by group size); ``"delta_in_dq": true / false`` sets
 #: :attr:`TritonShortConfig.delta_in_dq` (default true); ``"lpt": true / false`` sets :attr:`TritonShortConfig.lpt`
-#: (default false); ``"maxnreg": {"fwd": 168, ..}`` sets :attr:`TritonShortConfig.maxnreg` (register caps per kernel).
+#: (default false); ``"maxnreg": {"fwd": 168, ..}`` sets :attr:`TritonShortConfig.maxnreg` (register caps per kernel);
+#: ``"dp_first": true / false`` sets :attr:`TritonShortConfig.dp_first` (default true).
 #: Empty or unset: no override.
 CONFIG_ENV = "VARPACK_TRITON_SHORT_CONFIG"
 
@@ -170,12 +171,11 @@ def _checked_blocks(kind: str, value: Any) -> tuple[int, int, int, int]:
     return bm, bn, warps, stages
 
 
-def _checked_per_kernel(field_name: str, value: Any, unit: str, ok, need: str) -> tuple[tuple[str, int], ...]:
-    """``value`` (``(kind, n)`` pairs or a mapping) as sorted checked pairs: kinds of :data:`KERNEL_KINDS`, each
-    once, integers ``n`` with ``ok(n)`` (``need`` says what is allowed).
+def _checked_maxnreg(value: Any) -> tuple[tuple[str, int], ...]:
+    """``value`` (``(kind, registers)`` pairs or a mapping) as sorted checked pairs.
 
     Raises:
-        ValueError: unknown kind, a kind twice, a value not an integer or not allowed.
+        ValueError: unknown kind, a kind twice, a cap not an integer in 32..255.
     """
     pairs = list(value.items()) if isinstance(value, dict) else list(value)
     out: dict[str, int] = {}
@@ -184,41 +184,20 @@ def _checked_per_kernel(field_name: str, value: Any, unit: str, ok, need: str) -
             kind, n = pair
         except (TypeError, ValueError):
             raise ValueError(
-                f"triton_short config {field_name}: need (kernel, {unit}) pairs, got {pair!r}"
+                f"triton_short config maxnreg: need (kernel, registers) pairs, got {pair!r}"
             ) from None
         if kind not in KERNEL_KINDS:
             raise ValueError(
-                f"triton_short config {field_name}: unknown kernel {kind!r}; choose from {KERNEL_KINDS}"
+                f"triton_short config maxnreg: unknown kernel {kind!r}; choose from {KERNEL_KINDS}"
             )
         if kind in out:
-            raise ValueError(f"triton_short config {field_name}: {kind} given twice")
-        if isinstance(n, bool) or not isinstance(n, int) or not ok(n):
-            raise ValueError(f"triton_short config {field_name} {kind}: need {need}, got {n!r}")
+            raise ValueError(f"triton_short config maxnreg: {kind} given twice")
+        if isinstance(n, bool) or not isinstance(n, int) or not 32 <= n <= 255:
+            raise ValueError(
+                f"triton_short config maxnreg {kind}: need an integer in 32..255 registers, got {n!r}"
+            )
         out[kind] = n
     return tuple(sorted(out.items()))
-
-
-def _checked_maxnreg(value: Any) -> tuple[tuple[str, int], ...]:
-    """``value`` (``(kind, registers)`` pairs or a mapping) as sorted checked pairs.
-
-    Raises:
-        ValueError: unknown kind, a kind twice, a cap not an integer in 32..255.
-    """
-    return _checked_per_kernel(
-        "maxnreg", value, "registers", lambda n: 32 <= n <= 255, "an integer in 32..255 registers"
-    )
-
-
-def _checked_free_block(value: Any) -> tuple[tuple[str, int], ...]:
-    """``value`` (``(kind, block)`` pairs or a mapping) as sorted checked pairs.
-
-    Raises:
-        ValueError: unknown kind, a kind twice, a block not a power of two >= 16 (whether it is a multiple of
-            the kernel's loop tile is checked at launch, where that tile is known).
-    """
-    return _checked_per_kernel(
-        "free_block", value, "block", lambda n: n >= 16 and n & (n - 1) == 0, "a power of two >= 16"
-    )
 
 
 @dataclass(frozen=True)
@@ -254,8 +233,13 @@ class TritonShortConfig:
     (more latency hidden) at the price of spills to local memory -- a trade only a measurement decides. Kernels
     left out take :data:`MAXNREG`'s default cap (uncapped where it has no entry). The same instructions in another register
     allocation: results are bitwise equal. A kernel given its own launch config here gets no default cap.
-    Checked on construction (:func:`_checked_blocks`; ``mask_free``, ``delta_in_dq``
-    and ``lpt`` bools, ``pack_gqa`` a bool or None, ``maxnreg`` kinds of :data:`KERNEL_KINDS` with integers in
+    ``dp_first`` (backward kernels): each loop step issues the ``dP = dO V^T`` matmul right after the scores'
+    matmul, before the softmax of the scores (default True), instead of after the ``dV`` update (False, the order of
+    FlashAttention-2's algorithm 2 and of Triton's fused-attention tutorial, kept to measure). Measured on the H200
+    (twelfth session, benchmarks/RESULTS.md; same run, 3 rotated rounds, T = 65,536, 16/4, real lengths): 2.081 vs
+    2.094 ms fwd+bwd. The same operations on the same values: results are bitwise equal.
+    Checked on construction (:func:`_checked_blocks`; ``mask_free``, ``delta_in_dq``,
+    ``lpt`` and ``dp_first`` bools, ``pack_gqa`` a bool or None, ``maxnreg`` kinds of :data:`KERNEL_KINDS` with integers in
     32..255: ValueError).
     """
 
@@ -268,22 +252,13 @@ class TritonShortConfig:
     lpt: bool = False
     maxnreg: tuple[tuple[str, int], ...] = ()
     dp_first: bool = True
-    masked_stages: int | None = None
-    free_block: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "maxnreg", _checked_maxnreg(self.maxnreg))
-        object.__setattr__(self, "free_block", _checked_free_block(self.free_block))
         for kind in KERNEL_KINDS:
             value = getattr(self, kind)
             if value is not None:
                 object.__setattr__(self, kind, _checked_blocks(kind, value))
-        stages = self.masked_stages
-        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
-            raise ValueError(
-                f"triton_short config: masked_stages must be an integer >= 1 or null (the launch's num_stages), "
-                f"got {stages!r}"
-            )
         for flag in ("mask_free", "delta_in_dq", "lpt", "dp_first"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(
@@ -311,12 +286,12 @@ class TritonShortConfig:
             raise ValueError(f"triton_short config: need a JSON object of kernels, got {text!r}")
         kwargs: dict[str, Any] = {}
         for kind, value in obj.items():
-            if kind in ("mask_free", "pack_gqa", "delta_in_dq", "lpt", "dp_first", "masked_stages"):
-                kwargs[kind] = value  # checked by __post_init__ (a JSON bool, or an integer / null)
-            elif kind in ("maxnreg", "free_block"):
+            if kind in ("mask_free", "pack_gqa", "delta_in_dq", "lpt", "dp_first"):
+                kwargs[kind] = value  # checked by __post_init__ (a JSON bool)
+            elif kind == "maxnreg":
                 if not isinstance(value, dict):
                     raise ValueError(
-                        f'triton_short config: {kind} must be an object like {{"fwd": 64}}, got {value!r}'
+                        f'triton_short config: maxnreg must be an object like {{"fwd": 168}}, got {value!r}'
                     )
                 kwargs[kind] = tuple(value.items())
             elif kind in KERNEL_KINDS:
@@ -324,7 +299,7 @@ class TritonShortConfig:
             else:
                 raise ValueError(
                     f"triton_short config: unknown kernel {kind!r}; choose from {KERNEL_KINDS} (or mask_free, "
-                    "pack_gqa, delta_in_dq, lpt, maxnreg, dp_first, masked_stages, free_block)"
+                    "pack_gqa, delta_in_dq, lpt, maxnreg, dp_first)"
                 )
         return cls(**kwargs)
 
@@ -336,27 +311,9 @@ class TritonShortConfig:
         obj["delta_in_dq"] = self.delta_in_dq
         obj["lpt"] = self.lpt
         obj["dp_first"] = self.dp_first
-        obj["masked_stages"] = self.masked_stages
         if self.maxnreg:
             obj["maxnreg"] = dict(self.maxnreg)
-        if self.free_block:
-            obj["free_block"] = dict(self.free_block)
         return json.dumps(obj)
-
-    def free_loop_block(self, kind: str, loop_block: int) -> int:
-        """The tile of kernel ``kind``'s mask-free loop (:attr:`free_block`): its own entry, else ``loop_block`` (the
-        launch's loop tile: ``BLOCK_N`` of the forward / dQ, ``BLOCK_M`` of dK / dV).
-
-        Raises:
-            ValueError: an entry that is not a multiple of ``loop_block``.
-        """
-        block = dict(self.free_block).get(kind, loop_block)
-        if block % loop_block:
-            raise ValueError(
-                f"triton_short config free_block {kind}: {block} is not a multiple of the kernel's loop tile "
-                f"{loop_block}"
-            )
-        return block
 
     def registers(self, kind: str, head_dim: int) -> int | None:
         """The register cap of kernel ``kind``: this config's own; else, where the kernel keeps its default launch
@@ -846,8 +803,7 @@ def _forward(q, k, v, tables, causal, window_size, scale, config=None) -> tuple[
         out.stride(0), out.stride(1), lse.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
-        MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt, MASKED_STAGES=config.masked_stages,
-        FREE_BLOCK=config.free_loop_block("fwd", block_n),
+        MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt,
         **_launch_opts(warps, stages, q.device, config.registers("fwd", d)),
     )  # fmt: skip
     return out, lse
@@ -887,8 +843,7 @@ def _backward_dkdv(dout, q, k, v, lse, delta, tables, causal, window_size, scale
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
         MASK_FREE=config.mask_free, PACK_GQA=pack, LPT=config.lpt,
-        DP_FIRST=config.dp_first, MASKED_STAGES=config.masked_stages,
-        FREE_BLOCK=config.free_loop_block("bwd_dkdv", block_m),
+        DP_FIRST=config.dp_first,
         **_launch_opts(warps, stages, q.device, config.registers("bwd_dkdv", d)),
     )  # fmt: skip
     return dk, dv
@@ -919,8 +874,7 @@ def _backward_dq(dout, q, k, v, lse, delta, tables, causal, window_size, scale, 
         GROUP=h // hkv, HEAD_DIM=d, BLOCK_D=_head_block(d), BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_LEFT=has_left, HAS_RIGHT=has_right, PRECISION=_precision(q.dtype), UPCAST=_upcast(kern, q.dtype),
         MASK_FREE=config.mask_free, PACK_GQA=pack, DELTA_IN_DQ=out is not None, LPT=config.lpt,
-        DP_FIRST=config.dp_first, MASKED_STAGES=config.masked_stages,
-        FREE_BLOCK=config.free_loop_block("bwd_dq", block_n),
+        DP_FIRST=config.dp_first,
         **_launch_opts(warps, stages, q.device, config.registers("bwd_dq", d)),
     )  # fmt: skip
     return dq
