@@ -31,6 +31,8 @@
 #   bash scripts/gpu_session.sh s12b     # issue 17: register-cap (maxnreg) variants, same run, 16/4 and 16/8
 #   bash scripts/gpu_session.sh s12c     # issue 17: GPU tests + bake-off with the committed maxnreg defaults (every peer), 16/4 and 16/8
 #   bash scripts/gpu_session.sh s11a     # issue 17: sweep of the unpacked kernels (16/8, real mix), its pick as a same-run variant
+#   bash scripts/gpu_session.sh s13a     # issue 17: dp_first GPU tests, launched-kernel registers, real-mix profile, variants in 3 rotated rounds
+#   bash scripts/gpu_session.sh s13c     # issue 17: triton_short GPU tests + bake-off with every peer, 3 rotated rounds (S13_HEADS=16/4 or 16/8)
 #   bash scripts/gpu_session.sh s10a     # issue 17: re-sweep after delta_in_dq + attention_profile.py on short / real mixes
 #   bash scripts/gpu_session.sh s8e      # issue 17/18: real packs end to end, triton_short vs FA4 (static graphs, compiled op)
 #   bash scripts/gpu_session.sh final16  # issue 16: Triton dqkwg GPU tests, gated_delta.py, hybrid SFT step, varpack check

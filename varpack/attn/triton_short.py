@@ -98,9 +98,9 @@ BLOCKS_UNPACKED: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "bwd_dq": {128: (64, 32, 4, 2)},
 }
 #: Default register caps per thread (:attr:`TritonShortConfig.maxnreg`) by kernel and head-dim bucket; kernels and
-#: buckets left out are uncapped. D = 128 forward: 128. Uncapped it takes 255 registers (ptxas ``-v``), so 2 of its
-#: 4-warp programs share an SM; at 128 (a few hundred bytes of spills) 4 do, which the 48 KB of shared memory of
-#: (64, 32, 4, 2) allows. Measured on the H200 (eleventh session, benchmarks/RESULTS.md; same-run variants, T =
+#: buckets left out are uncapped. D = 128 forward: 128. Uncapped it takes 187 registers (ptxas ``-v`` on the kernel a
+#: launch compiles; benchmarks/triton_short_registers.py), so 2 of its 4-warp programs share an SM; at 128 (4-16 bytes
+#: of spills) 4 do, which the 48 KB of shared memory of (64, 32, 4, 2) allows. Measured on the H200 (eleventh session, benchmarks/RESULTS.md; same-run variants, T =
 #: 65,536, bf16): forward 0.518 vs 0.566 ms on the real-lengths mix at 16/4, 0.621 vs 0.667 ms at 16/8. Caps of 168
 #: on the forward or the dQ kernel changed nothing; 128 on the dQ kernel and 168 on dK/dV (at 2 stages) were slower.
 MAXNREG: dict[str, dict[int, int]] = {"fwd": {128: 128}}
