@@ -439,7 +439,7 @@ def run_case(
         return row, runner
 
     keys = ("fwd_ms", "fwd_bwd_ms", "fwd_ms_synced", "fwd_bwd_ms_synced")
-    rounds = max(int(getattr(args, "rounds", 1)), 1)
+    rounds = args.rounds
     n_varlen = len(backends) + len(variants)  # the compared configurations; then the padded / dense references
 
     def one_at_a_time(chosen) -> None:  # each configuration timed once, its memory freed before the next
@@ -730,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     device = checked_device(p, args)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     try:
         variants = parse_ts_variants(args.ts_variant)
     except ValueError as exc:

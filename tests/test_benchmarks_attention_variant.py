@@ -109,3 +109,11 @@ def test_rounds_time_every_config_in_varied_order_and_report_the_median(monkeypa
     first, rest, padded = queued[:2], queued[2:8], queued[8:]
     assert rest == [first[i] for r in range(3) for i in A.round_order(2, r)]
     assert len(padded) == 1 and padded[0] not in first
+
+
+def test_rounds_below_one_are_refused(capsys):
+    from benchmarks.attention import main
+
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--small", "--rounds", "0"])
+    assert "--rounds must be >= 1, got 0" in capsys.readouterr().err

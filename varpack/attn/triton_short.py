@@ -98,11 +98,12 @@ BLOCKS_UNPACKED: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "bwd_dq": {128: (64, 32, 4, 2)},
 }
 #: Default register caps per thread (:attr:`TritonShortConfig.maxnreg`) by kernel and head-dim bucket; kernels and
-#: buckets left out are uncapped. D = 128 forward: 128. Uncapped it takes 187 registers (ptxas ``-v`` on the kernel a
-#: launch compiles; benchmarks/triton_short_registers.py), so 2 of its 4-warp programs share an SM; at 128 (4-16 bytes
-#: of spills) 4 do, which the 48 KB of shared memory of (64, 32, 4, 2) allows. Measured on the H200 (eleventh session, benchmarks/RESULTS.md; same-run variants, T =
-#: 65,536, bf16): forward 0.518 vs 0.566 ms on the real-lengths mix at 16/4, 0.621 vs 0.667 ms at 16/8. Caps of 168
-#: on the forward or the dQ kernel changed nothing; 128 on the dQ kernel and 168 on dK/dV (at 2 stages) were slower.
+#: buckets left out are uncapped. D = 128 forward: 128. Uncapped it takes 187 registers (ptxas ``-v`` on the kernel
+#: a launch compiles; benchmarks/triton_short_registers.py), so 2 of its 4-warp programs share an SM; at 128 (4-16
+#: bytes of spills) 4 do, which the 48 KB of shared memory of (64, 32, 4, 2) allows. Measured on the H200 (eleventh
+#: session, benchmarks/RESULTS.md; same-run variants, T = 65,536, bf16): forward 0.518 vs 0.566 ms on the real-lengths
+#: mix at 16/4, 0.621 vs 0.667 ms at 16/8. Caps of 168 on the forward or the dQ kernel changed nothing; 128 on the dQ
+#: kernel and 168 on dK/dV (at 2 stages) were slower.
 MAXNREG: dict[str, dict[int, int]] = {"fwd": {128: 128}}
 _HEAD_DIM_BUCKETS = (64, 128, 256)  # the head-dim buckets of BLOCKS and MAXNREG
 #: :attr:`TritonShortConfig.pack_gqa` ``None`` (the default) packs the query heads of a GQA group into one
@@ -228,9 +229,10 @@ class TritonShortConfig:
     real-lengths mix (neighbouring tiles of one document, launched together in row order, share their K / V
     loads; sorted, they scatter). Every tile computes the same thing either way: results are bitwise equal.
     ``maxnreg`` (per kernel, CUDA only): ``(kind, registers)`` pairs capping the registers per thread of that kernel
-    (ptxas ``.maxnreg``; Triton's ``maxnreg`` launch option), e.g. ``(("fwd", 168),)``. At 255 registers (what the
-    kernels take uncapped at D = 128) a 4-warp program leaves room for 2 per SM; a cap of 168 lets 3 share an SM
-    (more latency hidden) at the price of spills to local memory -- a trade only a measurement decides. Kernels
+    (ptxas ``.maxnreg``; Triton's ``maxnreg`` launch option), e.g. ``(("fwd", 168),)``. Above 168 registers (uncapped
+    at D = 128 the forward takes 187, dQ 149 and dK/dV 255) a 4-warp program leaves room for 2 per SM; a cap of 168
+    lets 3 share an SM, 128 four (more latency hidden) at the price of spills to local memory -- a trade only a
+    measurement decides. Kernels
     left out take :data:`MAXNREG`'s default cap (uncapped where it has no entry). The same instructions in another register
     allocation: results are bitwise equal. A kernel given its own launch config here gets no default cap.
     ``dp_first`` (backward kernels): each loop step issues the ``dP = dO V^T`` matmul right after the scores'
