@@ -15,7 +15,80 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# the GPU suite in two shards (README "Development"; scripts/gpu.sh tests:1 / tests:2)
+# ---------------------------------------------------------------------------------------------------------
+#: Every ``gpu`` test belongs to one shard, by the longest node-id prefix below: ``pytest -m gpu_shard1 tests``
+#: and ``pytest -m gpu_shard2 tests`` together run ``pytest -m gpu tests``. Shard 1 holds the attention kernels
+#: and the compiled / captured steps (it needs flash-attn-4 to run its FA4 cases); shard 2 the gated delta rule,
+#: fla and the linear-attention models (it needs fla, not FA4). A gpu test in a file not listed here stops the
+#: collection, naming the file. The split follows the tests' cold-machine cost: Triton / inductor / FA4 compiles
+#: and fla's first-use autotuning (about 90 s per head shape and dtype, benchmarks/RESULTS.md), which is why each
+#: fla head shape's tests share a group below.
+GPU_SHARDS: dict[str, int] = {
+    "tests/attn/": 1,
+    "tests/integrations/": 1,
+    "tests/train/": 1,
+    "tests/ops/test_custom_ops.py": 1,
+    "tests/ops/test_linear_ce.py": 1,
+    "tests/ops/test_dqkwg_triton.py": 1,
+    "tests/invariant/test_autocast.py": 1,
+    "tests/invariant/test_compile_and_liger.py": 1,
+    "tests/invariant/test_static_shapes.py": 1,
+    "tests/test_check.py::test_gpu_check_bf16_auto": 1,
+    "tests/ops/test_fla_hybrid.py": 2,
+    "tests/ops/test_gated_delta_rule.py": 2,
+    "tests/ops/test_short_conv.py": 2,
+    "tests/invariant/test_gated_delta.py": 2,
+    "tests/invariant/test_vision_language_gpu.py": 2,
+    "tests/test_check.py::test_gpu_check_tiny_qwen35": 2,
+}
+#: pytest-xdist groups (``-n N --dist loadgroup``; scripts/gpu.sh): one process runs a group's tests in order,
+#: so what they compile or autotune is paid once. Default group: the test's file; these node-id prefixes get
+#: their own group (a group of its own runs beside the rest of its file: the longest groups set a shard's time).
+GPU_GROUPS: dict[str, str] = {
+    "tests/ops/test_fla_hybrid.py::test_gpu_fla_hybrid_no_initial_state_equal_heads": "fla-equal-heads",
+    "tests/ops/test_fla_hybrid.py::test_gpu_fla_hybrid_70000_one_token_sequences": "fla-70000",
+    "tests/attn/test_triton_short_gpu.py::test_pack_gqa_matches_reference": "triton-short-pack-gqa",
+}
+
+
+def _longest_prefix(nodeid: str, table: dict):
+    keys = [k for k in table if nodeid.startswith(k)]
+    return table[max(keys, key=len)] if keys else None
+
+
+def gpu_shard(nodeid: str) -> int | None:
+    """The shard (1 or 2) of a gpu test's node id (relative to the repository root), None when unlisted."""
+    return _longest_prefix(nodeid, GPU_SHARDS)
+
+
+def gpu_group(item) -> str:
+    """The xdist group of a gpu test: :data:`GPU_GROUPS`, else its file; tests/attn/test_attn_gpu.py's
+    parametrized tests by backend (each backend's compiles stay in one process)."""
+    group = _longest_prefix(item.nodeid, GPU_GROUPS)
+    if group is not None:
+        return group
+    path = item.nodeid.split("::")[0]
+    backend = getattr(item, "callspec", None) and item.callspec.params.get("backend")
+    return f"{path}:{backend}" if path == "tests/attn/test_attn_gpu.py" and backend else path
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection, which reads the shard markers
 def pytest_collection_modifyitems(config, items):
+    xdist = config.pluginmanager.hasplugin("xdist")
+    for item in items:
+        if "gpu" not in item.keywords:
+            continue
+        shard = gpu_shard(item.nodeid)
+        if shard is None:
+            raise pytest.UsageError(
+                f"{item.nodeid.split('::')[0]}: a gpu test in no GPU shard; add its file to GPU_SHARDS in "
+                "tests/conftest.py"
+            )
+        item.add_marker(f"gpu_shard{shard}")
+        if xdist:
+            item.add_marker(pytest.mark.xdist_group(gpu_group(item)))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")

@@ -379,10 +379,11 @@ def _gpu_hybrid(precision="fp32"):
     return fn
 
 
-def _check_vs_chunk_fp32(lengths, precision, Hk=2, H=4, K=128, V=128, initial=True):
-    from tests.ops.test_gated_delta_rule import _bf16_tol, _cu, _inputs, _run
+def _check_vs_chunk_fp32(lengths, precision, dims=None, initial=True):
+    from tests.ops.test_gated_delta_rule import GPU_DIMS, _bf16_tol, _cu, _inputs, _run
     from varpack.ops import chunk_gated_delta_rule
 
+    Hk, H, K, V = dims or GPU_DIMS
     ins, h0 = _inputs(lengths, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16, initial=initial)
     cu = _cu(lengths, torch.int64)
     o, s, g, do, dht = _run(_gpu_hybrid(precision), ins, h0, cu)
@@ -414,17 +415,18 @@ def test_gpu_fla_hybrid_matches_chunk_fp32(precision):
 
 @pytest.mark.gpu
 def test_gpu_fla_hybrid_no_initial_state_equal_heads():
-    errs = _check_vs_chunk_fp32([3, 64, 65, 1, 200], "fp32", Hk=4, H=4, K=64, V=64, initial=False)
+    errs = _check_vs_chunk_fp32([3, 64, 65, 1, 200], "fp32", (4, 4, 64, 64), initial=False)
     assert all(e < 1 for e in errs.values()), errs
 
 
 @pytest.mark.gpu
 def test_gpu_fla_hybrid_negative_control_boundaries_dropped():
     """The same packed row with cu_seqlens dropped (one sequence) must not match the packed reference."""
-    from tests.ops.test_gated_delta_rule import GPU_LENGTHS, _bf16_tol, _cu, _inputs
+    from tests.ops.test_gated_delta_rule import GPU_DIMS, GPU_LENGTHS, _bf16_tol, _cu, _inputs
     from varpack.ops import chunk_gated_delta_rule
 
-    ins, _ = _inputs(GPU_LENGTHS, Hk=2, H=4, K=128, V=128, device="cuda", dtype=torch.bfloat16)
+    Hk, H, K, V = GPU_DIMS
+    ins, _ = _inputs(GPU_LENGTHS, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16)
     cu = _cu(GPU_LENGTHS, torch.int64)
     o_ref, _ = chunk_gated_delta_rule(
         *[x.float().cpu() for x in ins], cu_seqlens=cu, use_qk_l2norm_in_kernel=True
@@ -485,28 +487,33 @@ def test_gpu_fla_hybrid_probe_and_auto():
     """The probe passes on this device and auto picks fla (its own backward runs) or else fla_hybrid (when
     AUTO_FLA_HYBRID is on; chunk otherwise)."""
     pytest.importorskip("fla")
+    from tests.ops.test_gated_delta_rule import GPU_DIMS
     from varpack.ops import resolve_backend
-    from varpack.ops.fla_probe import fla_status
+    from varpack.ops.gated_delta_rule.dispatch import (
+        AUTO_FLA_HYBRID,
+        fla_gated_delta_status,
+        fla_hybrid_status,
+    )
 
-    st = fla_status("cuda")
-    print(st)
-    assert st.hybrid == (True, "ok"), st.hybrid
-    from varpack.ops.gated_delta_rule.dispatch import AUTO_FLA_HYBRID
-
-    want = "fla" if st.forward[0] and st.backward[0] else ("fla_hybrid" if AUTO_FLA_HYBRID else "chunk")
-    assert resolve_backend("auto", "cuda") == want
+    forward, backward = fla_gated_delta_status("cuda", GPU_DIMS)  # at the GPU tests' head shape (one autotune)
+    hybrid = fla_hybrid_status("cuda", GPU_DIMS)
+    print(f"fla forward {forward}, backward {backward}, fla_hybrid {hybrid}")
+    assert hybrid == (True, "ok"), hybrid
+    want = "fla" if forward[0] and backward[0] else ("fla_hybrid" if AUTO_FLA_HYBRID else "chunk")
+    assert resolve_backend("auto", "cuda", dims=GPU_DIMS) == want
 
 
 @pytest.mark.gpu
 def test_gpu_fla_hybrid_custom_op_equals_direct():
     """varpack::gated_delta_rule on fla_hybrid (native backward op) == fla_hybrid_gated_delta_rule."""
     pytest.importorskip("fla")
-    from tests.ops.test_gated_delta_rule import _cu, _inputs
+    from tests.ops.test_gated_delta_rule import GPU_DIMS, _cu, _inputs
     from varpack.ops.gated_delta_rule import fla_hybrid_gated_delta_rule
     from varpack.ops.gated_delta_rule.custom_op import gated_delta_rule_op
 
     lengths = [5, 300, 64, 1]
-    ins, h0 = _inputs(lengths, Hk=2, H=4, K=64, V=64, device="cuda", dtype=torch.bfloat16, initial=True)
+    Hk, H, K, V = GPU_DIMS
+    ins, h0 = _inputs(lengths, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16, initial=True)
     cu = _cu(lengths, torch.int64)
     outs = []
     for fn in (
@@ -528,10 +535,11 @@ def test_gpu_fla_hybrid_custom_op_equals_direct():
 def test_gpu_fla_hybrid_is_sync_free():
     """After a warm-up on the same boundaries (Triton compiles, fla's chunk-index cache), forward and backward
     make no host sync (the CPU offsets are given)."""
-    from tests.ops.test_gated_delta_rule import _cu, _inputs
+    from tests.ops.test_gated_delta_rule import GPU_DIMS, _cu, _inputs
 
     lengths = [3, 500, 64, 1, 1000]
-    ins, _ = _inputs(lengths, device="cuda", dtype=torch.bfloat16, K=64, V=64)
+    Hk, H, K, V = GPU_DIMS
+    ins, _ = _inputs(lengths, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16)
     cu = _cu(lengths, torch.int64)
     from varpack.ops.gated_delta_rule.fla_hybrid import (
         fla_hybrid_gated_delta_rule,

@@ -296,6 +296,10 @@ def test_backend_selection_on_cpu():
 # GPU (run by the lead on the device machine)
 
 GPU_LENGTHS = [1, 700, 64, 3, 1000, 1, 129, 2100]
+#: (Hk, H, K, V) of the GPU tests that run fla's kernels (here and in test_fla_hybrid.py): Qwen3.5's head size
+#: with grouped value heads. fla autotunes each kernel once per head shape and dtype (about 90 s of a cold
+#: machine's time per shape, benchmarks/RESULTS.md), so these tests share one shape.
+GPU_DIMS = (2, 4, 128, 128)
 
 
 def _bf16_tol(ref32: torch.Tensor) -> float:
@@ -383,13 +387,13 @@ def test_gpu_chunk_is_sync_free():
 
 def _fla_or_skip(needs_backward: bool):
     pytest.importorskip("fla")
-    from varpack.ops.fla_probe import fla_status
+    from varpack.ops.gated_delta_rule.dispatch import fla_gated_delta_status
 
-    st = fla_status("cuda")
-    if not st.forward[0]:
-        pytest.skip(f"fla forward unusable here: {st.forward[1]}")
-    if needs_backward and not st.backward[0]:
-        pytest.skip(f"fla backward unusable here: {st.backward[1]}")
+    forward, backward = fla_gated_delta_status("cuda", GPU_DIMS)  # probed at the tests' own head shape
+    if not forward[0]:
+        pytest.skip(f"fla forward unusable here: {forward[1]}")
+    if needs_backward and not backward[0]:
+        pytest.skip(f"fla backward unusable here: {backward[1]}")
 
 
 @pytest.mark.gpu
@@ -397,7 +401,8 @@ def _fla_or_skip(needs_backward: bool):
 def test_gpu_fla_matches_reference(needs_backward):
     _fla_or_skip(needs_backward)
     lengths = GPU_LENGTHS
-    ins, h0 = _inputs(lengths, Hk=2, H=4, K=128, V=128, device="cuda", dtype=torch.bfloat16, initial=True)
+    Hk, H, K, V = GPU_DIMS
+    ins, h0 = _inputs(lengths, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16, initial=True)
     cu = _cu(lengths, torch.int64)
     ref_ins = [x.float().cpu() for x in ins]
     if not needs_backward:
