@@ -69,7 +69,7 @@ Capability = tuple[bool, str]
 
 
 #: Head counts and dims ``(Hk, H, K, V)`` of the probe problem when the caller does not name its own.
-PROBE_DIMS = (2, 4, 64, 64)  # the GPU tests' shape: a test run autotunes fla once for both
+PROBE_DIMS = (2, 4, 64, 64)  # callers that know their shape pass it (model layers, the GPU tests: GPU_DIMS)
 Dims = tuple[int, int, int, int]
 
 
