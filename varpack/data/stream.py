@@ -30,8 +30,6 @@ worker for it; with a plain DataLoader take the state with ``num_workers=0``.
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -40,7 +38,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from varpack.data.dataset import cut_piece
+from varpack.data.dataset import cut_piece, supervised_ranges
+from varpack.data.jsonfile import iter_lines, location, parse_line
 from varpack.plan.streaming import DEFAULT_BUFFER_SIZE, PackBatch, StreamingPacker
 from varpack.schema import TOKEN_ALIGNED_FIELDS
 
@@ -119,7 +118,8 @@ class ChatStream:
         ``wanted(i)`` when given), in stream order. Rows of other shards are skipped unparsed (JSONL).
 
         Raises:
-            ValueError: a line that is not a JSON object (naming ``FILE:LINE`` and the sample id).
+            ValueError: a line that is not UTF-8 text, not JSON or not a JSON object (naming ``FILE:LINE`` and
+                the sample id, :mod:`varpack.data.jsonfile`).
         """
         for i, raw, where in self._raw(start):
             if stop is not None and i >= stop:
@@ -127,13 +127,10 @@ class ChatStream:
             if i % num_shards != shard or (wanted is not None and not wanted(i)):
                 continue
             if isinstance(raw, (str, bytes)):
-                try:
-                    row = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"sample {i} ({where}): not valid JSON: {exc}") from exc
+                row = parse_line(raw, f"{where}: sample {i}")  # not UTF-8 / not JSON: named
                 if not isinstance(row, dict):
                     raise ValueError(
-                        f"sample {i} ({where}): a JSON Lines row must be an object, got {row!r:.60}"
+                        f"{where}: sample {i}: a JSON Lines row must be an object, got {row!r:.60}"
                     )
                 yield i, _Located(row, where)
             else:
@@ -145,14 +142,10 @@ class ChatStream:
         i = 0
         if self.paths:
             for path in self.paths:
-                opener = gzip.open if path.endswith(".gz") else open
-                with opener(path, "rb") as fh:
-                    for lineno, line in enumerate(fh, 1):
-                        if not line.strip():
-                            continue
-                        if i >= start:
-                            yield i, line, f"{path}:{lineno}"
-                        i += 1
+                for sid, lineno, line in iter_lines(path, first_sample=i):
+                    if sid >= start:
+                        yield sid, line, location(path, lineno)
+                    i = sid + 1
             return
         src = self.source
         if _is_hf(src):
@@ -246,7 +239,8 @@ class StreamingPackedDataset(IterableDataset):
         packing_length: tokens per pack.
         buffer_size: items packed together (:class:`varpack.plan.streaming.StreamingPacker`).
         strategy: planner strategy within the buffer (``"bfd"``).
-        overflow: ``"error"``, ``"drop"``, ``"truncate"`` or ``"split"``, as :func:`varpack.plan.plan_packs`.
+        overflow: ``"error"``, ``"drop"``, ``"truncate"`` or ``"split"``, as :func:`varpack.plan.plan_packs`;
+            a sample or piece without a supervised token is left out and reported by id, as in a plan.
         rank, world_size: this process's shard of the ranks; default: ``torch.distributed``'s when it is
             initialized, else ``0, 1``. Give ``world_size=1`` when something else shards the packs across
             ranks (accelerate's ``IterableDatasetShard`` under the HF Trainer).
@@ -266,7 +260,8 @@ class StreamingPackedDataset(IterableDataset):
     Raises:
         ValueError / TypeError: bad settings (by :class:`StreamingPacker`), a bad source; while iterating, a
             bad row (named) or an overlong sample with ``overflow="error"``; with ``repeat``, a pass of this
-            shard that plans no pack (no rows, or every sample empty or dropped), instead of looping forever.
+            shard that plans no pack (no rows, or every sample empty, dropped or without a supervised token),
+            instead of looping forever.
     """
 
     def __init__(
@@ -382,7 +377,8 @@ class StreamingPackedDataset(IterableDataset):
                 where = f" (shard {shard} of {num_shards})" if num_shards > 1 else ""
                 raise ValueError(
                     f"the stream {self.stream.label}{where} planned no pack in a pass: it has no rows, or every "
-                    f"sample is empty or dropped (overflow={self.packer_settings['overflow']!r}, packing_length="
+                    f"sample is empty, dropped or without a supervised token (overflow="
+                    f"{self.packer_settings['overflow']!r}, packing_length="
                     f"{self.packer_settings['packing_length']}); nothing to train on"
                 )
             self.epoch += 1
@@ -433,10 +429,13 @@ class StreamingPackedDataset(IterableDataset):
         yield from self._drain(live, samples, refs)
         if not live["done"]:
             L = packer.packing_length
+            rep = packer.report
             for sid, row in self.stream.rows(shard=shard, num_shards=num_shards, start=live["position"]):
                 sample = encode_row(row, sid, self.tokenizer)
                 n = int(sample["length"])
-                batch = packer.add(n, [sid])
+                left_out = len(rep["unsupervised_ids"]) + len(rep["unsupervised_pieces"])
+                # a sample or piece without a supervised token is left out and reported by the packer
+                batch = packer.add(n, [sid], supervised=supervised_ranges({sid: sample}))
                 live["position"] = sid + 1
                 pieces = (
                     0
@@ -445,6 +444,7 @@ class StreamingPackedDataset(IterableDataset):
                     if n <= L
                     else (-(-n // L) if packer.overflow == "split" else 0 if packer.overflow == "drop" else 1)
                 )
+                pieces -= len(rep["unsupervised_ids"]) + len(rep["unsupervised_pieces"]) - left_out
                 if pieces:
                     samples[sid] = sample
                     refs[sid] = pieces
