@@ -160,6 +160,27 @@ def test_resume_after_k_packs(k):
     assert fresh.last_summary["num_packs"] == len(head) + len(tail)
 
 
+def test_state_in_the_main_process_while_workers_read_the_stream_is_refused():
+    """Read through a DataLoader with 2 workers, the main process's copy of the dataset never iterated:
+    state_dict() returned a fresh state (position 0), and resuming from it trained the samples again."""
+    rows = encoded_rows(60)
+    kw = dict(packing_length=L, buffer_size=8, overflow="split")
+    ds = StreamingPackedDataset(rows, **kw)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=2))
+    head = [next(it) for _ in range(3)]
+    assert len({s["sample_id"] for p in head for s in p}) >= 2  # read by the workers
+    with pytest.raises(RuntimeError, match=r"DataLoader workers read the stream \(2 pass\(es\) started"):
+        ds.state_dict()
+    del it
+    # negative control: read in this process, the state is this process's and resumes exactly
+    full = _ids(StreamingPackedDataset(rows, **kw))
+    it = iter(ds)
+    mine = [next(it) for _ in range(3)]
+    fresh = StreamingPackedDataset(rows, **kw)
+    fresh.load_state_dict(json.loads(json.dumps(ds.state_dict())))
+    assert _ids(mine) + _ids(fresh) == full
+
+
 def test_resume_at_the_end_yields_nothing_and_shard_checked():
     rows = encoded_rows(50)
     kw = dict(packing_length=L, buffer_size=16, overflow="split")

@@ -25,7 +25,9 @@ but not yet yielded; a fresh dataset given it by :meth:`~StreamingPackedDataset.
 exactly the packs that the uninterrupted pass would have yielded next (the buffered samples are read and
 encoded again from the source: the state holds ids, not tokens). In a DataLoader worker the state lives in
 the worker's copy: torchdata's ``StatefulDataLoader`` (accelerate's ``use_stateful_dataloader``) asks every
-worker for it; with a plain DataLoader take the state with ``num_workers=0``.
+worker for it; with a plain DataLoader take the state with ``num_workers=0``. Asked in the main process
+after workers started reading the stream, :meth:`~StreamingPackedDataset.state_dict` raises instead of
+returning the main process's stale copy (the workers count their passes in memory shared with it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from varpack.data.dataset import cut_piece, supervised_ranges
@@ -304,6 +307,10 @@ class StreamingPackedDataset(IterableDataset):
         self.epoch = 0
         self._resume: dict[str, Any] | None = None
         self._live: dict[str, Any] | None = None  # the iterating pass's state (this process's copy)
+        # passes started in DataLoader workers, counted in memory shared with them (a worker's copy of this
+        # dataset holds its own state; the main process's copy must not pass for it)
+        self._worker_passes = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._worker_passes_seen = 0
         self.last_summary: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ sharding, epochs, state
@@ -329,7 +336,23 @@ class StreamingPackedDataset(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Where the current pass is, after the last pack yielded (JSON-ready): ``{"format", "epoch",
         "shard": [index, count], "position", "packer", "pending"}``; before any pass, the loaded state or a
-        fresh one."""
+        fresh one. Called in a DataLoader worker (torchdata's ``StatefulDataLoader`` does), that worker's
+        state.
+
+        Raises:
+            RuntimeError: called in the main process after DataLoader workers started reading the stream
+                (since this process last iterated it or loaded a state): each worker holds its own position,
+                and this process's copy would say the stream was not read.
+        """
+        started = int(self._worker_passes.item()) - self._worker_passes_seen
+        if get_worker_info() is None and started:
+            raise RuntimeError(
+                "StreamingPackedDataset.state_dict() in the main process, but DataLoader workers read the "
+                f"stream ({started} pass(es) started in workers): each worker holds its own position, so "
+                "this copy's state is stale and resuming from it would train samples again. Take the state "
+                "with num_workers=0, or from the workers with torchdata's StatefulDataLoader (it calls "
+                "state_dict() in each worker)"
+            )
         if self._live is not None:
             live = self._live
             pend: PackBatch = live["pending"]
@@ -364,6 +387,8 @@ class StreamingPackedDataset(IterableDataset):
         self.epoch = int(state.get("epoch", 0))
         self._resume = state if state.get("packer") is not None else None
         self._live = None
+        if get_worker_info() is None:
+            self._worker_passes_seen = int(self._worker_passes.item())
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
@@ -386,6 +411,10 @@ class StreamingPackedDataset(IterableDataset):
     def _pass(self) -> Generator[Any, None, StreamingPacker]:
         """One pass over this shard of the stream (from the loaded state, if any); returns its packer."""
         shard, num_shards = self.shard()
+        if get_worker_info() is not None:
+            self._worker_passes += 1  # seen by the main process (shared memory)
+        else:
+            self._worker_passes_seen = int(self._worker_passes.item())
         packer = StreamingPacker(**self.packer_settings)
         samples: dict[int, dict[str, Any]] = {}  # encoded samples with a piece in the buffer / pending
         refs: dict[int, int] = {}
