@@ -313,3 +313,40 @@ def test_hf_trainer_sees_every_sample_once(tmp_path):
     assert np.isfinite(result.training_loss)
     assert Counter(seen) == Counter(range(len(lengths)))
     assert result.global_step == len(ds)
+
+
+def test_supervised_ranges_read_through_arrow_equal_the_rows(monkeypatch):
+    """supervised_ranges over a datasets.Dataset (Arrow blocks, also after select() reorders the rows) answers
+    as over the list of rows: a range holds a supervised token when a label other than -100 follows its
+    first token."""
+    import datasets
+
+    from varpack.data import dataset as dataset_module
+    from varpack.data.dataset import supervised_ranges
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(50):
+        n = int(rng.integers(1, 30))
+        labels = [-100] * n
+        for t in rng.choice(n, size=min(n, int(rng.integers(0, 3))), replace=False).tolist():
+            labels[t] = t  # labels[0] may be set: it is never counted
+        rows.append({"input_ids": list(range(n)), "labels": labels})
+    sids = rng.integers(0, 50, size=400)
+    lens = np.array([len(rows[i]["labels"]) for i in sids])
+    starts = (rng.random(400) * lens).astype(np.int64)
+    stops = starts + 1 + (rng.random(400) * (lens - starts)).astype(np.int64)
+    want = np.array(
+        [any(x != -100 for x in rows[i]["labels"][a + 1 : b]) for i, a, b in zip(sids, starts, stops)]
+    )
+    assert want.any() and not want.all()
+    monkeypatch.setattr(dataset_module, "_LABEL_ROWS", 7)  # several blocks
+    hf = datasets.Dataset.from_list(rows)
+    assert (supervised_ranges(rows)(sids, starts, stops) == want).all()
+    assert (supervised_ranges(hf)(sids, starts, stops) == want).all()
+    perm = rng.permutation(50)
+    picked = hf.select(perm.tolist())  # an indices mapping over the Arrow table
+    inv = np.argsort(perm)
+    assert (supervised_ranges(picked)(inv[sids], starts, stops) == want).all()
+    with pytest.raises(ValueError, match="no 'labels'"):
+        supervised_ranges(datasets.Dataset.from_list([{"input_ids": [1, 2]}]))

@@ -48,7 +48,8 @@ def _check_tokens(packs, rows):
             assert s["labels"][0] == -100
 
 
-def _expected(rows, overflow):
+def _items(rows, overflow):
+    """[(sample_id, start, stop)] of every sample or piece the overflow policy keeps."""
     out = []
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
@@ -60,7 +61,13 @@ def _expected(rows, overflow):
             out.extend((i, a, min(a + L, n)) for a in range(0, n, L))
         else:
             out.append((i, 0, n))
-    return sorted(out)
+    return out
+
+
+def _expected(rows, overflow):
+    """The packed items: those with a supervised token (a 1-token sample or piece has none: its only label is
+    the first, never a target)."""
+    return sorted(x for x in _items(rows, overflow) if x[2] - x[1] > 1)
 
 
 @pytest.mark.parametrize("overflow", ["drop", "truncate", "split"])
@@ -75,6 +82,12 @@ def test_single_process_every_sample_once(overflow):
     assert s["overflow"]["empty_ids"] == [i for i, r in enumerate(rows) if not r["input_ids"]]
     over = [i for i, r in enumerate(rows) if len(r["input_ids"]) > L]
     assert s["overflow"]["overlong_ids"] == over
+    # the 1-token samples and pieces train nothing: left out, reported by id
+    alone = [x for x in _items(rows, overflow) if x[2] - x[1] == 1]
+    whole = [i for i, a, b in alone if len(rows[i]["input_ids"]) == 1]
+    pieces = [[i, a, b] for i, a, b in alone if len(rows[i]["input_ids"]) > L]
+    assert alone and s["overflow"]["unsupervised_ids"] == whole
+    assert s["overflow"]["unsupervised_pieces"] == pieces
     assert list(ds) == packs  # a second pass reads the stream again and packs it the same way
 
 
@@ -147,6 +160,27 @@ def test_resume_after_k_packs(k):
     assert fresh.last_summary["num_packs"] == len(head) + len(tail)
 
 
+def test_state_in_the_main_process_while_workers_read_the_stream_is_refused():
+    """Read through a DataLoader with 2 workers, the main process's copy of the dataset never iterated:
+    state_dict() returned a fresh state (position 0), and resuming from it trained the samples again."""
+    rows = encoded_rows(60)
+    kw = dict(packing_length=L, buffer_size=8, overflow="split")
+    ds = StreamingPackedDataset(rows, **kw)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=2))
+    head = [next(it) for _ in range(3)]
+    assert len({s["sample_id"] for p in head for s in p}) >= 2  # read by the workers
+    with pytest.raises(RuntimeError, match=r"DataLoader workers read the stream \(2 pass\(es\) started"):
+        ds.state_dict()
+    del it
+    # negative control: read in this process, the state is this process's and resumes exactly
+    full = _ids(StreamingPackedDataset(rows, **kw))
+    it = iter(ds)
+    mine = [next(it) for _ in range(3)]
+    fresh = StreamingPackedDataset(rows, **kw)
+    fresh.load_state_dict(json.loads(json.dumps(ds.state_dict())))
+    assert _ids(mine) + _ids(fresh) == full
+
+
 def test_resume_at_the_end_yields_nothing_and_shard_checked():
     rows = encoded_rows(50)
     kw = dict(packing_length=L, buffer_size=16, overflow="split")
@@ -184,10 +218,29 @@ def test_chats_encoded_on_the_fly_equal_encode_chat(tmp_path):
         assert list(by_id[i]["input_ids"]) == want["input_ids"] and list(by_id[i]["labels"]) == want["labels"]
 
 
+@pytest.mark.parametrize("overflow", ["truncate", "split"])
+def test_pieces_and_samples_without_a_supervised_token_are_left_out(overflow):
+    """A prompt longer than the packing length, truncated / split away from its answer, and a sample whose
+    labels are all -100: the stream packed them (packs that train nothing); they are left out and reported."""
+    from varpack.plan.report import summary_text
+
+    rows = [
+        {"input_ids": list(range(100, 110)), "labels": [-100, *range(101, 110)]},
+        {"input_ids": list(range(200, 300)), "labels": [-100] * 90 + list(range(290, 300))},
+        {"input_ids": [1, 2, 3], "labels": [-100] * 3},
+    ]
+    ds = StreamingPackedDataset(rows, packing_length=L, buffer_size=4, overflow=overflow)
+    packs = list(ds)
+    assert sorted(_ids(packs)) == [(0, 0, 10)] + ([(1, 64, 100)] if overflow == "split" else [])
+    ov = ds.last_summary["overflow"]
+    assert ov["unsupervised_ids"] == [2] and ov["unsupervised_pieces"] == [[1, 0, L]]
+    assert "sample 2, sample 1 [0, 64)" in summary_text(ds.last_summary)
+
+
 def test_bad_rows_are_named(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"input_ids": [1, 2], "labels": [-100, 2]}) + "\n" + "{not json\n")
-    with pytest.raises(ValueError, match=r"sample 1 \(.*bad.jsonl:2\): not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: sample 1: invalid JSON"):
         list(StreamingPackedDataset(str(path), packing_length=8, buffer_size=4))
     path.write_text(json.dumps({"input_ids": [1, 2], "labels": [-100]}) + "\n")
     with pytest.raises(ValueError, match=r"sample 0: 'labels' has 1 entries.*bad.jsonl:1"):

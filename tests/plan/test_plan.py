@@ -456,3 +456,48 @@ def test_load_rejects_non_plan(tmp_path):
     np.savez(tmp_path / "x.npz", a=np.arange(3))
     with pytest.raises(ValueError, match="not a varpack plan"):
         PackPlan.load(tmp_path / "x.npz")
+
+
+@pytest.mark.parametrize("overflow", ["error", "drop", "truncate", "split"])
+def test_items_without_a_supervised_token_are_left_out_and_reported(overflow):
+    """A long prompt truncated away from its answer, a split piece of prompt only, a sample whose labels are
+    all -100: each trains nothing, so it is in no pack, and the report names it (sample id, token range)."""
+    labels = {
+        0: [-100, 1, 2],  # supervised
+        1: [-100] * 8 + [5, 6],  # 10 tokens, the answer after token 8
+        2: [-100, -100],  # nothing supervised
+        3: [-100] * 13 + [9],  # 14 tokens: pieces [0, 6), [6, 12) of prompt, [12, 14) with the answer
+    }
+    lengths = [3, 10, 2, 14] if overflow != "error" else [3, 2]
+    if overflow == "error":
+        labels = {0: labels[0], 1: labels[2]}
+    calls = []
+
+    def supervised(ids, starts, stops):
+        calls.append(len(ids))
+        rng = zip(ids.tolist(), starts.tolist(), stops.tolist())
+        return np.array([any(x != -100 for x in labels[i][a + 1 : b]) for i, a, b in rng])
+
+    plan = plan_packs(lengths, 6, overflow=overflow, supervised=supervised)
+    ov = plan.overflow
+    assert calls == [plan.num_items + len(ov["unsupervised_ids"]) + len(ov["unsupervised_pieces"])]
+    n = plan.num_samples
+    packed = {(int(i), 0, lengths[int(i)]) if i < n else plan.pieces[int(i)] for i in plan.items}
+    want = {
+        "error": ({(0, 0, 3)}, [1], []),
+        "drop": ({(0, 0, 3)}, [2], []),
+        "truncate": ({(0, 0, 3)}, [2], [[1, 0, 6], [3, 0, 6]]),
+        "split": ({(0, 0, 3), (1, 6, 10), (3, 12, 14)}, [2], [[1, 0, 6], [3, 0, 6], [3, 6, 12]]),
+    }[overflow]
+    assert packed == want[0]
+    assert ov["unsupervised_ids"] == want[1] and ov["unsupervised_pieces"] == want[2]
+    assert sorted(plan.pieces) == list(range(plan.num_samples, plan.num_samples + len(plan.pieces)))
+    assert ov["num_pieces"] == len(plan.pieces)
+    gone = sum(b - a for _, a, b in want[2]) + sum(lengths[i] for i in want[1])
+    cut = {"error": 0, "drop": 10 + 14, "truncate": 4 + 8, "split": 0}[overflow]
+    assert ov["tokens_dropped"] == gone + cut == sum(lengths) - plan.total_tokens
+    assert plan.stats["num_unsupervised"] == len(want[1]) + len(want[2])
+    with pytest.raises(ValueError, match="groups"):
+        plan_packs([3, 2], 6, groups=[0, 0], supervised=supervised)
+    with pytest.raises(ValueError, match="one bool per range"):
+        plan_packs([3, 2], 6, supervised=lambda i, a, b: np.ones(1, bool))

@@ -144,3 +144,77 @@ def test_bad_settings_and_after_finish():
     with pytest.raises(RuntimeError, match="reset"):
         p.add([1])
     assert PackBatch.concat([]).num_packs == 0
+
+
+def test_overflow_error_loses_no_emitted_pack():
+    """``add([3, 5, 2, 4, 6, 100])`` under ``error``: the pack of samples 0 and 1 is emitted while the samples
+    before the overlong one are added; it was lost with the exception (yet counted in num_packs), so a caller
+    that caught the error and called finish() never saw samples 0 and 1."""
+    p = StreamingPacker(8, buffer_size=4)
+    with pytest.raises(ValueError, match=r"sample 5 is longer than packing_length=8 \(100 tokens\)"):
+        p.add([3, 5, 2, 4, 6, 100])
+    # the caller's state after the error, saved and restored: the emitted pack travels with it
+    q = StreamingPacker(8, buffer_size=4)
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    got = _packs([p.finish()])
+    assert sorted(x for pack in got for x in pack) == [(i, 0, n) for i, n in enumerate([3, 5, 2, 4, 6])]
+    assert sorted(s for s, _, _ in got[0]) == [0, 1]  # the pack the buffer emitted first
+    assert p.num_packs == len(got)
+    assert _packs([q.finish()]) == got
+    # the next add() returns it as well (before its own packs)
+    r = StreamingPacker(8, buffer_size=4)
+    with pytest.raises(ValueError, match="sample 5"):
+        r.add([3, 5, 2, 4, 6, 100])
+    assert sorted(s for s, _, _ in _packs([r.add([1])])[0]) == [0, 1]
+    assert r.add([1]).num_packs == 0  # returned once
+
+
+def _supervised(labels):
+    """``supervised`` over per-sample label lists (the rule of varpack.data.dataset.supervised_ranges)."""
+
+    def f(ids, starts, stops):
+        rng = zip(ids.tolist(), starts.tolist(), stops.tolist())
+        return np.array([any(x != -100 for x in labels[i][a + 1 : b]) for i, a, b in rng], bool)
+
+    return f
+
+
+def _labels(lengths, seed=0):
+    """Labels with a prompt part, some samples with none supervised, some only at their end."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths.tolist():
+        kind = rng.integers(0, 4)
+        cut = {0: n // 3, 1: n, 2: max(n - 5, 0), 3: 1}[int(kind)]  # 1: nothing supervised
+        out.append([-100] * min(max(cut, 1), n) + [7] * max(n - max(cut, 1), 0))
+    return out
+
+
+@pytest.mark.parametrize("overflow", ["drop", "truncate", "split"])
+def test_items_without_a_supervised_token_are_left_out_as_in_a_plan(overflow):
+    """With ``supervised``, the streaming packer leaves out exactly the items the global plan leaves out
+    (reported by id), and with a buffer >= the data it gives the same packs."""
+    lengths = _lengths(600, seed=7, hi=2000)
+    lengths[[5, 9]] = 0
+    labels = _labels(lengths)
+    sup = _supervised(labels)
+    L = 1024
+    plan = plan_packs(lengths, L, overflow=overflow, supervised=sup)
+    ov = plan.overflow
+    assert ov["unsupervised_ids"] and (overflow == "drop" or ov["unsupervised_pieces"])
+    packer = StreamingPacker(L, buffer_size=len(lengths) * 2, overflow=overflow)
+    packer.add(lengths, supervised=sup)
+    assert _packs([packer.finish()]) == _plan_items(plan)
+    assert packer.report == ov
+    # in small buffers and one sample at a time: the same items, the same report
+    small = StreamingPacker(L, buffer_size=16, overflow=overflow)
+    got = [small.add(int(n), [i], supervised=sup) for i, n in enumerate(lengths)] + [small.finish()]
+    assert sorted(_items(got)) == sorted(x for p in _plan_items(plan) for x in p)
+    assert small.report == ov
+    summary = small.summary(data="stream")
+    assert summary["num_unsupervised"] == len(ov["unsupervised_ids"]) + len(ov["unsupervised_pieces"])
+    text = summary_text(summary)
+    assert "no supervised token" in text and f"sample {ov['unsupervised_ids'][0]}" in text
+    # negative control: without supervised the unsupervised items are packed
+    plain = plan_packs(lengths, L, overflow=overflow)
+    assert plain.overflow["unsupervised_ids"] == [] and plain.total_tokens > plan.total_tokens

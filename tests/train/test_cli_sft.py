@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -383,3 +384,32 @@ def _model_line_precision(tmp_path, bf16, dtype, lora, shown):
     (line,) = [line for line in lines if line.startswith("model     ")]
     assert shown in line and line.count("precision") == 1, line
     return line
+
+
+@pytest.mark.parametrize("overflow", ["truncate", "split"])
+def test_samples_and_pieces_without_a_supervised_token_are_left_out(tmp_path, overflow):
+    """A prompt longer than the packing length (truncated / split away from its answer) and an encoded sample
+    whose labels are all -100 train nothing: `varpack sft` leaves them out of the packs and its packing report
+    names them (the report only warned about such pieces and packed them; whole samples went unreported)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (40,), generator=g).tolist()
+    long_prompt = {"input_ids": ids, "labels": [-100] * 36 + ids[36:], "length": 40}
+    masked = {"input_ids": ids[:5], "labels": [-100] * 5, "length": 5}
+    samples = synthetic_samples() + [long_prompt, masked]
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    config = SFTConfig(
+        model="tiny-qwen3", output_dir=str(tmp_path / "out"), packing_length=32, overflow=overflow,
+        attn_backend="reference", save=False, extra_training_args={"use_cpu": True},
+    )  # fmt: skip
+    run = build_sft(config, model=model, tokenizer=_Tok(), encoded=datasets.Dataset.from_list(samples))
+    ov = run.plan.overflow
+    assert ov["unsupervised_ids"] == [13] and ov["unsupervised_pieces"] == [[12, 0, 32]]
+    assert "no loss   1 sample(s), 1 piece(s) left out" in run.report
+    assert "sample 13, sample 12 [0, 32)" in run.report
+    packed = [(s["sample_id"], s.get("piece_range")) for i in range(len(run.dataset)) for s in run.dataset[i]]
+    want = [(i, None) for i in range(12)] + ([(12, (32, 40))] if overflow == "split" else [])
+    assert sorted(packed, key=str) == sorted(want, key=str)
+    for i in range(len(run.dataset)):  # every pack, so every optimizer step, has a supervised token
+        assert any((np.asarray(s["labels"])[1:] != -100).any() for s in run.dataset[i])

@@ -101,7 +101,7 @@ def test_tensorboard_gets_varpack_metrics_and_report(tmp_path):
     lengths = [s["length"] for s in encoded]
     plan_report = plan_summary(run.plan, lengths, data="built-in chats")
     assert {k: report[k] for k in plan_report} == json.loads(json.dumps(plan_report))
-    assert report["attn_backend"]["name"] == "reference" and report["unsupervised_pieces"] == []
+    assert report["attn_backend"]["name"] == "reference" and report["overflow"]["unsupervised_pieces"] == []
     # ... and the same text that was printed, as a TensorBoard text summary
     text = texts["varpack/packing_report/text_summary"][0]
     assert [line.strip() for line in text.splitlines()] == [line.strip() for line in run.report.splitlines()]

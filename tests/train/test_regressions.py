@@ -67,7 +67,7 @@ def test_jsonl_with_unicode_line_separator_inside_strings(tmp_path):
     assert len(loaded) == 2
     # a real syntax error is still reported with file:line
     path.write_text(path.read_text(encoding="utf-8") + "{not json\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"ls.jsonl:3: invalid JSON"):
+    with pytest.raises(ValueError, match=r"ls.jsonl:3: sample 2: invalid JSON"):
         has_mm_chats([str(path)])
 
 
@@ -102,6 +102,8 @@ def test_sft_refuses_image_cuts_before_training(tmp_path):
     path = write_vl_jsonl(tmp_path / "vl.jsonl", limit=3)
     proc = image_processor_for(model, min_pixels=32 * 32, max_pixels=128 * 128)
     samples = encode_any(path, load_tokenizer("qwen3"), image_processor=proc, rope_model=model)
+    for s in samples:  # every token supervised: no piece is left out for want of labels (image pieces would be)
+        s["labels"] = [-100] + list(s["input_ids"][1:])
     with_img = [s for s in samples if "image_grid_thw" in s]
     span = image_spans(with_img[0])[0]
     budget = int(span["start"]) + 2  # the first cut lands inside the first image
@@ -119,22 +121,24 @@ def test_sft_refuses_image_cuts_before_training(tmp_path):
 
 
 def test_report_names_pieces_that_keep_no_supervised_token():
-    """Truncating a sample whose long prompt fills the budget leaves a piece that trains nothing: the packing
-    report says so by sample id (it used to say only how many tokens were dropped)."""
+    """Truncating a sample whose long prompt fills the budget leaves a piece that trains nothing: it is left
+    out of the packs and the packing report says so by sample id and token range."""
+    from varpack.data.dataset import supervised_ranges
     from varpack.plan import plan_packs
-    from varpack.train import format_packing_report, unsupervised_pieces
+    from varpack.train import format_packing_report
 
     long_prompt = {"input_ids": list(range(10)), "labels": [-100] * 8 + [5, 6], "length": 10}
     short = {"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "length": 3}
     samples = [short, long_prompt]
-    plan = plan_packs([3, 10], 6, overflow="truncate")
-    bad = unsupervised_pieces(samples, plan)
-    assert [(sid, a, b) for _, sid, a, b in bad] == [(1, 0, 6)]
-    report = format_packing_report(plan, data="toy", input_tokens=13, unsupervised=bad)
-    assert "1 piece(s) of overlong samples keep no supervised token" in report and "sample 1 [0, 6)" in report
+    plan = plan_packs([3, 10], 6, overflow="truncate", supervised=supervised_ranges(samples))
+    assert plan.overflow["unsupervised_pieces"] == [[1, 0, 6]] and [p.tolist() for p in plan.packs] == [[0]]
+    report = format_packing_report(plan, data="toy", input_tokens=13)
+    assert "1 piece(s) left out, no supervised token" in report and "sample 1 [0, 6)" in report
     # negative control: with the answer inside the budget nothing is reported
-    plan_ok = plan_packs([3, 10], 10, overflow="truncate")
-    assert unsupervised_pieces(samples, plan_ok) == []
+    plan_ok = plan_packs([3, 10], 10, overflow="truncate", supervised=supervised_ranges(samples))
+    assert plan_ok.overflow["unsupervised_pieces"] == [] and "no loss" not in format_packing_report(
+        plan_ok, data="toy", input_tokens=13
+    )
 
 
 def test_sft_on_a_vl_model_without_data_uses_the_builtin_image_captions(tmp_path, monkeypatch):

@@ -267,3 +267,47 @@ def test_masks_without_labels_are_refused(tmp_path, tokenizer, mask):
             train_dataset=ds,
             processing_class=tokenizer,
         )
+
+
+def test_truncation_leaves_no_step_without_a_supervised_token(tmp_path, tokenizer, caplog):
+    """``overflow="truncate"`` with prompts longer than max_length: each truncated piece kept no supervised
+    token, filled a pack on its own, and 2 of 4 steps logged loss 0.0 (train_loss half its value), silently.
+    Such pieces, and a row whose labels are all -100, are left out and logged by sample id; the run equals one
+    on the supervised rows alone."""
+    import logging
+
+    g = torch.Generator().manual_seed(1)
+
+    def row(n, prompt):
+        ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        return {"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]}
+
+    normal = [row(12, 4), row(10, 3)]
+    data = [normal[0], row(25, 20), normal[1], row(30, 24), row(6, 6)]
+
+    def trainer_on(rows_, **kw):
+        return VarpackSFTTrainer(
+            model=tiny_model(),
+            args=trl_args(tmp_path, gradient_accumulation_steps=1, max_steps=4),
+            train_dataset=datasets.Dataset.from_list(rows_),
+            processing_class=tokenizer,
+            attn_backend="reference",
+            overflow="truncate",
+            **kw,
+        )
+
+    with caplog.at_level(logging.WARNING, logger="varpack.train.trl"):
+        trainer = trainer_on(data)
+    ov = trainer.plan.overflow
+    assert ov["truncated_ids"] == [1, 3] and ov["unsupervised_ids"] == [4]
+    assert ov["unsupervised_pieces"] == [[1, 0, PACKING_LENGTH], [3, 0, PACKING_LENGTH]]
+    assert "sample 4, sample 1 [0, 16), sample 3 [0, 16)" in caplog.text
+    assert sorted(int(i) for i in trainer.plan.items) == [0, 2]
+    losses = step_losses(trainer)
+    assert len(losses) == 4 and min(losses) > 0.5  # no step of unsupervised pieces alone
+    ref = trainer_on(normal)
+    want = step_losses(ref)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=1e-6)
+    train_loss = [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]
+    ref_loss = [h["train_loss"] for h in ref.state.log_history if "train_loss" in h]
+    assert train_loss == pytest.approx(ref_loss, rel=1e-6)

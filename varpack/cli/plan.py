@@ -135,12 +135,15 @@ def run(args: argparse.Namespace) -> int:
         mm_samples = data.samples if data.multimodal else None
         formats = data.formats
     t1 = time.perf_counter()
+    from varpack.data.dataset import supervised_ranges
+
     plan = plan_packs(
         lengths,
         args.packing_length,
         strategy=args.packing_strategy,
         overflow=args.overflow,
         seed=args.seed,
+        supervised=supervised_ranges(data.samples),  # what `varpack sft` leaves out, reported by id
     )
     t2 = time.perf_counter()
     if mm_samples is not None and plan.pieces:

@@ -300,7 +300,9 @@ def load_chat_data(
     Raises:
         FileNotFoundError: a path does not exist.
         ValueError: unknown file type, mixed JSON and parquet, no rows, files with different columns on
-            datasets < 4.7, an in-memory row that is not a supported chat (names the row and field).
+            datasets < 4.7, a line that is not JSON or text that is not UTF-8 (names the file, line and
+            sample, :mod:`varpack.data.jsonfile`), an in-memory row that is not a supported chat (names the row
+            and field).
         TypeError: unsupported input type, an in-memory row with a field of the wrong type (named).
     """
     import datasets
@@ -351,9 +353,11 @@ def load_chat_data(
         files.append(str(path.resolve()))
     if len(kinds) > 1:
         raise ValueError(f"load_chat_data: files mix JSON and parquet ({files}); load them separately")
-    ds = _load_files(kinds.pop(), files, None if cache_dir is None else str(cache_dir))
+    kind = kinds.pop()
+    ds = _load_files(kind, files, None if cache_dir is None else str(cache_dir))
     if len(ds) == 0:
         raise ValueError(f"load_chat_data: {files} contain no rows")
+    _check_utf8(ds, kind, files)
     ds._varpack_files = (next(iter(_kinds_of(files))), files)  # for error locations only
     return ds
 
@@ -401,36 +405,29 @@ def _has_json_feature(features: Any) -> bool:
     return inner is not None and _has_json_feature(inner)
 
 
-def _read_json_rows(path: str) -> list[dict[str, Any]]:
-    """The rows of one JSON / JSON Lines file (compressed as its suffix says), read with :mod:`json`: a JSON
-    array of objects, or one object per line (blank lines skipped).
+def _read_json_rows(path: str, first_sample: int = 0) -> list[dict[str, Any]]:
+    """The rows of one JSON / JSON Lines file (:func:`varpack.data.jsonfile.read_rows`), each a JSON object.
 
     Raises:
-        ValueError: a line / document that is not JSON, or a row that is not an object (named by file:line).
+        ValueError: a line / document that is not UTF-8 text or not JSON, or a row that is not an object
+            (named by file, line and sample).
     """
-    import fsspec
+    from varpack.data.jsonfile import read_rows
 
-    with fsspec.open(path, "rt", compression="infer", encoding="utf-8") as fh:
-        text = fh.read()
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: invalid JSON ({exc})") from exc
-        rows = doc
-    else:
-        rows = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: invalid JSON ({exc})") from exc
-    for i, row in enumerate(rows):
+    rows = []
+    for i, (row, where) in enumerate(read_rows(path, first_sample=first_sample)):
         if not isinstance(row, dict):
-            raise ValueError(f"{path} row {i}: a chat row must be a JSON object, got {type(row).__name__}")
+            got = type(row).__name__
+            raise ValueError(f"{where}: sample {first_sample + i}: a chat row must be a JSON object, got {got}")
+        rows.append(row)
+    return rows
+
+
+def _read_files(files: list[str]) -> list[dict[str, Any]]:
+    """The rows of JSON / JSON Lines files, read with :mod:`json` (sample ids count across the files)."""
+    rows: list[dict[str, Any]] = []
+    for f in files:
+        rows += _read_json_rows(f, len(rows))
     return rows
 
 
@@ -444,6 +441,10 @@ def _load_files(kind: str, files: list[str], cache_dir: str | None) -> datasets.
     try:
         ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
     except datasets.exceptions.DatasetGenerationError:
+        if kind == "json":
+            # a line that is not JSON (datasets names no file or line), or fields typed differently across
+            # files: read with json, which names the file, line and sample of a bad line
+            return _dataset_from_rows(_read_files(files))
         if len(files) == 1:
             raise
     else:
@@ -451,9 +452,7 @@ def _load_files(kind: str, files: list[str], cache_dir: str | None) -> datasets.
             return ds
         # rows that mix a plain string with messages in one field: datasets typed the field Json() and
         # would read a JSON-looking string back as the value it spells ("4" -> 4); read the rows ourselves
-        return _dataset_from_rows([row for f in files for row in _read_json_rows(f)])
-    if kind == "json":  # fields typed differently across files: the same, read with json
-        return _dataset_from_rows([row for f in files for row in _read_json_rows(f)])
+        return _dataset_from_rows(_read_files(files))
     per_file = [
         datasets.load_dataset(kind, data_files=[f], split="train", cache_dir=cache_dir).features for f in files
     ]
@@ -477,28 +476,82 @@ def _kinds_of(files: list[str]) -> set[str]:
     return {"parquet" if f.lower().endswith(".parquet") else "json" for f in files}
 
 
-def locate_row(kind: str, files: list[str], row: int) -> str | None:
-    """``"FILE:LINE"`` (JSON Lines) or ``"FILE row K"`` for row ``row`` (0-based) of the concatenation of
-    ``files`` as :func:`load_chat_data` reads them; ``None`` if it cannot be told. Runs on error paths only
-    (it reads the files again)."""
+def _find_row(kind: str, files: list[str], row: int) -> tuple[str, int, int | None, bytes | None] | None:
+    """``(file, index in the file, line number, raw line)`` of row ``row`` (0-based) of the concatenation of
+    ``files`` as :func:`load_chat_data` reads them (line and raw line for JSON Lines only); ``None`` if it
+    cannot be told. Error paths only (it reads the files again)."""
     import datasets
+
+    from varpack.data.jsonfile import is_json_lines, iter_lines
 
     offset = 0
     for f in files:
         n = len(datasets.load_dataset(kind, data_files=[f], split="train"))
         if row < offset + n:
             k = row - offset
-            if kind == "json" and f.lower().endswith((".jsonl", ".ndjson")):
-                seen = -1
-                with open(f, encoding="utf-8") as fh:
-                    for lineno, line in enumerate(fh.read().split("\n"), 1):
-                        if line.strip():
-                            seen += 1
-                            if seen == k:
-                                return f"{f}:{lineno}"
-            return f"{f} row {k}"
+            if kind == "json" and is_json_lines(f):
+                for sid, lineno, raw in iter_lines(f):
+                    if sid == k:
+                        return f, k, lineno, raw
+            return f, k, None, None
         offset += n
     return None
+
+
+def locate_row(kind: str, files: list[str], row: int) -> str | None:
+    """``"FILE:LINE"`` (JSON Lines) or ``"FILE row K"`` for row ``row`` (0-based) of the concatenation of
+    ``files`` as :func:`load_chat_data` reads them; ``None`` if it cannot be told. Runs on error paths only
+    (it reads the files again)."""
+    found = _find_row(kind, files, row)
+    if found is None:
+        return None
+    f, k, lineno, _ = found
+    return f"{f}:{lineno}" if lineno is not None else f"{f} row {k}"
+
+
+def _check_utf8(ds: datasets.Dataset, kind: str, files: list[str]) -> None:
+    """Refuse text that is not UTF-8 in a dataset read from ``files`` (Arrow's full validation; ``datasets``
+    reads such bytes into string columns, and they fail later, unlocated, when a row is converted to Python).
+
+    Raises:
+        ValueError: naming the file, line (JSON Lines; else the row in the file) and sample of the first bad
+            row, and for JSON Lines the byte (:func:`varpack.data.jsonfile.decode_text`).
+    """
+    import pyarrow as pa
+
+    table = ds.data.table
+    try:
+        table.validate(full=True)
+        return
+    except pa.ArrowInvalid:
+        pass
+    # the first bad row: blocks, then rows, each copied out (a slice shares its nested children's data)
+    bad, block = None, 1024
+    for lo in range(0, table.num_rows, block):
+        hi = min(lo + block, table.num_rows)
+        try:
+            table.take(list(range(lo, hi))).validate(full=True)
+        except pa.ArrowInvalid:
+            for j in range(lo, hi):
+                try:
+                    table.take([j]).validate(full=True)
+                except pa.ArrowInvalid as exc:
+                    bad = (j, exc)
+                    break
+            break
+    if bad is None:  # invalid for another reason than one row's bytes: Arrow's own words
+        table.validate(full=True)
+        return
+    row, exc = bad
+    found = _find_row(kind, files, row)
+    if found is not None and found[3] is not None:
+        from varpack.data.jsonfile import decode_text, location
+
+        decode_text(found[3], location(found[0], found[2], row))  # raises, naming the byte
+    where = locate_row(kind, files, row) or ", ".join(files)
+    raise ValueError(
+        f"{where}: sample {row}: not UTF-8 text ({exc}); varpack reads data files as UTF-8: convert the file"
+    )
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

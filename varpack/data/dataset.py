@@ -7,7 +7,7 @@ dicts, which ``PaddingFreeCollator`` flattens into one row. Pieces of overlong s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from varpack.schema import IGNORE_INDEX, MEDIA_FIELDS, TOKEN_ALIGNED_FIELDS
 
-__all__ = ["PackedDataset", "TOKEN_ALIGNED_FIELDS", "cut_piece", "sample_lengths"]
+__all__ = ["PackedDataset", "TOKEN_ALIGNED_FIELDS", "cut_piece", "sample_lengths", "supervised_ranges"]
 
 
 def _is_hf_dataset(samples: Any) -> bool:
@@ -54,6 +54,71 @@ def sample_lengths(samples: Any) -> np.ndarray:
         else:
             raise ValueError(f"sample {i} has neither 'length' nor 'input_ids' (fields: {sorted(s)})")
     return out
+
+
+#: rows of a ``datasets.Dataset`` whose labels :func:`supervised_ranges` reads at once
+_LABEL_ROWS = 4096
+
+
+def supervised_ranges(samples: Any) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    """The ``supervised`` argument of :func:`varpack.plan.plan_packs` /
+    :meth:`varpack.plan.streaming.StreamingPacker.add` over encoded samples: ``f(sample_ids, starts, stops)``
+    answers, for every token range ``[starts[i], stops[i])`` of sample ``sample_ids[i]`` (``[M]`` int64 each),
+    whether a label other than -100 follows its first token (a packed item's first label is never a target:
+    ``labels[0] == -100`` for a sample, and :func:`cut_piece` sets it for a piece).
+
+    Args:
+        samples: a ``datasets.Dataset`` (the ``labels`` column is read through Arrow, a few thousand rows at a
+            time, one numpy pass per block) or a sequence / mapping of sample dicts indexed by sample id.
+
+    Returns:
+        The function; it returns ``[M]`` bool.
+
+    Raises:
+        ValueError (when called): a sample without ``labels`` (naming it).
+    """
+    if _is_hf_dataset(samples):
+        if "labels" not in samples.column_names:
+            raise ValueError(f"the samples have no 'labels' column (columns: {samples.column_names})")
+        view = samples.select_columns(["labels"]).with_format("arrow")
+
+        def hf(sample_ids: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+            out = np.zeros(sample_ids.shape[0], bool)
+            order = np.argsort(sample_ids, kind="stable")
+            sid = sample_ids[order]
+            for lo in range(0, len(samples), _LABEL_ROWS):
+                a, b = np.searchsorted(sid, [lo, lo + _LABEL_ROWS])
+                if a == b:
+                    continue
+                col = view[lo : lo + _LABEL_ROWS]["labels"]
+                col = col.chunks[0] if col.num_chunks == 1 else col.combine_chunks()
+                offs = col.offsets.to_numpy()
+                flat = col.flatten().to_numpy(zero_copy_only=False)  # the rows' values (slice-aware)
+                cs = np.zeros(flat.shape[0] + 1, np.int64)
+                np.cumsum(flat != IGNORE_INDEX, out=cs[1:])
+                sel = order[a:b]
+                row_start = offs[sid[a:b] - lo] - offs[0]
+                first = row_start + starts[sel] + 1
+                last = np.maximum(row_start + stops[sel], first)
+                out[sel] = cs[last] > cs[first]
+            return out
+
+        return hf
+
+    def rows(sample_ids: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        out = np.zeros(sample_ids.shape[0], bool)
+        for i, (sid, a, b) in enumerate(zip(sample_ids.tolist(), starts.tolist(), stops.tolist())):
+            labels = samples[sid].get("labels")
+            if labels is None:
+                raise ValueError(f"sample {sid} has no 'labels'")
+            part = labels[a + 1 : b]
+            if isinstance(part, torch.Tensor):
+                out[i] = bool((part != IGNORE_INDEX).any())
+            else:
+                out[i] = bool((np.asarray(part) != IGNORE_INDEX).any()) if len(part) else False
+        return out
+
+    return rows
 
 
 def _slice(value: Any, start: int, stop: int) -> Any:

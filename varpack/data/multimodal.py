@@ -25,7 +25,6 @@ Cuts (overflow ``truncate`` / ``split``) must never fall inside a span: :func:`i
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from varpack.data.jsonfile import read_rows
 from varpack.schema import FLAT_TOKEN_FIELDS, IGNORE_INDEX, IMAGE_FIELDS, VIDEO_FIELDS
 
 __all__ = [
@@ -460,14 +460,16 @@ def _is_aligned(value: Any, length: int) -> bool:
 def load_mm_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[tuple[dict, str]]:
     """Read JSON Lines (or a JSON list) of chat rows, keeping each row's directory (for relative image paths).
 
-    Plain ``json`` is used on purpose: rows mixing string and list contents do not fit one Arrow schema.
+    Plain ``json`` is used on purpose (:func:`varpack.data.jsonfile.read_rows`): rows mixing string and list
+    contents do not fit one Arrow schema.
 
     Returns:
         ``[(row, directory_of_its_file), ...]`` in file order.
 
     Raises:
-        ValueError / TypeError: unreadable file or invalid JSON (file and line named), a row of no supported
-            format or a bad field (sample, field, file and line named; see :mod:`varpack.data.formats`).
+        ValueError / TypeError: a line that is not UTF-8 text or not JSON (file, line and sample named), a
+            row of no supported format or a bad field (sample, field, file and line named; see
+            :mod:`varpack.data.formats`).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -477,23 +479,10 @@ def load_mm_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
         if not path.is_file():
             raise ValueError(f"chat file not found: {str(path)!r}")
         base = str(path.parent.resolve())
-        text = path.read_text(encoding="utf-8")
-        if path.suffix == ".json":
-            data = json.loads(text)
-            items = data if isinstance(data, list) else [data]
-            for i, row in enumerate(items):
-                rows.append((_check_row(row, len(rows), f"{path}[{i}]"), base))
-        else:
-            # JSON Lines are separated by '\n' only: str.splitlines() would also split on U+2028/U+2029
-            # inside JSON strings (../shared/data/gsm8k.jsonl line 2382 has one).
-            for lineno, line in enumerate(text.split("\n"), 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON: {exc}") from exc
-                rows.append((_check_row(row, len(rows), f"{path}:{lineno}"), base))
+        # one reader for every data file: lines split on '\n' only (U+2028 inside a JSON string is part of
+        # its row, ../shared/data/gsm8k.jsonl line 2382), UTF-8 and JSON errors named by file, line and sample
+        for row, where in read_rows(path, first_sample=len(rows)):
+            rows.append((_check_row(row, len(rows), where), base))
     return rows
 
 

@@ -25,22 +25,24 @@ but not yet yielded; a fresh dataset given it by :meth:`~StreamingPackedDataset.
 exactly the packs that the uninterrupted pass would have yielded next (the buffered samples are read and
 encoded again from the source: the state holds ids, not tokens). In a DataLoader worker the state lives in
 the worker's copy: torchdata's ``StatefulDataLoader`` (accelerate's ``use_stateful_dataloader``) asks every
-worker for it; with a plain DataLoader take the state with ``num_workers=0``.
+worker for it; with a plain DataLoader take the state with ``num_workers=0``. Asked in the main process
+after workers started reading the stream, :meth:`~StreamingPackedDataset.state_dict` raises instead of
+returning the main process's stale copy (the workers count their passes in memory shared with it).
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from varpack.data.dataset import cut_piece
+from varpack.data.dataset import cut_piece, supervised_ranges
+from varpack.data.jsonfile import iter_lines, location, parse_line
 from varpack.plan.streaming import DEFAULT_BUFFER_SIZE, PackBatch, StreamingPacker
 from varpack.schema import TOKEN_ALIGNED_FIELDS
 
@@ -119,7 +121,8 @@ class ChatStream:
         ``wanted(i)`` when given), in stream order. Rows of other shards are skipped unparsed (JSONL).
 
         Raises:
-            ValueError: a line that is not a JSON object (naming ``FILE:LINE`` and the sample id).
+            ValueError: a line that is not UTF-8 text, not JSON or not a JSON object (naming ``FILE:LINE`` and
+                the sample id, :mod:`varpack.data.jsonfile`).
         """
         for i, raw, where in self._raw(start):
             if stop is not None and i >= stop:
@@ -127,13 +130,10 @@ class ChatStream:
             if i % num_shards != shard or (wanted is not None and not wanted(i)):
                 continue
             if isinstance(raw, (str, bytes)):
-                try:
-                    row = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"sample {i} ({where}): not valid JSON: {exc}") from exc
+                row = parse_line(raw, f"{where}: sample {i}")  # not UTF-8 / not JSON: named
                 if not isinstance(row, dict):
                     raise ValueError(
-                        f"sample {i} ({where}): a JSON Lines row must be an object, got {row!r:.60}"
+                        f"{where}: sample {i}: a JSON Lines row must be an object, got {row!r:.60}"
                     )
                 yield i, _Located(row, where)
             else:
@@ -145,14 +145,10 @@ class ChatStream:
         i = 0
         if self.paths:
             for path in self.paths:
-                opener = gzip.open if path.endswith(".gz") else open
-                with opener(path, "rb") as fh:
-                    for lineno, line in enumerate(fh, 1):
-                        if not line.strip():
-                            continue
-                        if i >= start:
-                            yield i, line, f"{path}:{lineno}"
-                        i += 1
+                for sid, lineno, line in iter_lines(path, first_sample=i):
+                    if sid >= start:
+                        yield sid, line, location(path, lineno)
+                    i = sid + 1
             return
         src = self.source
         if _is_hf(src):
@@ -246,7 +242,8 @@ class StreamingPackedDataset(IterableDataset):
         packing_length: tokens per pack.
         buffer_size: items packed together (:class:`varpack.plan.streaming.StreamingPacker`).
         strategy: planner strategy within the buffer (``"bfd"``).
-        overflow: ``"error"``, ``"drop"``, ``"truncate"`` or ``"split"``, as :func:`varpack.plan.plan_packs`.
+        overflow: ``"error"``, ``"drop"``, ``"truncate"`` or ``"split"``, as :func:`varpack.plan.plan_packs`;
+            a sample or piece without a supervised token is left out and reported by id, as in a plan.
         rank, world_size: this process's shard of the ranks; default: ``torch.distributed``'s when it is
             initialized, else ``0, 1``. Give ``world_size=1`` when something else shards the packs across
             ranks (accelerate's ``IterableDatasetShard`` under the HF Trainer).
@@ -266,7 +263,8 @@ class StreamingPackedDataset(IterableDataset):
     Raises:
         ValueError / TypeError: bad settings (by :class:`StreamingPacker`), a bad source; while iterating, a
             bad row (named) or an overlong sample with ``overflow="error"``; with ``repeat``, a pass of this
-            shard that plans no pack (no rows, or every sample empty or dropped), instead of looping forever.
+            shard that plans no pack (no rows, or every sample empty, dropped or without a supervised token),
+            instead of looping forever.
     """
 
     def __init__(
@@ -309,6 +307,10 @@ class StreamingPackedDataset(IterableDataset):
         self.epoch = 0
         self._resume: dict[str, Any] | None = None
         self._live: dict[str, Any] | None = None  # the iterating pass's state (this process's copy)
+        # passes started in DataLoader workers, counted in memory shared with them (a worker's copy of this
+        # dataset holds its own state; the main process's copy must not pass for it)
+        self._worker_passes = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._worker_passes_seen = 0
         self.last_summary: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ sharding, epochs, state
@@ -334,7 +336,23 @@ class StreamingPackedDataset(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """Where the current pass is, after the last pack yielded (JSON-ready): ``{"format", "epoch",
         "shard": [index, count], "position", "packer", "pending"}``; before any pass, the loaded state or a
-        fresh one."""
+        fresh one. Called in a DataLoader worker (torchdata's ``StatefulDataLoader`` does), that worker's
+        state.
+
+        Raises:
+            RuntimeError: called in the main process after DataLoader workers started reading the stream
+                (since this process last iterated it or loaded a state): each worker holds its own position,
+                and this process's copy would say the stream was not read.
+        """
+        started = int(self._worker_passes.item()) - self._worker_passes_seen
+        if get_worker_info() is None and started:
+            raise RuntimeError(
+                "StreamingPackedDataset.state_dict() in the main process, but DataLoader workers read the "
+                f"stream ({started} pass(es) started in workers): each worker holds its own position, so "
+                "this copy's state is stale and resuming from it would train samples again. Take the state "
+                "with num_workers=0, or from the workers with torchdata's StatefulDataLoader (it calls "
+                "state_dict() in each worker)"
+            )
         if self._live is not None:
             live = self._live
             pend: PackBatch = live["pending"]
@@ -369,6 +387,8 @@ class StreamingPackedDataset(IterableDataset):
         self.epoch = int(state.get("epoch", 0))
         self._resume = state if state.get("packer") is not None else None
         self._live = None
+        if get_worker_info() is None:
+            self._worker_passes_seen = int(self._worker_passes.item())
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
@@ -382,7 +402,8 @@ class StreamingPackedDataset(IterableDataset):
                 where = f" (shard {shard} of {num_shards})" if num_shards > 1 else ""
                 raise ValueError(
                     f"the stream {self.stream.label}{where} planned no pack in a pass: it has no rows, or every "
-                    f"sample is empty or dropped (overflow={self.packer_settings['overflow']!r}, packing_length="
+                    f"sample is empty, dropped or without a supervised token (overflow="
+                    f"{self.packer_settings['overflow']!r}, packing_length="
                     f"{self.packer_settings['packing_length']}); nothing to train on"
                 )
             self.epoch += 1
@@ -390,6 +411,10 @@ class StreamingPackedDataset(IterableDataset):
     def _pass(self) -> Generator[Any, None, StreamingPacker]:
         """One pass over this shard of the stream (from the loaded state, if any); returns its packer."""
         shard, num_shards = self.shard()
+        if get_worker_info() is not None:
+            self._worker_passes += 1  # seen by the main process (shared memory)
+        else:
+            self._worker_passes_seen = int(self._worker_passes.item())
         packer = StreamingPacker(**self.packer_settings)
         samples: dict[int, dict[str, Any]] = {}  # encoded samples with a piece in the buffer / pending
         refs: dict[int, int] = {}
@@ -433,10 +458,13 @@ class StreamingPackedDataset(IterableDataset):
         yield from self._drain(live, samples, refs)
         if not live["done"]:
             L = packer.packing_length
+            rep = packer.report
             for sid, row in self.stream.rows(shard=shard, num_shards=num_shards, start=live["position"]):
                 sample = encode_row(row, sid, self.tokenizer)
                 n = int(sample["length"])
-                batch = packer.add(n, [sid])
+                left_out = len(rep["unsupervised_ids"]) + len(rep["unsupervised_pieces"])
+                # a sample or piece without a supervised token is left out and reported by the packer
+                batch = packer.add(n, [sid], supervised=supervised_ranges({sid: sample}))
                 live["position"] = sid + 1
                 pieces = (
                     0
@@ -445,6 +473,7 @@ class StreamingPackedDataset(IterableDataset):
                     if n <= L
                     else (-(-n // L) if packer.overflow == "split" else 0 if packer.overflow == "drop" else 1)
                 )
+                pieces -= len(rep["unsupervised_ids"]) + len(rep["unsupervised_pieces"]) - left_out
                 if pieces:
                     samples[sid] = sample
                     refs[sid] = pieces

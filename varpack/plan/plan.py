@@ -27,6 +27,7 @@ __all__ = [
     "lengths_fingerprint",
     "overlong_pieces",
     "plan_packs",
+    "supervised_mask",
 ]
 
 OVERFLOW_POLICIES = ("error", "drop", "truncate", "split")
@@ -108,7 +109,9 @@ class PackPlan:
     overflow: dict[str, Any]
     """Report of everything that was not packed as a whole sample: ``policy``, ``empty_ids``,
     ``overlong_ids`` / ``overlong_lengths``, ``dropped_ids``, ``truncated_ids``, ``split_ids``,
-    ``num_pieces``, ``tokens_dropped`` (tokens of the input that are in no pack)."""
+    ``num_pieces`` (pieces packed), ``unsupervised_ids`` / ``unsupervised_pieces`` (whole samples /
+    ``[sample_id, start, stop]`` pieces left out for want of a supervised token, :func:`plan_packs`
+    ``supervised``), ``tokens_dropped`` (tokens of the input that are in no pack)."""
     fingerprint: str
     """:func:`lengths_fingerprint` of the lengths and settings this plan was made for."""
     groups: np.ndarray | None = None
@@ -204,6 +207,7 @@ class PackPlan:
             "num_truncated": len(ov["truncated_ids"]),
             "num_split": len(ov["split_ids"]),
             "num_pieces": ov["num_pieces"],
+            "num_unsupervised": len(ov.get("unsupervised_ids", ())) + len(ov.get("unsupervised_pieces", ())),
             "tokens_dropped": ov["tokens_dropped"],
             "max_pack_tokens": int(pl.max()) if pl.size else 0,
             "min_pack_tokens": int(pl.min()) if pl.size else 0,
@@ -390,6 +394,38 @@ def overlong_pieces(
     return piece_sample, piece_start, piece_stop, 0
 
 
+def supervised_mask(
+    supervised: Any, sample_ids: np.ndarray, starts: np.ndarray, stops: np.ndarray
+) -> np.ndarray:
+    """Ask ``supervised`` which token ranges hold a supervised token: the one question that
+    :func:`plan_packs` and the streaming packer (:mod:`varpack.plan.streaming`) ask about labels (the plan
+    never reads tokens itself).
+
+    Args:
+        supervised: ``supervised(sample_ids, starts, stops) -> [M] bool``: True where sample
+            ``sample_ids[i]``'s tokens ``[starts[i], stops[i])`` hold a label other than -100 after their
+            first token (a packed item's first label is never a target); e.g.
+            :func:`varpack.data.dataset.supervised_ranges` over the encoded samples.
+        sample_ids, starts, stops: ``[M]`` int64 items (whole samples ``[0, length)`` and pieces).
+
+    Returns:
+        ``[M]`` bool.
+
+    Raises:
+        TypeError / ValueError: ``supervised`` is not callable or answers with another shape.
+    """
+    if not callable(supervised):
+        raise TypeError(f"supervised must be a function (sample_ids, starts, stops) -> bool array, got "
+                        f"{type(supervised).__name__}")
+    has = np.asarray(supervised(sample_ids, starts, stops))
+    if has.shape != sample_ids.shape or has.dtype != np.bool_:
+        raise ValueError(
+            f"supervised answered {has.dtype} of shape {has.shape} for {sample_ids.shape[0]} token ranges; "
+            "expected one bool per range"
+        )
+    return has
+
+
 def plan_packs(
     lengths: Any,
     packing_length: int,
@@ -398,6 +434,7 @@ def plan_packs(
     overflow: str = "error",
     seed: int = 0,
     groups: Any = None,
+    supervised: Any = None,
 ) -> PackPlan:
     """Group samples into packs of at most ``packing_length`` tokens.
 
@@ -422,8 +459,15 @@ def plan_packs(
 
     Pieces get ids ``num_samples, num_samples + 1, ...`` in order of (sample id, start) and
     ``plan.pieces[piece_id] == (sample_id, start, stop)``; a split/truncated sample's own id appears in
-    no pack. Empty (length 0) samples are never packed and are listed in ``overflow["empty_ids"]``. So every
-    sample id is in exactly one pack, or its pieces are, or it is in the overflow report.
+    no pack. Empty (length 0) samples are never packed and are listed in ``overflow["empty_ids"]``.
+
+    With ``supervised``, an item (a whole sample, or a piece of ``truncate`` / ``split``) without a supervised
+    token trains nothing (a long prompt truncated away from its answer, a split piece of prompt only, an
+    encoded sample whose labels are all -100): it is not packed, and is listed in
+    ``overflow["unsupervised_ids"]`` (whole samples) or ``overflow["unsupervised_pieces"]`` (``[sample_id,
+    start, stop]``), its tokens counted in ``tokens_dropped``; the pieces kept are numbered as above. So every
+    sample id is in exactly one pack, or its pieces are, or it is in the overflow report; and with
+    ``supervised`` every pack has a supervised token.
 
     Args:
         lengths: ``[N]`` non-negative integer sample lengths in tokens (list, numpy or torch).
@@ -440,9 +484,13 @@ def plan_packs(
             (``overflow["dropped_ids"]``); ``"truncate"`` / ``"split"`` are refused (cutting a group would
             cut a member out of it). ``overflow`` then also holds ``overlong_group_ids`` /
             ``overlong_group_lengths``.
+        supervised: optional ``supervised(sample_ids, starts, stops) -> [M] bool`` (:func:`supervised_mask`;
+            :func:`varpack.data.dataset.supervised_ranges` over the encoded samples), asked once about every
+            item after the overflow policy; not with ``groups``.
 
     Returns:
-        A deterministic :class:`PackPlan`.
+        A deterministic :class:`PackPlan` (for the same lengths, settings and answers of ``supervised``; the
+        fingerprint covers the lengths and settings).
 
     Raises:
         TypeError: if ``lengths`` is not integer or ``packing_length`` / ``seed`` is not an int.
@@ -473,6 +521,11 @@ def plan_packs(
 
     arr = _as_lengths(lengths)
     if groups is not None:
+        if supervised is not None:
+            raise ValueError(
+                "supervised= is not used with groups: a group's members are packed or dropped together "
+                "(preference pairs are encoded with a supervised completion each)"
+            )
         return _plan_groups(arr, groups, L, strategy=strategy, overflow=overflow, seed=int(seed))
     n = int(arr.shape[0])
     fingerprint = lengths_fingerprint(arr, L, strategy, overflow)
@@ -504,6 +557,29 @@ def plan_packs(
         if num_pieces and whole.size:
             order = np.argsort(np.concatenate([whole, piece_sample]), kind="stable")
             item_ids, item_len = item_ids[order], item_len[order]
+    unsup_ids: list[int] = []
+    unsup_pieces: list[list[int]] = []
+    if supervised is not None and item_len.size:
+        if item_ids is None:
+            item_ids = np.arange(n, dtype=np.int64)
+        is_piece = item_ids >= n
+        k = np.where(is_piece, item_ids - n, 0)
+        sids = np.where(is_piece, piece_sample[k] if piece_sample.size else 0, item_ids)
+        starts = np.where(is_piece, piece_start[k] if piece_sample.size else 0, 0)
+        has = supervised_mask(supervised, sids, starts, starts + item_len)
+        if not has.all():
+            gone = ~has
+            unsup_ids = sids[gone & ~is_piece].tolist()
+            gp = k[gone & is_piece]
+            unsup_pieces = [[int(piece_sample[j]), int(piece_start[j]), int(piece_stop[j])] for j in gp]
+            tokens_dropped += int(item_len[gone].sum())
+            # the pieces kept are renumbered n, n + 1, ... (still in order of sample id, start)
+            kept = np.ones(piece_sample.size, bool)
+            kept[gp] = False
+            renum = np.cumsum(kept) - 1
+            item_ids = np.where(is_piece, n + renum[k] if piece_sample.size else 0, item_ids)[has]
+            item_len = item_len[has]
+            piece_sample, piece_start, piece_stop = piece_sample[kept], piece_start[kept], piece_stop[kept]
     num_pieces = int(piece_sample.size)
 
     offsets, idx = STRATEGY_TABLE[strategy].pack(item_len, L)
@@ -518,6 +594,8 @@ def plan_packs(
         "split_ids": over_ids.tolist() if overflow == "split" else [],
         "num_pieces": num_pieces,
         "tokens_dropped": tokens_dropped,
+        "unsupervised_ids": unsup_ids,
+        "unsupervised_pieces": unsup_pieces,
     }
     return PackPlan(
         packing_length=L,
@@ -608,6 +686,8 @@ def _plan_groups(
         "split_ids": [],
         "num_pieces": 0,
         "tokens_dropped": int(glen[over].sum()),
+        "unsupervised_ids": [],
+        "unsupervised_pieces": [],
         "num_groups": int(gids.size),
         "overlong_group_ids": gids[over].tolist(),
         "overlong_group_lengths": glen[over].tolist(),

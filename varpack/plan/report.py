@@ -81,6 +81,22 @@ def _overflow_line(ov: dict[str, Any], *, split: str) -> str:
     return over + f", {len(ov['empty_ids']):,} empty, {ov['tokens_dropped']:,} tokens dropped"
 
 
+def _unsupervised_line(ov: dict[str, Any]) -> str | None:
+    """``"1 sample, 2 pieces left out (no supervised token): sample 3, sample 5 [0, 64), ..."`` or None."""
+    ids = ov.get("unsupervised_ids") or []
+    pieces = ov.get("unsupervised_pieces") or []
+    if not ids and not pieces:
+        return None
+    named = [f"sample {i}" for i in ids[:10]]
+    named += [f"sample {s} [{a}, {b})" for s, a, b in pieces[: 10 - len(named)]]
+    more = len(ids) + len(pieces) - len(named)
+    counts = [f"{len(ids):,} sample(s)" if ids else "", f"{len(pieces):,} piece(s)" if pieces else ""]
+    return (
+        f"{', '.join(c for c in counts if c)} left out, no supervised token (they would train nothing): "
+        f"{', '.join(named)}{f' and {more:,} more' if more else ''}"
+    )
+
+
 def _format_label(formats: dict[str, int]) -> str:
     """``messages``, ``sharegpt (converted)`` or ``messages 120, alpaca 30 (converted)``."""
     if len(formats) == 1:
@@ -136,6 +152,9 @@ def summary_table(summary: dict[str, Any]) -> Any:
     table.add_row("lower bound", f"{summary['lower_bound_packs']:,}")
     table.add_row("fill", f"{summary['fill_ratio']:.4%}")
     table.add_row("overflow", over)
+    unsup = _unsupervised_line(ov)
+    if unsup:
+        table.add_row("no loss", unsup)
     stream = _stream_line(summary)
     if stream:
         table.add_row("stream", stream)
@@ -145,19 +164,16 @@ def summary_table(summary: dict[str, Any]) -> Any:
     return table
 
 
-def summary_text(
-    summary: dict[str, Any], *, unsupervised: list[tuple[int, int, int, int]] | None = None
-) -> str:
+def summary_text(summary: dict[str, Any]) -> str:
     """The packing report printed before training, from a :func:`plan_summary` whose ``data`` is a label.
 
     Args:
-        summary: from :func:`plan_summary`.
-        unsupervised: pieces of overlong samples that keep no supervised token,
-            ``[(piece_id, sample_id, start, stop), ...]`` (``varpack.train.unsupervised_pieces``); listed as
-            a warning (the first 10 by sample id and token range).
+        summary: from :func:`plan_summary` (or :meth:`varpack.plan.streaming.StreamingPacker.summary`).
 
     Returns:
-        Lines ``packing report (...)``, data, samples, packs, tokens, fill, overflow[, warning].
+        Lines ``packing report (...)``, data, samples, packs, tokens, fill, overflow[, no loss: the samples
+        and pieces left out for want of a supervised token, the first 10 by sample id and token range]
+        [, stream].
     """
     ov = summary["overflow"]
     over = _overflow_line(ov, split=" into {:,} pieces)")
@@ -171,35 +187,24 @@ def summary_text(
         f"  fill      {summary['fill_ratio']:.2%}",
         f"  overflow  {over}",
     ]
+    unsup = _unsupervised_line(ov)
+    if unsup:
+        lines.append(f"  no loss   {unsup}")
     stream = _stream_line(summary)
     if stream:
         lines.append(f"  stream    {stream}")
-    if unsupervised:
-        shown = ", ".join(f"sample {sid} [{a}, {b})" for _, sid, a, b in unsupervised[:10])
-        more = f" and {len(unsupervised) - 10} more" if len(unsupervised) > 10 else ""
-        lines.append(
-            f"  warning   {len(unsupervised):,} piece(s) of overlong samples keep no supervised token and train "
-            f"nothing: {shown}{more}"
-        )
     return "\n".join(lines)
 
 
-def format_packing_report(
-    plan: PackPlan,
-    *,
-    data: str,
-    input_tokens: int,
-    unsupervised: list[tuple[int, int, int, int]] | None = None,
-) -> str:
+def format_packing_report(plan: PackPlan, *, data: str, input_tokens: int) -> str:
     """:func:`summary_text` of ``plan`` when only the input token count is at hand (not the lengths).
 
     Args:
         plan: the :class:`~varpack.plan.PackPlan`.
         data: label of the data source (file names, ``"built-in chats"``).
         input_tokens: tokens of all samples before packing.
-        unsupervised: as in :func:`summary_text`.
     """
-    return summary_text(_summary(plan, input_tokens, {"data": data}), unsupervised=unsupervised)
+    return summary_text(_summary(plan, input_tokens, {"data": data}))
 
 
 def plot_plan_report(lengths: Any, plan: PackPlan, path: str | Path, *, title: str | None = None) -> Path:

@@ -5,8 +5,10 @@ buffer of at most ``buffer_size`` items (samples, or pieces of overlong samples)
 
 1. Samples are added in stream order. Empty ones are reported and never packed; overlong ones follow the
    overflow policy of :func:`varpack.plan.plan_packs` (the same :func:`varpack.plan.plan.overlong_pieces`):
-   ``error`` raises at the first one, naming its sample id and length; ``drop`` / ``truncate`` / ``split``
-   are reported by sample id, as in a plan.
+   ``error`` raises at the first one, naming its sample id and length (the samples before it are added and
+   the packs they complete come with the next call: nothing emitted is lost); ``drop`` / ``truncate`` /
+   ``split`` are reported by sample id, as in a plan. Given ``supervised``, a sample or piece without a
+   supervised token is left out and reported by id, as in a plan (:func:`varpack.plan.plan.supervised_mask`).
 2. Whenever the buffer holds ``buffer_size`` items, they are packed with the planner's own strategy function
    (:data:`varpack.plan.strategies.STRATEGY_TABLE`, ``bfd`` by default: the same code as the global plan,
    here over one window). The packs are emitted, except the least-filled packs that are not exactly full,
@@ -35,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from varpack.plan.plan import OVERFLOW_POLICIES, _as_lengths, overlong_pieces
+from varpack.plan.plan import OVERFLOW_POLICIES, _as_lengths, overlong_pieces, supervised_mask
 from varpack.plan.strategies import STRATEGY_TABLE
 
 __all__ = ["DEFAULT_BUFFER_SIZE", "PackBatch", "StreamingPacker"]
@@ -177,6 +179,7 @@ class StreamingPacker:
     def reset(self) -> None:
         """Forget everything: an empty buffer and report (a new epoch of the stream)."""
         self._ids, self._starts, self._stops = _NO, _NO, _NO  # the buffer, in arrival order
+        self._ready = PackBatch.empty()  # packs emitted by a call that raised: the next call returns them
         self.next_id = 0  # id given to the next sample added without an explicit id
         self.num_samples = 0
         self.input_tokens = 0
@@ -199,6 +202,8 @@ class StreamingPacker:
             "split_ids": [],
             "num_pieces": 0,
             "tokens_dropped": 0,
+            "unsupervised_ids": [],
+            "unsupervised_pieces": [],
         }
 
     @property
@@ -223,6 +228,12 @@ class StreamingPacker:
                 "sample_ids": self._ids.tolist(),
                 "starts": self._starts.tolist(),
                 "stops": self._stops.tolist(),
+            },
+            "ready": {
+                "offsets": self._ready.offsets.tolist(),
+                "sample_ids": self._ready.sample_ids.tolist(),
+                "starts": self._ready.starts.tolist(),
+                "stops": self._ready.stops.tolist(),
             },
             "counters": {
                 name: getattr(self, name)
@@ -261,9 +272,17 @@ class StreamingPacker:
         self._ids = np.asarray(buf["sample_ids"], np.int64).reshape(-1)
         self._starts = np.asarray(buf["starts"], np.int64).reshape(-1)
         self._stops = np.asarray(buf["stops"], np.int64).reshape(-1)
+        ready = state.get("ready")
+        self._ready = (
+            PackBatch(*(np.asarray(ready[k], np.int64) for k in ("offsets", "sample_ids", "starts", "stops")))
+            if ready
+            else PackBatch.empty()
+        )
         for name, value in state["counters"].items():
             setattr(self, name, value)
         self.report = {k: (list(v) if isinstance(v, list) else v) for k, v in state["report"].items()}
+        self.report.setdefault("unsupervised_ids", [])
+        self.report.setdefault("unsupervised_pieces", [])
 
     def _settings(self) -> dict[str, Any]:
         return {
@@ -274,20 +293,26 @@ class StreamingPacker:
         }
 
     # ------------------------------------------------------------------ packing
-    def add(self, lengths: Any, sample_ids: Any = None) -> PackBatch:
+    def add(self, lengths: Any, sample_ids: Any = None, *, supervised: Any = None) -> PackBatch:
         """Add samples (in stream order) and return the packs that became ready.
 
         Args:
             lengths: ``[n]`` non-negative integer token lengths (or one int).
             sample_ids: ``[n]`` int ids (the samples' indices in the stream, named in every report); default
                 ``next_id, next_id + 1, ...``.
+            supervised: optional ``supervised(sample_ids, starts, stops) -> [M] bool``, whether each token
+                range (a whole sample or a piece of an overlong one) holds a supervised token, as in
+                :func:`varpack.plan.plan_packs`: the ranges without one are dropped and reported by id
+                (``unsupervised_ids`` / ``unsupervised_pieces``).
 
         Returns:
-            The packs emitted by this call (often none), a :class:`PackBatch`.
+            The packs emitted by this call (often none), a :class:`PackBatch`; first the packs of an earlier
+            call that raised (they are never lost).
 
         Raises:
             ValueError: a negative length (naming the sample), or with ``overflow="error"`` a sample longer
-                than ``packing_length`` (its id and length; the samples before it in this call are added).
+                than ``packing_length`` (its id and length). The samples before it in this call are added,
+                and the packs they complete come with the next :meth:`add` or :meth:`finish`.
             RuntimeError: after :meth:`finish` (call :meth:`reset` for a new pass).
         """
         if self.finished:
@@ -300,26 +325,43 @@ class StreamingPacker:
             ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
             if ids.shape[0] != n:
                 raise ValueError(f"{ids.shape[0]} sample_ids for {n} lengths")
+        ready, self._ready = self._ready, PackBatch.empty()
+        L = self.packing_length
+        if n and self.overflow == "error" and int(arr.max()) > L:
+            i = int(np.flatnonzero(arr > L)[0])
+            # the samples before the overlong one are added; what they complete waits for the next call
+            self._ready = PackBatch.concat([ready, self._add(arr[:i], ids[:i], supervised)])
+            raise ValueError(
+                f"sample {int(ids[i])} is longer than packing_length={L} ({int(arr[i])} tokens); raise "
+                "packing_length or choose overflow='drop', overflow='truncate' or overflow='split'"
+                + (
+                    f" (the {i} sample(s) before it in this call were added: their packs come with the next "
+                    "add() or finish())"
+                    if i
+                    else ""
+                )
+            )
+        return PackBatch.concat([ready, self._add(arr, ids, supervised)])
+
+    def _add(self, arr: np.ndarray, ids: np.ndarray, supervised: Any) -> PackBatch:
+        """Add checked lengths with their ids (no sample longer than ``packing_length`` under ``error``)."""
+        n = int(arr.shape[0])
         if n == 0:
             return PackBatch.empty()
         L = self.packing_length
+        rep = self.report
+        self.num_samples += n
+        self.input_tokens += int(arr.sum())
+        self.next_id = max(self.next_id, int(ids.max()) + 1)
+        is_piece = None
         starts = np.zeros(n, np.int64)
         stops = arr
         if int(arr.min()) < 1 or int(arr.max()) > L:
             over = np.flatnonzero(arr > L)
-            if over.size and self.overflow == "error":
-                i = int(over[0])
-                if i:  # the samples before the first overlong one are added
-                    self.add(arr[:i], ids[:i])
-                raise ValueError(
-                    f"sample {int(ids[i])} is longer than packing_length={L} ({int(arr[i])} tokens); raise "
-                    "packing_length or choose overflow='drop', overflow='truncate' or overflow='split'"
-                )
             empty = arr == 0
-            self.report["empty_ids"].extend(ids[empty].tolist())
+            rep["empty_ids"].extend(ids[empty].tolist())
             keep = ~empty & (arr <= L)
             if over.size:
-                rep = self.report
                 rep["overlong_ids"].extend(ids[over].tolist())
                 rep["overlong_lengths"].extend(arr[over].tolist())
                 key = {"drop": "dropped_ids", "truncate": "truncated_ids", "split": "split_ids"}[
@@ -335,15 +377,23 @@ class StreamingPacker:
                 item_ids = np.concatenate([ids[keep], ids[psample]])[order]
                 starts = np.concatenate([np.zeros(int(keep.sum()), np.int64), pstart])[order]
                 stops = np.concatenate([arr[keep], pstop])[order]
+                is_piece = np.r_[np.zeros(int(keep.sum()), bool), np.ones(psample.size, bool)][order]
                 ids = item_ids
             else:
                 ids, starts, stops = ids[keep], starts[keep], arr[keep]
-        self.num_samples += n
-        self.input_tokens += int(arr.sum())
-        if sample_ids is None:
-            self.next_id += n
-        else:
-            self.next_id = max(self.next_id, int(np.max(np.asarray(sample_ids))) + 1)
+        if supervised is not None and ids.size:
+            has = supervised_mask(supervised, ids, starts, stops)
+            if not has.all():
+                gone = ~has
+                whole = gone if is_piece is None else gone & ~is_piece
+                rep["unsupervised_ids"].extend(ids[whole].tolist())
+                if is_piece is not None:
+                    part = gone & is_piece
+                    cut = zip(ids[part].tolist(), starts[part].tolist(), stops[part].tolist())
+                    rep["unsupervised_pieces"].extend([s, a, b] for s, a, b in cut)
+                    rep["num_pieces"] -= int(part.sum())
+                rep["tokens_dropped"] += int((stops[gone] - starts[gone]).sum())
+                ids, starts, stops = ids[has], starts[has], stops[has]
         return self._feed(ids, starts, stops)
 
     def _feed(self, ids: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> PackBatch:
@@ -409,18 +459,20 @@ class StreamingPacker:
         """End of the stream: pack and emit every buffered item (the final, partial packs included).
 
         Returns:
-            The last packs (:class:`PackBatch`); ``final_packs`` / ``final_tokens`` in the report count them.
+            The last packs (:class:`PackBatch`): first those of an :meth:`add` that raised, if not returned
+            yet, then the final ones, which ``final_packs`` / ``final_tokens`` in the report count.
         """
+        ready, self._ready = self._ready, PackBatch.empty()
         if self.finished:
-            return PackBatch.empty()
+            return ready
         self.finished = True
         if not self.buffered:
-            return PackBatch.empty()
+            return ready
         batch, _ = self._pack_window(self._ids, self._starts, self._stops, carry=False)
         self._ids, self._starts, self._stops = _NO, _NO, _NO
         self.final_packs = batch.num_packs
         self.final_tokens = int(batch.pack_lengths.sum())
-        return batch
+        return PackBatch.concat([ready, batch])
 
     # ------------------------------------------------------------------ report
     @property
@@ -451,6 +503,7 @@ class StreamingPacker:
             "num_truncated": len(ov["truncated_ids"]),
             "num_split": len(ov["split_ids"]),
             "num_pieces": ov["num_pieces"],
+            "num_unsupervised": len(ov["unsupervised_ids"]) + len(ov["unsupervised_pieces"]),
             "tokens_dropped": ov["tokens_dropped"],
             "max_pack_tokens": self.max_pack_tokens,
             "min_pack_tokens": self.min_pack_tokens,

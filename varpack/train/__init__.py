@@ -31,7 +31,6 @@ _LAZY = {
     "encode_chat_data": "varpack.train.sft",
     "run_sft": "varpack.train.sft",
     "training_arguments": "varpack.train.sft",
-    "unsupervised_pieces": "varpack.train.sft",
     # the packing report lives in varpack.plan.report; re-exported for callers of the old varpack.train
     "format_packing_report": "varpack.plan.report",
     "plan_summary": "varpack.plan.report",
@@ -52,7 +51,6 @@ __all__ = [
     "format_packing_report",
     "run_sft",
     "training_arguments",
-    "unsupervised_pieces",
 ]
 
 

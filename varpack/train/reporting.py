@@ -6,7 +6,8 @@ The per-step metrics (tokens/s, supervised tokens, packs, samples, fill) are not
 records them. Strings cannot be scalars, so :class:`RunReportCallback` writes them where each tool's users look:
 
 * ``output_dir/packing_report.json`` (:data:`PACKING_REPORT_FILE`): :func:`varpack.plan.report.plan_summary`
-  of the run's plan, plus ``unsupervised_pieces`` and ``attn_backend`` (chosen name and reason);
+  of the run's plan (its ``overflow`` lists the samples and pieces left out, those without a supervised
+  token included), plus ``attn_backend`` (chosen name and reason);
 * TensorBoard (``report_to`` with ``tensorboard``): text summaries ``varpack/packing_report`` and
   ``varpack/attn_backend`` (the TEXT tab, beside the ``args`` / ``model_config`` texts transformers writes),
   through transformers' own ``TensorBoardCallback`` writer (same event file);
@@ -34,27 +35,17 @@ PACKING_REPORT_FILE = "packing_report.json"
 _CONFIG_KEYS = ("num_samples", "num_packs", "total_tokens", "fill_ratio", "packing_length", "strategy")
 
 
-def packing_report_data(
-    summary: dict[str, Any],
-    *,
-    unsupervised: list[tuple[int, int, int, int]] | None,
-    attn_backend: dict[str, str],
-) -> dict[str, Any]:
+def packing_report_data(summary: dict[str, Any], *, attn_backend: dict[str, str]) -> dict[str, Any]:
     """The JSON of :data:`PACKING_REPORT_FILE`.
 
     Args:
         summary: :func:`varpack.plan.report.plan_summary` of the run's plan (``data``: the data label).
-        unsupervised: ``varpack.train.unsupervised_pieces`` (``None`` / empty: none).
         attn_backend: ``{"name": ..., "reason": ...}`` (:func:`resolved_attn_backend`).
 
     Returns:
-        ``summary`` with ``unsupervised_pieces`` (a list of ``{piece_id, sample_id, start, stop}``) and
-        ``attn_backend`` added.
+        ``summary`` with ``attn_backend`` added.
     """
     out = dict(summary)
-    out["unsupervised_pieces"] = [
-        {"piece_id": p, "sample_id": s, "start": a, "stop": b} for p, s, a, b in (unsupervised or [])
-    ]
     out["attn_backend"] = dict(attn_backend)
     return out
 
@@ -110,7 +101,6 @@ class RunReportCallback(TrainerCallback):
         summary: :func:`varpack.plan.report.plan_summary` of the run's plan.
         text: the plain-text packing report (:func:`varpack.plan.report.summary_text`).
         plan: the run's plan; backend: ``SFTConfig.attn_backend``.
-        unsupervised: ``varpack.train.unsupervised_pieces`` of the run.
         write_file: write :data:`PACKING_REPORT_FILE` (``varpack sft``: when saving or logging).
 
     After training starts, ``report`` holds the JSON data and ``report_path`` the file written (or None).
@@ -124,7 +114,6 @@ class RunReportCallback(TrainerCallback):
         text: str,
         plan: Any,
         backend: str,
-        unsupervised: list[tuple[int, int, int, int]] | None = None,
         write_file: bool = True,
     ) -> None:
         self.trainer = trainer
@@ -132,7 +121,6 @@ class RunReportCallback(TrainerCallback):
         self.text = text
         self.plan = plan
         self.backend = backend
-        self.unsupervised = unsupervised
         self.write_file = write_file
         self.report: dict[str, Any] | None = None
         self.report_path: str | None = None
@@ -146,7 +134,7 @@ class RunReportCallback(TrainerCallback):
         param = next(model.parameters())
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else param.dtype
         attn = resolved_attn_backend(model, self.backend, self.plan, dtype=dtype, device=param.device)
-        self.report = packing_report_data(self.summary, unsupervised=self.unsupervised, attn_backend=attn)
+        self.report = packing_report_data(self.summary, attn_backend=attn)
         if self.write_file:
             os.makedirs(args.output_dir, exist_ok=True)
             self.report_path = os.path.join(args.output_dir, PACKING_REPORT_FILE)

@@ -50,7 +50,6 @@ import torch
 
 from varpack.data.load import load_and_encode
 from varpack.plan.report import plan_summary, summary_text
-from varpack.schema import IGNORE_INDEX
 from varpack.train.config import (
     DEFAULT_DPO_LR,
     DEFAULT_LR,
@@ -78,7 +77,6 @@ __all__ = [
     "plan_samples",
     "run_sft",
     "training_arguments",
-    "unsupervised_pieces",
 ]
 
 
@@ -96,20 +94,6 @@ def encode_chat_data(data: Sequence[str] | str | None, tokenizer: Any, *, num_pr
         ValueError / TypeError / FileNotFoundError: bad paths or rows (naming the sample and field).
     """
     return load_and_encode(data, tokenizer, num_proc=num_proc).samples
-
-
-def unsupervised_pieces(
-    encoded: Any, plan: Any, *, ignore_index: int = IGNORE_INDEX
-) -> list[tuple[int, int, int, int]]:
-    """Pieces of truncated / split samples that keep no supervised token (e.g. a long prompt cut away from
-    its answer): ``[(piece_id, sample_id, start, stop), ...]``. They train nothing, so the packing report
-    names them. A piece's first label becomes ``ignore_index`` when it is cut, so it is not counted."""
-    out: list[tuple[int, int, int, int]] = []
-    for pid, (sid, start, stop) in sorted(plan.pieces.items()):
-        labels = np.asarray(encoded[int(sid)]["labels"][int(start) : int(stop)])
-        if not (labels[1:] != ignore_index).any():
-            out.append((int(pid), int(sid), int(start), int(stop)))
-    return out
 
 
 @dataclass
@@ -239,7 +223,7 @@ def build_sft(
         if dpo:
             raise ValueError("--streaming reads chats; --objective dpo plans whole preference pairs up front")
         model, encoded, dataset, report = _streaming_dataset(config, model, tokenizer, encoded, load)
-        plan = summary = unsupervised = None
+        plan = summary = None
     else:
         if encoded is None and dpo:
             from varpack.data.preference import encode_pairs, load_pairs
@@ -252,8 +236,7 @@ def build_sft(
         lengths, plan = _plan_packs(config, encoded, data_label)
         dataset = PackedDataset(encoded, plan, shuffle=False)  # the pack sampler orders the packs
         summary = plan_summary(plan, lengths, data=data_label)
-        unsupervised = unsupervised_pieces(encoded, plan) if plan.pieces else None
-        report = summary_text(summary, unsupervised=unsupervised)
+        report = summary_text(summary)
     objective: Any = "sft"
     if dpo:
         objective = _dpo_objective(config, model, load)
@@ -297,7 +280,6 @@ def build_sft(
                 text=report,
                 plan=plan,
                 backend=config.attn_backend,
-                unsupervised=unsupervised,
                 write_file=config.save or bool(training_args.report_to),
             )
         )
@@ -379,7 +361,7 @@ def _streaming_dataset(
 
     Raises:
         ValueError: a vision-language model (streaming reads text chats); while training, a stream that
-            plans no pack (no rows, or every sample empty or dropped).
+            plans no pack (no rows, or every sample empty, dropped or without a supervised token).
     """
     from varpack.data.stream import ChatStream, StreamingPackedDataset
     from varpack.models import is_vl_model
@@ -557,26 +539,41 @@ def plan_samples(
 ) -> tuple[np.ndarray, Any]:
     """``(lengths [N] int64, PackPlan)`` of encoded samples (a ``datasets.Dataset`` with a ``length`` column,
     or a sequence of dicts): :func:`varpack.plan.plan_packs` (``groups``: its group constraint, e.g. preference
-    pairs), refusing a plan that leaves nothing to train on.
+    pairs), refusing a plan that leaves nothing to train on. Without ``groups``, a sample or a piece of
+    ``truncate`` / ``split`` with no supervised token is left out of the packs and reported by id
+    (``plan.overflow["unsupervised_ids"]`` / ``["unsupervised_pieces"]``,
+    :func:`varpack.data.dataset.supervised_ranges`): no pack, so no optimizer step, is made of them.
     Shared by :func:`build_sft` and :class:`varpack.train.trl.VarpackSFTTrainer`.
 
     Raises:
         ValueError: no pack left to train on (every sample dropped or empty), or a split / truncated piece
             that would cut through an image or video placeholder span.
     """
+    from varpack.data.dataset import supervised_ranges
     from varpack.plan import plan_packs
 
     if hasattr(encoded, "with_format"):
         lengths = np.asarray(encoded.with_format("numpy")["length"], dtype=np.int64)
     else:
         lengths = np.asarray([s.get("length", len(s["input_ids"])) for s in encoded], dtype=np.int64)
-    plan = plan_packs(lengths, packing_length, strategy=strategy, overflow=overflow, seed=seed, groups=groups)
+    supervised = supervised_ranges(encoded) if groups is None else None
+    plan = plan_packs(
+        lengths,
+        packing_length,
+        strategy=strategy,
+        overflow=overflow,
+        seed=seed,
+        groups=groups,
+        supervised=supervised,
+    )
     if plan.num_packs == 0:  # training would do nothing and save the untrained model as if it had trained
         ov = plan.overflow
-        gone = ", ".join(str(i) for i in (ov["dropped_ids"] + ov["empty_ids"])[:20])
+        out = ov["dropped_ids"] + ov["empty_ids"] + ov["unsupervised_ids"]
+        out += sorted({s for s, _, _ in ov["unsupervised_pieces"]})
+        gone = ", ".join(str(i) for i in out[:20])
         raise ValueError(
-            f"no pack to train on: all {plan.num_samples} samples of {data_label} were dropped or empty "
-            f"(sample ids {gone}{', ...' if len(ov['dropped_ids']) + len(ov['empty_ids']) > 20 else ''}); "
+            f"no pack to train on: all {plan.num_samples} samples of {data_label} were dropped, empty or "
+            f"without a supervised token (sample ids {gone}{', ...' if len(out) > 20 else ''}); "
             f"raise packing_length={packing_length} or use overflow='split' or overflow='truncate'"
         )
     if plan.pieces and not hasattr(encoded, "with_format"):

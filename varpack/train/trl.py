@@ -18,7 +18,10 @@ What changes, and what TRL keeps:
 - **Data** -- TRL prepares the dataset as it always does (chat template, ``assistant_only_loss``,
   ``completion_only_loss``, labels; ``_prepare_dataset``), but without truncation: ``max_length`` is the
   *packing length* (as with TRL's ``packing=True``), and a sample longer than it follows varpack's ``overflow``
-  policy (``"error"`` by default: nothing is cut silently). varpack then plans packs of complete samples
+  policy (``"error"`` by default: nothing is cut silently). A sample, or a piece of ``"truncate"`` /
+  ``"split"``, with no supervised token is left out of the packs (it would train nothing: TRL drops such rows
+  too); what was cut or left out is logged as a warning with the sample ids (the packing report), and is in
+  ``trainer.plan.overflow``. varpack then plans packs of complete samples
   (:func:`varpack.train.sft.plan_samples`, best-fit decreasing) and the trainer trains on a
   :class:`varpack.data.dataset.PackedDataset` (one item = one pack; ``per_device_train_batch_size`` counts
   packs), visited in the plan's per-epoch order, dealt to the ranks by cost under several processes
@@ -54,6 +57,7 @@ Source of the TRL behaviour: trl 1.16 ``trl/trainer/sft_trainer.py`` (``SFTTrain
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 try:
@@ -73,6 +77,8 @@ from varpack.train.trainer import (
 )
 
 __all__ = ["VarpackSFTTrainer", "samples_from_trl"]
+
+logger = logging.getLogger(__name__)
 
 #: ``train_sampling_strategy`` values that reorder items by length (meaningless for packs, and they read
 #: ``input_ids`` of a dataset row, which a pack is not).
@@ -317,7 +323,13 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         from varpack.train.sft import plan_samples
 
         samples = samples_from_trl(dataset, name=name)
-        _, plan = plan_samples(samples, data_label=f"the {name} dataset", **self.packing_settings)
+        lengths, plan = plan_samples(samples, data_label=f"the {name} dataset", **self.packing_settings)
+        ov = plan.overflow
+        if ov["overlong_ids"] or ov["empty_ids"] or ov["unsupervised_ids"] or ov["unsupervised_pieces"]:
+            # what was cut or left out, by sample id (TRL drops fully masked rows too, and says so)
+            from varpack.plan.report import plan_summary, summary_text
+
+            logger.warning(summary_text(plan_summary(plan, lengths, data=f"the {name} dataset")))
         return samples, plan, PackedDataset(samples, plan, shuffle=shuffle)
 
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:

@@ -1,0 +1,142 @@
+"""Reading JSON / JSON Lines data files: the one reader of every varpack data path (chat files, image/video
+chats, streams, preference pairs, and the error locations of the ``datasets`` loader).
+
+A file is read as bytes, split on ``\\n`` only (U+2028 inside a JSON string is part of its row), each line
+decoded as UTF-8 and parsed with :mod:`json`; blank lines are not rows. Compressed files (``.gz``, ``.bz2``,
+``.xz``, ``.zst``, ...) are opened by their suffix (``fsspec``'s ``compression="infer"``). A line that is not
+UTF-8 text or not JSON is a ``ValueError`` naming the file, the line and the sample (its index among the
+rows of the files read together), one way for every reader::
+
+    chats.jsonl:2: sample 1: not UTF-8 text: byte 0xe9 at byte 93 of the line (invalid continuation byte); ...
+    chats.jsonl:3: sample 2: invalid JSON: Expecting ',' delimiter: line 1 column 95 (char 94)
+
+A JSON document (an array of rows, or one object, in a ``.json`` file) is parsed whole; its errors name the
+file and line (a row of an array has no line of its own: rows are then named ``FILE[i]``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["decode_text", "is_json_lines", "iter_lines", "location", "parse_line", "read_rows"]
+
+_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+
+
+def location(path: str | os.PathLike[str], lineno: int, sample_id: int | None = None) -> str:
+    """``"FILE:LINE"``, or ``"FILE:LINE: sample N"`` with a sample id: how every data error starts."""
+    where = f"{os.fspath(path)}:{lineno}"
+    return where if sample_id is None else f"{where}: sample {sample_id}"
+
+
+def decode_text(raw: bytes, where: str, *, document: bool = False) -> str:
+    """``raw`` decoded as UTF-8.
+
+    Args:
+        raw: a line (or, with ``document``, a whole file) of a data file.
+        where: how the error names it (:func:`location`; with ``document`` the file, the line of the bad
+            byte is added).
+        document: ``raw`` is a whole file.
+
+    Raises:
+        ValueError: ``WHERE: not UTF-8 text: byte 0xe9 at byte 93 of the line (invalid continuation byte);
+            ...`` (line and byte of the line counted from 1).
+    """
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_start = raw.rfind(b"\n", 0, exc.start) + 1
+        if document:  # name the line of the bad byte
+            lineno = raw.count(b"\n", 0, exc.start) + 1
+            where = f"{where}:{lineno}"
+        column = exc.start - line_start + 1
+        msg = (
+            f"{where}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at byte {column} of the "
+            f"line ({exc.reason}); varpack reads data files as UTF-8: convert the file (e.g. iconv -f <its "
+            "encoding> -t utf-8)"
+        )
+        raise ValueError(msg) from None
+
+
+def parse_line(raw: bytes | str, where: str) -> Any:
+    """One line of a JSON Lines file, decoded (:func:`decode_text`) and parsed.
+
+    Raises:
+        ValueError: not UTF-8 text, or ``WHERE: invalid JSON: ...`` (the :class:`json.JSONDecodeError`'s text).
+    """
+    text = decode_text(raw, where) if isinstance(raw, bytes) else raw
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: invalid JSON: {exc}") from exc
+
+
+def _open(path: str | os.PathLike[str]) -> Any:
+    import fsspec
+
+    return fsspec.open(os.fspath(path), "rb", compression="infer")
+
+
+def iter_lines(path: str | os.PathLike[str], *, first_sample: int = 0) -> Iterator[tuple[int, int, bytes]]:
+    """``(sample_id, line number, raw bytes)`` of every non-blank line of ``path``, read lazily; sample ids
+    count from ``first_sample`` (the rows of the files read before it)."""
+    sample_id = first_sample
+    with _open(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if line.strip():
+                yield sample_id, lineno, line
+                sample_id += 1
+
+
+def _suffix(path: str) -> str:
+    name = os.path.basename(path).lower()
+    for comp in _COMPRESSION_SUFFIXES:
+        if name.endswith(comp):
+            name = name[: -len(comp)]
+            break
+    return os.path.splitext(name)[1]
+
+
+def is_json_lines(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is named as JSON Lines (``.jsonl`` / ``.ndjson``, optionally compressed)."""
+    return _suffix(os.fspath(path)) in (".jsonl", ".ndjson")
+
+
+def read_rows(path: str | os.PathLike[str], *, first_sample: int = 0) -> list[tuple[Any, str]]:
+    """Every row of a JSON / JSON Lines file with where it is: ``[(row, "FILE:LINE"), ...]`` for JSON Lines,
+    ``[(row, "FILE[i]"), ...]`` for a JSON array; a ``.json`` file holding one object is one row, and one
+    holding one object per line is read as JSON Lines. Rows are not checked (any JSON value).
+
+    Args:
+        path: the file (compressed as its suffix says).
+        first_sample: sample id of its first row (the rows of the files read before it), named in errors.
+
+    Raises:
+        ValueError: a line / the document that is not UTF-8 text or not JSON (file, line and, for JSON Lines,
+            the sample named).
+    """
+    path = os.fspath(path)
+    with _open(path) as fh:
+        data = fh.read()
+    head = data.lstrip()[:1]
+    if head == b"[" or (head == b"{" and _suffix(path) == ".json"):
+        text = decode_text(data, path, document=True)
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            if head == b"[" or not exc.msg.startswith("Extra data"):
+                raise ValueError(f"{location(path, exc.lineno)}: invalid JSON: {exc}") from exc
+        else:
+            items = doc if isinstance(doc, list) else [doc]
+            return [(row, f"{path}[{i}]") for i, row in enumerate(items)]
+    rows = []
+    sample_id = first_sample
+    for lineno, line in enumerate(data.split(b"\n"), 1):
+        if line.strip():
+            where = location(path, lineno)
+            rows.append((parse_line(line, f"{where}: sample {sample_id}"), where))
+            sample_id += 1
+    return rows
