@@ -3,9 +3,12 @@
 :func:`enable_varpack` registers an attention function in transformers' ``AttentionInterface`` (name
 ``"varpack"`` for ``backend="auto"``, ``"varpack_<backend>"`` for a forced backend), switches the model to it
 with ``model.set_attn_implementation``, patches linear-attention (gated-delta) layers through
-:mod:`varpack.integrations.gated_delta`, and installs a forward pre-hook on the base model
-(``model.base_model``, which every forward path reaches with the same keywords) that refuses every batch
-that would reach a path mixing samples.
+:mod:`varpack.integrations.gated_delta` and Mamba-2 mixers through :mod:`varpack.integrations.mamba2`, and
+installs a forward pre-hook on the base model (``model.base_model``, which every forward path reaches with the
+same keywords) that refuses every batch that would reach a path mixing samples. Where the top model is not
+the base model, a pre-hook on it hands a packed call's boundaries to the base model's guard for the call:
+a top forward that drops them (Mamba2ForCausalLM calls its backbone with named arguments only) gets them
+back, or is refused where it dropped the positions too.
 
 How a packed batch flows (ARCHITECTURE.md, "Collated batch"): the collator emits ``cu_seq_lens_q/k``
 (``[N+1]`` int32) and ``max_length_q/k`` (Python ints), transformers' ``FlashAttentionKwargs`` names, so every
@@ -28,8 +31,9 @@ Guards (raised as ``ValueError`` from the pre-hook, once per forward, from shape
 * ``position_ids`` that restart inside a row (several samples) but no boundary kwargs;
 * a packed batch reaching a model whose attention implementation is no longer varpack's (sdpa/eager);
 * an ``attention_mask`` with padding (varpack attention is padding-free);
-* a model with linear-attention layers that :mod:`varpack.integrations.gated_delta` cannot patch, or with
-  stateful sequence layers varpack does not know (Mamba, short convolutions).
+* a model with linear-attention layers that :mod:`varpack.integrations.gated_delta` /
+  :mod:`varpack.integrations.mamba2` cannot patch, or with stateful sequence layers varpack does not know
+  (Mamba-1 mixers, short convolutions), named with their module path.
 
 Transformers APIs relied on (identical in 5.17 and 5.24): ``AttentionInterface.register`` and
 ``PreTrainedModel.set_attn_implementation``; the attention-function call convention
@@ -473,16 +477,21 @@ def _linear_attention_layers(model: torch.nn.Module) -> int:
             )
         count = max(count, sum(t in _RECURRENT_LAYER_TYPES for t in types))
     mixers = [path for path, m in model.named_modules() if is_mamba2_mixer(m)]
-    for path, module in model.named_modules():
-        name = type(module).__name__
-        covered = any(
+    unknown_layers = [
+        (path, type(module).__name__)
+        for path, module in model.named_modules()
+        if any(frag in type(module).__name__ for frag in _UNSUPPORTED_MIXERS)
+        and not type(module).__name__.endswith("Norm")
+        and not any(  # a patched Mamba-2 mixer, a module inside one, or one of its parents
             path == m or m.startswith(f"{path}.") or path.startswith(f"{m}.") or not path for m in mixers
         )
-        if any(frag in name for frag in _UNSUPPORTED_MIXERS) and not covered and not name.endswith("Norm"):
-            raise PackingGuardError(
-                f"{type(model).__name__} contains {name}, a stateful sequence layer that would carry state "
-                "across packed samples; varpack does not support it"
-            )
+    ]
+    if unknown_layers:
+        path, name = max(unknown_layers, key=lambda item: item[0].count("."))  # the innermost: the mixer
+        raise PackingGuardError(
+            f"{type(model).__name__} contains {name} ({path}), a stateful sequence layer that would carry "
+            "state across packed samples; varpack does not support it"
+        )
     return count
 
 
@@ -541,7 +550,7 @@ def enable_varpack(
         ValueError: unknown backend or ``linear_backend``; a ``linear_backend`` other than ``"auto"`` for a
             model without Gated DeltaNet layers (:func:`varpack.models.registry.require_gated_delta_layers`);
             PackingGuardError: a model with layers varpack cannot run exactly
-            (linear attention without :mod:`varpack.integrations.gated_delta`, Mamba / short-conv layers);
+            (linear attention that is neither Gated DeltaNet nor Mamba-2, Mamba-1 / short-conv layers);
             TypeError: not a transformers model.
     """
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
