@@ -271,3 +271,60 @@ def test_mamba1_models_refused_by_name(model_type):
     where = r"\((model\.layers\.0\.mamba|backbone\.layers\.0\.mixer)\)"
     with pytest.raises(PackingGuardError, match=rf"contains \w*MambaMixer {where}, a stateful sequence layer"):
         enable_varpack(model)
+
+
+def _reads_and_scalars(num_layers):
+    """Value reads of the boundary offsets and tensor-to-scalar conversions in one packed step of tiny-bamba with
+    ``num_layers`` layers (every layer but the second a Mamba-2 mixer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.integrations.test_transformers import _Watched
+
+    model = load_model(
+        "tiny-bamba", vocab_size=VOCAB, attn_backend="reference", config_overrides={"num_hidden_layers": num_layers}
+    )
+    batch = PaddingFreeCollator()(_samples())
+    batch.pop("sample_ids")
+    batch.pop("varlen_meta")  # built by the guard from the watched offsets, once per forward
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"].as_subclass(_Watched)
+    _Watched.reads = []
+
+    class Scalars(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Scalars.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Scalars():
+        model(**batch).loss.backward()
+    return len(_Watched.reads), Scalars.count
+
+
+def test_no_per_layer_host_reads():
+    """The boundaries are read once per batch (the guard's check, the SSD layout kept on the meta), not per
+    mixer, and nothing is turned into a Python scalar (no host sync on a device)."""
+    reads_2, scalars_2 = _reads_and_scalars(2)  # 1 mixer
+    reads_6, scalars_6 = _reads_and_scalars(6)  # 5 mixers
+    assert reads_2 == reads_6 <= 2  # the guard's check, the meta's seq_idx
+    assert scalars_2 == scalars_6 == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_gpu_check_bf16(name, monkeypatch):
+    """On the GPU: bf16, backends auto (attention, SSD scan, short conv), by the fp32-truth rule of ``varpack
+    check``; the sabotaged run (boundaries dropped) fails."""
+    import varpack.collate
+    from tests.test_check import _Sabotaged
+    from varpack.check import check_exactness
+
+    model = load_model(name, dtype=torch.bfloat16, device="cuda", attn_backend="auto")
+    rows = _samples([300, 1, 717, 77, 129])
+    res = check_exactness(model, rows, backend="auto")
+    assert res["passed"], res["failures"]
+    print(f"{name}: SSD {mb.ssd_backend(model, 'cuda')}; logit err packed/unpacked vs fp32 "
+          f"{res['logit_err_packed']:.3g}/{res['logit_err_unpacked']:.3g}")  # fmt: skip
+    monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
+    assert not check_exactness(model, rows, backend="auto")["passed"]

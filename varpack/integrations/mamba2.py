@@ -71,10 +71,11 @@ def _where(layer: torch.nn.Module) -> str:
 
 def _layout(meta: VarlenMeta, chunk_size: int, device: torch.device) -> SSDLayout:
     """The SSD chunk masks of this batch at ``chunk_size`` on ``device``, built once (first mixer) and kept on
-    the meta."""
+    the meta, from the meta's host offsets (read once, while validating) and device ``seq_idx`` (built once)."""
+    offsets, seq_idx = meta.host_offsets()[0], meta.seq_idx_on(device)  # outside build(): memo's lock
     return meta.memo(
         ("ssd_layout", chunk_size, str(device)),
-        lambda: prepare_ssd_layout(meta.total_q, chunk_size, cu_seqlens=meta.cu_seqlens_cpu(), device=device),
+        lambda: prepare_ssd_layout(meta.total_q, chunk_size, cu_seqlens=offsets, seq_idx=seq_idx, device=device),
     )
 
 

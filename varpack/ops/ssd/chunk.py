@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from varpack.varlen.boundaries import normalize_cu_seqlens, seq_idx_from_cu_seqlens
+from varpack.varlen.boundaries import checked_host_cu_seqlens, seq_idx_from_cu_seqlens
 
 from ._common import acc_dtype, check_inputs, discretize_dt, expand_groups, normalize_dt_limit
 
@@ -95,7 +95,8 @@ def prepare_ssd_layout(
         cu_seqlens: ``[N+1]`` host offsets of the samples of one packed row (CPU tensor, list or NumPy array;
             zero-length samples allowed); enables final states.
         seq_idx: ``[B, T]`` / ``[T]`` non-decreasing integer sample index of every token (the collator's
-            ``seq_idx``), any device, never read on the host; used when ``cu_seqlens`` is not given.
+            ``seq_idx``), any device, never read on the host; the masks are built from it when given (it
+            must then describe the same samples as ``cu_seqlens``), else from ``cu_seqlens``.
         rows: ``B`` (1 with ``cu_seqlens``).
         device: where the masks live (default: ``seq_idx``'s device, else the CPU).
 
@@ -112,9 +113,9 @@ def prepare_ssd_layout(
     if cu_seqlens is not None:
         if rows != 1:
             raise ValueError(f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={rows}")
-        cu = normalize_cu_seqlens(cu_seqlens, "cu_seqlens").to("cpu")
-        seq_idx = seq_idx_from_cu_seqlens(cu, T)  # validates cu against T
-        offsets = cu.tolist()
+        offsets = checked_host_cu_seqlens(cu_seqlens, T).tolist()  # one host read, validated against T
+        if seq_idx is None:
+            seq_idx = seq_idx_from_cu_seqlens(offsets, T)
         num_seqs = len(offsets) - 1
         last = [(n, offsets[n + 1] - 1) for n in range(num_seqs) if offsets[n + 1] > offsets[n]]
         dev = torch.device(device) if device is not None else torch.device("cpu")
