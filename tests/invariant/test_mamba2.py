@@ -269,7 +269,9 @@ def test_mamba1_models_refused_by_name(model_type):
     )
     model = AutoModelForCausalLM.from_config(config)
     where = r"\((model\.layers\.0\.mamba|backbone\.layers\.0\.mixer)\)"
-    with pytest.raises(PackingGuardError, match=rf"contains \w*MambaMixer {where}, a stateful sequence layer"):
+    with pytest.raises(
+        PackingGuardError, match=rf"contains \w*MambaMixer {where}, a stateful sequence layer"
+    ):
         enable_varpack(model)
 
 
@@ -281,7 +283,10 @@ def _reads_and_scalars(num_layers):
     from tests.integrations.test_transformers import _Watched
 
     model = load_model(
-        "tiny-bamba", vocab_size=VOCAB, attn_backend="reference", config_overrides={"num_hidden_layers": num_layers}
+        "tiny-bamba",
+        vocab_size=VOCAB,
+        attn_backend="reference",
+        config_overrides={"num_hidden_layers": num_layers},
     )
     batch = PaddingFreeCollator()(_samples())
     batch.pop("sample_ids")
@@ -328,3 +333,22 @@ def test_gpu_check_bf16(name, monkeypatch):
           f"{res['logit_err_packed']:.3g}/{res['logit_err_unpacked']:.3g}")  # fmt: skip
     monkeypatch.setattr(varpack.collate, "PaddingFreeCollator", _Sabotaged)
     assert not check_exactness(model, rows, backend="auto")["passed"]
+
+
+@pytest.mark.parametrize("name", ["tiny-bamba", "tiny-falcon-h1"])
+def test_compiled_layers_packed_equals_per_sample(name):
+    """Regional torch.compile (``varpack sft``'s default on CUDA; aot_eager here): the Mamba-2 mixers run as graph
+    breaks beside varpack attention, and the packed step still equals each sample alone."""
+    from varpack.integrations.kernels import compile_layers, decoder_layers
+
+    torch._dynamo.reset()
+    model = load_model(name, vocab_size=VOCAB, attn_backend="reference").eval()
+    ref = _per_sample(model, _samples())
+    assert (
+        compile_layers(model, backend="aot_eager")
+        == len(decoder_layers(model))
+        == model.config.num_hidden_layers
+    )
+    logits, loss, grads = _packed(model, _samples())
+    assert _excess(logits, ref[0]) <= 1 and _excess(loss, ref[1]) <= 1
+    assert grads.keys() == ref[2].keys() and max(_excess(grads[n], ref[2][n]) for n in grads) <= 1
