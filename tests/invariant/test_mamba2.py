@@ -276,8 +276,8 @@ def test_mamba1_models_refused_by_name(model_type):
 
 
 def _reads_and_scalars(num_layers):
-    """Value reads of the boundary offsets and tensor-to-scalar conversions in one packed step of tiny-bamba with
-    ``num_layers`` layers (every layer but the second a Mamba-2 mixer)."""
+    """Value reads of the boundary offsets and tensor-to-scalar conversions in one packed step of tiny-bamba
+    with ``num_layers`` layers (every layer but the second a Mamba-2 mixer)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tests.integrations.test_transformers import _Watched
@@ -337,8 +337,8 @@ def test_gpu_check_bf16(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["tiny-bamba", "tiny-falcon-h1"])
 def test_compiled_layers_packed_equals_per_sample(name):
-    """Regional torch.compile (``varpack sft``'s default on CUDA; aot_eager here): the Mamba-2 mixers run as graph
-    breaks beside varpack attention, and the packed step still equals each sample alone."""
+    """Regional torch.compile (``varpack sft``'s default on CUDA; aot_eager here): the Mamba-2 mixers run as
+    graph breaks beside varpack attention, and the packed step still equals each sample alone."""
     from varpack.integrations.kernels import compile_layers, decoder_layers
 
     torch._dynamo.reset()
