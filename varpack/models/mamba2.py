@@ -29,6 +29,7 @@ __all__ = [
     "FAMILIES",
     "MAMBA2",
     "MAMBA2_MIXER_CLASSES",
+    "TINY_BY_MODEL_TYPE",
     "TINY_MODELS",
     "is_mamba2_mixer",
     "tiny_config",
@@ -172,6 +173,15 @@ _BUILDERS = {
     "tiny-zamba2": _tiny_zamba2,
 }
 TINY_MODELS = tuple(_BUILDERS)
+#: model_type -> this family's tiny built-in of it (a model zoo's tiny config of the model type)
+TINY_BY_MODEL_TYPE = {
+    "mamba2": "tiny-mamba2",
+    "bamba": "tiny-bamba",
+    "granitemoehybrid": "tiny-granite4-hybrid",
+    "nemotron_h": "tiny-nemotron-h",
+    "falcon_h1": "tiny-falcon-h1",
+    "zamba2": "tiny-zamba2",
+}
 
 
 def tiny_config(name: str, *, vocab_size: int | None = None, **overrides: Any) -> Any:
@@ -223,7 +233,7 @@ class Mamba2Family(ModelFamily):
 #: Mamba-2 and its hybrids: Mamba-2 mixers (+ attention), 1-D positions
 MAMBA2 = Mamba2Family(
     name="mamba2",
-    model_types=("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2"),
+    model_types=tuple(TINY_BY_MODEL_TYPE),
     mixers="mamba2",
     vision=False,
     position_ids="1d",
