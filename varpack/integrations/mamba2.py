@@ -71,11 +71,14 @@ def _where(layer: torch.nn.Module) -> str:
 
 def _layout(meta: VarlenMeta, chunk_size: int, device: torch.device) -> SSDLayout:
     """The SSD chunk masks of this batch at ``chunk_size`` on ``device``, built once (first mixer) and kept on
-    the meta, from the meta's host offsets (read once, while validating) and device ``seq_idx`` (built once)."""
+    the meta, from the meta's host offsets (read once, while validating) and device ``seq_idx`` (built
+    once)."""
     offsets, seq_idx = meta.host_offsets()[0], meta.seq_idx_on(device)  # outside build(): memo's lock
     return meta.memo(
         ("ssd_layout", chunk_size, str(device)),
-        lambda: prepare_ssd_layout(meta.total_q, chunk_size, cu_seqlens=offsets, seq_idx=seq_idx, device=device),
+        lambda: prepare_ssd_layout(
+            meta.total_q, chunk_size, cu_seqlens=offsets, seq_idx=seq_idx, device=device
+        ),
     )
 
 
@@ -114,7 +117,11 @@ def _packed_forward(
 
     # 1. the short convolution over x, B, C: no tap reads across a boundary
     backend = getattr(layer, "_varpack_ssd_backend", "auto")
-    conv_backend = "auto" if backend in ("auto", "mamba_ssm") and device.type == "cuda" else "torch"
+    activation = _conv_activation(layer.activation)
+    kernel_ok = activation in (None, "silu", "swish")  # fla's causal_conv1d takes no other activation
+    conv_backend = (
+        "auto" if backend in ("auto", "mamba_ssm") and device.type == "cuda" and kernel_ok else "torch"
+    )
     if conv_backend != "torch":
         conv_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
     else:
@@ -124,7 +131,7 @@ def _packed_forward(
         xbc,
         weight.reshape(weight.shape[0], -1),
         layer.conv1d.bias,
-        _conv_activation(layer.activation),
+        activation,
         backend=conv_backend,
         **conv_kwargs,
     )
