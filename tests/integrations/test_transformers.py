@@ -29,7 +29,8 @@ def test_enable_varpack_names_and_idempotence():
     assert model.config._attn_implementation == "varpack_reference"
     assert attn_implementation_name("flash_attn_4") == "varpack_fa_4"  # no "flash" in the name
     assert is_varpack_attention("varpack_reference") and not is_varpack_attention("sdpa")
-    assert len(model.model._forward_pre_hooks) == 1 and not model._forward_pre_hooks  # replaced, not stacked
+    # replaced, not stacked: the guard on the base model, the boundary hand-down on the top model
+    assert len(model.model._forward_pre_hooks) == 1 == len(model._forward_pre_hooks) == len(model._forward_hooks)
     assert model._varpack_state.original_attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="unknown attention backend"):
         enable_varpack(model, backend="nope")
@@ -160,6 +161,24 @@ def test_guard_positional_arguments(qwen, batch):
     ids, pos = batch.pop("input_ids"), batch.pop("position_ids")
     with pytest.raises(PackingGuardError, match="attention_mask"):
         qwen(ids, torch.ones_like(ids), pos, **batch)
+
+
+def test_top_model_dropping_the_boundaries_is_refused():
+    """A *ForCausalLM whose forward calls its base model without the boundary kwargs (and positions) must not
+    run the pack as one sequence: the guard on the base model sees the top model's packed call and refuses."""
+    import types
+
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+
+    def drops_kwargs(self, input_ids=None, **kwargs):  # named arguments only, as Mamba2ForCausalLM
+        return self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+
+    model.forward = types.MethodType(drops_kwargs, model)
+    batch = PaddingFreeCollator()([make_samples()])
+    with pytest.raises(PackingGuardError, match="boundaries and position_ids its top model did not pass on"):
+        model(**model_inputs(batch))
+    ids = torch.tensor([make_samples()[0]["input_ids"]])
+    assert model(input_ids=ids).shape == (1, ids.shape[1], VOCAB)  # an unpacked call is not affected
 
 
 def test_unknown_stateful_layers_refused():

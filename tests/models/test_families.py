@@ -54,14 +54,16 @@ def test_builtin_loads_through_its_family_and_facts_agree(name):
     text = family.text_config(model)
     assert len(family.decoder_layers(model)) == text.num_hidden_layers
 
-    # token mixers: the family's gated-delta layers are exactly the ones enable_varpack patched
+    # token mixers: the family's recurrent mixers (Gated DeltaNet, Mamba-2) are exactly the ones enable_varpack
+    # patched, one per layer whose type holds one
     linear = family.linear_layers(model)
-    patched = [m for m in model.modules() if "_varpack_gdn_original_forward" in m.__dict__]
+    marks = ("_varpack_gdn_original_forward", "_varpack_ssd_original_forward")
+    patched = [m for m in model.modules() if any(k in m.__dict__ for k in marks)]
     assert [id(m) for m in linear] == [id(m) for m in patched]
     assert len(linear) == model._varpack_state.linear_layers_patched
-    assert (len(linear) > 0) == (family.mixers == "gated_delta")
+    assert (len(linear) > 0) == (family.mixers in ("gated_delta", "mamba2"))
     layer_types = getattr(text, "layer_types", None) or []
-    assert len(linear) == sum(t == "linear_attention" for t in layer_types)
+    assert len(linear) == sum(t in ("linear_attention", "hybrid") for t in layer_types)
 
     # vision: is_vl, the tower, the mRoPE rope index and the media fields it reads
     assert is_vl_model(model) == family.is_vl(model) == bool(family.vision)

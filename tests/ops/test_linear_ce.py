@@ -528,11 +528,22 @@ def test_hf_model_negative_control_wrong_reduction_differs():
     assert abs(fused.item() - ref.item()) > 1e-3
 
 
-def test_hf_model_refuses_softcapped_logits():
+@pytest.mark.parametrize("attr, value", [("final_logit_softcapping", 30.0), ("lm_head_multiplier", 0.5)])
+def test_hf_model_refuses_transformed_logits(attr, value):
+    """Gemma-style softcapping, Falcon-H1's lm_head_multiplier (...): the plain head would give another loss;
+    refused, and the trainer's ``loss_impl="auto"`` takes the logits path for such a model."""
+    import types
+
+    from varpack.train.trainer import PackedLossMixin
+
     model = _tiny_qwen3()
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
+    trainer = types.SimpleNamespace(loss_impl="auto", accelerator=types.SimpleNamespace(unwrap_model=lambda m: m))
+    assert PackedLossMixin._linear_ce_choice(trainer, model) == (True, "loss_impl auto")
+    setattr(model.config, attr, value)
+    with pytest.raises(ValueError, match=f"{attr}={value}"):
         causal_lm_forward_with_linear_ce(model, _packed_batch([5]))
+    use, why = PackedLossMixin._linear_ce_choice(trainer, model)
+    assert not use and f"{attr}={value}" in why
 
 
 def test_hf_model_packed_with_varpack_attention_equals_per_sample():

@@ -3,9 +3,12 @@
 :func:`enable_varpack` registers an attention function in transformers' ``AttentionInterface`` (name
 ``"varpack"`` for ``backend="auto"``, ``"varpack_<backend>"`` for a forced backend), switches the model to it
 with ``model.set_attn_implementation``, patches linear-attention (gated-delta) layers through
-:mod:`varpack.integrations.gated_delta`, and installs a forward pre-hook on the base model
-(``model.base_model``, which every forward path reaches with the same keywords) that refuses every batch
-that would reach a path mixing samples.
+:mod:`varpack.integrations.gated_delta` and Mamba-2 mixers through :mod:`varpack.integrations.mamba2`, and
+installs a forward pre-hook on the base model (``model.base_model``, which every forward path reaches with the
+same keywords) that refuses every batch that would reach a path mixing samples. Where the top model is not
+the base model, a pre-hook on it hands a packed call's boundaries to the base model's guard for the call:
+a top forward that drops them (Mamba2ForCausalLM calls its backbone with named arguments only) gets them
+back, or is refused where it dropped the positions too.
 
 How a packed batch flows (ARCHITECTURE.md, "Collated batch"): the collator emits ``cu_seq_lens_q/k``
 (``[N+1]`` int32) and ``max_length_q/k`` (Python ints), transformers' ``FlashAttentionKwargs`` names, so every
@@ -28,8 +31,9 @@ Guards (raised as ``ValueError`` from the pre-hook, once per forward, from shape
 * ``position_ids`` that restart inside a row (several samples) but no boundary kwargs;
 * a packed batch reaching a model whose attention implementation is no longer varpack's (sdpa/eager);
 * an ``attention_mask`` with padding (varpack attention is padding-free);
-* a model with linear-attention layers that :mod:`varpack.integrations.gated_delta` cannot patch, or with
-  stateful sequence layers varpack does not know (Mamba, short convolutions).
+* a model with linear-attention layers that :mod:`varpack.integrations.gated_delta` /
+  :mod:`varpack.integrations.mamba2` cannot patch, or with stateful sequence layers varpack does not know
+  (Mamba-1 mixers, short convolutions), named with their module path.
 
 Transformers APIs relied on (identical in 5.17 and 5.24): ``AttentionInterface.register`` and
 ``PreTrainedModel.set_attn_implementation``; the attention-function call convention
@@ -50,7 +54,7 @@ from typing import Any
 import torch
 
 from varpack.models.registry import require_gated_delta_layers
-from varpack.schema import FLASH_ATTN_KWARGS, VARLEN_META
+from varpack.schema import BOUNDARY_KEYS, FLASH_ATTN_KWARGS, VARLEN_META
 from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
 from varpack.varlen.meta import varlen_meta_from_kwargs
 
@@ -71,8 +75,11 @@ ATTN_IMPLEMENTATION = "varpack"
 _CACHE_KEYS = ("past_key_values", "cache")
 #: implementation name -> backend name, for every name registered by this module.
 _REGISTERED: dict[str, str] = {}
-#: layer types of ``config.layer_types`` that varpack handles.
-_KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
+#: layer types of ``config.layer_types`` that varpack handles ("hybrid": a Mamba-2 mixer beside or after
+#: attention, Falcon-H1 / Zamba2; "moe" / "mlp": Nemotron-H's per-token blocks).
+_KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention", "hybrid", "moe", "mlp"}
+#: layer types holding a recurrent mixer (Gated DeltaNet or Mamba-2) that must be patched
+_RECURRENT_LAYER_TYPES = ("linear_attention", "hybrid")
 #: module class-name fragments of stateful sequence mixers that would leak across packed samples.
 _UNSUPPORTED_MIXERS = ("Mamba", "ShortConv", "RWKV", "Retention")
 
@@ -303,6 +310,8 @@ class _GuardState:
     original_attn_implementation: str | None
     positional_names: tuple[str, ...]
     linear_layers_patched: int = 0
+    #: the base model's forward declares ``position_ids`` (positions are one of its inputs)
+    takes_positions: bool = True
     notes: list[str] = field(default_factory=list)
 
 
@@ -355,6 +364,20 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
         for name, value in zip(state.positional_names, args):
             kwargs[name] = value
         args = ()
+    positions_optional = False
+    handed = model.__dict__.get("_varpack_outer_boundaries")
+    if handed and not any(kwargs.get(k) is not None for k in BOUNDARY_KEYS):
+        # the top model got a packed batch but its forward does not hand the boundaries down
+        # (Mamba2ForCausalLM calls its backbone with named arguments only): given back here, unless the
+        # positions were dropped too
+        boundaries, had_positions = handed
+        if had_positions and kwargs.get("position_ids") is None and state.takes_positions:
+            raise PackingGuardError(
+                f"{type(model).__name__} got a packed batch whose boundaries and position_ids its top model "
+                "did not pass on; varpack cannot run this model packed"
+            )
+        kwargs.update(boundaries)
+        positions_optional = not state.takes_positions
     impl = getattr(model.config, "_attn_implementation", None)
     input_ids = kwargs.get("input_ids")
     embeds = kwargs.get("inputs_embeds")
@@ -394,7 +417,7 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
         if kwargs.get("use_cache"):
             raise PackingGuardError("packed batch with use_cache=True; packed batches need use_cache=False")
         kwargs["use_cache"] = False  # HF models otherwise create a DynamicCache filled with the whole pack
-        if position_ids is None:
+        if position_ids is None and not positions_optional:
             raise PackingGuardError(
                 "packed batch without position_ids: positions must restart at 0 for every sample "
                 "(the collator provides them)"
@@ -433,6 +456,11 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
 # enable
 # ---------------------------------------------------------------------------------------------------------
 def _linear_attention_layers(model: torch.nn.Module) -> int:
+    """The number of layers with a recurrent mixer (``config.layer_types``), refusing unknown layer types and
+    stateful layers varpack does not patch (a module named like one, outside a Mamba-2 mixer varpack patches
+    and its parents; normalization layers aside)."""
+    from varpack.models.mamba2 import is_mamba2_mixer
+
     count = 0
     seen: set[int] = set()
     for module in model.modules():
@@ -445,25 +473,54 @@ def _linear_attention_layers(model: torch.nn.Module) -> int:
         if unknown:
             raise PackingGuardError(
                 f"{type(model).__name__} has layer types {unknown} that varpack cannot keep packed samples "
-                "apart in (supported: full_attention, sliding_attention, linear_attention)"
+                f"apart in (supported: {', '.join(sorted(_KNOWN_LAYER_TYPES))})"
             )
-        count = max(count, sum(t == "linear_attention" for t in types))
-    for module in model.modules():
-        name = type(module).__name__
-        if any(frag in name for frag in _UNSUPPORTED_MIXERS):
-            raise PackingGuardError(
-                f"{type(model).__name__} contains {name}, a stateful sequence layer that would carry state "
-                "across packed samples; varpack does not support it"
-            )
+        count = max(count, sum(t in _RECURRENT_LAYER_TYPES for t in types))
+    mixers = [path for path, m in model.named_modules() if is_mamba2_mixer(m)]
+    unknown_layers = [
+        (path, type(module).__name__)
+        for path, module in model.named_modules()
+        if any(frag in type(module).__name__ for frag in _UNSUPPORTED_MIXERS)
+        and not type(module).__name__.endswith("Norm")
+        and not any(  # a patched Mamba-2 mixer, a module inside one, or one of its parents
+            path == m or m.startswith(f"{path}.") or path.startswith(f"{m}.") or not path for m in mixers
+        )
+    ]
+    if unknown_layers:
+        path, name = max(unknown_layers, key=lambda item: item[0].count("."))  # the innermost: the mixer
+        raise PackingGuardError(
+            f"{type(model).__name__} contains {name} ({path}), a stateful sequence layer that would carry "
+            "state across packed samples; varpack does not support it"
+        )
     return count
 
 
+def _hand_boundaries_down(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Pre-hook on a top model that is not its base model: a packed call's boundary keywords (and whether it
+    had positions) are kept on the base model for the call, for :func:`_packing_guard` (a top forward that
+    drops them, e.g. Mamba2ForCausalLM's, would otherwise run the pack as one sequence). Stateless beyond the
+    call (:func:`_hand_boundaries_done`)."""
+    boundaries = {k: kwargs[k] for k in BOUNDARY_KEYS if kwargs.get(k) is not None}
+    model.base_model._varpack_outer_boundaries = (
+        (boundaries, kwargs.get("position_ids") is not None) if boundaries else None
+    )
+
+
+def _hand_boundaries_done(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    model.base_model._varpack_outer_boundaries = None
+
+
 def _remove_guard(model: torch.nn.Module) -> None:
-    """Drop varpack's pre-hook (found by function identity, so that deep copies of a model are handled too)."""
+    """Drop varpack's hooks (found by function identity, so that deep copies of a model are handled too)."""
+    ours = (_packing_guard, _hand_boundaries_down)
     hooks = model._forward_pre_hooks
-    for hook_id in [i for i, fn in hooks.items() if fn is _packing_guard]:
+    for hook_id in [i for i, fn in hooks.items() if fn in ours]:
         del hooks[hook_id]
         model._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+    for hook_id in [i for i, fn in model._forward_hooks.items() if fn is _hand_boundaries_done]:
+        del model._forward_hooks[hook_id]
+        model._forward_hooks_with_kwargs.pop(hook_id, None)
+        model._forward_hooks_always_called.pop(hook_id, None)
 
 
 def enable_varpack(
@@ -493,7 +550,7 @@ def enable_varpack(
         ValueError: unknown backend or ``linear_backend``; a ``linear_backend`` other than ``"auto"`` for a
             model without Gated DeltaNet layers (:func:`varpack.models.registry.require_gated_delta_layers`);
             PackingGuardError: a model with layers varpack cannot run exactly
-            (linear attention without :mod:`varpack.integrations.gated_delta`, Mamba / short-conv layers);
+            (linear attention that is neither Gated DeltaNet nor Mamba-2, Mamba-1 / short-conv layers);
             TypeError: not a transformers model.
     """
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
@@ -509,21 +566,23 @@ def enable_varpack(
             f"{type(model).__name__} did not switch to attention implementation {name!r} "
             f"(still {model.config._attn_implementation!r}); it does not dispatch through AttentionInterface"
         )
-    patched = 0
+    patched = gated_delta = 0
     if num_linear:
         try:
             from varpack.integrations.gated_delta import patch_linear_attention
+            from varpack.integrations.mamba2 import patch_mamba2_mixers
         except ImportError as exc:
             raise PackingGuardError(
                 f"{type(model).__name__} has {num_linear} linear-attention layers, which mix packed samples "
-                f"unless patched, and varpack.integrations.gated_delta is not available: {exc}"
+                f"unless patched, and varpack's gated-delta / Mamba-2 integration is not available: {exc}"
             ) from exc
-        patched = int(patch_linear_attention(model, backend=linear_backend))
+        gated_delta = int(patch_linear_attention(model, backend=linear_backend))
+        patched = gated_delta + int(patch_mamba2_mixers(model))
         if patched < num_linear:
             raise PackingGuardError(
                 f"{type(model).__name__} has {num_linear} linear-attention layers but only {patched} were patched"
             )
-    if linear_backend != "auto" and not patched:  # Gated DeltaNet modules, but no linear_attention layer type
+    if linear_backend != "auto" and not gated_delta:  # Gated DeltaNet modules, but no linear_attention type
         raise PackingGuardError(
             f"linear_backend={linear_backend!r}: {type(model).__name__} has Gated DeltaNet modules but its config "
             "lists no 'linear_attention' layer types, so varpack did not patch them"
@@ -544,8 +603,12 @@ def enable_varpack(
         original_attn_implementation=original,
         positional_names=positional,
         linear_layers_patched=patched,
+        takes_positions="position_ids" in inspect.signature(base.forward).parameters,
     )
     model._varpack_state = state
     base._varpack_state = state
     base.register_forward_pre_hook(_packing_guard, with_kwargs=True)
+    if base is not model:
+        model.register_forward_pre_hook(_hand_boundaries_down, with_kwargs=True)
+        model.register_forward_hook(_hand_boundaries_done, with_kwargs=True, always_call=True)
     return model

@@ -49,9 +49,10 @@ FAMILY_MODULES: tuple[str, ...] = (
     "varpack.models.dense",
     "varpack.models.gated_delta",
     "varpack.models.qwen_vl",
+    "varpack.models.mamba2",
 )
 
-Mixers = Literal["attention", "gated_delta"]
+Mixers = Literal["attention", "gated_delta", "mamba2"]
 PositionLayout = Literal["1d", "mrope"]
 
 #: class names of the transformers Gated DeltaNet mixers varpack's patch knows (Qwen3.5 text / VL, Qwen3-Next)
@@ -138,9 +139,9 @@ class ModelFamily:
         name: the family's name (``"dense"``, ``"gated-delta"``, ``"qwen-vl"``, ...), unique in the registry.
         model_types: the HF ``config.model_type`` values it covers (composite VL configs and their text
             sub-configs alike).
-        mixers: its token mixers: ``"attention"`` (dense attention only; sliding windows included) or
-            ``"gated_delta"`` (Gated DeltaNet linear-attention layers beside full attention). ``None``
-            (:data:`GENERIC` only): read from the model.
+        mixers: its token mixers: ``"attention"`` (dense attention only; sliding windows included),
+            ``"gated_delta"`` (Gated DeltaNet linear-attention layers beside full attention) or ``"mamba2"``
+            (Mamba-2 mixers, with or without attention). ``None`` (:data:`GENERIC` only): read from the model.
         vision: vision-language (a vision tower whose features fill ``<|image_pad|>`` slots). ``None``
             (:data:`GENERIC`): read from the config.
         position_ids: ``"1d"`` (``[1, T]`` text positions) or ``"mrope"`` (``[4, 1, T]``, text plane first, the
@@ -177,9 +178,9 @@ class ModelFamily:
             raise ValueError(
                 f"family {self.name!r}: builtin_tokenizers names {unknown} that are not builtins"
             )
-        if self.mixers not in ("attention", "gated_delta", None):
+        if self.mixers not in ("attention", "gated_delta", "mamba2", None):
             raise ValueError(
-                f"family {self.name!r}: mixers={self.mixers!r}; expected 'attention' or 'gated_delta'"
+                f"family {self.name!r}: mixers={self.mixers!r}; expected 'attention', 'gated_delta' or 'mamba2'"
             )
         if self.position_ids not in ("1d", "mrope", None):
             raise ValueError(

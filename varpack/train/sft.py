@@ -647,8 +647,8 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], devic
 
 def _refuse_graph_model(model: Any) -> None:
     """``--cuda-graphs`` for a model it is not shown to run: a vision-language model (the vision tower and
-    mRoPE positions are not tested with static packs and captured layers) or one with Gated DeltaNet layers
-    (their mixers are graph breaks, which ``fullgraph=True`` refuses at the first step; refused here instead).
+    mRoPE positions are not tested with static packs and captured layers) or one with Gated DeltaNet / Mamba-2
+    mixers (graph breaks, which ``fullgraph=True`` refuses at the first step; refused here instead).
 
     Raises:
         ValueError: naming the model class and why.
@@ -661,8 +661,8 @@ def _refuse_graph_model(model: Any) -> None:
         raise ValueError(f"--cuda-graphs with a vision-language model ({name}): not tested; train without it")
     if family_of(model).linear_layers(model):
         raise ValueError(
-            f"--cuda-graphs with {name}: its Gated DeltaNet layers' mixers are graph breaks, and CUDA-graph "
-            "layers are compiled whole (fullgraph); train without it"
+            f"--cuda-graphs with {name}: its recurrent mixers (Gated DeltaNet / Mamba-2) are graph breaks, and "
+            "CUDA-graph layers are compiled whole (fullgraph); train without it"
         )
 
 

@@ -144,14 +144,11 @@ class PackedLossMixin:
             return True, "--loss-impl linear_ce"
         if unwrapped is not model:
             return False, f"loss_impl auto: the model is wrapped ({type(model).__name__})"
-        cfg = getattr(unwrapped, "config", None)
-        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        transformed = getattr(text_cfg, "final_logit_softcapping", None) or getattr(
-            text_cfg, "logit_scale", None
-        )
-        if transformed:
-            return False, "loss_impl auto: the model softcaps or scales its logits"
-        from varpack.ops.linear_ce.causal_lm import head_has_adapter
+        from varpack.ops.linear_ce.causal_lm import head_has_adapter, logit_transform
+
+        transform = logit_transform(unwrapped)
+        if transform is not None:
+            return False, f"loss_impl auto: the model transforms its logits ({transform[0]}={transform[1]})"
 
         # a LoRA adapter on the head: the logits path (linear CE reads head.weight and would skip it)
         if head_has_adapter(unwrapped):

@@ -16,10 +16,30 @@ from varpack.schema import IGNORE_INDEX, LOSS_FIELDS, SEQ_IDX
 from .dispatch import linear_cross_entropy
 from .weights import Reduction, _rows, _shift_tokens, shift_labels
 
-__all__ = ["causal_lm_forward_with_linear_ce", "head_has_adapter"]
+__all__ = ["causal_lm_forward_with_linear_ce", "head_has_adapter", "logit_transform"]
 
-#: Config attributes that change the logits after the LM head (the loss here would not include them).
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
+#: Config attributes that change the logits after the LM head (the loss here would not include them):
+#: Gemma's softcapping, Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier, ...
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_logits_scale",
+    "lm_head_multiplier",
+)
+
+
+def logit_transform(model_or_config: Any) -> tuple[str, Any] | None:
+    """``(attribute, value)`` of the first config setting in :data:`_LOGIT_TRANSFORMS` by which the model
+    changes its logits after the LM head (a value other than ``None`` and 1), or ``None``: linear cross
+    entropy (the plain head) computes the model's loss only when this is ``None``."""
+    config = getattr(model_or_config, "config", model_or_config)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr in _LOGIT_TRANSFORMS:
+        value = getattr(config, attr, None)
+        if value is not None and value != 1:
+            return attr, value
+    return None
 
 
 def _without_peft_wrapper(model: torch.nn.Module) -> torch.nn.Module:
@@ -59,14 +79,12 @@ def _base_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mo
             f"{type(model).__name__} does not expose a base model (model.base_model, e.g. model.model) and an "
             "LM head (model.get_output_embeddings()); linear cross entropy needs a *ForCausalLM-style model"
         )
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for attr in _LOGIT_TRANSFORMS:
-        value = getattr(config, attr, None)
-        if value is not None and value != 1.0:
-            raise ValueError(
-                f"{type(model).__name__} transforms its logits ({attr}={value}); linear cross entropy applies "
-                "the plain LM head only, so it would compute a different loss"
-            )
+    transform = logit_transform(model)
+    if transform is not None:
+        raise ValueError(
+            f"{type(model).__name__} transforms its logits ({transform[0]}={transform[1]}); linear cross "
+            "entropy applies the plain LM head only, so it would compute a different loss"
+        )
     return base, head
 
 
