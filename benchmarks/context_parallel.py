@@ -104,11 +104,17 @@ def run_work(args: argparse.Namespace) -> None:
     real = np.concatenate(list(per_file.values()))
     rng = np.random.default_rng(0)
     longmix = np.clip(rng.lognormal(np.log(2000), 0.8, size=3000), 16, 65536).astype(np.int64)
-    longmix[rng.choice(len(longmix), size=len(longmix) // 20, replace=False)] = rng.integers(16384, 65537, len(longmix) // 20)
+    longmix[rng.choice(len(longmix), size=len(longmix) // 20, replace=False)] = rng.integers(
+        16384, 65537, len(longmix) // 20
+    )
     print("work per rank of the context-parallel split (max over ranks / mean; 1.000 = balanced)")
     for packing_length in args.packing_length:
         print("\n".join(work_table(real, packing_length, args.sizes, f"real mix ({', '.join(per_file)})")))
-        print("\n".join(work_table(longmix, packing_length, args.sizes, "long-document mix (lognormal, 5% 16K-64K)")))
+        print(
+            "\n".join(
+                work_table(longmix, packing_length, args.sizes, "long-document mix (lognormal, 5% 16K-64K)")
+            )
+        )
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -147,7 +153,9 @@ def run_memory(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     overrides = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, head_dim=64)
-    model = load_model(args.model, vocab_size=args.vocab, attn_backend=args.attn_backend, seed=0, **overrides)
+    model = load_model(
+        args.model, vocab_size=args.vocab, attn_backend=args.attn_backend, seed=0, config_overrides=overrides
+    )
     g = torch.Generator().manual_seed(0)
     from _lengths import real_lengths_per_file
 

@@ -48,7 +48,9 @@ def test_shards_cut_every_token_field_and_keep_the_row_boundaries(size):
         assert torch.equal(shard["position_ids"], batch["position_ids"][:, idx])  # the row's positions
         assert torch.equal(shard[SHIFT_LABELS], full_targets[:, idx])
         assert torch.equal(shard[SHIFT_LOSS_SCALE], full_scale[:, idx])
-        assert shard["varlen_meta"] is batch["varlen_meta"] and shard["cu_seq_lens_q"] is batch["cu_seq_lens_q"]
+        assert (
+            shard["varlen_meta"] is batch["varlen_meta"] and shard["cu_seq_lens_q"] is batch["cu_seq_lens_q"]
+        )
         assert "labels" not in shard and "seq_idx" not in shard and "loss_scale" not in shard
     assert sorted(seen) == list(range(batch["input_ids"].shape[1]))
 
@@ -72,7 +74,8 @@ def test_token_mean_over_shards_equals_the_row_and_a_shift_after_the_split_does_
     shards = [shard_batch(batch, r, size) for r in range(size)]
     count = sum(int((s[SHIFT_LABELS] != IGNORE_INDEX).sum()) for s in shards)
     total = sum(
-        shifted_lm_loss(logits[:, s[CP_SHARD].index], s[SHIFT_LABELS], num_items_in_batch=count) for s in shards
+        shifted_lm_loss(logits[:, s[CP_SHARD].index], s[SHIFT_LABELS], num_items_in_batch=count)
+        for s in shards
     )
     assert float(total) == pytest.approx(float(row), rel=1e-6)
     # negative control: each rank shifts its own (non-contiguous) labels after the split

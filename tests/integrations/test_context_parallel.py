@@ -52,12 +52,17 @@ def test_modes():
 def test_plan_per_layer_kind_and_gated_delta_refusal():
     dense = load_model("tiny-qwen3", vocab_size=64)
     assert context_parallel_plan(dense, 2) == {"attention": "ulysses (4 heads / 2 ranks, 2 KV heads)"}
-    assert context_parallel_plan(dense, 4)["attention"] == "ulysses (4 heads / 4 ranks, 2 KV heads replicated x2)"
+    assert (
+        context_parallel_plan(dense, 4)["attention"]
+        == "ulysses (4 heads / 4 ranks, 2 KV heads replicated x2)"
+    )
     assert context_parallel_plan(dense, 3)["attention"].startswith("ring (4 heads")
     hybrid = load_model("tiny-qwen3.5", vocab_size=64)
     plan = context_parallel_plan(hybrid, 4)
     assert plan["gated_delta"] == "ulysses (4 value heads / 4 ranks, 2 key heads replicated x2)"
-    with pytest.raises(ValueError, match=r"Qwen3_5GatedDeltaNet\(layer_idx=0\) has 4 value heads, which do not divide"):
+    with pytest.raises(
+        ValueError, match=r"Qwen3_5GatedDeltaNet\(layer_idx=0\) has 4 value heads, which do not divide"
+    ):
         context_parallel_plan(hybrid, 3, "ring")
 
 
@@ -101,7 +106,9 @@ def test_config_fields_flags_and_refusals():
 
     hints = get_type_hints(SFTConfig)
     assert literal_choices(hints["context_parallel_attention"]) == CONTEXT_PARALLEL_ATTENTION
-    args = build_parser().parse_args(["sft", "--context-parallel", "2", "--context-parallel-attention", "ring"])
+    args = build_parser().parse_args(
+        ["sft", "--context-parallel", "2", "--context-parallel-attention", "ring"]
+    )
     config = config_from_args(args)
     assert config.context_parallel == 2 and config.context_parallel_attention == "ring"
     for bad, name in (
@@ -125,5 +132,8 @@ def test_build_sft_refuses_a_world_that_context_parallel_does_not_divide(tmp_pat
     from varpack.train import build_sft
 
     monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(ValueError, match=r"--context-parallel 2 \(context_parallel=2\) needs a world size that it divides .* got 1 process:"):
+    with pytest.raises(
+        ValueError,
+        match=r"--context-parallel 2 \(context_parallel=2\) needs a world size that it divides .* got 1 process:",
+    ):
         build_sft(SFTConfig(context_parallel=2, output_dir=str(tmp_path), save=False))

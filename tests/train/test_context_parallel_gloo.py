@@ -4,7 +4,8 @@ for tiny-qwen3 (dense attention), tiny-qwen3.5 (Gated DeltaNet: short convolutio
 head shards) and tiny-qwen3-vl (the vision tower before the split, DeepStack rows, mRoPE planes cut with the
 tokens); Ulysses and ring attention; negative controls that must fail the same comparison: labels shifted
 after the split, boundaries ignored by the split's attention (one segment over the row; the ring's mask
-without documents), positions restarted per shard instead of cut with the tokens. The Trainer path
+without documents), positions restarted per shard instead of cut with the tokens; FSDP2 (``fully_shard`` by
+hand: accelerate shards only on GPUs) around the split. The Trainer path
 (``build_sft(SFTConfig(context_parallel=...))``: sampler over the data-parallel replicas, the collator's split,
 the global token count, DDP over the world) against the one-process Trainer step, and the CLI
 (``varpack check --context-parallel 2`` prints PASS, ``varpack sft --context-parallel 2`` trains).
@@ -119,14 +120,18 @@ def _one_segment(batch):
     return out
 
 
-def context_parallel_step(model, packs, *, cp_group, dp_rank, attention, sabotage=None):
+def context_parallel_step(model, packs, *, cp_group, dp_rank, attention, sabotage=None, fsdp2=False):
     """One step of this rank: data-parallel replica ``dp_rank`` trains ``packs[dp_rank]``, split over
     ``cp_group``. Returns ``(logits of the replica's row, loss, {name: gradient})``: the logits gathered over
     the group, the loss and gradients summed over the world (the global token mean's).
 
     ``sabotage`` (negative controls): ``"shift_after_split"`` (the loss shifts this rank's own labels),
     ``"one_segment"`` (the row's boundaries replaced by one segment), ``"positions_restart"`` (each shard's
-    positions ``0..T_r-1`` instead of the row's)."""
+    positions ``0..T_r-1`` instead of the row's).
+
+    ``fsdp2``: ``model`` was sharded with ``fully_shard`` over the world (FSDP2 averages the gradients over
+    the world, so the loss is multiplied by the world size, as varpack's Trainer does; the gradients are then
+    the full ones, not summed again)."""
     import torch.distributed as dist
 
     from varpack.integrations.context_parallel import enable_context_parallel
@@ -152,12 +157,15 @@ def context_parallel_step(model, packs, *, cp_group, dp_rank, attention, sabotag
     count = (local != IGNORE_INDEX).sum()
     dist.all_reduce(count)  # every rank of the world: the step's supervised tokens
     loss = shifted_lm_loss(logits, local, num_items_in_batch=count)
-    loss.backward()
+    (loss * dist.get_world_size() if fsdp2 else loss).backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    grads = _grads(model)
-    for g in grads.values():
-        dist.all_reduce(g)
+    if fsdp2:
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    else:
+        grads = _grads(model)
+        for g in grads.values():
+            dist.all_reduce(g)
     model.zero_grad(set_to_none=True)
     local_logits = logits[0].detach().float()
     width = max(split.counts)
@@ -189,7 +197,8 @@ def compare(got, ref, dp_rank):
 
 
 def run_configs(configs, out):
-    """Each ``(label, model, attention, sabotage)`` of ``configs`` on this rank, with the groups of
+    """Each ``(label, model, attention, variant)`` of ``configs`` on this rank (``variant``: a negative control
+    of :func:`context_parallel_step`, ``"ring_without_documents"`` or ``"fsdp2"``), with the groups of
     ``world = dp x cp`` (``cp`` from the env); the comparisons written to ``out/<label>.json`` by rank 0."""
     import torch.distributed as dist
 
@@ -212,16 +221,42 @@ def run_configs(configs, out):
             original = cpa._block_mask
 
             def no_documents(pos_q, doc_q, pos_k, doc_k, causal, window, original=original):
-                return original(pos_q, torch.zeros_like(doc_q), pos_k, torch.zeros_like(doc_k), causal, window)
+                return original(
+                    pos_q, torch.zeros_like(doc_q), pos_k, torch.zeros_like(doc_k), causal, window
+                )
 
             cpa._block_mask = no_documents
             try:
-                got = context_parallel_step(model, packs, cp_group=mesh["cp"].get_group(), dp_rank=dp_rank, attention="ring")
+                got = context_parallel_step(
+                    model, packs, cp_group=mesh["cp"].get_group(), dp_rank=dp_rank, attention="ring"
+                )
             finally:
                 cpa._block_mask = original
+        elif sabotage == "fsdp2":  # not a sabotage: FSDP2 (fully_shard over the world) around the split
+            import copy
+
+            from torch.distributed.fsdp import fully_shard
+
+            sharded = copy.deepcopy(model)
+            for layer in sharded.model.layers:
+                fully_shard(layer)
+            fully_shard(sharded)
+            got = context_parallel_step(
+                sharded,
+                packs,
+                cp_group=mesh["cp"].get_group(),
+                dp_rank=dp_rank,
+                attention=attention,
+                fsdp2=True,
+            )
         else:
             got = context_parallel_step(
-                model, packs, cp_group=mesh["cp"].get_group(), dp_rank=dp_rank, attention=attention, sabotage=sabotage
+                model,
+                packs,
+                cp_group=mesh["cp"].get_group(),
+                dp_rank=dp_rank,
+                attention=attention,
+                sabotage=sabotage,
             )
         ratios = compare(got, ref, dp_rank)
         gathered = [None] * dist.get_world_size()
@@ -232,7 +267,11 @@ def run_configs(configs, out):
 
 _CONFIGS = {
     2: [(f"cp2-{m}", m, "auto", None) for m in MODELS]
-    + [("cp2-ring-tiny-qwen3", "tiny-qwen3", "ring", None), ("cp2-ring-tiny-qwen3.5", "tiny-qwen3.5", "ring", None)]
+    + [
+        ("cp2-ring-tiny-qwen3", "tiny-qwen3", "ring", None),
+        ("cp2-ring-tiny-qwen3.5", "tiny-qwen3.5", "ring", None),
+        ("cp2-fsdp2-tiny-qwen3", "tiny-qwen3", "auto", "fsdp2"),
+    ]
     + [
         ("control-shift_after_split", "tiny-qwen3", "auto", "shift_after_split"),
         ("control-one_segment", "tiny-qwen3", "auto", "one_segment"),
@@ -240,7 +279,8 @@ _CONFIGS = {
         ("control-ring_without_documents", "tiny-qwen3", "ring", "ring_without_documents"),
         ("control-one_segment-tiny-qwen3.5", "tiny-qwen3.5", "auto", "one_segment"),
     ],
-    4: [(f"cp4-{m}", m, "auto", None) for m in MODELS] + [("cp4-ring-tiny-qwen3", "tiny-qwen3", "ring", None)],
+    4: [(f"cp4-{m}", m, "auto", None) for m in MODELS]
+    + [("cp4-ring-tiny-qwen3", "tiny-qwen3", "ring", None)],
 }
 #: dp=2 x cp=2 on the 4-rank launch (the same rows, two data-parallel replicas)
 _DPCP = [(f"dp2cp2-{m}", m, "auto", None) for m in MODELS] + [
@@ -318,7 +358,15 @@ def _launch(tmp_path, world):
     root = str(pathlib.Path(__file__).parents[2])
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.format(root=root, out=str(tmp_path)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(world),
+        str(script),
+    ]
     env = {**os.environ, "PYTHONPATH": root, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -65,7 +65,9 @@ CONTEXT_PARALLEL_ATTENTION = ("auto", "ulysses", "ring")
 RING_BACKENDS = ("auto", "reference")
 
 
-def _a2a(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group: Any) -> torch.Tensor:
+def _a2a(
+    x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group: Any
+) -> torch.Tensor:
     from torch.distributed import _functional_collectives as fc
 
     out = fc.all_to_all_single_autograd(x.contiguous(), output_split_sizes, input_split_sizes, group)
@@ -96,7 +98,9 @@ def seq_to_heads(x: torch.Tensor, shard: ContextParallelShard) -> torch.Tensor:
     rest = tuple(x.shape[2:])
     per = x.shape[1] // n
     blocks = x.reshape(local, n, per, *rest).transpose(0, 1).reshape(n * local, per, *rest)
-    y = _a2a(blocks, list(shard.counts), [local] * n, shard.group)  # [T] in layout order (rank 0's tokens, ...)
+    y = _a2a(
+        blocks, list(shard.counts), [local] * n, shard.group
+    )  # [T] in layout order (rank 0's tokens, ...)
     return y.index_select(0, shard.on("inverse", y.device))
 
 
@@ -116,7 +120,9 @@ def heads_to_seq(y: torch.Tensor, shard: ContextParallelShard) -> torch.Tensor:
     n, local = shard.size, shard.num_local
     _bound(shard)
     if y.shape[0] != shard.total:
-        raise ValueError(f"heads_to_seq: y of shape {tuple(y.shape)} must have the row's T={shard.total} tokens")
+        raise ValueError(
+            f"heads_to_seq: y of shape {tuple(y.shape)} must have the row's T={shard.total} tokens"
+        )
     rest = tuple(y.shape[1:])
     y = y.index_select(0, shard.on("order", y.device))  # row order -> layout order
     x = _a2a(y, [local] * n, list(shard.counts), shard.group)  # [N * T_r, c, ...]: rank j's heads in block j
@@ -201,7 +207,9 @@ def ulysses_attention(
     from varpack.attn.interface import varlen_attention
 
     if meta.total_q != shard.total:
-        raise ValueError(f"the boundaries cover {meta.total_q} tokens, the context-parallel row {shard.total}")
+        raise ValueError(
+            f"the boundaries cover {meta.total_q} tokens, the context-parallel row {shard.total}"
+        )
     rep = kv_replication(q.shape[1], k.shape[1], shard.size)
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
@@ -330,17 +338,24 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:  # the next block travels while this one is computed
                 nxt_src = (r - step - 1) % n
                 shape = (shard.counts[nxt_src], kv_heads, k.shape[-1])
-                reqs, bufs = _exchange([kk, vv], [shape, (shard.counts[nxt_src], kv_heads, v.shape[-1])], shard, k.dtype)
+                reqs, bufs = _exchange(
+                    [kk, vv], [shape, (shard.counts[nxt_src], kv_heads, v.shape[-1])], shard, k.dtype
+                )
             if plan["live"][r][src]:
-                mask = _block_mask(plan["pos"][r], plan["doc"][r], plan["pos"][src], plan["doc"][src], causal, window)
-                o_b, lse_b = _block_forward(q32, _expand(kk.float(), groups), _expand(vv.float(), groups), mask, scale)
+                mask = _block_mask(
+                    plan["pos"][r], plan["doc"][r], plan["pos"][src], plan["doc"][src], causal, window
+                )
+                o_b, lse_b = _block_forward(
+                    q32, _expand(kk.float(), groups), _expand(vv.float(), groups), mask, scale
+                )
                 if out is None:  # step 0: every query sees itself, so lse is finite from here on
                     out, lse = o_b, lse_b
                 else:
                     new = torch.logaddexp(lse, lse_b)
-                    out = out * torch.exp(lse - new).transpose(0, 1)[..., None] + o_b * torch.exp(
-                        lse_b - new
-                    ).transpose(0, 1)[..., None]
+                    out = (
+                        out * torch.exp(lse - new).transpose(0, 1)[..., None]
+                        + o_b * torch.exp(lse_b - new).transpose(0, 1)[..., None]
+                    )
                     lse = new
             if reqs is not None:
                 _wait(reqs)
@@ -369,12 +384,17 @@ class _RingAttention(torch.autograd.Function):
                 nxt_src = (r - step - 1) % n
                 reqs, bufs = _exchange(
                     [kk, vv],
-                    [(shard.counts[nxt_src], kv_heads, k.shape[-1]), (shard.counts[nxt_src], kv_heads, v.shape[-1])],
+                    [
+                        (shard.counts[nxt_src], kv_heads, k.shape[-1]),
+                        (shard.counts[nxt_src], kv_heads, v.shape[-1]),
+                    ],
                     shard,
                     k.dtype,
                 )
             if plan["live"][r][src]:
-                mask = _block_mask(plan["pos"][r], plan["doc"][r], plan["pos"][src], plan["doc"][src], ctx.causal, ctx.window)
+                mask = _block_mask(
+                    plan["pos"][r], plan["doc"][r], plan["pos"][src], plan["doc"][src], ctx.causal, ctx.window
+                )
                 k32, v32 = _expand(kk.float(), groups), _expand(vv.float(), groups)
                 s = torch.einsum("qhd,khd->hqk", q32, k32) * ctx.scale
                 p = torch.exp(s - lse[..., None]).masked_fill(~mask, 0.0)  # [H, Tq, Tk]
@@ -390,7 +410,10 @@ class _RingAttention(torch.autograd.Function):
             # the block's gradient travels on with it: after n hops it is back on the rank that owns the block
             dreqs, dbufs = _exchange(
                 [dk, dv],
-                [(shard.counts[(src - 1) % n], kv_heads, k.shape[-1]), (shard.counts[(src - 1) % n], kv_heads, v.shape[-1])],
+                [
+                    (shard.counts[(src - 1) % n], kv_heads, k.shape[-1]),
+                    (shard.counts[(src - 1) % n], kv_heads, v.shape[-1]),
+                ],
                 shard,
                 torch.float32,
             )
@@ -433,9 +456,13 @@ def ring_attention(
     """
     _bound(shard)
     if softcap:
-        raise ValueError(f"ring attention does not implement softcap={softcap}; use Ulysses (heads must divide)")
+        raise ValueError(
+            f"ring attention does not implement softcap={softcap}; use Ulysses (heads must divide)"
+        )
     if meta.total_q != shard.total:
-        raise ValueError(f"the boundaries cover {meta.total_q} tokens, the context-parallel row {shard.total}")
+        raise ValueError(
+            f"the boundaries cover {meta.total_q} tokens, the context-parallel row {shard.total}"
+        )
     if q.shape[0] != shard.num_local or k.shape[0] != shard.num_local:
         raise ValueError(f"ring attention on rank {shard.rank}: q/k must hold its {shard.num_local} tokens")
     if q.shape[1] % k.shape[1]:

@@ -91,7 +91,9 @@ def shifted_targets(
     scale = None
     if loss_scale is not None:
         if loss_scale.shape != labels.shape:
-            raise ValueError(f"loss_scale {tuple(loss_scale.shape)} does not match labels {tuple(labels.shape)}")
+            raise ValueError(
+                f"loss_scale {tuple(loss_scale.shape)} does not match labels {tuple(labels.shape)}"
+            )
         scale = torch.zeros(labels.shape, dtype=torch.float32)
         scale[:, :-1] = torch.where(same, loss_scale[:, 1:].float(), torch.zeros_like(scale[:, 1:]))
     return out, scale
@@ -135,7 +137,9 @@ def shard_batch(
     if not isinstance(meta, VarlenMeta):
         raise ValueError("shard_batch needs the collator's varlen_meta (the whole row's boundaries)")
     if LABELS not in batch:
-        raise ValueError("shard_batch needs labels: the targets are shifted on the whole row before the split")
+        raise ValueError(
+            "shard_batch needs labels: the targets are shifted on the whole row before the split"
+        )
     ids = batch[INPUT_IDS]
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] != meta.total_q:
         raise ValueError(

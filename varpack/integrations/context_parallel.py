@@ -157,7 +157,9 @@ def context_parallel_plan(model: torch.nn.Module, size: int, attention: str = "a
     return plan
 
 
-def enable_context_parallel(model: torch.nn.Module, group: Any = None, *, attention: str = "auto") -> torch.nn.Module:
+def enable_context_parallel(
+    model: torch.nn.Module, group: Any = None, *, attention: str = "auto"
+) -> torch.nn.Module:
     """Let ``model`` run context-parallel shards over ``group`` (module docstring).
 
     Args:
@@ -199,7 +201,9 @@ def model_context_parallel(model: torch.nn.Module) -> ContextParallelState | Non
     return getattr(inner, _STATE, None)
 
 
-def bind_shard(model: torch.nn.Module, shard: Any, local_tokens: int | None, where: str) -> ContextParallelShard:
+def bind_shard(
+    model: torch.nn.Module, shard: Any, local_tokens: int | None, where: str
+) -> ContextParallelShard:
     """The batch's shard bound to the model's group and attention mode, after checking it belongs here
     (called by the packing guard once per forward).
 
@@ -208,7 +212,9 @@ def bind_shard(model: torch.nn.Module, shard: Any, local_tokens: int | None, whe
             of another group size or rank; ``local_tokens`` other than the shard's.
     """
     if not isinstance(shard, ContextParallelShard):
-        raise ValueError(f"{where}: cp_shard must be a varpack.varlen.shard.ContextParallelShard, got {type(shard).__name__}")
+        raise ValueError(
+            f"{where}: cp_shard must be a varpack.varlen.shard.ContextParallelShard, got {type(shard).__name__}"
+        )
     state = getattr(model, _STATE, None)
     if state is None:
         raise ValueError(
@@ -295,7 +301,9 @@ def _install_vision_step(model: torch.nn.Module) -> None:
         None,
     )  # fmt: skip
     if owner is None:
-        raise TypeError(f"{type(model).__name__} is vision-language but has no get_image_features to run before the split")
+        raise TypeError(
+            f"{type(model).__name__} is vision-language but has no get_image_features to run before the split"
+        )
     if getattr(owner, "_varpack_cp_vision_hook", None) is None:
         handle = owner.register_forward_pre_hook(_vision_before_split, with_kwargs=True)
         object.__setattr__(owner, "_varpack_cp_vision_hook", handle)

@@ -82,7 +82,9 @@ def zigzag_split(offsets: Sequence[int], size: int) -> list[np.ndarray]:
             continue
         base, extra = divmod(length, chunks)
         sizes = np.full(chunks, base, dtype=np.int64)
-        for i in range(extra):  # one extra token per rank in turn: its first chunk, then (extra > size) its second
+        for i in range(
+            extra
+        ):  # one extra token per rank in turn: its first chunk, then (extra > size) its second
             rank = (turn + i) % size
             sizes[rank if i < size else chunks - 1 - rank] += 1
         turn = (turn + extra) % size
