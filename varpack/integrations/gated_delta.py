@@ -266,11 +266,13 @@ def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attenti
     return layer.out_proj(core.reshape(B, T, -1))
 
 
-def _context_parallel_channels(layer: torch.nn.Module, size: int, rank: int, rep: int) -> torch.Tensor:
-    """The short convolution's channel rows of ``rank``'s heads (``[C_r]`` int64, CPU): its key heads (after
-    repeating each ``rep`` times) in the q and k channels, its value heads in the v channels. Kept on the
-    layer per (size, rank, rep)."""
-    key = (size, rank, rep)
+def _context_parallel_channels(
+    layer: torch.nn.Module, size: int, rank: int, rep: int, device: torch.device
+) -> torch.Tensor:
+    """The short convolution's channel rows of ``rank``'s heads (``[C_r]`` int64 on ``device``): its key heads
+    (after repeating each ``rep`` times) in the q and k channels, its value heads in the v channels. Kept on
+    the layer per (size, rank, rep, device): built once, no host-to-device copy per call."""
+    key = (size, rank, rep, str(device))
     cache = layer.__dict__.setdefault("_varpack_cp_channels", {})
     if key not in cache:
         hk, hv, dk, dv = layer_head_dims(layer)
@@ -280,7 +282,7 @@ def _context_parallel_channels(layer: torch.nn.Module, size: int, rank: int, rep
         q_rows = (heads_k[:, None] * dk + d_k).reshape(-1)
         heads_v = torch.arange(rank * per_v, (rank + 1) * per_v)
         v_rows = 2 * layer.key_dim + (heads_v[:, None] * dv + torch.arange(dv)).reshape(-1)
-        cache[key] = torch.cat([q_rows, layer.key_dim + q_rows, v_rows])
+        cache[key] = torch.cat([q_rows, layer.key_dim + q_rows, v_rows]).to(device)
     return cache[key]
 
 
@@ -326,7 +328,7 @@ def _context_parallel_forward(
     g_whole = seq_to_heads(g[0], shard)  # [T, per_v]
     mixed_r, beta_r = torch.split(whole, [width - per_v, per_v], dim=-1)
     weight, bias = _conv_weight(layer)
-    rows = _context_parallel_channels(layer, n, shard.rank, rep).to(weight.device)
+    rows = _context_parallel_channels(layer, n, shard.rank, rep, weight.device)
     core = _conv_and_rule(
         layer, mixed_r[None], beta_r[None].to(beta.dtype), g_whole[None], meta,
         weight=weight.index_select(0, rows), bias=None if bias is None else bias.index_select(0, rows),
