@@ -27,7 +27,9 @@ where the block lives. It needs no head divisibility (the mode where heads do no
 one visiting block at a time. The per-block math is explicit fp32 math (as the ``reference`` backend:
 varpack's kernels do not return the log-sum-exp), with a custom backward that recomputes the block's
 probabilities from the saved log-sum-exp (FlashAttention's backward: ``dS = P * (dP - rowsum(dO * O))``).
-Blocks whose mask is empty everywhere (no document shared) are skipped, read once per batch on the host.
+A block is computed in tiles of :data:`RING_QUERY_TILE` queries, each against the contiguous range of the
+block's keys its documents can see (found once per batch on the host): the block-diagonal mask's sparsity
+is skipped, not computed and masked.
 
 Communication uses torch.distributed's building blocks: the functional all-to-all with autograd
 (``torch.distributed._functional_collectives.all_to_all_single_autograd``) for Ulysses, ``batch_isend_irecv``
@@ -242,24 +244,48 @@ def ulysses_attention(
 # -----------------------------------------------------------------------------------------------------------
 # ring attention
 # -----------------------------------------------------------------------------------------------------------
-def _ring_plan(shard: ContextParallelShard, meta: VarlenMeta) -> dict[str, Any]:
-    """Per batch, on the host: every rank's token positions and document ids, and which (query rank, key
-    rank) blocks share a document at all (an empty block is skipped). Kept on the shard."""
+#: queries per tile of a ring step: a tile attends only the keys of the visiting block that its documents
+#: can see (a contiguous range, found once per batch on the host), so a step's scores are at most
+#: ``H x RING_QUERY_TILE x keys of those documents`` fp32 values, and short documents cost only their own
+#: blocks (the block-diagonal mask's sparsity). 1024 keeps that to 2 GiB for 16 heads and 32K visible keys.
+RING_QUERY_TILE = 1024
+
+
+def _ring_plan(shard: ContextParallelShard, meta: VarlenMeta, causal: bool) -> dict[str, Any]:
+    """Per batch, on the host, for this rank's queries: every rank's token positions and document ids, and per
+    visiting block ``src`` the tiles ``(q0, q1, k0, k1)``: queries ``[q0, q1)`` of this rank may see only keys
+    ``[k0, k1)`` of rank ``src`` (from the first query's document start to the last query's position, or its
+    document's end without causality; the mask inside is exact). Tiles with no key are left out. Kept on the
+    shard."""
 
     def build() -> dict[str, Any]:
         seq = meta.seq_idx().to("cpu").reshape(-1).to(torch.int64)
+        starts = torch.tensor(meta.host_offsets()[0], dtype=torch.int64)
         pos = [shard.rank_index(r) for r in range(shard.size)]
         doc = [seq[p] for p in pos]
-        spans = [(int(d.min()), int(d.max())) if d.numel() else (1, 0) for d in doc]
-        live = [[max(spans[a][0], spans[b][0]) <= min(spans[a][1], spans[b][1]) for b in range(shard.size)]
-                for a in range(shard.size)]  # fmt: skip
-        return {"pos": pos, "doc": doc, "live": live}
+        q_pos, q_doc = pos[shard.rank], doc[shard.rank]
+        tiles: list[list[tuple[int, int, int, int]]] = []
+        for src in range(shard.size):
+            keys = pos[src].contiguous()
+            per_src = []
+            for q0 in range(0, q_pos.numel(), RING_QUERY_TILE):
+                q1 = min(q_pos.numel(), q0 + RING_QUERY_TILE)
+                lo = starts[q_doc[q0]]
+                hi = q_pos[q1 - 1] if causal else starts[q_doc[q1 - 1] + 1] - 1
+                k0 = int(torch.searchsorted(keys, lo.reshape(1), right=False))
+                k1 = int(torch.searchsorted(keys, hi.reshape(1), right=True))
+                if k1 > k0:
+                    per_src.append((q0, q1, k0, k1))
+            tiles.append(per_src)
+        return {"pos": pos, "doc": doc, "tiles": tiles}
 
-    return shard.memo(("ring_plan", meta.total_q), build)
+    return shard.memo(("ring_plan", meta.total_q, bool(causal)), build)
 
 
-def _ring_on(shard: ContextParallelShard, meta: VarlenMeta, device: torch.device) -> dict[str, Any]:
-    plan = _ring_plan(shard, meta)
+def _ring_on(
+    shard: ContextParallelShard, meta: VarlenMeta, causal: bool, device: torch.device
+) -> dict[str, Any]:
+    plan = _ring_plan(shard, meta, causal)
     if device.type == "cpu":
         return plan
 
@@ -267,10 +293,10 @@ def _ring_on(shard: ContextParallelShard, meta: VarlenMeta, device: torch.device
         return {
             "pos": [p.to(device, non_blocking=True) for p in plan["pos"]],
             "doc": [d.to(device, non_blocking=True) for d in plan["doc"]],
-            "live": plan["live"],
+            "tiles": plan["tiles"],
         }
 
-    return shard.memo(("ring_plan", meta.total_q, str(device)), copy)
+    return shard.memo(("ring_plan", meta.total_q, bool(causal), str(device)), copy)
 
 
 def _block_mask(
@@ -295,14 +321,27 @@ def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def _block_forward(q32, k32, v32, mask, scale):
-    """Explicit fp32 attention of one block: ``(out [Tq, H, D], lse [H, Tq])``; rows without any visible key
-    get ``lse = -inf`` and a zero output."""
-    s = torch.einsum("qhd,khd->hqk", q32, k32) * scale
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).masked_fill(~mask, 0.0)
-    return torch.einsum("hqk,khd->qhd", p, v32), lse
+def _tile_scores(ctx_like: dict, q32, k32, r: int, src: int, tile, scale) -> torch.Tensor:
+    """Masked scores ``[H, q1 - q0, k1 - k0]`` of one tile (``-inf`` where the mask forbids)."""
+    q0, q1, k0, k1 = tile
+    plan = ctx_like["plan"]
+    mask = _block_mask(
+        plan["pos"][r][q0:q1], plan["doc"][r][q0:q1], plan["pos"][src][k0:k1], plan["doc"][src][k0:k1],
+        ctx_like["causal"], ctx_like["window"],
+    )  # fmt: skip
+    s = torch.einsum("qhd,khd->hqk", q32[q0:q1], k32[k0:k1]) * scale
+    return s.masked_fill(~mask, float("-inf"))
+
+
+def _merge(out, lse, o_b, lse_b, q0, q1) -> None:
+    """Merge a tile's partial attention into the running one, in place, through the log-sum-exp; a side
+    whose ``lse`` is ``-inf`` (no key seen yet / in this tile) weighs 0."""
+    a, o_a = lse[:, q0:q1], out[q0:q1]
+    new = torch.logaddexp(a, lse_b)
+    w_a = torch.where(torch.isneginf(a), torch.zeros_like(a), torch.exp(a - new))
+    w_b = torch.where(torch.isneginf(lse_b), torch.zeros_like(lse_b), torch.exp(lse_b - new))
+    out[q0:q1] = o_a * w_a.transpose(0, 1)[..., None] + o_b * w_b.transpose(0, 1)[..., None]
+    lse[:, q0:q1] = new
 
 
 def _exchange(sends: list[torch.Tensor], recv_shapes: list[tuple], shard: ContextParallelShard, dtype) -> Any:
@@ -323,54 +362,47 @@ def _wait(reqs: Any) -> None:
         req.wait()
 
 
+def _kv_shapes(shard: ContextParallelShard, src: int, k: torch.Tensor, v: torch.Tensor) -> list[tuple]:
+    return [(shard.counts[src], k.shape[1], k.shape[-1]), (shard.counts[src], v.shape[1], v.shape[-1])]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, shard, plan, scale, causal, window):  # noqa: D102
         n, r = shard.size, shard.rank
-        heads, kv_heads = q.shape[1], k.shape[1]
-        groups = heads // kv_heads
+        groups = q.shape[1] // k.shape[1]
+        info = {"plan": plan, "causal": causal, "window": window}
         q32 = q.float()
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
         kk, vv = k.contiguous(), v.contiguous()
-        out = lse = None
         for step in range(n):
             src = (r - step) % n
             reqs = None
             if step < n - 1:  # the next block travels while this one is computed
-                nxt_src = (r - step - 1) % n
-                shape = (shard.counts[nxt_src], kv_heads, k.shape[-1])
-                reqs, bufs = _exchange(
-                    [kk, vv], [shape, (shard.counts[nxt_src], kv_heads, v.shape[-1])], shard, k.dtype
-                )
-            if plan["live"][r][src]:
-                mask = _block_mask(
-                    plan["pos"][r], plan["doc"][r], plan["pos"][src], plan["doc"][src], causal, window
-                )
-                o_b, lse_b = _block_forward(
-                    q32, _expand(kk.float(), groups), _expand(vv.float(), groups), mask, scale
-                )
-                if out is None:  # step 0: every query sees itself, so lse is finite from here on
-                    out, lse = o_b, lse_b
-                else:
-                    new = torch.logaddexp(lse, lse_b)
-                    out = (
-                        out * torch.exp(lse - new).transpose(0, 1)[..., None]
-                        + o_b * torch.exp(lse_b - new).transpose(0, 1)[..., None]
-                    )
-                    lse = new
+                reqs, bufs = _exchange([kk, vv], _kv_shapes(shard, (src - 1) % n, k, v), shard, k.dtype)
+            if plan["tiles"][src]:
+                k32, v32 = _expand(kk.float(), groups), _expand(vv.float(), groups)
+                for tile in plan["tiles"][src]:
+                    q0, q1, k0, k1 = tile
+                    s = _tile_scores(info, q32, k32, r, src, tile, scale)
+                    lse_b = torch.logsumexp(s, dim=-1)  # [H, q1 - q0]; -inf for a row with no key here
+                    p = torch.exp(s - torch.where(torch.isneginf(lse_b), 0.0, lse_b)[..., None])
+                    _merge(out, lse, torch.einsum("hqk,khd->qhd", p, v32[k0:k1]), lse_b, q0, q1)
             if reqs is not None:
                 _wait(reqs)
                 kk, vv = bufs
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.shard, ctx.plan, ctx.scale, ctx.causal, ctx.window = shard, plan, scale, causal, window
+        ctx.shard, ctx.info, ctx.scale = shard, info, scale
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):  # noqa: D102
         q, k, v, out, lse = ctx.saved_tensors
-        shard, plan = ctx.shard, ctx.plan
+        shard, info, plan = ctx.shard, ctx.info, ctx.info["plan"]
         n, r = shard.size, shard.rank
-        heads, kv_heads = q.shape[1], k.shape[1]
-        groups = heads // kv_heads
+        kv_heads = k.shape[1]
+        groups = q.shape[1] // kv_heads
         q32, do32 = q.float(), dout.float()
         delta = (do32 * out).sum(-1).transpose(0, 1)  # [H, Tq]
         dq = torch.zeros_like(q32)
@@ -381,42 +413,26 @@ class _RingAttention(torch.autograd.Function):
             src = (r - step) % n
             reqs = None
             if step < n - 1:
-                nxt_src = (r - step - 1) % n
-                reqs, bufs = _exchange(
-                    [kk, vv],
-                    [
-                        (shard.counts[nxt_src], kv_heads, k.shape[-1]),
-                        (shard.counts[nxt_src], kv_heads, v.shape[-1]),
-                    ],
-                    shard,
-                    k.dtype,
-                )
-            if plan["live"][r][src]:
-                mask = _block_mask(
-                    plan["pos"][r], plan["doc"][r], plan["pos"][src], plan["doc"][src], ctx.causal, ctx.window
-                )
+                reqs, bufs = _exchange([kk, vv], _kv_shapes(shard, (src - 1) % n, k, v), shard, k.dtype)
+            if plan["tiles"][src]:
                 k32, v32 = _expand(kk.float(), groups), _expand(vv.float(), groups)
-                s = torch.einsum("qhd,khd->hqk", q32, k32) * ctx.scale
-                p = torch.exp(s - lse[..., None]).masked_fill(~mask, 0.0)  # [H, Tq, Tk]
-                dp = torch.einsum("qhd,khd->hqk", do32, v32)
-                ds = p * (dp - delta[..., None])
-                dq += torch.einsum("hqk,khd->qhd", ds, k32) * ctx.scale
-                dk_b = torch.einsum("hqk,qhd->khd", ds, q32) * ctx.scale
-                dv_b = torch.einsum("hqk,qhd->khd", p, do32)
-                if groups > 1:
-                    dk_b = dk_b.reshape(dk_b.shape[0], kv_heads, groups, -1).sum(2)
-                    dv_b = dv_b.reshape(dv_b.shape[0], kv_heads, groups, -1).sum(2)
-                dk, dv = dk + dk_b, dv + dv_b
+                dk_e, dv_e = torch.zeros_like(k32), torch.zeros_like(v32)
+                for tile in plan["tiles"][src]:
+                    q0, q1, k0, k1 = tile
+                    p = torch.exp(_tile_scores(info, q32, k32, r, src, tile, ctx.scale) - lse[:, q0:q1, None])
+                    dp = torch.einsum("qhd,khd->hqk", do32[q0:q1], v32[k0:k1])
+                    ds = p * (dp - delta[:, q0:q1, None])
+                    dq[q0:q1] += torch.einsum("hqk,khd->qhd", ds, k32[k0:k1]) * ctx.scale
+                    dk_e[k0:k1] += torch.einsum("hqk,qhd->khd", ds, q32[q0:q1]) * ctx.scale
+                    dv_e[k0:k1] += torch.einsum("hqk,qhd->khd", p, do32[q0:q1])
+                if groups > 1:  # the repeated heads' gradients back onto their key/value head
+                    dk_e = dk_e.reshape(dk_e.shape[0], kv_heads, groups, -1).sum(2)
+                    dv_e = dv_e.reshape(dv_e.shape[0], kv_heads, groups, -1).sum(2)
+                dk, dv = dk + dk_e, dv + dv_e
+            if n == 1:
+                break
             # the block's gradient travels on with it: after n hops it is back on the rank that owns the block
-            dreqs, dbufs = _exchange(
-                [dk, dv],
-                [
-                    (shard.counts[(src - 1) % n], kv_heads, k.shape[-1]),
-                    (shard.counts[(src - 1) % n], kv_heads, v.shape[-1]),
-                ],
-                shard,
-                torch.float32,
-            )
+            dreqs, dbufs = _exchange([dk, dv], _kv_shapes(shard, (src - 1) % n, dk, dv), shard, torch.float32)
             if reqs is not None:
                 _wait(reqs)
                 kk, vv = bufs
@@ -468,7 +484,7 @@ def ring_attention(
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    plan = _ring_on(shard, meta, q.device)
+    plan = _ring_on(shard, meta, causal, q.device)
     return _RingAttention.apply(q, k, v, shard, plan, scale, causal, tuple(window_size))
 
 
