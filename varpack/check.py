@@ -38,7 +38,16 @@ from typing import Any
 
 import torch
 
-from varpack.schema import BOUNDARY_KEYS, CU_SEQ_LENS_K, CU_SEQ_LENS_Q, IGNORE_INDEX, LABELS, NOT_MODEL_INPUTS
+from varpack.schema import (
+    BOUNDARY_KEYS,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    IGNORE_INDEX,
+    LABELS,
+    NOT_MODEL_INPUTS,
+    SHIFT_LABELS,
+    SHIFT_LOSS_SCALE,
+)
 
 __all__ = ["check_exactness"]
 
@@ -96,6 +105,46 @@ def _packed_run(model: Any, collate: Any, samples: list[dict], device: torch.dev
     loss = causal_lm_loss(logits, batch["labels"].to(device), seq_idx=batch["seq_idx"].to(device))
     loss.backward()
     return logits[0].detach().float(), loss.detach().float(), _grads(model)
+
+
+def _context_parallel_run(model: Any, collate: Any, samples: list[dict], device: torch.device, state: Any) -> tuple:
+    """The packed step of one row split over the context-parallel group of ``state``: this rank's shard
+    (:func:`varpack.collate.shard_batch`), the loss against the targets shifted before the split divided by the
+    row's supervised tokens (summed over the group), then the group's pieces put together: the whole row's
+    logits (gathered, each rank's tokens at their row positions), the loss and every gradient (summed)."""
+    import torch.distributed as dist
+
+    from varpack.collate import shard_batch
+    from varpack.loss import shifted_lm_loss
+
+    batch = collate([samples])
+    shard = shard_batch(batch, state.rank, state.size)
+    model.zero_grad(set_to_none=True)
+    logits = model(**_model_inputs(shard, device, packed=True)).logits
+    targets = shard[SHIFT_LABELS].to(device)
+    count = (targets != IGNORE_INDEX).sum()
+    dist.all_reduce(count, group=state.group)
+    scale = shard.get(SHIFT_LOSS_SCALE)
+    loss = shifted_lm_loss(
+        logits, targets, num_items_in_batch=count, loss_scale=None if scale is None else scale.to(device)
+    )
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=state.group)
+    grads = _grads(model)
+    for g in grads.values():
+        dist.all_reduce(g, group=state.group)
+    split = shard["cp_shard"]
+    local = logits[0].detach().float()
+    width = max(split.counts)
+    padded = local.new_zeros(width, local.shape[-1])
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in range(split.size)]
+    dist.all_gather(pieces, padded, group=state.group)
+    whole = local.new_zeros(split.total, local.shape[-1])
+    for r, piece in enumerate(pieces):
+        whole[split.rank_index(r).to(whole.device)] = piece[: split.counts[r]]
+    return whole, total.float(), grads
 
 
 def _unpacked_run(model: Any, collate: Any, samples: list[dict], device: torch.device, attn: str) -> tuple:
@@ -179,6 +228,27 @@ def _truth_gated_delta(fp32_model: Any, requested: str) -> str:
     return backend
 
 
+def _enable_context_parallel(model: Any, context_parallel: Any, attention: str) -> Any:
+    """The model's :class:`~varpack.integrations.context_parallel.ContextParallelState` for ``context_parallel``
+    (``None`` for one process)."""
+    if context_parallel is None or (isinstance(context_parallel, int) and context_parallel == 1):
+        return None
+    from varpack.integrations.context_parallel import (
+        context_parallel_mesh,
+        enable_context_parallel,
+        model_context_parallel,
+    )
+
+    group = context_parallel
+    if isinstance(context_parallel, int):
+        if context_parallel < 1:
+            raise ValueError(f"context_parallel must be >= 1, got {context_parallel}")
+        device = next(model.parameters()).device
+        group = context_parallel_mesh(context_parallel, device.type)
+    enable_context_parallel(model, group, attention=attention)
+    return model_context_parallel(model)
+
+
 def check_exactness(
     model: Any,
     samples: Sequence[Mapping[str, Any]],
@@ -188,6 +258,8 @@ def check_exactness(
     atol: float | None = None,
     reference_attn: str | None = None,
     gated_delta_backend: str = "auto",
+    context_parallel: Any = None,
+    context_parallel_attention: str = "auto",
 ) -> dict[str, Any]:
     """Run ``samples`` packed (varpack attention, one row) and one by one (the model's own attention) and
     compare logits, loss and every parameter's gradient.
@@ -211,6 +283,14 @@ def check_exactness(
             before anything runs. The unpacked reference runs the model's own forward (varpack's path where
             that forward cannot train: fla's backward refused); the fp32 truth on CUDA runs
             :data:`TRUTH_GATED_DELTA_BACKEND`, not the kernels under test.
+        context_parallel: run the packed row split over a context-parallel group (``torch.distributed``
+            initialized; every rank of the group calls this with the same samples): an int ``N`` (the
+            ``("dp", "cp")`` mesh of :func:`varpack.integrations.context_parallel.context_parallel_mesh`: groups
+            of ``N`` consecutive ranks; more ranks check the same samples as replicas), a ``ProcessGroup`` or a
+            ``DeviceMesh``; ``None`` / ``1``: one process. The group's logits are gathered, its loss and
+            gradients summed, then compared with the one-process unpacked run as without it.
+        context_parallel_attention: ``auto``, ``ulysses`` or ``ring``
+            (:func:`varpack.integrations.context_parallel.enable_context_parallel`).
 
     Returns:
         dict with ``max_abs_logit_diff``, ``loss_packed``, ``loss_unpacked``, ``max_abs_grad_diff``,
@@ -219,7 +299,8 @@ def check_exactness(
         ``worst_grad_param``, ``tolerance``; for bf16/fp16 also ``logit_err_packed`` / ``logit_err_unpacked``
         (vs the fp32 truth), ``loss_err_*`` and ``grad_err_*``; for a model with Gated DeltaNet layers also
         ``gated_delta_backend`` / ``gated_delta_reason`` (the rule's backend for training, and why: the fla
-        and fla_hybrid probes on CUDA; ``"forced"`` for a forced one).
+        and fla_hybrid probes on CUDA; ``"forced"`` for a forced one); with context parallelism also
+        ``context_parallel`` (the group size) and ``context_parallel_plan`` (what each layer kind runs).
 
     Raises:
         TypeError / ValueError: malformed samples (the collator names the sample and field), a model that is
@@ -239,6 +320,7 @@ def check_exactness(
     if dtype != model_dtype:
         model = copy.deepcopy(model).to(dtype)
     enable_varpack(model, backend=backend, linear_backend=gated_delta_backend)
+    cp_state = _enable_context_parallel(model, context_parallel, context_parallel_attention)
     ref_attn = reference_attn or model._varpack_state.original_attn_implementation or "sdpa"
     device = next(model.parameters()).device
     # a forced gated delta rule backend that cannot run here: refused before anything runs
@@ -247,7 +329,10 @@ def check_exactness(
     was_training = model.training
     model.eval()  # no dropout: the two runs must see the same function
     try:
-        logits_p, loss_p, grads_p = _packed_run(model, collate, rows, device)
+        if cp_state is None:
+            logits_p, loss_p, grads_p = _packed_run(model, collate, rows, device)
+        else:
+            logits_p, loss_p, grads_p = _context_parallel_run(model, collate, rows, device, cp_state)
         logits_u, loss_u, grads_u = _unpacked_run(model, collate, rows, device, ref_attn)
         truth = None
         if dtype in _LOW_PRECISION_ATOL:
@@ -328,6 +413,8 @@ def check_exactness(
     name, reason = _resolved_backend(model, backend, device, dtype, longest)
     if gdn is not None:
         result.update(gated_delta_backend=gdn[0], gated_delta_reason=gdn[1])
+    if cp_state is not None:
+        result.update(context_parallel=cp_state.size, context_parallel_plan=dict(cp_state.plan))
     result.update(
         backend=name,
         backend_reason=reason,

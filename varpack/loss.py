@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from varpack.schema import IGNORE_INDEX
 
-__all__ = ["causal_lm_loss", "count_loss_items", "count_loss_items_tensor"]
+__all__ = ["causal_lm_loss", "count_loss_items", "count_loss_items_tensor", "shifted_lm_loss"]
 
 Reduction = Literal["token", "sample"]
 
@@ -169,6 +169,53 @@ def causal_lm_loss(
     if num_items_in_batch is None:
         num_samples = (counts > 0).sum().to(torch.float32)
         return total / num_samples.clamp(min=1.0)
+    return total / loss_denominator(num_items_in_batch, total.device)
+
+
+def shifted_lm_loss(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    *,
+    num_items_in_batch: torch.Tensor | int | float | None = None,
+    loss_scale: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Token-mean cross entropy against targets that are already shifted: ``logits[t]`` predicts
+    ``shift_labels[t]``, nothing is shifted here.
+
+    The loss of a context-parallel shard (:func:`varpack.collate.shard_batch`): the labels were shifted inside
+    each sample on the whole row before the split, so a rank holding non-contiguous tokens scores each one
+    against its true next token. Summed over the ranks of the step and divided by the step's global count of
+    supervised tokens (``num_items_in_batch``), it is the one-process token mean.
+
+    Args:
+        logits: ``[B, T, V]`` or ``[T, V]``, any float dtype (upcast to float32).
+        shift_labels: ``[B, T]`` or ``[T]`` int64 targets (``ignore_index`` where none).
+        num_items_in_batch: the denominator (supervised tokens of the whole step, over every rank); ``None``:
+            this call's own count.
+        loss_scale: optional ``[B, T]`` float weight aligned with ``shift_labels``.
+        ignore_index: the label value that is not scored.
+
+    Returns:
+        A float32 scalar tensor.
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    logits = _as_rows(logits, "logits", 2)
+    shift_labels = _as_rows(shift_labels, "shift_labels", 1)
+    if loss_scale is not None:
+        loss_scale = _as_rows(loss_scale, "loss_scale", 1)
+    _check_shapes(logits, shift_labels, None, loss_scale)
+    targets = shift_labels.to(logits.device).reshape(-1)
+    per_token = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets, reduction="none", ignore_index=ignore_index
+    )
+    if loss_scale is not None:
+        per_token = per_token * loss_scale.to(logits.device, torch.float32).reshape(-1)
+    total = per_token.sum()
+    if num_items_in_batch is None:
+        return total / (targets != ignore_index).sum().to(torch.float32).clamp(min=1.0)
     return total / loss_denominator(num_items_in_batch, total.device)
 
 

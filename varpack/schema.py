@@ -16,6 +16,7 @@ __all__ = [
     "BATCH_STATS",
     "BOOKKEEPING_BATCH_KEYS",
     "BOUNDARY_KEYS",
+    "CP_SHARD",
     "CU_SEQ_LENS_K",
     "CU_SEQ_LENS_Q",
     "FLASH_ATTN_KWARGS",
@@ -43,6 +44,8 @@ __all__ = [
     "SAMPLE_IDS",
     "SECOND_PER_GRID_TS",
     "SEQ_IDX",
+    "SHIFT_LABELS",
+    "SHIFT_LOSS_SCALE",
     "VARLEN_META",
     "TOKEN_ALIGNED_FIELDS",
     "TOKEN_FIELDS",
@@ -140,6 +143,20 @@ FLASH_ATTN_KWARGS: tuple[str, ...] = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q
 #: unpacked forward, and kept away from a vision tower (they describe the text stream).
 BOUNDARY_KEYS: tuple[str, ...] = FLASH_ATTN_KWARGS + (SEQ_IDX, VARLEN_META)
 
+# ------------------------------------------------------------------------- context-parallel shard keys
+#: the :class:`varpack.varlen.shard.ContextParallelShard` of a context-parallel shard of a collated batch
+#: (``varpack.collate.shard_batch``): which tokens of the packed row this rank holds. Beside it the shard
+#: keeps the WHOLE row's boundaries (``varlen_meta``, ``cu_seq_lens_q/k``, ``max_length_q/k``), media and
+#: ``sample_ids``; token-aligned fields hold this rank's tokens only.
+CP_SHARD = "cp_shard"
+#: a context-parallel shard's next-token targets ``[1, T_r]`` int64: the row's labels shifted inside each
+#: sample BEFORE the split (``shift_labels[t] = labels[t + 1]`` when token t + 1 is in t's sample, else
+#: ``IGNORE_INDEX``), then cut with the tokens; the loss does not shift them again (transformers' name).
+SHIFT_LABELS = "shift_labels"
+#: a context-parallel shard's per-token loss weight ``[1, T_r]`` float32, aligned with ``shift_labels``
+#: (``loss_scale`` shifted with the labels before the split).
+SHIFT_LOSS_SCALE = "shift_loss_scale"
+
 # ----------------------------------------------------------------------------------- non-model keys
 #: per-sample id (an int, the row of the source data); carried by samples and pieces, named in errors.
 SAMPLE_ID = "sample_id"
@@ -161,6 +178,6 @@ BATCH_STATS = "batch_stats"
 #: batch keys kept for bookkeeping only (neither model input nor loss input).
 BOOKKEEPING_BATCH_KEYS: tuple[str, ...] = (SAMPLE_IDS, NUM_PACKS, BATCH_STATS)
 #: batch fields read by the loss, not by the model's forward.
-LOSS_FIELDS: tuple[str, ...] = (LABELS, LOSS_SCALE)
+LOSS_FIELDS: tuple[str, ...] = (LABELS, LOSS_SCALE, SHIFT_LABELS, SHIFT_LOSS_SCALE)
 #: batch keys removed before ``model(**batch)`` (loss fields and bookkeeping).
 NOT_MODEL_INPUTS: tuple[str, ...] = LOSS_FIELDS + BOOKKEEPING_BATCH_KEYS

@@ -3,7 +3,7 @@
     varpack check [--model DIR|tiny-qwen3|...] [--data PATH...] [--attn-backend auto|reference|...]
                   [--gated-delta-backend auto|fla|fla_hybrid|chunk|chunk_compiled|naive]
                   [--dtype fp32|bf16|fp16] [--device cpu|cuda] [--num-samples N] [--max-sample-length L]
-                  [--seed S] [--json]
+                  [--seed S] [--context-parallel N] [--context-parallel-attention auto|ulysses|ring] [--json]
 
 Encodes chat data (default: the built-in chats; for a vision-language model the built-in image-caption
 chats) with the model's tokenizer, takes the first ``--num-samples`` conversations (each cut to
@@ -16,6 +16,11 @@ an error (bad data, unknown model, no CUDA; a ``--gated-delta-backend`` that can
 its reason, or given for a model without Gated DeltaNet layers), 2 on a usage error. With ``--json`` stdout
 carries exactly one JSON object. ``--dtype`` also takes torch's spellings (``float32``, ``bfloat16``,
 ``float16``), as ``varpack sft`` does.
+
+``--context-parallel N`` (under ``torchrun --nproc-per-node N``, or a multiple of N) runs the packed row split
+over groups of N ranks (:mod:`varpack.integrations.context_parallel`): the group's logits are gathered, its loss
+and gradients summed, and compared with the one-process unpacked run as without it; rank 0 prints, every rank
+exits with the verdict.
 """
 
 from __future__ import annotations
@@ -110,6 +115,27 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="random-init seed of built-in models (default: %(default)s)",
     )
+    p.add_argument(
+        "--context-parallel",
+        dest="context_parallel",
+        type=int_at_least(1),
+        default=1,
+        metavar="N",
+        help=(
+            "split the packed row over groups of N ranks (run under torchrun --nproc-per-node N or a multiple "
+            "of N); 1: one process (default: %(default)s)"
+        ),
+    )
+    p.add_argument(
+        "--context-parallel-attention",
+        dest="context_parallel_attention",
+        choices=("auto", "ulysses", "ring"),
+        default="auto",
+        help=(
+            "with --context-parallel: ulysses (all-to-all to head shards), ring (key/value blocks round the "
+            "ring, log-sum-exp merge) or auto (ulysses where the heads divide N, else ring) (default: %(default)s)"
+        ),
+    )
     p.add_argument("--atol", type=float, default=None, help="override the logit tolerance (see docs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
@@ -154,11 +180,47 @@ def run(args: argparse.Namespace) -> int:
     check_data_files(args.data)  # a missing file is reported before torch and transformers are imported
     import torch
 
+    opened = _init_process_group(args.context_parallel) if args.context_parallel > 1 else False
+    try:
+        return _run(args, torch)
+    finally:
+        if opened:
+            from varpack.cli.sft import _close_process_group
+
+            _close_process_group()
+
+
+def _init_process_group(cp: int) -> bool:
+    """The process group torchrun describes (gloo on CPUs, NCCL on GPUs), opened unless it is open already
+    (returns whether this call opened it); refused without torchrun."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % cp or world < cp:
+        raise ValueError(
+            f"--context-parallel {cp} needs a multiple of {cp} processes, got {world}: run it under torchrun "
+            f"--nproc-per-node {cp}"
+        )
+    if dist.is_initialized():
+        return False
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return True
+
+
+def _run(args: argparse.Namespace, torch: Any) -> int:
     from varpack.check import check_exactness
     from varpack.data import load_and_encode
     from varpack.models import is_vl_model, load_model, load_tokenizer_for
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.context_parallel > 1 and device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU (torchrun's LOCAL_RANK)
     try:
         device_type = torch.device(device).type
     except RuntimeError as exc:  # torch's own message lists the device types
@@ -185,11 +247,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         rows = select_samples(data.samples, args.num_samples, args.max_sample_length)
     result = check_exactness(
-        model, rows, backend=args.attn_backend, atol=args.atol, gated_delta_backend=args.gated_delta_backend
+        model,
+        rows,
+        backend=args.attn_backend,
+        atol=args.atol,
+        gated_delta_backend=args.gated_delta_backend,
+        context_parallel=args.context_parallel,
+        context_parallel_attention=args.context_parallel_attention,
     )
     result["samples_with_media"] = sum(1 for r in rows if "pixel_values" in r or "pixel_values_videos" in r)
     result["model"] = args.model
     result["device"] = str(device)
+    if args.context_parallel > 1 and torch.distributed.get_rank() != 0:
+        return 0 if result["passed"] else 1  # rank 0 prints the group's verdict
     if args.json:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")
@@ -217,6 +287,9 @@ def _print_table(r: dict[str, Any], model_class: str, num_params: int) -> None:
     print(
         f"attention backend: {r['backend']} ({r['backend_reason']}); unpacked reference: {r['reference_attn']}"
     )
+    if "context_parallel" in r:
+        layers = "; ".join(f"{k}: {v}" for k, v in r["context_parallel_plan"].items())
+        print(f"context parallel: the row split over {r['context_parallel']} ranks (zigzag; {layers})")
     if "gated_delta_backend" in r:
         why = r["gated_delta_reason"]
         if why == "forced":

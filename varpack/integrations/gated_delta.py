@@ -46,7 +46,7 @@ from varpack.ops.gated_delta_rule.dispatch import (
 )
 from varpack.ops.gated_delta_rule.fla_hybrid import FlaHybridBoundaries, prepare_fla_hybrid_boundaries
 from varpack.ops.short_conv import short_conv
-from varpack.schema import SEQ_IDX, VARLEN_META
+from varpack.schema import CP_SHARD, SEQ_IDX, VARLEN_META
 from varpack.varlen.meta import VarlenMeta, varlen_meta_from_kwargs
 
 __all__ = ["TINY_MODELS", "linear_attention_backend", "patch_linear_attention", "tiny_model"]
@@ -97,9 +97,22 @@ def _text_model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     if kwargs.get("use_cache"):
         raise ValueError(f"{where}: packed batch with use_cache=True; packed batches need use_cache=False")
     kwargs = dict(kwargs)
-    kwargs[VARLEN_META] = varlen_meta_from_kwargs(kwargs, T, where)
+    kwargs[VARLEN_META] = varlen_meta_from_kwargs(kwargs, _row_total(kwargs, T, where), where)
     kwargs["use_cache"] = False  # HF would otherwise build a DynamicCache from the packed row
     return args, kwargs
+
+
+def _row_total(kwargs: dict, T: int, where: str) -> int:
+    """The packed row's token count: ``T`` itself, or for a context-parallel shard (``cp_shard``, this rank's
+    ``T`` tokens of a longer row) the whole row's, after checking that the shard holds ``T`` tokens."""
+    shard = kwargs.get(CP_SHARD)
+    if shard is None:
+        return T
+    if getattr(shard, "num_local", None) != T:
+        raise ValueError(
+            f"{where}: the batch holds {T} tokens but its cp_shard gives this rank {getattr(shard, 'num_local', '?')}"
+        )
+    return shard.total
 
 
 def _decoder_layer_pre_hook(mixer: torch.nn.Module, module, args: tuple, kwargs: dict) -> None:
@@ -107,10 +120,12 @@ def _decoder_layer_pre_hook(mixer: torch.nn.Module, module, args: tuple, kwargs:
     transformers releases call it without the layer's kwargs). Runs again when gradient checkpointing
     recomputes the layer in the backward, with the same kwargs."""
     mixer._varpack_meta = kwargs.get(VARLEN_META)
+    mixer._varpack_cp_shard = kwargs.get(CP_SHARD)
 
 
 def _decoder_layer_post_hook(mixer: torch.nn.Module, module, args, kwargs, output) -> None:
     mixer._varpack_meta = None  # the meta lives for one call of the layer, never beyond
+    mixer._varpack_cp_shard = None
 
 
 def _current_meta(layer: torch.nn.Module, T: int, kwargs: dict) -> VarlenMeta | None:
@@ -119,13 +134,21 @@ def _current_meta(layer: torch.nn.Module, T: int, kwargs: dict) -> VarlenMeta | 
     meta = kwargs.get(VARLEN_META)
     if meta is None:
         meta = layer.__dict__.get("_varpack_meta")
+    shard = _current_shard(layer, kwargs)
+    total = T if shard is None else _row_total({CP_SHARD: shard}, T, where)
     if meta is None and (kwargs.get("cu_seq_lens_q") is not None or kwargs.get(SEQ_IDX) is not None):
-        return varlen_meta_from_kwargs(kwargs, T, where)  # called directly with boundaries
-    if meta is not None and meta.total_q != T:
+        return varlen_meta_from_kwargs(kwargs, total, where)  # called directly with boundaries
+    if meta is not None and meta.total_q != total:
         raise ValueError(
-            f"{where}: the model's packed boundaries cover {meta.total_q} tokens but the layer got T={T}"
+            f"{where}: the model's packed boundaries cover {meta.total_q} tokens but the layer got T={total}"
         )
     return meta
+
+
+def _current_shard(layer: torch.nn.Module, kwargs: dict) -> Any:
+    """The context-parallel shard of this call (bound by the packing guard), or ``None``."""
+    shard = kwargs.get(CP_SHARD)
+    return shard if shard is not None else layer.__dict__.get("_varpack_cp_shard")
 
 
 def _chunk_layout(meta: VarlenMeta) -> ChunkLayout:
@@ -149,7 +172,9 @@ def _conv_activation(name: Any):
     return ACT2FN[name]
 
 
-def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask, meta: VarlenMeta):
+def _projections(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask) -> tuple:
+    """The token-local input projections: ``(mixed [B, T, 2 * key_dim + value_dim], z [B, T, H, V],
+    b [B, T, H], a [B, T, H])`` (``mixed``: q, k, v channels before the short convolution)."""
     B, T, _ = hidden_states.shape
     if attention_mask is not None and attention_mask.dim() == 2:  # as apply_mask_to_padding_states
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
@@ -163,17 +188,11 @@ def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attenti
         z = layer.in_proj_z(hidden_states).reshape(B, T, -1, layer.head_v_dim)
         b = layer.in_proj_b(hidden_states)
         a = layer.in_proj_a(hidden_states)
+    return mixed, z, b, a
 
-    backend = getattr(layer, "_varpack_gdn_backend", "auto")
-    device = hidden_states.device
-    rule_backend = resolve_backend(
-        backend, device, needs_grad=_needs_grad(layer, hidden_states), dims=layer_head_dims(layer)
-    )
-    conv_backend = "auto" if backend in ("auto", "fla", "fla_hybrid") and device.type == "cuda" else "torch"
-    if conv_backend != "torch":
-        conv_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
-    else:
-        conv_kwargs = {"seq_idx": meta.seq_idx_on(device)}
+
+def _conv_weight(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight [C, K], bias [C] or None)`` of the short convolution, read directly."""
     # a peft adapter (LoRA) on the conv: reading .weight would drop it
     if hasattr(layer.conv1d, "base_layer"):
         raise ValueError(
@@ -182,21 +201,41 @@ def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attenti
             "conv1d out of the adapter's target modules"
         )
     weight = layer.conv1d.weight
-    mixed = short_conv(
-        mixed,
-        weight.reshape(weight.shape[0], -1),
-        layer.conv1d.bias,
-        _conv_activation(layer.activation),
-        backend=conv_backend,
-        **conv_kwargs,
-    )
-    query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    query = query.reshape(B, T, -1, layer.head_k_dim)
-    key = key.reshape(B, T, -1, layer.head_k_dim)
-    value = value.reshape(B, T, -1, layer.head_v_dim)
-    beta = b.sigmoid()
-    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # as the model (fp32 decay)
+    return weight.reshape(weight.shape[0], -1), layer.conv1d.bias
 
+
+def _conv_and_rule(
+    layer: torch.nn.Module,
+    mixed: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor,
+    meta: VarlenMeta,
+    *,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dims: tuple[int, int, int, int],
+    needs_grad: bool,
+) -> torch.Tensor:
+    """The short convolution and the gated delta rule over the whole row ``meta`` for the ``dims = (Hk, H, K,
+    V)`` heads in ``mixed`` (``[1, T, Hk*K + Hk*K + H*V]``, ``weight`` / ``bias`` its channels), ``beta`` / ``g``
+    ``[1, T, H]``: ``core [1, T, H, V]``."""
+    B, T, _ = mixed.shape
+    hk, hv, dk, dv = dims
+    backend = getattr(layer, "_varpack_gdn_backend", "auto")
+    device = mixed.device
+    rule_backend = resolve_backend(backend, device, needs_grad=needs_grad, dims=dims)
+    conv_backend = "auto" if backend in ("auto", "fla", "fla_hybrid") and device.type == "cuda" else "torch"
+    if conv_backend != "torch":
+        conv_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
+    else:
+        conv_kwargs = {"seq_idx": meta.seq_idx_on(device)}
+    mixed = short_conv(
+        mixed, weight, bias, _conv_activation(layer.activation), backend=conv_backend, **conv_kwargs
+    )
+    query, key, value = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    query = query.reshape(B, T, -1, dk)
+    key = key.reshape(B, T, -1, dk)
+    value = value.reshape(B, T, -1, dv)
     if rule_backend in ("fla", "fla_hybrid"):  # fla's kernels: int64 offsets on the device + the CPU copy
         rule_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
         if rule_backend == "fla_hybrid":
@@ -206,8 +245,98 @@ def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attenti
     core, _ = gated_delta_rule(
         query, key, value, g, beta, use_qk_l2norm_in_kernel=True, backend=rule_backend, **rule_kwargs
     )
+    return core
+
+
+def _gates(layer: torch.nn.Module, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(beta, g)`` of the rule from the b / a projections (token-local; fp32 decay, as the model)."""
+    return b.sigmoid(), -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
+
+
+def _packed_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask, meta: VarlenMeta):
+    B, T, _ = hidden_states.shape
+    mixed, z, b, a = _projections(layer, hidden_states, attention_mask)
+    weight, bias = _conv_weight(layer)
+    beta, g = _gates(layer, b, a)
+    core = _conv_and_rule(
+        layer, mixed, beta, g, meta, weight=weight, bias=bias, dims=layer_head_dims(layer),
+        needs_grad=_needs_grad(layer, hidden_states),
+    )  # fmt: skip
     core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(core.reshape(B, T, -1))
+
+
+def _context_parallel_channels(
+    layer: torch.nn.Module, size: int, rank: int, rep: int, device: torch.device
+) -> torch.Tensor:
+    """The short convolution's channel rows of ``rank``'s heads (``[C_r]`` int64 on ``device``): its key heads
+    (after repeating each ``rep`` times) in the q and k channels, its value heads in the v channels. Kept on
+    the layer per (size, rank, rep, device): built once, no host-to-device copy per call."""
+    key = (size, rank, rep, str(device))
+    cache = layer.__dict__.setdefault("_varpack_cp_channels", {})
+    if key not in cache:
+        hk, hv, dk, dv = layer_head_dims(layer)
+        per_k, per_v = hk * rep // size, hv // size
+        heads_k = torch.arange(rank * per_k, (rank + 1) * per_k) // rep  # original key head of each local one
+        d_k = torch.arange(dk)
+        q_rows = (heads_k[:, None] * dk + d_k).reshape(-1)
+        heads_v = torch.arange(rank * per_v, (rank + 1) * per_v)
+        v_rows = 2 * layer.key_dim + (heads_v[:, None] * dv + torch.arange(dv)).reshape(-1)
+        cache[key] = torch.cat([q_rows, layer.key_dim + q_rows, v_rows]).to(device)
+    return cache[key]
+
+
+def _context_parallel_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask, meta: VarlenMeta, shard: Any
+) -> torch.Tensor:
+    """The layer on this rank's tokens of a row split over a context-parallel group (Ulysses): projections
+    and gates on the rank's tokens, one all-to-all to head shards (q / k channels of its key heads, v channels
+    and gates of its value heads, for every token of the row), the short convolution and the gated delta
+    rule over the whole row for those heads, one all-to-all back, the norm and output projection on the rank's
+    tokens. Key heads that do not divide the group are repeated (:func:`~varpack.attn.context_parallel.kv_replication`)."""
+    from varpack.attn.context_parallel import heads_to_seq, kv_replication, seq_to_heads
+
+    B, T_r, _ = hidden_states.shape
+    hk, hv, dk, dv = layer_head_dims(layer)
+    n = shard.size
+    where = f"{type(layer).__name__}(layer_idx={getattr(layer, 'layer_idx', '?')})"
+    if hv % n:
+        raise ValueError(
+            f"{where}: {hv} value heads do not divide over {n} context-parallel ranks (the gated delta rule "
+            "runs whole heads over the whole row)"
+        )
+    rep = kv_replication(hv, hk, n)
+    mixed, z, b, a = _projections(layer, hidden_states, attention_mask)
+    beta, g = _gates(layer, b, a)
+    q, k, v = torch.split(mixed[0], [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    q, k = q.reshape(T_r, hk, dk), k.reshape(T_r, hk, dk)
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    per_k, per_v = hk * rep // n, hv // n
+    # one all-to-all for the channels and beta (the model's dtype), one for the fp32 decay g
+    blocks = torch.cat(
+        [
+            q.reshape(T_r, n, per_k * dk),
+            k.reshape(T_r, n, per_k * dk),
+            v.reshape(T_r, n, per_v * dv),
+            beta[0].reshape(T_r, n, per_v).to(mixed.dtype),
+        ],
+        dim=2,
+    )
+    width = blocks.shape[2]
+    whole = seq_to_heads(blocks.reshape(T_r, n * width), shard)  # [T, width]
+    g_whole = seq_to_heads(g[0], shard)  # [T, per_v]
+    mixed_r, beta_r = torch.split(whole, [width - per_v, per_v], dim=-1)
+    weight, bias = _conv_weight(layer)
+    rows = _context_parallel_channels(layer, n, shard.rank, rep, weight.device)
+    core = _conv_and_rule(
+        layer, mixed_r[None], beta_r[None].to(beta.dtype), g_whole[None], meta,
+        weight=weight.index_select(0, rows), bias=None if bias is None else bias.index_select(0, rows),
+        dims=(per_k, per_v, dk, dv), needs_grad=_needs_grad(layer, hidden_states),
+    )  # fmt: skip
+    core = heads_to_seq(core[0], shard)  # [T_r, H, V]
+    core = layer.norm(core.reshape(-1, dv), z.reshape(-1, dv))
+    return layer.out_proj(core.reshape(B, T_r, -1))
 
 
 def layer_head_dims(layer: torch.nn.Module) -> tuple[int, int, int, int]:
@@ -286,6 +415,9 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, 
             f"{where}: packed batch with a cache ({type(cache).__name__}); incremental decoding cannot be "
             "combined with packing (use_cache=False for packed training batches)"
         )
+    shard = _current_shard(self, kwargs)
+    if shard is not None:
+        return _context_parallel_forward(self, hidden_states, attention_mask, meta, shard)
     return _packed_forward(self, hidden_states, attention_mask, meta)
 
 
@@ -385,6 +517,7 @@ def patch_linear_attention(model: torch.nn.Module, *, backend: str = "auto") -> 
             m.forward = types.MethodType(_patched_forward, m)
         m._varpack_gdn_backend = backend
         m._varpack_meta = None
+        m._varpack_cp_shard = None
     return len(layers)
 
 

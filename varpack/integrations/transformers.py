@@ -53,8 +53,9 @@ from typing import Any
 
 import torch
 
+from varpack.integrations.context_parallel import bind_shard
 from varpack.models.registry import require_gated_delta_layers
-from varpack.schema import BOUNDARY_KEYS, FLASH_ATTN_KWARGS, VARLEN_META
+from varpack.schema import BOUNDARY_KEYS, CP_SHARD, FLASH_ATTN_KWARGS, VARLEN_META
 from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
 from varpack.varlen.meta import varlen_meta_from_kwargs
 
@@ -200,6 +201,11 @@ def varpack_attention_forward(
     len_k = key.shape[2]
 
     meta = kwargs.get(VARLEN_META)
+    if kwargs.get(CP_SHARD) is not None and (meta is None or getattr(kwargs[CP_SHARD], "group", None) is None):
+        raise PackingGuardError(
+            f"{type(module).__name__} got a context-parallel shard that the model's packing guard did not bind "
+            "(call the model with the shard's batch: varpack.integrations.context_parallel.enable_context_parallel)"
+        )
     if meta is None and kwargs.get("cu_seq_lens_q") is not None:
         # boundary kwargs without the guard's meta (a model whose forward was not hooked): built here, once
         # per call; enable_varpack's guard builds it once per forward instead
@@ -218,6 +224,20 @@ def varpack_attention_forward(
         q = query[0].transpose(0, 1)  # [T, H, D]
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
+        shard = kwargs.get(CP_SHARD)
+        if shard is not None:  # this rank's tokens of a row split over a context-parallel group
+            if through_op:
+                raise PackingGuardError(
+                    "context parallelism does not run through compile_layers(custom_ops=True): train without "
+                    "compiled layers (--torch-compile false)"
+                )
+            from varpack.attn.context_parallel import context_parallel_attention
+
+            out = context_parallel_attention(
+                q, k, v, meta=meta, shard=shard, causal=is_causal, window_size=window,
+                softmax_scale=scaling, softcap=softcap_f, backend=backend,
+            )  # fmt: skip
+            return out.reshape(bsz, len_q, num_heads, out.shape[-1]), None
         out = varlen_attention(
             q,
             k,
@@ -387,6 +407,12 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
     cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
     packed = any(kwargs.get(k) is not None for k in FLASH_ATTN_KWARGS)
     where = type(model).__name__
+    shard = kwargs.get(CP_SHARD)
+    if shard is not None and not packed:
+        raise PackingGuardError(
+            f"{where} got a context-parallel shard (cp_shard) without the row's boundaries (cu_seq_lens_q/k, "
+            "max_length_q/k, varlen_meta): pass varpack.collate.shard_batch's output whole"
+        )
 
     if packed:
         if not is_varpack_attention(impl):
@@ -423,6 +449,12 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
                 "(the collator provides them)"
             )
         total = ref.shape[1] if ref is not None and ref.dim() >= 2 else None
+        if shard is not None:  # this rank's tokens; the boundaries describe the whole row
+            try:
+                kwargs[CP_SHARD] = shard = bind_shard(model, shard, total, where)
+            except ValueError as exc:
+                raise PackingGuardError(str(exc)) from exc
+            total = shard.total
         _normalize_boundary_kwargs(kwargs, where)
         if kwargs.get("varlen_meta") is None and kwargs.get("max_length_q") is None:
             raise PackingGuardError(

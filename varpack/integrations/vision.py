@@ -31,7 +31,7 @@ from varpack.models.qwen_vl import (  # re-exported: they live in varpack.models
     tiny_model,
 )
 from varpack.models.registry import family_of, is_vl_model
-from varpack.schema import BOUNDARY_KEYS, IMAGE_FIELDS, VIDEO_FIELDS
+from varpack.schema import BOUNDARY_KEYS, CP_SHARD, IMAGE_FIELDS, MM_TOKEN_TYPE_IDS, VIDEO_FIELDS
 
 __all__ = [
     "QWEN3_VISION_TOKENS",
@@ -149,7 +149,13 @@ def install_media_guard(model: torch.nn.Module) -> torch.utils.hooks.RemovableHa
     def _hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if kwargs.get("input_ids") is None:
             return
-        check_media(kwargs, module)
+        shard = kwargs.get(CP_SHARD)
+        if shard is not None and getattr(shard, "full_input_ids", None) is not None:
+            # a context-parallel shard: the media belong to the whole row, whose input_ids the shard keeps
+            whole = {k: v for k, v in kwargs.items() if k != MM_TOKEN_TYPE_IDS}
+            check_media({**whole, "input_ids": shard.full_input_ids[None]}, module)
+        else:
+            check_media(kwargs, module)
         pos = kwargs.get("position_ids")
         if pos is not None and pos.ndim == 3 and pos.shape[0] != 4:
             raise ValueError(
@@ -161,8 +167,8 @@ def install_media_guard(model: torch.nn.Module) -> torch.utils.hooks.RemovableHa
 
 
 #: the text stream's boundary kwargs (transformers ``FlashAttentionKwargs`` + varpack's ``seq_idx``):
-#: :data:`varpack.schema.BOUNDARY_KEYS`
-TEXT_VARLEN_KWARGS = BOUNDARY_KEYS
+#: :data:`varpack.schema.BOUNDARY_KEYS`, and a context-parallel shard of it (``cp_shard``)
+TEXT_VARLEN_KWARGS = BOUNDARY_KEYS + (CP_SHARD,)
 
 
 def _vision_tower(model: torch.nn.Module) -> torch.nn.Module:

@@ -49,6 +49,7 @@ __all__ = [
     "AttnBackendName",
     "AutoBool",
     "CompileChoice",
+    "ContextParallelAttention",
     "DPOLossType",
     "DTypeName",
     "GatedDeltaBackendName",
@@ -58,6 +59,7 @@ __all__ = [
     "OverflowPolicy",
     "PackingStrategy",
     "SFTConfig",
+    "check_context_parallel",
     "check_cuda_graphs",
     "check_precision",
     "default_lr",
@@ -115,6 +117,8 @@ ObjectiveName = Literal["sft", "dpo"]
 DPOLossType = Literal["sigmoid", "robust"]
 #: torch dtype names of the parameters of a built-in model.
 DTypeName = Literal["float32", "bfloat16", "float16"]
+#: :data:`varpack.attn.context_parallel.CONTEXT_PARALLEL_ATTENTION` (checked to agree).
+ContextParallelAttention = Literal["auto", "ulysses", "ring"]
 #: a switch whose default is decided per run: ``True``, ``False`` or ``"auto"`` (``torch_compile``).
 AutoBool = bool | Literal["auto"]
 
@@ -324,6 +328,40 @@ def check_precision(config: SFTConfig) -> None:
     )
 
 
+def check_context_parallel(config: SFTConfig, *, world_size: int | None = None) -> None:
+    """Refuse what ``context_parallel > 1`` does not implement, before any data is encoded: the sample-mean
+    loss (a sample's tokens are spread over the ranks), the chunked linear CE, DPO, streaming (the ranks of a
+    group must read the same packs), CUDA graphs (one process), a forced ``torch_compile``; and a
+    ``world_size`` it does not divide (world = data parallel x context parallel).
+
+    Raises:
+        ValueError: naming both settings (:func:`setting_text`) and why.
+    """
+    cp = config.context_parallel
+    if cp == 1:
+        return
+    refused = [
+        ("loss_reduction", "sample", "a sample's tokens are spread over the ranks of a group; use --loss-reduction token"),
+        ("loss_impl", "linear_ce", "not implemented; use --loss-impl logits or auto"),
+        ("objective", "dpo", "not implemented (a pair's log-probabilities would span the ranks)"),
+        ("streaming", True, "the ranks of a group must read the same packs: plan the data (no --streaming)"),
+        ("cuda_graphs", True, "CUDA graphs run one process"),
+        ("torch_compile", True, "compiled layers are not tested with the collectives; leave --torch-compile auto"),
+    ]  # fmt: skip
+    for name, value, why in refused:
+        given = getattr(config, name)
+        if (given is value) if isinstance(value, bool) else (given == value):
+            raise ValueError(
+                f"{setting_text('context_parallel', cp)} with {setting_text(name, value)}: {why}"
+            )
+    if world_size is not None and world_size % cp:
+        raise ValueError(
+            f"{setting_text('context_parallel', cp)} needs a world size that it divides (data parallel x context "
+            f"parallel), got {world_size} process{'es' if world_size != 1 else ''}: launch with torchrun "
+            f"--nproc-per-node {cp} (or a multiple)"
+        )
+
+
 def check_cuda_graphs(
     config: SFTConfig, *, device: str, world_size: int = 1, environ: Mapping[str, str] | None = None
 ) -> None:
@@ -440,6 +478,16 @@ class SFTConfig:
             only (accelerate shards on GPUs and would run plain DDP on CPUs: refused there). The loss then
             runs through the model's logits (``loss_impl="auto"``), as the chunked linear CE reads the LM head
             outside the sharded forward.
+        context_parallel: ranks that share one packed row (``>= 1``; ``1``: off). The world (torchrun) is
+            ``data parallel x context parallel`` on a 2-D ``DeviceMesh``; each context-parallel group trains
+            the same packs, every rank a zigzag share of each row's tokens
+            (:mod:`varpack.integrations.context_parallel`, docs/context_parallel.md). Exact: the step equals
+            the one-process step. Refused with ``loss_reduction="sample"``, ``loss_impl="linear_ce"``,
+            ``objective="dpo"``, ``streaming``, ``cuda_graphs``, ``torch_compile=True``, a world size it does
+            not divide, and (by the model) Gated DeltaNet value heads it does not divide.
+        context_parallel_attention: how full-attention layers attend over a split row: ``auto`` (Ulysses
+            all-to-all where the attention heads divide ``context_parallel``, else ring attention),
+            ``ulysses`` or ``ring``.
         bf16: train in bfloat16 autocast (mixed precision; master weights stay float32): needs ``dtype="float32"``
             (:func:`check_precision`).
         dtype: parameter dtype of the model (``float32`` default; a loaded model is cast to it); ``bf16`` /
@@ -637,6 +685,24 @@ class SFTConfig:
             "(torch.distributed.fsdp.fully_shard through transformers / accelerate, one unit per decoder layer)"
         ),
     )
+    context_parallel: int = field(
+        default=1,
+        metadata=_opt(
+            "ranks that share one packed row (context parallelism, for packs too long for one GPU's "
+            "activations): under torchrun the world is data parallel x context parallel; every rank holds a "
+            "zigzag share of each row; exact (equal to the one-process step). 1: off (default: %(default)s)",
+            metavar="N",
+            cli_type="int>=1",
+        ),
+    )
+    context_parallel_attention: ContextParallelAttention = field(
+        default="auto",
+        metadata=_opt(
+            "with --context-parallel: ulysses (all-to-all to head shards, any attention backend; the heads must "
+            "divide N), ring (key/value blocks passed round the ring, log-sum-exp merge; any head count) or "
+            "auto (ulysses where the heads divide, else ring) (default: %(default)s)"
+        ),
+    )
     bf16: bool = field(
         default=False,
         metadata=_opt(
@@ -811,6 +877,7 @@ class SFTConfig:
             ("lora_target_modules", bool(self.lora_target_module_list()), "names no module"),
             ("lora_merge", not self.lora_merge or self.lora, "needs lora"),
             ("buffer_size", self.buffer_size >= 2, "must be >= 2"),
+            ("context_parallel", self.context_parallel >= 1, "must be >= 1"),
             ("beta", self.beta > 0 and math.isfinite(self.beta), "must be finite, > 0"),
             ("label_smoothing", 0.0 <= self.label_smoothing < 0.5, "must be in [0, 0.5)"),
             (

@@ -54,6 +54,7 @@ from varpack.train.config import (
     DEFAULT_DPO_LR,
     DEFAULT_LR,
     SFTConfig,
+    check_context_parallel,
     check_cuda_graphs,
     check_precision,
     default_lr,
@@ -70,6 +71,7 @@ from varpack.train.trainer import (
 )
 
 __all__ = [
+    "ContextParallelRun",
     "SFTRun",
     "build_sft",
     "config_dict",
@@ -126,6 +128,8 @@ class SFTRun:
     static_shape: Any = None
     #: pad tokens / tokens run over the whole plan in ``static_shape`` (:meth:`StaticShape.pad_fraction`)
     static_pad: float | None = None
+    #: the run's :class:`ContextParallelRun` (``context_parallel > 1``), else ``None``
+    context_parallel: Any = None
 
 
 def build_sft(
@@ -189,6 +193,7 @@ def build_sft(
         # the model is loaded in config.dtype: float32 training, refused before minutes of encoding (a model
         # object passed in is checked by its parameters' dtype in _prepare_model)
         raise ValueError(_GRAPHS_FLOAT32)
+    check_context_parallel(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if static_shapes and config.streaming:
         raise ValueError(
             "static_shapes: the static shape is read from the whole plan, which --streaming lacks"
@@ -248,6 +253,7 @@ def build_sft(
     )
     config = replace(config, torch_compile=compile_choice.on)
     model = _prepare_model(config, model, load, training_args.device)
+    context = _context_parallel(config, model, training_args)
     gated_delta = _gated_delta_choice(config, model, training_args.device)
     static_shape = static_pad = None
     if config.cuda_graphs or static_shapes:
@@ -256,8 +262,11 @@ def build_sft(
         static_shape = StaticShape.from_plan(plan)
         static_pad = static_shape.pad_fraction(plan)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    collator = TrainCollator(PaddingFreeCollator(pad_token_id=pad_id, static_shape=static_shape))
-    sampler = None if plan is None else pack_sampler(config, plan, model, training_args)
+    collator = TrainCollator(
+        PaddingFreeCollator(pad_token_id=pad_id, static_shape=static_shape),
+        context_parallel=None if context is None else (context.cp_rank, context.cp_size),
+    )
+    sampler = None if plan is None else pack_sampler(config, plan, model, training_args, context=context)
     trainer = PackedSFTTrainer(
         model=model,
         args=training_args,
@@ -298,6 +307,63 @@ def build_sft(
         gated_delta=gated_delta,
         static_shape=static_shape,
         static_pad=static_pad,
+        context_parallel=context,
+    )
+
+
+@dataclass(frozen=True)
+class ContextParallelRun:
+    """How a run splits its world (``context_parallel > 1``): ``dp_size`` data-parallel replicas of ``cp_size``
+    ranks sharing a row; this rank's indices; the 2-D ``DeviceMesh`` ``("dp", "cp")``; what each layer kind runs
+    (:func:`varpack.integrations.context_parallel.context_parallel_plan`)."""
+
+    cp_size: int
+    cp_rank: int
+    dp_size: int
+    dp_rank: int
+    mesh: Any
+    plan: dict[str, str]
+
+    def describe(self) -> str:
+        """``2 ranks share each row (zigzag split; attention: ulysses (...)), 1 data-parallel replica``."""
+        layers = "; ".join(f"{k}: {v}" for k, v in self.plan.items())
+        replicas = f"{self.dp_size} data-parallel replica{'s' if self.dp_size != 1 else ''}"
+        return f"{self.cp_size} ranks share each row (zigzag split; {layers}), {replicas}"
+
+
+def _context_parallel(config: SFTConfig, model: Any, training_args: Any) -> ContextParallelRun | None:
+    """The run's context-parallel split (``None`` for ``context_parallel == 1``): the ``("dp", "cp")`` mesh
+    over the Trainer's process group and the model enabled for shards of its ``cp`` groups.
+
+    Raises:
+        ValueError: ``average_tokens_across_devices`` off (the loss needs the global token count); the errors
+            of :func:`varpack.integrations.context_parallel.enable_context_parallel`.
+    """
+    cp = config.context_parallel
+    if cp == 1:
+        return None
+    if not training_args.average_tokens_across_devices:
+        raise ValueError(
+            f"context_parallel={cp} needs average_tokens_across_devices (the loss divides by the supervised tokens "
+            "of every rank); leave it on in --extra-training-args"
+        )
+    from varpack.integrations.context_parallel import context_parallel_mesh, enable_context_parallel
+
+    world = training_args.world_size  # reading it sets up the Trainer's process group
+    if world % cp:
+        raise ValueError(f"context_parallel={cp} does not divide the world size {world}")
+    mesh = context_parallel_mesh(cp, training_args.device.type)
+    enable_context_parallel(model, mesh, attention=config.context_parallel_attention)
+    from varpack.integrations.context_parallel import model_context_parallel
+
+    state = model_context_parallel(model)
+    return ContextParallelRun(
+        cp_size=cp,
+        cp_rank=mesh["cp"].get_local_rank(),
+        dp_size=world // cp,
+        dp_rank=mesh["dp"].get_local_rank(),
+        mesh=mesh,
+        plan=dict(state.plan),
     )
 
 
@@ -326,10 +392,12 @@ def _gated_delta_choice(config: SFTConfig, model: Any, device: Any) -> tuple[str
     return choice
 
 
-def pack_sampler(config: SFTConfig, plan: Any, model: Any, training_args: Any) -> Any:
+def pack_sampler(config: SFTConfig, plan: Any, model: Any, training_args: Any, *, context: Any = None) -> Any:
     """This rank's :class:`varpack.data.sampler.BalancedPackSampler` with ``config``'s ``packs_per_step``,
     ``rank_balance`` and ``attention_cost_weight`` (:func:`varpack.train.trainer.make_pack_sampler`, which
-    checks the plan's fingerprint across ranks)."""
+    checks the plan's fingerprint across ranks). With context parallelism (``context``, a
+    :class:`ContextParallelRun`) the packs are dealt to the data-parallel replicas: the ranks of a
+    context-parallel group get the same packs."""
     from varpack.train.trainer import make_pack_sampler
 
     return make_pack_sampler(
@@ -339,6 +407,8 @@ def pack_sampler(config: SFTConfig, plan: Any, model: Any, training_args: Any) -
         packs_per_rank=config.packs_per_step,
         balance=config.rank_balance,
         attention_weight=config.attention_cost_weight,
+        rank=None if context is None else context.dp_rank,
+        world_size=None if context is None else context.dp_size,
     )
 
 
@@ -791,6 +861,8 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
             )
             if run.gated_delta is not None:
                 print_fn(f"linear    gated delta rule: {run.gated_delta[0]} ({run.gated_delta[1]})")
+            if run.context_parallel is not None:
+                print_fn(f"context   {run.context_parallel.describe()}")
             if config.lora:
                 trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
                 print_fn(

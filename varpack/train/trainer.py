@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from varpack.schema import BATCH_STATS, IGNORE_INDEX, LABELS, SAMPLE_IDS, VARLEN_META
+from varpack.schema import BATCH_STATS, CP_SHARD, IGNORE_INDEX, LABELS, SAMPLE_IDS, VARLEN_META
 from varpack.train.objectives import get_objective
 
 __all__ = [
@@ -109,6 +109,15 @@ class PackedLossMixin:
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         own = getattr(self.objective, "own_item_count", False)  # DPO: pairs, whatever the reduction
+        if batch_samples and batch_samples[0].get(CP_SHARD) is not None:
+            # context-parallel shards: their supervised shifted targets, summed over every rank (each target
+            # lies on exactly one rank of its group); Trainer's own count reads `labels`, which shards lack
+            if not self.args.average_tokens_across_devices:
+                raise ValueError("context parallelism needs average_tokens_across_devices (the global token count)")
+            n = sum(self.objective.count_items(b, reduction=self.loss_reduction) for b in batch_samples).to(device)
+            if self.args.world_size > 1:
+                n = self.accelerator.gather(n.reshape(1)).sum()
+            return batch_samples, n
         if (self.loss_reduction == "sample" or own) and batch_samples:
             n = sum(self.objective.count_items(b, reduction="sample") for b in batch_samples)
             n = n.to(device)
@@ -502,6 +511,8 @@ def make_pack_sampler(
     packs_per_rank: int,
     balance: bool = True,
     attention_weight: float | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> Any:
     """This rank's :class:`varpack.data.sampler.BalancedPackSampler` for a Trainer run, after checking that
     every rank planned the same packs with the same layout settings
@@ -516,6 +527,8 @@ def make_pack_sampler(
         packs_per_rank: packs per rank per micro-batch.
         balance: cost-balanced slots (``False``: round-robin).
         attention_weight: the cost model's weight (:func:`varpack.plan.balance.attention_cost_weight`).
+        rank, world_size: the sampler's rank and rank count (default: the Trainer's process index and world
+            size; under context parallelism the data-parallel replica and their count).
 
     Raises:
         RuntimeError: the ranks' plan / layout fingerprints differ (naming the ranks).
@@ -530,8 +543,8 @@ def make_pack_sampler(
         attention_weight = attention_cost_weight(base.config)
     sampler = BalancedPackSampler(
         plan,
-        rank=args.process_index,
-        world_size=args.world_size,
+        rank=args.process_index if rank is None else rank,
+        world_size=args.world_size if world_size is None else world_size,
         packs_per_rank=packs_per_rank,
         grad_accum=args.gradient_accumulation_steps,
         attention_weight=attention_weight,
@@ -637,18 +650,30 @@ def step_metrics(
 class TrainCollator:
     """``PaddingFreeCollator`` for the Trainer: adds ``num_packs`` (an int) and ``batch_stats`` (the batch's
     counts as Python ints, :data:`varpack.schema.BATCH_STATS`, read by the per-step logs), both popped before
-    the model sees the batch. The counts are taken here, on the CPU, from the collated row (``varlen_meta``
+    the model sees the batch. With ``context_parallel=(cp_rank, cp_size)`` the row is cut to this rank's share
+    (:func:`varpack.collate.shard_batch`) after it was counted. The counts are taken here, on the CPU, from the collated row (``varlen_meta``
     offsets and the CPU ``labels``): no device read later. The boundaries travel as the collator built them
     (``varlen_meta``)."""
 
-    def __init__(self, collator: Any) -> None:
+    def __init__(self, collator: Any, *, context_parallel: tuple[int, int] | None = None) -> None:
         self.collator = collator
+        self.context_parallel = context_parallel
 
     def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
         batch = self.collator(features)
         packs = sum(1 for f in features if isinstance(f, (list, tuple)))
+        stats = batch_stats(batch, packs=packs or 1)
+        if self.context_parallel is not None:
+            # this rank's share of the row (varpack.collate.shard_batch); the row's counts are logged by the
+            # group's rank 0 only, so that the counts summed over every rank are the step's
+            from varpack.collate import shard_batch
+
+            cp_rank, cp_size = self.context_parallel
+            batch = shard_batch(batch, cp_rank, cp_size)
+            if cp_rank:
+                stats = dict.fromkeys(STAT_KEYS, 0)
         batch["num_packs"] = packs or 1
-        batch[BATCH_STATS] = batch_stats(batch, packs=packs or 1)
+        batch[BATCH_STATS] = stats
         return batch
 
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from varpack.schema import BOOKKEEPING_BATCH_KEYS, NOT_MODEL_INPUTS
+from varpack.schema import (
+    BOOKKEEPING_BATCH_KEYS,
+    CP_SHARD,
+    IGNORE_INDEX,
+    NOT_MODEL_INPUTS,
+    SHIFT_LABELS,
+    SHIFT_LOSS_SCALE,
+)
 from varpack.train.objectives.base import ObjectiveLoss
 
 __all__ = ["CausalLMObjective"]
@@ -49,6 +56,8 @@ class CausalLMObjective:
             ValueError: from :func:`varpack.loss.causal_lm_loss` (mismatched shapes, ``"sample"`` without
                 ``seq_idx``).
         """
+        if inputs.get(CP_SHARD) is not None:
+            return self._context_parallel_loss(model, inputs, reduction, num_items_in_batch, linear_ce)
         if linear_ce:
             from varpack.ops.linear_ce import causal_lm_forward_with_linear_ce
 
@@ -71,9 +80,46 @@ class CausalLMObjective:
         )
         return ObjectiveLoss(loss, outputs, "logits")
 
+    def _context_parallel_loss(
+        self, model: Any, inputs: dict[str, Any], reduction: str, num_items_in_batch: Any, linear_ce: bool
+    ) -> ObjectiveLoss:
+        """The loss of a context-parallel shard (:func:`varpack.collate.shard_batch`): this rank's logits
+        against the targets shifted before the split (:func:`varpack.loss.shifted_lm_loss`), divided by the
+        step's global count of supervised tokens."""
+        from varpack.loss import shifted_lm_loss
+
+        if reduction != "token":
+            raise ValueError(
+                f"loss_reduction={reduction!r} with context parallelism: a sample's tokens are spread over the "
+                "ranks of the group; use loss_reduction='token'"
+            )
+        if linear_ce:
+            raise ValueError(
+                "loss_impl='linear_ce' with context parallelism is not implemented: use loss_impl='logits' (or auto)"
+            )
+        if num_items_in_batch is None:
+            raise ValueError(
+                "a context-parallel shard needs num_items_in_batch: the supervised tokens of the whole step summed "
+                "over every rank (a rank's own count would weigh its tokens wrongly)"
+            )
+        model_inputs = {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}
+        outputs = model(**model_inputs)
+        loss = shifted_lm_loss(
+            outputs.logits,
+            inputs[SHIFT_LABELS],
+            num_items_in_batch=num_items_in_batch,
+            loss_scale=inputs.get(SHIFT_LOSS_SCALE),
+        )
+        return ObjectiveLoss(loss, outputs, "logits")
+
     def count_items(self, batch: dict[str, Any], *, reduction: str) -> Any:
         """Supervised tokens (``"token"``) or samples with a supervised token (``"sample"``) of ``batch``:
-        :func:`varpack.loss.count_loss_items_tensor` (a tensor on the batch's device, no host sync)."""
+        :func:`varpack.loss.count_loss_items_tensor` (a tensor on the batch's device, no host sync). For a
+        context-parallel shard: its supervised shifted targets (summed over the group's ranks: the row's)."""
         from varpack.loss import count_loss_items_tensor
 
+        if batch.get(CP_SHARD) is not None:
+            if reduction != "token":
+                raise ValueError(f"loss_reduction={reduction!r} with context parallelism; use 'token'")
+            return (batch[SHIFT_LABELS] != IGNORE_INDEX).sum()
         return count_loss_items_tensor(batch["labels"], reduction=reduction, seq_idx=batch["seq_idx"])
