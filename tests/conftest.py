@@ -41,6 +41,8 @@ GPU_SHARDS: dict[str, int] = {
     "tests/ops/test_short_conv.py": 2,
     "tests/invariant/test_gated_delta.py": 2,
     "tests/invariant/test_vision_language_gpu.py": 2,
+    "tests/invariant/test_mamba2.py": 2,
+    "tests/ops/test_ssd.py": 2,
     "tests/test_check.py::test_gpu_check_tiny_qwen35": 2,
 }
 #: pytest-xdist groups (``-n N --dist loadgroup``; scripts/gpu.sh): one process runs a group's tests in order,
