@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from tests._exact import LOGITS_RTOL, LOSS_RTOL, assert_differs, assert_exact
 from tests.invariant.test_dense import (
     VOCAB,
     gemma2_model,
@@ -42,14 +43,14 @@ def test_compiled_layers_packed_equals_unpacked(backend):
         samples = make_samples(lengths)
         logits_p, loss_p, grads_p = packed_run(model, samples)
         logits_u, loss_u, grads_u = unpacked_run(ref, samples)
-        assert (logits_p - logits_u).abs().max().item() <= 1e-5, lengths
-        torch.testing.assert_close(loss_p, loss_u, rtol=1e-6, atol=1e-6)
+        assert_exact(logits_p, logits_u, rtol=LOGITS_RTOL, what=f"logits {lengths}")
+        assert_exact(loss_p, loss_u, rtol=LOSS_RTOL, what=f"loss {lengths}")
         assert len(grads_p) == len(list(model.parameters()))
-        assert max_grad_diff(grads_p, grads_u) <= 1e-5, lengths
+        assert_exact(grads_p, grads_u, what=f"gradient {lengths}")
         # negative control: the same compiled model with the boundaries dropped must differ clearly
         logits_b, _, grads_b = packed_run(model, samples, sabotage=True)
-        assert (logits_b - logits_u).abs().max().item() > 1e-3
-        assert max_grad_diff(grads_b, grads_u) > 1e-3
+        assert_differs(logits_b, logits_u, rtol=LOGITS_RTOL, what="logits")
+        assert_differs(grads_b, grads_u)
 
 
 def test_one_graph_for_every_pack_shape():
@@ -159,7 +160,7 @@ def test_compiled_linear_attention_model_packed_equals_per_sample(name):
     pack), exact, one graph set for all packs."""
     from torch._dynamo.utils import counters
 
-    from tests.invariant.test_gated_delta import _passes, _per_sample, _samples
+    from tests.invariant.test_gated_delta import _far, _gaps, _passes, _per_sample, _samples
     from varpack.collate import PaddingFreeCollator
     from varpack.integrations.gated_delta import tiny_model
     from varpack.integrations.transformers import enable_varpack
@@ -188,17 +189,14 @@ def test_compiled_linear_attention_model_packed_equals_per_sample(name):
         samples = _samples(lengths, vocab=VOCAB)
         logits_r, loss_r, grads_r = _per_sample(ref, samples)
         logits_p, loss_p, grads_p = packed(model, samples)
-        diffs = {
-            "logits": float((logits_p - logits_r).abs().max()),
-            "loss": abs(float(loss_p - loss_r)),
-            "grad": max_grad_diff(grads_p, grads_r),
-        }
-        assert _passes(diffs), (lengths, diffs)
+        diffs = _gaps(logits_p, loss_p, grads_p, logits_r, loss_r, grads_r)
+        assert _passes(diffs), (lengths, {k: str(g) for k, g in diffs.items()})
         assert grads_p.keys() == {n for n, _ in model.named_parameters()}
         graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs, lengths
-    logits_b, _, grads_b = packed(model, samples, sabotage=True)
-    assert (logits_b - logits_r).abs().max().item() > 1e-3 and max_grad_diff(grads_b, grads_r) > 1e-3
+    logits_b, loss_b, grads_b = packed(model, samples, sabotage=True)
+    diffs = _gaps(logits_b, loss_b, grads_b, logits_r, loss_r, grads_r)
+    assert _far(diffs["logits"]) and _far(diffs["grad"]), {k: str(g) for k, g in diffs.items()}
 
 
 def test_cli_flags_reach_the_config():
@@ -224,9 +222,9 @@ def test_compiled_layers_with_gradient_checkpointing():
     samples = make_samples(SHAPES[0])
     _, _, grads_u = unpacked_run(ref, samples)
     _, _, grads_p = packed_run(model, samples)
-    assert max_grad_diff(grads_p, grads_u) <= 1e-5
+    assert_exact(grads_p, grads_u)
     _, _, grads_b = packed_run(model, samples, sabotage=True)
-    assert max_grad_diff(grads_b, grads_u) > 1e-3
+    assert_differs(grads_b, grads_u)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -257,14 +255,13 @@ def test_compiled_text_families_packed_equals_unpacked(name):
         graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs > 0, lengths
         logits_u, loss_u, grads_u = unpacked_run(ref, samples, ref_attn)
-        assert (logits_p - logits_u).abs().max().item() <= 1e-5, lengths
-        torch.testing.assert_close(loss_p, loss_u, rtol=1e-6, atol=1e-6)
+        assert_exact(logits_p, logits_u, rtol=LOGITS_RTOL, what=f"logits {lengths}")
+        assert_exact(loss_p, loss_u, rtol=LOSS_RTOL, what=f"loss {lengths}")
         assert len(grads_p) == len(list(model.parameters()))
-        for n in grads_p:
-            torch.testing.assert_close(grads_p[n], grads_u[n], rtol=1e-4, atol=1e-6, msg=n)
+        assert_exact(grads_p, grads_u, what=f"gradient {lengths}")
     logits_b, _, grads_b = packed_run(model, samples, sabotage=True)
-    assert (logits_b - logits_u).abs().max().item() > 1e-3
-    assert max_grad_diff(grads_b, grads_u) > 1e-3
+    assert_differs(logits_b, logits_u, rtol=LOGITS_RTOL, what="logits")
+    assert_differs(grads_b, grads_u)
     assert counters["stats"]["unique_graphs"] == graphs
     breaks = counters["graph_break"]
     assert breaks and all("torch.compiler.disable" in reason for reason in breaks), dict(breaks)
@@ -282,9 +279,8 @@ def test_compiled_vl_model_packed_equals_per_sample(name):
 
     from tests.invariant.test_vision_language import (
         CHATS,
-        diffs,
+        assert_packed_exact,
         encode,
-        exact,
         per_sample_run,
         varpack_model,
     )
@@ -312,15 +308,15 @@ def test_compiled_vl_model_packed_equals_per_sample(name):
         graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs > 0, chats
         ref = per_sample_run(ref_model, samples)
-        d = diffs(ref, got)
-        assert exact(d), f"{name}: compiled packed != per-sample: {d}"
+        assert_packed_exact(ref, got, f"{name} compiled")
         assert any(n.startswith("model.visual.") for n in got[2])  # the images went through the tower
     t = batch["input_ids"].shape[1]
     bad = dict(batch, cu_seq_lens_q=torch.tensor([0, t], dtype=torch.int32), max_length_q=t, max_length_k=t)
     bad["cu_seq_lens_k"] = bad["cu_seq_lens_q"]
     bad.pop("varlen_meta")
-    d = diffs(ref, vl_packed_run(model, bad))
-    assert d["logits"] > 1e-3 and d["grad"] > 1e-3, d
+    logits_b, _, grads_b = vl_packed_run(model, bad)
+    assert_differs(logits_b, ref[0], rtol=LOGITS_RTOL, what="logits")
+    assert_differs(grads_b, ref[2])
     assert counters["stats"]["unique_graphs"] == graphs
     breaks = counters["graph_break"]
     assert breaks and all("torch.compiler.disable" in reason for reason in breaks), dict(breaks)

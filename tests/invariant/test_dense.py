@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._exact import LOGITS_RTOL, LOSS_RTOL, assert_differs, assert_exact
 from varpack.collate import PaddingFreeCollator
 from varpack.integrations.transformers import enable_varpack
 from varpack.loss import causal_lm_loss
@@ -132,11 +133,10 @@ def test_packed_equals_unpacked(model_and_ref):
     logits_p, loss_p, grads_p = packed_run(model, samples)
     logits_u, loss_u, grads_u = unpacked_run(model, samples, ref_attn)
     assert logits_p.shape == logits_u.shape == (sum(LENGTHS), VOCAB)
-    assert (logits_p - logits_u).abs().max().item() <= 1e-5
-    torch.testing.assert_close(loss_p, loss_u, rtol=1e-6, atol=1e-6)
+    assert_exact(logits_p, logits_u, rtol=LOGITS_RTOL, what="logits")
+    assert_exact(loss_p, loss_u, rtol=LOSS_RTOL, what="loss")
     assert len(grads_p) == len(list(model.parameters()))  # every parameter got a gradient
-    for name in grads_p:
-        torch.testing.assert_close(grads_p[name], grads_u[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_exact(grads_p, grads_u)
 
 
 def test_negative_control_without_boundaries(model_and_ref):
@@ -145,8 +145,8 @@ def test_negative_control_without_boundaries(model_and_ref):
     samples = make_samples()
     logits_p, loss_p, grads_p = packed_run(model, samples, sabotage=True)
     logits_u, loss_u, grads_u = unpacked_run(model, samples, ref_attn)
-    assert (logits_p - logits_u).abs().max().item() > 1e-3
-    assert max_grad_diff(grads_p, grads_u) > 1e-3
+    assert_differs(logits_p, logits_u, rtol=LOGITS_RTOL, what="logits")
+    assert_differs(grads_p, grads_u)
 
 
 def test_gradient_checkpointing_keeps_exactness():
@@ -157,9 +157,9 @@ def test_gradient_checkpointing_keeps_exactness():
     model.gradient_checkpointing_enable()
     model.train()
     _, _, grads_p = packed_run(model, samples)
-    assert max_grad_diff(grads_p, grads_u) <= 1e-5
+    assert_exact(grads_p, grads_u)
     _, _, grads_bad = packed_run(model, samples, sabotage=True)
-    assert max_grad_diff(grads_bad, grads_u) > 1e-3
+    assert_differs(grads_bad, grads_u)
 
 
 def test_unpacked_path_matches_native_attention():

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._exact import LOGITS_RTOL, MARGIN, assert_exact, measure
 from varpack.collate import PaddingFreeCollator
 from varpack.integrations.gated_delta import tiny_model
 from varpack.integrations.transformers import enable_varpack
@@ -26,7 +27,11 @@ BETA = 0.5
 # (prompt, chosen completion, rejected completion) lengths: a 1-token completion, sequences across the
 # 64-token chunk of the gated delta rule
 PAIRS = [(5, 3, 7), (2, 1, 4), (30, 40, 36)]
-TOL = 1e-4
+#: a sequence log-probability is a sum of ~40 token log-probabilities (~250 in all): honest gaps are ~2e-7 of it,
+#: a pack without boundaries moves it by ~1e-3 of it
+LOGPS_RTOL = 2e-6
+#: the DPO loss carries the log-probabilities' absolute gaps (times beta), not a relative rounding of its own
+DPO_LOSS_RTOL = LOGITS_RTOL
 
 
 def make_pairs(pairs=PAIRS, seed=0):
@@ -119,15 +124,16 @@ def models(request):
     return build(1), build(2), attn  # policy, reference (other weights: a non-trivial log ratio)
 
 
-def _diffs(a, b):
+def _gaps(a, b):
+    """Worst gaps (tests/_exact.py) of run ``a`` against the reference run ``b``: sequence log-probabilities
+    (a sum over the completion), the reference model's, the loss, the gradients."""
     logps_a, ref_a, loss_a, grads_a = a
     logps_b, ref_b, loss_b, grads_b = b
-    assert grads_a.keys() == grads_b.keys()
     return {
-        "logps": float((logps_a[: len(logps_b)] - logps_b).abs().max()),
-        "ref_logps": float((ref_a[: len(ref_b)] - ref_b).abs().max()),
-        "loss": abs(float(loss_a - loss_b)),
-        "grad": max(float((grads_a[n] - grads_b[n]).abs().max()) for n in grads_a),
+        "logps": measure(logps_a, logps_b, rtol=LOGPS_RTOL, what="logps"),
+        "ref_logps": measure(ref_a, ref_b, rtol=LOGPS_RTOL, what="ref_logps"),
+        "loss": measure(loss_a, loss_b, rtol=DPO_LOSS_RTOL, what="loss"),
+        "grad": measure(grads_a, grads_b, what="gradient"),
     }
 
 
@@ -139,17 +145,16 @@ def test_packed_dpo_equals_unpacked(models):
     assert packed[0].shape == (len(samples),)
     assert float(unpacked[2]) > 0.01 and float(packed[0].abs().min()) > 1.0  # non-trivial values
     assert len(packed[3]) == len(list(policy.parameters()))  # every parameter got a gradient
-    diffs = _diffs(packed, unpacked)
-    assert max(diffs.values()) < TOL, diffs
-    for name in packed[3]:
-        torch.testing.assert_close(packed[3][name], unpacked[3][name], rtol=1e-3, atol=TOL, msg=name)
+    found = _gaps(packed, unpacked)
+    assert all(g.diff <= g.bound for g in found.values()), {k: str(g) for k, g in found.items()}
+    assert_exact(packed[3], unpacked[3])  # names the worst parameter
 
 
 def test_negative_control_boundaries_dropped(models):
     policy, ref, attn = models
     samples = make_pairs()
-    diffs = _diffs(packed_run(policy, ref, samples, sabotage=True), unpacked_run(policy, ref, samples, attn))
-    assert diffs["logps"] > 100 * TOL and diffs["grad"] > 10 * TOL, diffs
+    found = _gaps(packed_run(policy, ref, samples, sabotage=True), unpacked_run(policy, ref, samples, attn))
+    assert found["logps"].ratio > MARGIN and found["grad"].ratio > MARGIN, {k: str(g) for k, g in found.items()}
 
 
 def test_gradient_accumulation_denominator(models):
@@ -168,6 +173,5 @@ def test_gradient_accumulation_denominator(models):
     assert int(n) == 3
     total = sum(objective.loss(policy, b, num_items_in_batch=n).loss for b in parts)
     total.backward()
-    torch.testing.assert_close(total.detach(), whole.detach(), rtol=1e-5, atol=1e-6)
-    for name, p in policy.named_parameters():
-        torch.testing.assert_close(p.grad, g_whole[name], rtol=1e-3, atol=TOL, msg=name)
+    assert_exact(total, whole, rtol=DPO_LOSS_RTOL, what="loss")
+    assert_exact({n: p.grad for n, p in policy.named_parameters()}, g_whole)

@@ -16,7 +16,8 @@ import copy
 import pytest
 import torch
 
-from tests.invariant.test_dense import VOCAB, make_samples, max_grad_diff, model_inputs, unpacked_run
+from tests._exact import LOGITS_RTOL, LOSS_RTOL, assert_differs, assert_exact
+from tests.invariant.test_dense import VOCAB, make_samples, model_inputs, unpacked_run
 from varpack.collate import PaddingFreeCollator, StaticShape
 from varpack.loss import causal_lm_loss
 from varpack.models import load_model
@@ -85,16 +86,16 @@ def test_static_equals_dynamic_equals_unpacked(backend):
         logits_s, loss_s, grads_s = run(model, static)
         logits_d, loss_d, grads_d = run(model, dynamic)
         logits_u, loss_u, grads_u = unpacked_run(model, samples)
-        assert (logits_s[:t] - logits_d).abs().max().item() <= 1e-5, lengths
-        assert (logits_s[:t] - logits_u).abs().max().item() <= 1e-5, lengths
-        torch.testing.assert_close(loss_s, loss_d, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(loss_s, loss_u, rtol=1e-6, atol=1e-6)
+        assert_exact(logits_s[:t], logits_d, rtol=LOGITS_RTOL, what=f"logits static/dynamic {lengths}")
+        assert_exact(logits_s[:t], logits_u, rtol=LOGITS_RTOL, what=f"logits static/unpacked {lengths}")
+        assert_exact(loss_s, loss_d, rtol=LOSS_RTOL, what="loss static/dynamic")
+        assert_exact(loss_s, loss_u, rtol=LOSS_RTOL, what="loss static/unpacked")
         assert len(grads_s) == len(list(model.parameters()))  # every parameter got a gradient
-        assert max_grad_diff(grads_s, grads_d) <= 1e-5, lengths
-        assert max_grad_diff(grads_s, grads_u) <= 1e-5, lengths
+        assert_exact(grads_s, grads_d, what=f"gradient static/dynamic {lengths}")
+        assert_exact(grads_s, grads_u, what=f"gradient static/unpacked {lengths}")
         # the pad segments are independent sequences: each one's logits are those of it run alone
         pads = pad_segments_alone(model, static, len(lengths))
-        assert (logits_s[t:] - pads).abs().max().item() <= 1e-5, lengths
+        assert_exact(logits_s[t:], pads, rtol=LOGITS_RTOL, what=f"pad segments' logits {lengths}")
 
 
 def test_supervised_count_and_sample_mean_see_only_the_samples():
@@ -106,8 +107,8 @@ def test_supervised_count_and_sample_mean_see_only_the_samples():
     for reduction, num_items in (("token", n_static), ("sample", None)):
         _, loss_s, grads_s = run(model, static, reduction=reduction, num_items=num_items)
         _, loss_d, grads_d = run(model, dynamic, reduction=reduction, num_items=num_items)
-        torch.testing.assert_close(loss_s, loss_d, rtol=1e-6, atol=1e-6)
-        assert max_grad_diff(grads_s, grads_d) <= 1e-6, reduction
+        assert_exact(loss_s, loss_d, rtol=LOSS_RTOL, what=f"loss ({reduction})")
+        assert_exact(grads_s, grads_d, what=f"gradient ({reduction})")
 
 
 def test_linear_ce_loss_static_equals_dynamic():
@@ -126,8 +127,8 @@ def test_linear_ce_loss_static_equals_dynamic():
         loss.backward()
         results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
     (loss_s, grads_s), (loss_d, grads_d) = results
-    torch.testing.assert_close(loss_s, loss_d, rtol=1e-6, atol=1e-6)
-    assert max_grad_diff(grads_s, grads_d) <= 1e-6
+    assert_exact(loss_s, loss_d, rtol=LOSS_RTOL, what="loss")
+    assert_exact(grads_s, grads_d)
 
 
 # -- negative controls ------------------------------------------------------------------------------------
@@ -147,24 +148,24 @@ def test_negative_controls_fail():
     dropped["max_length_q"] = dropped["max_length_k"] = SHAPE.tokens
     dropped.pop("varlen_meta")
     logits_b, _, grads_b = run(model, dropped)
-    assert (logits_b[:t] - logits_u).abs().max().item() > 1e-3
-    assert max_grad_diff(grads_b, grads_u) > 1e-3
+    assert_differs(logits_b[:t], logits_u, rtol=LOGITS_RTOL, what="logits")
+    assert_differs(grads_b, grads_u)
 
     # 2. the pad tokens supervised: the loss and the gradients change
     supervised = dict(static, labels=static["labels"].clone())
     supervised["labels"][0, t + 1 :] = PAD_ID
     _, loss_p, grads_p = run(model, supervised)
-    assert abs(loss_p.item() - loss_u.item()) > 1e-3
-    assert max_grad_diff(grads_p, grads_u) > 1e-3
+    assert_differs(loss_p, loss_u, rtol=LOSS_RTOL, what="loss")
+    assert_differs(grads_p, grads_u)
 
     # 3. the pad segments merged into the last sample: the real tokens cannot tell (causal: nothing attends
     # forward), the pad segments' own logits can
     merged = merge_pads_into_last_sample(static, len(lengths))
     logits_m, loss_m, _ = run(model, merged)
-    assert (logits_m[:t] - logits_u).abs().max().item() <= 1e-5
-    torch.testing.assert_close(loss_m, loss_u, rtol=1e-6, atol=1e-6)
-    assert (logits_s[t:] - pads).abs().max().item() <= 1e-5  # the check passes on the right batch ...
-    assert (logits_m[t:] - pads).abs().max().item() > 1e-3  # ... and fails on the merged one
+    assert_exact(logits_m[:t], logits_u, rtol=LOGITS_RTOL, what="logits")
+    assert_exact(loss_m, loss_u, rtol=LOSS_RTOL, what="loss")
+    assert_exact(logits_s[t:], pads, rtol=LOGITS_RTOL, what="pad logits")  # the check passes on the right batch
+    assert_differs(logits_m[t:], pads, rtol=LOGITS_RTOL, what="pad logits")  # ... and fails on the merged one
 
 
 # -- one compiled graph for every static pack -------------------------------------------------------------
@@ -189,9 +190,9 @@ def test_static_packs_trace_one_graph_without_breaks():
         graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs > 0, lengths
         logits_e, loss_e, grads_e = run(eager, batch)
-        torch.testing.assert_close(logits_c, logits_e, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-6)
-        assert max_grad_diff(grads_c, grads_e) <= 1e-6, lengths
+        assert_exact(logits_c, logits_e, rtol=LOGITS_RTOL, what=f"logits compiled/eager {lengths}")
+        assert_exact(loss_c, loss_e, rtol=LOSS_RTOL, what="loss compiled/eager")
+        assert_exact(grads_c, grads_e, what=f"gradient compiled/eager {lengths}")
     assert not counters["graph_break"], dict(counters["graph_break"])
     for lengths in PACKS[:2]:  # control: dynamic shapes through the same dynamic=False compile recompile
         run(model, PaddingFreeCollator()([make_samples(lengths)]))

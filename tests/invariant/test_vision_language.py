@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("PIL")
 pytest.importorskip("skimage")
 
+from tests._exact import LOGITS_RTOL, LOSS_RTOL, MARGIN, assert_exact, measure  # noqa: E402
 from varpack.collate import PaddingFreeCollator  # noqa: E402
 from varpack.data.vl_builtin import package_image_path  # noqa: E402
 from varpack.encode.multimodal import encode_mm_chat  # noqa: E402
@@ -33,9 +34,6 @@ from varpack.integrations.vision import (  # noqa: E402
 from varpack.loss import causal_lm_loss  # noqa: E402
 from varpack.schema import BOUNDARY_KEYS
 from varpack.tokenizer import load_tokenizer  # noqa: E402
-
-ATOL_LOGITS = 2e-5
-ATOL_GRAD = 2e-5
 
 
 def img(name: str) -> str:
@@ -117,25 +115,20 @@ def packed_inputs(batch, boundaries=True):
     return kw
 
 
-def logits_diff(model, batch, ref, *, boundaries=True) -> float:
-    """Forward only (negative controls): max |packed - per-sample| logit difference."""
+def logits_gap(model, batch, ref, *, boundaries=True):
+    """Forward only (negative controls): the packed logits' gap to the per-sample ones (tests/_exact.py)."""
     with torch.no_grad():
         logits = model(use_cache=False, **packed_inputs(batch, boundaries)).logits[0]
-    return (logits - ref[0]).abs().max().item()
+    return measure(logits, ref[0], rtol=LOGITS_RTOL, what="logits")
 
 
-def diffs(ref, got) -> dict[str, float]:
+def assert_packed_exact(ref, got, what: str) -> None:
+    """Logits, loss and every gradient of the packed run ``got`` equal the per-sample run ``ref``
+    (tests/_exact.py's rule)."""
     (lr, sr, gr), (lg, sg, gg) = ref, got
-    assert gr.keys() == gg.keys()
-    return {
-        "logits": (lr - lg).abs().max().item(),
-        "loss": abs(sr.item() - sg.item()),
-        "grad": max(((gr[n] - gg[n]).abs().max() / (1.0 + gr[n].abs().max())).item() for n in gr),
-    }
-
-
-def exact(d: dict[str, float]) -> bool:
-    return d["logits"] <= ATOL_LOGITS and d["loss"] <= 1e-5 and d["grad"] <= ATOL_GRAD
+    assert_exact(lg, lr, rtol=LOGITS_RTOL, what=f"{what} logits")
+    assert_exact(sg, sr, rtol=LOSS_RTOL, what=f"{what} loss")
+    assert_exact(gg, gr, what=f"{what} gradient")
 
 
 def varpack_model(ref_model):
@@ -180,8 +173,7 @@ def test_packed_equals_per_sample(vp):
     batch = PaddingFreeCollator()(samples)
     assert batch["position_ids"].shape == (4, 1, sum(s["length"] for s in samples))
     check_media(batch, model)
-    d = diffs(ref, packed_run(model, batch))
-    assert exact(d), f"{name}: packed != per-sample: {d}"
+    assert_packed_exact(ref, packed_run(model, batch), name)
 
 
 def test_transformers_mask_path_reads_text_plane(setup):
@@ -190,19 +182,19 @@ def test_transformers_mask_path_reads_text_plane(setup):
     if name != "tiny-qwen3-vl":
         pytest.skip("Qwen3.5's own linear-attention layers mix packed samples (needs enable_varpack)")
     batch = PaddingFreeCollator()(samples)
-    d = diffs(ref, packed_run(ref_model, batch, boundaries=False))
-    assert exact(d), d
+    assert_packed_exact(ref, packed_run(ref_model, batch, boundaries=False), name)
 
 
 def _fails(run) -> tuple[bool, str]:
-    """True if ``run()`` (a max logit difference) fails the exactness bound or is refused with an error."""
+    """True if ``run()`` (the logits' gap) exceeds the exactness bound by tests/_exact.py's MARGIN, or is
+    refused with an error."""
     from varpack.integrations.transformers import PackingGuardError
 
     try:
-        d = run()
+        gap = run()
     except (ValueError, PackingGuardError) as exc:  # refused: the test cannot pass either
         return True, f"raised {type(exc).__name__}: {exc}"
-    return d > ATOL_LOGITS, f"max logit diff {d}"
+    return gap.ratio > MARGIN, str(gap)
 
 
 def test_negative_control_three_planes_without_text_plane(vp, setup):
@@ -215,10 +207,10 @@ def test_negative_control_three_planes_without_text_plane(vp, setup):
     # ... and a batch that carries only the 3 planes (no text plane, no boundaries) does not match
     batch = PaddingFreeCollator()(samples)
     batch["position_ids"] = batch["position_ids"][1:]
-    failed, why = _fails(lambda: logits_diff(model, batch, ref, boundaries=False))
+    failed, why = _fails(lambda: logits_gap(model, batch, ref, boundaries=False))
     assert failed, f"{name}: 3-plane positions without boundaries unexpectedly exact ({why})"
     if name == "tiny-qwen3-vl":  # the model's own mask path mixes too
-        failed, why = _fails(lambda: logits_diff(ref_model, batch, ref, boundaries=False))
+        failed, why = _fails(lambda: logits_gap(ref_model, batch, ref, boundaries=False))
         assert failed, why
 
 
@@ -239,7 +231,7 @@ def test_negative_control_boundaries_from_mrope_plane(vp):
     bad["max_length_q"] = bad["max_length_k"] = int((cu[1:] - cu[:-1]).max())
     bad["seq_idx"] = segments.to(torch.int32)
     bad.pop("varlen_meta")
-    failed, why = _fails(lambda: logits_diff(model, bad, ref))
+    failed, why = _fails(lambda: logits_gap(model, bad, ref))
     assert failed, f"{name}: mRoPE-plane boundaries unexpectedly exact ({why})"
 
 
@@ -253,7 +245,7 @@ def test_negative_control_media_out_of_pack_order(vp):
     batch = PaddingFreeCollator()(samples)
     wrong = PaddingFreeCollator()(swapped)
     batch["pixel_values"], batch["image_grid_thw"] = wrong["pixel_values"], wrong["image_grid_thw"]
-    failed, why = _fails(lambda: logits_diff(model, batch, ref))
+    failed, why = _fails(lambda: logits_gap(model, batch, ref))
     assert failed, f"{name}: media in the wrong order unexpectedly exact ({why})"
 
 

@@ -10,7 +10,8 @@ import functools
 import pytest
 import torch
 
-from tests.invariant.test_dense import VOCAB, make_samples, max_grad_diff, packed_run, unpacked_run
+from tests._exact import LOGITS_RTOL, LOSS_RTOL, assert_differs, assert_exact
+from tests.invariant.test_dense import VOCAB, make_samples, packed_run, unpacked_run
 from varpack.attn import available_backends, varlen_attention
 from varpack.attn.custom_op import _varlen_attention, op_backward_kind, varlen_attention_op
 from varpack.integrations.kernels import compile_layers
@@ -267,17 +268,17 @@ def test_tiny_qwen3_fullgraph_through_the_op():
         graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs > 0, lengths
         logits_e, loss_e, grads_e = packed_run(eager, samples)
-        torch.testing.assert_close(logits_c, logits_e, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-6)
+        assert_exact(logits_c, logits_e, rtol=LOGITS_RTOL, what=f"logits compiled/eager {lengths}")
+        assert_exact(loss_c, loss_e, rtol=LOSS_RTOL, what="loss compiled/eager")
         assert grads_c.keys() == grads_e.keys() and len(grads_c) == len(list(model.parameters()))
-        assert max_grad_diff(grads_c, grads_e) <= 1e-6, lengths
+        assert_exact(grads_c, grads_e, what=f"gradient compiled/eager {lengths}")
         logits_u, loss_u, grads_u = unpacked_run(eager, samples)
-        assert (logits_c - logits_u).abs().max().item() <= 1e-5, lengths
-        assert max_grad_diff(grads_c, grads_u) <= 1e-5, lengths
+        assert_exact(logits_c, logits_u, rtol=LOGITS_RTOL, what=f"logits {lengths}")
+        assert_exact(grads_c, grads_u, what=f"gradient {lengths}")
     assert not counters["graph_break"], dict(counters["graph_break"])
     logits_b, _, grads_b = packed_run(model, samples, sabotage=True)
-    assert (logits_b - logits_u).abs().max().item() > 1e-3
-    assert max_grad_diff(grads_b, grads_u) > 1e-3
+    assert_differs(logits_b, logits_u, rtol=LOGITS_RTOL, what="logits")
+    assert_differs(grads_b, grads_u)
 
 
 # -- GPU: the native FA4 backward against the recompute path ---------------------------------------------

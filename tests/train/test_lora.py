@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from tests._exact import LOGITS_RTOL, LOSS_RTOL, assert_differs, assert_exact
 from varpack.collate import PaddingFreeCollator
 from varpack.loss import causal_lm_loss
 from varpack.models import load_model
@@ -85,11 +86,6 @@ def unpacked_run(model, samples):
         model.set_attn_implementation(current)
 
 
-def max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[n] - b[n]).abs().max().item() for n in a)
-
-
 CHECKPOINTING = {"off": None, "non-reentrant": {"use_reentrant": False}, "reentrant": {"use_reentrant": True}}
 
 
@@ -109,14 +105,13 @@ def test_lora_packed_equals_unpacked(name, checkpointing):
     lora_names = {n for n, _ in model.named_parameters() if "lora_" in n}
     assert grads_p.keys() == lora_names and len(lora_names) > 0  # only the adapters train, all of them
     assert min(g.abs().max().item() for g in grads_p.values()) > 0  # every adapter got a gradient
-    assert (logits_p - logits_u).abs().max().item() <= 1e-5
-    torch.testing.assert_close(loss_p, loss_u, rtol=1e-6, atol=1e-6)
-    for n in grads_p:
-        torch.testing.assert_close(grads_p[n], grads_u[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert_exact(logits_p, logits_u, rtol=LOGITS_RTOL, what="logits")
+    assert_exact(loss_p, loss_u, rtol=LOSS_RTOL, what="loss")
+    assert_exact(grads_p, grads_u)
 
     logits_bad, _, grads_bad = packed_run(model, samples, sabotage=True)
-    assert (logits_bad - logits_u).abs().max().item() > 1e-3
-    assert max_diff(grads_bad, grads_u) > 1e-3
+    assert_differs(logits_bad, logits_u, rtol=LOGITS_RTOL, what="logits")
+    assert_differs(grads_bad, grads_u)
 
 
 def test_lora_changes_the_model():
@@ -150,8 +145,8 @@ def test_linear_ce_sees_through_peft_model():
     model.zero_grad(set_to_none=True)
     loss = causal_lm_forward_with_linear_ce(model, {k: v for k, v in batch.items() if k != "sample_ids"})
     loss.backward()
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
-    assert max_diff(trainable_grads(model), grads_ref) <= 1e-6
+    assert_exact(loss, loss_ref, rtol=LOSS_RTOL, what="loss")
+    assert_exact(trainable_grads(model), grads_ref)
     assert not head_has_adapter(model)
 
     on_head = lora_model(lora_target_modules="q_proj,lm_head")

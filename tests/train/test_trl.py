@@ -13,6 +13,7 @@ datasets = pytest.importorskip("datasets")
 
 from trl import SFTConfig  # noqa: E402
 
+from tests._exact import LOSS_RTOL, assert_differs, assert_exact  # noqa: E402
 from varpack.loss import causal_lm_loss  # noqa: E402
 from varpack.models import load_model, load_tokenizer_for  # noqa: E402
 from varpack.train import SFTConfig as VarpackConfig  # noqa: E402
@@ -184,16 +185,15 @@ def test_trl_step_gradients_equal_unpacked(tmp_path, tokenizer, loss_impl):
     loss_p, grads_p = packed(batch)
     assert trainer.loss_impl_used == loss_impl
     assert grads_p.keys() == grads_u.keys() and len(grads_p) == len(list(model.parameters()))
-    torch.testing.assert_close(loss_p, loss_u, rtol=1e-6, atol=1e-6)
-    for n in grads_p:
-        torch.testing.assert_close(grads_p[n], grads_u[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert_exact(loss_p, loss_u, rtol=LOSS_RTOL, what="loss")
+    assert_exact(grads_p, grads_u)
 
     t = batch["input_ids"].shape[1]  # negative control: one segment spanning the row
     bad = {k: v for k, v in batch.items() if k != "varlen_meta"}
     bad["cu_seq_lens_q"] = bad["cu_seq_lens_k"] = torch.tensor([0, t], dtype=torch.int32)
     bad["max_length_q"] = bad["max_length_k"] = t
     _, grads_bad = packed(bad)
-    assert max((grads_bad[n] - grads_u[n]).abs().max().item() for n in grads_u) > 1e-3
+    assert_differs(grads_bad, grads_u)
 
 
 @pytest.mark.parametrize(
