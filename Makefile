@@ -11,6 +11,9 @@ TORCH_INDEX_URL ?=
 
 .PHONY: venv demo test lint bench-planner bench-collate clean
 
+# The stamp is rebuilt only when pyproject.toml changes, and then pip keeps every dependency already satisfied:
+# an existing .venv keeps the versions it first resolved. A fresh clone (as .ci/run runs) or `make clean` tests
+# the newest versions pyproject.toml allows; .ci/run prints the versions under test (.ci/versions.py).
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
