@@ -104,6 +104,7 @@ class PackedLossMixin:
         self._window_start: float | None = None  # set by the first micro-batch of a logging window
         self._last_logged_step = 0
         self.loss_impl_used: str | None = None
+        self._eval_totals: Any = None  # [loss sum, items] of the evaluation loop running now
 
     # -- num_items_in_batch for the "sample" reduction --------------------------------------------
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
@@ -174,6 +175,27 @@ class PackedLossMixin:
             return "logits", f"the {self.objective.name} objective reads the logits"
         return ("linear_ce" if linear else "logits"), why
 
+    def _run_objective(
+        self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any, *, linear_ce: bool
+    ) -> Any:
+        """The objective's :class:`~varpack.train.objectives.base.ObjectiveLoss` of one micro-batch (CUDA-graph
+        steps: boundaries on the device and a new graph step first)."""
+        if getattr(self, "cuda_graphs", False):
+            from varpack.integrations.cuda_graphs import begin_step, boundaries_on_device
+
+            inputs = boundaries_on_device(inputs, self.args.device)
+            begin_step()  # the previous micro-batch's graph outputs are consumed (backward and loss done)
+        # the linear CE runs the base model itself, past the autocast that accelerate wraps around
+        # model.forward under --bf16 / --fp16: without this context that path trained in float32
+        with self.accelerator.autocast() if linear_ce else contextlib.nullcontext():
+            return self.objective.loss(
+                model,
+                inputs,
+                reduction=self.loss_reduction,
+                num_items_in_batch=num_items_in_batch,
+                linear_ce=linear_ce,
+            )
+
     def compute_loss(
         self,
         model: Any,
@@ -181,27 +203,74 @@ class PackedLossMixin:
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
-        if getattr(self, "cuda_graphs", False):
-            from varpack.integrations.cuda_graphs import begin_step, boundaries_on_device
-
-            inputs = boundaries_on_device(inputs, self.args.device)
-            begin_step()  # the previous micro-batch's graph outputs are consumed (backward and loss done)
-        linear_ce = self._use_linear_ce(model)
-        # the linear CE runs the base model itself, past the autocast that accelerate wraps around
-        # model.forward under --bf16 / --fp16: without this context that path trained in float32
-        with self.accelerator.autocast() if linear_ce else contextlib.nullcontext():
-            result = self.objective.loss(
-                model,
-                inputs,
-                reduction=self.loss_reduction,
-                num_items_in_batch=num_items_in_batch,
-                linear_ce=linear_ce,
-            )
+        result = self._run_objective(model, inputs, num_items_in_batch, linear_ce=self._use_linear_ce(model))
         loss, outputs, self.loss_impl_used = result.loss, result.outputs, result.impl
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # DDP averages gradients over ranks; the global count already divides by all ranks' items
             loss = loss * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
+
+    # -- evaluation: one mean over the whole eval set ----------------------------------------------
+    def _count_items(self, batch: dict[str, Any]) -> Any:
+        """The items ``batch``'s loss averages over (what ``get_batch_samples`` counts for a training step)."""
+        own = getattr(self.objective, "own_item_count", False)  # DPO: pairs, whatever the reduction
+        return self.objective.count_items(batch, reduction="sample" if own else self.loss_reduction)
+
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> tuple[Any, Any, Any]:
+        """One eval micro-batch: the objective's loss *sum* and item count are added to the eval totals (read by
+        :meth:`evaluation_loop`); returns ``(this batch's mean loss, logits, labels)`` as ``Trainer`` expects
+        (logits and labels ``None`` with ``prediction_loss_only``; otherwise the loss runs on the logits).
+
+        Trainer's own ``eval_loss`` is the mean of these per-batch means, which weighs a batch of few tokens as
+        much as one of many and so depends on how the eval set was packed; :meth:`evaluation_loop` replaces it.
+        """
+        import torch
+
+        count = self._count_items(inputs)  # CPU batch: no device read
+        inputs = self._prepare_inputs(inputs)
+        linear_ce = bool(prediction_loss_only) and self._use_linear_ce(model)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            result = self._run_objective(model, inputs, 1, linear_ce=linear_ce)  # 1: the batch's loss sum
+        total = result.loss.detach().to(torch.float64)
+        count = torch.as_tensor(count).to(total.device, torch.float64)
+        if self._eval_totals is not None:
+            self._eval_totals += torch.stack([total, count]).to(self._eval_totals.device)
+        mean = (total / count.clamp(min=1.0)).to(torch.float32)
+        if prediction_loss_only:
+            return mean, None, None
+        logits = getattr(result.outputs, "logits", None)
+        labels = inputs.get(LABELS)
+        return mean, (logits.detach() if logits is not None else None), labels
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: Any = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """``Trainer.evaluation_loop``; its ``<prefix>_loss`` becomes the mean over the whole eval set: the sum of
+        every batch's loss sum over the sum of their item counts, over all ranks (supervised tokens for
+        ``loss_reduction="token"``, samples with a supervised token for ``"sample"``, pairs for DPO), so the
+        value does not depend on how the eval set was packed or batched. NaN when the eval set has no item."""
+        import torch
+
+        self._eval_totals = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+            totals = self._eval_totals
+        finally:
+            self._eval_totals = None
+        if self.args.world_size > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        loss_sum, count = (float(x) for x in totals.tolist())
+        output.metrics[f"{metric_key_prefix}_loss"] = loss_sum / count if count > 0 else float("nan")
+        return output
 
     # -- per-step metrics ----------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -468,6 +537,58 @@ class PackSamplingMixin:
         if shard is not None and getattr(shard, "batch_sampler", None) is self.pack_sampler:
             shard.num_processes, shard.process_index = 1, 0
         return loader
+
+    def _packed_eval_loader(self, dataset: Any) -> Any:
+        """Under several ranks, the DataLoader of an eval / test :class:`varpack.data.dataset.PackedDataset`:
+        its packs dealt to the ranks by a :class:`varpack.data.sampler.BalancedPackSampler` (round-robin,
+        ``per_device_eval_batch_size`` packs per rank per batch), every pack on exactly one rank and a rank
+        without a pack left given a masked filler pack (it counts nothing), where accelerate's own sharding
+        would repeat packs to even the ranks out and so count them twice in the eval loss. ``None``: one
+        process, or not a PackedDataset (Trainer's own loader)."""
+        from varpack.data.dataset import PackedDataset
+
+        if self.args.world_size <= 1 or not isinstance(dataset, PackedDataset):
+            return None
+        from torch.utils.data import DataLoader
+
+        from varpack.data.sampler import BalancedPackSampler
+
+        a = self.args
+        sampler = BalancedPackSampler(
+            dataset.plan,
+            rank=a.process_index,
+            world_size=a.world_size,
+            packs_per_rank=a.per_device_eval_batch_size,
+            balance=False,
+        )
+        loader = self.accelerator.prepare(
+            DataLoader(
+                dataset,
+                batch_sampler=sampler,
+                collate_fn=self.data_collator,
+                num_workers=a.dataloader_num_workers,
+                pin_memory=a.dataloader_pin_memory,
+            )
+        )
+        shard = getattr(loader, "batch_sampler", None)  # accelerate's BatchSamplerShard: pass through
+        if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
+            shard.num_processes, shard.process_index = 1, 0
+        return loader
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """Trainer's eval DataLoader; under several ranks a PackedDataset's through
+        :meth:`_packed_eval_loader`."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        loader = self._packed_eval_loader(dataset)
+        return loader if loader is not None else super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """Trainer's test DataLoader (``predict``); under several ranks a PackedDataset's through
+        :meth:`_packed_eval_loader`."""
+        loader = self._packed_eval_loader(test_dataset)
+        return loader if loader is not None else super().get_test_dataloader(test_dataset)
 
     def _sampler_state(self) -> dict[str, Any]:
         """The sampler's state at Trainer's ``global_step`` (Trainer's own epoch / step arithmetic)."""
