@@ -11,11 +11,51 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["DTYPE_SPELLINGS", "dtype_spelling", "float_above", "int_at_least", "max_steps_type"]
+__all__ = [
+    "DTYPE_SPELLINGS",
+    "dtype_spelling",
+    "float_above",
+    "int_at_least",
+    "max_steps_type",
+    "parse_auto_bool",
+    "parse_bool",
+]
 
 #: ``--dtype``'s two spellings of each floating dtype: short (``varpack check``'s) -> torch's (``varpack sft``'s,
 #: :data:`varpack.train.config.DTypeName`). Both commands accept both.
 DTYPE_SPELLINGS: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_bool(text: str) -> bool:
+    """``true`` / ``false`` (also ``1`` / ``0``, ``yes`` / ``no``, ``y`` / ``n``, ``t`` / ``f``, any case), as HF's
+    ``string_to_bool``: the one reading of a switch written as text, by a flag (``--flag BOOL``), a ``--config``
+    file (a quoted value) and :class:`varpack.train.config.SFTConfig` (a string given for a ``bool`` field).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    low = text.strip().lower()
+    if low in ("true", "1", "yes", "y", "t"):
+        return True
+    if low in ("false", "0", "no", "n", "f"):
+        return False
+    raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+
+
+def parse_auto_bool(text: str) -> bool | str:
+    """``auto`` (any case) -> ``"auto"``, else :func:`parse_bool`: the value of an
+    :data:`varpack.train.config.AutoBool` switch (``torch_compile``), read so by the flag, a ``--config`` file
+    and ``SFTConfig``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bool(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be auto, true or false, got {text!r}") from None
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

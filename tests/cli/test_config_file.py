@@ -28,7 +28,7 @@ NON_DEFAULT = dict(
     output_dir="elsewhere",
     packing_length=77,
     packing_strategy="sequential",
-    overflow="split",
+    overflow="drop",  # not split: objective="dpo" below keeps pairs whole
     packs_per_step=3,
     grad_accum=2,
     epochs=2.5,
@@ -169,7 +169,7 @@ def test_unknown_key_names_key_file_and_suggestion(tmp_path, capsys, suffix):
         ("packing_length", 2.5, "packing_length"),  # not an integer
         ("max_length", True, "packing_length"),  # a bool is no number; named by the field, through the alias
         ("warmup_steps", -1, "warmup_steps"),
-        ("bf16", "yes", "bf16"),  # booleans are YAML booleans
+        ("bf16", "maybe", "bf16"),  # text of a switch: what the flags read (true / false / yes / 0 ...) or refused
         ("overflow", "nope", "overflow"),  # a Literal: the dataclass names the choices
         ("data", 5, "data"),
         ("extra_training_args", "max_grad_norm=1", "extra_training_args"),
@@ -309,6 +309,7 @@ REQUIRES: dict[str, dict] = {
     "lora_merge": {"lora": True},
     "streaming": {"max_steps": 5},
     "label_smoothing": {"loss_type": "robust"},
+    "objective": {"overflow": "drop"},  # dpo keeps pairs whole: not varpack demo's default overflow split
 }
 
 
@@ -427,6 +428,9 @@ def test_quoted_booleans_in_a_config_file(tmp_path, capsys):
         str(_dump(tmp_path / "q.yaml", {"bf16": "false", "gradient_checkpointing": "True"})),
     )
     assert got == SFTConfig(bf16=False, gradient_checkpointing=True)
-    for bad in ("yes", "1", 1):
+    # the other spellings of the one parser (varpack._argtypes.parse_bool: the flags', SFTConfig's)
+    quoted = _dump(tmp_path / "q2.yaml", {"bf16": "no", "gradient_checkpointing": "1"})
+    assert _parse("sft", "--config", str(quoted)) == SFTConfig(bf16=False, gradient_checkpointing=True)
+    for bad in ("maybe", "on", 1):
         code, err = _main_err(["sft", "--config", str(_dump(tmp_path / "bad.yaml", {"bf16": bad}))], capsys)
         assert code == 2 and "must be true or false" in err and repr(bad) in err, err

@@ -11,8 +11,9 @@ import types
 
 import pytest
 
+from varpack._argtypes import parse_auto_bool
 from varpack.cli.main import build_parser, main
-from varpack.train.cli_flags import config_from_args, config_to_argv, parse_auto_bool
+from varpack.train.cli_flags import config_from_args, config_to_argv
 from varpack.train.config import COMPILE_COLD_COST, CompileChoice, SFTConfig, resolve_torch_compile
 from varpack.train.config_file import load_config_file, write_config_file
 
@@ -99,10 +100,13 @@ def test_settings_that_do_not_conflict(fields):
 
 
 def test_config_refuses_other_values():
-    for bad in (1, 0, "yes", "on", None):
+    for bad in (1, 0, None):
         with pytest.raises(
             ValueError, match=r"SFTConfig\.torch_compile has an invalid value: .*True, False or 'auto'"
         ):
+            SFTConfig(torch_compile=bad)
+    for bad in ("on", "sometimes"):  # text the flag refuses too
+        with pytest.raises(ValueError, match=r"SFTConfig\.torch_compile .*\(must be auto, true or false"):
             SFTConfig(torch_compile=bad)
 
 
@@ -137,6 +141,37 @@ def test_bad_flag_value_is_a_usage_error(capsys):
     assert "--torch-compile" in err and "must be auto, true or false, got 'maybe'" in err
     with pytest.raises(argparse.ArgumentTypeError):
         parse_auto_bool("sometimes")
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("false", False), ("False", False), ("0", False), ("no", False),
+        ("true", True), ("YES", True), ("auto", "auto"),
+    ],  # fmt: skip
+)
+def test_config_flag_and_file_read_the_same_spellings(tmp_path, text, value):
+    """One parser (varpack._argtypes.parse_auto_bool) for SFTConfig, the flag and a --config file: a switch
+    written as text means the same wherever it is written."""
+    assert SFTConfig(torch_compile=text).torch_compile == value
+    assert _parse("--torch-compile", text).torch_compile == value
+    path = tmp_path / "run.yaml"
+    path.write_text(f"torch_compile: '{text}'\n")  # quoted: a string, as a YAML writer may leave it
+    assert load_config_file(path).torch_compile == value
+
+
+def test_switch_given_as_text_is_read_or_refused():
+    """A bool field given as text is read by the same parser (a non-empty string would be truthy: "false"
+    switched it on); anything else but a bool is refused, naming the field."""
+    assert SFTConfig(lora="false").lora is False and SFTConfig(lora="1").lora is True
+    for name, bad, rule in (
+        ("torch_compile", "maybe", "must be auto, true or false, got 'maybe'"),
+        ("lora", "off-ish", "must be true or false, got 'off-ish'"),
+        ("torch_compile", 1, "must be True, False or 'auto'"),
+        ("bf16", None, "must be True or False"),
+    ):
+        with pytest.raises(ValueError, match=rf"SFTConfig\.{name} has an invalid value: {bad!r} \({rule}"):
+            SFTConfig(**{name: bad})
 
 
 @pytest.mark.parametrize("value", [True, False, "auto"])
@@ -181,8 +216,8 @@ def test_yaml_values(tmp_path, capsys):
         path.write_text(f"torch_compile: {text}\n")
         assert _parse("--config", str(path)).torch_compile == value, text
     for text, rule in (
-        ("maybe", "true, false or auto"),
-        ("1", "true, false or auto"),
+        ("maybe", "auto, true or false, got 'maybe'"),  # the flag's own parser and words
+        ("1", "auto, true or false, got 1"),
         ("'maybe'", "got 'maybe'"),
         ("null", "not be null"),
     ):

@@ -8,7 +8,7 @@ One flag per field, so no setting is unreachable from the command line:
 * ``Literal[...]`` -> ``choices`` (with a ``metadata["cli_type"]``, also that type: other spellings mapped onto
   the choices, ``--dtype bf16`` -> ``bfloat16``); ``bool`` -> ``--flag`` / ``--no-flag`` (``argparse.BooleanOptionalAction``);
   :data:`varpack.train.config.AutoBool` (``bool | Literal["auto"]``) -> ``--flag [auto|true|false]`` (no
-  value: on) and ``--no-flag`` (off, hidden from ``--help``; :func:`parse_auto_bool`);
+  value: on) and ``--no-flag`` (off, hidden from ``--help``; :func:`varpack._argtypes.parse_auto_bool`);
   ``tuple[str, ...]`` -> ``nargs="+"``; ``int`` / ``float`` / ``str`` (also ``X | None``) -> that type, or the
   stricter check named by the field's ``metadata["cli_type"]`` (:data:`CLI_TYPES`);
 * help text and metavar from the field's metadata (see :mod:`varpack.train.config`).
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from types import NoneType, UnionType
 from typing import Any
 
+from varpack._argtypes import parse_auto_bool, parse_bool
 from varpack.train.config import ALWAYS_ON, SFTConfig, literal_choices
 
 __all__ = [
@@ -52,8 +53,6 @@ __all__ = [
     "flag_name",
     "is_auto_bool",
     "json_object",
-    "parse_auto_bool",
-    "parse_bool",
 ]
 
 #: Namespace attribute: the set of ``dest`` names whose flag was given on the command line.
@@ -100,35 +99,6 @@ class _SwitchOff(argparse.Action):
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None):
         setattr(namespace, self.dest, False)
         _mark_given(namespace, self.dest)
-
-
-def parse_bool(text: str) -> bool:
-    """``true`` / ``false`` (also ``1`` / ``0``, ``yes`` / ``no``, any case), as HF's ``string_to_bool``.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else.
-    """
-    low = text.strip().lower()
-    if low in ("true", "1", "yes", "y", "t"):
-        return True
-    if low in ("false", "0", "no", "n", "f"):
-        return False
-    raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
-
-
-def parse_auto_bool(text: str) -> bool | str:
-    """``auto`` (any case) -> ``"auto"``, else :func:`parse_bool`: the value of an
-    :data:`varpack.train.config.AutoBool` flag.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else.
-    """
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return parse_bool(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be auto, true or false, got {text!r}") from None
 
 
 def is_auto_bool(annotation: Any) -> bool:

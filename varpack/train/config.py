@@ -853,6 +853,7 @@ class SFTConfig:
             object.__setattr__(self, "data", (self.data,))
         else:
             object.__setattr__(self, "data", tuple(self.data))
+        self._read_switches()
         checks = [
             ("packing_length", self.packing_length >= 1, "must be >= 1"),
             ("packs_per_step", self.packs_per_step >= 1, "must be >= 1"),
@@ -866,11 +867,6 @@ class SFTConfig:
             ("num_proc", self.num_proc is None or self.num_proc >= 1, "must be >= 1"),
             ("dataloader_num_workers", self.dataloader_num_workers >= 0, "must be >= 0"),
             ("extra_training_args", isinstance(self.extra_training_args, dict), "must be a JSON object"),
-            (
-                "torch_compile",
-                isinstance(self.torch_compile, bool) or self.torch_compile == "auto",
-                "must be True, False or 'auto'",
-            ),
             ("lora_r", self.lora_r >= 1, "must be >= 1"),
             ("lora_alpha", self.lora_alpha >= 1, "must be >= 1"),
             ("lora_dropout", 0.0 <= self.lora_dropout < 1.0, "must be in [0, 1)"),
@@ -909,6 +905,30 @@ class SFTConfig:
                 raise ValueError(
                     f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}; choose one of {shown}"
                 )
+
+    def _read_switches(self) -> None:
+        """A ``bool`` / :data:`AutoBool` field given as text is read as the flags and ``--config`` files read it
+        (:func:`varpack._argtypes.parse_bool` / :func:`~varpack._argtypes.parse_auto_bool`: ``"false"``,
+        ``"0"``, ``"no"`` are off, ``"auto"`` for ``torch_compile``); any other value but a bool is refused
+        (a non-empty string is truthy: ``"false"`` would otherwise switch it on)."""
+        import argparse
+
+        from varpack._argtypes import parse_auto_bool, parse_bool
+
+        for name, annotation in _hints().items():
+            if annotation is not bool and annotation != AutoBool:
+                continue
+            value = getattr(self, name)
+            auto = annotation is not bool
+            if isinstance(value, str):
+                try:
+                    value = parse_auto_bool(value) if auto else parse_bool(value)
+                except argparse.ArgumentTypeError as exc:
+                    raise ValueError(f"SFTConfig.{name} has an invalid value: {value!r} ({exc})") from None
+                object.__setattr__(self, name, value)
+            elif not isinstance(value, bool):
+                rule = "True, False or 'auto'" if auto else "True or False"
+                raise ValueError(f"SFTConfig.{name} has an invalid value: {value!r} (must be {rule})")
 
     def lora_target_module_list(self) -> str | list[str]:
         """``lora_target_modules`` as peft's ``LoraConfig.target_modules``: ``"all-linear"`` as is, else the

@@ -89,7 +89,8 @@ def _read_mapping(path: Path) -> dict[str, Any]:
 
 def _check_value(annotation: Any, meta: Mapping[str, Any], value: Any) -> Any:
     """``value`` of field ``name`` as the flag would give it; raises ``ValueError`` with the reason."""
-    from varpack.train.cli_flags import _cli_types, _strip_optional, is_auto_bool, parse_auto_bool
+    from varpack._argtypes import parse_auto_bool, parse_bool
+    from varpack.train.cli_flags import _cli_types, _strip_optional, is_auto_bool
 
     optional = _strip_optional(annotation) is not annotation
     annotation = _strip_optional(annotation)
@@ -97,20 +98,19 @@ def _check_value(annotation: Any, meta: Mapping[str, Any], value: Any) -> Any:
         if optional:
             return None
         raise ValueError("must not be null")
-    if is_auto_bool(annotation):
+    if is_auto_bool(annotation) or annotation is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false", "auto"):
-            return parse_auto_bool(value)  # quoted "true" / "False" / "AUTO", as the flag reads them
-        raise ValueError(f"must be true, false or auto, got {value!r}")
+        parse = parse_auto_bool if annotation is not bool else parse_bool
+        if isinstance(value, str):  # quoted "false" / "AUTO" / "0", read as the flag reads them
+            try:
+                return parse(value)
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(str(exc)) from None
+        rule = "auto, true or false" if annotation is not bool else "true or false"
+        raise ValueError(f"must be {rule}, got {value!r}")
     if literal_choices(annotation) is not None:
         return value  # the dataclass checks it against the choices and names them
-    if annotation is bool:
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"  # quoted "true" / "False", as a YAML writer may quote them
-        if not isinstance(value, bool):
-            raise ValueError(f"must be true or false, got {value!r}")
-        return value
     if typing.get_origin(annotation) is tuple:
         if isinstance(value, str):
             return (value,)
