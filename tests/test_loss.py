@@ -179,8 +179,9 @@ def test_errors():
         causal_lm_loss(pl[:, :-1], plab)
     with pytest.raises(ValueError, match="seq_idx shape"):
         causal_lm_loss(pl, plab, seq_idx=seq[:, :-1])
-    with pytest.raises(ValueError, match="num_items_in_batch"):
-        causal_lm_loss(pl, plab, num_items_in_batch=0)
+    for bad in (-1, -0.5, float("nan")):
+        with pytest.raises(ValueError, match="num_items_in_batch must be a count >= 0"):
+            causal_lm_loss(pl, plab, num_items_in_batch=bad)
     with pytest.raises(ValueError, match="needs seq_idx"):
         count_loss_items(plab, reduction="sample")
 
@@ -193,3 +194,23 @@ def test_count_tensor_matches_count():
         n = count_loss_items(plab, reduction=reduction, seq_idx=seq)
         t = count_loss_items_tensor(plab, reduction=reduction, seq_idx=seq)
         assert t.dim() == 0 and int(t) == n
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_zero_count_is_one_rule_for_a_number_and_a_tensor(reduction):
+    """num_items_in_batch=0 (a step without any supervised item): a Python 0 and tensor(0) give the same loss
+    (0 with zero gradients when nothing is supervised; the sum over 1 otherwise), never an error for one and a
+    value for the other."""
+    seq = torch.zeros(1, 4, dtype=torch.int32)
+    for zero in (0, 0.0, torch.tensor(0)):
+        lg = torch.randn(1, 4, V, requires_grad=True)
+        labels = torch.full((1, 4), -100)
+        loss = causal_lm_loss(lg, labels, reduction=reduction, seq_idx=seq, num_items_in_batch=zero)
+        assert loss.item() == 0.0
+        loss.backward()
+        assert torch.count_nonzero(lg.grad) == 0
+    _, _, pl, plab, seq = make()
+    one = causal_lm_loss(pl, plab, reduction=reduction, seq_idx=seq, num_items_in_batch=1)
+    for zero in (0, torch.tensor(0)):
+        got = causal_lm_loss(pl, plab, reduction=reduction, seq_idx=seq, num_items_in_batch=zero)
+        assert torch.equal(got, one)

@@ -28,6 +28,7 @@ Cross entropy is computed in float32 whatever the logits' dtype. No value is rea
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -108,7 +109,8 @@ def causal_lm_loss(
         seq_idx: ``[B, T]`` or ``[T]`` integer sample index of every token (collator output). Required for
             ``"sample"``; for ``"token"`` it masks predictions that would cross a sample boundary.
         num_items_in_batch: the denominator for the whole optimizer step: supervised tokens (``"token"``) or
-            samples with a supervised token (``"sample"``). ``None``: this batch's own count.
+            samples with a supervised token (``"sample"``). ``None``: this batch's own count. 0 (a step
+            with nothing supervised) divides by 1, a Python number or a tensor alike (:func:`loss_denominator`).
         ignore_index: label value that is not scored.
         loss_scale: optional ``[B, T]`` float per-token weight aligned with ``labels`` (weight of predicting
             label t); weighted tokens still count 1 in the denominator.
@@ -223,23 +225,25 @@ def loss_denominator(
     num_items: torch.Tensor | int | float, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``num_items_in_batch`` as a 0-d ``dtype`` tensor on ``device``: the divisor of a whole optimizer step
-    (HF Trainer semantics), shared by :func:`causal_lm_loss` and :func:`varpack.ops.linear_ce.linear_cross_entropy`.
+    (HF Trainer semantics), shared by :func:`causal_lm_loss`, :func:`varpack.ops.linear_ce.linear_cross_entropy`
+    and the DPO objective.
 
-    A tensor is clamped to >= 1 instead of checked (a check would be a host sync): a step with no supervised
-    item at all (e.g. only prompt pieces of split samples) has a zero numerator too, so its loss is 0 with zero
-    gradients rather than 0/0 = NaN poisoning every weight.
+    One rule for a Python number and a tensor: a count of 0 divides by 1. A step with no supervised item at
+    all (e.g. only prompt pieces of split samples, or masked filler packs) has a zero numerator too, so its
+    loss is 0 with zero gradients rather than 0/0 = NaN poisoning every weight. A tensor is clamped to >= 1
+    (reading it would be a host sync); a negative Python number, which no count can be, is refused.
 
     Raises:
         TypeError: not an int, float or tensor.
-        ValueError: a Python number <= 0.
+        ValueError: a negative or non-finite Python number.
     """
     if isinstance(num_items, torch.Tensor):
         return num_items.to(device=device, dtype=dtype).reshape(()).clamp_min(1.0)
     if isinstance(num_items, bool) or not isinstance(num_items, (int, float)):
         raise TypeError(f"num_items_in_batch must be an int, float or tensor, got {type(num_items).__name__}")
-    if num_items <= 0:
-        raise ValueError(f"num_items_in_batch must be > 0, got {num_items}")
-    return torch.tensor(float(num_items), device=device, dtype=dtype)
+    if not (num_items >= 0 and math.isfinite(num_items)):
+        raise ValueError(f"num_items_in_batch must be a count >= 0, got {num_items}")
+    return torch.tensor(max(float(num_items), 1.0), device=device, dtype=dtype)
 
 
 def count_loss_items(

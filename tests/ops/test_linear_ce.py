@@ -420,7 +420,11 @@ def test_bad_inputs_raise_with_values():
     with pytest.raises(ValueError, match="chunk_size"):
         linear_cross_entropy(hidden, weight, labels, chunk_size=0)
     with pytest.raises(ValueError, match="num_items_in_batch"):
-        linear_cross_entropy(hidden, weight, labels, num_items_in_batch=0)
+        linear_cross_entropy(hidden, weight, labels, num_items_in_batch=-1)
+    # 0 (a step with nothing supervised) divides by 1, a Python number and a tensor alike (varpack.loss's rule)
+    one = linear_cross_entropy(hidden, weight, labels, num_items_in_batch=1)
+    for zero in (0, torch.tensor(0)):
+        assert torch.equal(linear_cross_entropy(hidden, weight, labels, num_items_in_batch=zero), one)
     with pytest.raises(TypeError, match="integer"):
         linear_cross_entropy(hidden, weight, labels.float())
 

@@ -282,8 +282,6 @@ class DPOObjective:
         Raises:
             ValueError: a batch that is not whole pairs in order (:func:`pair_layout`), no reference model.
         """
-        import torch
-
         pairs = pair_layout(inputs.get("sample_ids"))
         logps, ref_logps, outputs = self.sequence_logps(model, inputs)
         real = logps[: 2 * pairs].view(pairs, 2)  # a pad segment, if any, is last
@@ -297,9 +295,11 @@ class DPOObjective:
             label_smoothing=self.label_smoothing,
             loss_type=self.loss_type,
         )
-        denominator = num_items_in_batch if num_items_in_batch is not None else pairs
-        if isinstance(denominator, torch.Tensor):
-            denominator = denominator.to(losses.device)
+        from varpack.loss import loss_denominator
+
+        # the causal-LM loss's rule for the step's count (0 divides by 1, a number or a tensor alike)
+        count = num_items_in_batch if num_items_in_batch is not None else pairs
+        denominator = loss_denominator(count, losses.device)
         self.last_rewards = (
             (self.beta * (real[:, 0] - ref[:, 0])).detach(),
             (self.beta * (real[:, 1] - ref[:, 1])).detach(),
