@@ -162,3 +162,31 @@ def test_plan_routes_image_chats(tmp_path, capsys):
     rc = main(["plan", str(path), "--packing-length", "40", "--overflow", "split", "--json"])
     captured = capsys.readouterr()
     assert rc == 1 and captured.out == "" and "cut through an image" in captured.err
+
+
+def test_plan_preference_pairs_with_objective_dpo(tmp_path, capsys, monkeypatch):
+    """`varpack plan --objective dpo` plans preference data as `varpack sft --objective dpo` does (pair k =
+    samples 2k, 2k + 1, both in one pack) and reports the pairs; without it the data is refused, pointing there;
+    an overlong pair is named as a pair."""
+    rows = [
+        {"prompt": f"Question {i}?", "chosen": "yes " * (1 + 5 * i), "rejected": "no " * (1 + i)} for i in range(5)
+    ]
+    monkeypatch.chdir(tmp_path)  # a short path: the table's rows are not wrapped
+    path = _write(tmp_path, rows, "pairs.jsonl").name
+    assert main(["plan", path]) == 1
+    assert "'varpack plan --objective dpo'" in capsys.readouterr().err
+    saved = tmp_path / "pairs.npz"
+    argv = ["plan", path, "--objective", "dpo", "--packing-length", "96"]
+    assert main([*argv, "--json", "--save", str(saved)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["objective"] == "dpo" and summary["preference_pairs"] == 5 and summary["num_samples"] == 10
+    plan = PackPlan.load(saved)
+    for pack in plan.packs:
+        ids = sorted(pack.tolist())
+        assert ids[0::2] == [i for i in ids[0::2] if i % 2 == 0] and ids[1::2] == [i + 1 for i in ids[0::2]]
+    assert sorted(i for p in plan.packs for i in p.tolist()) == list(range(10))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "5 preference pairs, each in one pack" in out and "pairs.jsonl" in out
+    assert main([*argv[:-1], "40"]) == 1  # pair 4 (its chosen answer: 21 words) does not fit 40 tokens
+    assert "pair(s) are longer than --packing-length 40 together (pair id: tokens): " in capsys.readouterr().err

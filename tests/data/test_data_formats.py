@@ -253,7 +253,8 @@ BAD = [
     (
         {"prompt": "hi", "chosen": "good", "rejected": "bad"},
         ValueError,
-        r"preference data \(fields 'chosen'/'rejected', as for DPO\) is not an SFT chat; train it with 'varpack sft --objective dpo'",
+        r"preference data \(fields 'chosen'/'rejected', as for DPO\) is not an SFT chat; plan and train it with "
+        r"--objective dpo \('varpack plan --objective dpo', 'varpack sft --objective dpo'",
     ),
     ({"prompt": "hi", "completion": "yo", "label": False}, ValueError, r"unpaired preference data .* KTO"),
     ({"prompt": "hi"}, ValueError, r"prompt-only row"),

@@ -83,6 +83,23 @@ def test_overlong_pair_dropped_as_unit_and_reported():
     assert "1 overlong group(s) of 2 samples (dropped; group ids 7)" in text
 
 
+def test_group_noun_names_pairs():
+    """group_noun="pair" (preference pairs): the errors and the report say pair(s), not group(s)."""
+    lengths = np.array([100, 100, 600, 500, 10, 20])
+    groups = np.array([0, 0, 1, 1, 2, 2])
+    with pytest.raises(
+        ValueError, match=r"1 pair\(s\) are longer than packing_length=1000 together \(pair id: tokens\): 1: 1100"
+    ):
+        plan_packs(lengths, 1000, groups=groups, group_noun="pair")
+    plan = plan_packs(lengths, 1000, groups=groups, overflow="drop", group_noun="pair")
+    text = summary_text(plan_summary(plan, lengths, data="x"))
+    assert "1 overlong pair(s) of 2 samples (dropped; pair ids 1)" in text and "group" not in text
+    with pytest.raises(ValueError, match=r"sample 2 \(pair 1\) is empty"):
+        plan_packs([3, 4, 0, 5], 10, groups=[0, 0, 1, 1], group_noun="pair")
+    with pytest.raises(ValueError, match="cutting an overlong pair would cut a member"):
+        plan_packs([3, 4], 10, groups=[0, 0], overflow="split", group_noun="pair")
+
+
 @pytest.mark.parametrize("policy", ["truncate", "split"])
 def test_cutting_policies_refused_with_groups(policy):
     with pytest.raises(ValueError, match=f"overflow='{policy}' cannot be used with groups"):

@@ -69,11 +69,25 @@ def test_overlong_pair_dropped_and_reported(tmp_path, capsys):
             "--no-save", "--output-dir", str(tmp_path / "o")]  # fmt: skip
     assert main(args) == 1
     err = capsys.readouterr().err
-    assert "1 group(s) are longer than --packing-length 160 together (group id: tokens): 2: 347" in err
+    assert "1 pair(s) are longer than --packing-length 160 together (pair id: tokens): 2: 347" in err
     assert main([*args, "--overflow", "drop"]) == 0
-    assert "1 overlong group(s) of 2 samples (dropped; group ids 2)" in capsys.readouterr().out
-    assert main([*args, "--overflow", "split"]) == 1
-    assert "--overflow split cannot be used with groups" in capsys.readouterr().err
+    assert "1 overlong pair(s) of 2 samples (dropped; pair ids 2)" in capsys.readouterr().out
+    for policy in ("split", "truncate"):  # refused with the settings, before the data is read (usage error)
+        assert main([*args, "--overflow", policy]) == 2
+        err = capsys.readouterr().err
+        assert f"--overflow {policy} cannot be used with --objective dpo: a preference pair stays whole" in err
+
+
+@pytest.mark.parametrize("policy", ["truncate", "split"])
+def test_dpo_cutting_overflow_refused_by_the_config(policy):
+    """objective='dpo' with a policy that cuts samples: refused when the config is built, not at planning
+    after minutes of encoding."""
+    from varpack.train.config import SFTConfig
+
+    with pytest.raises(ValueError, match=rf"SFTConfig\.overflow='{policy}' cannot be used with objective='dpo'"):
+        SFTConfig(objective="dpo", overflow=policy)
+    assert SFTConfig(objective="dpo", overflow="drop").overflow == "drop"
+    assert SFTConfig(overflow=policy).overflow == policy  # SFT cuts samples as asked
 
 
 def test_dpo_settings_refused(tmp_path, capsys):

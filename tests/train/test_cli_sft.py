@@ -50,6 +50,17 @@ def _build(tmp_path, **cfg):
     return build_sft(SFTConfig(**kw), model=model, tokenizer=_Tok(), encoded=synthetic_samples())
 
 
+def test_report_names_samples_passed_in(tmp_path):
+    """build_sft(encoded=...): the packing report says the samples were given (not the built-in chats, nor
+    config.data, which is not read)."""
+    run = _build(tmp_path)
+    data = [line for line in run.report.splitlines() if line.strip().startswith("data")]
+    assert data and "given samples" in data[0] and "built-in" not in run.report, run.report
+    dpo = _build(tmp_path / "dpo", objective="dpo", packing_length=64, data=("not-read.jsonl",))
+    line = next(line for line in dpo.report.splitlines() if line.strip().startswith("data"))
+    assert "given samples (6 preference pairs, each in one pack)" in line and "not-read" not in line, line
+
+
 def test_sampler_visits_every_pack_once_per_epoch_in_plan_order(tmp_path):
     run = _build(tmp_path, packs_per_step=1)
     loader = run.trainer.get_train_dataloader()

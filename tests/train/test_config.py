@@ -26,7 +26,7 @@ NON_DEFAULT = dict(
     output_dir="elsewhere",
     packing_length=77,
     packing_strategy="sequential",
-    overflow="split",
+    overflow="drop",  # not split: objective="dpo" below keeps pairs whole
     packs_per_step=3,
     grad_accum=2,
     epochs=2.5,

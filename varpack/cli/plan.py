@@ -1,12 +1,15 @@
 """``varpack plan``: encode chat data, plan the packs, print what packing would give.
 
-    varpack plan DATA... [--tokenizer DIR|qwen3] [--packing-length N] [--packing-strategy bfd|sequential]
-                 [--overflow error|drop|truncate|split] [--seed S] [--report PATH.png] [--save PATH.npz]
-                 [--json]
+    varpack plan DATA... [--objective sft|dpo] [--tokenizer DIR|qwen3] [--packing-length N]
+                 [--packing-strategy bfd|sequential] [--overflow error|drop|truncate|split] [--seed S]
+                 [--report PATH.png] [--save PATH.npz] [--json]
 
-Without DATA the built-in chat set (``varpack.data.builtin.builtin_chats()``) is used. Encoding shows the
-``datasets`` progress bar on stderr and is cached (a second run reads the Arrow cache). With ``--json``,
-stdout carries exactly one JSON object and nothing else.
+Without DATA the built-in chat set (``varpack.data.builtin.builtin_chats()``) is used, with ``--objective dpo``
+the built-in preference pairs. ``--objective dpo`` reads preference data ``{prompt, chosen, rejected}`` and
+plans it as ``varpack sft --objective dpo`` does: each pair's two sequences in one pack (overlong pairs follow
+``--overflow`` error / drop as units); the report names the pairs. Encoding shows the ``datasets`` progress bar
+on stderr and is cached (a second run reads the Arrow cache). With ``--json``, stdout carries exactly one JSON
+object and nothing else (with ``--objective dpo`` also ``objective`` and ``preference_pairs``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         nargs="*",
         metavar="DATA",
         help="chat data files (JSON/JSONL/parquet); none: the built-in chat set",
+    )
+    p.add_argument(
+        "--objective",
+        choices=("sft", "dpo"),
+        default="sft",
+        help=(
+            "sft: chat data; dpo: preference pairs {prompt, chosen, rejected}, each pair in one pack, as "
+            "'varpack sft --objective dpo' plans them (default: %(default)s)"
+        ),
     )
     p.add_argument(
         "--tokenizer",
@@ -118,22 +130,34 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # with --json, stdout is reserved for the JSON object: anything printed while encoding goes to stderr
     quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    dpo = args.objective == "dpo"
+    groups = pairs = None
     with quiet:
-        from varpack.data import load_and_encode
+        if dpo:  # as varpack sft --objective dpo: pair k -> samples 2k (chosen), 2k + 1 (rejected)
+            import numpy as np
 
-        # image/video chats are encoded for their lengths only (placeholders expanded, pixels not decoded);
-        # bad rows and refused formats (preference, text, ...) fail before the tokenizer loads
-        data = load_and_encode(
-            args.data,
-            lambda: _tokenizer(args.tokenizer),
-            with_pixels=False,
-            num_proc=args.num_proc,
-            progress=True,
-            formats=True,
-        )
-        lengths = data.lengths()
-        mm_samples = data.samples if data.multimodal else None
-        formats = data.formats
+            from varpack.data.preference import encode_pairs, load_pairs, pair_groups
+
+            encoded = encode_pairs(load_pairs(args.data or None), _tokenizer(args.tokenizer))
+            lengths = np.asarray([s["length"] for s in encoded], dtype=np.int64)
+            groups, pairs = pair_groups(len(encoded)), len(encoded) // 2
+            mm_samples = formats = None
+        else:
+            from varpack.data import load_and_encode
+
+            # image/video chats are encoded for their lengths only (placeholders expanded, pixels not decoded);
+            # bad rows and refused formats (preference, text, ...) fail before the tokenizer loads
+            data = load_and_encode(
+                args.data,
+                lambda: _tokenizer(args.tokenizer),
+                with_pixels=False,
+                num_proc=args.num_proc,
+                progress=True,
+                formats=True,
+            )
+            lengths = data.lengths()
+            mm_samples = data.samples if data.multimodal else None
+            formats = data.formats
     t1 = time.perf_counter()
     from varpack.data.dataset import supervised_ranges
 
@@ -143,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
         strategy=args.packing_strategy,
         overflow=args.overflow,
         seed=args.seed,
-        supervised=supervised_ranges(data.samples),  # what `varpack sft` leaves out, reported by id
+        # what `varpack sft` leaves out, reported by id (not with pairs: a pair is packed or dropped whole)
+        supervised=None if dpo else supervised_ranges(data.samples),
+        groups=groups,
+        group_noun="pair",
     )
     t2 = time.perf_counter()
     if mm_samples is not None and plan.pieces:
@@ -175,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         context["plan_path"] = args.save
     if formats is not None:
         context["formats"] = formats
+    if dpo:
+        context.update(objective="dpo", preference_pairs=pairs)
     summary = plan_summary(plan, lengths, **context)
     if args.json:
         sys.stdout.write(json.dumps(summary) + "\n")

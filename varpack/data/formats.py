@@ -114,9 +114,10 @@ def _detect(present: Collection[str], where: str, all_keys: Collection[str] | No
         return "messages"
     if "chosen" in present or "rejected" in present:
         raise ValueError(
-            f"{where}: preference data (fields 'chosen'/'rejected', as for DPO) is not an SFT chat; train it with "
-            f"'varpack sft --objective dpo' (varpack.data.preference), or to fine-tune on the preferred answers "
-            f"write {{'messages': prompt + chosen}} rows"
+            f"{where}: preference data (fields 'chosen'/'rejected', as for DPO) is not an SFT chat; plan and train "
+            f"it with --objective dpo ('varpack plan --objective dpo', 'varpack sft --objective dpo'; "
+            f"varpack.data.preference), or to fine-tune on the preferred answers write {{'messages': prompt + "
+            f"chosen}} rows"
         )
     if "conversations" in present:
         return "sharegpt"

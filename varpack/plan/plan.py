@@ -435,6 +435,7 @@ def plan_packs(
     seed: int = 0,
     groups: Any = None,
     supervised: Any = None,
+    group_noun: str = "group",
 ) -> PackPlan:
     """Group samples into packs of at most ``packing_length`` tokens.
 
@@ -483,10 +484,12 @@ def plan_packs(
             follows ``overflow`` as a unit: ``"error"`` lists the group ids, ``"drop"`` drops all its members
             (``overflow["dropped_ids"]``); ``"truncate"`` / ``"split"`` are refused (cutting a group would
             cut a member out of it). ``overflow`` then also holds ``overlong_group_ids`` /
-            ``overlong_group_lengths``.
+            ``overlong_group_lengths`` and ``group_noun``.
         supervised: optional ``supervised(sample_ids, starts, stops) -> [M] bool`` (:func:`supervised_mask`;
             :func:`varpack.data.dataset.supervised_ranges` over the encoded samples), asked once about every
             item after the overflow policy; not with ``groups``.
+        group_noun: what a group is, in the errors and the report (``"pair"`` for preference pairs: ``"2
+            pair(s) are longer than packing_length=..."``).
 
     Returns:
         A deterministic :class:`PackPlan` (for the same lengths, settings and answers of ``supervised``; the
@@ -526,7 +529,9 @@ def plan_packs(
                 "supervised= is not used with groups: a group's members are packed or dropped together "
                 "(preference pairs are encoded with a supervised completion each)"
             )
-        return _plan_groups(arr, groups, L, strategy=strategy, overflow=overflow, seed=int(seed))
+        return _plan_groups(
+            arr, groups, L, strategy=strategy, overflow=overflow, seed=int(seed), noun=group_noun
+        )
     n = int(arr.shape[0])
     fingerprint = lengths_fingerprint(arr, L, strategy, overflow)
     no = np.zeros(0, np.int64)
@@ -639,21 +644,22 @@ def _group_runs(groups: Any, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def _plan_groups(
-    arr: np.ndarray, groups: Any, L: int, *, strategy: str, overflow: str, seed: int
+    arr: np.ndarray, groups: Any, L: int, *, strategy: str, overflow: str, seed: int, noun: str = "group"
 ) -> PackPlan:
-    """:func:`plan_packs` with ``groups``: pack the groups as items, then lay out their members."""
+    """:func:`plan_packs` with ``groups``: pack the groups as items, then lay out their members; ``noun`` names
+    a group in the errors."""
     n = int(arr.shape[0])
     if overflow in ("truncate", "split"):
         raise ValueError(
-            f"overflow={overflow!r} cannot be used with groups (a preference pair, ...): cutting an overlong "
-            "group would cut a member out of it; use overflow='drop' or overflow='error', or raise packing_length"
+            f"overflow={overflow!r} cannot be used with groups: cutting an overlong {noun} would cut a member "
+            "out of it; use overflow='drop' or overflow='error', or raise packing_length"
         )
     starts, gids, group_of = _group_runs(groups, n)
     if n and int(arr.min()) == 0:
         sid = int(np.flatnonzero(arr == 0)[0])
         gid = int(gids[np.searchsorted(starts, sid, side="right") - 1])
         raise ValueError(
-            f"sample {sid} (group {gid}) is empty (0 tokens); a group's members must not be empty"
+            f"sample {sid} ({noun} {gid}) is empty (0 tokens); a {noun}'s members must not be empty"
         )
     sizes = np.diff(np.r_[starts, n]).astype(np.int64)
     glen = np.add.reduceat(arr, starts) if n else np.zeros(0, np.int64)
@@ -662,7 +668,7 @@ def _plan_groups(
         shown = ", ".join(f"{int(gids[g])}: {int(glen[g])}" for g in over[:_MAX_LISTED])
         more = f", ... and {over.size - _MAX_LISTED} more" if over.size > _MAX_LISTED else ""
         raise ValueError(
-            f"{over.size} group(s) are longer than packing_length={L} together (group id: tokens): "
+            f"{over.size} {noun}(s) are longer than packing_length={L} together ({noun} id: tokens): "
             f"{shown}{more}; raise packing_length or choose overflow='drop'"
         )
     gplan = plan_packs(glen, L, strategy=strategy, overflow=overflow, seed=seed)
@@ -691,6 +697,7 @@ def _plan_groups(
         "num_groups": int(gids.size),
         "overlong_group_ids": gids[over].tolist(),
         "overlong_group_lengths": glen[over].tolist(),
+        "group_noun": noun,
     }
     no = np.zeros(0, np.int64)
     return PackPlan(

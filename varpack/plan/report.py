@@ -68,10 +68,11 @@ def _overflow_line(ov: dict[str, Any], *, split: str) -> str:
     """``"3 overlong (dropped), 1 empty, 42 tokens dropped"``; ``split`` formats the split case's pieces."""
     if ov.get("overlong_group_ids"):  # a plan with groups (preference pairs): overlong as units
         gids = ov["overlong_group_ids"]
+        noun = ov.get("group_noun", "group")
         shown = ", ".join(str(g) for g in gids[:10]) + (", ..." if len(gids) > 10 else "")
         over = (
-            f"{len(gids):,} overlong group(s) of {len(ov['overlong_ids']):,} samples "
-            f"({_ACTION.get(ov['policy'], ov['policy'])}; group ids {shown})"
+            f"{len(gids):,} overlong {noun}(s) of {len(ov['overlong_ids']):,} samples "
+            f"({_ACTION.get(ov['policy'], ov['policy'])}; {noun} ids {shown})"
         )
     elif ov["overlong_ids"]:
         over = f"{len(ov['overlong_ids']):,} overlong ({_ACTION.get(ov['policy'], ov['policy'])}"
@@ -126,8 +127,9 @@ def _stream_line(summary: dict[str, Any]) -> str | None:
 
 def summary_table(summary: dict[str, Any]) -> Any:
     """The ``varpack plan`` table of a :func:`plan_summary` (a ``rich.table.Table``; print it with
-    ``rich.console.Console().print``). Rows: data, format (when ``formats`` is given), samples, tokens,
-    packs, lower bound, fill, overflow, time (when ``seconds`` is given)."""
+    ``rich.console.Console().print``). Rows: data, pairs (when ``preference_pairs`` is given: ``varpack plan
+    --objective dpo``), format (when ``formats`` is given), samples, tokens, packs, lower bound, fill, overflow,
+    time (when ``seconds`` is given)."""
     from rich.table import Table
 
     ov = summary["overflow"]
@@ -142,7 +144,11 @@ def summary_table(summary: dict[str, Any]) -> Any:
     )
     table.add_column("quantity")
     table.add_column("value", justify="right")
-    table.add_row("data", "built-in chats" if data == "builtin" else ", ".join(data))
+    pairs = summary.get("preference_pairs")
+    builtin = "built-in pairs" if pairs is not None else "built-in chats"
+    table.add_row("data", builtin if data == "builtin" else ", ".join(data))
+    if pairs is not None:
+        table.add_row("pairs", f"{pairs:,} preference pairs, each in one pack")
     if summary.get("formats"):
         table.add_row("format", _format_label(summary["formats"]))
     table.add_row("samples", f"{summary['num_samples']:,}")

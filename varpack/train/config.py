@@ -905,6 +905,12 @@ class SFTConfig:
                 raise ValueError(
                     f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}; choose one of {shown}"
                 )
+        if self.objective == "dpo" and self.overflow in ("truncate", "split"):
+            raise ValueError(
+                f"SFTConfig.overflow={self.overflow!r} cannot be used with objective='dpo': a preference pair "
+                "stays whole in one pack, and cutting an overlong pair would cut its chosen or rejected sequence; "
+                "use overflow='drop' or overflow='error', or raise packing_length"
+            )
 
     def _read_switches(self) -> None:
         """A ``bool`` / :data:`AutoBool` field given as text is read as the flags and ``--config`` files read it

@@ -223,7 +223,10 @@ def build_sft(
         _gated_delta_choice(config, model, "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_for(config.model)
     dpo = config.objective == "dpo"
-    data_label = ", ".join(config.data) if config.data else ("built-in pairs" if dpo else "built-in chats")
+    if encoded is not None:  # samples passed in: neither config.data nor the built-in data
+        data_label = "given samples"
+    else:
+        data_label = ", ".join(config.data) if config.data else ("built-in pairs" if dpo else "built-in chats")
     if config.streaming:
         if dpo:
             raise ValueError("--streaming reads chats; --objective dpo plans whole preference pairs up front")
@@ -594,6 +597,7 @@ def _plan_packs(config: SFTConfig, encoded: Any, data_label: str) -> tuple[np.nd
         seed=config.seed,
         data_label=data_label,
         groups=groups,
+        group_noun="pair",
     )
 
 
@@ -606,12 +610,13 @@ def plan_samples(
     seed: int = 0,
     data_label: str = "the data",
     groups: Any = None,
+    group_noun: str = "group",
 ) -> tuple[np.ndarray, Any]:
     """``(lengths [N] int64, PackPlan)`` of encoded samples (a ``datasets.Dataset`` with a ``length`` column,
     or a sequence of dicts): :func:`varpack.plan.plan_packs` (``groups``: its group constraint, e.g. preference
-    pairs), refusing a plan that leaves nothing to train on. Without ``groups``, a sample or a piece of
-    ``truncate`` / ``split`` with no supervised token is left out of the packs and reported by id
-    (``plan.overflow["unsupervised_ids"]`` / ``["unsupervised_pieces"]``,
+    pairs; ``group_noun`` names a group in its errors and report, ``"pair"``), refusing a plan that leaves nothing
+    to train on. Without ``groups``, a sample or a piece of ``truncate`` / ``split`` with no supervised token is
+    left out of the packs and reported by id (``plan.overflow["unsupervised_ids"]`` / ``["unsupervised_pieces"]``,
     :func:`varpack.data.dataset.supervised_ranges`): no pack, so no optimizer step, is made of them.
     Shared by :func:`build_sft` and :class:`varpack.train.trl.VarpackSFTTrainer`.
 
@@ -635,6 +640,7 @@ def plan_samples(
         seed=seed,
         groups=groups,
         supervised=supervised,
+        group_noun=group_noun,
     )
     if plan.num_packs == 0:  # training would do nothing and save the untrained model as if it had trained
         ov = plan.overflow
