@@ -238,3 +238,34 @@ def test_any_pack_within_the_bounds_gets_valid_static_boundaries(lengths, multip
     assert cu.shape == (shape.segments + 1,) and seg.min() >= 1
     assert seg[: len(lengths)].tolist() == lengths
     assert batch["input_ids"].shape == (1, shape.tokens)
+
+
+def test_default_rounding_scales_with_the_packing_length():
+    """multiple_of not given: auto_multiple_of (a power of two <= 1/16 of the row, 8 to 64). Short packs are
+    no longer rounded to 64 (128-token packs: 152-token rows, where a fixed 64 made 192 and padded a third of
+    every step); from 1,024 tokens on the shape is the fixed-64 one, as measured on the GPU."""
+    from varpack.collate.static import auto_multiple_of
+
+    assert [auto_multiple_of(t) for t in (1, 130, 256, 600, 1024, 8320)] == [8, 8, 16, 32, 64, 64]
+    rng = np.random.default_rng(0)
+    for packing_length in (128, 256, 512, 1024, 8192):
+        lengths = rng.integers(1, packing_length // 2, 400)
+        plan = plan_packs(lengths, packing_length)
+        auto, fixed = StaticShape.from_plan(plan), StaticShape.from_plan(plan, multiple_of=64)
+        counts = np.diff(plan.offsets)
+        need = max(int(lengths[p].sum()) + auto.segments - len(p) for p in plan.packs)
+        assert auto.segments == int(counts.max()) + 1 and need <= auto.tokens < need + need / 16
+        assert auto.tokens % auto_multiple_of(need) == 0
+        if packing_length >= 1024:
+            assert auto == fixed
+        else:
+            assert auto.pad_fraction(plan) < fixed.pad_fraction(plan)
+        for p in plan.packs:  # every pack still fits
+            assert len(auto.pad_lengths(lengths[p])) == auto.segments - len(p)
+    plan = plan_packs(np.full(8, 128), 128)  # full 128-token packs: 129 tokens with the one pad segment
+    assert StaticShape.from_plan(plan).tokens == 136 and StaticShape.from_plan(plan, multiple_of=64).tokens == 192
+    # for_packing reads the same rule
+    assert StaticShape.for_packing(128, max_samples=4).tokens == 136
+    assert StaticShape.for_packing(8192, max_samples=92).tokens == StaticShape.for_packing(
+        8192, max_samples=92, multiple_of=64
+    ).tokens

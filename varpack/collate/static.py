@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["StaticShape"]
+__all__ = ["AUTO_MULTIPLE_RANGE", "StaticShape", "auto_multiple_of"]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -64,6 +64,30 @@ def _positive_int(value: Any, name: str) -> int:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+#: bounds of the automatic rounding of a static row's token count (:func:`auto_multiple_of`)
+AUTO_MULTIPLE_RANGE = (8, 64)
+
+
+def auto_multiple_of(tokens: int) -> int:
+    """The rounding of a static row's token count when ``multiple_of`` is not given: the largest power of two
+    ``<= tokens / 16``, within :data:`AUTO_MULTIPLE_RANGE` (8 to 64). The rounding then adds less than 1/16 of
+    the row in pad tokens at any packing length (400 random samples of 1-63 tokens in 128-token packs need 152
+    tokens a row: rows of 152, where a fixed 64 made them 192 and padded 33% of all tokens instead of 16%), while
+    rows of 1,024 tokens and more round to 64 as before, so the long packs of the measured CUDA-graph runs keep
+    their shapes (benchmarks/RESULTS.md, "SFT step with static shapes and CUDA graphs": ``T=8320`` at packing
+    length 8192) and plans of one packing length share few shapes (tests/collate/test_static.py).
+
+    Raises:
+        ValueError / TypeError: ``tokens`` not a positive int.
+    """
+    tokens = _positive_int(tokens, "tokens")
+    low, high = AUTO_MULTIPLE_RANGE
+    multiple = low
+    while multiple * 2 <= min(high, tokens // 16):
+        multiple *= 2
+    return multiple
 
 
 @dataclass(frozen=True)
@@ -120,13 +144,19 @@ class StaticShape:
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
     def for_packing(
-        cls, packing_length: int, max_samples: int, *, multiple_of: int = 64, max_seqlen: int | None = None
+        cls,
+        packing_length: int,
+        max_samples: int,
+        *,
+        multiple_of: int | None = None,
+        max_seqlen: int | None = None,
     ) -> StaticShape:
         """The shape that holds every pack of at most ``packing_length`` tokens and ``max_samples`` samples.
 
         ``segments = max_samples + 1`` (a full pack keeps one pad segment), ``tokens = packing_length +
-        max_samples`` rounded up to ``multiple_of`` (a pack of one ``packing_length``-token sample still has a
-        token for each of its ``max_samples`` pad segments), ``max_seqlen = tokens - max_samples`` (at least
+        max_samples`` rounded up to ``multiple_of`` (default: :func:`auto_multiple_of` of that count) (a pack of
+        one ``packing_length``-token sample still has a token for each of its ``max_samples`` pad segments),
+        ``max_seqlen = tokens - max_samples`` (at least
         ``packing_length``: a pack of ``max_samples`` one-token samples puts all its pad tokens in its one pad
         segment) unless given.
 
@@ -136,8 +166,11 @@ class StaticShape:
         """
         packing_length = _positive_int(packing_length, "packing_length")
         max_samples = _positive_int(max_samples, "max_samples")
+        need = packing_length + max_samples
+        if multiple_of is None:
+            multiple_of = auto_multiple_of(need)
         multiple_of = _positive_int(multiple_of, "multiple_of")
-        tokens = _round_up(packing_length + max_samples, multiple_of)
+        tokens = _round_up(need, multiple_of)
         need = tokens - max_samples  # >= packing_length; n one-token samples leave tokens - n pad tokens
         if max_seqlen is None:
             max_seqlen = need
@@ -149,14 +182,15 @@ class StaticShape:
         return cls(tokens=tokens, segments=max_samples + 1, max_seqlen=max_seqlen)
 
     @classmethod
-    def from_plan(cls, plan: Any, *, multiple_of: int = 64, segments: int | None = None) -> StaticShape:
+    def from_plan(cls, plan: Any, *, multiple_of: int | None = None, segments: int | None = None) -> StaticShape:
         """The tightest shape that holds every pack of ``plan`` (a :class:`varpack.plan.PackPlan`, read for
         its CSR ``offsets`` ``[P+1]`` and ``item_lengths`` ``[I]``).
 
         ``segments``: the most samples of a pack plus one (default), or a given bucket. ``tokens``: the fewest
         that give every pack at least one token per pad segment (``max over packs of its tokens + its pad
-        segments``), rounded up to ``multiple_of``. ``max_seqlen``: the longest segment of any pack laid out
-        with these, its pad segments included.
+        segments``), rounded up to ``multiple_of`` (default: :func:`auto_multiple_of` of that count: less than
+        1/16 of the row, 64 from 1,024 tokens on). ``max_seqlen``: the longest segment of any pack laid out with
+        these, its pad segments included.
 
         Raises:
             ValueError: an empty plan, or a given ``segments`` smaller than a pack's sample count (naming the
@@ -164,7 +198,8 @@ class StaticShape:
         """
         offsets = np.asarray(plan.offsets, dtype=np.int64)
         lengths = np.asarray(plan.item_lengths, dtype=np.int64)
-        multiple_of = _positive_int(multiple_of, "multiple_of")
+        if multiple_of is not None:
+            multiple_of = _positive_int(multiple_of, "multiple_of")
         if offsets.size < 2:
             raise ValueError("StaticShape.from_plan: the plan has no packs")
         counts = np.diff(offsets)
@@ -175,7 +210,8 @@ class StaticShape:
         if (pads < 0).any():
             p = int(np.flatnonzero(pads < 0)[0])
             raise ValueError(f"pack {p} holds {int(counts[p])} samples, more than segments={segments}")
-        tokens = _round_up(int((totals + pads).max()), multiple_of)
+        need = int((totals + pads).max())
+        tokens = _round_up(need, auto_multiple_of(need) if multiple_of is None else multiple_of)
         short = (pads == 0) & (totals < tokens)
         if short.any():
             p = int(np.flatnonzero(short)[0])
