@@ -99,7 +99,7 @@ def test_tensorboard_gets_varpack_metrics_and_report(tmp_path):
 
     # the report file is the plan's report (plan_summary of the same lengths), plus the backend
     lengths = [s["length"] for s in encoded]
-    plan_report = plan_summary(run.plan, lengths, data="built-in chats")
+    plan_report = plan_summary(run.plan, lengths, data="given samples")  # encoded= passed in
     assert {k: report[k] for k in plan_report} == json.loads(json.dumps(plan_report))
     assert report["attn_backend"]["name"] == "reference" and report["overflow"]["unsupervised_pieces"] == []
     # ... and the same text that was printed, as a TensorBoard text summary
