@@ -543,8 +543,10 @@ class PackSamplingMixin:
         its packs dealt to the ranks by a :class:`varpack.data.sampler.BalancedPackSampler` (round-robin,
         ``per_device_eval_batch_size`` packs per rank per batch), every pack on exactly one rank and a rank
         without a pack left given a masked filler pack (it counts nothing), where accelerate's own sharding
-        would repeat packs to even the ranks out and so count them twice in the eval loss. ``None``: one
-        process, or not a PackedDataset (Trainer's own loader)."""
+        would repeat packs to even the ranks out and so count them twice in the eval loss. The ranks are the
+        training pack sampler's (under context parallelism the data-parallel replicas: the ranks of a group get
+        the same packs, which the collator shards). ``None``: one process, or not a PackedDataset (Trainer's own
+        loader)."""
         from varpack.data.dataset import PackedDataset
 
         if self.args.world_size <= 1 or not isinstance(dataset, PackedDataset):
@@ -554,12 +556,13 @@ class PackSamplingMixin:
         from varpack.data.sampler import BalancedPackSampler
 
         a = self.args
+        rank, world = a.process_index, a.world_size
+        if self.pack_sampler is not None:
+            # the training sampler's ranks: under context parallelism the data-parallel replicas (the ranks of a
+            # group get the same packs)
+            rank, world = self.pack_sampler.rank, self.pack_sampler.world_size
         sampler = BalancedPackSampler(
-            dataset.plan,
-            rank=a.process_index,
-            world_size=a.world_size,
-            packs_per_rank=a.per_device_eval_batch_size,
-            balance=False,
+            dataset.plan, rank=rank, world_size=world, packs_per_rank=a.per_device_eval_batch_size, balance=False
         )
         loader = self.accelerator.prepare(
             DataLoader(
