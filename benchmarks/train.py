@@ -23,7 +23,7 @@ varpack:
 
 * ``varpack``: ``plan_packs`` (best-fit decreasing) + ``PackedDataset`` + ``PaddingFreeCollator`` +
   ``enable_varpack(model, backend="auto")`` and the plain loss (full logits, ``varpack.loss.causal_lm_loss``).
-* ``varpack_lce``: the same with ``varpack.linear_ce.causal_lm_forward_with_linear_ce`` (no ``[T, V]``
+* ``varpack_lce``: the same with ``varpack.ops.linear_ce.causal_lm_forward_with_linear_ce`` (no ``[T, V]``
   logits; backend ``--lce-backend``, the resolved one is reported). ``varpack_lce_chunked`` forces the
   chunked PyTorch backend.
 * ``*_liger`` / ``*_compile`` suffixes: the step options of ``varpack.integrations.kernels`` (Liger
@@ -475,7 +475,7 @@ def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., t
             )
 
         return plain, "varpack.loss.causal_lm_loss (full fp32 logits)"
-    from varpack.linear_ce import causal_lm_forward_with_linear_ce, resolve_linear_ce_backend
+    from varpack.ops.linear_ce import causal_lm_forward_with_linear_ce, resolve_linear_ce_backend
 
     backend = "chunked" if config == "varpack_lce_chunked" else args.lce_backend
     name, reason = resolve_linear_ce_backend(backend, args.device, uniform_weights=True)

@@ -147,7 +147,7 @@ def test_every_import_points_down_the_floors():
         me = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
         floor = me.split(".")[1] if "." in me else None
         if floor not in FLOOR_RANK:
-            continue  # the package's __init__ and the old-path re-exports (varpack.encode, ...) sit above all
+            continue  # the package's __init__ (lazy exports) sits above all
         for name, at_import in _imports(path):
             other = name.split(".")[1]
             if other in FLOOR_RANK and FLOOR_RANK[other] > FLOOR_RANK[floor]:

@@ -1,9 +1,9 @@
 """The field names and constants of an encoded sample and of a collated batch, defined once.
 
-Every stage reads its names from here: the encoders (``varpack.encode``) write an *encoded sample*, the
+Every stage reads its names from here: the encoders (``varpack.data``) write an *encoded sample*, the
 planner/dataset (``varpack.data.dataset``) cuts pieces of it, the collator (``varpack.collate``) turns packs of
 samples into one *collated batch*, and the model side (``varpack.integrations``, ``varpack.loss``,
-``varpack.linear_ce``, ``varpack.train``, ``varpack.check``) splits that batch into model inputs, boundary
+``varpack.ops.linear_ce``, ``varpack.train``, ``varpack.check``) splits that batch into model inputs, boundary
 kwargs and loss fields. The layouts are drawn in docs/ARCHITECTURE.md ("Encoded sample", "Collated batch").
 
 This module imports nothing (no torch, no numpy) so the CLI parsers and ``import varpack`` stay fast.
@@ -57,7 +57,7 @@ __all__ = [
 # ------------------------------------------------------------------------------------------- the label
 #: label of a token that is not supervised (prompt tokens, padding, and every sample's first token, whose
 #: predecessor lies in another sample). Written by the encoders (``labels[0]`` of every sample and piece),
-#: checked by the collator, skipped by ``varpack.loss`` / ``varpack.linear_ce``. Same value as
+#: checked by the collator, skipped by ``varpack.loss`` / ``varpack.ops.linear_ce``. Same value as
 #: ``torch.nn.functional.cross_entropy``'s default ``ignore_index`` and transformers' ``-100``.
 IGNORE_INDEX: int = -100
 

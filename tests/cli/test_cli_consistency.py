@@ -316,7 +316,7 @@ def _help_of(parser: argparse.ArgumentParser) -> str:
 
 def test_one_packing_length_default_shown_in_help():
     from varpack.plan import DEFAULT_PACKING_LENGTH
-    from varpack.train_config import SFTConfig
+    from varpack.train.config import SFTConfig
 
     subs = _subparsers()
     plan_default = subs["plan"].get_default("packing_length")
@@ -409,7 +409,7 @@ def test_no_save_leaves_no_empty_output_dir(tmp_path):
 
 
 def test_default_lr_depends_on_model_kind(tmp_path):
-    from varpack.train_config import DEFAULT_LR, default_lr
+    from varpack.train.config import DEFAULT_LR, default_lr
 
     assert DEFAULT_LR == {"random-init": 3e-3, "pretrained": 1e-4}
     assert default_lr("tiny-qwen3") == (3e-3, "random-init")

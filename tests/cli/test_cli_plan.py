@@ -40,7 +40,7 @@ def tokenizer():
 
 
 def _template_lengths(tokenizer, rows) -> list[int]:
-    # independent of varpack.encode: the chat template's own token count
+    # independent of varpack.data.chat: the chat template's own token count
     out = []
     for r in rows:
         ids = tokenizer.apply_chat_template(r["messages"], tokenize=True)

@@ -1,4 +1,4 @@
-"""Data formats (varpack.encode.formats): ShareGPT, Alpaca and TRL prompt-completion rows encode exactly like
+"""Data formats (varpack.data.formats): ShareGPT, Alpaca and TRL prompt-completion rows encode exactly like
 the hand-written ``messages`` row (LLaMA-Factory's / ms-swift's field mapping); refused formats and bad fields
 are errors naming the sample, the field and the file line; files of different formats mix."""
 
@@ -10,9 +10,9 @@ import datasets
 import pytest
 
 from varpack.cli.main import main
-from varpack.encode import data_formats, detect_format, encode_chat, encode_dataset, load_chat_data
-from varpack.encode.formats import row_to_messages
-from varpack.tokenizer import load_tokenizer
+from varpack.data.chat import encode_chat, encode_dataset, load_chat_data
+from varpack.data.formats import data_formats, detect_format, row_to_messages
+from varpack.data.tokenizer import load_tokenizer
 
 
 def _u(text):

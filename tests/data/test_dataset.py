@@ -220,7 +220,7 @@ def test_truncate_keeps_the_head_and_numpy_fields():
 
 
 def test_pieces_of_media_samples_go_through_the_multimodal_slicer():
-    """An image sample is cut by varpack.encode.multimodal.slice_mm_sample: never through an image."""
+    """An image sample is cut by varpack.data.multimodal.slice_mm_sample: never through an image."""
     # 11 tokens: text, <vision_start> image (4 pad tokens: grid 1x4x4 = 16 patches, merge 2x2) <vision_end>,
     # text; the image span with its delimiters is tokens [2, 8)
     mm = [0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]

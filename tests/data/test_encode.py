@@ -9,10 +9,10 @@ import datasets
 import numpy as np
 import pytest
 
-import varpack.encode.chat as chat_mod
+import varpack.data.chat as chat_mod
 from varpack.data.builtin import builtin_chats, topic_paragraphs
-from varpack.encode import encode_chat, encode_dataset, load_chat_data
-from varpack.tokenizer import load_tokenizer
+from varpack.data.chat import encode_chat, encode_dataset, load_chat_data
+from varpack.data.tokenizer import load_tokenizer
 
 IGNORE = -100
 

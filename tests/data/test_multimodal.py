@@ -13,9 +13,8 @@ pytest.importorskip("skimage")
 
 from PIL import Image  # noqa: E402
 
-from varpack.data.vl_builtin import builtin_vl_chats, package_image_path, write_vl_jsonl  # noqa: E402
-from varpack.encode import encode_chat  # noqa: E402
-from varpack.encode.multimodal import (  # noqa: E402
+from varpack.data.chat import encode_chat  # noqa: E402
+from varpack.data.multimodal import (  # noqa: E402
     check_plan_cuts,
     encode_any,
     encode_mm_chat,
@@ -28,8 +27,9 @@ from varpack.encode.multimodal import (  # noqa: E402
     slice_mm_sample,
     validate_cut,
 )
+from varpack.data.tokenizer import load_tokenizer  # noqa: E402
+from varpack.data.vl_builtin import builtin_vl_chats, package_image_path, write_vl_jsonl  # noqa: E402
 from varpack.integrations.vision import QWEN3_VISION_TOKENS, image_processor_for, tiny_config  # noqa: E402
-from varpack.tokenizer import load_tokenizer  # noqa: E402
 
 IMG = QWEN3_VISION_TOKENS["image_token_id"]
 VS = QWEN3_VISION_TOKENS["vision_start_token_id"]

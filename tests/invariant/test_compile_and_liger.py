@@ -286,8 +286,8 @@ def test_compiled_vl_model_packed_equals_per_sample(name):
     )
     from tests.invariant.test_vision_language import packed_run as vl_packed_run
     from varpack.collate import PaddingFreeCollator
+    from varpack.data.tokenizer import load_tokenizer
     from varpack.integrations.vision import image_processor_for, tiny_config, tiny_model
-    from varpack.tokenizer import load_tokenizer
 
     tok = load_tokenizer("qwen3")
     proc = image_processor_for(tiny_config("tiny-qwen3-vl"), min_pixels=32 * 32, max_pixels=128 * 128)

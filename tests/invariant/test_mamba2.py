@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import varpack.integrations.mamba2 as mb
 from varpack.collate import PaddingFreeCollator
 from varpack.integrations.mamba2 import patch_mamba2_mixers
-from varpack.integrations.transformers import PackingGuardError, enable_varpack
+from varpack.integrations.transformers import enable_varpack
 from varpack.models import load_model
 from varpack.models.mamba2 import MAMBA2, TINY_MODELS, is_mamba2_mixer, tiny_config
 

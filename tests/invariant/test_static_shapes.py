@@ -112,7 +112,7 @@ def test_supervised_count_and_sample_mean_see_only_the_samples():
 
 
 def test_linear_ce_loss_static_equals_dynamic():
-    from varpack.linear_ce import causal_lm_forward_with_linear_ce
+    from varpack.ops.linear_ce import causal_lm_forward_with_linear_ce
 
     model = _model("sdpa")
     samples = make_samples((9, 4, 2, 11))

@@ -20,8 +20,9 @@ pytest.importorskip("skimage")
 
 from tests._exact import LOGITS_RTOL, LOSS_RTOL, MARGIN, assert_exact, measure  # noqa: E402
 from varpack.collate import PaddingFreeCollator  # noqa: E402
+from varpack.data.multimodal import encode_mm_chat  # noqa: E402
+from varpack.data.tokenizer import load_tokenizer  # noqa: E402
 from varpack.data.vl_builtin import package_image_path  # noqa: E402
-from varpack.encode.multimodal import encode_mm_chat  # noqa: E402
 from varpack.integrations.vision import (  # noqa: E402
     check_media,
     image_processor_for,
@@ -33,7 +34,6 @@ from varpack.integrations.vision import (  # noqa: E402
 )
 from varpack.loss import causal_lm_loss  # noqa: E402
 from varpack.schema import BOUNDARY_KEYS
-from varpack.tokenizer import load_tokenizer  # noqa: E402
 
 
 def img(name: str) -> str:

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.gpu
 
 def _inputs(tok, proc, model):
     pytest.importorskip("PIL")
+    from varpack.data.multimodal import encode_mm_chat
     from varpack.data.vl_builtin import builtin_vl_chats
-    from varpack.encode.multimodal import encode_mm_chat
 
     try:
         chats = builtin_vl_chats(limit=6)
@@ -66,9 +66,9 @@ def _packed_logits(model, batch, device, *, boundaries=True):
 @pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen3.5-vl"])
 def test_packed_bf16_within_bf16_error_of_truth(name):
     from varpack.collate import PaddingFreeCollator
+    from varpack.data.tokenizer import load_tokenizer
     from varpack.integrations.transformers import enable_varpack
     from varpack.integrations.vision import image_processor_for, prepare_vl_model, tiny_model
-    from varpack.tokenizer import load_tokenizer
 
     device = torch.device("cuda")
     truth_model = tiny_model(name).to(device)

@@ -149,7 +149,7 @@ def test_smollm2_real_model_exact_and_trains(tmp_path):
     """The real SmolLM2-135M-Instruct (GGUF, Llama architecture, its own tokenizer): packed == unpacked on
     real chats, then a few packed SFT steps lower the loss."""
     from varpack.check import check_exactness
-    from varpack.encode import encode_chat
+    from varpack.data.chat import encode_chat
     from varpack.train import SFTConfig, build_sft
 
     _smollm2_dir()

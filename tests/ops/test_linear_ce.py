@@ -265,16 +265,12 @@ def test_naive_twin_matches_references_and_chunked(reduction):
         torch.testing.assert_close(got, want, **_tol(torch.float64))
 
 
-def test_old_import_path_reexports_the_op():
-    """``varpack.linear_ce`` (README, benchmarks, users) is a re-export of :mod:`varpack.ops.linear_ce`."""
+def test_package_exports_the_op():
+    """``varpack.linear_cross_entropy`` (the package's lazy export) is the op itself."""
     import varpack
-    import varpack.linear_ce as old
-    import varpack.ops.linear_ce as new
+    import varpack.ops.linear_ce as op
 
-    assert old.__all__ == new.__all__
-    for name in new.__all__:
-        assert getattr(old, name) is getattr(new, name), name
-    assert varpack.linear_cross_entropy is new.linear_cross_entropy
+    assert varpack.linear_cross_entropy is op.linear_cross_entropy
 
 
 # ---------------------------------------------------------------------------------------------------------

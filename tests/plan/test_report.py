@@ -77,10 +77,3 @@ def test_table_without_optional_rows():
     table = _render(summary_table(plan_summary(plan, [3, 5, 4], data="builtin")))
     assert "built-in chats" in table and "none overlong, 0 empty, 0 tokens dropped" in table
     assert "time" not in table and "format" not in table
-
-
-def test_old_report_module_reexports_the_png_renderer():
-    import varpack.plan.report
-    import varpack.report
-
-    assert varpack.report.plot_plan_report is varpack.plan.report.plot_plan_report

@@ -21,8 +21,9 @@ pytest.importorskip("PIL")
 pytest.importorskip("skimage")
 
 from varpack.collate import PaddingFreeCollator  # noqa: E402
+from varpack.data.multimodal import encode_mm_chat, image_spans, slice_mm_sample  # noqa: E402
+from varpack.data.tokenizer import load_tokenizer  # noqa: E402
 from varpack.data.vl_builtin import package_image_path  # noqa: E402
-from varpack.encode.multimodal import encode_mm_chat, image_spans, slice_mm_sample  # noqa: E402
 from varpack.integrations.vision import (  # noqa: E402
     QWEN3_VISION_TOKENS,
     check_media,
@@ -33,7 +34,6 @@ from varpack.integrations.vision import (  # noqa: E402
 )
 from varpack.loss import causal_lm_loss  # noqa: E402
 from varpack.rope.mrope import mrope_position_ids, rope_args, rope_index_fn  # noqa: E402
-from varpack.tokenizer import load_tokenizer  # noqa: E402
 
 VS = QWEN3_VISION_TOKENS["vision_start_token_id"]
 VE = QWEN3_VISION_TOKENS["vision_end_token_id"]

@@ -213,7 +213,7 @@ def test_bad_value_of_a_new_flag_is_a_usage_error(capsys):
 def test_config_and_flags_import_no_torch():
     code = (
         "import sys; import varpack.train; from varpack.train import SFTConfig, default_lr; "
-        "import varpack.train.cli_flags, varpack.train_config; "
+        "import varpack.train.cli_flags, varpack.train.config; "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

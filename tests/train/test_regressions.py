@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from varpack.linear_ce import linear_cross_entropy
 from varpack.loss import causal_lm_loss
+from varpack.ops.linear_ce import linear_cross_entropy
 
 
 def _all_masked(T=6, V=11, D=4):
@@ -53,7 +53,7 @@ def test_nonzero_denominator_unchanged_by_the_clamp():
 def test_jsonl_with_unicode_line_separator_inside_strings(tmp_path):
     """JSON Lines split on '\\n' only: U+2028 inside a JSON string (../shared/data/gsm8k.jsonl line 2382) is
     part of the row, not a line break. `varpack plan` rejected that file as invalid JSON."""
-    from varpack.encode.multimodal import has_mm_chats, load_mm_rows
+    from varpack.data.multimodal import has_mm_chats, load_mm_rows
 
     rows = [
         {"messages": [{"role": "user", "content": "a\u2028b"}, {"role": "assistant", "content": "c\u2029d"}]},
@@ -73,7 +73,7 @@ def test_jsonl_with_unicode_line_separator_inside_strings(tmp_path):
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])
 def test_empty_data_file_is_a_clear_error(tmp_path, content):
-    from varpack.encode import load_chat_data
+    from varpack.data.chat import load_chat_data
 
     path = tmp_path / "empty.jsonl"
     path.write_text(content)
@@ -91,11 +91,11 @@ def test_sft_default_overflow_is_error():
 def test_sft_refuses_image_cuts_before_training(tmp_path):
     """An overflow piece that would cut through an image is refused when the run is built, not when training
     reaches that pack (seen: 3 steps ran, then the run died)."""
+    from varpack.data.multimodal import encode_any, image_spans
+    from varpack.data.tokenizer import load_tokenizer
     from varpack.data.vl_builtin import write_vl_jsonl
-    from varpack.encode.multimodal import encode_any, image_spans
     from varpack.integrations.vision import image_processor_for
     from varpack.models import load_model
-    from varpack.tokenizer import load_tokenizer
     from varpack.train import SFTConfig, build_sft
 
     model = load_model("tiny-qwen3-vl", seed=0)
@@ -125,7 +125,7 @@ def test_report_names_pieces_that_keep_no_supervised_token():
     out of the packs and the packing report says so by sample id and token range."""
     from varpack.data.dataset import supervised_ranges
     from varpack.plan import plan_packs
-    from varpack.train import format_packing_report
+    from varpack.plan.report import format_packing_report
 
     long_prompt = {"input_ids": list(range(10)), "labels": [-100] * 8 + [5, 6], "length": 10}
     short = {"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "length": 3}
@@ -157,8 +157,8 @@ def test_sft_on_a_vl_model_without_data_uses_the_builtin_image_captions(tmp_path
 
 def test_bad_row_error_names_file_and_line_across_several_files(tmp_path):
     """With several data files the global sample id alone does not tell the user where to look."""
-    from varpack.encode import encode_dataset, load_chat_data
-    from varpack.tokenizer import load_tokenizer
+    from varpack.data.chat import encode_dataset, load_chat_data
+    from varpack.data.tokenizer import load_tokenizer
 
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from varpack.schema import IGNORE_INDEX  # re-exported: ``varpack.encode.IGNORE_INDEX``
+from varpack.schema import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import datasets

@@ -31,10 +31,6 @@ _LAZY = {
     "encode_chat_data": "varpack.train.sft",
     "run_sft": "varpack.train.sft",
     "training_arguments": "varpack.train.sft",
-    # the packing report lives in varpack.plan.report; re-exported for callers of the old varpack.train
-    "format_packing_report": "varpack.plan.report",
-    "plan_summary": "varpack.plan.report",
-    "summary_text": "varpack.plan.report",
 }
 
 __all__ = [
@@ -48,7 +44,6 @@ __all__ = [
     "config_dict",
     "default_lr",
     "encode_chat_data",
-    "format_packing_report",
     "run_sft",
     "training_arguments",
 ]
