@@ -167,7 +167,7 @@ def _nan_fill_uninitialised(request, monkeypatch):
     yield
 
 
-# Built once and kept alive for the whole session: torch._dynamo caches the id() of every function it finds in
+# Built once and kept alive for the whole test run: torch._dynamo caches the id() of every function it finds in
 # torch / numpy's namespaces, so a per-test wrapper, freed after the test, could lend its id to a later
 # function (e.g. a flex_attention mask_mod) that dynamo would then mistake for a numpy function.
 _POISONED = [

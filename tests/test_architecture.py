@@ -1,4 +1,4 @@
-"""Checkable facts of the package layout (issue 12): one validator and one builder of the boundaries, no
+"""Checkable facts of the package layout: one validator and one builder of the boundaries, no
 per-batch state in module-level caches, no private torch API, imports pointing down the floors.
 
 These read the source (ast), so they fail when a change re-introduces what the boundary object replaced.

@@ -1,4 +1,4 @@
-"""``auto``'s hook for ``triton_short`` (issue 17): a table of shape classes filled after the H200 measurement,
+"""``auto``'s hook for ``triton_short``: a table of shape classes filled after the H200 measurement,
 decided from Python numbers only (``max_seqlen``, mean segment length = Tq / number of segments)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Many-segment inputs through the per-segment loops (``sdpa`` / ``reference`` attention, the naive gated delta
 rule, the short-conv reference): the packed gradients equal a loop that runs every segment alone, and the
 backward graph hands each input ONE gradient (one split / unbind), not one full-size zero-filled gradient per
-segment or token (the O(N * T) backward of issue 11 item 6; timings in benchmarks/attention_cpu.py).
+segment or token (an O(N * T) backward otherwise; timings in benchmarks/attention_cpu.py).
 The offsets the loops read are still validated before anything is cut."""
 
 from __future__ import annotations

@@ -832,7 +832,7 @@ def test_custom_op_native_backward_matches_the_autograd_function():
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-# -- launch configurations (issue 17: tuned on the H200 without editing code) ---------------------------------
+# -- launch configurations (tuned on the H200 without editing code) ---------------------------------------------
 
 
 def test_config_from_env_json_and_validation(monkeypatch):

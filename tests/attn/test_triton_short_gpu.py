@@ -1,4 +1,4 @@
-"""``triton_short`` compiled on the GPU with non-default launch configurations (issue 17's tuning sweep) and with
+"""``triton_short`` compiled on the GPU with non-default launch configurations (benchmarks/attention_tune.py's sweep) and with
 the mask-free tiles on and off: larger tiles than ``BLOCKS`` and both loop splits must give the same results,
 by tests/attn/test_attn_gpu.py's fp32-truth rule; a negative control shows the compiled mask-free loop is taken."""
 

@@ -1,4 +1,4 @@
-"""One CLI convention for every sub-command (issue 11, items 8, 10, 12).
+"""One CLI convention for every sub-command.
 
 * Building the parsers, ``--help`` and argument errors import no torch / transformers / datasets.
 * Exit codes: 2 for usage errors (argparse, with the usage line), 1 for errors found while running

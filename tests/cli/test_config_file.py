@@ -1,5 +1,5 @@
 """`varpack sft --config FILE` (YAML / JSON), the resolved settings a saved run writes beside its model, and the
-TRL / ms-swift spellings of the flags (issue 15, items 3 and 5)."""
+TRL / ms-swift spellings of the flags."""
 
 from __future__ import annotations
 

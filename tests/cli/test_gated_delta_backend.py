@@ -1,4 +1,4 @@
-"""`--gated-delta-backend` of `varpack sft` and `varpack check` (issue 16): parsing, the value reaching the
+"""`--gated-delta-backend` of `varpack sft` and `varpack check`: parsing, the value reaching the
 patched Gated DeltaNet layers (and their forward), refusals that name the option, the `linear` report line,
 and the saved varpack_config.yaml. CPU only, tiny models."""
 

@@ -1,6 +1,6 @@
 """StaticShape + PaddingFreeCollator(static_shape=...): identical shapes for every pack, pad segments of at least
 one token (never zero-length), pad tokens unsupervised, real tokens untouched, loud errors for packs that do not
-fit (issue 18: CUDA graphs need static shapes)."""
+fit (CUDA graphs need static shapes)."""
 
 from __future__ import annotations
 

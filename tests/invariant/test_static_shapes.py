@@ -1,4 +1,4 @@
-"""Static-shape packs (``PaddingFreeCollator(static_shape=...)``, issue 18): packed-static == packed-dynamic ==
+"""Static-shape packs (``PaddingFreeCollator(static_shape=...)``): packed-static == packed-dynamic ==
 each sample alone, for the real tokens' logits, the loss (token and sample mean, plain and linear CE) and every
 gradient, on tiny-qwen3 with the CPU attention backends; the pad segments behave as independent sequences;
 every pack has the same shapes, so a compiled layer (custom ops, ``dynamic=False``) is traced once.

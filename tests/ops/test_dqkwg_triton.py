@@ -5,7 +5,7 @@ otherwise these skip), against fp64 autograd of the chunk equations (tests/ops/t
 ``_reference``) and against the batched PyTorch step: 1-token sequences, lengths that are not multiples of the
 chunk, many sequences, grouped value heads, several key / value blocks; a negative control (boundaries
 dropped) must mismatch. GPU (``gpu`` marker): the compiled kernel at Qwen3.5's head size, every launch block
-size (fla's own kernel is miscompiled on Hopper at one of them, fla issue #640), by the fp64-truth rule.
+size (fla's own kernel is miscompiled on Hopper at one of them, github.com/fla-org/flash-linear-attention/issues/640), by the fp64-truth rule.
 """
 
 from __future__ import annotations

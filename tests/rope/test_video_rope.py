@@ -1,5 +1,5 @@
 """Video mRoPE positions: Qwen2.5-VL's ``second_per_grid_ts`` end to end, video layouts the rope function rejects,
-and rope-function arguments varpack cannot supply (issue 11, items 4 and 5).
+and rope-function arguments varpack cannot supply.
 
 The right value is always the model's own ``get_rope_index`` (built from a tiny config offline, weights on
 ``meta``). torchvision (the backend of transformers' Qwen-VL video processors) cannot be installed beside the

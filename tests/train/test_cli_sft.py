@@ -205,8 +205,8 @@ def test_cli_sft_three_steps(tmp_path, capsys):
     assert code == 0
     assert "packing report" in out and "samples   8" in out and "fill" in out
     assert "done: 3 steps, loss" in out
-    assert "engine    single process" in out  # the engine the Trainer actually ran (#13)
-    # the step configuration and why, next to it (issue 18 item 5): torch_compile=auto stays eager on a CPU
+    assert "engine    single process" in out  # the engine the Trainer actually ran
+    # the step configuration and why, next to it torch_compile=auto stays eager on a CPU
     # and compiles on a GPU machine (the lead's CUDA run of this test)
     cuda = torch.cuda.is_available()
     speed = (

@@ -1,4 +1,4 @@
-"""`torch_compile="auto"` (issue 18, item 5): on CUDA `varpack sft` compiles its decoder layers by default
+"""`torch_compile="auto"`: on CUDA `varpack sft` compiles its decoder layers by default
 unless a setting conflicts or is untested with it, off on a CPU; the run says which on its `speed` line, and
 the saved varpack_config.yaml holds the resolved value. (Packed == unpacked of compiled layers:
 tests/invariant/test_compile_and_liger.py.)"""

@@ -1,4 +1,4 @@
-"""``varpack sft --cuda-graphs`` (issue 18, item 5): the flag and its config round trip, every refusal with its
+"""``varpack sft --cuda-graphs``: the flag and its config round trip, every refusal with its
 message (never a silent fallback), the static-shape collation of sft on the CPU (== the dynamic-shape run, with a
 negative control), the Trainer's CUDA-graph step hooks, the speed line; on a GPU a 3-step run whose losses equal
 the run without the flag and whose layers are all captured."""

@@ -1,4 +1,4 @@
-"""`varpack sft` under torchrun, 2 CPU ranks over gloo (#13): one DDP step over the rank-balanced packs equals
+"""`varpack sft` under torchrun, 2 CPU ranks over gloo: one DDP step over the rank-balanced packs equals
 the one-process step over the same packs (loss and every parameter's gradient, as the SGD step at lr 1), for
 the token mean and the sample mean, with a negative control (per-rank means: average_tokens_across_devices
 off); the same for FSDP2 (``fully_shard`` per decoder layer and the root; accelerate shards only on GPUs, so

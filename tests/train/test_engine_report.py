@@ -1,4 +1,4 @@
-"""`describe_engine`: the data-parallel engine a run reports (#13), read from the wrapped model."""
+"""`describe_engine`: the data-parallel engine a run reports, read from the wrapped model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Logging of a packed run (#15 item 4): varpack's per-step metrics through ``Trainer.log`` into TensorBoard's
+"""Logging of a packed run: varpack's per-step metrics through ``Trainer.log`` into TensorBoard's
 event files, the packing report as ``packing_report.json`` / TensorBoard text / a W&B artifact, the attention
 backend chosen. Expected values are recounted from the plan and the encoded samples, not from the trainer."""
 

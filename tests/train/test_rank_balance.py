@@ -1,4 +1,4 @@
-"""Packs per rank (#13): cost balance, every sample once per epoch across ranks, resume on another world size,
+"""Packs per rank: cost balance, every sample once per epoch across ranks, resume on another world size,
 the masked filler pack, Trainer checkpoints. The 2-rank gloo runs are in test_ddp_gloo.py."""
 
 from __future__ import annotations

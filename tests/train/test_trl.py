@@ -114,7 +114,7 @@ def test_trl_run_equals_varpack_trainer(tmp_path, tokenizer, loss_reduction):
     run = varpack_run(tmp_path, tokenizer, trl_trainer_.samples, loss_reduction=loss_reduction)
     assert [p.tolist() for p in trl_trainer_.plan.packs] == [p.tolist() for p in run.plan.packs]
     assert trl_trainer_.plan.num_packs >= 6  # 3 steps x 2 micro-batches, all distinct packs
-    # both deal the packs with the same pack sampler layout (under torchrun: balanced per rank, #13)
+    # both deal the packs with the same pack sampler layout (under torchrun: balanced per rank)
     assert trl_trainer_.pack_sampler.fingerprint() == run.trainer.pack_sampler.fingerprint()
     got, want = step_losses(trl_trainer_), step_losses(run.trainer)
     assert len(got) == len(want) == 3

@@ -1,4 +1,4 @@
-"""VarlenMeta: the batch's boundaries built once, validated once, and read by every consumer (issue 12)."""
+"""VarlenMeta: the batch's boundaries built once, validated once, and read by every consumer."""
 
 from __future__ import annotations
 

@@ -107,19 +107,19 @@ class TritonShortRule(NamedTuple):
     head_dims: tuple[int, ...] = (64, 128)
 
 
-#: Where ``auto`` uses ``triton_short`` on CUDA (issue 17), filled from benchmarks/attention_tune.py and
+#: Where ``auto`` uses ``triton_short`` on CUDA, filled from benchmarks/attention_tune.py and
 #: benchmarks/attention.py on the H200: a row is added only for a shape class where triton_short measured
 #: faster than what ``auto`` picks today (empty: never, ``auto`` as before). The compiled custom-op path
 #: (:mod:`varpack.attn.custom_op`, ``_traced_call``) passes only the short class of ``max_seqlen`` and no mean,
 #: so rows that need more (a mean bound, a ``max_seqlen`` above :data:`AUTO_SHORT_MAX_SEQLEN`) match eagerly
 #: only until that path passes the row's class too.
 #:
-#: Row 1, measured 2026-12-01 on the H200 (benchmarks/RESULTS.md, "seventh session"; T = 65,536 of 886
+#: Row 1, measured on the H200 (benchmarks/attention.py, benchmarks/RESULTS.md#attention; T = 65,536 of 886
 #: documents of 16..128 tokens, mean 74, H = 16/4, D = 128, bf16, one VarlenMeta per batch): fwd+bwd
 #: triton_short 1.84 ms (45.2 TFLOP/s) vs torch_varlen 3.01 ms (what auto picked: 27.6), flash_attn_4 3.44 ms,
 #: flex 5.29 ms; forward alone the same as torch_varlen (0.658 vs 0.661 ms), so the row is for training only.
 #: On the real-lengths mix (max 1,633, mean 207) triton_short was 1.03x FA4: no row there.
-#: Its mean bound, widened 2026-12-01 (eighth session) by the whole SFT step: on packs of the real data's
+#: Its mean bound, set by the whole SFT step: on packs of the real data's
 #: samples of at most 128 tokens (mean 87.4, 94 per 8,192-token pack; Qwen3-0.6B shape, bf16, steady state, two
 #: rounds, benchmarks/train.py --max-sample-length 128) the eager step with triton_short took 156 / 181 ms,
 #: with auto's pick then (torch_varlen) 166 / 192 ms (1.06x); no mix with a mean above 88 was measured.

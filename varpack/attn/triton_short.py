@@ -1,4 +1,4 @@
-"""``triton_short`` backend: a Triton varlen attention whose tiles span several documents (issue 17).
+"""``triton_short`` backend: a Triton varlen attention whose tiles span several documents.
 
 Every varlen kernel of flash-attn's design schedules at least one query tile per document, so a row of short
 documents (the median SFT sample is ~150 tokens) leaves most of each tile empty. Here a query tile of
@@ -79,7 +79,7 @@ _BIG = 2**31 - 1  # tile-range sentinel: an empty range is [_BIG, 0)
 #: D = 128: the overall pick of benchmarks/attention_tune.py on the H200 (2026-12-01; short, real-length and
 #: uniform-2048 mixes, T = 65,536, H = 16/4, bf16): forward 1.06-1.14x and dQ 1.00-1.08x the earlier
 #: (64, 64, 4, 2) / (64, 32, 4, 1), errors vs torch_varlen unchanged. D = 64 / 256: not tuned yet.
-#: Tenth session (after ``delta_in_dq`` moved delta into the dQ kernel; benchmarks/RESULTS.md): with PackGQA (every
+#: With delta in the dQ kernel (``delta_in_dq``; benchmarks/RESULTS.md#attention): with PackGQA (every
 #: kernel at 16/4, and at 16/8 on short documents) dK/dV (32, 64, 4, 3) and dQ (64, 16, 4, 3), measured in one
 #: bake-off beside the earlier (32, 64, 4, 1) / (64, 32, 4, 2): 2.15 vs 2.43 ms fwd+bwd on the real-lengths mix and
 #: 1.18 vs 1.29 ms on the short mix (16/4); unpacked kernels keep those earlier ones (:data:`BLOCKS_UNPACKED`).
@@ -90,8 +90,8 @@ BLOCKS: dict[str, dict[int, tuple[int, int, int, int]]] = {
 }
 #: Entries that replace :data:`BLOCKS` (same head-dim buckets) where a kernel runs without PackGQA
 #: (:attr:`TritonShortConfig.pack_gqa` off, or by default a group below :data:`PACK_GQA_MIN_GROUP` on documents of
-#: mean length above :data:`PACK_GQA_SHORT_MEAN`): the PackGQA picks lose there. Measured on the H200 (tenth
-#: session, 16/8, real-lengths mix, unpacked, one bake-off): dK/dV (32, 64, 4, 1) + dQ (64, 32, 4, 2) 2.45 ms
+#: mean length above :data:`PACK_GQA_SHORT_MEAN`): the PackGQA picks lose there. Measured on the H200 (benchmarks/attention.py
+#: --ts-variant, 16/8, real-lengths mix, unpacked, one bake-off): dK/dV (32, 64, 4, 1) + dQ (64, 32, 4, 2) 2.45 ms
 #: fwd+bwd; with the PackGQA picks 3.42 ms, with their dQ only 2.55 ms. Kinds and buckets left out keep :data:`BLOCKS`.
 BLOCKS_UNPACKED: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "bwd_dkdv": {128: (32, 64, 4, 1)},
@@ -100,15 +100,15 @@ BLOCKS_UNPACKED: dict[str, dict[int, tuple[int, int, int, int]]] = {
 #: Default register caps per thread (:attr:`TritonShortConfig.maxnreg`) by kernel and head-dim bucket; kernels and
 #: buckets left out are uncapped. D = 128 forward: 128. Uncapped it takes 187 registers (ptxas ``-v`` on the kernel
 #: a launch compiles; benchmarks/triton_short_registers.py), so 2 of its 4-warp programs share an SM; at 128 (4-16
-#: bytes of spills) 4 do, which the 48 KB of shared memory of (64, 32, 4, 2) allows. Measured on the H200 (eleventh
-#: session, benchmarks/RESULTS.md; same-run variants, T = 65,536, bf16): forward 0.518 vs 0.566 ms on the real-lengths
+#: bytes of spills) 4 do, which the 48 KB of shared memory of (64, 32, 4, 2) allows. Measured on the H200
+#: (benchmarks/RESULTS.md#attention; benchmarks/attention.py --ts-variant, same-run variants, T = 65,536, bf16): forward 0.518 vs 0.566 ms on the real-lengths
 #: mix at 16/4, 0.621 vs 0.667 ms at 16/8. Caps of 168 on the forward or the dQ kernel changed nothing; 128 on the dQ
 #: kernel and 168 on dK/dV (at 2 stages) were slower.
 MAXNREG: dict[str, dict[int, int]] = {"fwd": {128: 128}}
 _HEAD_DIM_BUCKETS = (64, 128, 256)  # the head-dim buckets of BLOCKS and MAXNREG
 #: :attr:`TritonShortConfig.pack_gqa` ``None`` (the default) packs the query heads of a GQA group into one
-#: program's tile from this group size ``G = H / Hkv`` on. Measured on the H200 (2026-12-01, eighth session;
-#: benchmarks/RESULTS.md; T = 65,536, D = 128, bf16, fwd+bwd, ``BLOCKS``): at G = 4 (H = 16/4) packed 1.65 vs
+#: program's tile from this group size ``G = H / Hkv`` on. Measured on the H200 (benchmarks/attention.py,
+#: benchmarks/RESULTS.md#attention; T = 65,536, D = 128, bf16, fwd+bwd, ``BLOCKS``): at G = 4 (H = 16/4) packed 1.65 vs
 #: 1.83 ms on the short mix and 2.76 vs 2.89 ms on the real-lengths mix; at G = 2 (16/8) 1.81 vs 1.86 ms short
 #: but 2.85 vs 2.78 ms real (slower): so not below 4. G = 8: tested for exactness, not timed. Larger BLOCK_M
 #: with packing was slower at G = 4 (1.88-2.34 ms short).
@@ -116,9 +116,9 @@ PACK_GQA_MIN_GROUP = 4
 #: ... and at a smaller group (2, 3) when the call's documents are short: mean query-document length
 #: (:attr:`TritonShortTables.mean_q`, tokens) at most this, the short-document class of
 #: :data:`varpack.attn.registry.AUTO_PRIORITY_SHORT`. Measured on the H200 at G = 2 (16/8): packed 1.81 vs 1.86 ms
-#: on the short mix (mean 74), 2.85 vs 2.78 ms (slower) on the real-lengths mix (mean 207), eighth session; ninth
-#: session, short mix at 16/8, queued: 1.41 ms packed by this rule (2.10x torch_varlen in that run) vs 1.49 ms
-#: unpacked in an earlier run (1.98x its torch_varlen) (benchmarks/RESULTS.md). Means between 74 and 128 are not
+#: on the short mix (mean 74), 2.85 vs 2.78 ms (slower) on the real-lengths mix (mean 207); short mix at 16/8,
+#: queued: 1.41 ms packed by this rule (2.10x torch_varlen in that run) vs 1.49 ms unpacked in another run (1.98x
+#: its torch_varlen) (benchmarks/attention.py, benchmarks/RESULTS.md#attention). Means between 74 and 128 are not
 #: measured separately.
 PACK_GQA_SHORT_MEAN = 128.0
 #: the three kernels whose launch configuration is chosen (keys of :data:`BLOCKS`)
@@ -224,8 +224,8 @@ class TritonShortConfig:
     sorted by descending loop length (:meth:`TritonShortTables.tile_order`, built once per batch on the device),
     the longest-processing-time-first rule of list scheduling (Graham, 1969; FlashAttention-2/3 launch causal query
     tiles in reverse for the same reason) -- so a long document's heavy tiles do not start in the kernel's last
-    wave. Default False (row order, the 2-D grid ``(tiles, heads)``): on the H200 (tenth session, 16/4, one
-    bake-off) longest-first was slower, 1.40 vs 1.30 ms fwd+bwd on the short mix and 2.50 vs 2.44 ms on the
+    wave. Default False (row order, the 2-D grid ``(tiles, heads)``): on the H200 (benchmarks/attention.py
+    --ts-variant, 16/4, one bake-off) longest-first was slower, 1.40 vs 1.30 ms fwd+bwd on the short mix and 2.50 vs 2.44 ms on the
     real-lengths mix (neighbouring tiles of one document, launched together in row order, share their K / V
     loads; sorted, they scatter). Every tile computes the same thing either way: results are bitwise equal.
     ``maxnreg`` (per kernel, CUDA only): ``(kind, registers)`` pairs capping the registers per thread of that kernel
@@ -238,7 +238,7 @@ class TritonShortConfig:
     ``dp_first`` (backward kernels): each loop step issues the ``dP = dO V^T`` matmul right after the scores'
     matmul, before the softmax of the scores (default True), instead of after the ``dV`` update (False, the order of
     FlashAttention-2's algorithm 2 and of Triton's fused-attention tutorial, kept to measure). Measured on the H200
-    (twelfth session, benchmarks/RESULTS.md; same run, 3 rotated rounds, T = 65,536, 16/4, real lengths): 2.081 vs
+    (benchmarks/attention.py --rounds 3, benchmarks/RESULTS.md#attention; same run, 3 rotated rounds, T = 65,536, 16/4, real lengths): 2.081 vs
     2.094 ms fwd+bwd. The same operations on the same values: results are bitwise equal.
     Checked on construction (:func:`_checked_blocks`; ``mask_free``, ``delta_in_dq``,
     ``lpt`` and ``dp_first`` bools, ``pack_gqa`` a bool or None, ``maxnreg`` kinds of :data:`KERNEL_KINDS` with integers in

@@ -1,6 +1,6 @@
 """Step-time options outside attention: Liger-Kernel's fused layers and regional ``torch.compile``.
 
-Issue 7's profile of a packed SFT step (benchmarks/RESULTS.md) shows that once samples are packed, most of a
+The profile of a packed SFT step (benchmarks/profile_step.py, benchmarks/RESULTS.md#sft-step) shows that once samples are packed, most of a
 small model's step is spent outside attention: in many small element-wise kernels (RMSNorm, RoPE, SiLU·mul,
 casts, residual adds) and in the host time to launch them. Two well-kept remedies, both leaving varpack's
 boundaries untouched: ``varpack sft --use-liger-kernel`` (opt-in) and ``--torch-compile`` (``auto`` by default:

@@ -10,7 +10,7 @@ from the chunk equations)::
     dW  = -dV' S^T
     dG  = rowsum(dQ * Q) - rowsum(dK * K);  dG_last += exp(G_last) <S, dS'> + sum(dK_inter * K)
 
-fla's own kernel is miscompiled on Hopper by Triton >= 3.4, < 3.7.1 (fla issue #640; fla PR #826 traced it to
+fla's own kernel is miscompiled on Hopper by Triton >= 3.4, < 3.7.1 (github.com/fla-org/flash-linear-attention/issues/640; fla pull request 826 traced it to
 ``tl.trans`` of a ``tl.dot`` result, ``dS^T``, fed to another ``tl.dot``). This kernel never transposes a
 ``tl.dot`` result: ``dS^T`` is its own product ``V' dO^T`` of operands loaded transposed from memory, and every
 transposed operand (``S^T``, ``dS'^T``, ``V'^T``, ``dO^T``) is loaded through swapped strides. It is verified

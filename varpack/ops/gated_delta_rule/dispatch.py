@@ -56,13 +56,11 @@ __all__ = [
 BACKENDS = ("fla", "fla_hybrid", "chunk", "chunk_compiled", "naive")
 
 #: Whether ``auto`` may pick ``fla_hybrid`` (where fla's own backward refuses; its probe must pass too). On
-#: the H200 (2026-12-01, fifth session; torch 2.11, Triton 3.6, fla-core 0.6.0) with varpack's Triton step:
-#: benchmarks/gated_delta.py 5.78 ms forward + backward at 64 x 512 (chunk: 35.8; the PyTorch step: 13.9),
-#: 5.19 at 16 x 2048, 5.53 on real lengths; the kernel's GPU tests against the fp64 step (every launch block,
-#: grouped heads) passed. Sixth session, same stack: every fla_hybrid / dqkwg GPU test passed (18, the 70,000
-#: one-token sequences included), ``varpack check --model tiny-qwen3.5 --dtype bf16 --device cuda`` PASS on
-#: fla_hybrid (auto), and benchmarks/hybrid_step.py ran the Qwen3.5-shaped step at 248 ms vs 707 ms on chunk
-#: (2.85x; benchmarks/RESULTS.md, "One H200, sixth session").
+#: the H200 (torch 2.11, Triton 3.6, fla-core 0.6.0) with varpack's Triton step, benchmarks/gated_delta.py:
+#: 5.78 ms forward + backward at 64 x 512 (chunk: 35.8; the PyTorch step: 13.9), 5.19 at 16 x 2048, 5.53 on real
+#: lengths (benchmarks/RESULTS.md#gated-delta-rule); benchmarks/hybrid_step.py: the Qwen3.5-shaped step at 248 ms
+#: vs 707 ms on chunk (2.85x; benchmarks/RESULTS.md#hybrid-step). Exactness: every fla_hybrid / dqkwg GPU test
+#: (``bash scripts/gpu.sh tests:2``) and ``varpack check --model tiny-qwen3.5 --dtype bf16 --device cuda``.
 AUTO_FLA_HYBRID = True
 
 Capability = tuple[bool, str]

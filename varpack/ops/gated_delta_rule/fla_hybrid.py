@@ -1,7 +1,7 @@
 """``fla_hybrid``: fla's gated delta rule kernels, with the one part fla flags as wrong here done by varpack.
 
 fla-core 0.6.0 refuses its own gated ``chunk_bwd_dqkwg`` kernel on Hopper with Triton >= 3.4, < 3.7.1
-("produces incorrect results", fla issue #640), and with it the whole backward of
+("produces incorrect results"; github.com/fla-org/flash-linear-attention/issues/640), and with it the whole backward of
 ``chunk_gated_delta_rule``. Every other kernel of the forward and the backward runs there. This backend runs
 fla's forward (``chunk_gated_delta_rule_fwd``) and fla's backward pipeline step by step
 (``fla/ops/gated_delta_rule/chunk.py::chunk_gated_delta_rule_bwd`` of 0.6.0: recompute ``w, u``; recompute
@@ -12,7 +12,7 @@ Triton kernel, ``_dqkwg_kernels.py``, that never transposes a ``tl.dot`` result:
 miscompiles on Hopper in fla's kernel, fla PR #826) or :func:`chunk_bwd_dqkwg_torch` (the same quantities in
 batched PyTorch: cuBLAS GEMMs and elementwise ops; any device, every precision), :func:`chunk_bwd_dqkwg`
 choosing (:data:`DQKWG_IMPL`). fla's other backward kernels run as fla ships them and are verified here, not
-trusted: the GPU tests compare the whole backend with the fp32 chunk path (fla issue #984 reports another
+trusted: the GPU tests compare the whole backend with the fp32 chunk path (github.com/fla-org/flash-linear-attention/issues/984 reports another
 Hopper miscompile, in the *ungated* delta rule's ``prepare_wy_repr_bwd``; the gated one used here passes).
 
 What ``chunk_bwd_dqkwg`` computes (read from fla 0.6.0 ``fla/ops/common/chunk_o.py``; written here from the
@@ -76,7 +76,7 @@ PRECISIONS = ("fp32", "mixed", "input")
 #: The replaced step's default precision: ``"mixed"``, fla's own kernel semantics. Measured on the H200
 #: (2026-12-01, benchmarks/gated_delta.py, T = 32,768, H = 16, K = V = 128), PyTorch step: fwd + bwd 12.5 ms vs
 #: 15.7 ms in ``"fp32"``, and the same errors against the fp32 chunk path in tests/ops/test_fla_hybrid.py (GPU);
-#: with the Triton step (fifth session) fwd + bwd 5.8 ms.
+#: with the Triton step fwd + bwd 5.8 ms (benchmarks/RESULTS.md#gated-delta-rule).
 DEFAULT_PRECISION = "mixed"
 
 

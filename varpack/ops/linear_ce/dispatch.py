@@ -22,8 +22,8 @@ __all__ = ["AUTO_PREFERS_LIGER", "linear_ce_backends", "linear_cross_entropy", "
 _BACKENDS = ("auto", "chunked", "liger")
 
 #: Whether ``auto`` takes Liger (when importable on CUDA, uniform weights) over the chunked implementation.
-#: Issue 7 asks to prefer the maintained library; ``benchmarks/train.py`` measures both
-#: (``varpack_lce`` vs ``varpack_lce_chunked``) on the H200 -- flip this from those figures.
+#: The maintained library first, where it runs; ``benchmarks/train.py`` measures both (``varpack_lce`` vs
+#: ``varpack_lce_chunked``) on the H200 (benchmarks/RESULTS.md#sft-step) -- flip this from those figures.
 AUTO_PREFERS_LIGER = True
 
 
