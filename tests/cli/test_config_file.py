@@ -14,9 +14,10 @@ import pytest
 import yaml
 
 from varpack.cli.main import build_parser, main
-from varpack.train.cli_flags import config_from_args, config_to_argv, field_names, flag_name
+from varpack.train.cli_flags import config_from_args, config_to_argv
 from varpack.train.config import ALWAYS_ON, SFTConfig
 from varpack.train.config_file import CONFIG_FILE_NAME, config_mapping, load_config_file, write_config_file
+from varpack.train.fields import field_names, flag_name
 
 FIELDS = [f.name for f in dataclasses.fields(SFTConfig)]
 HINTS = typing.get_type_hints(SFTConfig)

@@ -12,8 +12,9 @@ import typing
 import pytest
 
 from varpack.cli.main import build_parser, main
-from varpack.train.cli_flags import CLI_TYPES, _cli_types, config_from_args, config_to_argv, flag_name
+from varpack.train.cli_flags import config_from_args, config_to_argv
 from varpack.train.config import SFTConfig, literal_choices
+from varpack.train.fields import CLI_TYPES, cli_types, flag_name
 
 FIELDS = [f.name for f in dataclasses.fields(SFTConfig)]
 HINTS = typing.get_type_hints(SFTConfig)
@@ -164,7 +165,7 @@ def test_literals_agree_with_the_registries():
 
     assert literal_choices(HINTS["objective"]) == tuple(OBJECTIVES)
     assert literal_choices(HINTS["loss_type"]) == DPO_LOSS_TYPES
-    assert set(CLI_TYPES) == set(_cli_types())
+    assert set(CLI_TYPES) == set(cli_types())
 
 
 @pytest.mark.parametrize(

@@ -35,24 +35,19 @@ import dataclasses
 import json
 import re
 import typing
-from collections.abc import Callable
-from types import NoneType, UnionType
 from typing import Any
 
 from varpack._argtypes import parse_auto_bool, parse_bool
 from varpack.train.config import ALWAYS_ON, SFTConfig, literal_choices
+from varpack.train.config_file import ConfigFileError, read_config_file
+from varpack.train.fields import cli_types, field_names, flag_name, is_auto_bool, strip_optional
 
 __all__ = [
-    "CLI_TYPES",
     "EXPLICIT_FIELDS",
     "add_config_arguments",
     "config_defaults",
     "config_from_args",
     "config_to_argv",
-    "field_names",
-    "flag_name",
-    "is_auto_bool",
-    "json_object",
 ]
 
 #: Namespace attribute: the set of ``dest`` names whose flag was given on the command line.
@@ -101,14 +96,6 @@ class _SwitchOff(argparse.Action):
         _mark_given(namespace, self.dest)
 
 
-def is_auto_bool(annotation: Any) -> bool:
-    """Whether a field annotation is :data:`varpack.train.config.AutoBool` (``bool | Literal["auto"]``)."""
-    if typing.get_origin(annotation) not in (typing.Union, UnionType):
-        return False
-    args = typing.get_args(annotation)
-    return len(args) == 2 and bool in args and any(literal_choices(a) == ("auto",) for a in args)
-
-
 class _AutoSwitch(_Store):
     """``--flag [auto|true|false]`` of a :data:`varpack.train.config.AutoBool` field: no value means ``true``."""
 
@@ -132,54 +119,6 @@ class _AlwaysOn(argparse.Action):
             raise argparse.ArgumentError(self, f"cannot be false: {self.reason}")
 
 
-def json_object(text: str) -> dict[str, Any]:
-    """``argparse`` type: a JSON object (``'{"max_grad_norm": 0.5}'``); the error names the value given."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({exc})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
-def _cli_types() -> dict[str, Callable[[str], Any]]:
-    from varpack._argtypes import dtype_spelling, float_above, int_at_least, max_steps_type
-
-    return {
-        "dtype": dtype_spelling(short=False),
-        "int>=0": int_at_least(0),
-        "int>=1": int_at_least(1),
-        "int>=2": int_at_least(2),
-        "float>0": float_above(0),
-        "max_steps": max_steps_type,
-        "json_object": json_object,
-    }
-
-
-#: ``metadata["cli_type"]`` names -> the argparse value checks (the same as ``varpack plan``'s flags); ``dtype``:
-#: ``bf16`` / ``fp16`` / ``fp32`` -> torch's names, for the field's ``choices`` (as ``varpack check --dtype``).
-CLI_TYPES: tuple[str, ...] = ("dtype", "int>=0", "int>=1", "int>=2", "float>0", "max_steps", "json_object")
-
-
-def flag_name(field_name: str) -> str:
-    """``packing_length`` -> ``--packing-length``."""
-    return "--" + field_name.replace("_", "-")
-
-
-def field_names(config_cls: type = SFTConfig) -> dict[str, str]:
-    """Every accepted name of every field -> the field name: the field name, its ``-`` spelling and its
-    ``metadata["aliases"]`` in both spellings (``max_length`` / ``max-length`` -> ``packing_length``); the
-    keys of a ``--config`` file and, with ``--``, the flags."""
-    out: dict[str, str] = {}
-    for f in dataclasses.fields(config_cls):
-        for name in (f.name, *f.metadata.get("aliases", ())):
-            for spelling in (name, name.replace("_", "-")):
-                if out.setdefault(spelling, f.name) != f.name:
-                    raise TypeError(f"{config_cls.__name__}: {spelling!r} names two fields")
-    return out
-
-
 def config_defaults(config_cls: type = SFTConfig) -> dict[str, Any]:
     """The field defaults of ``config_cls``, read without instantiating it (``default_factory`` ones called)."""
     out: dict[str, Any] = {}
@@ -189,15 +128,6 @@ def config_defaults(config_cls: type = SFTConfig) -> dict[str, Any]:
         elif f.default_factory is not dataclasses.MISSING:
             out[f.name] = f.default_factory()
     return out
-
-
-def _strip_optional(annotation: Any) -> Any:
-    """``int | None`` -> ``int``; anything else unchanged."""
-    if typing.get_origin(annotation) in (typing.Union, UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not NoneType]
-        if len(args) == 1:
-            return args[0]
-    return annotation
 
 
 def add_config_arguments(
@@ -224,7 +154,7 @@ def add_config_arguments(
     """
     hints = typing.get_type_hints(config_cls)
     d = {**config_defaults(config_cls), **(defaults or {})}
-    types = _cli_types()
+    types = cli_types()
     names = field_names(config_cls)
     if config_file:
         parser.add_argument(
@@ -245,7 +175,7 @@ def add_config_arguments(
         flag, default = flag_name(f.name), d.get(f.name)
         # the other spellings: --packing_length, and the aliases --max_length / --max-length, ...
         hidden = ["--" + n for n, name in names.items() if name == f.name and "--" + n != flag]
-        annotation = _strip_optional(hints[f.name])
+        annotation = strip_optional(hints[f.name])
         choices = literal_choices(annotation)
         kw: dict[str, Any] = {"dest": f.name}
         if "metavar" in meta:
@@ -326,7 +256,7 @@ def config_from_args(args: argparse.Namespace, config_cls: type = SFTConfig) -> 
         if not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
-        annotation = _strip_optional(hints[f.name])
+        annotation = strip_optional(hints[f.name])
         if typing.get_origin(annotation) is tuple:
             value = tuple(value or ())
         elif typing.get_origin(annotation) is dict and value is None:
@@ -335,7 +265,6 @@ def config_from_args(args: argparse.Namespace, config_cls: type = SFTConfig) -> 
     path = getattr(args, "config", None)
     if not path:
         return config_cls(**kw)
-    from varpack.train.config_file import ConfigFileError, read_config_file
 
     given = getattr(args, EXPLICIT_FIELDS, set())
     from_file = {k: v for k, v in read_config_file(path, config_cls).items() if k not in given}
@@ -354,7 +283,7 @@ def config_to_argv(config: Any) -> list[str]:
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
         value, flag = getattr(config, f.name), flag_name(f.name)
-        annotation = _strip_optional(hints[f.name])
+        annotation = strip_optional(hints[f.name])
         if annotation is bool:
             argv.append(flag if value else "--no-" + flag[2:])
         elif is_auto_bool(annotation):

@@ -11,7 +11,7 @@ Field metadata keys (read by :mod:`varpack.train.cli_flags`):
 
 * ``help``: the flag's help text, or a callable ``defaults -> str`` (``defaults``: the parser's defaults).
 * ``metavar``: the flag's metavar.
-* ``cli_type``: the argparse value check, one of :data:`varpack.train.cli_flags.CLI_TYPES`
+* ``cli_type``: the argparse value check, one of :data:`varpack.train.fields.CLI_TYPES`
   (``"dtype"``, ``"int>=0"``, ``"int>=1"``, ``"float>0"``, ``"max_steps"``, ``"json_object"``); default: from
   the annotation.
 * ``aliases``: other names of the setting, as TRL / ms-swift spell them (``max_length`` for

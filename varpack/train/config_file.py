@@ -12,7 +12,7 @@ A file is a mapping of :class:`varpack.train.config.SFTConfig` field names to va
     extra_training_args: {max_grad_norm: 0.5}
 
 Keys: the field names, their flag spelling (``packing-length``) or an alias of the field
-(``metadata["aliases"]``: ``max_length``, ``learning_rate``, ...; :func:`varpack.train.cli_flags.field_names`);
+(``metadata["aliases"]``: ``max_length``, ``learning_rate``, ...; :func:`varpack.train.fields.field_names`);
 the always-on switches ``padding_free`` / ``packing`` may be ``true``; ``torch_compile`` takes ``true``, ``false``
 or ``auto`` and a plain switch ``true`` or ``false`` (quoted or not, any case). Values are checked as the flags check
 them (the same ``cli_type`` checks), then by the dataclass. Paths are read as on the command line, relative to
@@ -90,10 +90,10 @@ def _read_mapping(path: Path) -> dict[str, Any]:
 def _check_value(annotation: Any, meta: Mapping[str, Any], value: Any) -> Any:
     """``value`` of field ``name`` as the flag would give it; raises ``ValueError`` with the reason."""
     from varpack._argtypes import parse_auto_bool, parse_bool
-    from varpack.train.cli_flags import _cli_types, _strip_optional, is_auto_bool
+    from varpack.train.fields import cli_types, is_auto_bool, strip_optional
 
-    optional = _strip_optional(annotation) is not annotation
-    annotation = _strip_optional(annotation)
+    optional = strip_optional(annotation) is not annotation
+    annotation = strip_optional(annotation)
     if value is None:
         if optional:
             return None
@@ -128,7 +128,7 @@ def _check_value(annotation: Any, meta: Mapping[str, Any], value: Any) -> Any:
     # int / float: the flag's own check on the value's text (a YAML 1.1 "3e-3" string included)
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"must be a number, got {type(value).__name__}")
-    check = _cli_types()[meta["cli_type"]] if "cli_type" in meta else annotation
+    check = cli_types()[meta["cli_type"]] if "cli_type" in meta else annotation
     try:
         return check(str(value))
     except (ValueError, argparse.ArgumentTypeError) as exc:
@@ -150,7 +150,7 @@ def read_config_file(path: str | os.PathLike[str], config_cls: type = SFTConfig)
             two keys for one setting; an always-on switch set to false; a value of the wrong type or range
             (``SFTConfig.<field> has an invalid value: ... (from config file 'PATH')``).
     """
-    from varpack.train.cli_flags import field_names
+    from varpack.train.fields import field_names
 
     path = Path(path)
     shown = repr(os.fspath(path))
