@@ -14,6 +14,7 @@ pytest.importorskip("skimage")
 from PIL import Image  # noqa: E402
 
 from varpack.data.chat import encode_chat  # noqa: E402
+from varpack.data.media import image_processor_for  # noqa: E402
 from varpack.data.multimodal import (  # noqa: E402
     check_plan_cuts,
     encode_any,
@@ -29,7 +30,7 @@ from varpack.data.multimodal import (  # noqa: E402
 )
 from varpack.data.tokenizer import load_tokenizer  # noqa: E402
 from varpack.data.vl_builtin import builtin_vl_chats, package_image_path, write_vl_jsonl  # noqa: E402
-from varpack.integrations.vision import QWEN3_VISION_TOKENS, image_processor_for, tiny_config  # noqa: E402
+from varpack.models.qwen_vl import QWEN3_VISION_TOKENS, tiny_config  # noqa: E402
 
 IMG = QWEN3_VISION_TOKENS["image_token_id"]
 VS = QWEN3_VISION_TOKENS["vision_start_token_id"]
@@ -338,7 +339,7 @@ def test_slice_keeps_media_of_piece(two_image_sample, tok, proc):
     assert head["input_ids"] + tail["input_ids"] == s["input_ids"]
     assert tail["labels"][0] == -100 and tail["length"] == s["length"] - cut
     # pieces with positions: text plane restarts, mRoPE planes kept
-    from varpack.integrations.vision import tiny_config as cfg
+    from varpack.models.qwen_vl import tiny_config as cfg
 
     sp = encode_mm_chat(chat_two_images(), tok, proc, sample_id=9, rope_model=cfg("tiny-qwen3-vl"))
     piece = slice_mm_sample(sp, cut, sp["length"], sample_id=9)

@@ -162,8 +162,8 @@ def test_compiled_linear_attention_model_packed_equals_per_sample(name):
 
     from tests.invariant.test_gated_delta import _far, _gaps, _passes, _per_sample, _samples
     from varpack.collate import PaddingFreeCollator
-    from varpack.integrations.gated_delta import tiny_model
     from varpack.integrations.transformers import enable_varpack
+    from varpack.models.gated_delta import tiny_model
 
     def packed(model, samples, sabotage=False):
         model.zero_grad(set_to_none=True)
@@ -286,8 +286,9 @@ def test_compiled_vl_model_packed_equals_per_sample(name):
     )
     from tests.invariant.test_vision_language import packed_run as vl_packed_run
     from varpack.collate import PaddingFreeCollator
+    from varpack.data.media import image_processor_for
     from varpack.data.tokenizer import load_tokenizer
-    from varpack.integrations.vision import image_processor_for, tiny_config, tiny_model
+    from varpack.models.qwen_vl import tiny_config, tiny_model
 
     tok = load_tokenizer("qwen3")
     proc = image_processor_for(tiny_config("tiny-qwen3-vl"), min_pixels=32 * 32, max_pixels=128 * 128)

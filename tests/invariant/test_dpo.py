@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from tests._exact import LOGITS_RTOL, MARGIN, assert_exact, measure
 from varpack.collate import PaddingFreeCollator
-from varpack.integrations.gated_delta import tiny_model
 from varpack.integrations.transformers import enable_varpack
 from varpack.models import load_model
+from varpack.models.gated_delta import tiny_model
 from varpack.train.objectives.dpo import DPOObjective
 
 VOCAB = 512

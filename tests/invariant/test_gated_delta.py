@@ -17,8 +17,9 @@ import torch.nn.functional as F
 import varpack.integrations.gated_delta as gd
 from tests._exact import GRAD_RTOL, LOGITS_RTOL, LOSS_RTOL, MARGIN, assert_exact, measure
 from varpack.collate import PaddingFreeCollator
-from varpack.integrations.gated_delta import patch_linear_attention, tiny_model
+from varpack.integrations.gated_delta import patch_linear_attention
 from varpack.integrations.transformers import enable_varpack
+from varpack.models.gated_delta import tiny_model
 
 MODELS = ["tiny-qwen3.5", "tiny-qwen3-next"]
 LENGTHS = [5, 1, 30, 66, 2]  # 1-token sample, lengths across the 64-token chunk size

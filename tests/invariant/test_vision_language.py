@@ -20,19 +20,18 @@ pytest.importorskip("skimage")
 
 from tests._exact import LOGITS_RTOL, LOSS_RTOL, MARGIN, assert_exact, measure  # noqa: E402
 from varpack.collate import PaddingFreeCollator  # noqa: E402
+from varpack.data.media import image_processor_for  # noqa: E402
 from varpack.data.multimodal import encode_mm_chat  # noqa: E402
 from varpack.data.tokenizer import load_tokenizer  # noqa: E402
 from varpack.data.vl_builtin import package_image_path  # noqa: E402
 from varpack.integrations.vision import (  # noqa: E402
     check_media,
-    image_processor_for,
     install_media_guard,
     isolate_vision_tower,
     prepare_vl_model,
-    tiny_config,
-    tiny_model,
 )
 from varpack.loss import causal_lm_loss  # noqa: E402
+from varpack.models.qwen_vl import tiny_config, tiny_model  # noqa: E402
 from varpack.schema import BOUNDARY_KEYS
 
 

@@ -66,9 +66,11 @@ def _packed_logits(model, batch, device, *, boundaries=True):
 @pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen3.5-vl"])
 def test_packed_bf16_within_bf16_error_of_truth(name):
     from varpack.collate import PaddingFreeCollator
+    from varpack.data.media import image_processor_for
     from varpack.data.tokenizer import load_tokenizer
     from varpack.integrations.transformers import enable_varpack
-    from varpack.integrations.vision import image_processor_for, prepare_vl_model, tiny_model
+    from varpack.integrations.vision import prepare_vl_model
+    from varpack.models.qwen_vl import tiny_model
 
     device = torch.device("cuda")
     truth_model = tiny_model(name).to(device)

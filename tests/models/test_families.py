@@ -90,16 +90,9 @@ def _rope_inputs():
     return {"input_ids": ids, "mm_token_type_ids": torch.zeros_like(ids)}
 
 
-def test_old_homes_are_the_new_ones():
-    import varpack.integrations.gated_delta as gd
+def test_decoder_layers_and_builtin_names_come_from_the_families():
     import varpack.integrations.kernels as kernels
-    import varpack.integrations.vision as vision
-    import varpack.models.gated_delta as mgd
-    import varpack.models.qwen_vl as mvl
 
-    assert gd.tiny_model is mgd.tiny_model and gd.TINY_MODELS == mgd.TINY_MODELS
-    assert vision.tiny_model is mvl.tiny_model and vision.tiny_config is mvl.tiny_config
-    assert vision.is_vl_model is is_vl_model and vision.TINY_VL_MODELS == mvl.TINY_VL_MODELS
     model = load_model("tiny-llama", vocab_size=VOCAB, attn_backend=None)
     assert kernels.decoder_layers(model) == family_of(model).decoder_layers(model)
     assert set(varpack.models.BUILTIN_MODELS) == set(builtin_names())

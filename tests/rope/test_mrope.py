@@ -8,10 +8,11 @@ import torch
 pytest.importorskip("PIL")
 pytest.importorskip("skimage")
 
+from varpack.data.media import image_processor_for  # noqa: E402
 from varpack.data.multimodal import encode_mm_chat  # noqa: E402
 from varpack.data.tokenizer import load_tokenizer  # noqa: E402
 from varpack.data.vl_builtin import package_image_path  # noqa: E402
-from varpack.integrations.vision import image_processor_for, tiny_config, tiny_model  # noqa: E402
+from varpack.models.qwen_vl import tiny_config, tiny_model  # noqa: E402
 from varpack.rope.mrope import mrope_position_ids, rope_index_fn, split_planes  # noqa: E402
 
 MODELS = ["tiny-qwen3-vl", "tiny-qwen3.5-vl"]

@@ -21,18 +21,13 @@ pytest.importorskip("PIL")
 pytest.importorskip("skimage")
 
 from varpack.collate import PaddingFreeCollator  # noqa: E402
+from varpack.data.media import image_processor_for  # noqa: E402
 from varpack.data.multimodal import encode_mm_chat, image_spans, slice_mm_sample  # noqa: E402
 from varpack.data.tokenizer import load_tokenizer  # noqa: E402
 from varpack.data.vl_builtin import package_image_path  # noqa: E402
-from varpack.integrations.vision import (  # noqa: E402
-    QWEN3_VISION_TOKENS,
-    check_media,
-    image_processor_for,
-    prepare_vl_model,
-    tiny_config,
-    tiny_model,
-)
+from varpack.integrations.vision import check_media, prepare_vl_model  # noqa: E402
 from varpack.loss import causal_lm_loss  # noqa: E402
+from varpack.models.qwen_vl import QWEN3_VISION_TOKENS, tiny_config, tiny_model  # noqa: E402
 from varpack.rope.mrope import mrope_position_ids, rope_args, rope_index_fn  # noqa: E402
 
 VS = QWEN3_VISION_TOKENS["vision_start_token_id"]

@@ -52,10 +52,11 @@ def text_samples(lengths=LENGTHS, seed=0):
 
 def vl_packs(model):
     """Two packs of real image chats (one with two images) and a text chat, encoded for ``model``."""
+    from varpack.data.media import image_processor_for
     from varpack.data.multimodal import encode_mm_chat
     from varpack.data.tokenizer import load_tokenizer
     from varpack.data.vl_builtin import package_image_path
-    from varpack.integrations.vision import image_processor_for, tiny_config
+    from varpack.models.qwen_vl import tiny_config
 
     def user(names, question, answer):
         content = [{"type": "image", "image": package_image_path("skimage", n)} for n in names]

@@ -91,10 +91,10 @@ def test_sft_default_overflow_is_error():
 def test_sft_refuses_image_cuts_before_training(tmp_path):
     """An overflow piece that would cut through an image is refused when the run is built, not when training
     reaches that pack (seen: 3 steps ran, then the run died)."""
+    from varpack.data.media import image_processor_for
     from varpack.data.multimodal import encode_any, image_spans
     from varpack.data.tokenizer import load_tokenizer
     from varpack.data.vl_builtin import write_vl_jsonl
-    from varpack.integrations.vision import image_processor_for
     from varpack.models import load_model
     from varpack.train import SFTConfig, build_sft
 

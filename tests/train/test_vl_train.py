@@ -12,6 +12,7 @@ pytest.importorskip("skimage")
 
 from varpack.collate import PaddingFreeCollator  # noqa: E402
 from varpack.data.dataset import PackedDataset  # noqa: E402
+from varpack.data.media import image_processor_for  # noqa: E402
 from varpack.data.multimodal import (  # noqa: E402
     check_plan_cuts,
     encode_any,
@@ -21,7 +22,7 @@ from varpack.data.multimodal import (  # noqa: E402
 )
 from varpack.data.tokenizer import load_tokenizer  # noqa: E402
 from varpack.data.vl_builtin import builtin_vl_chats, write_vl_jsonl  # noqa: E402
-from varpack.integrations.vision import check_media, image_processor_for  # noqa: E402
+from varpack.integrations.vision import check_media  # noqa: E402
 from varpack.plan import plan_packs  # noqa: E402
 
 

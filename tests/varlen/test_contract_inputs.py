@@ -22,10 +22,10 @@ import torch
 
 from varpack.attn import resolve_backend, varlen_attention
 from varpack.collate import PaddingFreeCollator
-from varpack.integrations.gated_delta import tiny_model
 from varpack.integrations.transformers import PackingGuardError, enable_varpack
 from varpack.loss import causal_lm_loss
 from varpack.models import load_model
+from varpack.models.gated_delta import tiny_model
 from varpack.ops.gated_delta_rule import (
     chunk_gated_delta_rule,
     gated_delta_rule,

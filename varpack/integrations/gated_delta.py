@@ -28,14 +28,19 @@ boundaries that do not cover the row's tokens.
 
 from __future__ import annotations
 
-import functools
-import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from varpack.models.gated_delta import TINY_MODELS, tiny_model  # re-exported: they live in varpack.models
+from varpack.integrations.recurrent import (
+    CACHE_KEYS,
+    conv_activation,
+    current_meta,
+    current_shard,
+    install_mixer_hooks,
+    mixer_name,
+)
 from varpack.models.registry import is_gated_delta_layer as _is_gdn
 from varpack.ops._fla import load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
@@ -46,109 +51,12 @@ from varpack.ops.gated_delta_rule.dispatch import (
 )
 from varpack.ops.gated_delta_rule.fla_hybrid import FlaHybridBoundaries, prepare_fla_hybrid_boundaries
 from varpack.ops.short_conv import short_conv
-from varpack.schema import CP_SHARD, SEQ_IDX, VARLEN_META
-from varpack.varlen.meta import VarlenMeta, varlen_meta_from_kwargs
+from varpack.varlen.meta import VarlenMeta
 
-__all__ = ["TINY_MODELS", "linear_attention_backend", "patch_linear_attention", "tiny_model"]
+__all__ = ["layer_head_dims", "linear_attention_backend", "patch_linear_attention"]
 
-_CACHE_KEYS = ("cache", "cache_params", "past_key_values")
 # which modules are Gated DeltaNet layers (_is_gdn) is a model-family fact:
 # varpack.models.registry.is_gated_delta_layer
-
-
-# ---------------------------------------------------------------------------------------------------------
-# how the batch's VarlenMeta reaches the layers
-# ---------------------------------------------------------------------------------------------------------
-def _row_tokens(args: tuple, kwargs: dict) -> tuple[int, int] | None:
-    ref = kwargs.get("input_ids")
-    if ref is None:
-        ref = kwargs.get("inputs_embeds")
-    if ref is None and args and isinstance(args[0], torch.Tensor):
-        ref = args[0]
-    if ref is None or ref.dim() < 2:
-        return None
-    return int(ref.shape[0]), int(ref.shape[1])
-
-
-def _text_model_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """On the text model (the module owning ``layers``), once per forward: a packed call's boundaries become
-    the batch's :class:`VarlenMeta` (the collator's, or built here from ``cu_seq_lens_q`` / ``seq_idx``),
-    passed on in ``kwargs["varlen_meta"]``, which transformers hands to every decoder layer. Stateless."""
-    if not any(kwargs.get(k) is not None for k in (VARLEN_META, "cu_seq_lens_q", SEQ_IDX)):
-        return None
-    where = type(module).__name__
-    shape = _row_tokens(args, kwargs)
-    if shape is None:
-        raise ValueError(
-            f"{where}: packed batch (cu_seq_lens_q/seq_idx) without input_ids/inputs_embeds [1, T]"
-        )
-    B, T = shape
-    if B != 1:
-        raise ValueError(
-            f"{where}: packed batch boundaries (cu_seq_lens_q/seq_idx) need one row [1, T], got a batch of "
-            f"{B} rows; flatten the samples into one row (varpack.collate.PaddingFreeCollator)"
-        )
-    cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
-    if cache is not None:
-        raise ValueError(
-            f"{where}: packed batch with a cache ({type(cache).__name__}): the linear-attention state of a "
-            "packed row mixes samples; packing is for training (no cache, use_cache=False)"
-        )
-    if kwargs.get("use_cache"):
-        raise ValueError(f"{where}: packed batch with use_cache=True; packed batches need use_cache=False")
-    kwargs = dict(kwargs)
-    kwargs[VARLEN_META] = varlen_meta_from_kwargs(kwargs, _row_total(kwargs, T, where), where)
-    kwargs["use_cache"] = False  # HF would otherwise build a DynamicCache from the packed row
-    return args, kwargs
-
-
-def _row_total(kwargs: dict, T: int, where: str) -> int:
-    """The packed row's token count: ``T`` itself, or for a context-parallel shard (``cp_shard``, this rank's
-    ``T`` tokens of a longer row) the whole row's, after checking that the shard holds ``T`` tokens."""
-    shard = kwargs.get(CP_SHARD)
-    if shard is None:
-        return T
-    if getattr(shard, "num_local", None) != T:
-        raise ValueError(
-            f"{where}: the batch holds {T} tokens but its cp_shard gives this rank {getattr(shard, 'num_local', '?')}"
-        )
-    return shard.total
-
-
-def _decoder_layer_pre_hook(mixer: torch.nn.Module, module, args: tuple, kwargs: dict) -> None:
-    """On the decoder layer holding a Gated DeltaNet ``mixer``: hand the call's meta to the mixer (some
-    transformers releases call it without the layer's kwargs). Runs again when gradient checkpointing
-    recomputes the layer in the backward, with the same kwargs."""
-    mixer._varpack_meta = kwargs.get(VARLEN_META)
-    mixer._varpack_cp_shard = kwargs.get(CP_SHARD)
-
-
-def _decoder_layer_post_hook(mixer: torch.nn.Module, module, args, kwargs, output) -> None:
-    mixer._varpack_meta = None  # the meta lives for one call of the layer, never beyond
-    mixer._varpack_cp_shard = None
-
-
-def _current_meta(layer: torch.nn.Module, T: int, kwargs: dict) -> VarlenMeta | None:
-    """The meta of this call: from the mixer's own kwargs, else the one its decoder layer handed over."""
-    where = f"{type(layer).__name__}(layer_idx={getattr(layer, 'layer_idx', '?')})"
-    meta = kwargs.get(VARLEN_META)
-    if meta is None:
-        meta = layer.__dict__.get("_varpack_meta")
-    shard = _current_shard(layer, kwargs)
-    total = T if shard is None else _row_total({CP_SHARD: shard}, T, where)
-    if meta is None and (kwargs.get("cu_seq_lens_q") is not None or kwargs.get(SEQ_IDX) is not None):
-        return varlen_meta_from_kwargs(kwargs, total, where)  # called directly with boundaries
-    if meta is not None and meta.total_q != total:
-        raise ValueError(
-            f"{where}: the model's packed boundaries cover {meta.total_q} tokens but the layer got T={total}"
-        )
-    return meta
-
-
-def _current_shard(layer: torch.nn.Module, kwargs: dict) -> Any:
-    """The context-parallel shard of this call (bound by the packing guard), or ``None``."""
-    shard = kwargs.get(CP_SHARD)
-    return shard if shard is not None else layer.__dict__.get("_varpack_cp_shard")
 
 
 def _chunk_layout(meta: VarlenMeta) -> ChunkLayout:
@@ -162,14 +70,6 @@ def _fla_hybrid_boundaries(meta: VarlenMeta, device: torch.device) -> FlaHybridB
         ("fla_hybrid_boundaries", str(device)),
         lambda: prepare_fla_hybrid_boundaries(meta.cu_seqlens_cpu(), device),
     )
-
-
-def _conv_activation(name: Any):
-    if name in ("silu", "swish") or name is None:
-        return name
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]
 
 
 def _projections(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask) -> tuple:
@@ -230,7 +130,7 @@ def _conv_and_rule(
     else:
         conv_kwargs = {"seq_idx": meta.seq_idx_on(device)}
     mixed = short_conv(
-        mixed, weight, bias, _conv_activation(layer.activation), backend=conv_backend, **conv_kwargs
+        mixed, weight, bias, conv_activation(layer.activation), backend=conv_backend, **conv_kwargs
     )
     query, key, value = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     query = query.reshape(B, T, -1, dk)
@@ -388,9 +288,9 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, 
         # graph break, like varpack attention; traced, its data-dependent chunking recompiles for every pack
         return _patched_forward_outside_graph(self, hidden_states, *args, **kwargs)
     B, T = hidden_states.shape[:2]
-    cache = args[0] if args else next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
+    cache = args[0] if args else next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
     attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
-    meta = _current_meta(self, T, kwargs)
+    meta = current_meta(self, T, kwargs)
     if meta is None:
         if cache is None and (
             _truth_via_varpack(self, hidden_states) or _original_cannot_train(self, hidden_states)
@@ -405,7 +305,7 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, 
             out = _packed_forward(self, hidden_states.reshape(1, B * T, -1), mask, rows)
             return out.reshape(B, T, -1)
         return self._varpack_gdn_original_forward(hidden_states, *args, **kwargs)
-    where = f"{type(self).__name__}(layer_idx={getattr(self, 'layer_idx', '?')})"
+    where = mixer_name(self)
     if B != 1:
         raise ValueError(
             f"{where}: packed boundaries need one row [1, T], got hidden_states {tuple(hidden_states.shape)}"
@@ -415,7 +315,7 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, 
             f"{where}: packed batch with a cache ({type(cache).__name__}); incremental decoding cannot be "
             "combined with packing (use_cache=False for packed training batches)"
         )
-    shard = _current_shard(self, kwargs)
+    shard = current_shard(self, kwargs)
     if shard is not None:
         return _context_parallel_forward(self, hidden_states, attention_mask, meta, shard)
     return _packed_forward(self, hidden_states, attention_mask, meta)
@@ -489,35 +389,9 @@ def patch_linear_attention(model: torch.nn.Module, *, backend: str = "auto") -> 
         _check_structure(m)
     if not layers:
         return 0
-    layer_ids = {id(m) for m in layers}
-    # the text models (modules owning a `layers` list that holds the linear layers): the meta, once per forward
-    for m in model.modules():
-        sub = getattr(m, "layers", None)
-        if (
-            isinstance(sub, torch.nn.ModuleList)
-            and any(id(x) in layer_ids for layer in sub for x in layer.modules())
-            and not getattr(m, "_varpack_gdn_text_hook", False)
-        ):
-            m.register_forward_pre_hook(_text_model_pre_hook, with_kwargs=True)
-            m._varpack_gdn_text_hook = True
-    # the decoder layers holding a linear layer: hand the call's meta to it
-    for parent in model.modules():
-        for child in parent.children():
-            if id(child) in layer_ids and not getattr(parent, "_varpack_gdn_layer_hook", False):
-                parent.register_forward_pre_hook(
-                    functools.partial(_decoder_layer_pre_hook, child), with_kwargs=True
-                )
-                parent.register_forward_hook(
-                    functools.partial(_decoder_layer_post_hook, child), with_kwargs=True, always_call=True
-                )
-                parent._varpack_gdn_layer_hook = True
+    install_mixer_hooks(model, layers, _patched_forward, original_attr="_varpack_gdn_original_forward")
     for m in layers:
-        if "_varpack_gdn_original_forward" not in m.__dict__:
-            m._varpack_gdn_original_forward = m.forward
-            m.forward = types.MethodType(_patched_forward, m)
         m._varpack_gdn_backend = backend
-        m._varpack_meta = None
-        m._varpack_cp_shard = None
     return len(layers)
 
 

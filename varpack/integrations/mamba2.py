@@ -31,20 +31,12 @@ peft adapter on ``conv1d``; a mixer whose structure or ``time_step_limit`` varpa
 
 from __future__ import annotations
 
-import functools
-import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from varpack.integrations.gated_delta import (
-    _conv_activation,
-    _current_meta,
-    _decoder_layer_post_hook,
-    _decoder_layer_pre_hook,
-    _text_model_pre_hook,
-)
+from varpack.integrations.recurrent import CACHE_KEYS, conv_activation, current_meta, install_mixer_hooks
 from varpack.models.mamba2 import MAMBA2_MIXER_CLASSES, is_mamba2_mixer
 from varpack.ops.short_conv import short_conv
 from varpack.ops.ssd import BACKENDS, SSDLayout, prepare_ssd_layout, resolve_ssd_backend, ssd_scan
@@ -53,7 +45,6 @@ from varpack.varlen.meta import VarlenMeta
 
 __all__ = ["patch_mamba2_mixers", "ssd_backend"]
 
-_CACHE_KEYS = ("cache", "cache_params", "past_key_values")
 #: keywords that would hand a mixer state or boundaries varpack's packed path does not read: refused
 _STATE_KEYS = (
     "initial_states",
@@ -117,7 +108,7 @@ def _packed_forward(
 
     # 1. the short convolution over x, B, C: no tap reads across a boundary
     backend = getattr(layer, "_varpack_ssd_backend", "auto")
-    activation = _conv_activation(layer.activation)
+    activation = conv_activation(layer.activation)
     kernel_ok = activation in (None, "silu", "swish")  # fla's causal_conv1d takes no other activation
     conv_backend = (
         "auto" if backend in ("auto", "mamba_ssm") and device.type == "cuda" and kernel_ok else "torch"
@@ -175,7 +166,7 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, 
         # inside a torch.compile'd decoder layer: the mixer is a graph break, like varpack attention
         return _patched_forward_outside_graph(self, hidden_states, *args, **kwargs)
     B, T = hidden_states.shape[:2]
-    meta = _current_meta(self, T, kwargs)
+    meta = current_meta(self, T, kwargs)
     if meta is None:
         return self._varpack_ssd_original_forward(hidden_states, *args, **kwargs)
     where = _where(self)
@@ -189,7 +180,7 @@ def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, 
             f"{where}: packed batch with positional argument(s) {given} besides hidden_states; the packed "
             "path takes cache / attention_mask by keyword (and no cache)"
         )
-    cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
+    cache = next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
     if cache is not None:
         raise ValueError(
             f"{where}: packed batch with a cache ({type(cache).__name__}); the conv and SSM states of a pack "
@@ -289,32 +280,9 @@ def patch_mamba2_mixers(model: torch.nn.Module, *, backend: str = "auto") -> int
         _check_mixer(m)
     if not mixers:
         return 0
-    ids = {id(m) for m in mixers}
-    for m in model.modules():  # the text model (owner of `layers`): the meta, once per forward
-        sub = getattr(m, "layers", None)
-        if (
-            isinstance(sub, torch.nn.ModuleList)
-            and any(id(x) in ids for layer in sub for x in layer.modules())
-            and not getattr(m, "_varpack_ssd_text_hook", False)
-        ):
-            m.register_forward_pre_hook(_text_model_pre_hook, with_kwargs=True)
-            m._varpack_ssd_text_hook = True
-    for parent in model.modules():  # the layer calling a mixer: hands it the call's meta
-        for child in parent.children():
-            if id(child) in ids and not getattr(parent, "_varpack_ssd_layer_hook", False):
-                parent.register_forward_pre_hook(
-                    functools.partial(_decoder_layer_pre_hook, child), with_kwargs=True
-                )
-                parent.register_forward_hook(
-                    functools.partial(_decoder_layer_post_hook, child), with_kwargs=True, always_call=True
-                )
-                parent._varpack_ssd_layer_hook = True
+    install_mixer_hooks(model, mixers, _patched_forward, original_attr="_varpack_ssd_original_forward")
     for m in mixers:
-        if "_varpack_ssd_original_forward" not in m.__dict__:
-            m._varpack_ssd_original_forward = m.forward
-            m.forward = types.MethodType(_patched_forward, m)
         m._varpack_ssd_backend = backend
-        m._varpack_meta = None
     return len(mixers)
 
 

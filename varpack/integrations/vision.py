@@ -22,29 +22,10 @@ from typing import Any
 
 import torch
 
-from varpack.data.media import image_processor_for
-from varpack.models.qwen_vl import (  # re-exported: they live in varpack.models.qwen_vl
-    QWEN3_VISION_TOKENS,
-    QWEN3_VOCAB_SIZE,  # noqa: F401 (old public name)
-    TINY_VL_MODELS,
-    tiny_config,
-    tiny_model,
-)
 from varpack.models.registry import family_of, is_vl_model
 from varpack.schema import BOUNDARY_KEYS, CP_SHARD, IMAGE_FIELDS, MM_TOKEN_TYPE_IDS, VIDEO_FIELDS
 
-__all__ = [
-    "QWEN3_VISION_TOKENS",
-    "TINY_VL_MODELS",
-    "check_media",
-    "image_processor_for",
-    "install_media_guard",
-    "is_vl_model",
-    "isolate_vision_tower",
-    "prepare_vl_model",
-    "tiny_config",
-    "tiny_model",
-]
+__all__ = ["check_media", "install_media_guard", "isolate_vision_tower", "prepare_vl_model"]
 
 
 def _count(x: Any) -> int:

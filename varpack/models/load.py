@@ -160,8 +160,8 @@ def load_model(
             packed forward).
 
     A built-in model is built by its family (:meth:`varpack.models.ModelFamily.build`) under ``seed``; after
-    ``enable_varpack`` the family prepares it for packed batches (:meth:`varpack.models.ModelFamily.prepare`:
-    a vision-language model's vision tower is isolated from the text boundaries and its media guarded).
+    ``enable_varpack``, a vision-language model's vision tower is isolated from the text boundaries and its media
+    guarded (:func:`varpack.integrations.vision.prepare_vl_model`).
 
     Returns:
         A ``transformers`` ``PreTrainedModel`` (a causal LM) in ``train()`` mode off, i.e. as loaded (eval).
@@ -203,7 +203,10 @@ def load_model(
 
         require_gated_delta_layers(model, gated_delta_backend, model_name=os.fspath(name_or_dir))
         enable_varpack(model, backend=attn_backend, linear_backend=gated_delta_backend)
-        family_of(model).prepare(model)  # VL: keep the text stream's boundaries out of the vision tower
+        if family_of(model).is_vl(model):  # keep the text stream's boundaries out of the vision tower
+            from varpack.integrations.vision import prepare_vl_model
+
+            prepare_vl_model(model)
     return model
 
 

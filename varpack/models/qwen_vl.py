@@ -6,7 +6,7 @@ every token keeps the mRoPE position it has unpacked (``position_ids [4, 1, T]``
 mRoPE planes from the model's own ``get_rope_index`` per sample: :mod:`varpack.rope.mrope`) and (c) attention
 and linear-attention layers keep samples apart (``enable_varpack``). The vision tower (``.visual``) attends
 per image and is kept away from the text stream's boundaries (:func:`varpack.integrations.vision.prepare_vl_model`,
-run by :meth:`~varpack.models.registry.ModelFamily.prepare`).
+run by :func:`varpack.models.load_model`).
 
 The families differ in their media fields (Qwen2.5-VL's rope index also reads ``second_per_grid_ts``) and in
 their token mixers (Qwen3.5 mixes Gated DeltaNet layers into its language model).

@@ -4,7 +4,7 @@ A :class:`ModelFamily` is a frozen record of one family's facts (the HF ``model_
 token mixers, whether it is vision-language, its position-id layout, its media fields, its built-in random-init
 configs) and the hooks the rest of varpack asks it (:meth:`ModelFamily.is_vl`, :meth:`~ModelFamily.text_config`,
 :meth:`~ModelFamily.decoder_layers`, :meth:`~ModelFamily.linear_layers`, :meth:`~ModelFamily.vision_tower`,
-:meth:`~ModelFamily.rope_index`, :meth:`~ModelFamily.build`, :meth:`~ModelFamily.prepare`).
+:meth:`~ModelFamily.rope_index`, :meth:`~ModelFamily.build`).
 
 The built-in families live one per file (:mod:`varpack.models.dense`, :mod:`varpack.models.gated_delta`,
 :mod:`varpack.models.qwen_vl`), each listing its records in ``FAMILIES``; :data:`FAMILY_MODULES` names those
@@ -16,7 +16,7 @@ Models whose ``model_type`` no family covers keep working as they always have: :
 ``family_of(..., strict=True)`` raises instead, naming the ``model_type``.
 
 This module imports no family module at import time and no :mod:`varpack.integrations` module at all (the
-integrations ask the registry; :meth:`ModelFamily.prepare` imports them when called).
+integrations ask the registry).
 """
 
 from __future__ import annotations
@@ -253,16 +253,6 @@ class ModelFamily:
     def build(self, config: Any) -> torch.nn.Module:
         """A random-init float32 model of ``config`` (:attr:`model_class`); the caller seeds the RNG."""
         return (self.model_class or _auto_causal_lm)(config)
-
-    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """What a model of this family needs beyond ``enable_varpack`` for packed batches: for a
-        vision-language model, :func:`varpack.integrations.vision.prepare_vl_model` (vision tower isolated
-        from the text boundaries, media guard). Returns the model."""
-        if self.is_vl(model):
-            from varpack.integrations.vision import prepare_vl_model
-
-            prepare_vl_model(model)
-        return model
 
 
 #: the fallback for a ``model_type`` no family covers: every fact read from the model (today's duck typing)
