@@ -1,17 +1,17 @@
 """Kernel attribution of a profiled step (benchmarks/profile_step.py), as pure functions over simple records.
 
-No torch here: :func:`attribute` takes a list of :class:`Event` records (one per profiler event: a device
-kernel, a memcpy / memset, a GPU-side annotation range, a host call) and returns per-category kernel time,
-per-category and total GPU busy time (union of intervals), kernel counts and the checks that make the table
-add up. :func:`events_from_profiler` (in profile_step.py's adapter) turns ``torch.profiler`` events into
-these records; the unit tests (tests/test_benchmarks_profile.py) build them by hand.
+:func:`attribute` takes a list of :class:`Event` records (one per profiler event: a device kernel, a memcpy /
+memset, a GPU-side annotation range, a host call) and returns per-category kernel time, per-category and total
+GPU busy time (union of intervals), kernel counts and the checks that make the table add up; no torch needed.
+:func:`events_from_profiler` turns ``torch.profiler`` events into these records (it imports torch); the unit
+tests (tests/benchmarks/test_profile_step.py) build them by hand.
 
 What counts as device work: ``device == "cuda"`` and not ``is_annotation``. ``torch.profiler`` reports every
 ``record_function`` range twice: on the host, and, when it encloses kernels, as a GPU-side span
 (kineto activity ``gpu_user_annotation``, ``FunctionEvent.device_type == DeviceType.CUDA`` and
 ``FunctionEvent.is_user_annotation == True``) covering the kernels inside it: ``## Call CompiledFxGraph ##``
 (every compiled region call), ``ProfilerStep#N``, ``Optimizer.step#...``. Counting those spans as kernels
-counts their kernels twice (issue 18: 72.7 ms of "other"). torch's own tables drop them the same way
+counts their kernels twice. torch's own tables drop them the same way
 (``torch.autograd.profiler_util._build_table``: device events ``and not evt.is_user_annotation``).
 
 Checks (:func:`check`): the categories sum to the kernel time total (each kernel attributed exactly once),
@@ -223,7 +223,8 @@ def check(a: Attribution, *, rel_tol: float = 0.02, abs_tol_us: float = 1.0) -> 
     for stream, over in sorted(a.stream_overlap_us.items()):
         if over > rel_tol * a.kernel_total_us + abs_tol_us:
             problems.append(
-                f"stream {stream}: kernels overlap by {over:.1f} us ({100 * over / max(a.kernel_total_us, 1e-9):.1f}% "
+                f"stream {stream}: kernels overlap by {over:.1f} us "
+                f"({100 * over / max(a.kernel_total_us, 1e-9):.1f}% "
                 "of kernel time): a range counted as a kernel, or programmatic dependent launch? largest: "
                 + "; ".join(f"{x!r} over {y!r} {us:.1f} us" for x, y, us in a.overlap_pairs[:3])
             )
@@ -255,3 +256,93 @@ def per_step(a: Attribution, steps: int, wall_us: float) -> dict[str, Any]:
             for n, c, us, calls in a.top
         ],
     }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the adapter from torch.profiler events
+# ----------------------------------------------------------------------------------------------------------
+
+_LAUNCH = re.compile(r"^(cuda|cu)(LaunchKernel|LaunchCooperativeKernel|GraphLaunch|Memcpy|Memset)", re.I)
+
+
+def _chain(evt: Any, depth: int = 64) -> list[Any]:
+    out = []
+    while evt is not None and len(out) < depth:
+        out.append(evt)
+        evt = evt.cpu_parent
+    return out
+
+
+def _has_dim(evt: Any, size: int) -> bool:
+    for shape in getattr(evt, "input_shapes", None) or ():
+        if isinstance(shape, (list, tuple)) and size in shape:
+            return True
+    return False
+
+
+def _device_name(device_type: Any) -> str:
+    from torch.autograd import DeviceType
+
+    return {DeviceType.CPU: "cpu", DeviceType.CUDA: "cuda"}.get(device_type, str(device_type))
+
+
+def events_from_profiler(events: list[Any], vocab: int, device_type: str) -> list[Event]:
+    """``torch.profiler`` ``FunctionEvent`` s -> :class:`benchmarks._profile_attr.Event` records.
+
+    CUDA: one record per device-timeline event (``device_type != CPU``): kernels, memcpy / memset, and the
+    GPU-side spans of ``record_function`` ranges, flagged ``is_annotation`` from
+    ``FunctionEvent.is_user_annotation`` (kineto ``gpu_user_annotation``: ``## Call CompiledFxGraph ##``,
+    ``ProfilerStep#``, ``Optimizer.step#``). A kernel's parents: its launch call (``cudaLaunchKernel`` /
+    ``cuLaunchKernel``, same CUPTI correlation id as the kernel) -> the innermost host range open at the
+    launch (an ATen op; for Inductor's Triton kernels the ``triton_*`` range that its launcher records) ->
+    that range's ancestors (autograd node, compiled region ...); else the op the kernel is linked to
+    (``linked_correlation_id``, where this torch has it). CPU (smoke test): one record per leaf ATen op (no
+    ATen op inside it), its CPU time standing in for a kernel.
+
+    Raises:
+        RuntimeError: this torch's ``FunctionEvent`` has no ``is_user_annotation`` (annotations could not be
+            told from kernels).
+    """
+    import torch
+    from torch.autograd import DeviceType
+
+    out: list[Event] = []
+    if device_type != "cuda":
+        for e in events:
+            if e.device_type != DeviceType.CPU or not e.name.startswith("aten::"):
+                continue
+            if any(c.name.startswith("aten::") for c in e.cpu_children):
+                continue
+            chain = _chain(e)
+            out.append(Event(
+                name=e.name, device="cpu", start_us=e.time_range.start,
+                dur_us=e.time_range.end - e.time_range.start, parents=tuple(c.name for c in chain),
+                stream=e.thread, vocab_dim=any(_has_dim(c, vocab) for c in chain[:4]),
+            ))  # fmt: skip
+        return out
+    launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and _LAUNCH.search(e.name)}
+    host_ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and not _LAUNCH.search(e.name)}
+    for e in events:
+        if e.device_type == DeviceType.CPU:
+            continue
+        if not hasattr(e, "is_user_annotation"):
+            raise RuntimeError(
+                f"torch {torch.__version__}: FunctionEvent has no is_user_annotation; annotation ranges "
+                "cannot "
+                "be told from kernels"
+            )
+        ann = bool(e.is_user_annotation) or getattr(e, "activity_type", None) == "gpu_user_annotation"
+        op = None
+        if not ann:
+            rt = launches.get(e.id)
+            op = rt.cpu_parent if rt is not None else None
+            if op is None and getattr(e, "linked_correlation_id", 0):
+                op = host_ops.get(e.linked_correlation_id)
+        chain = _chain(op)
+        out.append(Event(
+            name=e.name, device=_device_name(e.device_type), start_us=e.time_range.start,
+            dur_us=e.time_range.end - e.time_range.start, parents=tuple(c.name for c in chain),
+            is_annotation=ann, stream=int(getattr(e, "device_resource_id", 0) or 0),
+            vocab_dim=any(_has_dim(c, vocab) for c in chain[:4]),
+        ))  # fmt: skip
+    return out

@@ -1,28 +1,25 @@
-"""CPU attention backends ``sdpa`` / ``reference``: segments cut by one ``torch.split`` vs a slice per segment.
+"""CPU attention backends ``sdpa`` / ``reference``: segments cut by one ``torch.split`` vs a slice per
+segment.
 
-Issue 11 item 6. Both backends loop over the segments of ``cu_seqlens``. Before the fix they sliced
-``q[cu[n]:cu[n+1]]`` (and k, v) per segment; each slice's backward allocates and adds a zero-filled gradient
-of the whole tensor, so the backward cost O(N * T) for N segments. They now take the segments from one
-``torch.split`` per tensor (``varpack.attn.reference.split_segments``), whose backward is one concatenation.
+Both backends loop over the segments of ``cu_seqlens``. Slicing ``q[cu[n]:cu[n+1]]`` (and k, v) per segment is
+the obvious loop, but each slice's backward adds a zero-filled gradient of the whole tensor: O(N * T) for N
+segments. The backends take the segments from one ``torch.split`` per tensor
+(``varpack.attn.reference.split_segments``), whose backward is one concatenation. Measured in the same run, on
+the same inputs, per layout (N segments x L tokens):
 
-Measured in the same run, on the same inputs, for each segment layout (N segments x L tokens, T = N * L):
+* ``slice``: the per-segment slicing loops (below: ``_slice_reference`` / ``_slice_sdpa``, with the backends'
+  helpers ``segment_attention`` / ``segment_mask`` / ``read_offsets``), the baseline;
+* ``split``: ``varpack.attn.BACKENDS[name].forward`` (the backend itself, without ``varlen_attention``'s
+  checks).
 
-* ``old``: the loops as they were before the fix (copied below, with the arguments the backends pass:
-  ``_old_reference`` / ``_old_sdpa``; same helpers ``segment_attention`` / ``segment_mask`` / ``read_offsets``);
-* ``new``: ``varpack.attn.BACKENDS[name].forward`` (the backend itself, without ``varlen_attention``'s
-  validation, like the old loop);
+``fwd`` under ``torch.no_grad()``, ``fwd+bwd`` = forward + ``backward(dout)`` into leaf q / k / v. Each
+configuration runs once untimed first, and there the outputs and dq / dk / dv of the two are compared (``0``:
+bit-identical). Then ``--iters`` rounds, the two alternating inside each round (load drift on a shared machine
+hits both), median ms (``time.perf_counter``); the ratio of the medians and of the minima (the least disturbed
+runs).
 
-``fwd`` under ``torch.no_grad()``, ``fwd+bwd`` = forward + ``backward(dout)`` into leaf q/k/v. Every
-configuration runs once untimed first (old and new), and there the outputs and dq/dk/dv of old and new are
-compared (``max abs diff``; ``0`` = bit-identical). Timing: ``--iters`` rounds, old and new alternating inside each
-round (so load drift on a shared machine hits both), median milliseconds (``time.perf_counter``); the
-ratio of medians and the ratio of minima (the least disturbed run of each, on a loaded machine).
-
-Run::
-
-    python benchmarks/attention_cpu.py                        # 512x8, 64x64, 8x512; H/Hkv 8/2, D 64, fp32
-    python benchmarks/attention_cpu.py --threads 1            # steadier on a shared machine
-    python benchmarks/attention_cpu.py --layouts 256x16 --iters 5 --out runs/attention_cpu.json
+    python benchmarks/attention_cpu.py --threads 1 --iters 5 --out attention_cpu.json   # 512x8, 64x64, 8x512
+    python benchmarks/attention_cpu.py --small                                          # smoke run
 """
 
 from __future__ import annotations
@@ -39,16 +36,22 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import machine_info, markdown_table, write_json  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    add_common_args,
+    checked_device,
+    machine_info,
+    markdown_table,
+    write_json,
+)
 from varpack.attn import BACKENDS  # noqa: E402
 from varpack.attn.reference import read_offsets, segment_attention, segment_mask  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------
-# the baseline: the per-segment slicing loops before the fix (varpack 6b00ad4, attn/reference.py, attn/sdpa.py)
+# the baseline: the per-segment slicing loops
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _old_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window_size, softmax_scale, softcap):
+def _slice_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window_size, softmax_scale, softcap):
     cu_q, cu_k = read_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     outs = [
@@ -70,7 +73,7 @@ def _old_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window_size, 
     return torch.cat(outs, dim=0)
 
 
-def _old_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window_size, softmax_scale, softcap):
+def _slice_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window_size, softmax_scale, softcap):
     cu_q, cu_k = read_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     left, right = window_size
     windowed = left >= 0 or (right >= 0 and not causal)
@@ -112,10 +115,10 @@ def _old_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, window_size, softm
     return torch.cat(outs, dim=0)
 
 
-OLD = {"reference": _old_reference, "sdpa": _old_sdpa}
+SLICE = {"reference": _slice_reference, "sdpa": _slice_sdpa}
 
 
-def _new(name: str):
+def _split(name: str):
     backend = BACKENDS[name]
 
     def call(q, k, v, cu_q, cu_k, **kw):
@@ -127,14 +130,6 @@ def _new(name: str):
 # ----------------------------------------------------------------------------------------------------------
 # measurement
 # ----------------------------------------------------------------------------------------------------------
-
-
-def parse_layouts(text: str) -> list[tuple[int, int]]:
-    out = []
-    for part in text.split(","):
-        n, _, length = part.partition("x")
-        out.append((int(n), int(length)))
-    return out
 
 
 def _runs(fn, q, k, v, dout, cu, kw):
@@ -155,50 +150,39 @@ def _runs(fn, q, k, v, dout, cu, kw):
 
 
 def run_layout(n: int, length: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    dtype = getattr(torch, args.dtype)
+    """The rows of one layout (N segments of L tokens): per backend and pass, slice vs split."""
+    total, (heads, kv_heads) = n * length, args.heads
     g = torch.Generator().manual_seed(args.seed)
-    total = n * length
-    heads, kv_heads = args.heads
-    q = torch.randn(total, heads, args.head_dim, generator=g).to(dtype)
-    k = torch.randn(total, kv_heads, args.head_dim, generator=g).to(dtype)
-    v = torch.randn(total, kv_heads, args.head_dim, generator=g).to(dtype)
-    dout = torch.randn(total, heads, args.head_dim, generator=g).to(dtype)
+    q, k, v, dout = (torch.randn(total, h, args.head_dim, generator=g).to(getattr(torch, args.dtype))
+                     for h in (heads, kv_heads, kv_heads, heads))  # fmt: skip
     cu = torch.arange(0, total + 1, length, dtype=torch.int32)
     kw = dict(causal=True, window_size=(-1, -1), softmax_scale=args.head_dim**-0.5, softcap=0.0)
     rows = []
     for name in args.backends:
-        old_fwd, old_fb = _runs(OLD[name], q, k, v, dout, cu, kw)
-        new_fwd, new_fb = _runs(_new(name), q, k, v, dout, cu, kw)
-        # untimed first run of every configuration; the correctness figures come from it
-        out_old, out_new = old_fwd(), new_fwd()
-        g_old, g_new = old_fb(), new_fb()
-        d_out = float((out_old.float() - out_new.float()).abs().max())
-        d_grad = max(float((a.float() - b.float()).abs().max()) for a, b in zip(g_old, g_new))
-        for mode, (old, new) in (("fwd", (old_fwd, new_fwd)), ("fwd+bwd", (old_fb, new_fb))):
-            t_old, t_new = [], []
+        (s_fwd, s_fb), (n_fwd, n_fb) = (
+            _runs(SLICE[name], q, k, v, dout, cu, kw),
+            _runs(_split(name), q, k, v, dout, cu, kw),
+        )
+        d_out = float((s_fwd().float() - n_fwd().float()).abs().max())  # the untimed first runs
+        d_grad = max(float((a.float() - b.float()).abs().max()) for a, b in zip(s_fb(), n_fb()))
+        for mode, fns in (("fwd", (s_fwd, n_fwd)), ("fwd+bwd", (s_fb, n_fb))):
+            times: tuple[list[float], list[float]] = ([], [])
             for _ in range(args.iters):
-                for fn, acc in ((old, t_old), (new, t_new)):
+                for fn, acc in zip(fns, times):
                     t0 = time.perf_counter()
                     fn()
                     acc.append((time.perf_counter() - t0) * 1e3)
-            row = {
-                "backend": name,
-                "N": n,
-                "L": length,
-                "T": total,
-                "mode": mode,
-                "old_ms": statistics.median(t_old),
-                "new_ms": statistics.median(t_new),
-                "old_ms_all": t_old,
-                "new_ms_all": t_new,
-                "max_abs_diff_out": d_out,
-                "max_abs_diff_grad": d_grad if mode == "fwd+bwd" else None,
-            }
-            row["speedup"] = row["old_ms"] / row["new_ms"]
-            row["speedup_min"] = min(t_old) / min(t_new)
-            rows.append(row)
+            rows.append({
+                "backend": name, "N": n, "L": length, "T": total, "mode": mode,
+                "slice_ms": statistics.median(times[0]), "split_ms": statistics.median(times[1]),
+                "slice_ms_all": times[0], "split_ms_all": times[1],
+                "speedup": statistics.median(times[0]) / statistics.median(times[1]),
+                "speedup_min": min(times[0]) / min(times[1]),
+                "max_abs_diff_out": d_out, "max_abs_diff_grad": d_grad if mode == "fwd+bwd" else None,
+            })  # fmt: skip
             print(
-                f"  {name} {n}x{length} {mode}: old {row['old_ms']:.1f} ms, new {row['new_ms']:.1f} ms",
+                f"  {name} {n}x{length} {mode}: slice {rows[-1]['slice_ms']:.1f} ms, split "
+                f"{rows[-1]['split_ms']:.1f} ms",
                 file=sys.stderr,
                 flush=True,
             )
@@ -206,59 +190,56 @@ def run_layout(n: int, length: int, args: argparse.Namespace) -> list[dict[str, 
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    headers = ["backend", "segments x tokens", "pass", "old ms (slice/segment)", "new ms (split)", "old/new"]
-    headers += ["old/new of the minima"]
-    headers += ["max abs diff out", "max abs diff dq,dk,dv"]
-    out = []
-    for r in rows:
-        dg = r["max_abs_diff_grad"]
-        out.append(
-            [
-                r["backend"],
-                f"{r['N']}x{r['L']}",
-                r["mode"],
-                r["old_ms"],
-                r["new_ms"],
-                f"{r['speedup']:.2f}x",
-                f"{r['speedup_min']:.2f}x",
-                f"{r['max_abs_diff_out']:.1e}",
-                "-" if dg is None else f"{dg:.1e}",
-            ]
-        )
-    return markdown_table(headers, out)
+    headers = ["backend", "segments x tokens", "pass", "slice ms", "split ms", "slice / split",
+               "slice / split of the minima", "max abs diff out", "max abs diff dq,dk,dv"]  # fmt: skip
+    body = [
+        [
+            r["backend"],
+            f"{r['N']}x{r['L']}",
+            r["mode"],
+            r["slice_ms"],
+            r["split_ms"],
+            f"{r['speedup']:.2f}x",
+            f"{r['speedup_min']:.2f}x",
+            f"{r['max_abs_diff_out']:.1e}",
+            "-" if r["max_abs_diff_grad"] is None else f"{r['max_abs_diff_grad']:.1e}",
+        ]
+        for r in rows
+    ]
+    return markdown_table(headers, body)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, device="cpu", small="smoke run: layouts 64x8,8x64, 1 round")
     p.add_argument("--layouts", default="512x8,64x64,8x512", help="comma-separated NxL (N segments of L)")
     p.add_argument("--backends", default="sdpa,reference")
     p.add_argument("--heads", default="8/2", help="H/Hkv")
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="float32")
     p.add_argument("--iters", type=int, default=3, help="timed rounds per configuration (after one untimed)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
+    checked_device(p, args)
+    if args.device != "cpu":
+        p.error("--device: the per-segment loop backends are measured on the CPU")
     h, _, kv = args.heads.partition("/")
     args.heads = (int(h), int(kv or h))
     args.backends = [b for b in args.backends.split(",") if b]
     for b in args.backends:
-        if b not in OLD:
-            p.error(f"--backends: {b!r} is not a per-segment loop backend (choose from {sorted(OLD)})")
+        if b not in SLICE:
+            p.error(f"--backends: {b!r} is not a per-segment loop backend (choose from {sorted(SLICE)})")
+    if args.small:
+        args.layouts, args.iters = "64x8,8x64", 1
     if args.threads:
         torch.set_num_threads(args.threads)
-
     print(
-        f"# CPU attention loops: slice per segment (old) vs one split (new); H/Hkv {args.heads[0]}/"
-        f"{args.heads[1]}, D {args.head_dim}, {args.dtype}, causal, {torch.get_num_threads()} threads, "
-        f"median of {args.iters} after 1 untimed"
+        f"# CPU attention loops: slice per segment vs one split; H/Hkv {args.heads[0]}/{args.heads[1]}, "
+        f"D {args.head_dim}, {args.dtype}, causal, {torch.get_num_threads()} threads, median of {args.iters} "
+        "after 1 untimed"
     )
-    rows = []
-    for n, length in parse_layouts(args.layouts):
-        rows.extend(run_layout(n, length, args))
-    print()
-    print(table(rows))
+    layouts = [tuple(int(x) for x in part.split("x")) for part in args.layouts.split(",")]
+    rows = [row for n, length in layouts for row in run_layout(n, length, args)]
+    print(f"\n{table(rows)}")
     write_json(args.out, {"machine": machine_info("cpu"), "args": vars(args), "rows": rows})
     return 0
 

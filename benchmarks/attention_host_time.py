@@ -1,38 +1,41 @@
-"""Host time of one varpack attention call inside a model layer (issue 12: before / after the boundary object).
+"""Host time of one varpack attention call inside a model layer: what a decoder layer pays besides the kernel.
 
-What a decoder layer pays on the host per attention call, besides the kernel: argument checks, boundary
-handling, backend resolution. Measured on a tiny problem (a 64-token stream in 8 segments, 2 heads of 16) so
-that the kernel itself is small, over many calls, after warm-up (median of repeats, one torch thread, CPU time
-of the calling thread: robust to other load on a shared machine).
+Argument checks, boundary handling, backend resolution and dispatch, measured on a tiny problem (a 64-token
+stream in 8 segments, 2 heads of 16) so that the kernel is small, over many calls after warm-up: the median
+over repeats of the calling thread's CPU time per call, one torch thread (robust to other load on a shared
+machine).
 
-The ``no_kernel`` backend (registered by this script) returns ``q`` at once: its rows are varpack's host time
-alone (argument checks, boundary handling, backend resolution, dispatch). The ``sdpa`` rows add the real
-per-segment kernel loop.
+Backends: ``no_kernel`` (registered here) returns ``q`` at once, so its rows are varpack's host time alone;
+``sdpa`` adds the real per-segment kernel loop. Calls:
 
-Rows:
-* ``tensors``: ``varlen_attention(q, k, v, cu, cu, max, max)`` with the same CPU ``cu_seqlens`` tensor in every
-  call (how the old code was called by every layer: it kept per-batch boundary info in a module-level cache
-  keyed by tensor identity);
-* ``meta``: ``varlen_attention(q, k, v, meta=meta)`` with the batch's ``VarlenMeta`` (how every layer calls it
-  now); only where this checkout has ``varpack.varlen.VarlenMeta``.
+* ``meta``: ``varlen_attention(q, k, v, meta=meta)`` with the batch's ``VarlenMeta``: how every layer of a
+  model calls it (the meta is built and validated once per batch);
+* ``tensors``: ``varlen_attention(q, k, v, cu, cu, max, max)``: a direct call, which builds and validates a
+  ``VarlenMeta`` per call.
 
-Run it on two checkouts to compare (the baseline is measured by the same script)::
+Run it on two checkouts to compare them (the same script measures both)::
 
-    PYTHONPATH=/path/to/old/checkout python benchmarks/attention_host_time.py --label before
-    PYTHONPATH=$PWD python benchmarks/attention_host_time.py --label after
+    PYTHONPATH=/path/to/other/checkout python benchmarks/attention_host_time.py --label other
+    python benchmarks/attention_host_time.py --out host_time.json
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: another checkout's varpack wins
+
+from benchmarks._common import machine_info, markdown_table, write_json  # noqa: E402
+
 
 def _time(fn, calls: int, repeats: int) -> float:
-    for _ in range(50):
+    for _ in range(min(50, calls)):
         fn()
     best = []
     for _ in range(repeats):
@@ -75,51 +78,66 @@ def host_time_rows(
     calls: int,
     repeats: int,
 ) -> list[tuple[str, str, float]]:
-    """``(backend, call, seconds of calling-thread CPU time per call)`` for the ``tensors`` and ``meta`` call
-    forms (module docstring), under ``torch.no_grad``. ``cu``: CPU int32 offsets ``[N+1]``; q/k/v
-    ``(T, H, D)`` / ``(T, Hkv, D)`` on any device. On a GPU a row is host time only while the kernels are
-    shorter than the host work (otherwise launches wait on a full queue): use ``no_kernel`` or a tiny problem."""
+    """``(backend, call, seconds of calling-thread CPU time per call)`` for the ``meta`` and ``tensors`` calls
+    (module docstring), under ``torch.no_grad``. ``cu``: CPU int32 offsets ``[N+1]``; q / k / v ``(T, H, D)``
+    / ``(T, Hkv, D)`` on any device. On a GPU a row is host time only while the kernels are shorter than the
+    host work (otherwise launches wait on a full queue): use ``no_kernel`` or a tiny problem."""
     from varpack.attn import varlen_attention
+    from varpack.varlen import VarlenMeta
 
     rows = []
     with torch.no_grad():
         for backend in backends:
+            meta = VarlenMeta(cu)
+            rows.append(
+                (
+                    backend,
+                    "meta",
+                    _time(
+                        lambda b=backend, m=meta: varlen_attention(q, k, v, meta=m, backend=b), calls, repeats
+                    ),
+                )
+            )
             rows.append((backend, "tensors", _time(
                 lambda b=backend: varlen_attention(q, k, v, cu, cu, max_seqlen, max_seqlen, backend=b),
-                calls, repeats,
-            )))  # fmt: skip
-            try:
-                from varpack.varlen import VarlenMeta
-            except ImportError:
-                continue
-            meta = VarlenMeta(cu)
-            rows.append((backend, "meta", _time(
-                lambda b=backend, m=meta: varlen_attention(q, k, v, meta=m, backend=b), calls, repeats
-            )))  # fmt: skip
+                calls, repeats)))  # fmt: skip
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="this checkout")
     ap.add_argument("--backend", default="sdpa")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=7)
-    args = ap.parse_args()
+    ap.add_argument("--small", action="store_true", help="smoke run: 50 calls, 2 repeats")
+    ap.add_argument(
+        "--out", default=None, help="write the rows, the command, commit and machine as JSON here"
+    )
+    args = ap.parse_args(argv)
+    if args.small:
+        args.calls, args.repeats = 50, 2
     torch.manual_seed(0)
     torch.set_num_threads(1)
     import varpack
 
-    lengths = [8] * 8
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    q, k, v = (torch.randn(sum(lengths), 2, 16) for _ in range(3))
+    cu = torch.arange(0, 65, 8, dtype=torch.int32)
+    q, k, v = (torch.randn(64, 2, 16) for _ in range(3))
     rows = host_time_rows(q, k, v, cu, 8, (register_no_kernel(), args.backend), args.calls, args.repeats)
     print(f"varpack at {varpack.__file__} ({args.label}); backend {args.backend}; torch {torch.__version__}")
-    print("| backend | call | CPU us per call |")
-    print("|---|---|---|")
-    for backend, name, sec in rows:
-        print(f"| {backend} | {name} | {sec * 1e6:.1f} |")
+    print(
+        markdown_table(["backend", "call", "CPU us per call"], [[b, how, sec * 1e6] for b, how, sec in rows])
+    )
+    write_json(
+        args.out,
+        {
+            "machine": machine_info("cpu"),
+            "args": vars(args),
+            "rows": [{"backend": b, "call": how, "us": sec * 1e6} for b, how, sec in rows],
+        },
+    )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,20 +1,17 @@
-"""Where one varlen attention call's time goes (issue 17): device kernels, host path, queued vs synced.
+"""Where one varlen attention call's time goes: device kernels, host path, queued vs synced.
 
 For each backend on one length mix (benchmarks/attention.py's mixes and inputs: T packed tokens, H/Hkv heads,
 head dim D, causal, one ``VarlenMeta`` per batch as in training), after warm-up:
 
-* ``kernels``: ``torch.profiler`` over ``--iters`` forward + backward calls, attributed as benchmarks/profile_step.py
-  does (:func:`benchmarks._profile_attr.attribute`: device kernels only, the GPU-side spans of autograd and
-  ``record_function`` ranges left out; on the CPU the leaf ATen ops stand in); per kernel the mean device time
-  per call, and the sum of all kernels per call;
-* ``host ms``: host wall time per forward + backward call while the calls are issued without waiting (the device
-  catches up after the loop): varpack's dispatch, the backend's Python wrapper and its launches;
+* ``kernels``: ``torch.profiler`` over ``--iters`` forward + backward calls, attributed as
+  benchmarks/profile_step.py does (:func:`benchmarks._profile_attr.attribute`: device kernels only, the
+  GPU-side spans of autograd and ``record_function`` ranges left out; on the CPU the leaf ATen ops stand in);
+  per kernel the mean device time per call, and the sum of all kernels per call;
+* ``host ms``: host wall time per forward + backward call while the calls are issued without waiting (the
+  device catches up after the loop): varpack's dispatch, the backend's Python wrapper and its launches;
 * ``queued ms`` / ``synced ms``: ``benchmarks._common.time_fn`` with ``queued=True`` / ``False``
-  (benchmarks/attention.py's two timings). ``synced - queued`` is the host path the device idles behind when each
-  call is waited for.
-
-The ninth session's figures (benchmarks/RESULTS.md, "Where the time went") came from a one-off script that did the
-same; this is it, kept.
+  (benchmarks/attention.py's two timings). ``synced - queued`` is the host path the device idles behind when
+  each call is waited for.
 
 Run (GPU)::
 
@@ -41,19 +38,20 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _profile_attr as A  # noqa: E402
-from benchmarks._common import machine_info, markdown_table, sync, time_fn, write_json  # noqa: E402
-from benchmarks.attention import (  # noqa: E402
-    DEFAULT_MU,
-    DEFAULT_SIGMA,
-    MIXES,
-    _inputs,
+from benchmarks._common import (  # noqa: E402
+    REAL_MU,
+    REAL_SIGMA,
+    add_common_args,
     checked_device,
-    mix_lengths,
-    parse_heads,
+    error_text,
+    machine_info,
+    markdown_table,
     read_lengths_file,
-    varlen_runner,
+    sync,
+    time_fn,
+    write_json,
 )
-from benchmarks.profile_step import events_from_profiler  # noqa: E402
+from benchmarks.attention import MIXES, inputs, mix_lengths, parse_heads, varlen_runner  # noqa: E402
 
 
 def kernel_rows(att: A.Attribution, calls: int) -> list[dict[str, Any]]:
@@ -63,8 +61,8 @@ def kernel_rows(att: A.Attribution, calls: int) -> list[dict[str, Any]]:
 
 
 def host_ms(fn, calls: int, device: torch.device) -> float:
-    """Host wall ms per ``fn()`` issued ``calls`` times without waiting (the device synchronised before and after,
-    outside the measured span)."""
+    """Host wall ms per ``fn()`` issued ``calls`` times without waiting (the device synchronised before and
+    after, outside the measured span)."""
     sync(device)
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -93,19 +91,18 @@ def profile_backend(name: str, q, k, v, cu, max_len: int, args, device: torch.de
             sync(device)
         # profile_step.py's attribution: GPU-side spans of autograd / record_function ranges are not kernels
         # (torch.profiler reports them with the time of the kernels they enclose: counted once, not twice)
-        records = events_from_profiler(list(prof.events()), -1, device.type)
+        records = A.events_from_profiler(list(prof.events()), -1, device.type)
         att = A.attribute(records, device="cuda" if device.type == "cuda" else "cpu", top=args.top)
         row["kernels"] = kernel_rows(att, args.iters)
         row["kernel_sum_ms"] = att.kernel_total_us / args.iters / 1e3
     except Exception as exc:  # a backend that cannot run here: reported, never fatal
-        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        row["error"] = error_text(exc)
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default=None, help="bfloat16 (cuda default) / float32 (cpu default)")
+    add_common_args(p, small="smoke run: T=256, H=4/2, D=32, 1 iteration")
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--mix", default="short", help="short, lognormal, uniform512, uniform2048")
     p.add_argument("--heads", default="16/4", help="one H/Hkv pair")
@@ -116,9 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--top", type=int, default=8, help="kernels listed per backend")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--small", action="store_true", help="smoke mode: T=256, H=4/2, D=32, 1 iteration")
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     device = checked_device(p, args)
     if args.small:
@@ -135,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     ((heads, kv_heads),) = pairs
     real = read_lengths_file(args.lengths_file) if args.lengths_file else None
     lengths = mix_lengths(
-        args.mix, args.tokens, real=real, mu=DEFAULT_MU, sigma=DEFAULT_SIGMA, max_len=args.max_len, seed=args.seed
+        args.mix, args.tokens, real=real, mu=REAL_MU, sigma=REAL_SIGMA, max_len=args.max_len, seed=args.seed
     )
     total = sum(lengths)
-    q, k, v = _inputs(total, heads, kv_heads, args.head_dim, device, getattr(torch, args.dtype), args.seed)
+    q, k, v = inputs(total, heads, kv_heads, args.head_dim, device, getattr(torch, args.dtype), args.seed)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
     print(
         f"# attention profile, {args.device} {args.dtype}, mix {args.mix}: T={total} N={len(lengths)} "
@@ -172,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{r['backend']}: top kernels, mean µs per fwd+bwd call")
             print(
                 markdown_table(
-                    ["kernel", "category", "µs"], [[x["name"][:90], x["category"], x["us"]] for x in r["kernels"]]
+                    ["kernel", "category", "µs"],
+                    [[x["name"][:90], x["category"], x["us"]] for x in r["kernels"]],
                 )
             )
     write_json(args.out, {"machine": machine_info(device), "args": vars(args), "rows": rows})

@@ -1,41 +1,28 @@
-"""Launch-configuration sweep of the ``triton_short`` attention kernels (issue 17), one H200 call.
+"""Launch-configuration sweep of the ``triton_short`` attention kernels: each kernel alone, every candidate
+config.
 
 For each length mix (benchmarks/attention.py's: ``short``, ``lognormal`` = real lengths with
 ``--lengths-file``, ``uniform2048``), T packed tokens, H/Hkv heads, head dim D, bf16, causal: the per-batch
 tile tables are built once (as with a batch ``VarlenMeta``), then each kernel is timed alone for every
-candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of :data:`FWD_GRID`, :data:`DKDV_GRID` and
-:data:`DQ_GRID`, with the mask-free tiles on and off (``--mask-free both``, the default; ``on`` / ``off``: one
-of them; :attr:`varpack.attn.triton_short.TritonShortConfig.mask_free`): one untimed pass (compilation; a
-config that fails to compile or launch, e.g. out of shared memory, is reported and skipped), then ``--iters``
-timed calls (CUDA events, median; ``--timing queued``, the default: issued back to back, the kernel's GPU time;
-``synced``: each call waited for). ``--time-budget`` seconds bound the sweep: configs not reached in time are
-reported as skipped.
+``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of :data:`FWD_GRID`, :data:`DKDV_GRID` and :data:`DQ_GRID`, with
+the mask-free tiles on and off (``--mask-free both``;
+:attr:`varpack.attn.triton_short.TritonShortConfig.mask_free`): one untimed call (the compile; a config that
+fails to compile or launch is reported and skipped), then ``--iters`` timed calls
+(:func:`benchmarks._common.time_fn`, ``--timing queued`` by default). ``--time-budget`` seconds bound the
+sweep.
 
-Printed / written (``--out`` JSON):
+Printed (and ``--out`` JSON): per mix every config's time (mask-free on / off), the forward's useful TFLOP/s,
+the tile work that matters over the work computed (``useful/computed``), the share of mask-free tile
+iterations; per mix and kernel the mask-free gain; the best config per kernel and mix with its estimated
+fwd+bwd TFLOP/s (``3.5 x`` forward FLOPs over the three kernels' times) and its
+``VARPACK_TRITON_SHORT_CONFIG`` JSON; ``overall``: per kernel the config with the smallest summed slowdown
+over the mixes (the candidate for ``BLOCKS``); and the errors of each chosen config through
+``triton_short_attention`` (out / dq / dk / dv) against ``torch_varlen`` beside the defaults' and beside
+torch_varlen's own error against the fp32 reference. Kernel times move by up to 10% between runs: a pick is
+confirmed by a same-run bake-off (``benchmarks/attention.py --ts-variant``), not by this sweep alone.
 
-* one table per mix: every config's time with ``mask_free`` on / off, for the forward useful TFLOP/s (causal
-  ``2 * sum L^2 * H * D``), ``useful/computed``: the causal score elements that matter over those the kernel
-  computes (tiles visited x tile area, from the per-tile tables) -- the tile waste of that config on that mix,
-  ``mask-free iters``: the share of the kernel's tile iterations that run mask-free (from the same tables), and
-  ``mf gain``: the masked-only time over the mask-free time of that config;
-* per mix and kernel, the mask-free gain: best mask-free time vs best masked-only time (each over the grid);
-* the best config of each kernel per mix, its estimated fwd+bwd useful TFLOP/s (``3.5 x`` forward FLOPs over
-  fwd + dK/dV + dQ kernel times; the dQ kernel computes delta, ``delta_in_dq``), and the ``VARPACK_TRITON_SHORT_CONFIG`` JSON of that choice
-  (``mask_free``: the setting with the smaller summed best time of the three kernels on that mix);
-* ``overall``: the ``mask_free`` setting with the smaller summed best times over the mixes, then per kernel the
-  config with the smallest summed slowdown vs each mix's best at that setting (the candidate for
-  :data:`varpack.attn.triton_short.BLOCKS`), with its env JSON;
-* correctness of every chosen config through the public entry point (``triton_short_attention(...,
-  config=...)``, fwd + bwd): max |difference| of out / dq / dk / dv vs ``torch_varlen`` (``reference`` where
-  torch_varlen is unavailable), beside the same numbers for the default config (``BLOCKS``), and vs the
-  fp32 ``reference`` on the first ``--check-docs`` documents (a baseline for the size of bf16 error); the default
-  config runs with ``mask_free`` on and off when both are swept.
-
-Run (GPU)::
-
-    python benchmarks/attention_tune.py --lengths-file .gpu/samples.npz --out runs/tune.json
-    # --mask-free both (default) times every config twice: give it about twice the budget, e.g. --time-budget 450
-    python benchmarks/attention_tune.py --device cpu --small   # smoke test under TRITON_INTERPRET=1, seconds
+    python benchmarks/attention_tune.py --lengths-file .gpu/samples.npz --out tune.json
+    python benchmarks/attention_tune.py --device cpu --small   # smoke run under TRITON_INTERPRET=1, seconds
 """
 
 from __future__ import annotations
@@ -56,20 +43,24 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import machine_info, markdown_table, sync, time_fn, write_json  # noqa: E402
-from benchmarks.attention import (  # noqa: E402
-    DEFAULT_MU,
-    DEFAULT_SIGMA,
-    causal_fwd_flops,
-    mix_lengths,
-    parse_heads,
+from benchmarks._common import (  # noqa: E402
+    REAL_MU,
+    REAL_SIGMA,
+    Budget,
+    machine_info,
+    markdown_table,
     read_lengths_file,
+    sync,
+    time_fn,
+    write_json,
 )
+from benchmarks.attention import causal_fwd_flops, inputs, mix_lengths, parse_heads  # noqa: E402
 
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 
 #: forward candidates (query tile BLOCK_M, key tile BLOCK_N); all fit Hopper's 227 KiB of shared memory at
-#: D <= 128 in bf16 by the usual estimate ((BLOCK_M + 2 * stages * BLOCK_N) * D * 2 bytes), the largest near it.
+#: D <= 128 in bf16 by the usual estimate ((BLOCK_M + 2 * stages * BLOCK_N) * D * 2 bytes), the largest near
+#: it.
 FWD_GRID: tuple[Config, ...] = (
     (64, 64, 4, 2),  # BLOCKS at D = 64
     (64, 64, 4, 3),
@@ -87,7 +78,7 @@ FWD_GRID: tuple[Config, ...] = (
     (64, 32, 4, 3),
     (64, 16, 4, 2),
     (128, 32, 8, 2),
-    # tenth session: around the pick (64, 32, 4, 2)
+    # around (64, 32, 4, 2)
     (64, 32, 4, 1),
     (64, 32, 8, 2),
     (64, 32, 2, 2),
@@ -108,7 +99,7 @@ DKDV_GRID: tuple[Config, ...] = (
     (64, 64, 4, 1),
     (64, 32, 4, 1),
     (32, 64, 8, 1),
-    # tenth session: around the pick (32, 64, 4, 2)
+    # around (32, 64, 4, 2)
     (32, 64, 4, 3),
     (32, 64, 2, 2),
     (64, 64, 4, 3),
@@ -127,7 +118,7 @@ DQ_GRID: tuple[Config, ...] = (
     # packed GQA
     (64, 16, 4, 2),  # BLOCKS at D = 128
     (64, 64, 4, 1),
-    # tenth session: around the picks (64, 16, 4, 2) (short) and (64, 64, 4, 2) (real lengths)
+    # around (64, 16, 4, 2) (short) and (64, 64, 4, 2) (real lengths)
     (64, 16, 4, 1),
     (64, 16, 4, 3),
     (64, 64, 4, 3),
@@ -159,25 +150,6 @@ def cfg_name(cfg: Config) -> str:
     return "m{}n{}w{}s{}".format(*cfg)
 
 
-class Budget:
-    """Wall-clock guard of the sweep: ``left()`` seconds remaining of ``seconds`` from construction."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
-def _inputs(total, heads, kv_heads, d, device, dtype, seed):
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(total, heads, d, device=device, dtype=dtype, generator=g)
-    k = torch.randn(total, kv_heads, d, device=device, dtype=dtype, generator=g)
-    v = torch.randn(total, kv_heads, d, device=device, dtype=dtype, generator=g)
-    dout = torch.randn(total, heads, d, device=device, dtype=dtype, generator=g)
-    return q, k, v, dout
-
-
 class MixState:
     """One mix's inputs, tables and forward results (built once, outside any timing), and its rows."""
 
@@ -189,7 +161,9 @@ class MixState:
         total, d = sum(lengths), args.head_dim
         self.total, self.d = total, d
         dtype = getattr(torch, args.dtype)
-        self.q, self.k, self.v, self.dout = _inputs(total, heads, kv_heads, d, device, dtype, args.seed)
+        self.q, self.k, self.v, self.dout = inputs(
+            total, heads, kv_heads, d, device, dtype, args.seed, dout=True
+        )
         self.cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device)
         self.scale, self.window = d**-0.5, (-1, 0)
         self.flops = causal_fwd_flops(lengths, heads, d)
@@ -226,9 +200,7 @@ class MixState:
             return lambda: ts._forward(q, k, v, tables, True, w, sc, config)
         if kind == "bwd_dkdv":
             return lambda: ts._backward_dkdv(dout, q, k, v, lse, delta, tables, True, w, sc, config)
-        out = (
-            self.out if config.delta_in_dq else None
-        )  # delta computed in the dQ kernel (rewrites the same values)
+        out = self.out if config.delta_in_dq else None  # delta computed in the dQ kernel (the same values)
         return lambda: ts._backward_dq(dout, q, k, v, lse, delta, tables, True, w, sc, config, out=out)
 
     def work_efficiency(self, kind: str, cfg: Config) -> float:
@@ -332,9 +304,9 @@ def mask_free_gains(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _default_config(st: MixState, kind: str, small: bool) -> Config:
-    """The config a run without an override launches for ``kind`` at this head dim, group and mean document length:
-    ``BLOCKS``' (``BLOCKS_UNPACKED``' where the kernel runs without PackGQA; the first of the small grid under
-    ``--small``, whose tiles ``BLOCKS`` does not use)."""
+    """The config a run without an override launches for ``kind`` at this head dim, group and mean document
+    length: ``BLOCKS``' (``BLOCKS_UNPACKED``' where the kernel runs without PackGQA; the first of the small
+    grid under ``--small``, whose tiles ``BLOCKS`` does not use)."""
     if small:
         return grids(small)[kind][0]
     ts, group = st.ts, st.heads // st.kv_heads
@@ -560,9 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         "--timing",
         choices=("queued", "synced"),
         default="queued",
-        help="queued (default): calls issued back to back, each between its own CUDA events (the kernel's GPU "
-        "time, as benchmarks/attention.py's table); synced: the host waits for each call (the launch path counts; "
-        "before the tenth session the only mode, and ~10%% noisy run to run)",
+        help="queued (default): calls issued back to back, each between its own CUDA events (the kernel's "
+        "GPU time, as benchmarks/attention.py's table); synced: the host waits for each call",
     )
     p.add_argument(
         "--time-budget", type=float, default=200.0, help="seconds for the sweep (then skip the rest)"
@@ -609,13 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     states = []
     for mix in [m for m in args.mixes.split(",") if m]:
         lengths = mix_lengths(
-            mix,
-            args.tokens,
-            real=real,
-            mu=DEFAULT_MU,
-            sigma=DEFAULT_SIGMA,
-            max_len=args.max_len,
-            seed=args.seed,
+            mix, args.tokens, real=real, mu=REAL_MU, sigma=REAL_SIGMA, max_len=args.max_len, seed=args.seed
         )
         states.append(MixState(mix, lengths, heads, kv_heads, args))
     # config-major: each config compiles once and is timed on every mix, so a spent budget cuts the grids'

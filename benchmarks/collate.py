@@ -1,14 +1,16 @@
-"""Collation throughput: varpack's PaddingFreeCollator vs transformers' DataCollatorWithFlattening.
+"""Collation throughput: varpack's ``PaddingFreeCollator`` against transformers'
+``DataCollatorWithFlattening``.
 
-Both collators get the same packs (best-fit-decreasing packs from ``varpack.plan``) of samples with
-realistic chat lengths, and both produce the same padding-free row with FlashAttention kwargs and seq_idx
-(``return_flash_attn_kwargs=True, return_seq_idx=True``); the script checks that the shared keys are equal
-before timing. Lengths: drawn from the real lengths of ../shared/data (``benchmarks/_lengths.py``, encoded
-with the embedded Qwen3 tokenizer and cached), else lognormal(6.0, 1.0) clipped to [8, 8192] tokens.
+Both collators get the same best-fit-decreasing packs of samples with the real chat lengths (drawn from the
+lengths of ../shared/data, :func:`benchmarks._common.real_lengths_per_file`; stand-in lengths with
+``--small``), and both produce the same padding-free row with FlashAttention kwargs and ``seq_idx`` (checked
+equal before timing). Samples stored as Python lists, numpy arrays, or read from a ``datasets.Dataset``
+(varpack: ``PackedDataset``'s numpy views). Each batch is timed on its own, the two collators one after the
+other, the best of ``--repeats`` per batch summed over the batches (a preemption on a shared machine spoils
+one measurement, which the minimum discards); the garbage collector is off while timing, as ``timeit`` does.
 
-Usage: ``python benchmarks/collate.py [--packs 64] [--repeats 5] [--packing-lengths 4096 16384 65536]``
-Prints one table row per (packing_length, sample storage): tokens per batch, tokens/s of each collator and
-the ratio (varpack / transformers), measured interleaved in the same run.
+    python benchmarks/collate.py [--packs 48] [--repeats 10] [--packing-lengths 4096 16384 65536]
+    python benchmarks/collate.py --small
 """
 
 from __future__ import annotations
@@ -26,28 +28,12 @@ import torch
 import transformers
 from transformers import DataCollatorWithFlattening
 
-from varpack.collate import PaddingFreeCollator
-from varpack.data.dataset import PackedDataset
-from varpack.plan import plan_packs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def realistic_lengths(n: int, seed: int) -> tuple[np.ndarray, str]:
-    """``n`` sample lengths drawn (with replacement, seeded) from the real lengths of ../shared/data via
-    benchmarks/_lengths.py; a lognormal stand-in when that data is not available."""
-    rng = np.random.default_rng(seed)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    try:
-        import _lengths  # type: ignore[import-not-found]
-
-        pool = np.asarray(_lengths.real_lengths(), dtype=np.int64)
-        pool = pool[pool > 0]
-        return rng.choice(
-            pool, n
-        ), f"real chat lengths of ../shared/data ({pool.size} samples, median {int(np.median(pool))})"
-    except Exception as exc:  # noqa: BLE001 - any failure falls back to the documented stand-in
-        print(f"(real lengths not available: {type(exc).__name__}: {exc}; using lognormal lengths)")
-    lengths = np.clip(rng.lognormal(6.0, 1.0, n), 8, 8192).astype(np.int64)
-    return lengths, "lognormal(6.0, 1.0) clipped to [8, 8192]"
+from benchmarks._common import lengths_for, machine_info, markdown_table, write_json  # noqa: E402
+from varpack.collate import PaddingFreeCollator  # noqa: E402
+from varpack.data.dataset import PackedDataset  # noqa: E402
+from varpack.plan import plan_packs  # noqa: E402
 
 
 def make_samples(lengths: np.ndarray, storage: str, seed: int) -> list[dict]:
@@ -94,38 +80,44 @@ def best_times(fns: list, batches: list, repeats: int) -> list[float]:
     return best.sum(axis=1).tolist()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--packs", type=int, default=48, help="packs (batches) per configuration")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats; the best is reported")
     parser.add_argument("--packing-lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--small", action="store_true", help="stand-in lengths, 4 packs of 4096, 1 repeat")
+    parser.add_argument(
+        "--out", default=None, help="write the rows, the command, commit and machine as JSON here"
+    )
     args = parser.parse_args(argv)
-
+    if args.small:
+        args.packs, args.repeats, args.packing_lengths = 4, 1, [4096]
     params = inspect.signature(DataCollatorWithFlattening.__init__).parameters
     hf_kwargs = {k: True for k in ("return_flash_attn_kwargs", "return_seq_idx") if k in params}
-    hf = DataCollatorWithFlattening(**hf_kwargs)
-    ours = PaddingFreeCollator()
-
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, numpy {np.__version__}")
-    print(f"baseline: DataCollatorWithFlattening({', '.join(f'{k}=True' for k in hf_kwargs)})")
+    hf, ours = DataCollatorWithFlattening(**hf_kwargs), PaddingFreeCollator()
+    per_file, source = lengths_for(args.small, args.data_dir)
+    pool = np.concatenate(list(per_file.values()))
+    print(
+        f"transformers {transformers.__version__}, torch {torch.__version__}, numpy {np.__version__}; "
+        f"{source}; "
+        f"baseline DataCollatorWithFlattening({', '.join(f'{k}=True' for k in hf_kwargs)})"
+    )
     rows = []
     for packing_length in args.packing_lengths:
         n = 2000
         while True:  # enough samples for args.packs full packs
-            lengths, source = realistic_lengths(n, args.seed)
-            lengths = np.minimum(lengths, packing_length)
+            lengths = np.minimum(np.random.default_rng(args.seed).choice(pool[pool > 0], n), packing_length)
             plan = plan_packs(lengths, packing_length, seed=args.seed)
             if plan.num_packs > args.packs:
                 break
             n *= 2
         chosen = plan.pack_order(0)[: args.packs]
-        tokens = sum(int(lengths[plan.packs[p]].sum()) for p in chosen)
         for storage in ("lists", "numpy", "datasets"):
-            if storage == "datasets":
-                # end to end: read each pack from a datasets.Dataset and collate it. Baseline: one Arrow
-                # read per pack in python format + DataCollatorWithFlattening; varpack: PackedDataset
-                # (Arrow -> numpy views) + PaddingFreeCollator.
+            if storage == "datasets":  # end to end: read each pack from a datasets.Dataset, then collate
                 table = datasets.Dataset.from_list(make_samples(lengths, "lists", args.seed))
                 packed = PackedDataset(table, plan)
                 batches = list(range(args.packs))
@@ -136,38 +128,56 @@ def main(argv: list[str] | None = None) -> None:
 
                 def run_ours(i: int, packed=packed) -> dict:
                     return ours(packed[i])
+
+                ids = [packed.pack_ids(i) for i in batches]
             else:
                 samples = make_samples(lengths, storage, args.seed)
                 batches = [[samples[i] for i in plan.packs[p]] for p in chosen]
-                run_hf, run_ours = hf, ours
+                run_hf, run_ours, ids = hf, ours, [plan.packs[p] for p in chosen]
             for batch in batches[:3]:
                 check_same(run_ours(batch), run_hf(batch))
             best_hf, best_ours = best_times([run_hf, run_ours], batches, args.repeats)
-            if storage == "datasets":
-                ids = [packed.pack_ids(i) for i in batches]
-                tokens_run, samples_run = sum(int(lengths[x].sum()) for x in ids), sum(len(x) for x in ids)
-            else:
-                tokens_run, samples_run = tokens, sum(len(b) for b in batches)
+            tokens = sum(int(lengths[np.asarray(x)].sum()) for x in ids)
             rows.append(
-                (
-                    packing_length,
-                    storage,
-                    tokens_run / len(batches),
-                    samples_run / len(batches),
-                    tokens_run / best_hf,
-                    tokens_run / best_ours,
-                    best_hf / best_ours,
-                )
+                {
+                    "packing_length": packing_length,
+                    "storage": storage,
+                    "tokens_per_batch": tokens / len(batches),
+                    "samples_per_batch": sum(len(x) for x in ids) / len(batches),
+                    "transformers_tokens_per_s": tokens / best_hf,
+                    "varpack_tokens_per_s": tokens / best_ours,
+                    "ratio": best_hf / best_ours,
+                }
             )
-    print(f"lengths: {source}; {args.packs} packs per row, per-batch best of {args.repeats}\n")
-    header = "| packing_length | samples as | tokens/batch | samples/batch | transformers tok/s | varpack tok/s | ratio |"
-    print(header)
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    for pl, storage, tpb, spb, hf_tps, our_tps, ratio in rows:
-        print(
-            f"| {pl} | {storage} | {tpb:,.0f} | {spb:.1f} | {hf_tps:,.0f} | {our_tps:,.0f} | {ratio:.1f}x |"
+    print(f"{args.packs} packs per row, per-batch best of {args.repeats}")
+    print(
+        markdown_table(
+            [
+                "packing_length",
+                "samples as",
+                "tokens/batch",
+                "samples/batch",
+                "transformers tok/s",
+                "varpack tok/s",
+                "ratio",
+            ],
+            [
+                [
+                    r["packing_length"],
+                    r["storage"],
+                    r["tokens_per_batch"],
+                    r["samples_per_batch"],
+                    f"{r['transformers_tokens_per_s'] / 1e6:.2f}M",
+                    f"{r['varpack_tokens_per_s'] / 1e6:.2f}M",
+                    f"{r['ratio']:.1f}x",
+                ]
+                for r in rows
+            ],
         )
+    )
+    write_json(args.out, {"machine": machine_info(), "args": vars(args), "lengths": source, "rows": rows})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

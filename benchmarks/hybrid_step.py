@@ -1,64 +1,43 @@
-"""End-to-end packed SFT step of a Qwen3.5-shaped hybrid model: varpack's gated-delta backends against the
-HF / TRL peer (#16, #18 item 4).
+"""The packed SFT step of a Qwen3.5-shaped hybrid model: varpack's gated-delta backends against the HF peers.
 
-``qwen3.5-hybrid-shape`` (18 Gated DeltaNet + 6 full-attention layers, hidden 1024; see
-:func:`varpack.models.gated_delta.qwen3_5_hybrid_shape_config`), random init (seed 0, the same weights in
-every row), bf16 on CUDA / fp32 on the CPU, fused AdamW (lr 1e-5, no weight decay). The workload: BFD packs
-at ``--packing-length`` over the pre-encoded ../shared/data samples (``--samples``; else synthetic lognormal
-lengths), the ``--steps`` fullest; one pack = one optimizer step, the SAME samples per step in every row.
-Loss everywhere: token mean over the step's supervised predictions (labels != -100 after the shift inside
-each sample). Each row runs one untimed cold pass over all steps (Triton autotune / compile, allocator;
-reported), then the timed pass; ``--rounds`` rounds, every second one in reverse order, so a ratio that
-depends on the order shows.
+``--model`` (default ``qwen3.5-hybrid-shape``: 18 Gated DeltaNet + 6 full-attention layers, hidden 1024),
+random init (the same weights in every row), bf16 on CUDA / fp32 on the CPU, fused AdamW. The workload: the
+``--steps`` fullest best-fit-decreasing packs of ``--packing-length``
+(:func:`benchmarks._common.fullest_packs`), one pack per optimizer step, the same samples per step in every
+row. Loss everywhere: the token mean over the step's supervised predictions. Each row: one untimed cold pass
+(Triton autotuning, compiles, allocator; reported), then the timed pass (per step waited for); ``--rounds``
+rounds in rotated order (:func:`benchmarks._common.round_order`).
 
-Rows (``--backends``, comma-separated; the first row is the baseline of "speed vs first"):
+Rows (``--backends``; the first is the baseline of "speed vs first"):
 
-* a varpack gated-delta backend (``chunk``, ``fla_hybrid``, ``naive``, ``fla``, ``auto`` ...): the pack as
-  one padding-free row (``PaddingFreeCollator``), varpack attention ``auto`` for the full-attention layers,
-  :func:`varpack.integrations.gated_delta.patch_linear_attention` with that backend (short conv and
-  recurrent state reset at every sample boundary), loss ``--loss-impl`` (default the chunked linear CE).
-* ``hf_padded_torch``: the exact HF peer that trains on an H200 with Triton 3.6. HF ``Qwen3_5ForCausalLM``
-  as is, ``attn_implementation=--hf-attn`` (default ``sdpa``), ``DataCollatorForSeq2Seq`` right padding
-  (labels padded with -100, ``attention_mask``): each step's samples sorted by length (HF's
-  ``group_by_length`` taken to its best case) and split into micro-batches of at most ``--pad-tokens``
-  padded tokens (rows x longest; default the packing length), gradient accumulation, HF's loss
-  (``ForCausalLMLoss``, full fp32 logits) with ``num_items_in_batch`` = the step's supervised count. The
-  Gated DeltaNet layers run transformers' reference PyTorch functions (``torch_chunk_gated_delta_rule``,
-  the ``F.conv1d`` ``causal_conv1d_fn``): what transformers binds when ``fla`` / ``causal_conv1d`` are not
-  installed (here: the module globals are set to the decorated originals, ``__wrapped__``, for the row).
-  Exact: right padding after each sample cannot reach its tokens (causal conv, causal recurrence, causal
-  mask); the linear layers also zero padded hidden states (``apply_mask_to_padding_states``).
-* ``hf_padded``: the same with transformers' kernels as installed: on CUDA with ``fla`` installed, fla's
-  ``chunk_gated_delta_rule`` (bound at import by ``use_kernel_func_from_hub_with_fallback``, no fallback at
-  call time). fla 0.6.0 refuses its backward on Hopper with Triton >= 3.4, < 3.7.1 (``RuntimeError ...
-  gated chunk_bwd_dqkwg``): on the H200 machine (Triton 3.6) this row is an error row, i.e. HF crashes there.
-* ``hf_flat``: HF padding-free, the keys TRL's ``SFTTrainer(padding_free=True)`` collator sends:
-  ``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)`` (``position_ids``,
-  ``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx``), one row per step, HF's kernels as installed.
-  NOT EXACT unless transformers bound both ``fla`` (its rule honours ``cu_seqlens``) and the
-  ``causal_conv1d`` package (honours ``seq_idx``): the torch ``causal_conv1d_fn`` convolves the whole row
-  and ``torch_chunk_gated_delta_rule`` ignores ``cu_seqlens``, so the conv taps / recurrent state leak
-  across samples (transformers 5.17 silently; later releases raise ``ValueError`` on the torch path when
-  given ``cu_seqlens`` / ``seq_idx``). The row's ``exact`` column says which leak applies.
-* ``hf_flat_torch``: ``DataCollatorWithFlattening()`` (``position_ids`` only, HF's default) with the
-  reference functions: both the conv and the recurrent state leak across samples (negative control).
-* ``<peer>_liger``: the peer plus Liger-Kernel as ``SFTConfig(use_liger_kernel=True)`` applies it
-  (``_apply_liger_kernel_to_instance``: RMSNorm, SwiGLU, fused linear CE; needs CUDA); the modeling
-  module is restored after the row.
+* a varpack gated-delta backend (``chunk``, ``fla_hybrid``, ``naive``, ``fla``, ``auto`` ...): the pack as one
+  padding-free row, varpack attention ``auto`` for the full-attention layers,
+  :func:`varpack.integrations.gated_delta.patch_linear_attention` with that backend (short conv and recurrent
+  state reset at every sample boundary), loss ``--loss-impl`` (default the chunked linear CE);
+* ``hf_padded_torch``: the exact HF peer. ``Qwen3_5ForCausalLM`` as is, ``--hf-attn`` (sdpa), right-padded
+  micro-batches of at most ``--pad-tokens`` padded tokens (each step's samples by length: HF's
+  ``group_by_length`` at its best), gradient accumulation, HF's loss with ``num_items_in_batch``; the Gated
+  DeltaNet layers run transformers' PyTorch functions (what it binds without ``fla`` / ``causal_conv1d``).
+  Exact: right padding after a sample cannot reach its tokens;
+* ``hf_padded``: the same with the kernels transformers binds where installed (fla's rule on CUDA; fla refuses
+  its own backward on Hopper with Triton >= 3.4, < 3.7.1, so there this row is an error row: HF cannot train
+  there);
+* ``hf_flat``: HF padding-free, the keys TRL's ``SFTTrainer(padding_free=True)`` sends
+  (``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)``), kernels as installed:
+  NOT exact unless both fla (honours ``cu_seqlens``) and ``causal_conv1d`` (honours ``seq_idx``) are bound --
+  the ``exact`` column says which state leaks;
+* ``hf_flat_torch``: ``DataCollatorWithFlattening()`` (``position_ids`` only) with the PyTorch functions: the
+  conv and the recurrent state leak across samples (a negative control, not a peer);
+* ``<peer>_liger``: the peer plus Liger-Kernel as ``SFTConfig(use_liger_kernel=True)`` applies it (CUDA).
 
-Columns: cold pass, ms/step per round, real tokens/s (the samples' tokens, padding excluded), peak GiB, the
-first step's loss (before any update: same weights and samples, so every row agrees to the dtype's rounding;
-a sanity check, not the exactness proof: at random init a leak moves it only in the 6th digit; the proof is
-tests/test_benchmarks_hybrid_peer.py, fp32 CPU, varpack packed == ``hf_padded_torch`` in loss and every
-gradient, ``hf_flat_torch`` not), the exactness, speed vs the first row and vs the fastest exact peer
-(``hf_padded*`` rows that ran; ``peer ms / row ms``). The JSON lines also give ``hf_linear_impls``: the
-implementation transformers bound for each Gated DeltaNet function (fla's / causal_conv1d's or the torch
-reference), ``micro_batches_per_step`` and ``padding_fraction``.
+Columns: cold pass, ms/step per round, real tokens/s, peak GiB, the first step's loss (same weights and
+samples: agrees to rounding; at random init a leak moves it only in the 6th digit -- the exactness proof is
+tests/benchmarks/test_hybrid_step.py: packed == ``hf_padded_torch`` in loss and every gradient,
+``hf_flat_torch`` not), exactness, speed vs the first row and vs the fastest exact peer (``hf_padded*``).
 
-    python benchmarks/hybrid_step.py --samples .gpu/samples.npz \\
-        --backends chunk,fla_hybrid,hf_padded_torch,hf_padded_torch_liger,hf_padded,hf_flat_torch \\
-        --steps 4 --rounds 1 --out hybrid.json                                            # GPU
-    python benchmarks/hybrid_step.py --device cpu --small --backends chunk,hf_padded_torch,hf_flat_torch --rounds 1
+    python benchmarks/hybrid_step.py --samples .gpu/samples.npz --steps 4 --rounds 1 \\
+        --backends chunk,fla_hybrid,hf_padded_torch,hf_flat_torch --out hybrid.json      # GPU
+    python benchmarks/hybrid_step.py --device cpu --small --backends chunk,hf_padded_torch,hf_flat_torch
 """
 
 from __future__ import annotations
@@ -67,9 +46,7 @@ import argparse
 import contextlib
 import gc
 import inspect
-import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,22 +57,38 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import load_samples, machine_info, markdown_table, sync, synthetic_samples  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    IGNORE,
+    add_common_args,
+    apply_trl_liger,
+    build_model,
+    checked_device,
+    cold_then_timed,
+    fullest_packs,
+    load_samples,
+    machine_info,
+    make_optimizer,
+    markdown_table,
+    merge_rounds,
+    n_params,
+    pad_tokenizer,
+    restored_module,
+    run_rounds,
+    synthetic_samples,
+    write_json,
+)
 from varpack.collate import PaddingFreeCollator  # noqa: E402
-from varpack.data.dataset import PackedDataset  # noqa: E402
 from varpack.integrations.gated_delta import patch_linear_attention  # noqa: E402
-from varpack.models import load_model  # noqa: E402
-from varpack.plan import plan_packs  # noqa: E402
 from varpack.train.objectives import get_objective  # noqa: E402
 from varpack.train.trainer import TrainCollator  # noqa: E402
 
-IGNORE = -100
 #: the HF / TRL peers (a ``_liger`` suffix adds Liger-Kernel); every other row name is a varpack backend
 PEERS = ("hf_padded", "hf_padded_torch", "hf_flat", "hf_flat_torch")
 #: the padded peers: exact by construction (right padding); the "best exact peer" is the fastest of these
 EXACT_PEERS = ("hf_padded", "hf_padded_torch")
-#: module globals of transformers' Gated DeltaNet modeling files that ``use_kernel_func_from_hub_with_fallback``
-#: binds to ``fla`` / ``causal_conv1d`` when importable (qwen3_5 and qwen3_next use the same names)
+#: module globals of transformers' Gated DeltaNet modeling files that
+#: ``use_kernel_func_from_hub_with_fallback`` binds to ``fla`` / ``causal_conv1d`` when importable (qwen3_5
+#: and qwen3_next use the same names)
 HF_LINEAR_FUNCS = (
     "torch_chunk_gated_delta_rule",
     "torch_recurrent_gated_delta_rule",
@@ -106,8 +99,9 @@ HF_LINEAR_FUNCS = (
 
 @dataclass
 class Workload:
-    """The chosen packs: ``batches`` (varpack's collated rows, CPU tensors) and ``packs`` (each pack's samples:
-    ``input_ids`` / ``labels`` int64 lists, unshifted, -100 = not supervised), in the same step order."""
+    """The chosen packs: ``batches`` (varpack's collated rows, CPU tensors) and ``packs`` (each pack's
+    samples: ``input_ids`` / ``labels`` int64 lists, unshifted, -100 = not supervised), in the same step
+    order."""
 
     batches: list[dict[str, Any]]
     packs: list[list[dict[str, list[int]]]]
@@ -119,25 +113,12 @@ class Workload:
 
 
 def workload(samples: list[dict], packing_length: int, steps: int) -> Workload:
-    """The ``steps`` fullest BFD packs of ``samples`` (those that fit): varpack's collated rows and the samples."""
-    samples = [s for s in samples if s["length"] <= packing_length]
-    lengths = np.asarray([s["length"] for s in samples], dtype=np.int64)
-    plan = plan_packs(lengths, packing_length, strategy="bfd")
-    fill = np.asarray([int(lengths[np.asarray(p)].sum()) for p in plan.packs])
-    chosen = sorted(np.argsort(-fill, kind="stable")[:steps].tolist())
-    dataset = PackedDataset(samples, plan, shuffle=False, check=False)
+    """The ``steps`` fullest BFD packs of ``samples``: varpack's collated rows and the packs' samples."""
+    dataset, chosen, _ = fullest_packs(samples, packing_length, steps)
     collate = TrainCollator(PaddingFreeCollator(pad_token_id=0))
-    batches, packs = [], []
-    for i in chosen:
-        rows = dataset[i]
-        packs.append(
-            [
-                {"input_ids": np.asarray(r["input_ids"]).tolist(), "labels": np.asarray(r["labels"]).tolist()}
-                for r in rows
-            ]
-        )
-        batches.append(collate([dataset[i]]))
-    return Workload(batches, packs)
+    packs = [[{"input_ids": np.asarray(r["input_ids"]).tolist(), "labels": np.asarray(r["labels"]).tolist()}
+              for r in dataset[i]] for i in chosen]  # fmt: skip
+    return Workload([collate([dataset[i]]) for i in chosen], packs)
 
 
 def supervised_count(pack: list[dict[str, list[int]]]) -> int:
@@ -145,19 +126,13 @@ def supervised_count(pack: list[dict[str, list[int]]]) -> int:
     return sum(sum(1 for y in s["labels"][1:] if y != IGNORE) for s in pack)
 
 
-def _pad_collator(pad_token_id: int):
-    from transformers import DataCollatorForSeq2Seq
-
-    from benchmarks.train import _pad_tokenizer
-
-    return DataCollatorForSeq2Seq(_pad_tokenizer(pad_token_id), padding=True, label_pad_token_id=IGNORE)
-
-
 def padded_steps(packs: list[list[dict]], pad_tokens: int, pad_token_id: int = 0) -> list[list[dict]]:
     """HF padded micro-batches per step: the step's samples by decreasing length, greedily grouped while
-    ``rows x longest <= pad_tokens`` (a sample longer than ``pad_tokens`` gets a micro-batch of its own),
-    each right-padded by ``DataCollatorForSeq2Seq`` (``input_ids`` / ``attention_mask`` / ``labels`` [B, L])."""
-    collator = _pad_collator(pad_token_id)
+    ``rows x longest <= pad_tokens`` (a sample longer than ``pad_tokens`` gets a micro-batch of its own), each
+    right-padded by ``DataCollatorForSeq2Seq`` (``input_ids`` / ``attention_mask`` / ``labels`` [B, L])."""
+    from transformers import DataCollatorForSeq2Seq
+
+    collator = DataCollatorForSeq2Seq(pad_tokenizer(pad_token_id), padding=True, label_pad_token_id=IGNORE)
     steps = []
     for pack in packs:
         feats = sorted(pack, key=lambda s: -len(s["input_ids"]))
@@ -187,12 +162,9 @@ def flat_steps(packs: list[list[dict]], *, boundary_kwargs: bool) -> list[list[d
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _modeling_module(model: torch.nn.Module):
-    return sys.modules[type(model).__module__]
-
-
 def _linear_funcs(module: Any) -> Iterator[tuple[str, Any, Any]]:
-    """``(name, function, its __wrapped__ reference or None)`` of each of :data:`HF_LINEAR_FUNCS` ``module`` has."""
+    """``(name, function, its __wrapped__ reference or None)`` of each of :data:`HF_LINEAR_FUNCS` ``module``
+    has."""
     for name in HF_LINEAR_FUNCS:
         fn = getattr(module, name, None)
         if fn is not None:
@@ -236,18 +208,6 @@ def flat_exactness(impls: dict[str, str], boundary_kwargs: bool) -> str:
     return f"NO: {' and '.join(leaks)} leak across samples"
 
 
-@contextlib.contextmanager
-def restored_module(module: Any) -> Iterator[None]:
-    """Put every global of ``module`` back on exit (Liger and :func:`hf_reference_functions` rebind them)."""
-    saved = dict(vars(module))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if vars(module).get(name) is not value:
-                setattr(module, name, value)
-
-
 def hf_reference_functions(module: Any) -> None:
     """Rebind transformers' Gated DeltaNet functions of ``module`` to their PyTorch references (the functions
     the decorator wrapped, ``__wrapped__``): what transformers runs without ``fla`` / ``causal_conv1d``.
@@ -289,187 +249,165 @@ def build_row(
     config: str, args: argparse.Namespace, wl: Workload, device, dtype, stack: contextlib.ExitStack
 ) -> Row:
     """The model (seed 0), micro-batches and loss of a row. A peer row may rebind globals of the modeling
-    file (reference functions, Liger): they are put back when ``stack`` closes.
+    module (reference functions, Liger): they are put back when ``stack`` closes.
 
     Raises:
-        ValueError: an unknown peer name.
-        ImportError / RuntimeError: Liger or the attention implementation is unavailable.
+        ImportError / RuntimeError / ValueError: Liger or the attention implementation is unavailable.
     """
     base, liger = peer_base(config)
-    common = dict(dtype=dtype, device=device, vocab_size=args.vocab_size, config_overrides=args.overrides)
+    common = dict(device=device, dtype=dtype, vocab_size=args.vocab_size, overrides=args.overrides)
     if base not in PEERS:  # a varpack gated-delta backend
-        model = load_model(args.model, attn_backend="auto", **common)
-        model.config.use_cache = False
+        model = build_model(args.model, backend="auto", **common)
         patch_linear_attention(model, backend=config)
-        model.train()
-        objective = get_objective("sft")
-        linear_ce = args.loss_impl == "linear_ce"
+        objective, linear_ce = get_objective("sft"), args.loss_impl == "linear_ce"
 
         def varpack_loss(model, mb, num_items):
             return objective.loss(model, mb, linear_ce=linear_ce, num_items_in_batch=num_items).loss
 
         info = {"exact": "yes (boundaries)", "loss_impl": args.loss_impl, "attention": "varpack auto"}
         return Row(model, [[b] for b in wl.batches], varpack_loss, info)
-
-    model = load_model(args.model, attn_backend=None, **common)
-    model.set_attn_implementation(args.hf_attn)
-    model.config.use_cache = False
-    model.train()
-    module = _modeling_module(model)
+    model = build_model(args.model, hf_attn=args.hf_attn, **common)
+    module = sys.modules[type(model).__module__]
     stack.enter_context(restored_module(module))
     if base.endswith("_torch"):
         hf_reference_functions(module)
     impls = hf_linear_impls(module)
     if base.startswith("hf_padded"):
-        steps = padded_steps(wl.packs, args.pad_tokens, int(model.config.pad_token_id or 0))
-        exact = "yes (right padding)"
+        steps, exact = (
+            padded_steps(wl.packs, args.pad_tokens, int(model.config.pad_token_id or 0)),
+            "yes (right padding)",
+        )
     else:
-        boundary_kwargs = base == "hf_flat"
-        steps = flat_steps(wl.packs, boundary_kwargs=boundary_kwargs)
-        exact = flat_exactness(impls, boundary_kwargs)
-    loss_impl = "HF ForCausalLMLoss (full fp32 logits)"
-    if liger:
-        from benchmarks.train import _apply_trl_liger
-
-        loss_impl = _apply_trl_liger(model)
-
-    def hf_loss(model, mb, num_items):
-        return model(**mb, use_cache=False, num_items_in_batch=num_items).loss
-
+        steps = flat_steps(wl.packs, boundary_kwargs=base == "hf_flat")
+        exact = flat_exactness(impls, base == "hf_flat")
     info = {
         "exact": exact,
-        "loss_impl": loss_impl,
+        "loss_impl": apply_trl_liger(model) if liger else "HF ForCausalLMLoss (full fp32 logits)",
         "attention": args.hf_attn,
         "hf_linear_impls": impls,
         "micro_batches_per_step": float(np.mean([len(st) for st in steps])),
     }
     if base.startswith("hf_padded"):
-        padded = sum(int(mb["input_ids"].numel()) for st in steps for mb in st)
-        info["padding_fraction"] = 1.0 - wl.tokens / padded
-    return Row(model, steps, hf_loss, info)
-
-
-def _to_device(mb: dict[str, Any], device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+        info["padding_fraction"] = 1.0 - wl.tokens / sum(
+            int(mb["input_ids"].numel()) for st in steps for mb in st
+        )
+    return Row(model, steps, lambda m, mb, n: m(**mb, use_cache=False, num_items_in_batch=n).loss, info)
 
 
 def step_loss(row: Row, step: int, counts: list[int], device) -> torch.Tensor:
     """Forward + backward of one step's micro-batches (gradients accumulate); the step's loss (detached)."""
     total = torch.zeros((), device=device)
     for mb in row.steps[step]:
-        loss = row.loss_fn(row.model, _to_device(mb, device), counts[step])
+        loss = row.loss_fn(
+            row.model,
+            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()},
+            counts[step],
+        )
         loss.backward()
         total += loss.detach()
     return total
 
 
-def _pass(row: Row, opt, counts: list[int], device) -> tuple[float, list[float], torch.Tensor]:
-    """One pass over the steps: ``(seconds, per-step seconds, the first step's loss, not yet read)``."""
-    times: list[float] = []
-    first = None
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(len(row.steps)):
-        s0 = time.perf_counter()
-        loss = step_loss(row, i, counts, device)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
-        times.append(time.perf_counter() - s0)
-        if first is None:
-            first = loss
-    return time.perf_counter() - t0, times, first
-
-
 def run_backend(config: str, args, wl: Workload, device, dtype) -> dict[str, Any]:
-    """Build the row, one untimed cold pass, one timed pass; the row's figures."""
-    cuda = device.type == "cuda"
-    counts = [supervised_count(p) for p in wl.packs]
+    """Build the row, one untimed cold pass, one timed pass (each step waited for); the row's figures."""
+    cuda, counts = device.type == "cuda", [supervised_count(p) for p in wl.packs]
     with contextlib.ExitStack() as stack:
         row = build_row(config, args, wl, device, dtype, stack)
-        opt = torch.optim.AdamW(
-            row.model.parameters(), lr=1e-5, weight_decay=0.0, fused=cuda, foreach=not cuda
-        )
+        opt = make_optimizer(row.model, device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        cold_s, _, first = _pass(row, opt, counts, device)
-        warm_s, per_step, _ = _pass(row, opt, counts, device)
+
+        def step(i: int) -> torch.Tensor:
+            loss = step_loss(row, i, counts, device)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        t = cold_then_timed(step, len(row.steps), device, 1, per_step=True)
         out = {
-            "backend": config,
             "steps": len(row.steps),
-            "cold_pass_s": cold_s,
-            "ms_per_step": 1e3 * warm_s / len(row.steps),
-            "ms_per_step_median": 1e3 * float(np.median(per_step)),
-            "tokens_per_s": wl.tokens / warm_s,
+            "cold_pass_s": t["cold_pass_s"],
+            "ms_per_step": 1e3 * t["seconds"] / len(row.steps),
+            "ms_per_step_median": 1e3 * float(np.median(t["step_s"])),
+            "tokens_per_s": wl.tokens / t["seconds"],
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-            "params": sum(p.numel() for p in row.model.parameters()),
-            "loss_first": float(first),
+            "params": n_params(row.model),
+            "loss_first": t["loss_first"],
             **row.info,
         }
-        del row, opt
+        row = opt = None  # noqa: F841 - the memory goes before the next row
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
-# report
-# ----------------------------------------------------------------------------------------------------------
-
-
 def summary(backends: list[str], rounds: list[list[dict]]) -> list[dict[str, Any]]:
-    """Per row (in ``backends`` order): the rounds' figures, mean ms/step, and the ratios: speed vs the first
-    row and vs the fastest exact peer (``hf_padded*`` rows that ran): ``peer ms / row ms``."""
-    out = []
-    for backend in backends:
-        ok = [row for rows in rounds for row in rows if row["backend"] == backend and "error" not in row]
-        if not ok:
-            err = next(row["error"] for rows in rounds for row in rows if row["backend"] == backend)
-            out.append({"backend": backend, "error": err})
-            continue
-        out.append(
-            {
-                **ok[0],
-                "ms_rounds": [row["ms_per_step"] for row in ok],
-                "ms_mean": float(np.mean([row["ms_per_step"] for row in ok])),
-                "tokens_per_s": float(np.mean([row["tokens_per_s"] for row in ok])),
-                "peak_gib": None if ok[0]["peak_gib"] is None else max(row["peak_gib"] for row in ok),
-            }
-        )
-    ran = [r for r in out if "error" not in r]
-    base = ran[0]["ms_mean"] if ran and "error" not in out[0] else None
-    peers = [r for r in ran if peer_base(r["backend"])[0] in EXACT_PEERS]
-    best = min(peers, key=lambda r: r["ms_mean"]) if peers else None
-    for r in ran:
-        r["speed_vs_first"] = None if base is None else base / r["ms_mean"]
-        r["best_exact_peer"] = None if best is None else best["backend"]
-        r["speed_vs_best_exact_peer"] = None if best is None else best["ms_mean"] / r["ms_mean"]
+    """One row per backend (``backends`` order): the rounds' ms/step, their mean, tokens/s, and the speed (ms
+    ratio) vs the first row and vs the fastest exact peer (``hf_padded*`` rows that ran)."""
+    by = {
+        r["config"]: r
+        for r in merge_rounds(rounds, "tokens_per_s", [b for b in backends if peer_base(b)[0] in EXACT_PEERS])
+    }
+    out = [by[b] for b in backends]
+    for r in out:
+        if "error" not in r:
+            r["ms_rounds"] = [x["ms_per_step"] for x in r["rounds"] if "ms_per_step" in x]
+            r["ms_mean"] = float(np.mean(r["ms_rounds"]))
+    first = out[0].get("ms_mean") if out else None
+    for r in out:
+        if "error" not in r:
+            r["speed_vs_first"] = None if first is None else first / r["ms_mean"]
+            r["speed_vs_best_exact_peer"] = r.get("vs_best_peer")
+            r["best_exact_peer"] = (r.get("best_peer_rounds") or [None])[0]
     return out
 
 
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = []
-    for r in rows:
-        if "error" in r:
-            lines.append([r["backend"], "-", "-", "-", "-", "-", "-", "-", "-", r["error"]])
-            continue
-        lines.append(
-            [r["backend"], r["exact"], f"{r['cold_pass_s']:.1f}", " / ".join(f"{m:.1f}" for m in r["ms_rounds"]),
-             f"{r['tokens_per_s']:,.0f}", "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
-             f"{r['loss_first']:.6f}", _x(r["speed_vs_first"]), _x(r["speed_vs_best_exact_peer"]), ""]
-        )  # fmt: skip
-    headers = ["row", "exact", "cold pass s", "ms/step by round", "tokens/s", "peak GiB", "first-step loss",
-               "speed vs first", "speed vs best exact peer", "error"]  # fmt: skip
-    return markdown_table(headers, lines)
+    def x(v):
+        return "-" if v is None else f"{v:.2f}x"
+
+    body = [
+        [r["config"], "-", "-", "-", "-", "-", "-", "-", "-", r["error"]]
+        if "error" in r
+        else [
+            r["config"],
+            r["exact"],
+            f"{r['cold_pass_s']:.1f}",
+            " / ".join(f"{m:.1f}" for m in r["ms_rounds"]),
+            f"{r['tokens_per_s']:,.0f}",
+            "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
+            f"{r['loss_first']:.6f}",
+            x(r["speed_vs_first"]),
+            x(r["speed_vs_best_exact_peer"]),
+            "",
+        ]
+        for r in rows
+    ]
+    return markdown_table(
+        [
+            "row",
+            "exact",
+            "cold pass s",
+            "ms/step by round",
+            "tokens/s",
+            "peak GiB",
+            "first-step loss",
+            "speed vs first",
+            "speed vs best exact peer",
+            "error",
+        ],
+        body,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(
+        ap,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        small="smoke run: tiny-qwen3.5, vocabulary 512, packing_length 256, 2 steps of short samples",
+    )
     ap.add_argument("--model", default="qwen3.5-hybrid-shape")
     ap.add_argument(
         "--backends",
@@ -481,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--packing-length", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2, help="rounds; every second one in reverse order")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds in rotated order (2: given, then reversed)")
     ap.add_argument("--loss-impl", choices=("logits", "linear_ce"), default="linear_ce", help="varpack rows")
     ap.add_argument(
         "--hf-attn", default="sdpa", help="attn_implementation of the HF peers' full-attention layers"
@@ -493,55 +431,37 @@ def main(argv: list[str] | None = None) -> int:
         help="padded tokens per HF micro-batch (default: packing length)",
     )
     ap.add_argument("--vocab-size", type=int, default=None, help="embedding rows (default: the model's)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument(
-        "--small",
-        action="store_true",
-        help="4 layers, vocab 8192, packing_length 512, 2 steps, short samples (smoke run)",
-    )
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device = checked_device(ap, args)
+    dtype = getattr(torch, args.dtype)
     args.overrides = None
     if args.small:
-        args.overrides, args.packing_length, args.steps = {"num_hidden_layers": 4}, 512, 2
-        args.vocab_size = args.vocab_size or 8192
+        args.model, args.packing_length, args.steps = "tiny-qwen3.5", 256, min(args.steps, 2)
+        args.vocab_size = args.vocab_size or 512
     args.pad_tokens = args.pad_tokens or args.packing_length
+    vocab = min(args.vocab_size or 150000, 150000)
     if args.samples:
         samples = load_samples(args.samples)
-    else:
-        vocab = min(args.vocab_size or 150000, 150000)
-        mu, sigma = (3.5, 0.8) if args.small else (5.0, 1.0)  # small: ~10+ samples per pack of 512
-        samples = synthetic_samples(2000, vocab=vocab, mu=mu, sigma=sigma, hi=args.packing_length)
+    else:  # --small: ~8 samples per pack of 256
+        mu, sigma = (3.4, 0.5) if args.small else (5.0, 1.0)
+        samples = synthetic_samples(
+            2000, vocab=vocab, mu=mu, sigma=sigma, hi=args.packing_length, seed=args.seed
+        )
     wl = workload(samples, args.packing_length, args.steps)
     backends = [b for b in args.backends.split(",") if b]
-    rounds: list[list[dict]] = []
-    for r in range(args.rounds):
-        order = backends if r % 2 == 0 else backends[::-1]
-        rows = []
-        for backend in order:
-            try:
-                rows.append(run_backend(backend, args, wl, device, dtype))
-            except Exception as exc:  # noqa: BLE001 - a row that cannot run here is reported, not fatal
-                msg = str(exc).splitlines()[0][:200] if str(exc) else ""
-                rows.append({"backend": backend, "error": f"{type(exc).__name__}: {msg}"})
-            print(json.dumps(rows[-1]), flush=True)
-        rounds.append(rows)
+    rounds = run_rounds(backends, lambda b: run_backend(b, args, wl, device, dtype), args.rounds)
     rows = summary(backends, rounds)
     print(
-        f"{args.model}, {len(wl.packs)} packs of packing_length {args.packing_length:,} ({wl.tokens:,} tokens, "
+        f"{args.model}, {len(wl.packs)} packs of packing_length {args.packing_length:,} ({wl.tokens:,} "
+        "tokens, "
         f"{sum(len(p) for p in wl.packs)} samples), {device.type}, {dtype}, varpack loss {args.loss_impl}, "
-        f"HF attention {args.hf_attn}, HF micro-batches <= {args.pad_tokens:,} padded tokens, "
-        f"{args.rounds} rounds (odd rounds reversed)"
+        f"HF attention {args.hf_attn}, HF micro-batches <= {args.pad_tokens:,} padded tokens, {args.rounds} "
+        "rounds"
     )
     print(table(rows))
-    if args.out:
-        Path(args.out).write_text(
-            json.dumps(
-                {"rounds": rounds, "summary": rows, "machine": machine_info(device)}, indent=1, default=str
-            )
-        )
+    write_json(
+        args.out, {"machine": machine_info(device), "args": vars(args), "rounds": rounds, "summary": rows}
+    )
     return 0
 
 

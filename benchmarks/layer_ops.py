@@ -1,4 +1,4 @@
-"""How many ATen ops one decoder layer dispatches per step (issue 7: the host-side cost outside attention).
+"""How many ATen ops one decoder layer dispatches per step: the host-side cost outside attention.
 
 Every non-view ATen op of an eager step is a kernel launch on the GPU and a Python/C++ dispatch on the host.
 This counts them with ``torch.profiler`` on the CPU (no GPU needed): a model with ``L`` and ``L + 1``
@@ -8,8 +8,8 @@ attention (norms, RoPE, projections, SiLU·mul, residual adds, casts and their b
 
 Run::
 
-    python benchmarks/layer_ops.py                     # tiny-qwen3 layers (same code as Qwen3-0.6B's)
-    python benchmarks/layer_ops.py --layers 28         # also scale to a 28-layer step
+    python benchmarks/layer_ops.py --out layer_ops.json   # tiny-qwen3 layers (the code of Qwen3-0.6B's), x 28
+    python benchmarks/layer_ops.py --small                 # the same (it is small already)
 
 Prints a table: ops per layer (all leaf ops, and non-view ops), forward and forward + backward, and the
 per-step total for ``--layers`` layers.
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import markdown_table  # noqa: E402
+from benchmarks._common import machine_info, markdown_table, write_json  # noqa: E402
 
 #: ops that only re-describe memory (no kernel on the GPU)
 VIEW_OPS = {
@@ -51,11 +51,14 @@ def count_ops(model: torch.nn.Module, batch: dict, backward: bool) -> tuple[int,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-qwen3", help="varpack built-in text model (tiny-qwen3, tiny-llama)")
+    p.add_argument(
+        "--model", default="tiny-qwen3", help="varpack built-in text model (tiny-qwen3, tiny-llama)"
+    )
     p.add_argument("--tokens", type=int, default=60, help="tokens of the one-sample pack")
     p.add_argument("--layers", type=int, default=28, help="layers of the step the totals are scaled to")
+    p.add_argument("--small", action="store_true", help="accepted for uniformity: the run is small already")
+    p.add_argument("--out", default=None, help="write the rows, the command, commit and machine as JSON here")
     args = p.parse_args(argv)
-
     from varpack.collate import PaddingFreeCollator
     from varpack.models import load_model
 
@@ -69,16 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for backward in (False, True):
         (all2, real2), (all3, real3) = (count_ops(m, batch, backward) for m in models)
-        rows.append(
-            [
-                "forward + backward" if backward else "forward",
-                all3 - all2,
-                real3 - real2,
-                (real3 - real2) * args.layers,
-            ]
-        )
+        rows.append(["forward + backward" if backward else "forward", all3 - all2, real3 - real2,
+                     (real3 - real2) * args.layers])  # fmt: skip
     print(f"# ATen ops per decoder layer, {args.model}, eager, one {args.tokens}-token sample, CPU profiler")
-    print(markdown_table(["pass", "leaf ops / layer", "non-view ops / layer", f"non-view ops / {args.layers} layers"], rows))
+    print(
+        markdown_table(
+            ["pass", "leaf ops / layer", "non-view ops / layer", f"non-view ops / {args.layers} layers"], rows
+        )
+    )
+    write_json(args.out, {"machine": machine_info(), "args": vars(args), "rows": rows})
     return 0
 
 

@@ -1,57 +1,43 @@
-"""Where a varpack SFT step spends its time (issue 7 item 1): torch.profiler of train steps, by category.
+"""Where a varpack SFT step spends its time: ``torch.profiler`` of train steps, every device kernel in one
+category.
 
-Builds the same model, samples and packs as ``benchmarks/train.py`` (Qwen3-0.6B shape, bf16, fused AdamW,
-``--steps`` packs of ``--packing-length``). Steady state: every pack is first run once untimed (every
-torch.compile, Triton autotune and FlashAttention-4 kernel compile of its shapes happens there), then
-``--warmup`` more untimed steps; the packs are then timed without the profiler (the true step time) and run
-once more under torch.profiler. Every device kernel of the profiled pass is attributed to one category
-(:mod:`benchmarks._profile_attr`, pure functions, unit-tested in tests/test_benchmarks_profile.py):
+The model, samples and packs of benchmarks/train.py (Qwen3-0.6B shape, bf16, fused AdamW, ``--steps`` packs of
+``--packing-length``; ``--config`` one of its varpack rows). Steady state: every pack is first run once
+untimed (every compile, autotune and FA4 kernel compile of its shapes happens there), then ``--warmup`` more
+untimed steps; the packs are then timed without the profiler (the true step time) and run once more under
+``torch.profiler``. Every device kernel of the profiled pass is attributed to one category
+(:mod:`benchmarks._profile_attr`):
 
 ====================  ==================================================================================
 category              rule (first match wins)
 ====================  ==================================================================================
 optimizer             launched under ``Optimizer.step`` / ``zero_grad``, or an ``*adam*`` op / kernel
-attention             kernel name (flash / fmha / attention / attn / flex ...) or launched under an attention
-                      op (``varlen``, ``flash_attn``, ``flex_attention``, ``scaled_dot_product``, ...)
+attention             kernel name (flash / fmha / attention / attn / flex ...) or an attention op launched it
 embedding             launched under an ``embedding`` op / Triton range (forward gather, dense backward)
-LM head + loss        one of the 4 innermost launching ops has a tensor with a vocabulary-sized dimension, or
-                      kernel / op is a cross-entropy / log-softmax / linear-CE / Liger one
-memcpy / memset       the runtime's copies and fills (``Memcpy HtoD ...``, ``Memset ...``)
-GEMM                  kernel name (gemm / xmma / cutlass / cublas / nvjet / Inductor ``triton_tem_`` ...) or
-                      a matmul op among the 3 innermost launching ops
-elementwise / norm    Inductor's fused Triton kernels (``triton_poi_`` / ``triton_red_`` / ``triton_per_``:
-                      RMSNorm, RoPE, SiLU, casts, adds) and everything else launched by an ATen op
+LM head + loss        one of the 4 innermost launching ops has a vocabulary-sized dimension, or a
+                      cross-entropy / log-softmax / linear-CE / Liger kernel or op
+memcpy / memset       the runtime's copies and fills
+GEMM                  kernel name (gemm / xmma / cutlass / cublas / nvjet / Inductor ``triton_tem_`` ...) or a
+                      matmul op among the 3 innermost launching ops
+elementwise / norm    Inductor's fused Triton kernels (norms, RoPE, SiLU, casts, adds), the rest of ATen's
 other                 the rest (listed in the top kernels when it matters)
 ====================  ==================================================================================
 
-Device kernels only: ``FunctionEvent.device_type != CPU`` and not ``FunctionEvent.is_user_annotation``; the
-GPU-side spans of ``record_function`` ranges (``## Call CompiledFxGraph ##`` of every compiled region,
-``ProfilerStep#``) enclose kernels and are excluded (issue 18: counted as kernels they were 72.7 ms of "other"
-and 2,235 "kernels" per step); their count is printed. A kernel is attributed through its launch call (same
-CUPTI correlation id) to the innermost host range open at the launch (an ATen op; for Inductor's Triton
-kernels the ``triton_*`` range its launcher records) and that range's ancestors (autograd node, compiled
-region). Compiled-region wrappers (``## ... ##``) are skipped when matching op names.
+Device kernels only: the GPU-side spans of ``record_function`` ranges (``## Call CompiledFxGraph ##``,
+``ProfilerStep#``) enclose kernels and are excluded (counted, they would count their kernels twice). The table
+adds up: kernel time total = the sum of the categories; busy = the union of kernel intervals; host gaps =
+profiled wall time - GPU busy (the GPU waiting for the CPU). A check line says so, and the script exits 1
+(after ``--out``) when it does not add up or kernels of one stream overlap
+(:func:`benchmarks._profile_attr.check`). Last line: the host time of one varpack attention call at the step's
+shapes (benchmarks/attention_host_time.py), paid once per layer.
 
-The table adds up: ``kernel time total`` = sum of the categories (sum of kernel durations); ``busy`` = union
-of kernel intervals (per category and in all); ``overlap`` = kernel total - GPU busy (kernels of different
-streams running at once); ``host gaps`` = profiled wall time - GPU busy (the GPU waiting for the CPU: Python,
-launch overhead, syncs). A check line prints ``categories sum = X ms = kernel time total`` with the
-difference, and the script exits 1 (after writing ``--out``) when it does not add up or when kernels of one
-stream overlap (:func:`benchmarks._profile_attr.check`: an annotation counted as a kernel). The un-profiled
-step time is printed beside the profiled one so the profiler's own overhead is visible. Last line: host time
-of one varpack attention call at the step's shapes (benchmarks/attention_host_time.py, ``no_kernel``
-backend: varpack's work around the kernel), paid once per layer per forward.
-
-Run::
-
-    python benchmarks/profile_step.py --samples .gpu/samples.npz --config varpack_lce_compile --out runs/profile.json
-    python benchmarks/profile_step.py --device cpu --small      # smoke test (CPU op self time instead)
+    python benchmarks/profile_step.py --samples .gpu/samples.npz --config varpack_lce_compile --out p.json
+    python benchmarks/profile_step.py --device cpu --small      # smoke run (CPU op time instead of kernels)
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -63,94 +49,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _profile_attr as A  # noqa: E402
 from benchmarks import train as T  # noqa: E402
-from benchmarks._common import load_samples, machine_info, markdown_table, sync, synthetic_samples, write_json  # noqa: E402
-
-_LAUNCH = re.compile(r"^(cuda|cu)(LaunchKernel|LaunchCooperativeKernel|GraphLaunch|Memcpy|Memset)", re.I)
-
-
-def _chain(evt: Any, depth: int = 64) -> list[Any]:
-    out = []
-    while evt is not None and len(out) < depth:
-        out.append(evt)
-        evt = evt.cpu_parent
-    return out
-
-
-def _has_dim(evt: Any, size: int) -> bool:
-    for shape in getattr(evt, "input_shapes", None) or ():
-        if isinstance(shape, (list, tuple)) and size in shape:
-            return True
-    return False
-
-
-def _device_name(device_type: Any) -> str:
-    from torch.autograd import DeviceType
-
-    return {DeviceType.CPU: "cpu", DeviceType.CUDA: "cuda"}.get(device_type, str(device_type))
-
-
-def events_from_profiler(events: list[Any], vocab: int, device_type: str) -> list[A.Event]:
-    """``torch.profiler`` ``FunctionEvent`` s -> :class:`benchmarks._profile_attr.Event` records.
-
-    CUDA: one record per device-timeline event (``device_type != CPU``): kernels, memcpy / memset, and the
-    GPU-side spans of ``record_function`` ranges, flagged ``is_annotation`` from ``FunctionEvent.is_user_annotation``
-    (kineto ``gpu_user_annotation``: ``## Call CompiledFxGraph ##``, ``ProfilerStep#``, ``Optimizer.step#``).
-    A kernel's parents: its launch call (``cudaLaunchKernel`` / ``cuLaunchKernel``, same CUPTI correlation id as
-    the kernel) -> the innermost host range open at the launch (an ATen op; for Inductor's Triton kernels the
-    ``triton_*`` range that its launcher records) -> that range's ancestors (autograd node, compiled region ...);
-    else the op the kernel is linked to (``linked_correlation_id``, where this torch has it).
-    CPU (smoke test): one record per leaf ATen op (no ATen op inside it), its CPU time standing in for a kernel.
-
-    Raises:
-        RuntimeError: this torch's ``FunctionEvent`` has no ``is_user_annotation`` (annotations could not be
-            told from kernels).
-    """
-    from torch.autograd import DeviceType
-
-    out: list[A.Event] = []
-    if device_type != "cuda":
-        for e in events:
-            if e.device_type != DeviceType.CPU or not e.name.startswith("aten::"):
-                continue
-            if any(c.name.startswith("aten::") for c in e.cpu_children):
-                continue
-            chain = _chain(e)
-            out.append(A.Event(
-                name=e.name, device="cpu", start_us=e.time_range.start,
-                dur_us=e.time_range.end - e.time_range.start, parents=tuple(c.name for c in chain),
-                stream=e.thread, vocab_dim=any(_has_dim(c, vocab) for c in chain[:4]),
-            ))  # fmt: skip
-        return out
-    launches = {e.id: e for e in events if e.device_type == DeviceType.CPU and _LAUNCH.search(e.name)}
-    host_ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and not _LAUNCH.search(e.name)}
-    for e in events:
-        if e.device_type == DeviceType.CPU:
-            continue
-        if not hasattr(e, "is_user_annotation"):
-            raise RuntimeError(
-                f"torch {torch.__version__}: FunctionEvent has no is_user_annotation; annotation ranges cannot "
-                "be told from kernels"
-            )
-        ann = bool(e.is_user_annotation) or getattr(e, "activity_type", None) == "gpu_user_annotation"
-        op = None
-        if not ann:
-            rt = launches.get(e.id)
-            op = rt.cpu_parent if rt is not None else None
-            if op is None and getattr(e, "linked_correlation_id", 0):
-                op = host_ops.get(e.linked_correlation_id)
-        chain = _chain(op)
-        out.append(A.Event(
-            name=e.name, device=_device_name(e.device_type), start_us=e.time_range.start,
-            dur_us=e.time_range.end - e.time_range.start, parents=tuple(c.name for c in chain),
-            is_annotation=ann, stream=int(getattr(e, "device_resource_id", 0) or 0),
-            vocab_dim=any(_has_dim(c, vocab) for c in chain[:4]),
-        ))  # fmt: skip
-    return out
+from benchmarks._common import (  # noqa: E402
+    add_common_args,
+    build_model,
+    checked_device,
+    fullest_packs,
+    machine_info,
+    make_optimizer,
+    markdown_table,
+    samples_for,
+    sync,
+    write_json,
+)
 
 
 def summarize(prof: Any, wall_s: float, vocab: int, device_type: str, steps: int) -> dict[str, Any]:
     """The table's figures per step (:func:`benchmarks._profile_attr.per_step`) and the check's problems."""
-    records = events_from_profiler(list(prof.events()), vocab, device_type)
+    records = A.events_from_profiler(list(prof.events()), vocab, device_type)
     att = A.attribute(records, device="cuda" if device_type == "cuda" else "cpu")
     out = A.per_step(att, steps, wall_s * 1e6)
     out["check_problems"] = A.check(att)
@@ -183,111 +98,90 @@ def attention_host_time(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default=None)
+    add_common_args(p, small="smoke run: tiny-qwen3, packing 512, 2 packs")
     p.add_argument("--samples", default=None)
+    p.add_argument("--model", default="qwen3-0.6b-shape")
     p.add_argument(
         "--config", default="varpack", choices=[c for c in T.ALL_CONFIGS if c.startswith("varpack")]
     )
     p.add_argument("--packing-length", type=int, default=8192)
     p.add_argument(
-        "--warmup",
-        type=int,
-        default=3,
-        help="untimed steps after the untimed pass over the packs (cycling them)",
+        "--warmup", type=int, default=3, help="untimed steps after the untimed pass over the packs"
     )
     p.add_argument(
-        "--steps",
-        type=int,
-        default=3,
-        help="packs; each is run untimed, timed without, then with the profiler",
+        "--steps", type=int, default=3, help="packs; each run untimed, timed without, then with the profiler"
     )
     p.add_argument("--attn-backend", default="auto")
     p.add_argument("--lce-backend", default="auto")
     p.add_argument("--chunk-size", type=int, default=4096)
     p.add_argument("--attn-host-calls", type=int, default=200, help="0: skip the attention host-time row")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", default=None, help="also export a Chrome trace here")
-    p.add_argument("--small", action="store_true", help="smoke mode: tiny model, packing 512")
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("CUDA is not available; use --device cpu --small")
-    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    device = checked_device(p, args)
     args.pad_batch, args.pad_token_id = 0, 0  # unused by the varpack configs; train.py's helpers read them
     args.static_multiple_of, args.static_segments = 64, None  # the static configs' shape: train.py's defaults
-    values = dict(T.QWEN3_0_6B)
+    vocab = None
     if args.small:
-        values = dict(T.TINY)
-        args.packing_length, args.warmup, args.steps = min(args.packing_length, 512), 1, 2
-        args.chunk_size = min(args.chunk_size, 128)
-        args.attn_host_calls = min(args.attn_host_calls, 20)
-    if args.samples:
-        samples = load_samples(args.samples)
-        if args.small:
-            values["vocab_size"] = T.QWEN3_0_6B["vocab_size"]
-    else:
-        from benchmarks.attention import DEFAULT_MU, DEFAULT_SIGMA
-
-        samples = synthetic_samples(
-            int(args.steps * args.packing_length * 1.3 / 150) + 16,
-            vocab=values["vocab_size"],
-            mu=DEFAULT_MU,
-            sigma=DEFAULT_SIGMA,
-            hi=args.packing_length,
-            seed=args.seed,
+        args.model, vocab = "tiny-qwen3", None if args.samples else 1024
+        args.packing_length, args.warmup, args.steps, args.chunk_size = (
+            min(args.packing_length, 512),
+            1,
+            2,
+            128,
         )
-    ds, chosen, info = T.build_workload(samples, args.packing_length, args.steps)
+        args.attn_host_calls = min(args.attn_host_calls, 20)
+    samples, _ = samples_for(
+        args.samples,
+        vocab=vocab or 151936,
+        tokens=args.steps * args.packing_length * 1.3,
+        hi=args.packing_length,
+        seed=args.seed,
+    )
+    ds, chosen, info = fullest_packs(samples, args.packing_length, args.steps)
     steps = T.collate_steps(args.config, ds, chosen, args)
-    n = len(steps)
-    dtype = getattr(torch, args.dtype)
-    model = T.build_model(values, device=device, dtype=dtype, attn_implementation="sdpa", seed=args.seed)
-    from varpack.integrations.transformers import enable_varpack
-
-    enable_varpack(model, backend=args.attn_backend)
+    n, dtype = len(steps), getattr(torch, args.dtype)
+    model = build_model(
+        args.model,
+        device=device,
+        dtype=dtype,
+        seed=args.seed,
+        vocab_size=vocab,
+        hf_attn="sdpa",
+        backend=args.attn_backend,
+    )
     options = T.apply_step_options(model, args.config)
     loss_fn, loss_note = T.make_loss_fn(args.config, args)
-    opt = T.make_optimizer(model, device)
+    opt = make_optimizer(model, device)
     counts = [T.supervised_count(st) for st in steps]
     keep_cpu = T.keep_cpu_keys(args.config)
-    # _graphs: a graph inductor does not capture raises; kept for the rest of this one-config process
-    T.step_context(args.config).__enter__()
+    T.step_context(
+        args.config
+    ).__enter__()  # _graphs: a graph not captured raises; for this one-config process
 
-    def run(i: int) -> None:
-        for mb in steps[i]:
-            loss = loss_fn(model, T.to_device(mb, device, keep_cpu), counts[i])
+    def run(i: int) -> torch.Tensor:
+        for mb in steps[i % n]:
+            loss = loss_fn(model, T.to_device(mb, device, keep_cpu), counts[i % n])
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
-    # steady state (issue 18): every pack the timed and profiled passes run is run untimed first (every
-    # torch.compile, Triton autotune and FlashAttention-4 kernel compile of its shapes happens here)
-    t0 = time.perf_counter()
-    for i in range(n):
-        run(i)
-    sync(device)
-    cold_s = time.perf_counter() - t0
-    for i in range(args.warmup):
-        run(i % n)
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(n):
-        run(i)
-    sync(device)
-    plain_ms = 1e3 * (time.perf_counter() - t0) / n
+    def timed(fn) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        return time.perf_counter() - t0
 
+    cold_s = timed(lambda: [run(i) for i in range(n)])  # the untimed pass: every compile of the packs' shapes
+    timed(lambda: [run(i) for i in range(args.warmup)])
+    plain_ms = 1e3 * timed(lambda: [run(i) for i in range(n)]) / n
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=True) as prof:
-        sync(device)
-        t0 = time.perf_counter()
-        for i in range(n):
-            run(i)
-        sync(device)
-        wall = time.perf_counter() - t0
-    summary = summarize(prof, wall, values["vocab_size"], device.type, n)
+        wall = timed(lambda: [run(i) for i in range(n)])
+    summary = summarize(prof, wall, int(model.config.vocab_size), device.type, n)
     if args.trace:
         prof.export_chrome_trace(args.trace)
     host = None
@@ -297,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(T.real_token_count(st) for st in steps) / n
     cuda = device.type == "cuda"
     print(
-        f"# profile of one {args.config} step, {args.device} {args.dtype}, packing_length {args.packing_length}"
+        f"# profile of one {args.config} step, {args.device} {args.dtype}, packing_length "
+        f"{args.packing_length}"
     )
     print(
         f"- loss: {loss_note}; attention: varpack {args.attn_backend}; options: {options or 'none'}; "
@@ -306,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     unit = "kernels" if cuda else "leaf ATen ops (CPU time stands in for kernel time)"
     print(
-        f"- step time without profiler {plain_ms:.1f} ms, with profiler {summary['wall_ms_per_step']:.1f} ms; "
-        f"{summary['kernels_per_step']:.0f} {unit} + {summary['copies_per_step']:.0f} memcpy/memset per step; "
+        f"- step time without profiler {plain_ms:.1f} ms, with profiler {summary['wall_ms_per_step']:.1f} "
+        "ms; "
+        f"{summary['kernels_per_step']:.0f} {unit} + {summary['copies_per_step']:.0f} memcpy/memset per "
+        "step; "
         f"excluded: {summary['annotation_spans_excluded_per_step']:.0f} GPU-side annotation spans per step "
         f"({summary['annotation_ms_excluded_per_step']:.1f} ms, e.g. `## Call CompiledFxGraph ##`); "
         f"{summary['unlinked_ms_per_step']:.2f} ms/step of kernels with no launching host range (by name)"
@@ -364,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     if host is not None:
         print()
         print(
-            f"attention host time per call (one layer, {host['tokens']} tokens in {host['segments']} segments; "
+            f"attention host time per call (one layer, {host['tokens']} tokens in {host['segments']} "
+            "segments; "
             f"x{host['layers']} layers per forward): "
             + ", ".join(f"{k} {v:.1f} us" for k, v in host.items() if k.endswith(")"))
             + f"; {host['note']}"

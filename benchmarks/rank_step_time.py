@@ -1,19 +1,16 @@
-"""Measured per-rank step-time imbalance of the pack layout (#13): balanced (``rank_balance``) vs round-robin.
+"""Measured per-rank step-time imbalance of the pack layout: balanced (``rank_balance``) vs round-robin.
 
 Every rank runs forward + backward of its own micro-batches of the epoch layout
-(:class:`varpack.data.sampler.BalancedPackSampler`) with no gradient communication, so each rank's time is
-its own compute (no waiting at an all-reduce), synchronised and timed per micro-batch slot. The times are
-gathered and the table gives, per layout: the mean slot time of each rank, the measured imbalance
-(sum over slots of the slowest rank's time / sum of the mean rank's time: the time a synchronous data-parallel
-step loses to waiting, 1.0 = none) and the cost model's prediction for the same slots
-(:func:`varpack.plan.balance.layout_imbalance`). Real lengths (../shared/data, random token ids: the compute
-depends on the lengths and shapes only).
+(:class:`varpack.data.sampler.BalancedPackSampler`) with no gradient communication, so each rank's time is its
+own compute (no waiting at an all-reduce), synchronised and timed per micro-batch slot after ``--warmup``
+untimed slots. Per layout: each rank's mean slot time, the measured imbalance (sum over slots of the slowest
+rank's time / sum of the mean rank's: the time a synchronous data-parallel step loses to waiting, 1.0 = none)
+and the cost model's prediction for the same slots (:func:`varpack.plan.balance.layout_imbalance`). Real
+lengths (random token ids: the compute depends on the lengths and shapes only); the round-robin layout is the
+baseline, measured in the same run.
 
     torchrun --nproc-per-node 2 benchmarks/rank_step_time.py --model qwen3-0.6b-shape --packing-length 8192
-    torchrun --standalone --nproc-per-node 2 benchmarks/rank_step_time.py --model tiny-qwen3 \\
-        --packing-length 1024 --slots 6 --warmup 1                     # CPU / gloo smoke run
-
-Scaling (tokens/s of 2 GPUs vs 1) comes from ``varpack sft`` itself (``tokens_per_second`` in its logs).
+    torchrun --standalone --nproc-per-node 2 benchmarks/rank_step_time.py --small   # CPU / gloo smoke run
 """
 
 from __future__ import annotations
@@ -27,16 +24,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import init_distributed, sync  # noqa: E402
-from _lengths import real_lengths  # noqa: E402
-
+from benchmarks._common import build_model, init_distributed, lengths_for, sync, write_json  # noqa: E402
 from varpack.collate import PaddingFreeCollator  # noqa: E402
 from varpack.data.dataset import PackedDataset  # noqa: E402
 from varpack.data.sampler import BalancedPackSampler  # noqa: E402
-from varpack.models import load_model  # noqa: E402
 from varpack.plan import plan_packs  # noqa: E402
 from varpack.plan.balance import attention_cost_weight, layout_imbalance  # noqa: E402
 from varpack.train.objectives import get_objective  # noqa: E402
@@ -80,15 +73,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--loss-impl", choices=("logits", "linear_ce"), default="linear_ce")
     ap.add_argument("--data-dir", default=None)
+    ap.add_argument(
+        "--small",
+        action="store_true",
+        help="smoke run: tiny-qwen3, vocabulary 1,024, stand-in lengths, packing_length 1024, 4 slots",
+    )
+    ap.add_argument("--out", default=None, help="rank 0 writes the rows as JSON here")
     args = ap.parse_args(argv)
+    vocab = None
+    if args.small:
+        args.model, vocab, args.packing_length, args.slots, args.warmup = "tiny-qwen3", 1024, 1024, 4, 1
 
     rank, world, device = init_distributed()
     cuda = device.type == "cuda"
-    model = load_model(args.model, dtype=torch.bfloat16 if cuda else torch.float32, attn_backend="auto")
-    model.config.use_cache = False
-    model.to(device).train()
+    model = build_model(
+        args.model,
+        device=device,
+        dtype=torch.bfloat16 if cuda else torch.float32,
+        vocab_size=vocab,
+        backend="auto",
+    )
     weight = attention_cost_weight(model.config)
-    lengths = np.minimum(real_lengths(args.data_dir), args.packing_length)
+    per_file, _ = lengths_for(args.small, args.data_dir, n_small=400)
+    lengths = np.minimum(np.concatenate(list(per_file.values())), args.packing_length)
     plan = plan_packs(lengths, args.packing_length, seed=0)
     samples = _samples(lengths, int(model.config.get_text_config().vocab_size))
     dataset = PackedDataset(samples, plan, shuffle=False, check=False)
@@ -121,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, per_rank, measured, predicted, n in rows:
             print(f"{name:<12} {n:>5} {per_rank:>26} {measured:>9.4f} {predicted:>7.4f}")
         base, bal = rows[0][2], rows[1][2]
-        print(f"waiting removed by balancing: {base:.4f} -> {bal:.4f} ({(base - bal) / base:.1%} of the step time)")
+        print(
+            f"waiting removed by balancing: {base:.4f} -> {bal:.4f} ({(base - bal) / base:.1%} of the step "
+            "time)"
+        )
+        write_json(args.out, {"args": vars(args), "world_size": world, "rows": [
+            {"layout": name, "ms_per_slot_per_rank": per_rank, "measured": m, "model": pred, "slots": n}
+            for name, per_rank, m, pred, n in rows]})  # fmt: skip
     dist.destroy_process_group()
     return 0
 

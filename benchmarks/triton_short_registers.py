@@ -1,25 +1,27 @@
-"""Registers, spills and shared memory of the ``triton_short`` kernels compiled for the H200 (CUDA sm_90a) on a
-machine without a GPU: Triton compiles each kernel to PTX, then its bundled ``ptxas -v`` reports registers per
-thread and spill bytes. Per kernel the table gives the launch config and register cap the call would use
-(:func:`varpack.attn.triton_short._launch_blocks`, :meth:`~varpack.attn.triton_short.TritonShortConfig.registers`),
-and how many programs fit one SM by registers and by shared memory: the occupancy a register cap
-(:data:`varpack.attn.triton_short.MAXNREG`) trades against spills.
+"""Registers, spills and shared memory of the ``triton_short`` kernels compiled for the H200 (CUDA sm_90a) on
+a machine without a GPU: Triton compiles each kernel to PTX, then its bundled ``ptxas -v`` reports registers
+per thread and spill bytes. Per kernel the table gives the launch config and register cap the call would use
+(:func:`varpack.attn.triton_short._launch_blocks`,
+:meth:`~varpack.attn.triton_short.TritonShortConfig.registers`), and how many programs fit one SM by registers
+and by shared memory: the occupancy a register cap (:data:`varpack.attn.triton_short.MAXNREG`) trades against
+spills.
 
 Not a timing. It says which caps are worth a same-run variant on the GPU (``benchmarks/attention.py
---ts-variant``); only that decides (eleventh session: the forward capped at 128 registers runs 8% faster on the
-real mix, benchmarks/RESULTS.md).
+--ts-variant``); only that decides (benchmarks/RESULTS.md#attention).
 
-The compile specializes the arguments as a launch does (:func:`launch_attrs`: 16-divisible pointers and integers).
-Until the twelfth session it did not, and compiled a different kernel from the one a call runs: the loop loads of
-dK / dV not pipelined, 932 B of spills and 49 KB of shared memory reported where the launched kernel has none and
-81 KB. ``--launched`` (GPU) runs one call and prints what the driver loaded, to check this compile against.
+The compile specializes the arguments as a launch does (:func:`launch_attrs`: 16-divisible pointers and
+integers); without that it compiles another kernel than the one a call runs (the dK/dV loop loads not
+pipelined: spills and shared memory reported that the launched kernel does not have). ``--launched`` (GPU)
+runs one call and prints what the driver loaded, to check this compile against.
 
     python benchmarks/triton_short_registers.py --heads 16/4 --head-dim 128 --mean 207
     python benchmarks/triton_short_registers.py --config '{"maxnreg": {"bwd_dq": 168}}'
-    python benchmarks/triton_short_registers.py --heads 16/4 --mean 207 --launched   # GPU: beside the launched ones
+    python benchmarks/triton_short_registers.py --heads 16/4 --mean 207 --launched   # GPU: and launched
+    python benchmarks/triton_short_registers.py --small    # D = 64 and small tiles: a quicker compile (CPU)
 
-Limits per SM on sm_90 (CUDA C++ Programming Guide, compute capability 9.0): 65,536 registers, allocated per warp
-in units of 256 (8 per thread); 228 KB of shared memory, 1 KB of it reserved per program; 32 programs, 64 warps.
+Limits per SM on sm_90 (CUDA C++ Programming Guide, compute capability 9.0): 65,536 registers, allocated per
+warp in units of 256 (8 per thread); 228 KB of shared memory, 1 KB of it reserved per program; 32 programs, 64
+warps.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ FP32_ARGS = ("LSE", "DELTA")
 
 
 def signature(fn, consts: dict, dtype: str = "bf16") -> dict[str, str]:
-    """Triton signature of an attention kernel of :mod:`varpack.attn._triton_short_kernels` for a compile without
-    launching it: constexprs, int32 tables, fp32 lse / delta, ``dtype`` tensors, fp32 scales, int32 scalars."""
+    """Triton signature of an attention kernel of :mod:`varpack.attn._triton_short_kernels` for a compile
+    without launching it: constexprs, int32 tables, fp32 lse / delta, ``dtype`` tensors, fp32 scales, int32
+    scalars."""
     sig = {}
     for name in fn.arg_names:
         if name in consts:
@@ -60,23 +63,30 @@ def signature(fn, consts: dict, dtype: str = "bf16") -> dict[str, str]:
 
 
 def int_values(fn, heads: int, kv_heads: int, head_dim: int, tokens: int, pack: bool) -> dict[str, int]:
-    """The integer arguments a call of these shapes passes to kernel ``fn`` (contiguous ``[T, H, D]`` q / out / dO / dQ,
-    ``[T, Hkv, D]`` k / v / dK / dV, ``[H, T]`` lse / delta; causal, no window), by argument name."""
-    values = {"total_q": tokens, "total_k": tokens, "left": 0, "right": 0, "n_heads": kv_heads if pack else heads}
+    """The integer arguments a call of these shapes passes to kernel ``fn`` (contiguous ``[T, H, D]`` q / out
+    / dO / dQ, ``[T, Hkv, D]`` k / v / dK / dV, ``[H, T]`` lse / delta; causal, no window), by argument
+    name."""
+    values = {
+        "total_q": tokens,
+        "total_k": tokens,
+        "left": 0,
+        "right": 0,
+        "n_heads": kv_heads if pack else heads,
+    }
     for name in fn.arg_names:
         if name.startswith("stride_"):
-            tensor, axis = name[len("stride_") :-1], name[-1]
+            tensor, axis = name[len("stride_") : -1], name[-1]
             width = kv_heads if tensor in ("k", "v", "dk", "dv") else heads
             values[name] = {"t": width * head_dim, "h": head_dim}[axis] if tensor != "l" else tokens
     return values
 
 
 def launch_attrs(fn, sig: dict[str, str], values: dict[str, int]) -> dict[tuple[int], list]:
-    """Triton's launch specialization of ``fn``'s arguments (``JITFunction.run``: a pointer whose address, or an
-    integer whose value, is a multiple of 16 is marked ``tt.divisibility = 16``), for a compile without a launch.
-    Every tensor counts as 16-byte aligned (PyTorch's allocations are); integers by ``values`` (left unmarked where
-    unknown). Without these marks the compiler cannot vectorise the tile loads, and registers, spills and shared
-    memory differ from the kernel a call runs."""
+    """Triton's launch specialization of ``fn``'s arguments (``JITFunction.run``: a pointer whose address, or
+    an integer whose value, is a multiple of 16 is marked ``tt.divisibility = 16``), for a compile without a
+    launch. Every tensor counts as 16-byte aligned (PyTorch's allocations are); integers by ``values`` (left
+    unmarked where unknown). Without these marks the compiler cannot vectorise the tile loads, and registers,
+    spills and shared memory differ from the kernel a call runs."""
     attrs = {}
     for i, name in enumerate(fn.arg_names):
         kind = sig[name]
@@ -111,8 +121,9 @@ def ptxas_report(ptx: str, ptxas: str, arch: str = "sm_90a") -> dict[str, int]:
 
 
 def programs_per_sm(registers: int, shared: int, warps: int) -> dict[str, int]:
-    """Programs of ``warps`` warps that fit one sm_90 SM by registers (``registers`` per thread, rounded up to 8)
-    and by shared memory (``shared`` bytes per program), each also bounded by the SM's program and warp limits."""
+    """Programs of ``warps`` warps that fit one sm_90 SM by registers (``registers`` per thread, rounded up to
+    8) and by shared memory (``shared`` bytes per program), each also bounded by the SM's program and warp
+    limits."""
     per_program = -(-registers // 8) * 8 * 32 * warps
     cap = min(MAX_PROGRAMS, MAX_WARPS // warps)
     return {
@@ -124,8 +135,8 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict[str, int]:
 def report(
     heads: str, head_dim: int, mean: float | None, config_json: str, causal: bool = True, tokens: int = 65536
 ) -> list[dict]:
-    """One row per kernel (forward, dQ, dK/dV) as a call of these shapes (``tokens`` packed tokens) would launch
-    it, with the launch's argument specialization (:func:`launch_attrs`)."""
+    """One row per kernel (forward, dQ, dK/dV) as a call of these shapes (``tokens`` packed tokens) would
+    launch it, with the launch's argument specialization (:func:`launch_attrs`)."""
     import triton
     from triton.backends import backends
     from triton.backends.compiler import GPUTarget
@@ -148,10 +159,19 @@ def report(
         (block_m, block_n, warps, stages), pack, _ = ts._launch_blocks(config, kind, head_dim, group, mean)
         cap = config.registers(kind, head_dim)
         consts = dict(
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=ts._head_block(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-            HAS_LEFT=False, HAS_RIGHT=causal, PRECISION="tf32", UPCAST=False, MASK_FREE=config.mask_free,
-            PACK_GQA=pack, LPT=config.lpt,
-        )  # fmt: skip
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_D=ts._head_block(head_dim),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            HAS_LEFT=False,
+            HAS_RIGHT=causal,
+            PRECISION="tf32",
+            UPCAST=False,
+            MASK_FREE=config.mask_free,
+            PACK_GQA=pack,
+            LPT=config.lpt,
+        )
         if "DELTA_IN_DQ" in fn.arg_names:
             consts["DELTA_IN_DQ"] = config.delta_in_dq
         if "DP_FIRST" in fn.arg_names:
@@ -169,10 +189,13 @@ def report(
     return rows
 
 
-def launched(heads: str, head_dim: int, mean: float | None, config_json: str, tokens: int = 65536) -> list[dict]:
+def launched(
+    heads: str, head_dim: int, mean: float | None, config_json: str, tokens: int = 65536
+) -> list[dict]:
     """GPU: the kernels one triton_short forward + backward of these shapes actually launched (documents of
-    ``mean`` tokens, default 128; bf16, causal), read from Triton's cache of compiled kernels: registers, spills
-    (bytes) and shared memory as the driver loaded them -- the check of :func:`report`'s compile without a GPU."""
+    ``mean`` tokens, default 128; bf16, causal), read from Triton's cache of compiled kernels: registers,
+    spills (bytes) and shared memory as the driver loaded them -- the check of :func:`report`'s compile
+    without a GPU."""
     import torch
 
     from varpack.attn import _triton_short_kernels as kern
@@ -187,7 +210,9 @@ def launched(heads: str, head_dim: int, mean: float | None, config_json: str, to
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(tokens, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
     k, v = (
-        torch.randn(tokens, hkv, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        torch.randn(
+            tokens, hkv, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen
+        ).requires_grad_()
         for _ in range(2)
     )
     out, _ = triton_short_attention(q, k, v, cu, cu, config=TritonShortConfig.from_json(config_json))
@@ -228,19 +253,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--launched",
         action="store_true",
-        help="GPU: also run one call of these shapes and print the kernels it launched (registers, spills, shared)",
+        help="GPU: also run one call of these shapes and print the kernels it launched (registers, spills, "
+        "shared)",
+    )
+    p.add_argument(
+        "--small", action="store_true", help="D = 64, small tiles (unless --config gives them): quicker"
     )
     args = p.parse_args(argv)
+    if args.small:
+        args.head_dim = 64
+        small = {"fwd": [32, 32, 4, 1], "bwd_dq": [32, 16, 4, 1], "bwd_dkdv": [16, 32, 4, 1]}
+        args.config = json.dumps(small | (json.loads(args.config) if args.config else {}))
     rows = report(args.heads, args.head_dim, args.mean, args.config, tokens=args.tokens)
     print(
-        f"# triton_short on sm_90a, H={args.heads}, D={args.head_dim}, mean={args.mean}, config {args.config or '{}'}"
+        f"# triton_short on sm_90a, H={args.heads}, D={args.head_dim}, mean={args.mean}, config "
+        f"{args.config or '{}'}"
     )
     print("| kernel | config | PackGQA | maxnreg | registers | spill stores / loads (B) | shared (KB) |"
           " programs / SM by registers | by shared memory |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['kernel']} | {tuple(r['config'])} | {r['pack_gqa']} | {r['maxnreg'] or '-'} | {r['registers']} | "
+            f"| {r['kernel']} | {tuple(r['config'])} | {r['pack_gqa']} | {r['maxnreg'] or '-'} | "
+            f"{r['registers']} | "
             f"{r['spill_stores']} / {r['spill_loads']} | {r['shared'] / 1024:.1f} | {r['by_registers']} | "
             f"{r['by_shared']} |"
         )
@@ -252,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|---|")
         for r in launched_rows:
             print(
-                f"| {r['kernel']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | {r['spills']} | "
+                f"| {r['kernel']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | {r['spills']} "
+                "| "
                 f"{r['shared'] / 1024:.1f} |"
             )
     if args.json:

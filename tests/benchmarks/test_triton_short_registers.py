@@ -1,5 +1,5 @@
-"""benchmarks/triton_short_registers.py on the CPU: the kernels compile for sm_90a and ptxas's report is read --
-a register cap given in the config reaches ptxas (registers at most the cap, spills appear) and an uncapped
+"""benchmarks/triton_short_registers.py on the CPU: the kernels compile for sm_90a and ptxas's report is read
+-- a register cap given in the config reaches ptxas (registers at most the cap, spills appear) and an uncapped
 kernel takes more (the control); the occupancy arithmetic against the sm_90 limits by hand."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_programs_per_sm_by_the_sm90_limits():
@@ -40,15 +40,29 @@ def test_report_compiles_for_sm90_and_reads_ptxas(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    config = {"fwd": [32, 32, 4, 1], "bwd_dq": [32, 16, 4, 1], "bwd_dkdv": [16, 32, 4, 1]}
     rows = {}
-    for name, cfg in (("capped", dict(config, maxnreg={"fwd": 64})), ("uncapped", config)):
+    for name, cfg in (("capped", {"maxnreg": {"fwd": 64}}), ("uncapped", {})):  # --small: D = 64, small tiles
         out = tmp_path / f"{name}.json"
         done = subprocess.run(
-            [sys.executable, "benchmarks/triton_short_registers.py", "--heads", "16/4", "--head-dim", "64",
-             "--mean", "50", "--config", json.dumps(cfg), "--json", str(out)],
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "benchmarks/triton_short_registers.py",
+                "--small",
+                "--heads",
+                "16/4",
+                "--mean",
+                "50",
+                "--config",
+                json.dumps(cfg),
+                "--json",
+                str(out),
+            ],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if "no NVIDIA backend" in done.stderr:
             pytest.skip("this Triton has no NVIDIA backend")
         assert done.returncode == 0, done.stderr[-3000:]
@@ -65,15 +79,18 @@ def test_report_compiles_for_sm90_and_reads_ptxas(tmp_path):
 
 
 def test_launch_attrs_mark_what_a_launch_would_specialize():
-    """Pointers and 16-divisible integers get ``tt.divisibility = 16`` (Triton's launch specialization); the GQA
-    group count (4) and integers with no known value stay unmarked; strides follow the tensors' layouts."""
+    """Pointers and 16-divisible integers get ``tt.divisibility = 16`` (Triton's launch specialization); the
+    GQA group count (4) and integers with no known value stay unmarked; strides follow the tensors'
+    layouts."""
     from benchmarks.triton_short_registers import int_values, launch_attrs, signature
     from varpack.attn import _triton_short_kernels as kern
 
     fn = kern.attn_bwd_dkdv
     pointers = {"Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "DOC_Q", "DOC_K", "LIM", "ORDER"}
     pointers |= {"TILE_LO", "TILE_HI", "FULL_LO", "FULL_HI"}
-    sig = signature(fn, {n: 0 for n in fn.arg_names if n.isupper() and n not in pointers})  # the rest: constexprs
+    sig = signature(
+        fn, {n: 0 for n in fn.arg_names if n.isupper() and n not in pointers}
+    )  # the rest: constexprs
     values = int_values(fn, heads=16, kv_heads=4, head_dim=128, tokens=65536, pack=True)
     assert values["stride_qt"] == 16 * 128 and values["stride_kt"] == 4 * 128 and values["stride_dkh"] == 128
     assert values["stride_lh"] == 65536 and values["n_heads"] == 4

@@ -1,4 +1,4 @@
-"""benchmarks/profile_step.py's kernel attribution (benchmarks/_profile_attr.py; issue 18 item 2): device kernels
+"""benchmarks/profile_step.py and its kernel attribution (benchmarks/_profile_attr.py): device kernels
 only, every kernel in one category, a table that adds up, and a check that fails when an annotation range is
 counted as a kernel. Pure functions over hand-built records, plus the adapter from torch.profiler events (fake
 ``FunctionEvent`` objects with the attributes it reads), all on CPU.
@@ -167,10 +167,7 @@ def _fe(id, name, device_type, start, end, parent=None, ann=False, shapes=(), ch
 
 
 def test_events_from_profiler_flags_annotations_and_links_triton_launches():
-    pytest.importorskip("transformers")
     from torch.autograd import DeviceType
-
-    from benchmarks import profile_step as P
 
     cpu, cuda = DeviceType.CPU, DeviceType.CUDA
     graph = _fe(1, COMPILED, cpu, 0.0, 50.0, ann=True)
@@ -188,7 +185,7 @@ def test_events_from_profiler_flags_annotations_and_links_triton_launches():
         _fe(301, "nvjet_tst_128x256", cuda, 15.0, 35.0),
         _fe(1, COMPILED, cuda, 10.0, 35.0, ann=True),  # the GPU-side span
     ]
-    recs = P.events_from_profiler(events, vocab=151936, device_type="cuda")
+    recs = A.events_from_profiler(events, vocab=151936, device_type="cuda")
     assert [r.name for r in recs] == ["triton_poi_fused_mul_silu_1", "nvjet_tst_128x256", COMPILED]
     assert [r.is_annotation for r in recs] == [False, False, True]
     assert recs[0].parents == ("triton_poi_fused_mul_silu_1", COMPILED)
@@ -199,25 +196,19 @@ def test_events_from_profiler_flags_annotations_and_links_triton_launches():
 
 
 def test_events_from_profiler_refuses_events_without_annotation_flag():
-    pytest.importorskip("transformers")
     from torch.autograd import DeviceType
-
-    from benchmarks import profile_step as P
 
     evt = _fe(5, "k", DeviceType.CUDA, 0.0, 1.0)
     del evt.is_user_annotation
     with pytest.raises(RuntimeError, match="is_user_annotation"):
-        P.events_from_profiler([evt], vocab=10, device_type="cuda")
+        A.events_from_profiler([evt], vocab=10, device_type="cuda")
 
 
 def test_real_cpu_profile_adds_up():
     """A real torch.profiler CPU trace through the adapter's CPU path (leaf ATen ops stand in for kernels);
     ``record_function`` ranges are user annotations in this torch (the flag the CUDA path relies on)."""
-    pytest.importorskip("transformers")
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
-
-    from benchmarks import profile_step as P
 
     x = torch.randn(64, 64)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -225,8 +216,22 @@ def test_real_cpu_profile_adds_up():
             torch.nn.functional.silu(x @ x).sum()
     events = list(prof.events())
     assert any(e.is_user_annotation for e in events if e.name == "## Call CompiledFxGraph test ##")
-    recs = P.events_from_profiler(events, vocab=151936, device_type="cpu")
+    recs = A.events_from_profiler(events, vocab=151936, device_type="cpu")
     assert recs and all(r.name.startswith("aten::") for r in recs)
     a = A.attribute(recs, device="cpu")
     assert A.check(a) == [] and a.kernel_us["GEMM"] > 0
     assert sum(a.kernel_us.values()) == pytest.approx(a.kernel_total_us)
+
+
+def test_small_run_adds_up(tmp_path, capsys):
+    """--small on the CPU: the table adds up (exit 0; the check would exit 1) and --out holds the figures."""
+    import json
+
+    from benchmarks import profile_step as P
+
+    out = tmp_path / "profile.json"
+    assert P.main(["--device", "cpu", "--small", "--config", "varpack_lce", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["check_problems"] == [] and data["step_ms_without_profiler"] > 0
+    assert sum(data["kernel_ms_per_step"].values()) == pytest.approx(data["kernel_total_ms_per_step"])
+    assert "check: categories sum" in capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""benchmarks/attention_profile.py (issue 17): per-kernel mean times (profile_step.py's attribution), and a CPU smoke run
-that writes every timing of each backend (an unknown backend reported, not fatal)."""
+"""benchmarks/attention_profile.py: per-kernel mean times (profile_step.py's attribution), and a --small run
+on the CPU that writes every timing of each backend (an unknown backend reported, not fatal)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from benchmarks import attention_profile as AP
 
 
 def test_kernel_rows_are_per_call_and_skip_annotation_spans():
-    """GPU-side spans of autograd ranges enclose the kernels' time; counted as kernels they would double it."""
+    """GPU-side spans of autograd ranges enclose the kernels' time; counted as kernels they would double
+    it."""
     events = [
         A.Event("_TritonShortFunction", "cuda", 0.0, 300.0, is_annotation=True, parents=("x",)),
         A.Event("attn_fwd", "cuda", 0.0, 300.0, parents=("attn_fwd",)),
@@ -24,7 +25,9 @@ def test_kernel_rows_are_per_call_and_skip_annotation_spans():
 
 def test_cpu_smoke_run_writes_all_timings(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert AP.main(["--device", "cpu", "--small", "--backends", "reference,nonexistent", "--out", str(out)]) == 0
+    assert (
+        AP.main(["--device", "cpu", "--small", "--backends", "reference,nonexistent", "--out", str(out)]) == 0
+    )
     rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
     ref = rows["reference"]
     for key in ("queued_ms", "synced_ms", "host_ms", "kernel_sum_ms"):

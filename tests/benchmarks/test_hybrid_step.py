@@ -1,4 +1,4 @@
-"""benchmarks/hybrid_step.py's HF peers (issue 18 item 4), on the CPU with ``tiny-qwen3.5`` in fp32.
+"""benchmarks/hybrid_step.py's HF peers, on the CPU with ``tiny-qwen3.5`` in fp32, and its --small run.
 
 The exact peer (``hf_padded_torch``: HF right-padded micro-batches with gradient accumulation and
 transformers' reference Gated DeltaNet functions) must give varpack's packed loss AND gradients on the same
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 
 import pytest
 import torch
@@ -149,15 +150,32 @@ def test_flat_exactness_labels():
 def test_summary_ratio_to_best_exact_peer():
     rows = [
         [
-            {"backend": "chunk", "ms_per_step": 100.0, "tokens_per_s": 10.0, "peak_gib": None},
-            {"backend": "hf_padded_torch", "ms_per_step": 400.0, "tokens_per_s": 2.5, "peak_gib": None},
-            {"backend": "hf_flat_torch", "ms_per_step": 50.0, "tokens_per_s": 20.0, "peak_gib": None},
-            {"backend": "hf_padded", "error": "RuntimeError: backward"},
+            {"config": "chunk", "ms_per_step": 100.0, "tokens_per_s": 10.0, "peak_gib": None},
+            {"config": "hf_padded_torch", "ms_per_step": 400.0, "tokens_per_s": 2.5, "peak_gib": None},
+            {"config": "hf_flat_torch", "ms_per_step": 50.0, "tokens_per_s": 20.0, "peak_gib": None},
+            {"config": "hf_padded", "error": "RuntimeError: backward"},
         ]
     ]
     out = {
-        r["backend"]: r for r in H.summary(["chunk", "hf_padded_torch", "hf_flat_torch", "hf_padded"], rows)
+        r["config"]: r for r in H.summary(["chunk", "hf_padded_torch", "hf_flat_torch", "hf_padded"], rows)
     }
     assert out["chunk"]["speed_vs_best_exact_peer"] == pytest.approx(4.0)  # the leaking row is no peer
     assert out["chunk"]["best_exact_peer"] == "hf_padded_torch"
+    assert out["hf_flat_torch"]["speed_vs_first"] == pytest.approx(2.0)
     assert out["hf_padded"]["error"].startswith("RuntimeError")
+
+
+def test_small_run_on_the_cpu(tmp_path, capsys):
+    """--small: the varpack row, the exact peer and the leaking row in one run; the same first-step loss up to
+    rounding (a leak moves it only slightly at random init), the exactness column says which row leaks."""
+    out = tmp_path / "hybrid.json"
+    argv = ["--device", "cpu", "--small", "--steps", "1", "--rounds", "1", "--backends",
+            "chunk,hf_padded_torch,hf_flat_torch", "--out", str(out)]  # fmt: skip
+    assert H.main(argv) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["summary"]}
+    assert set(rows) == {"chunk", "hf_padded_torch", "hf_flat_torch"} and not any(
+        "error" in r for r in rows.values()
+    )
+    assert rows["chunk"]["exact"].startswith("yes") and rows["hf_flat_torch"]["exact"].startswith("NO")
+    assert rows["chunk"]["loss_first"] == pytest.approx(rows["hf_padded_torch"]["loss_first"], rel=1e-4)
+    assert rows["chunk"]["speed_vs_best_exact_peer"] > 0 and "| chunk | yes" in capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""benchmarks/attention_tune.py on the CPU (Triton's interpreter, ``--small``): the sweep's records, picks and env
-JSON are well formed, and the chosen configs are launchable through the public config parser."""
+"""benchmarks/attention_tune.py --small on the CPU (Triton's interpreter): the sweep's records, picks and env
+JSON are well formed, and the chosen configs parse through the public config parser."""
 
 from __future__ import annotations
 
@@ -17,8 +17,19 @@ def test_small_sweep_on_the_cpu_writes_picks_that_parse(tmp_path):
 
     out = tmp_path / "tune.json"
     rc = main(
-        ["--device", "cpu", "--small", "--mixes", "short", "--mask-free", "on", "--no-check", "--out", str(out)]
-    )  # fmt: skip
+        [
+            "--device",
+            "cpu",
+            "--small",
+            "--mixes",
+            "short",
+            "--mask-free",
+            "on",
+            "--no-check",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["args"]["timing"] == "queued"
