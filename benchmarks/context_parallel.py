@@ -6,8 +6,8 @@
 contiguous runs of the row (:func:`varpack.varlen.shard.contiguous_split`). Per split, summed over the packs:
 
 * ``tokens``: max / mean tokens per rank (the token-local layers: MLP, projections, the loss);
-* ``attn``: max / mean causal attention work per rank (query-key pairs a rank's queries attend: ring attention's
-  total per rank; Ulysses splits attention by heads, so it is balanced whatever the split);
+* ``attn``: max / mean causal attention work per rank (query-key pairs a rank's queries attend: ring
+  attention's total per rank; Ulysses splits attention by heads, so it is balanced whatever the split);
 * ``ring``: ring attention's critical path (the ranks meet at every ring step, so each step costs its slowest
   rank's block) over the ideal (total work / N); 1.00 = no rank ever waits.
 
@@ -18,11 +18,13 @@ contiguous split leaves the ranks that hold documents' ends with most of the cau
 small Qwen3 (or Qwen3.5) model, forward + backward; the activation memory a rank holds for its backward is
 measured as the bytes of the tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks``, unique
 storages) -- one process over the whole row vs each rank's share under context parallelism. CPU measurement
-of what autograd keeps, not a GPU allocator's peak (the GPU figures are benchmarks/RESULTS.md's, issue-free).
+of what autograd keeps, not a GPU allocator's peak. Without ``torchrun``: one rank, the split of a group of 1.
 
-    python benchmarks/context_parallel.py work [--packing-length 16384 65536] [--sizes 2 4 8]
+    python benchmarks/context_parallel.py work [--packing-length 16384 65536] [--sizes 2 4 8] [--out w.json]
     torchrun --standalone --nproc-per-node 2 benchmarks/context_parallel.py memory [--tokens 8192]
-        [--model tiny-qwen3] [--attention auto]
+        [--model tiny-qwen3] [--attention auto] [--out m.json]
+    python benchmarks/context_parallel.py work --small          # stand-in lengths: no data needed
+    python benchmarks/context_parallel.py memory --small        # one rank, a row of 1,024 tokens
 """
 
 from __future__ import annotations
@@ -34,9 +36,15 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import (  # noqa: E402
+    init_distributed,
+    lengths_for,
+    machine_info,
+    markdown_table,
+    write_json,
+)
 from varpack.varlen.shard import contiguous_split, zigzag_split  # noqa: E402
 
 SPLITS = {"zigzag": zigzag_split, "contiguous": contiguous_split}
@@ -68,53 +76,78 @@ def split_stats(offsets: np.ndarray, size: int, split) -> tuple[np.ndarray, np.n
     return tokens, work, ring
 
 
-def work_table(lengths: np.ndarray, packing_length: int, sizes: list[int], label: str) -> list[str]:
+def work_rows(lengths: np.ndarray, packing_length: int, sizes: list[int], label: str) -> list[dict]:
+    """Per (N, split): max / mean tokens and attention work per rank and the ring's critical path over the
+    ideal, summed over the packs of ``lengths`` planned at ``packing_length``."""
     from varpack.plan import plan_packs
 
     plan = plan_packs(lengths, packing_length, overflow="truncate", seed=0)
-    rows = [
-        f"{label}: {len(lengths):,} samples -> {plan.num_packs:,} packs of <= {packing_length:,} tokens",
-        f"  {'N':>2}  {'split':<10} {'tokens max/mean':>16} {'attn max/mean':>14} {'ring path/ideal':>16}",
-    ]
+    rows = []
     for size in sizes:
         for name, split in SPLITS.items():
-            tok = np.zeros(size)
-            att = np.zeros(size)
-            ring = 0.0
+            tok, att, ring = np.zeros(size), np.zeros(size), 0.0
             for p in range(plan.num_packs):
                 ls = plan.item_lengths[plan.offsets[p] : plan.offsets[p + 1]]  # tokens of each sample / piece
                 offsets = np.concatenate([[0], np.cumsum(ls)]).astype(np.int64)
                 if offsets[-1] < size:
                     continue
                 t, w, r = split_stats(offsets, size, split)
-                tok += t
-                att += w
-                ring += r
+                tok, att, ring = tok + t, att + w, ring + r
             rows.append(
-                f"  {size:>2}  {name:<10} {tok.max() / tok.mean():>16.3f} {att.max() / att.mean():>14.3f} "
-                f"{ring / (att.sum() / size):>16.3f}"
+                {
+                    "mix": label,
+                    "packing_length": packing_length,
+                    "packs": plan.num_packs,
+                    "N": size,
+                    "split": name,
+                    "tokens": tok.max() / tok.mean(),
+                    "attn": att.max() / att.mean(),
+                    "ring": ring / (att.sum() / size),
+                }
             )
     return rows
 
 
 def run_work(args: argparse.Namespace) -> None:
-    from _lengths import real_lengths_per_file
-
-    per_file = real_lengths_per_file(args.data_dir)
+    per_file, source = lengths_for(args.small, args.data_dir)
     real = np.concatenate(list(per_file.values()))
     rng = np.random.default_rng(0)
-    longmix = np.clip(rng.lognormal(np.log(2000), 0.8, size=3000), 16, 65536).astype(np.int64)
-    longmix[rng.choice(len(longmix), size=len(longmix) // 20, replace=False)] = rng.integers(
-        16384, 65537, len(longmix) // 20
-    )
-    print("work per rank of the context-parallel split (max over ranks / mean; 1.000 = balanced)")
+    n_long = 300 if args.small else 3000
+    longmix = np.clip(rng.lognormal(np.log(2000), 0.8, size=n_long), 16, 65536).astype(np.int64)
+    longmix[rng.choice(n_long, size=n_long // 20, replace=False)] = rng.integers(16384, 65537, n_long // 20)
+    rows = []
     for packing_length in args.packing_length:
-        print("\n".join(work_table(real, packing_length, args.sizes, f"real mix ({', '.join(per_file)})")))
-        print(
-            "\n".join(
-                work_table(longmix, packing_length, args.sizes, "long-document mix (lognormal, 5% 16K-64K)")
-            )
+        rows += work_rows(real, packing_length, args.sizes, source)
+        rows += work_rows(longmix, packing_length, args.sizes, "long-document mix (lognormal, 5% 16K-64K)")
+    print("work per rank of the context-parallel split (max over ranks / mean; 1.000 = balanced)")
+    print(
+        markdown_table(
+            [
+                "mix",
+                "packing_length",
+                "packs",
+                "N",
+                "split",
+                "tokens max/mean",
+                "attn max/mean",
+                "ring path/ideal",
+            ],
+            [
+                [
+                    r["mix"],
+                    r["packing_length"],
+                    r["packs"],
+                    r["N"],
+                    r["split"],
+                    f"{r['tokens']:.3f}",
+                    f"{r['attn']:.3f}",
+                    f"{r['ring']:.3f}",
+                ]
+                for r in rows
+            ],
         )
+    )
+    write_json(args.out, {"machine": machine_info(), "args": vars(args), "rows": rows})
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -150,16 +183,13 @@ def run_memory(args: argparse.Namespace) -> None:
     from varpack.models import load_model
     from varpack.schema import NOT_MODEL_INPUTS, SHIFT_LABELS
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, _ = init_distributed()  # gloo: CUDA is hidden for this CPU measurement
     overrides = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, head_dim=64)
     model = load_model(
         args.model, vocab_size=args.vocab, attn_backend=args.attn_backend, seed=0, config_overrides=overrides
     )
     g = torch.Generator().manual_seed(0)
-    from _lengths import real_lengths_per_file
-
-    lengths = np.concatenate(list(real_lengths_per_file(args.data_dir).values()))
+    lengths = np.concatenate(list(lengths_for(args.small, args.data_dir)[0].values()))
     rng = np.random.default_rng(0)
     pack, total = [], 0
     for n in rng.permutation(lengths):
@@ -195,18 +225,37 @@ def run_memory(args: argparse.Namespace) -> None:
         print(f"  cp=1 (one process, whole row): {one / 2**20:9.1f} MiB")
         for r, (b, n) in enumerate(got):
             print(f"  cp={world} rank {r} ({n:,} tokens):    {b / 2**20:9.1f} MiB  ({b / one:.3f} of cp=1)")
+        write_json(
+            args.out,
+            {
+                "machine": machine_info(),
+                "args": vars(args),
+                "tokens": total,
+                "plan": plan,
+                "cp1_bytes": one,
+                "per_rank": [{"bytes": b, "tokens": n} for b, n in got],
+            },
+        )
     dist.barrier()
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     w = sub.add_parser("work")
     w.add_argument("--packing-length", type=int, nargs="+", default=[16384, 65536])
     w.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
     w.add_argument("--data-dir", default=None)
-    m = sub.add_parser("memory")
+    for q in (w, m := sub.add_parser("memory")):
+        q.add_argument(
+            "--small",
+            action="store_true",
+            help="stand-in lengths (work: packs of 4,096, N = 2; memory: a row of 1,024 tokens)",
+        )
+        q.add_argument(
+            "--out", default=None, help="write the rows, the command, commit and machine as JSON here"
+        )
     m.add_argument("--tokens", type=int, default=8192)
     m.add_argument("--model", default="tiny-qwen3")
     m.add_argument("--vocab", type=int, default=8192)
@@ -215,11 +264,15 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--data-dir", default=None)
     args = p.parse_args(argv)
     if args.what == "work":
+        if args.small:
+            args.packing_length, args.sizes = [4096], [2]
         run_work(args)
     else:
+        args.tokens = min(args.tokens, 1024) if args.small else args.tokens
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
         run_memory(args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
