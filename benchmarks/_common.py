@@ -450,16 +450,6 @@ def restored_module(module: Any) -> Iterator[None]:
                 setattr(module, name, value)
 
 
-def batch_to(batch: dict[str, Any], device: Any, keep_cpu: Sequence[str] = ()) -> dict[str, Any]:
-    """Tensors of ``batch`` on ``device`` (non-blocking), except the keys in ``keep_cpu``."""
-    import torch
-
-    return {
-        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in keep_cpu else v
-        for k, v in batch.items()
-    }
-
-
 def cold_then_timed(
     step: Callable[[int], Any], n_steps: int, device: Any, passes: int, *, per_step: bool = False,
     seconds: float | None = None, wait: Callable[[], None] | None = None,
