@@ -230,3 +230,37 @@ def test_no_import_circles():
 def test_the_circle_check_can_fail():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
+
+
+#: work-history words that do not belong in the product's files (git log keeps the history); spelled in pieces so
+#: this file does not match itself
+_HISTORY = re.compile("sess" + "ion|iss" + r"ue ?#?[0-9]+", re.IGNORECASE)
+_PRODUCT_DIRS = ("varpack", "tests", "benchmarks", "scripts", "docs")
+
+
+def _history_mentions(root: Path) -> list[str]:
+    hits = []
+    for folder in _PRODUCT_DIRS:
+        for path in sorted((root / folder).rglob("*")):
+            if not path.is_file() or "__pycache__" in path.parts:
+                continue
+            try:
+                text = path.read_text()
+            except (UnicodeDecodeError, OSError):
+                continue  # binary files (archives, images)
+            for i, line in enumerate(text.splitlines(), 1):
+                if _HISTORY.search(line):
+                    hits.append(f"{path.relative_to(root)}:{i}: {line.strip()[:120]}")
+    return hits
+
+
+def test_code_speaks_of_the_product_not_its_history():
+    """No work-history words (the pattern above) in code, tests, benchmarks, scripts or docs: a decision cites what was
+    measured and the command to repeat it (benchmarks/RESULTS.md)."""
+    assert _history_mentions(PKG.parent) == []
+
+
+def test_the_history_check_can_fail(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("tuned in the ninth " + "sess" + "ion\nfine\nsee iss" + "ue 17\n")
+    assert [h.split(":")[1] for h in _history_mentions(tmp_path)] == ["1", "3"]
