@@ -23,7 +23,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 #: and the compiled / captured steps (it needs flash-attn-4 to run its FA4 cases); shard 2 the gated delta rule,
 #: fla and the linear-attention models (it needs fla, not FA4). A gpu test in a file not listed here stops the
 #: collection, naming the file. The split follows the tests' cold-machine cost: Triton / inductor / FA4 compiles
-#: and fla's first-use autotuning (about 90 s per head shape and dtype, benchmarks/RESULTS.md), which is why each
+#: and fla's first-use autotuning (minutes per head shape and dtype on a cold machine: benchmarks/RESULTS.md#hybrid-step), which is why each
 #: fla head shape's tests share a group below.
 GPU_SHARDS: dict[str, int] = {
     "tests/attn/": 1,

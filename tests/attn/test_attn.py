@@ -364,7 +364,7 @@ def test_auto_short_documents_class_uses_its_own_order(fake_registry, monkeypatc
     calls and device types without a short order keep AUTO_PRIORITY."""
     from varpack.attn import AUTO_PRIORITY_SHORT, AUTO_SHORT_MAX_SEQLEN
 
-    assert AUTO_PRIORITY_SHORT["cuda"][0] == "torch_varlen"  # the H200 measurement (ASSETS.md)
+    assert AUTO_PRIORITY_SHORT["cuda"][0] == "torch_varlen"  # the H200 measurement (RESULTS.md#attention)
     q, k, v, cu, _ = make_inputs([4, 3])
     assert resolve_backend("auto", q, k, v, cu_seqlens_q=cu) == "fake_fast"  # no short order for cpu yet
     monkeypatch.setitem(AUTO_PRIORITY_SHORT, "cpu", ("reference", "fake_fast"))

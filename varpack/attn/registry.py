@@ -58,9 +58,9 @@ BACKENDS: dict[str, Backend] = {
 #: shared/ASSETS.md 2026-11-29): lognormal(6.5, 1) lengths: torch varlen_attn 284/243, flex 303/283,
 #: flash-attn-4 540/458; GQA H=32 Hkv=8: 293/249, 310/293, 550/451. FA3 and FA2 are not installed there;
 #: they are placed by their published figures (FA3 > FA2 on Hopper; FA2 >= flex).
-#: Measured by benchmarks/attention.py on the H200 (benchmarks/RESULTS.md, 2026-11-29, H=16 Hkv=4, fwd+bwd
-#: useful TFLOP/s): real chat lengths of ../shared/data (median ~150 tokens): flash-attn-4 135, torch varlen_attn
-#: 98.7, flex 60.7; uniform 512: 182 / 131 / 98; uniform 2048: 437 / 251 / 244. So on SFT-like mixes
+#: Measured by benchmarks/attention.py on the H200 (benchmarks/RESULTS.md#attention, H=16 Hkv=4, fwd+bwd
+#: useful TFLOP/s): real chat lengths of ../shared/data (median ~150 tokens): flash-attn-4 145.5, torch varlen_attn
+#: 99.5, flex 63.6; uniform 512: 182 / 131 / 98; uniform 2048: 430 / 246 / 248. So on SFT-like mixes
 #: torch_varlen beats flex for training and comes first; flex only led on long documents (the lognormal(6.5, 1)
 #: mix in ASSETS.md) and stays next (it also covers fp32 and softcap, which torch_varlen refuses).
 #: ``sdpa`` and ``reference`` read cu_seqlens on the host (a sync per layer on a GPU): last resorts on CUDA.
@@ -83,12 +83,12 @@ AUTO_PRIORITY_DEFAULT: tuple[str, ...] = ("sdpa", "reference")
 #: The "short documents" shape class: calls whose ``max_seqlen`` (the longest segment, a Python int: no sync)
 #: is at most this many tokens.
 AUTO_SHORT_MAX_SEQLEN: int = 128
-#: ``auto`` order for the short-documents class, per device type (absent: :data:`AUTO_PRIORITY`). Measured on
-#: the H200 (../shared/ASSETS.md, 2026-11-29: T = 65,536 of 927 documents of 16..128 tokens, H = 16, D = 128,
-#: bf16, useful TFLOP/s fwd / fwd+bwd): torch_varlen 40 / 26, flex 32 / 26, flash_attn_4 22 / 24. Every kernel
-#: is launch/memory bound there and FA4, first for every longer mix (benchmarks/RESULTS.md), is last.
+#: ``auto`` order for the short-documents class, per device type (absent: :data:`AUTO_PRIORITY`), after the
+#: :data:`AUTO_TRITON_SHORT` rows. Measured on the H200 (benchmarks/attention.py --mixes short,
+#: benchmarks/RESULTS.md#attention: T = 65,536 of 886 documents of 16..128 tokens, H = 16/4, D = 128, bf16,
+#: fwd+bwd): torch_varlen 2.674 ms, flash_attn_4 3.059, flex 4.685. Every kernel is launch/memory bound there.
 AUTO_PRIORITY_SHORT: dict[str, tuple[str, ...]] = {
-    "cuda": ("torch_varlen", "flex", "flash_attn_4", "flash_attn_3", "flash_attn", "sdpa", "reference"),
+    "cuda": ("torch_varlen", "flash_attn_4", "flex", "flash_attn_3", "flash_attn", "sdpa", "reference"),
 }
 
 
@@ -116,13 +116,14 @@ class TritonShortRule(NamedTuple):
 #:
 #: Row 1, measured on the H200 (benchmarks/attention.py, benchmarks/RESULTS.md#attention; T = 65,536 of 886
 #: documents of 16..128 tokens, mean 74, H = 16/4, D = 128, bf16, one VarlenMeta per batch): fwd+bwd
-#: triton_short 1.84 ms (45.2 TFLOP/s) vs torch_varlen 3.01 ms (what auto picked: 27.6), flash_attn_4 3.44 ms,
-#: flex 5.29 ms; forward alone the same as torch_varlen (0.658 vs 0.661 ms), so the row is for training only.
-#: On the real-lengths mix (max 1,633, mean 207) triton_short was 1.03x FA4: no row there.
-#: Its mean bound, set by the whole SFT step: on packs of the real data's
-#: samples of at most 128 tokens (mean 87.4, 94 per 8,192-token pack; Qwen3-0.6B shape, bf16, steady state, two
-#: rounds, benchmarks/train.py --max-sample-length 128) the eager step with triton_short took 156 / 181 ms,
-#: with auto's pick then (torch_varlen) 166 / 192 ms (1.06x); no mix with a mean above 88 was measured.
+#: triton_short 1.143 ms (72.8 TFLOP/s) vs torch_varlen 2.674 ms (auto's other pick: 31.1), flash_attn_4 3.059 ms,
+#: flex 4.685 ms; the forward alone was no faster than torch_varlen's, so the row is for training only.
+#: On the real-lengths mix (max 1,633, mean 207) triton_short is 1.31x FA4 in the attention call but 0.95x in the
+#: eager SFT step (benchmarks/RESULTS.md#sft-step): no row there.
+#: Its mean bound is the SFT step's: on packs of the real data's samples of at most 128 tokens (mean 87.4, 94 per
+#: 8,192-token pack; Qwen3-0.6B shape, benchmarks/train.py --max-sample-length 128, RESULTS.md#sft-step) the step
+#: under CUDA graphs takes 69.8 ms with triton_short vs 80.0 with FA4, eagerly the two tie with torch_varlen;
+#: no mix with a mean above 88 was measured.
 AUTO_TRITON_SHORT: tuple[TritonShortRule, ...] = (
     TritonShortRule(max_seqlen=128, max_mean_seqlen=88.0, training=True, head_dims=(128,)),
 )

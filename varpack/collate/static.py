@@ -76,7 +76,7 @@ def auto_multiple_of(tokens: int) -> int:
     the row in pad tokens at any packing length (400 random samples of 1-63 tokens in 128-token packs need 152
     tokens a row: rows of 152, where a fixed 64 made them 192 and padded 33% of all tokens instead of 16%), while
     rows of 1,024 tokens and more round to 64 as before, so the long packs of the measured CUDA-graph runs keep
-    their shapes (benchmarks/RESULTS.md, "SFT step with static shapes and CUDA graphs": ``T=8320`` at packing
+    their shapes (benchmarks/RESULTS.md#sft-step: ``T = 8,320`` at packing
     length 8192) and plans of one packing length share few shapes (tests/collate/test_static.py).
 
     Raises:

@@ -227,8 +227,8 @@ def autotune_notice(
     """Say once per process, kernel family (``what``), device and dims that fla's kernels are about to be
     checked, and that fla autotunes each Triton kernel on its first use of a shape (returns whether it printed).
 
-    Measured on the H200 (torch 2.11, Triton 3.6, fla-core 0.6.0; benchmarks/RESULTS.md): 1-4 minutes
-    before the first step of a Qwen3.5-shaped model or ``varpack check --model tiny-qwen3.5``, with no
+    Measured on the H200 (torch 2.11, Triton 3.6, fla-core 0.6.0; benchmarks/RESULTS.md#hybrid-step): a cold
+    pass of 192.6 s before the first step of a Qwen3.5-shaped model or ``varpack check --model tiny-qwen3.5``, with no
     output meanwhile. fla keeps the results in Triton's cache (``FLA_CACHE_RESULTS``, on by default; the
     folder as Triton resolves it), so later processes on the same machine skip most of it. Printed to
     ``file`` (default stderr), never on CPU. Called by the probes of the gated delta rule

@@ -44,8 +44,8 @@ __all__ = ["DEFAULT_BUFFER_SIZE", "PackBatch", "StreamingPacker"]
 
 #: Items (samples / pieces) packed together by default: the smallest buffer of ``benchmarks/streaming.py``
 #: whose fill is >= 0.999 of the global plan's on all three streams of the real length mix (file order,
-#: shuffled, 1M drawn; benchmarks/RESULTS.md). 10k gives the same fill and ~3x the packer speed (3.3-4.1M
-#: vs 1.06-1.18M samples/s on one core) but holds 10x more encoded samples in memory per DataLoader worker;
+#: shuffled, 1M drawn; benchmarks/RESULTS.md#streaming). 10k gives the same fill and ~3x the packer speed (5.0M
+#: vs 1.6M samples/s on one core, the 1M stream) but holds 10x more encoded samples in memory per DataLoader worker;
 #: at 1k the packer is still ~2,000x faster than encoding chats on the fly (~500 samples/s per core).
 DEFAULT_BUFFER_SIZE = 1_000
 _FORMAT = "varpack-stream-packer/1"

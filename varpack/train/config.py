@@ -122,9 +122,10 @@ ContextParallelAttention = Literal["auto", "ulysses", "ring"]
 #: a switch whose default is decided per run: ``True``, ``False`` or ``"auto"`` (``torch_compile``).
 AutoBool = bool | Literal["auto"]
 
-#: What regional compile costs before the first step, as benchmarks/RESULTS.md measured it ("End-to-end SFT
-#: throughput, steady state": cold first step 13.9 s vs 0.69 s eager, Qwen3-0.6B shape, one H200).
-COMPILE_COLD_COST = "the first step compiles every decoder layer (~14 s for a 0.6B model on an H200)"
+#: What regional compile costs before the first step, as benchmarks/RESULTS.md#sft-step measured it
+#: (benchmarks/train.py, Qwen3-0.6B shape, one H200): 17.2 s with an empty compile cache, 4.2 s with a warm one,
+#: vs 0.25-0.56 s for an eager first step.
+COMPILE_COLD_COST = "the first step compiles every decoder layer (4-17 s for a 0.6B model on an H200)"
 
 
 def literal_choices(annotation: Any) -> tuple[Any, ...] | None:
@@ -181,9 +182,9 @@ def resolve_torch_compile(
     ``cuda_graphs`` (with ``True`` or ``"auto"``): ``True``, reason ``"--cuda-graphs"`` (``False`` beside it is
     refused by :func:`check_cuda_graphs`). ``True`` / ``False`` are the user's choice and returned as given. ``"auto"`` (the default) is ``True``
     exactly when the run is on CUDA and no setting of ``config`` is known to conflict with regional compile
-    or is untested with it; benchmarks/RESULTS.md ("End-to-end SFT throughput, steady state", one H200,
-    Qwen3-0.6B shape) measured compile + chunked linear CE as the fastest exact configuration: 118 ms/step vs
-    157 ms without compile, after a cold first step of ~14 s (:data:`COMPILE_COLD_COST`). ``"auto"`` is
+    or is untested with it; benchmarks/RESULTS.md#sft-step (benchmarks/train.py, one H200,
+    Qwen3-0.6B shape) measured compile + linear CE at 112-141 ms/step vs 160-165 ms without compile, after a cold
+    first step (:data:`COMPILE_COLD_COST`); static shapes + CUDA graphs, faster still, stay opt-in. ``"auto"`` is
     ``False`` with any of these, checked in this order:
 
     * ``device`` is not ``"cuda"``: the speed-up was measured on CUDA only, and inductor on a CPU builds C++
@@ -247,8 +248,8 @@ def resolve_torch_compile(
     )
 
 
-#: the hint a CUDA run without ``--cuda-graphs`` prints on its ``speed`` line (benchmarks/RESULTS.md, "End-to-end SFT
-#: throughput": ``varpack_lce_static_graphs`` 75 ms/step vs ``varpack_lce_compile`` 141 ms, Qwen3-0.6B shape,
+#: the hint a CUDA run without ``--cuda-graphs`` prints on its ``speed`` line (benchmarks/RESULTS.md#sft-step:
+#: ``varpack_lce_static_graphs`` 75.3 ms/step vs ``varpack_lce_compile`` 140.8 ms, Qwen3-0.6B shape,
 #: packing_length 8192, one H200).
 CUDA_GRAPHS_HINT = (
     "--cuda-graphs for static shapes + CUDA graphs (1.9x measured on an H200, benchmarks/RESULTS.md)"
