@@ -332,3 +332,60 @@ def test_gpu_no_sync_per_layer(backend):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) <= 1, syncs
+
+
+# ------------------------------------------------------------------------------- attention keywords
+def _attention_call(**kwargs):
+    """One call of varpack's attention function on a 2-sample packed stream (T = 5, H = 2, D = 8)."""
+    from varpack.integrations.transformers import varpack_attention_forward
+    from varpack.varlen.meta import VarlenMeta
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    meta = VarlenMeta(torch.tensor([0, 2, 5], dtype=torch.int32), total_q=5, total_k=5)
+    module = torch.nn.Module()
+    module.is_causal = True
+    return varpack_attention_forward(module, q, k, v, None, backend="reference", varlen_meta=meta, **kwargs)
+
+
+def test_attention_refuses_unimplemented_keywords_before_computing(monkeypatch):
+    import varpack.attn
+    from varpack.integrations.transformers import UnsupportedModelError
+
+    calls = []
+    monkeypatch.setattr(varpack.attn, "varlen_attention", lambda *a, **k: calls.append(1))
+    for kwargs, name in (
+        ({"position_bias": torch.zeros(1, 2, 5, 5)}, "position_bias"),
+        ({"some_new_feature": 1.0}, "some_new_feature"),
+        ({"output_attentions": True}, "output_attentions"),
+    ):
+        with pytest.raises(UnsupportedModelError, match=name) as info:
+            _attention_call(**kwargs)
+        assert name in info.value.feature
+    assert calls == []  # refused before the attention kernel ran
+
+
+def test_attention_accepts_neutral_keywords_and_none_values():
+    base, _ = _attention_call()
+    out, _ = _attention_call(
+        position_ids=torch.arange(5)[None], use_cache=False, output_attentions=False, s_aux=None, seq_idx=None
+    )
+    torch.testing.assert_close(out, base, rtol=0, atol=0)
+
+
+def test_gpt_oss_sinks_refused_not_dropped():
+    """A tiny random-init GPT-OSS (learned sinks, non-zero): its attention layers pass ``s_aux``, which varpack
+    attention refuses by name instead of dropping it (dropped, packed logits differ by ~0.2)."""
+    from transformers import AutoModelForCausalLM
+
+    from varpack.check import check_exactness
+    from varpack.integrations.transformers import UnsupportedModelError
+    from varpack.models.tiny import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("gpt_oss"), dtype=torch.float32)
+    sinks = [m.sinks for m in model.modules() if hasattr(m, "sinks")]
+    assert sinks and all(float(s.abs().max()) > 0 for s in sinks)
+    with pytest.raises(UnsupportedModelError, match="s_aux") as info:
+        check_exactness(model, make_samples(vocab=200))
+    assert info.value.feature == "attention keyword s_aux"

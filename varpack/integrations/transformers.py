@@ -55,17 +55,20 @@ import torch
 
 from varpack.integrations.context_parallel import bind_shard
 from varpack.models.registry import require_gated_delta_layers
-from varpack.schema import BOUNDARY_KEYS, CP_SHARD, FLASH_ATTN_KWARGS, VARLEN_META
+from varpack.schema import BOUNDARY_KEYS, CP_SHARD, FLASH_ATTN_KWARGS, POSITION_IDS, VARLEN_META
 from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
 from varpack.varlen.meta import varlen_meta_from_kwargs
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "NEUTRAL_ATTENTION_KWARGS",
     "PackingGuardError",
+    "UnsupportedModelError",
     "attn_implementation_name",
     "autocast_qkv",
     "enable_varpack",
     "is_varpack_attention",
+    "refuse_unimplemented_kwargs",
     "register_varpack_attention",
     "varpack_attention_forward",
 ]
@@ -87,6 +90,75 @@ _UNSUPPORTED_MIXERS = ("Mamba", "ShortConv", "RWKV", "Retention")
 
 class PackingGuardError(ValueError):
     """A batch would reach an attention path that mixes samples (or a model varpack cannot run exactly)."""
+
+
+class UnsupportedModelError(PackingGuardError):
+    """A model, one of its layers or one of its attention calls uses a feature varpack does not run exactly
+    (attention sinks before their support, a stateful mixer, a layer type, a keyword); raised before that
+    feature computes anything.
+
+    Attributes:
+        feature: the feature's short name (``"attention keyword s_aux"``, ``"layer type chunked_attention"``),
+            what the model zoo records as ``refused: <feature>``.
+    """
+
+    def __init__(self, message: str, *, feature: str) -> None:
+        super().__init__(message)
+        self.feature = feature
+
+
+#: keywords transformers' decoder layers hand to every attention function that carry no attention math: the
+#: positions were applied to q and k before the call (RoPE), the rest are flags of the model's outputs and cache
+#: (the packing guard sets ``use_cache=False``) or the loss's token count. Read off the attention call sites of
+#: transformers 5.24 (``grep -rn "attention_interface(" transformers/models``) and the kwargs of every causal
+#: LM of the model zoo (docs/MODELS.md).
+NEUTRAL_ATTENTION_KWARGS: frozenset[str] = frozenset(
+    {POSITION_IDS, "use_cache", "cache_position", "output_router_logits", "output_hidden_states",
+     "num_items_in_batch", "return_dict"}
+)  # fmt: skip
+#: flags varpack attention honours only when off: ``{keyword: what it would ask for}``
+_OFF_ONLY_KWARGS = {"output_attentions": "attention weights (varpack attention returns none)"}
+#: what the keywords seen at transformers' attention call sites that varpack does not implement are, for messages
+_KWARG_FEATURES = {
+    "s_aux": "attention sinks (a learned per-head logit in the softmax)",
+    "sinks": "attention sinks (a learned per-head logit in the softmax)",
+    "position_bias": "an additive relative position bias",
+    "indices": "sparse attention (selected key indices)",
+    "block_indices": "block-sparse attention (selected key blocks)",
+    "encoder_hidden_states": "cross-attention on encoder states",
+    "cross_attention_mask": "cross-attention",
+}
+
+
+def refuse_unimplemented_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse every attention keyword varpack attention does not implement, before anything is computed.
+
+    Accepted: the boundary keys (:data:`varpack.schema.BOUNDARY_KEYS`, and the context-parallel shard
+    ``cp_shard`` the packing guard binds), :data:`NEUTRAL_ATTENTION_KWARGS`,
+    ``output_attentions`` when false, and any keyword whose value is ``None`` (the feature is off for this call:
+    GPT-OSS-style layers pass ``s_aux=None`` when a model has no sinks).
+
+    Raises:
+        UnsupportedModelError: naming the module class, each refused keyword and (when known) its feature.
+    """
+    refused = []
+    for key, value in kwargs.items():
+        if value is None or key in BOUNDARY_KEYS or key == CP_SHARD or key in NEUTRAL_ATTENTION_KWARGS:
+            continue
+        if key in _OFF_ONLY_KWARGS:
+            if not value:
+                continue
+            refused.append(f"{key}={value!r} ({_OFF_ONLY_KWARGS[key]})")
+            continue
+        what = _KWARG_FEATURES.get(key)
+        refused.append(f"{key}" + (f" ({what})" if what else ""))
+    if refused:
+        names = [r.split(" ", 1)[0].split("=", 1)[0] for r in refused]
+        raise UnsupportedModelError(
+            f"{type(module).__name__} passed attention keyword(s) {', '.join(refused)} that varpack attention "
+            "does not implement; running without them would change the model's output, so it is refused",
+            feature="attention keyword " + ", ".join(names),
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -157,17 +229,21 @@ def varpack_attention_forward(
         backend: varpack attention backend (bound at registration).
         **kwargs: ``cu_seq_lens_q/k`` (``[N+1]`` int32, CPU or q's device) and ``max_length_q/k`` (a host
             integer: Python int, NumPy integer or one-element CPU tensor, never a device tensor; see
-            :func:`varpack.varlen.normalize_max_seqlen`) for a packed batch (B must be 1); absent for
-            unpacked rows. Other keys are ignored.
+            :func:`varpack.varlen.normalize_max_seqlen`), ``varlen_meta``, ``seq_idx`` for a packed batch (B
+            must be 1); absent for unpacked rows. Besides those only :data:`NEUTRAL_ATTENTION_KWARGS`,
+            ``output_attentions=False`` and ``None`` values are accepted: any other keyword is refused before
+            anything is computed (:func:`refuse_unimplemented_kwargs`).
 
     Returns:
         ``(out [B, Tq, H, D], None)`` in q's dtype.
 
     Raises:
         PackingGuardError: boundary kwargs with B > 1, or an attention mask.
+        UnsupportedModelError: a keyword varpack attention does not implement (named, with its feature).
         ValueError: dropout > 0, bad sliding window; TypeError: ``max_length_*`` not a host integer.
         varpack.attn.BackendUnavailableError: the backend cannot run this call.
     """
+    refuse_unimplemented_kwargs(module, kwargs)
     through_op = getattr(module, "_varpack_custom_op", False)  # compile_layers(custom_ops=True)
     if torch.compiler.is_compiling() and not through_op:
         # inside a torch.compile'd layer (varpack.integrations.kernels.compile_layers): the attention call is

@@ -36,6 +36,7 @@ __all__ = [
     "builtin_family",
     "builtin_names",
     "families",
+    "family_for_model_type",
     "family_of",
     "is_gated_delta_layer",
     "is_vl_model",
@@ -156,6 +157,9 @@ class ModelFamily:
         model_class: ``config -> model``: builds the random-init float32 model of a built-in config (the
             caller seeds the RNG); ``None``: ``AutoModelForCausalLM.from_config(config, dtype=float32,
             attn_implementation="sdpa")``.
+        tiny_configs: ``{model_type: config builder}``: the family's own tiny config of a model type, called
+            ``builder(vocab_size=None)``; the model zoo (:func:`varpack.models.tiny.tiny_config`) prefers it to
+            the generic shrinking of the config class's defaults.
     """
 
     name: str
@@ -167,9 +171,11 @@ class ModelFamily:
     builtins: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     builtin_tokenizers: Mapping[str, str] = field(default_factory=dict)
     model_class: Callable[[Any], torch.nn.Module] | None = None
+    tiny_configs: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_types", tuple(self.model_types))
+        object.__setattr__(self, "tiny_configs", MappingProxyType(dict(self.tiny_configs)))
         object.__setattr__(self, "media_fields", tuple(self.media_fields))
         object.__setattr__(self, "builtins", MappingProxyType(dict(self.builtins)))
         object.__setattr__(self, "builtin_tokenizers", MappingProxyType(dict(self.builtin_tokenizers)))
@@ -351,6 +357,12 @@ def builtin_family(name: str) -> ModelFamily | None:
     """The family that provides the built-in model ``name``, or ``None``."""
     _ensure_loaded()
     return _BY_BUILTIN.get(name)
+
+
+def family_for_model_type(model_type: str) -> ModelFamily | None:
+    """The registered family covering ``model_type`` (a ``config.model_type`` string), or ``None``."""
+    _ensure_loaded()
+    return _BY_MODEL_TYPE.get(model_type)
 
 
 def family_of(model_or_config: Any, *, strict: bool = False) -> ModelFamily:
