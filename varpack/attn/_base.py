@@ -52,6 +52,10 @@ class Capabilities:
         empty_segments: supports zero-length segments (repeated values in cu_seqlens). Only checkable when
             cu_seqlens lives on the CPU (varpack never reads GPU boundaries on the hot path).
         backward: differentiable (q, k, v gradients).
+        sinks: supports attention sinks (``sinks``: one learned logit per query head that joins every row's
+            softmax without a value, GPT-OSS), their gradient included.
+        distinct_v_head_dim: supports a value head dim ``Dv`` other than the query / key head dim ``D``
+            (multi-head latent attention: DeepSeek-V2/V3, MiniCPM3).
         host_sync: reads cu_seqlens values on the host (one device-to-host sync per call on a GPU).
         notes: free text shown by ``varpack check`` / :func:`available_backends`.
     """
@@ -69,6 +73,8 @@ class Capabilities:
     softcap: bool = True
     empty_segments: bool = True
     backward: bool = True
+    sinks: bool = False
+    distinct_v_head_dim: bool = False
     host_sync: bool = False
     notes: str = ""
 
@@ -95,6 +101,10 @@ class CallSpec:
     #: mean segment length ``Tq / number of segments`` (Python numbers from shapes: no sync) or None when unknown;
     #: with ``max_seqlen`` it decides ``auto``'s use of ``triton_short`` (registry.AUTO_TRITON_SHORT)
     mean_seqlen: float | None = None
+    #: value head dim Dv (None: the same as ``head_dim``)
+    head_dim_v: int | None = None
+    #: the call has attention sinks
+    sinks: bool = False
 
     @classmethod
     def from_tensors(
@@ -109,9 +119,10 @@ class CallSpec:
         has_empty_segments: bool | None = None,
         max_seqlen: int | None = None,
         mean_seqlen: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> CallSpec:
         k = q if k is None else k
-        tensors = [t for t in (q, k, v) if t is not None]
+        tensors = [t for t in (q, k, v, sinks) if t is not None]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         return cls(
             device=q.device,
@@ -126,6 +137,8 @@ class CallSpec:
             has_empty_segments=has_empty_segments,
             max_seqlen=max_seqlen,
             mean_seqlen=mean_seqlen,
+            head_dim_v=int(v.shape[-1]) if v is not None else None,
+            sinks=sinks is not None,
         )
 
 
@@ -224,6 +237,10 @@ class Backend:
             return False, "zero-length segments in cu_seqlens not supported"
         if spec.needs_grad and not cap.backward:
             return False, "no backward (q/k/v require grad)"
+        if spec.sinks and not cap.sinks:
+            return False, "attention sinks (a learned per-head logit in the softmax) not supported"
+        if spec.head_dim_v is not None and spec.head_dim_v != d and not cap.distinct_v_head_dim:
+            return False, f"value head dim Dv={spec.head_dim_v} != q/k head dim D={d} not supported"
         return self._extra_supports(spec)
 
     def _extra_supports(self, spec: CallSpec) -> tuple[bool, str]:
@@ -245,7 +262,10 @@ class Backend:
         softmax_scale: float,
         softcap: float,
         meta: VarlenMeta | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention output ``[Tq, H, Dv]``; ``sinks`` (``[H]``, only where :attr:`Capabilities.sinks`) adds
+        ``exp(sinks[h])`` to every row's softmax denominator of head ``h``."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

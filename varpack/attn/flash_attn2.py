@@ -66,6 +66,7 @@ class FlashAttn2Backend(Backend):
         softmax_scale: float,
         softcap: float,
         meta: VarlenMeta | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         kwargs: dict = {"dropout_p": 0.0, "softmax_scale": softmax_scale, "causal": causal}
         if "window_size" in self._params:

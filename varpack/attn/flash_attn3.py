@@ -64,6 +64,7 @@ class FlashAttn3Backend(Backend):
         softmax_scale: float,
         softcap: float,
         meta: VarlenMeta | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = self._fn(
             q,

@@ -2,7 +2,10 @@
 
 The stream is viewed as one batch row ``[1, H, T, D]``; a ``mask_mod`` keeps query i / key j only when both
 belong to the same segment and (optionally) the causal / window rule holds inside that segment, with
-flash-attn's bottom-right alignment. Softcap is a ``score_mod``. GQA goes through ``enable_gqa``.
+flash-attn's bottom-right alignment. Softcap is a ``score_mod``. GQA goes through ``enable_gqa``. A value head
+dim other than the query / key one (MLA) is FlexAttention's own. Attention sinks renormalize the output with
+FlexAttention's log-sum-exp ``lse`` (a row's weights scale by ``exp(lse) / (exp(lse) + exp(sink))`` =
+``sigmoid(lse - sink)``), differentiable through ``lse``.
 
 The BlockMask is built once per batch and reused by every layer: it is kept on the batch's
 :class:`varpack.varlen.VarlenMeta` (``meta.memo``, keyed by the mask parameters), the one object that reaches
@@ -142,6 +145,15 @@ def _block_mask(cu_q, cu_k, total_q, total_k, causal, window_size, meta):
     )
 
 
+def _lse_request() -> dict[str, Any]:
+    """flex_attention's keyword asking for the log-sum-exp: ``return_aux=AuxRequest(lse=True)`` where torch has
+    it (``return_lse`` is deprecated there), else ``return_lse=True``."""
+    fa = _flex_module()
+    if hasattr(fa, "AuxRequest"):
+        return {"return_aux": fa.AuxRequest(lse=True)}
+    return {"return_lse": True}
+
+
 def _softcap_score_mod(softcap: float):
     def score_mod(score, b, h, q_idx, kv_idx):
         return softcap * torch.tanh(score / softcap)
@@ -154,6 +166,8 @@ class FlexBackend(Backend):
     capabilities = Capabilities(
         devices=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        sinks=True,
+        distinct_v_head_dim=True,
         notes=(
             "FlexAttention document mask; BlockMask built once per batch (cached on the cu_seqlens tensors); "
             "compiled on CUDA; eager and forward-only on the CPU (memory ~ H*Tq*Tk)"
@@ -174,9 +188,9 @@ class FlexBackend(Backend):
         if spec.device.type == "cpu" and spec.needs_grad:
             return False, f"FlexAttention has no backward on the CPU (torch {torch.__version__})"
         if spec.device.type == "cuda":
-            d = spec.head_dim
-            if d < 16 or d > 256 or d & (d - 1):
-                return False, f"compiled FlexAttention needs a power-of-two head dim in [16, 256], got D={d}"
+            for name, d in (("D", spec.head_dim), ("Dv", spec.head_dim_v or spec.head_dim)):
+                if d < 16 or d > 256 or d & (d - 1):
+                    return False, f"compiled FlexAttention needs power-of-two head dims in [16, 256], got {name}={d}"
         return True, "ok"
 
     def forward(
@@ -194,6 +208,7 @@ class FlexBackend(Backend):
         softmax_scale: float,
         softcap: float,
         meta: VarlenMeta | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         total_q, total_k = q.shape[0], k.shape[0]
         if total_q == 0:
@@ -216,5 +231,11 @@ class FlexBackend(Backend):
                 block_mask=block_mask,
                 scale=softmax_scale,
                 enable_gqa=q.shape[1] != k.shape[1],
+                **(_lse_request() if sinks is not None else {}),
             )
+        if sinks is not None:  # out * exp(lse) / (exp(lse) + exp(sink)), per head and row
+            out, aux = out
+            lse = getattr(aux, "lse", aux)
+            weight = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+            out = (out.float() * weight.unsqueeze(-1)).to(q.dtype)
         return out.squeeze(0).transpose(0, 1)

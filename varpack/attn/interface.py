@@ -33,6 +33,7 @@ def varlen_attention(
     softcap: float = 0.0,
     backend: str = "auto",
     meta: VarlenMeta | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over a packed (padding-free) stream of N independent segments; no token attends across
     a segment boundary.
@@ -44,10 +45,12 @@ def varlen_attention(
     argument              shape                        dtype / meaning
     ====================  ===========================  =====================================================
     q                     ``(Tq, H, D)``               fp16 / bf16 / fp32 (fp64: ``reference`` only)
-    k, v                  ``(Tk, Hkv, D)``             same dtype and device as q; ``H % Hkv == 0`` (GQA/MQA)
+    k                     ``(Tk, Hkv, D)``             same dtype and device as q; ``H % Hkv == 0`` (GQA/MQA)
+    v                     ``(Tk, Hkv, Dv)``            as k; ``Dv != D`` (MLA) where the backend declares it
+    sinks (optional)      ``(H,)``                     float, q's device: attention-sink logits (GPT-OSS)
     cu_seqlens_q, _k      ``(N + 1,)``                 int32 (int64 accepted), ``[0, ..., Tq]`` / ``[.., Tk]``
     max_seqlen_q, _k      host ``int``                 longest segment (an upper bound is fine)
-    return                ``(Tq, H, D)``               q's dtype
+    return                ``(Tq, H, Dv)``              q's dtype
     ====================  ===========================  =====================================================
 
     T counts tokens in the flat stream, N segments (samples), H / Hkv query / key-value heads, D head dim.
@@ -80,7 +83,9 @@ def varlen_attention(
     ``window_size=(left, right)`` keeps key j for query i iff
     ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (``-1``: unbounded;
     ``causal=True`` sets right = 0). ``softcap > 0`` caps scores as ``softcap * tanh(q.k * scale / softcap)``
-    before masking (Gemma-2 style).
+    before masking (Gemma-2 style). ``sinks[h]`` is a logit that joins every row's softmax of head ``h``
+    without a value: ``out_i = sum_j exp(s_ij) v_j / (exp(sinks[h]) + sum_j exp(s_ij))`` (GPT-OSS's learned
+    sinks; a row with no visible key stays 0).
 
     Args:
         q, k, v: see the table.
@@ -105,14 +110,18 @@ def varlen_attention(
             and max_seqlen are used, its device copy is made once per batch and kept, as are the per-batch
             objects a backend derives (FlexAttention's block mask, the host offsets of the per-segment
             backends). Every layer of a model passes the same meta: nothing is re-validated or re-derived.
+        sinks: ``(H,)`` attention-sink logits or None; differentiable. Backends that declare it
+            (:attr:`varpack.attn.Capabilities.sinks`: ``reference``, ``sdpa``, ``flex``, ``flash_attn_4``);
+            the others refuse such a call.
 
     Returns:
-        Tensor ``(Tq, H, D)``: the attention output of every query token, in q's dtype.
+        Tensor ``(Tq, H, Dv)``: the attention output of every query token, in q's dtype.
 
     Raises:
         TypeError: a non-tensor q/k/v, mismatched q/k/v dtypes, non-integer cu_seqlens, a max_seqlen that
             is not a host integer (a device tensor, a float, a bool), non-bool causal.
-        ValueError: wrong ranks or shapes (``H % Hkv != 0``, k/v shape mismatch, head dims differ),
+        ValueError: wrong ranks or shapes (``H % Hkv != 0``, k/v token or head counts differ, q/k head dims
+            differ, ``sinks`` not of shape ``(H,)``),
             mismatched devices, cu_seqlens of different lengths, invalid CPU cu_seqlens values,
             ``window_size`` entries below -1, negative softcap, non-positive softmax_scale, unknown backend.
         BackendUnavailableError (a ValueError and RuntimeError): the forced backend cannot run this call
@@ -144,7 +153,9 @@ def varlen_attention(
     call = prepare_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, meta,
         causal=causal, window_size=window_size, softmax_scale=softmax_scale, softcap=softcap, backend=backend,
+        sinks=sinks,
     )  # fmt: skip
+    extra = {} if sinks is None else {"sinks": sinks}
     return BACKENDS[call.backend].forward(
         q,
         k,
@@ -158,6 +169,7 @@ def varlen_attention(
         softmax_scale=call.softmax_scale,
         softcap=call.softcap,
         meta=call.meta,
+        **extra,
     )
 
 
@@ -192,11 +204,13 @@ def prepare_call(
     softcap: Any,
     backend: str,
     exclude: Mapping[str, str] | None = None,
+    sinks: Any = None,
 ) -> PreparedCall:
     """Every check and the backend resolution of :func:`varlen_attention` (also used by the custom op
     :func:`varpack.attn.custom_op.varlen_attention_op`, which passes ``exclude``: backends ``auto`` skips,
     :func:`varpack.attn.registry.resolve_spec`): errors as documented there."""
     _check_tensors(q, k, v)
+    _check_sinks(sinks, q)
     meta = _call_meta(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, meta)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
@@ -222,6 +236,7 @@ def prepare_call(
         has_empty_segments=meta.has_empty,
         max_seqlen=max(meta.max_seqlen_q, meta.max_seqlen_k),
         mean_seqlen=q.shape[0] / meta.num_seqs if meta.num_seqs else None,
+        sinks=sinks,
     )
     name = str(resolve_spec(backend, spec, exclude=exclude))
     return PreparedCall(meta, cu_q, cu_k, causal, window_size, softmax_scale, softcap, spec, name)
@@ -278,10 +293,12 @@ def _check_tensors(q: Any, k: Any, v: Any) -> None:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
+    if k.shape[:2] != v.shape[:2]:
         raise ValueError(
-            f"k and v must have the same shape (Tk, Hkv, D), got {tuple(k.shape)} and {tuple(v.shape)}"
+            f"k and v must have the same tokens and heads (Tk, Hkv, .), got {tuple(k.shape)} and {tuple(v.shape)}"
         )
+    if v.shape[-1] == 0:
+        raise ValueError("value head dim Dv must be > 0")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k head dims differ: q D={q.shape[-1]}, k D={k.shape[-1]}")
     h, hkv = q.shape[1], k.shape[1]
@@ -289,6 +306,17 @@ def _check_tensors(q: Any, k: Any, v: Any) -> None:
         raise ValueError(f"query heads H={h} must be a multiple of key/value heads Hkv={hkv} (GQA/MQA)")
     if q.shape[-1] == 0:
         raise ValueError("head dim D must be > 0")
+
+
+def _check_sinks(sinks: Any, q: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating torch.Tensor of shape (H,), got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must have shape (H,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}")
 
 
 def _check_cu_device(name: str, cu: Any, q: torch.Tensor) -> None:

@@ -5,7 +5,8 @@ for the reference), computes ``softmax(mask(softcap(q k^T * scale))) v`` for eac
 and concatenates. The segments are cut with one ``torch.split`` per tensor (:func:`split_segments`), so the
 backward is one concatenation, O(T): a slice per segment would add a full-size zero gradient per segment in
 the backward, O(N * T) for N segments. Supports every feature (GQA, causal / non-causal with bottom-right
-alignment, sliding window, softcap, zero-length segments), any device, any floating dtype, and autograd.
+alignment, sliding window, softcap, zero-length segments, attention sinks, a value head dim other than the
+query / key one), any device, any floating dtype, and autograd.
 
 Semantics follow flash-attn's ``flash_attn_varlen_func`` (Dao-AILab/flash-attention,
 flash_attn/flash_attn_interface.py), including its convention that a query row with no visible key
@@ -73,19 +74,22 @@ def reference_varlen_attention(
     softcap: float = 0.0,
     upcast: bool = True,
     meta: VarlenMeta | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-segment attention loop (the truth). Shapes as :func:`varpack.attn.varlen_attention`.
 
     Args:
-        q: ``[Tq, H, D]``; k, v: ``[Tk, Hkv, D]`` with ``H % Hkv == 0``.
+        q: ``[Tq, H, D]``; k: ``[Tk, Hkv, D]``, v: ``[Tk, Hkv, Dv]`` with ``H % Hkv == 0``.
         cu_seqlens_q, cu_seqlens_k: ``[N+1]`` integer offsets (read on the host).
         meta: the batch's :class:`varpack.varlen.VarlenMeta` (its host offsets are read once per batch).
         upcast: compute in ``promote(dtype, float32)`` (default) and cast the output back; ``False`` computes
             in the input dtype, like a plain low-precision PyTorch implementation (the baseline of the
             fp32-truth tolerance rule: ``attention_ref(upcast=False)`` in flash-attn's tests).
+        sinks: ``[H]`` attention-sink logits (GPT-OSS) or None: ``exp(sinks[h])`` joins every row's softmax
+            denominator of head ``h`` (a key without a value), so a row's weights sum to less than 1.
 
     Returns:
-        ``[Tq, H, D]`` in q's dtype.
+        ``[Tq, H, Dv]`` in q's dtype.
 
     Raises:
         ValueError: cu_seqlens that do not start at 0, decrease, disagree in length, or do not end at
@@ -104,6 +108,7 @@ def reference_varlen_attention(
             scale=scale,
             softcap=softcap,
             compute_dtype=compute_dtype,
+            sinks=sinks,
         )
         for qs, ks, vs in split_segments(q, k, v, cu_q, cu_k)
         if qs.shape[0] > 0
@@ -163,9 +168,11 @@ def segment_attention(
     scale: float,
     softcap: float,
     compute_dtype: torch.dtype,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one segment, explicit math: q ``[Lq, H, D]``, k/v ``[Lk, Hkv, D]`` -> ``[Lq, H, Dv]`` in q's
-    dtype. Rows without a visible key (and ``Lk == 0``) give 0, as in flash-attn."""
+    """Attention of one segment, explicit math: q ``[Lq, H, D]``, k ``[Lk, Hkv, D]``, v ``[Lk, Hkv, Dv]`` ->
+    ``[Lq, H, Dv]`` in q's dtype. Rows without a visible key (and ``Lk == 0``) give 0, as in flash-attn.
+    ``sinks`` (``[H]`` or None): a per-head logit in every row's softmax denominator, without a value."""
     len_q, num_heads = q.shape[0], q.shape[1]
     len_k, num_kv_heads = k.shape[0], k.shape[1]
     if len_k == 0:  # no key at all: flash-attn writes zeros
@@ -180,9 +187,15 @@ def segment_attention(
     mask = segment_mask(len_q, len_k, causal=causal, window_size=window_size, device=q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).detach()
+    sink = None
+    if sinks is not None:
+        sink = sinks.to(compute_dtype).view(-1, 1, 1)  # [H, 1, 1]
+        row_max = torch.maximum(row_max, sink.detach())
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     probs = torch.exp(scores - row_max)
     denom = probs.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)
     probs = probs / torch.where(denom == 0, torch.ones_like(denom), denom)
     return torch.matmul(probs, vi).transpose(0, 1).to(q.dtype)
 
@@ -193,6 +206,8 @@ class ReferenceBackend(Backend):
         devices=frozenset({"*"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         host_sync=True,
+        sinks=True,
+        distinct_v_head_dim=True,
         notes="per-segment loop in fp32 math; exact, slow (reads cu_seqlens on the host)",
     )
 
@@ -211,6 +226,7 @@ class ReferenceBackend(Backend):
         softmax_scale: float,
         softcap: float,
         meta: VarlenMeta | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return reference_varlen_attention(
             q,
@@ -223,4 +239,5 @@ class ReferenceBackend(Backend):
             softmax_scale=softmax_scale,
             softcap=softcap,
             meta=meta,
+            sinks=sinks,
         )

@@ -286,13 +286,14 @@ def resolve_backend(
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> ResolvedBackend:
     """Which backend ``name`` (``"auto"`` or a backend name) runs a call with these tensors, and why.
 
     Args:
         name: ``"auto"`` or one of :data:`BACKENDS`.
-        q: ``[Tq, H, D]`` (only its device, dtype, shape and ``requires_grad`` are used); k, v: ``[Tk, Hkv, D]``
-            (default: same head count as q).
+        q: ``[Tq, H, D]`` (only its device, dtype, shape and ``requires_grad`` are used); k: ``[Tk, Hkv, D]``,
+            v: ``[Tk, Hkv, Dv]`` (default: same head count as q).
         causal, window_size, softcap: as in :func:`varpack.attn.varlen_attention`.
         cu_seqlens_q, cu_seqlens_k: optional; when on the CPU they are checked for zero-length segments and
             give the longest segment if ``max_seqlen`` is not given.
@@ -300,6 +301,7 @@ def resolve_backend(
             None: decides the short-documents shape class (:data:`AUTO_SHORT_MAX_SEQLEN`,
             :data:`AUTO_PRIORITY_SHORT`) and, with the mean segment length ``Tq / (len(cu_seqlens_q) - 1)``,
             whether ``triton_short`` is tried first (:data:`AUTO_TRITON_SHORT`).
+        sinks: the call's attention-sink logits ``[H]`` (only its presence is used) or None.
 
     Returns:
         A :class:`ResolvedBackend`: the chosen name (a ``str``) with ``.reason``.
@@ -334,6 +336,7 @@ def resolve_backend(
         has_empty_segments=has_empty,
         max_seqlen=max_seqlen,
         mean_seqlen=q.shape[0] / num_segments if num_segments > 0 else None,
+        sinks=sinks,
     )
     return resolve_spec(name, spec)
 

@@ -7,7 +7,10 @@ after every varlen kernel) and cuts the segments with one ``torch.split`` per te
 Segments with as many queries as keys go through SDPA (``is_causal`` is exact there because top-left and
 bottom-right alignment coincide; a window becomes an explicit boolean mask, which always keeps the diagonal,
 so no row is empty). Segments with ``Lq != Lk`` use the reference's explicit math (bottom-right alignment,
-empty rows -> 0). No softcap (SDPA has no score modifier).
+empty rows -> 0). No softcap (SDPA has no score modifier). A value head dim other than the query / key one
+(MLA) is SDPA's own ``Ev``. Attention sinks: one extra key per segment whose key and value are zero and whose
+additive score (a float ``attn_mask`` column) is the head's sink logit, so ``exp(sink)`` joins the softmax
+denominator and adds nothing to the output; the sink's gradient flows through the mask.
 
 Source: ``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa`` since torch 2.5).
 """
@@ -28,6 +31,37 @@ if TYPE_CHECKING:
 __all__ = ["SdpaBackend"]
 
 
+def _segment_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    causal: bool,
+    window_size: tuple[int, int],
+    scale: float,
+    gqa: bool,
+) -> torch.Tensor:
+    """One segment (``Lq == Lk``) with sinks: SDPA over the segment's keys plus a zero key / zero value whose
+    additive score is ``sinks[h]``. Returns ``[L, H, Dv]``."""
+    length, num_heads = q.shape[0], q.shape[1]
+    allowed = segment_mask(length, length, causal=causal, window_size=window_size, device=q.device)
+    bias = torch.zeros(length, length + 1, dtype=q.dtype, device=q.device)
+    bias[:, :length] = bias[:, :length].masked_fill(~allowed, float("-inf"))
+    sink_col = sinks.to(q.dtype).view(num_heads, 1, 1).expand(num_heads, length, 1)
+    mask = torch.cat([bias[:, :length].expand(num_heads, length, length), sink_col], dim=-1)
+    k_ext = torch.cat([k, k.new_zeros(1, k.shape[1], k.shape[2])])
+    v_ext = torch.cat([v, v.new_zeros(1, v.shape[1], v.shape[2])])
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k_ext.transpose(0, 1),
+        v_ext.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    return out.transpose(0, 1)
+
+
 class SdpaBackend(Backend):
     name = "sdpa"
     capabilities = Capabilities(
@@ -35,6 +69,8 @@ class SdpaBackend(Backend):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         host_sync=True,
         softcap=False,
+        sinks=True,
+        distinct_v_head_dim=True,
         notes="per-segment torch SDPA loop (reads cu_seqlens on the host); the fast exact CPU path",
     )
 
@@ -59,6 +95,7 @@ class SdpaBackend(Backend):
         softmax_scale: float,
         softcap: float,
         meta: VarlenMeta | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cu_q, cu_k = read_offsets(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], meta)
         left, right = window_size
@@ -81,8 +118,12 @@ class SdpaBackend(Backend):
                         scale=softmax_scale,
                         softcap=softcap,
                         compute_dtype=torch.promote_types(q.dtype, torch.float32),
+                        sinks=sinks,
                     )
                 )
+                continue
+            if sinks is not None:
+                outs.append(_segment_with_sinks(qs, ks, vs, sinks, causal, window_size, softmax_scale, gqa))
                 continue
             mask = None
             if windowed:

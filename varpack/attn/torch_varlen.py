@@ -80,6 +80,7 @@ class TorchVarlenBackend(Backend):
         softmax_scale: float,
         softcap: float,
         meta: VarlenMeta | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         params = self._params
         kwargs: dict = {}

@@ -1054,6 +1054,7 @@ class TritonShortBackend(Backend):
         softmax_scale: float,
         softcap: float,
         meta: VarlenMeta | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if softcap > 0:
             raise BackendUnavailableError("triton_short: softcap is not supported")

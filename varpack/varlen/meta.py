@@ -302,6 +302,38 @@ class VarlenMeta:
 
         return self.memo(("on_device", str(device)), build)
 
+    def chunked(self, chunk_size: int) -> VarlenMeta:
+        """These boundaries with every segment cut into consecutive chunks of ``chunk_size`` tokens counted
+        from the segment's start (the last chunk of a segment may be shorter): the boundaries of chunked
+        attention (Llama 4's ``chunked_attention`` layers: a token sees the keys of its own chunk only, and a
+        sample's positions restart at 0, so its chunks start at its first token). Built once per batch and
+        size from the host offsets (no device read for a meta built on the CPU) and kept on this meta.
+
+        Raises:
+            ValueError: ``chunk_size < 1``, or a meta whose key stream differs from its query stream.
+        """
+        chunk = int(chunk_size)
+        if chunk < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size!r}")
+        if not self.self_attention:
+            raise ValueError("chunked boundaries need a self-attention meta (one segmentation for q and k)")
+
+        offsets, _ = self.host_offsets()  # outside build(): memo's lock is not re-entrant
+
+        def build() -> VarlenMeta:
+            cuts = [0]
+            for start, stop in zip(offsets, offsets[1:]):
+                cuts.extend(range(start + chunk, stop, chunk))
+                cuts.append(stop)
+            meta = VarlenMeta(
+                torch.tensor(cuts, dtype=torch.int32),
+                max_seqlen_q=max(1, min(chunk, self.max_seqlen_q)),
+                total_q=self.total_q,
+            )
+            return meta
+
+        return self.memo(("chunked", chunk), build)
+
     def cu_seqlens_cpu(self) -> torch.Tensor:
         """The query offsets on the CPU (int32): the tensor itself for a CPU meta, else one copy per batch."""
         if self.cu_seqlens_q.device.type == "cpu":
