@@ -183,13 +183,32 @@ def _resolved_backend(
 
     cfg = family_of(model).text_config(model)
     heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    kv_heads = int(_config_value(cfg, "num_key_value_heads") or heads)
+    head_dim = int(_config_value(cfg, "head_dim") or cfg.hidden_size // heads)
+    head_dim_v = head_dim
+    if _config_value(cfg, "kv_lora_rank"):  # MLA: q/k head dim = no-RoPE + RoPE parts, values their own
+        head_dim = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
+        head_dim_v = int(cfg.v_head_dim)
+        kv_heads = heads
+    sinks = next((p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1] == "sinks"), None)
     q = torch.empty(1, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
     k = torch.empty(1, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
-    softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
-    resolved = resolve_backend(backend, q, k, k, causal=True, softcap=softcap, max_seqlen=max_seqlen)
+    v = torch.empty(1, kv_heads, head_dim_v, device=device, dtype=dtype, requires_grad=True)
+    softcap = float(_config_value(cfg, "attn_logit_softcapping") or 0.0)
+    resolved = resolve_backend(
+        backend, q, k, v, causal=True, softcap=softcap, max_seqlen=max_seqlen,
+        sinks=None if sinks is None else sinks.detach().to(device),
+    )  # fmt: skip
     return str(resolved), resolved.reason
+
+
+def _config_value(config: Any, name: str) -> Any:
+    """``config.<name>``, or None where it is absent or differs per layer (transformers raises on reading such
+    a field globally, e.g. Gemma 4's ``head_dim``)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # AmbiguousGlobalPerLayerAttributeError and the like
+        return None
 
 
 def _gated_delta_backend(model: Any, device: torch.device, requested: str) -> tuple[str, str] | None:

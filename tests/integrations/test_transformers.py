@@ -28,6 +28,7 @@ def test_enable_varpack_names_and_idempotence():
     enable_varpack(model, backend="reference")
     assert model.config._attn_implementation == "varpack_reference"
     assert attn_implementation_name("flash_attn_4") == "varpack_fa_4"  # no "flash" in the name
+    assert attn_implementation_name("sdpa") == "varpack_sdp"  # no "sdpa": transformers' SDPA checks stay off
     assert is_varpack_attention("varpack_reference") and not is_varpack_attention("sdpa")
     # replaced, not stacked: the guard on the base model, the boundary hand-down on the top model
     assert len(model.model._forward_pre_hooks) == 1 == len(model._forward_pre_hooks) == len(model._forward_hooks)
@@ -373,19 +374,76 @@ def test_attention_accepts_neutral_keywords_and_none_values():
     torch.testing.assert_close(out, base, rtol=0, atol=0)
 
 
-def test_gpt_oss_sinks_refused_not_dropped():
-    """A tiny random-init GPT-OSS (learned sinks, non-zero): its attention layers pass ``s_aux``, which varpack
-    attention refuses by name instead of dropping it (dropped, packed logits differ by ~0.2)."""
-    from transformers import AutoModelForCausalLM
+
+# ------------------------------------------------------------------------- models varpack has not verified
+def _llama_like(model_type: str, attention_class=None):
+    """A tiny Llama whose config claims ``model_type`` (no family covers it), optionally with its attention
+    modules replaced by ``attention_class``."""
+    from varpack.models.tiny import tiny_config
+    from varpack.zoo import build_tiny_model
+
+    model = build_tiny_model("llama")
+    model.config.model_type = model_type
+    if attention_class is not None:
+        for layer in model.model.layers:
+            layer.self_attn.__class__ = attention_class
+    assert tiny_config("llama").model_type == "llama"
+    return model
+
+
+def test_generic_model_of_verified_layers_runs_and_unknown_layers_are_refused():
+    from transformers.models.llama.modeling_llama import LlamaAttention
 
     from varpack.check import check_exactness
     from varpack.integrations.transformers import UnsupportedModelError
-    from varpack.models.tiny import tiny_config
+    from varpack.zoo import zoo_samples
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("gpt_oss"), dtype=torch.float32)
-    sinks = [m.sinks for m in model.modules() if hasattr(m, "sinks")]
-    assert sinks and all(float(s.abs().max()) > 0 for s in sinks)
-    with pytest.raises(UnsupportedModelError, match="s_aux") as info:
-        check_exactness(model, make_samples(vocab=200))
-    assert info.value.feature == "attention keyword s_aux"
+    model = _llama_like("my_llama_finetune")  # Llama's own classes under another name: recognised
+    assert check_exactness(model, zoo_samples())["passed"]
+
+    class MyAttention(LlamaAttention):  # a custom layer varpack has never checked
+        pass
+
+    custom = _llama_like("my_custom_llama", MyAttention)
+    with pytest.raises(UnsupportedModelError, match="MyAttention") as info:
+        enable_varpack(custom)
+    assert info.value.feature.startswith("unverified model type my_custom_llama")
+    assert custom.config._attn_implementation != "varpack"  # refused before the switch
+
+
+def test_refused_family_and_encoder_decoder_are_refused_by_name():
+    from varpack.integrations.transformers import UnsupportedModelError
+    from varpack.zoo import build_tiny_model
+
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder") as info:
+        enable_varpack(build_tiny_model("bart"))
+    assert not info.value.applicable
+    mamba = build_tiny_model("mamba")
+    with pytest.raises(UnsupportedModelError, match="MambaMixer|MambaBlock") as info:
+        enable_varpack(mamba)
+    assert info.value.feature.startswith("stateful sequence mixer")
+
+
+def test_moe_capacity_limit_refused():
+    from varpack.integrations.transformers import UnsupportedModelError
+    from varpack.zoo import build_tiny_model
+
+    model = build_tiny_model("mixtral")
+    enable_varpack(model)  # per-token routing: accepted
+    model.config.capacity_factor = 1.25  # an expert capacity: which tokens overflow depends on the batch
+    with pytest.raises(UnsupportedModelError, match="capacity") as info:
+        enable_varpack(model)
+    assert info.value.feature == "MoE routing with an expert capacity (capacity_factor)"
+
+
+def test_media_in_a_packed_batch_refused_for_a_text_only_family():
+    from varpack.integrations.transformers import UnsupportedModelError
+    from varpack.zoo import build_tiny_model, zoo_samples
+
+    model = build_tiny_model("gemma3")
+    enable_varpack(model, backend="reference")
+    batch = model_inputs(PaddingFreeCollator()([zoo_samples()]))
+    model(**batch)  # text only: runs
+    batch["pixel_values"] = torch.zeros(1, 3, 32, 32)
+    with pytest.raises(UnsupportedModelError, match="pixel_values"):
+        model(**batch)

@@ -99,11 +99,9 @@ def test_decoder_layers_and_builtin_names_come_from_the_families():
 
 
 def test_unknown_model_type_falls_back_to_generic():
-    from transformers import MistralConfig
-
-    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    cfg = _tiny_qwen2()  # Qwen2's layers under a model_type no family covers
     assert family_of(cfg) is GENERIC
-    with pytest.raises(ValueError, match="model_type 'mistral'"):
+    with pytest.raises(ValueError, match="model_type 'toy_qwen2'"):
         family_of(cfg, strict=True)
     with pytest.raises(ValueError, match="unknown built-in model 'tiny-gpt'"):
         family_of("tiny-gpt")
@@ -129,10 +127,23 @@ def test_register_refuses_collisions():
 
 
 # ------------------------------------------------------------------------------- a family added by one call
-def _tiny_qwen2(vocab_size=None, **overrides):
+def _toy_config_class():
     from transformers import Qwen2Config
 
-    return Qwen2Config(
+    class ToyQwen2Config(Qwen2Config):
+        model_type = "toy_qwen2"
+
+    return ToyQwen2Config
+
+
+def _build_toy(config):
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM._from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def _tiny_qwen2(vocab_size=None, **overrides):
+    return _toy_config_class()(
         **{
             "vocab_size": vocab_size or VOCAB,
             "hidden_size": 64,
@@ -149,7 +160,12 @@ def _tiny_qwen2(vocab_size=None, **overrides):
 @pytest.fixture
 def toy_family():
     family = register_family(
-        ModelFamily(name="toy-qwen2", model_types=("qwen2",), builtins={"tiny-qwen2": _tiny_qwen2})
+        ModelFamily(
+            name="toy-qwen2",
+            model_types=("toy_qwen2",),
+            builtins={"tiny-qwen2": _tiny_qwen2},
+            model_class=_build_toy,
+        )
     )
     yield family
     unregister_family("toy-qwen2")

@@ -54,13 +54,20 @@ from typing import Any
 import torch
 
 from varpack.integrations.context_parallel import bind_shard
-from varpack.models.registry import require_gated_delta_layers
-from varpack.schema import BOUNDARY_KEYS, CP_SHARD, FLASH_ATTN_KWARGS, POSITION_IDS, VARLEN_META
+from varpack.models.registry import (
+    GENERIC,
+    family_of,
+    is_gated_delta_layer,
+    require_gated_delta_layers,
+    unrecognised_module_classes,
+)
+from varpack.schema import BOUNDARY_KEYS, CP_SHARD, FLASH_ATTN_KWARGS, MEDIA_FIELDS, POSITION_IDS, VARLEN_META
 from varpack.varlen.boundaries import normalize_cu_seqlens, normalize_max_seqlen
-from varpack.varlen.meta import varlen_meta_from_kwargs
+from varpack.varlen.meta import VarlenMeta, varlen_meta_from_kwargs
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "IMPLEMENTED_ATTENTION_KWARGS",
     "NEUTRAL_ATTENTION_KWARGS",
     "PackingGuardError",
     "UnsupportedModelError",
@@ -80,12 +87,19 @@ _CACHE_KEYS = ("past_key_values", "cache")
 #: implementation name -> backend name, for every name registered by this module.
 _REGISTERED: dict[str, str] = {}
 #: layer types of ``config.layer_types`` that varpack handles ("hybrid": a Mamba-2 mixer beside or after
-#: attention, Falcon-H1 / Zamba2; "moe" / "mlp": Nemotron-H's per-token blocks).
-_KNOWN_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention", "hybrid", "moe", "mlp"}
+#: attention, Falcon-H1 / Zamba2; "moe" / "mlp": Nemotron-H's per-token blocks; "chunked_attention": Llama 4's
+#: chunked layers, run as per-sample chunks).
+_KNOWN_LAYER_TYPES = {
+    "full_attention", "sliding_attention", "linear_attention", "hybrid", "moe", "mlp", "chunked_attention"
+}  # fmt: skip
 #: layer types holding a recurrent mixer (Gated DeltaNet or Mamba-2) that must be patched
 _RECURRENT_LAYER_TYPES = ("linear_attention", "hybrid")
+#: class-name fragments of linear-attention mixers other than Gated DeltaNet / Mamba-2 (named in refusals)
+_LINEAR_MIXER_FRAGMENTS = ("DeltaAttention", "LightningAttention", "LinearAttention", "DeltaNet", "LinearAttn")
 #: module class-name fragments of stateful sequence mixers that would leak across packed samples.
-_UNSUPPORTED_MIXERS = ("Mamba", "ShortConv", "RWKV", "Retention")
+_UNSUPPORTED_MIXERS = ("Mamba", "ShortConv", "RWKV", "Rwkv", "Retention", "LSTM", "RecurrentBlock", "Rglru")
+#: config fields of MoE routing with an expert capacity (tokens over it are dropped), refused when set
+CAPACITY_LIMIT_FIELDS = ("expert_capacity", "capacity_factor", "moe_capacity_factor", "moe_token_dropping")
 
 
 class PackingGuardError(ValueError):
@@ -100,11 +114,14 @@ class UnsupportedModelError(PackingGuardError):
     Attributes:
         feature: the feature's short name (``"attention keyword s_aux"``, ``"layer type chunked_attention"``),
             what the model zoo records as ``refused: <feature>``.
+        applicable: ``False`` when packing does not apply to such a model at all (an encoder-decoder): the zoo
+            records ``not applicable: <feature>``.
     """
 
-    def __init__(self, message: str, *, feature: str) -> None:
+    def __init__(self, message: str, *, feature: str, applicable: bool = True) -> None:
         super().__init__(message)
         self.feature = feature
+        self.applicable = applicable
 
 
 #: keywords transformers' decoder layers hand to every attention function that carry no attention math: the
@@ -116,6 +133,9 @@ NEUTRAL_ATTENTION_KWARGS: frozenset[str] = frozenset(
     {POSITION_IDS, "use_cache", "cache_position", "output_router_logits", "output_hidden_states",
      "num_items_in_batch", "return_dict"}
 )  # fmt: skip
+#: model-feature keywords varpack attention implements: ``{keyword: varlen_attention's argument}`` (``s_aux``:
+#: GPT-OSS's learned per-head attention sinks, ``[H]``)
+IMPLEMENTED_ATTENTION_KWARGS: dict[str, str] = {"s_aux": "sinks"}
 #: flags varpack attention honours only when off: ``{keyword: what it would ask for}``
 _OFF_ONLY_KWARGS = {"output_attentions": "attention weights (varpack attention returns none)"}
 #: what the keywords seen at transformers' attention call sites that varpack does not implement are, for messages
@@ -135,7 +155,8 @@ def refuse_unimplemented_kwargs(module: torch.nn.Module, kwargs: dict[str, Any])
 
     Accepted: the boundary keys (:data:`varpack.schema.BOUNDARY_KEYS`, and the context-parallel shard
     ``cp_shard`` the packing guard binds), :data:`NEUTRAL_ATTENTION_KWARGS`,
-    ``output_attentions`` when false, and any keyword whose value is ``None`` (the feature is off for this call:
+    :data:`IMPLEMENTED_ATTENTION_KWARGS` (attention sinks), ``output_attentions`` when false, and any keyword
+    whose value is ``None`` (the feature is off for this call:
     GPT-OSS-style layers pass ``s_aux=None`` when a model has no sinks).
 
     Raises:
@@ -144,6 +165,8 @@ def refuse_unimplemented_kwargs(module: torch.nn.Module, kwargs: dict[str, Any])
     refused = []
     for key, value in kwargs.items():
         if value is None or key in BOUNDARY_KEYS or key == CP_SHARD or key in NEUTRAL_ATTENTION_KWARGS:
+            continue
+        if key in IMPLEMENTED_ATTENTION_KWARGS:
             continue
         if key in _OFF_ONLY_KWARGS:
             if not value:
@@ -173,6 +196,47 @@ def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
     if w <= 0:
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
     return (w - 1, 0) if causal else (w - 1, w - 1)
+
+
+def _attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a ``chunked_attention`` layer (Llama 4: a token sees the keys of its own chunk of
+    ``config.attention_chunk_size`` tokens), read from the module's config and ``layer_idx``; ``None`` for
+    every other layer.
+
+    Raises:
+        UnsupportedModelError: a model with chunked layers whose attention module has no ``layer_idx``.
+    """
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    if not types or "chunked_attention" not in types:
+        return None
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(index, int) or not 0 <= index < len(types):
+        raise UnsupportedModelError(
+            f"{type(module).__name__} belongs to a model with chunked_attention layers but has no layer_idx: "
+            "varpack cannot tell whether its attention is chunked",
+            feature=f"chunked attention in {type(module).__name__} without layer_idx",
+        )
+    if types[index] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
+
+
+def _refuse_row_position_scaling(module: torch.nn.Module, total: int) -> None:
+    """Llama 4's NoPE layers scale queries by their position in the row (``attn_temperature_tuning``:
+    ``log1p(floor((p + 1) / floor_scale))``), not by ``position_ids``: in a packed row a sample's tokens get
+    their row positions, which equal their own positions' scale only while the row is shorter than
+    ``floor_scale`` tokens (the scale is then 1 everywhere)."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return
+    floor_scale = int(getattr(module, "floor_scale", 0) or 0)
+    if total >= floor_scale:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} scales queries by their position in the row (attn_temperature_tuning, "
+            f"floor_scale={floor_scale}); a packed row of {total} tokens >= floor_scale would give a sample's "
+            "tokens other scales than its own positions: pack rows shorter than floor_scale tokens",
+            feature="query temperature by row position (attn_temperature_tuning) in rows >= floor_scale",
+        )
 
 
 def autocast_qkv(
@@ -244,7 +308,15 @@ def varpack_attention_forward(
         varpack.attn.BackendUnavailableError: the backend cannot run this call.
     """
     refuse_unimplemented_kwargs(module, kwargs)
+    sinks = kwargs.get("s_aux")
     through_op = getattr(module, "_varpack_custom_op", False)  # compile_layers(custom_ops=True)
+    if through_op and sinks is not None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} has attention sinks (s_aux), which the varpack::varlen_attention custom op "
+            "does not carry; compile the layers without custom_ops (varpack.integrations.kernels.compile_layers)",
+            feature="attention sinks through the compiled custom op",
+        )
+    extra = {} if sinks is None else {"sinks": sinks}
     if torch.compiler.is_compiling() and not through_op:
         # inside a torch.compile'd layer (varpack.integrations.kernels.compile_layers): the attention call is
         # a graph break, run eagerly with concrete ints (kernels such as FA4's are not traceable)
@@ -264,10 +336,12 @@ def varpack_attention_forward(
             f"{type(module).__name__}); set config.attention_dropout = 0.0"
         )
     if attention_mask is not None:
-        raise PackingGuardError(
+        raise UnsupportedModelError(
             f"varpack attention got an attention mask of shape {tuple(attention_mask.shape)} in "
             f"{type(module).__name__}; it takes padding-free batches whose boundaries are cu_seq_lens_q/k "
-            "(use varpack.collate.PaddingFreeCollator)"
+            "(use varpack.collate.PaddingFreeCollator), and the packing guard refuses a caller's mask, so this "
+            "mask was built by the model itself",
+            feature=f"an attention mask built by the model ({type(module).__name__})",
         )
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", True))
@@ -291,12 +365,16 @@ def varpack_attention_forward(
             meta = varlen_meta_from_kwargs(kwargs, len_q if bsz == 1 else None, type(module).__name__)
         except (TypeError, ValueError) as exc:
             raise PackingGuardError(str(exc)) from exc
+    chunk = _attention_chunk(module)
     if meta is not None:
         if bsz != 1:
             raise PackingGuardError(
                 f"packed batch (cu_seq_lens_q given) must have one row, got query of shape "
                 f"{tuple(query.shape)} (B={bsz})"
             )
+        _refuse_row_position_scaling(module, meta.total_q)
+        if chunk is not None:  # chunked attention: each sample's chunks are segments of their own
+            meta = meta.chunked(chunk)
         q = query[0].transpose(0, 1)  # [T, H, D]
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
@@ -324,12 +402,38 @@ def varpack_attention_forward(
             softcap=softcap_f,
             backend=backend,
             meta=meta,
+            **extra,
         )
         return out.reshape(bsz, len_q, num_heads, out.shape[-1]), None
+    state = module.__dict__.get("_varpack_state")
+    if state is not None and state.packed_tokens is not None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} was called without the batch's boundary keywords (cu_seq_lens_q/k, "
+            f"varlen_meta) inside the forward of a packed row of {state.packed_tokens} tokens: its decoder layer "
+            "does not hand **kwargs on to attention, so the samples of the row would attend to each other",
+            feature=f"attention without the boundary keywords ({type(module).__name__})",
+        )
     # unpacked: every row is one sequence; the offsets are built on the device (no host copy, no sync)
+    if chunk is not None:
+        if len_k != len_q:
+            raise UnsupportedModelError(
+                f"{type(module).__name__}: chunked attention with {len_k} keys for {len_q} queries (a KV cache); "
+                "varpack runs chunked layers on whole rows only",
+                feature="chunked attention with a KV cache",
+            )
+        rows = VarlenMeta(list(range(0, (bsz + 1) * len_q, len_q)), total_q=bsz * len_q)
+        meta = rows.chunked(chunk)
+        q = query.transpose(1, 2).reshape(bsz * len_q, num_heads, head_dim)
+        k = key.transpose(1, 2).reshape(bsz * len_k, key.shape[1], key.shape[3])
+        v = value.transpose(1, 2).reshape(bsz * len_k, value.shape[1], value.shape[3])
+        out = varlen_attention(
+            q, k, v, causal=is_causal, window_size=window, softmax_scale=scaling, softcap=softcap_f,
+            backend=backend, meta=meta, **extra,
+        )  # fmt: skip
+        return out.reshape(bsz, len_q, num_heads, out.shape[-1]), None
     q = query.transpose(1, 2).reshape(bsz * len_q, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(bsz * len_k, key.shape[1], key.shape[3])
-    v = value.transpose(1, 2).reshape(bsz * len_k, value.shape[1], value.shape[3])
+    v = value.transpose(1, 2).reshape(bsz * len_k, value.shape[1], value.shape[3])  # Dv may differ (MLA)
     cu_q = torch.arange(0, (bsz + 1) * len_q, len_q, device=query.device, dtype=torch.int32)
     cu_k = torch.arange(0, (bsz + 1) * len_k, len_k, device=query.device, dtype=torch.int32)
     max_q, max_k = len_q, len_k
@@ -346,6 +450,7 @@ def varpack_attention_forward(
         softmax_scale=scaling,
         softcap=softcap_f,
         backend=backend,
+        **extra,
     )
     return out.reshape(bsz, len_q, num_heads, out.shape[-1]), None
 
@@ -360,11 +465,12 @@ _attention_outside_graph = torch.compiler.disable(varpack_attention_forward)
 # ---------------------------------------------------------------------------------------------------------
 def attn_implementation_name(backend: str = "auto") -> str:
     """The transformers attention implementation name for a varpack backend: ``"varpack"`` for ``auto``,
-    else ``"varpack_<backend>"`` with ``flash_attn`` shortened to ``fa`` (transformers treats any name
-    containing "flash" as a flash-attention implementation)."""
+    else ``"varpack_<backend>"`` with ``flash_attn`` shortened to ``fa`` and ``sdpa`` to ``sdp`` (transformers
+    treats any name containing "flash" as a flash-attention implementation, and one containing "sdpa" as SDPA,
+    which it refuses for models without SDPA support, e.g. GPT-OSS)."""
     if backend == "auto":
         return ATTN_IMPLEMENTATION
-    return f"{ATTN_IMPLEMENTATION}_{backend.replace('flash_attn', 'fa')}"
+    return f"{ATTN_IMPLEMENTATION}_{backend.replace('flash_attn', 'fa').replace('sdpa', 'sdp')}"
 
 
 def register_varpack_attention(backend: str = "auto") -> str:
@@ -409,6 +515,10 @@ class _GuardState:
     #: the base model's forward declares ``position_ids`` (positions are one of its inputs)
     takes_positions: bool = True
     notes: list[str] = field(default_factory=list)
+    #: tokens of the packed row whose forward is in flight (set by the guard, cleared when the forward ends)
+    packed_tokens: int | None = None
+    #: media (pixel_values, ...) may reach the model in a packed batch: a prepared vision-language family
+    media_allowed: bool = False
 
 
 def _text_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -536,14 +646,24 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
             raise PackingGuardError(
                 f"{where}: cu_seq_lens_q given without max_length_q (the longest segment, an int)"
             )
+        media = [k for k in MEDIA_FIELDS if kwargs.get(k) is not None]
+        if media and not state.media_allowed:
+            raise UnsupportedModelError(
+                f"packed batch with {media} for {where}: varpack keeps media apart in packed batches for the "
+                "vision-language families it prepares (Qwen-VL: varpack.models.qwen_vl); for this model only "
+                "text-only packed batches are exact",
+                feature="media inputs in a packed batch",
+            )
         try:  # the batch's boundaries, validated once (the collator's meta, or built here from the kwargs)
             kwargs[VARLEN_META] = varlen_meta_from_kwargs(kwargs, total, where)
         except (TypeError, ValueError) as exc:
             raise PackingGuardError(str(exc)) from exc
+        state.packed_tokens = kwargs[VARLEN_META].total_q
         # every layer reads this one meta: one host-to-device copy of the offsets per batch, kept on it
         return args, kwargs
 
     # unpacked path: rows are whole sequences
+    state.packed_tokens = None
     if attention_mask is not None and attention_mask.dim() == 2 and is_varpack_attention(impl):
         if not bool(attention_mask.all()):
             raise PackingGuardError(
@@ -563,12 +683,81 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
 # ---------------------------------------------------------------------------------------------------------
 # enable
 # ---------------------------------------------------------------------------------------------------------
+def _first_class(model: torch.nn.Module, fragments: tuple[str, ...]) -> str | None:
+    """The class name of the first submodule (not the model itself, not a whole model) whose class name holds
+    one of ``fragments``."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        name = type(module).__name__
+        if module is not model and not isinstance(module, PreTrainedModel) and any(f in name for f in fragments):
+            return name
+    return None
+
+
+def _refuse_by_family(model: torch.nn.Module) -> None:
+    """A family that varpack refuses (or that packing does not apply to), and encoder-decoder models."""
+    family = family_of(model)
+    model_type = getattr(model.config, "model_type", None)
+    if family.not_applicable or family.refused:
+        feature = family.not_applicable or family.refused
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model_type {model_type!r}, family {family.name!r}): "
+            f"{'packing does not apply' if family.not_applicable else 'varpack refuses it'}: {feature}",
+            feature=feature,
+            applicable=family.not_applicable is None,
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model_type {model_type!r}) is an encoder-decoder model; varpack packs "
+            "decoder-only causal LMs (the decoder's positions and cross-attention follow the encoder's batch)",
+            feature="encoder-decoder model",
+            applicable=False,
+        )
+    for key in CAPACITY_LIMIT_FIELDS:
+        value = getattr(model.config, key, None)
+        if value:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} routes tokens to experts with a capacity limit ({key}={value!r}): "
+                "which tokens are dropped depends on the other samples of the batch, so a packed step cannot "
+                "equal each sample's own",
+                feature=f"MoE routing with an expert capacity ({key})",
+            )
+
+
 def _linear_attention_layers(model: torch.nn.Module) -> int:
-    """The number of layers with a recurrent mixer (``config.layer_types``), refusing unknown layer types and
-    stateful layers varpack does not patch (a module named like one, outside a Mamba-2 mixer varpack patches
-    and its parents; normalization layers aside)."""
+    """The number of layers with a recurrent mixer (``config.layer_types``), refusing stateful layers varpack
+    does not patch -- a state-space mixer by its structure (an ``A_log`` parameter and a ``conv1d``, whatever its
+    class is called) or a module named like a stateful one (:data:`_UNSUPPORTED_MIXERS`), outside a Mamba-2
+    mixer varpack patches and its parents, normalization layers aside -- and unknown layer types; each refusal
+    an :class:`UnsupportedModelError` naming the mixer class or the layer type."""
     from varpack.models.mamba2 import is_mamba2_mixer
 
+    mixers = [path for path, m in model.named_modules() if is_mamba2_mixer(m)]
+
+    def patched(path: str) -> bool:  # a patched Mamba-2 mixer, a module inside one, or one of its parents
+        return any(path == m or m.startswith(f"{path}.") or path.startswith(f"{m}.") or not path for m in mixers)
+
+    stateful = [
+        (path, type(module).__name__)
+        for path, module in model.named_modules()
+        if not patched(path)
+        and not is_gated_delta_layer(module)
+        and (
+            (hasattr(module, "A_log") and hasattr(module, "conv1d"))
+            or (
+                any(frag in type(module).__name__ for frag in _UNSUPPORTED_MIXERS)
+                and not type(module).__name__.endswith("Norm")
+            )
+        )
+    ]
+    if stateful:
+        path, name = max(stateful, key=lambda item: item[0].count("."))  # the innermost: the mixer
+        raise UnsupportedModelError(
+            f"{type(model).__name__} contains {name} ({path}), a stateful sequence layer that would carry "
+            "state across packed samples; varpack does not support it",
+            feature=f"stateful sequence mixer {name}",
+        )
     count = 0
     seen: set[int] = set()
     for module in model.modules():
@@ -577,29 +766,14 @@ def _linear_attention_layers(model: torch.nn.Module) -> int:
             continue
         seen.add(id(cfg))
         types = getattr(cfg, "layer_types", None) or []
-        unknown = sorted({t for t in types if t not in _KNOWN_LAYER_TYPES})
+        unknown = sorted({t for t in types if isinstance(t, str) and t not in _KNOWN_LAYER_TYPES})
         if unknown:
-            raise PackingGuardError(
+            raise UnsupportedModelError(
                 f"{type(model).__name__} has layer types {unknown} that varpack cannot keep packed samples "
-                f"apart in (supported: {', '.join(sorted(_KNOWN_LAYER_TYPES))})"
+                f"apart in (supported: {', '.join(sorted(_KNOWN_LAYER_TYPES))})",
+                feature="layer type " + ", ".join(unknown),
             )
         count = max(count, sum(t in _RECURRENT_LAYER_TYPES for t in types))
-    mixers = [path for path, m in model.named_modules() if is_mamba2_mixer(m)]
-    unknown_layers = [
-        (path, type(module).__name__)
-        for path, module in model.named_modules()
-        if any(frag in type(module).__name__ for frag in _UNSUPPORTED_MIXERS)
-        and not type(module).__name__.endswith("Norm")
-        and not any(  # a patched Mamba-2 mixer, a module inside one, or one of its parents
-            path == m or m.startswith(f"{path}.") or path.startswith(f"{m}.") or not path for m in mixers
-        )
-    ]
-    if unknown_layers:
-        path, name = max(unknown_layers, key=lambda item: item[0].count("."))  # the innermost: the mixer
-        raise PackingGuardError(
-            f"{type(model).__name__} contains {name} ({path}), a stateful sequence layer that would carry "
-            "state across packed samples; varpack does not support it"
-        )
     return count
 
 
@@ -618,6 +792,29 @@ def _hand_boundaries_done(model: torch.nn.Module, args: tuple, kwargs: dict, out
     model.base_model._varpack_outer_boundaries = None
 
 
+def _refuse_unverified(model: torch.nn.Module) -> None:
+    """A model of a ``model_type`` no family covers runs only if every module class is a verified one."""
+    if family_of(model) is not GENERIC:
+        return
+    unknown = unrecognised_module_classes(model)
+    if unknown:
+        model_type = getattr(model.config, "model_type", None)
+        shown = ", ".join(u.rsplit(".", 1)[-1] for u in unknown[:6]) + (" ..." if len(unknown) > 6 else "")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model_type {model_type!r}) is not verified exact by varpack: no model family "
+            f"covers that model type and its layers {shown} are not among the verified ones (docs/MODELS.md). "
+            "Check it with varpack.check.check_exactness after varpack.models.register_family(...) covers it",
+            feature=f"unverified model type {model_type} ({unknown[0].rsplit('.', 1)[-1]})",
+        )
+
+
+def _end_of_forward(model: torch.nn.Module, args: tuple, output: Any) -> None:
+    """The base model's forward ended (or raised): no packed forward in flight any more."""
+    state = model.__dict__.get("_varpack_state")
+    if state is not None:
+        state.packed_tokens = None
+
+
 def _remove_guard(model: torch.nn.Module) -> None:
     """Drop varpack's hooks (found by function identity, so that deep copies of a model are handled too)."""
     ours = (_packing_guard, _hand_boundaries_down)
@@ -625,7 +822,8 @@ def _remove_guard(model: torch.nn.Module) -> None:
     for hook_id in [i for i, fn in hooks.items() if fn in ours]:
         del hooks[hook_id]
         model._forward_pre_hooks_with_kwargs.pop(hook_id, None)
-    for hook_id in [i for i, fn in model._forward_hooks.items() if fn is _hand_boundaries_done]:
+    post = (_hand_boundaries_done, _end_of_forward)
+    for hook_id in [i for i, fn in model._forward_hooks.items() if fn in post]:
         del model._forward_hooks[hook_id]
         model._forward_hooks_with_kwargs.pop(hook_id, None)
         model._forward_hooks_always_called.pop(hook_id, None)
@@ -663,16 +861,21 @@ def enable_varpack(
     """
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise TypeError(f"enable_varpack needs a transformers PreTrainedModel, got {type(model).__name__}")
+    _refuse_by_family(model)
     require_gated_delta_layers(model, linear_backend, setting="linear_backend")
     num_linear = _linear_attention_layers(model)
+    _refuse_unverified(model)
     old = getattr(model, "_varpack_state", None)
     original = old.original_attn_implementation if old is not None else model.config._attn_implementation
     name = register_varpack_attention(backend)
     model.set_attn_implementation(name)
     if getattr(model.config, "_attn_implementation", None) != name:
-        raise PackingGuardError(
+        attention = _first_class(model, ("Attention", "Attn")) or type(model).__name__
+        raise UnsupportedModelError(
             f"{type(model).__name__} did not switch to attention implementation {name!r} "
-            f"(still {model.config._attn_implementation!r}); it does not dispatch through AttentionInterface"
+            f"(still {model.config._attn_implementation!r}): {attention} does not dispatch through transformers' "
+            "AttentionInterface, so varpack attention never runs there",
+            feature=f"attention outside transformers' AttentionInterface ({attention})",
         )
     patched = gated_delta = 0
     if num_linear:
@@ -684,11 +887,18 @@ def enable_varpack(
                 f"{type(model).__name__} has {num_linear} linear-attention layers, which mix packed samples "
                 f"unless patched, and varpack's gated-delta / Mamba-2 integration is not available: {exc}"
             ) from exc
-        gated_delta = int(patch_linear_attention(model, backend=linear_backend))
+        try:
+            gated_delta = int(patch_linear_attention(model, backend=linear_backend))
+        except TypeError as exc:  # a GatedDeltaNet-named module of another structure
+            mixer = _first_class(model, ("GatedDeltaNet",)) or "GatedDeltaNet"
+            raise UnsupportedModelError(str(exc), feature=f"linear attention {mixer}") from exc
         patched = gated_delta + int(patch_mamba2_mixers(model))
         if patched < num_linear:
-            raise PackingGuardError(
-                f"{type(model).__name__} has {num_linear} linear-attention layers but only {patched} were patched"
+            mixer = _first_class(model, _LINEAR_MIXER_FRAGMENTS) or "of an unknown kind"
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has {num_linear} linear-attention layers but only {patched} were "
+                f"patched: varpack's patches know Gated DeltaNet and Mamba-2 layers, not {mixer}",
+                feature=f"linear attention {mixer}",
             )
     if linear_backend != "auto" and not gated_delta:  # Gated DeltaNet modules, but no linear_attention type
         raise PackingGuardError(
@@ -719,4 +929,12 @@ def enable_varpack(
     if base is not model:
         model.register_forward_pre_hook(_hand_boundaries_down, with_kwargs=True)
         model.register_forward_hook(_hand_boundaries_done, with_kwargs=True, always_call=True)
+    base.register_forward_hook(_end_of_forward, always_call=True)
+    family = family_of(model)
+    tower = family.vision_tower(model) if family.is_vl(model) else None
+    skip = {id(m) for m in tower.modules()} if tower is not None else set()
+    for module in model.modules():  # every text-side layer can tell a packed forward from an unpacked one
+        if id(module) not in skip:
+            module.__dict__["_varpack_state"] = state
+    state.media_allowed = tower is not None
     return model

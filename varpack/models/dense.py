@@ -1,6 +1,8 @@
-"""Dense-attention families: Llama and Qwen3 (``tiny-qwen3``, ``tiny-llama``, ``qwen3-0.6b-shape``).
+"""Dense-attention families: Llama, Qwen3 (``tiny-qwen3``, ``tiny-llama``, ``qwen3-0.6b-shape``) and the other
+decoder-only model types with dense feed-forward blocks that the model zoo verified exact (docs/MODELS.md:
+Mistral, Qwen2, Gemma 1/2/3, Phi-3, OLMo 2/3, GLM-4, Granite, Cohere2, SmolLM3, StarCoder2, GPT-2, ...).
 
-Every token mixer is (full or sliding-window) softmax attention, so varpack attention
+Every token mixer is (full or sliding-window, softcapped, NoPE, with or without sinks) softmax attention, so varpack attention
 (:func:`varpack.integrations.transformers.enable_varpack`) alone keeps packed samples apart; positions are
 1-D (``[1, T]``, restarting at 0 for every sample).
 
@@ -117,10 +119,21 @@ def qwen3_1_7b_shape_config(vocab_size: int | None = None, **overrides: Any) -> 
     )
 
 
-#: Llama and Qwen3: dense attention, 1-D positions
+#: Llama, Qwen3 and every decoder-only model type with dense feed-forward blocks whose token mixers are softmax
+#: attention through transformers' attention interface (full, sliding-window, softcapped, NoPE layers, attention
+#: sinks) that the model zoo verified exact (docs/MODELS.md); 1-D positions
 DENSE = ModelFamily(
     name="dense",
-    model_types=("llama", "qwen3"),
+    model_types=(
+        "llama", "qwen3",
+        "apertus", "apertus1p5_text", "arcee", "biogpt", "bitnet", "codegen", "cohere", "cohere2", "ctrl", "cwm",
+        "diffllama", "dory", "ernie4_5", "exaone", "exaone4", "gemma", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "glm",
+        "glm4",
+        "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "granite", "granite_swa", "helium", "hrm_text", "hunyuan_v1_dense",
+        "hyperclovax", "internlm3", "iquestcoder", "jais2", "ministral", "ministral3", "mistral",
+        "modernbert-decoder", "nanochat", "olmo", "olmo2", "olmo3", "opt", "persimmon", "phi", "phi3", "qwen2",
+        "seed_oss", "smollm3", "starcoder2", "vaultgemma",
+    ),  # fmt: skip
     mixers="attention",
     vision=False,
     position_ids="1d",

@@ -32,6 +32,7 @@ import torch
 __all__ = [
     "FAMILY_MODULES",
     "GENERIC",
+    "POINTWISE_MODULE_PREFIXES",
     "ModelFamily",
     "builtin_family",
     "builtin_names",
@@ -42,6 +43,7 @@ __all__ = [
     "is_vl_model",
     "register_family",
     "require_gated_delta_layers",
+    "unrecognised_module_classes",
     "unregister_family",
 ]
 
@@ -51,6 +53,12 @@ FAMILY_MODULES: tuple[str, ...] = (
     "varpack.models.gated_delta",
     "varpack.models.qwen_vl",
     "varpack.models.mamba2",
+    "varpack.models.moe",
+    "varpack.models.mla",
+    "varpack.models.bert",
+    "varpack.models.multimodal_text",
+    "varpack.models.encoder_decoder",
+    "varpack.models.refused",
 )
 
 Mixers = Literal["attention", "gated_delta", "mamba2"]
@@ -126,10 +134,16 @@ def _has_vision(config: Any) -> bool:
 
 
 def _auto_causal_lm(config: Any) -> torch.nn.Module:
-    """Random-init ``AutoModelForCausalLM.from_config(config)`` in float32 with sdpa attention (the caller seeds)."""
+    """Random-init ``AutoModelForCausalLM.from_config(config)`` in float32 with sdpa attention, eager for a model
+    that has no sdpa path (GPT-OSS: its sinks); the caller seeds."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,11 @@ class ModelFamily:
         tiny_configs: ``{model_type: config builder}``: the family's own tiny config of a model type, called
             ``builder(vocab_size=None)``; the model zoo (:func:`varpack.models.tiny.tiny_config`) prefers it to
             the generic shrinking of the config class's defaults.
+        refused: the feature for which varpack refuses every model of the family (``enable_varpack`` raises
+            naming it); ``None`` for a family varpack runs.
+        not_applicable: why packing does not apply to the family's models (an encoder-decoder, a model whose
+            inputs are not text tokens); ``enable_varpack`` refuses them with it. At most one of ``refused`` /
+            ``not_applicable`` is set.
     """
 
     name: str
@@ -172,6 +191,8 @@ class ModelFamily:
     builtin_tokenizers: Mapping[str, str] = field(default_factory=dict)
     model_class: Callable[[Any], torch.nn.Module] | None = None
     tiny_configs: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    refused: str | None = None
+    not_applicable: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_types", tuple(self.model_types))
@@ -184,6 +205,8 @@ class ModelFamily:
             raise ValueError(
                 f"family {self.name!r}: builtin_tokenizers names {unknown} that are not builtins"
             )
+        if self.refused is not None and self.not_applicable is not None:
+            raise ValueError(f"family {self.name!r}: refused and not_applicable are exclusive")
         if self.mixers not in ("attention", "gated_delta", "mamba2", None):
             raise ValueError(
                 f"family {self.name!r}: mixers={self.mixers!r}; expected 'attention', 'gated_delta' or 'mamba2'"
@@ -396,6 +419,51 @@ def family_of(model_or_config: Any, *, strict: bool = False) -> ModelFamily:
             f"covered: {sorted(_BY_MODEL_TYPE)} (register one with varpack.models.register_family)"
         )
     return GENERIC
+
+
+#: module prefixes of classes that never mix tokens across positions (torch layers, activations, per-token
+#: adapters and kernels): recognised in any model
+POINTWISE_MODULE_PREFIXES: tuple[str, ...] = (
+    "torch.",
+    "transformers.activations",
+    "transformers.pytorch_utils",
+    "transformers.integrations.",
+    "peft.",
+    "liger_kernel.",
+    "varpack.",
+)
+
+
+def _modeling_module(model_type: str) -> str:
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    return f"transformers.models.{name}.modeling_{name}"
+
+
+def unrecognised_module_classes(model: torch.nn.Module) -> list[str]:
+    """The module classes of ``model`` varpack has not verified as exact, ``module.QualName`` each, in order.
+
+    A class is recognised when it is defined in the transformers modeling module of a model type covered by a
+    family varpack runs (neither ``refused`` nor ``not_applicable``: the families verified by the model zoo,
+    docs/MODELS.md) or under :data:`POINTWISE_MODULE_PREFIXES`. A model of a ``model_type`` no family covers
+    (:data:`GENERIC`) runs only when this list is empty: built from known layers under another name.
+    """
+    _ensure_loaded()
+    known = {
+        _modeling_module(mt)
+        for fam in _FAMILIES.values()
+        if fam.refused is None and fam.not_applicable is None
+        for mt in fam.model_types
+    }
+    out: list[str] = []
+    for module in model.modules():
+        cls = type(module)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if cls.__module__.startswith(POINTWISE_MODULE_PREFIXES) or cls.__module__ in known or name in out:
+            continue
+        out.append(name)
+    return out
 
 
 def is_vl_model(model_or_config: Any) -> bool:

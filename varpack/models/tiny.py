@@ -88,22 +88,82 @@ TINY_SIZES: dict[str, Any] = {
     # vision / audio towers (built, never fed in a text-only check)
     "image_size": 32,
     "patch_size": 8,
+    # partial rotary width inside the head (GPT-J, CodeGen)
+    "rotary_dim": 8,
+    # Llama 4's dense MLP layers
+    "intermediate_size_mlp": 128,
+    # per-layer input embeddings (Gemma 3n / 4)
+    "vocab_size_per_layer_input": TINY_VOCAB_SIZE,
+    "hidden_size_per_layer_input": 8,
 }
 
 #: fields set only when the default is an int (``None`` means the feature is off: it stays off)
-_ONLY_IF_SET = frozenset({"sliding_window", "attention_chunk_size", "q_lora_rank"})
+_ONLY_IF_SET = frozenset(
+    {"sliding_window", "attention_chunk_size", "q_lora_rank", "hidden_size_per_layer_input", "rotary_dim"}
+)
+#: widths set even where the default is None (derived from other fields when not given)
+_CORE_SIZES = frozenset(
+    {"vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+     "max_position_embeddings", "d_model", "n_routed_experts", "num_experts_per_tok", "n_shared_experts"}
+)  # fmt: skip
 #: fields never set on a vision / audio sub-config (their own layer counts and widths are shrunk above)
 _TEXT_ONLY = frozenset({"vocab_size", "sliding_window", "attention_chunk_size", "max_position_embeddings"})
 
 #: per model type: config fields the generic rule cannot guess (facts of transformers' model tests)
-TINY_OVERRIDES: dict[str, dict[str, Any]] = {}
+TINY_OVERRIDES: dict[str, dict[str, Any]] = {
+    # real LFM2 checkpoints interleave short convolutions with attention (transformers' Lfm2ModelTester)
+    "lfm2": {"layer_types": ["full_attention", "conv"]},
+    # MiniMax-M3's language model has sparse (indexer-selected) attention layers beside full ones
+    "minimax_m3_vl_text": {"layer_types": ["full_attention", "minimax_m3_sparse"]},
+    # Mamba-2: hidden * expand == num_heads * head_dim
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
+    # Dory: input, looped (recurrent) and output layers; released configs list attention and MLP blocks apart
+    "dory": {
+        "num_hidden_layers": 4,
+        "n_input_layers": 1,
+        "n_recurrent_layers": 2,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    },
+    # the assistant's language model has no per-layer inputs
+    "gemma4_assistant": {"text_config": {"model_type": "gemma4_text", "hidden_size_per_layer_input": 0}},
+    "gemma4_unified_assistant": {
+        "text_config": {"model_type": "gemma4_unified_text", "hidden_size_per_layer_input": 0}
+    },
+    # Zamba: Mamba layers with a shared attention block every attn_layer_period layers (ZambaModelTester)
+    "zamba": {
+        "num_hidden_layers": 5,
+        "attn_layer_offset": 1,
+        "attn_layer_period": 8,
+        "num_key_value_heads": 4,
+        "n_mamba_heads": 2,
+        "mamba_dt_rank": 32,
+        "use_mamba_kernels": False,
+    },
+    # Qwen2-VL / Qwen2.5-VL: mRoPE sections of the tiny head (temporal, height, width halves of 16)
+    "qwen2_vl": {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}}},
+    "qwen2_5_vl": {
+        "text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}}
+    },
+    # dots.3: the sliding-window layers' head dim is the MLA q/k head dim (16 + 8)
+    "dots3_note_text": {"head_dim": 24},
+    # LFM2-MoE: dense layers, then MoE ones; attention and short convolutions interleaved
+    "lfm2_moe": {"layer_types": ["full_attention", "conv"], "num_dense_layers": 1},
+    # OLMo-hybrid: linear-attention (Gated DeltaNet) layers and at least one attention layer
+    "olmo_hybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    # ZAYA routes each token to one expert
+    "zaya": {"num_experts_per_tok": 1},
+}
 
 _MAX_LAYERS = 8
 
 
-def _fields(config: Any) -> set[str]:
-    names = set(config.to_dict())
-    names |= set(getattr(type(config), "attribute_map", {}) or {})
+def _fields(config: Any) -> dict[str, str]:
+    """``{name: stored name}`` of every field of ``config``, the ``attribute_map`` aliases included."""
+    names = {k: k for k in config.to_dict()}
+    for alias, stored in (getattr(type(config), "attribute_map", {}) or {}).items():
+        if stored in names:
+            names[alias] = stored
     return names
 
 
@@ -112,7 +172,7 @@ def _sub_configs(config: Any) -> dict[str, Any]:
 
     out = {}
     for name in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, name, None)
+        sub = config.__dict__.get(name)
         if isinstance(sub, PretrainedConfig):
             out[name] = sub
     return out
@@ -122,23 +182,20 @@ def _is_text(name: str | None) -> bool:
     return name is None or "text" in name or name in ("decoder", "language_config", "llm_config")
 
 
-def _num_layers(config: Any) -> int | None:
-    for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _per_layer_fields(config: Any, num_layers: int) -> dict[str, Any]:
-    """Fields holding one entry per layer (a list or a pattern string of length ``num_layers``)."""
+def _per_layer_fields(values: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Fields holding one entry per layer: a list of ``num_layers`` entries, or a ``*pattern*`` string of that
+    many characters (Nemotron-H's ``M-*`` block pattern)."""
     out = {}
-    for name, value in config.to_dict().items():
-        if name.startswith("_"):
+    for name, value in values.items():
+        if name.startswith("_") or num_layers < 2:
             continue
-        if isinstance(value, (list, tuple, str)) and len(value) == num_layers and num_layers > 1:
-            if isinstance(value, str) and " " in value:
-                continue
+        if isinstance(value, (list, tuple)) and len(value) == num_layers:
+            out[name] = list(value)
+        elif isinstance(value, str) and "pattern" in name and len(value) == num_layers:
             out[name] = value
     return out
 
@@ -147,53 +204,114 @@ def _layers_needed(per_layer: Mapping[str, Any]) -> int:
     """The fewest leading layers in which every kind of every per-layer field occurs (at least 2)."""
     need = 2
     for value in per_layer.values():
-        items = list(value)
-        try:
-            kinds = {repr(v) for v in items}
-        except TypeError:
-            continue
+        items = [repr(v) for v in value]
+        kinds = set(items)
         seen: set[str] = set()
         for i, item in enumerate(items):
-            seen.add(repr(item))
+            seen.add(item)
             if seen == kinds:
                 need = max(need, i + 1)
                 break
     return min(need, _MAX_LAYERS)
 
 
-def _cut(value: Any, n: int) -> Any:
-    return value[:n] if isinstance(value, str) else list(value)[:n]
+def _per_layer_config(value: Any, layers: int, scale: Mapping[str, float]) -> dict[str, Any]:
+    """A ``per_layer_config`` (``{layer index: field overrides}``) cut to the first ``layers`` layers, each
+    width scaled as its global field was (a layer twice as wide as the default stays twice as wide)."""
+    out = {}
+    for index, entry in dict(value).items():
+        if int(index) >= layers:
+            continue
+        out[index] = {
+            k: (max(1, round(v * scale[k])) if k in scale and _is_int(v) else v) for k, v in dict(entry).items()
+        }
+    return out
 
 
-def _shrunk_kwargs(config: Any, name: str | None) -> dict[str, Any]:
+def _shrunk_kwargs(config: Any, name: str | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Constructor keywords of a tiny version of ``config`` (a default config), sub-configs included."""
     fields = _fields(config)
-    defaults = config.to_dict()
+    values = config.to_dict()
     kwargs: dict[str, Any] = {}
+    scale: dict[str, float] = {}
     for key, value in TINY_SIZES.items():
-        if key not in fields:
+        stored = fields.get(key)
+        if stored is None or (not _is_text(name) and key in _TEXT_ONLY):
             continue
-        if not _is_text(name) and key in _TEXT_ONLY:
+        current = values.get(stored)
+        if key in _ONLY_IF_SET and not _is_int(current):
             continue
-        current = getattr(config, key, defaults.get(key))
-        if key in _ONLY_IF_SET and not isinstance(current, int):
-            continue
-        if isinstance(current, bool) or (current is not None and not isinstance(current, int)):
+        if current is None and key not in _CORE_SIZES:
+            continue  # a feature switched off by None (no experts, no shared experts): it stays off
+        if current is not None and not _is_int(current):
             continue  # a field of that name with another meaning (a list, a float, a flag)
-        kwargs[key] = value
+        kwargs[stored] = value
+    if "qk_rope_head_dim" in kwargs and "head_dim" in fields:  # MLA: head_dim is the rotary part
+        kwargs[fields["head_dim"]] = kwargs["qk_rope_head_dim"]
+    heads, kv_heads = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+    if heads in kwargs and kv_heads in kwargs and values.get(heads) == values.get(kv_heads):
+        kwargs[kv_heads] = kwargs[heads]  # a model that needs as many key/value heads as query heads keeps it
+    expand = values.get("mamba_expand", values.get("expand"))
+    if _is_int(expand) and "hidden_size" in kwargs:  # Mamba-2 heads: n_heads * d_head == expand * hidden
+        for n_key, d_key in (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim")):
+            if n_key in values and d_key in values:
+                kwargs[d_key] = 16
+                kwargs[n_key] = expand * kwargs["hidden_size"] // 16
+        if _is_int(values.get("mamba_d_ssm")):
+            kwargs["mamba_d_ssm"] = expand * kwargs["hidden_size"]
+    rope = values.get("rope_parameters")
+    head_dim = kwargs.get(fields.get("head_dim", ""))
+    if head_dim is None and "hidden_size" in kwargs and fields.get("num_attention_heads") in kwargs:
+        head_dim = kwargs["hidden_size"] // kwargs[fields["num_attention_heads"]]
+    if isinstance(rope, Mapping) and rope.get("mrope_section") and head_dim:
+        half = head_dim // 2  # mRoPE sections split the rotary half of a head
+        section = [max(1, round(x * half / sum(rope["mrope_section"]))) for x in rope["mrope_section"]]
+        section[0] += half - sum(section)
+        kwargs["rope_parameters"] = {**rope, "mrope_section": section}
+    for key, value in list(kwargs.items()):  # widths' scale, for per-layer overrides of them
+        if _is_int(value) and _is_int(values.get(key)) and values[key] > 0:
+            scale[key] = value / values[key]
+    if "is_decoder" in values and not values.get("is_encoder_decoder") and _is_text(name):
+        kwargs["is_decoder"] = True  # BERT-style encoders run as causal LMs (their *ForCausalLM needs it)
+    for sub_name, sub in _sub_configs(config).items():
+        sub_over = dict(overrides.get(sub_name, {}))
+        kwargs[sub_name] = {**sub.to_dict(), **_shrunk_kwargs(sub, sub_name, sub_over)}
+    layers_key = fields.get("num_hidden_layers") or next(
+        (fields[k] for k in ("num_layers", "n_layers") if k in fields), None
+    )
+    layers = values.get(layers_key) if layers_key else None
+    if _is_int(layers):
+        per_layer = _per_layer_fields(values, layers)
+        need = _layers_needed(per_layer) if _is_text(name) else min(layers, 2)
+        kwargs[layers_key] = need
+        own = [v for k, v in overrides.items() if k in per_layer and isinstance(v, (list, str))]
+        if layers_key in overrides:  # the layer count given as a fact: the config derives its patterns
+            need = overrides[layers_key]
+            per_layer = {}
+        elif own:  # a per-layer pattern given as a fact: its length is the layer count
+            need = len(own[0])
+            kwargs[layers_key] = need
+        shared = values.get("num_kv_shared_layers")
+        if _is_int(shared) and shared > 0:  # layers reusing earlier layers' keys / values: one of each kind
+            need = min(2 * need, 2 * _MAX_LAYERS)
+            kwargs[layers_key] = need
+            kwargs["num_kv_shared_layers"] = need // 2
+        for field_name, value in per_layer.items():
+            kwargs[field_name] = value[:need]
+        if isinstance(values.get("per_layer_config"), Mapping):
+            kwargs["per_layer_config"] = _per_layer_config(values["per_layer_config"], need, scale)
+    kwargs.update({k: v for k, v in overrides.items() if k not in _sub_configs(config)})
     return kwargs
 
 
 def _special_ids(config: Any, vocab: int) -> dict[str, Any]:
     """Every ``*_token_id`` / ``*_token_index`` field moved into ``[SAMPLE_TOKEN_RANGE[1], vocab)``: distinct
-    values above the sample tokens, the same old id always to the same new one."""
+    values above the sample tokens (ids 0-3 stay: pad / bos / eos), the same old id always to the same new one."""
     remap: dict[int, int] = {}
     spare = iter(range(SAMPLE_TOKEN_RANGE[1], vocab))
-    low = {0, 1, 2, 3}
 
     def move(value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, int):
-            return value
-        if value in low:
+        if not _is_int(value) or 0 <= value < 4:
             return value
         if value not in remap:
             remap[value] = next(spare, vocab - 1)
@@ -201,53 +319,30 @@ def _special_ids(config: Any, vocab: int) -> dict[str, Any]:
 
     out = {}
     for key, value in config.to_dict().items():
-        if not (key.endswith("_token_id") or key.endswith("_token_index") or key.endswith("_token_ids")):
+        if not key.endswith(("_token_id", "_token_index", "_token_ids")):
             continue
         if isinstance(value, list):
             out[key] = [move(v) for v in value]
-        elif isinstance(value, int) and not isinstance(value, bool):
+        elif _is_int(value):
             out[key] = move(value)
     return out
-
-
-def _build(config_cls: Any, kwargs: dict[str, Any]) -> Any:
-    return config_cls(**kwargs)
 
 
 def _generic_tiny(model_type: str) -> Any:
     from transformers import CONFIG_MAPPING
 
     config_cls = CONFIG_MAPPING[model_type]
-    default = config_cls()
-    overrides = dict(TINY_OVERRIDES.get(model_type, {}))
-    kwargs = _shrunk_kwargs(default, None)
-    for name, sub in _sub_configs(default).items():
-        sub_kwargs = _shrunk_kwargs(sub, name)
-        sub_layers = _num_layers(sub)
-        if sub_layers is not None:
-            key = next(k for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if hasattr(sub, k))
-            sub_kwargs[key] = min(sub_layers, 2)
-        sub_kwargs.update(overrides.pop(name, {}))
-        kwargs[name] = {**sub.to_dict(), **sub_kwargs}
-    layers = _num_layers(default)
-    if layers is not None:
-        per_layer = _per_layer_fields(default, layers)
-        need = _layers_needed(per_layer)
-        key = next(k for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if hasattr(default, k))
-        kwargs[key] = need
-        for field_name, value in per_layer.items():
-            kwargs[field_name] = _cut(value, need)
-    kwargs.update(overrides)
-    config = _build(config_cls, kwargs)
+    overrides = TINY_OVERRIDES.get(model_type, {})
+    try:
+        default = config_cls()
+    except (TypeError, ValueError):  # defaults the class itself refuses: start from the overrides' facts
+        default = config_cls(**overrides)
+    config = config_cls(**_shrunk_kwargs(default, None, overrides))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = int(getattr(text, "vocab_size", TINY_VOCAB_SIZE) or TINY_VOCAB_SIZE)
-    ids = _special_ids(config, vocab)
-    if ids:
-        for key, value in ids.items():
-            setattr(config, key, value)
-    if text is not config:
-        for key, value in _special_ids(text, vocab).items():
-            setattr(text, key, value)
+    vocab = int(getattr(text, "vocab_size", None) or TINY_VOCAB_SIZE)
+    for cfg in {id(config): config, id(text): text}.values():
+        for key, value in _special_ids(cfg, vocab).items():
+            setattr(cfg, key, value)
     return config
 
 

@@ -52,14 +52,27 @@ class CausalLMObjective:
         Returns:
             :class:`varpack.train.objectives.base.ObjectiveLoss` ``(loss, outputs, impl)``.
 
+        An MoE model that returns its router's auxiliary loss (``config.output_router_logits=True``) gets
+        ``config.router_aux_loss_coef * aux_loss`` added, as its own forward adds it when given labels; on a
+        packed row that loss is the one of the same samples as a padded batch with the padding masked
+        (:mod:`varpack.models.moe`).
+
         Raises:
             ValueError: from :func:`varpack.loss.causal_lm_loss` (mismatched shapes, ``"sample"`` without
-                ``seq_idx``).
+                ``seq_idx``); ``linear_ce`` with ``output_router_logits`` (the head-less path has no router
+                loss).
         """
         if inputs.get(CP_SHARD) is not None:
             return self._context_parallel_loss(model, inputs, reduction, num_items_in_batch, linear_ce)
         if linear_ce:
             from varpack.ops.linear_ce import causal_lm_forward_with_linear_ce
+
+            if getattr(getattr(model, "config", None), "output_router_logits", False):
+                raise ValueError(
+                    "linear_ce runs the base model without its head, which leaves out the MoE router's "
+                    "auxiliary loss (config.output_router_logits=True); train with linear_ce off, or set "
+                    "output_router_logits=False to train without that loss"
+                )
 
             batch = {k: v for k, v in inputs.items() if k not in BOOKKEEPING_BATCH_KEYS}
             loss = causal_lm_forward_with_linear_ce(
@@ -78,6 +91,9 @@ class CausalLMObjective:
             num_items_in_batch=num_items_in_batch,
             loss_scale=inputs.get("loss_scale"),
         )
+        aux = getattr(outputs, "aux_loss", None)
+        if aux is not None:  # MoE router load balancing (output_router_logits=True), added as transformers does
+            loss = loss + float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0) * aux.to(loss.dtype)
         return ObjectiveLoss(loss, outputs, "logits")
 
     def _context_parallel_loss(
