@@ -104,6 +104,7 @@ FLOOR_RANK = {
     "cli": 5,
     "train": 4,
     "check": 4,
+    "zoo": 4,
     "integrations": 3,
     "models": 3,
     "attn": 2,

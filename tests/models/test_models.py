@@ -186,6 +186,26 @@ def test_smollm2_real_model_exact_and_trains(tmp_path):
     assert len(losses) >= 3 and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
+def test_smollm2_varpack_check_cli_passes():
+    """`varpack check --model smollm2-135m`: the real weights (GGUF) on the built-in chats, packed == unpacked
+    (the CLI's own tolerance rule), exit 0; the attention backend auto chose is reported."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    _smollm2_dir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    entry = "import sys; from varpack.cli.main import main; sys.exit(main())"  # the `varpack` script
+    cmd = [sys.executable, "-c", entry, "check", "--model", "smollm2-135m", "--device", "cpu"]
+    cmd += ["--num-samples", "3", "--max-sample-length", "96", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["passed"] and result["num_samples"] == 3 and result["backend"] == "sdpa"
+
+
 @pytest.mark.parametrize("name", [n for n in BUILTIN_MODELS if n.startswith("tiny")])
 def test_builtin_model_and_its_tokenizer_agree(name):
     """Every built-in tiny model's embedding holds every id of the tokenizer load_tokenizer_for gives it,

@@ -4,6 +4,7 @@
                   [--gated-delta-backend auto|fla|fla_hybrid|chunk|chunk_compiled|naive]
                   [--dtype fp32|bf16|fp16] [--device cpu|cuda] [--num-samples N] [--max-sample-length L]
                   [--seed S] [--context-parallel N] [--context-parallel-attention auto|ulysses|ring] [--json]
+    varpack check --zoo [--zoo-type TYPE ...] [--write docs/MODELS.md] [--json]
 
 Encodes chat data (default: the built-in chats; for a vision-language model the built-in image-caption
 chats) with the model's tokenizer, takes the first ``--num-samples`` conversations (each cut to
@@ -21,6 +22,11 @@ carries exactly one JSON object. ``--dtype`` also takes torch's spellings (``flo
 over groups of N ranks (:mod:`varpack.integrations.context_parallel`): the group's logits are gathered, its loss
 and gradients summed, and compared with the one-process unpacked run as without it; rank 0 prints, every rank
 exits with the verdict.
+
+``--zoo`` runs the model zoo instead (:mod:`varpack.zoo`): every causal-LM model type of the installed
+transformers (or the ``--zoo-type`` ones) as a tiny random-init model on the CPU, one line per type (status,
+family, token mixers, reason); ``--write PATH`` writes the matrix (docs/MODELS.md). Exit 1 when a type lands in
+no state (inexact without a refusal, or exact without a family: the message says what to change).
 """
 
 from __future__ import annotations
@@ -138,6 +144,22 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--atol", type=float, default=None, help="override the logit tolerance (see docs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument(
+        "--zoo",
+        action="store_true",
+        help="run the model zoo: every causal-LM model type of the installed transformers, tiny, on the CPU",
+    )
+    p.add_argument(
+        "--zoo-type",
+        dest="zoo_types",
+        nargs="+",
+        default=None,
+        metavar="TYPE",
+        help="with --zoo: only these model types (transformers' spelling: llama, gpt_oss, deepseek_v3, ...)",
+    )
+    p.add_argument(
+        "--write", default=None, metavar="PATH", help="with --zoo: write the matrix (docs/MODELS.md) to PATH"
+    )
     return p
 
 
@@ -175,8 +197,48 @@ def select_mm_samples(encoded: list[dict[str, Any]], num_samples: int) -> list[d
     return [dict(encoded[i]) for i in range(num_samples)]
 
 
+def run_zoo(args: argparse.Namespace) -> int:
+    """``varpack check --zoo``: 0 when every model type is exact, refused or not applicable, 1 otherwise."""
+    from varpack.zoo import ZooError, as_dict, render_matrix, run_zoo, zoo_model_types
+
+    if args.zoo_types and args.write:
+        raise ValueError("--write writes the whole matrix: run --zoo without --zoo-type")
+    types = args.zoo_types
+    if types:
+        known = set(zoo_model_types())
+        from transformers import CONFIG_MAPPING
+
+        unknown = [t for t in types if t not in known and t not in CONFIG_MAPPING]
+        if unknown:
+            raise ValueError(f"--zoo-type: unknown model type(s) {unknown} for transformers' CONFIG_MAPPING")
+
+    def show(r: Any) -> None:
+        if not args.json:
+            print(f"{r.model_type:28s} {r.status:15s} {r.family:16s} {r.mixers}  {r.reason}".rstrip(), flush=True)
+
+    try:
+        results = run_zoo(types, progress=show)
+    except ZooError as exc:
+        print(f"varpack check --zoo: {exc}", file=sys.stderr)
+        return 1
+    counts = {s: sum(r.status == s for r in results) for s in ("exact", "refused", "not applicable")}
+    if args.json:
+        json.dump({"results": [as_dict(r) for r in results], "counts": counts}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(f"{len(results)} model types: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as f:
+            f.write(render_matrix(results))
+        if not args.json:
+            print(f"wrote {args.write}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``varpack check``: 0 on PASS, 1 on FAIL; errors propagate to ``varpack.cli.main`` (exit 1)."""
+    if args.zoo or args.zoo_types:
+        return run_zoo(args)
     check_data_files(args.data)  # a missing file is reported before torch and transformers are imported
     import torch
 
