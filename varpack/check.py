@@ -182,6 +182,8 @@ def _resolved_backend(
     from varpack.models.registry import family_of
 
     cfg = family_of(model).text_config(model)
+    if not _config_value(cfg, "num_attention_heads"):  # a pure state-space model (Mamba-2): no attention layer
+        return "none", "the model has no attention layers"
     heads = int(cfg.num_attention_heads)
     kv_heads = int(_config_value(cfg, "num_key_value_heads") or heads)
     head_dim = int(_config_value(cfg, "head_dim") or cfg.hidden_size // heads)

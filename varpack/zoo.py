@@ -120,21 +120,26 @@ def _config_model_type(model_type: str) -> str:
 
 def build_tiny_model(model_type: str, *, seed: int = 0) -> Any:
     """A random-init float32 model of ``model_type``'s tiny config: its causal LM (the image-text-to-text model
-    for :data:`VL_MODEL_TYPES`), transformers' sdpa attention where it has it, else eager.
+    for :data:`VL_MODEL_TYPES`), transformers' sdpa attention where it has it, else eager; built by the family
+    (:meth:`varpack.models.ModelFamily.build`) when the family gives the tiny config itself.
 
     Raises:
         whatever transformers raises for a config it cannot build (the zoo records it).
     """
     import transformers
 
+    from varpack.models.registry import family_for_model_type
     from varpack.models.tiny import tiny_config
 
     config = tiny_config(model_type)
+    family = family_for_model_type(config.model_type)
     auto = transformers.AutoModelForCausalLM
     if model_type in VL_MODEL_TYPES:
         auto = transformers.AutoModelForImageTextToText
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if family is not None and model_type in family.tiny_configs:  # the family's own tiny model
+            return family.build(config)
         try:
             return auto.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         except (ValueError, ImportError) as exc:
@@ -159,7 +164,10 @@ def token_mixers(config: Any, model: Any = None) -> str:
         kinds = ["full"]
         if isinstance(values.get("sliding_window"), int) and values.get("use_sliding_window", True):
             kinds.append("sliding")
-    parts = [f"attention ({', '.join(kinds)})"]
+    has_attention = bool(values.get("num_attention_heads") or values.get("n_head"))
+    if model is not None:
+        has_attention = any(re.search(r"Attention|Attn|MLA", type(m).__name__) for m in model.modules())
+    parts = [f"attention ({', '.join(kinds)})"] if has_attention or types else []
     if values.get("kv_lora_rank"):
         parts.append("MLA")
     experts = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
@@ -179,10 +187,11 @@ def token_mixers(config: Any, model: Any = None) -> str:
                 for m in model.modules()
                 if re.search(r"Mamba|ShortConv|Rwkv|RWKV|LSTM|Recurrent|DeltaNet|DeltaAttention|Lightning", type(m).__name__)
                 and not type(m).__name__.endswith(("ForCausalLM", "Model", "DecoderLayer", "Block", "Layer"))
+                and "Norm" not in type(m).__name__
             }
         )
         parts.extend(mixers[:2])
-    return ", ".join(parts)
+    return ", ".join(parts) or "-"
 
 
 def _short(exc: BaseException, limit: int = 140) -> str:

@@ -379,6 +379,13 @@ def varpack_attention_forward(
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
         shard = kwargs.get(CP_SHARD)
+        if shard is not None and (sinks is not None or chunk is not None):
+            what = "attention sinks" if sinks is not None else "chunked attention"
+            raise UnsupportedModelError(
+                f"{type(module).__name__}: {what} under context parallelism is not implemented (the ring / "
+                "Ulysses paths carry neither); train without --context-parallel",
+                feature=f"{what} under context parallelism",
+            )
         if shard is not None:  # this rank's tokens of a row split over a context-parallel group
             if through_op:
                 raise PackingGuardError(
@@ -695,6 +702,14 @@ def _first_class(model: torch.nn.Module, fragments: tuple[str, ...]) -> str | No
     return None
 
 
+def _conv_owner(model: torch.nn.Module) -> str | None:
+    """The class of the first module holding a 1-D convolution over the sequence (a token mixer of its own)."""
+    for module in model.modules():
+        if any(isinstance(child, torch.nn.Conv1d) for child in module.children()):
+            return type(module).__name__
+    return None
+
+
 def _refuse_by_family(model: torch.nn.Module) -> None:
     """A family that varpack refuses (or that packing does not apply to), and encoder-decoder models."""
     family = family_of(model)
@@ -894,7 +909,7 @@ def enable_varpack(
             raise UnsupportedModelError(str(exc), feature=f"linear attention {mixer}") from exc
         patched = gated_delta + int(patch_mamba2_mixers(model))
         if patched < num_linear:
-            mixer = _first_class(model, _LINEAR_MIXER_FRAGMENTS) or "of an unknown kind"
+            mixer = _first_class(model, _LINEAR_MIXER_FRAGMENTS) or _conv_owner(model) or "of an unknown kind"
             raise UnsupportedModelError(
                 f"{type(model).__name__} has {num_linear} linear-attention layers but only {patched} were "
                 f"patched: varpack's patches know Gated DeltaNet and Mamba-2 layers, not {mixer}",

@@ -239,6 +239,7 @@ MAMBA2 = Mamba2Family(
     position_ids="1d",
     builtins={name: partial(tiny_config, name) for name in TINY_MODELS},
     model_class=_causal_lm,
+    tiny_configs={model_type: partial(tiny_config, name) for model_type, name in TINY_BY_MODEL_TYPE.items()},
 )
 
 FAMILIES = (MAMBA2,)

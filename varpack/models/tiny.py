@@ -369,7 +369,7 @@ def tiny_config(model_type: str, *, vocab_size: int | None = None) -> Any:
     family = family_for_model_type(model_type)
     builder = family.tiny_configs.get(model_type) if family is not None else None
     if builder is not None:
-        return builder(vocab_size=vocab_size)
+        return builder(vocab_size=vocab_size or TINY_VOCAB_SIZE)
     config = _generic_tiny(model_type)
     if vocab_size is not None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
