@@ -38,6 +38,8 @@ On the GPU machine (files under /tmp survive between calls while the machine sta
   hybrid      benchmarks/hybrid_step.py: the Qwen3.5-shaped hybrid SFT step (HYBRID_ARGS)
   multi-gpu   benchmarks/scaling.py 1 -> all GPUs and FSDP2 1.7B, benchmarks/rank_step_time.py (>= 2 GPUs)
   profile     benchmarks/profile_step.py (PROFILE_CONFIG) and benchmarks/attention_profile.py
+  check       varpack check --dtype bf16 --device cuda for each model of CHECK_MODELS (auto's backend) and of
+              CHECK_FA4 (forced flash_attn_4): the packed step against fp32 per-sample truth, as a user runs it
 Benchmark stages need .gpu/ carried and run setup first. At most 8 files come back from a call: when the
 stages leave more, each stage's folder is packed into $OUT/STAGE.tar.xz.
 EOF
@@ -186,6 +188,15 @@ profile() {
   TAIL=30 run attention_profile 150 python3 benchmarks/attention_profile.py --lengths-file $SAMPLES --mix lognormal \
     --heads 16/4 --backends triton_short,flash_attn_4 --out "$D/attention_profile.json"; }
 
+checks() {
+  local m rc=0
+  for m in ${CHECK_MODELS:-tiny-qwen3 tiny-qwen3.5 tiny-gpt-oss tiny-qwen3-moe tiny-deepseek-v3 tiny-bamba tiny-falcon-h1}; do
+    TAIL=4 run "check_$m" 240 varpack check --model "$m" --dtype bf16 --device cuda || rc=$?; done
+  for m in ${CHECK_FA4:-tiny-gpt-oss tiny-qwen3-moe tiny-deepseek-v3}; do
+    TAIL=4 run "check_fa4_$m" 240 varpack check --model "$m" --dtype bf16 --device cuda --attn-backend flash_attn_4 || rc=$?; done
+  return $rc
+}
+
 pack_out() {  # at most 8 files come back from $OUT, 2 folders deep
   [ "$(find "$OUT" -type f | wc -l)" -le 8 ] && return
   for d in "$OUT"/*/; do d=${d%/}; tar -cJf "$d.tar.xz" -C "$OUT" "${d##*/}" && rm -rf "$d"; done
@@ -212,6 +223,7 @@ for stage in "$@"; do
       ${HYBRID_ARGS:---backends chunk,fla_hybrid,hf_padded_torch --steps 4 --rounds 1} --out "$D/hybrid_step.json"; r=$?; save_autotune; (exit $r); } ;;
     multi-gpu) need $SAMPLES && multi_gpu ;;
     profile) need $SAMPLES && profile ;;
+    check) quiet_setup && checks ;;
     *) say "unknown stage '$stage'"; usage; exit 2 ;;
   esac
   rc=$?; [ $rc = 0 ] || status=$rc
