@@ -12,7 +12,7 @@ One flag per :class:`varpack.train.config.SFTConfig` field (``--weight-decay``, 
 run, :func:`varpack.train.config.resolve_torch_compile`): ``varpack sft --help`` lists them all. ``--config run.yaml`` (or ``.json``) gives any
 of them from a file (:mod:`varpack.train.config_file`); flags on the command line override it. TRL / ms-swift
 spellings are accepted too (``--packing_length``, ``--max_length``, ``--learning_rate``, ``--attn_impl``,
-``--padding_free true``; README.md "Flags for TRL / ms-swift users").
+``--padding_free true``; docs/usage.md "Flags for TRL / ms-swift users").
 
 Without ``--data`` the built-in chats are used; the tokenizer is the model directory's / GGUF file's own,
 else the embedded Qwen3 vocabulary. Prints the packing report (samples, packs, fill, overflow) first, for a
@@ -23,7 +23,7 @@ engine and the step configuration it runs, with the reason (``speed     regional
 CE (auto on CUDA: ...)``), then a progress bar with loss, tokens/s and pack fill, and saves the model and tokenizer to ``--output-dir``, with
 the resolved settings as ``varpack_config.yaml`` (``--config`` reads it back).
 ``--cuda-graphs`` runs the fastest exact step measured (static-shape packs, decoder layers replayed as CUDA
-graphs, fused linear CE: 1.9x the default step on an H200; README.md) where it is shown to work, and is refused
+graphs, fused linear CE: 1.9x the default step on an H200; docs/speed.md) where it is shown to work, and is refused
 with an error naming the setting elsewhere (:func:`varpack.train.config.check_cuda_graphs`).
 Runs on CPU and GPU, and under ``torchrun`` / ``accelerate launch`` (each rank trains on its share of the
 packs).

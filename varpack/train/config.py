@@ -17,7 +17,7 @@ Field metadata keys (read by :mod:`varpack.train.cli_flags`):
 * ``aliases``: other names of the setting, as TRL / ms-swift spell them (``max_length`` for
   ``packing_length``): accepted as flags (``--max_length``, hidden from ``--help`` apart from a note in the
   flag's help) and as keys of a ``--config`` file. Only where the other tool's setting means the same thing;
-  README.md "Flags for TRL / ms-swift users" says where the behaviour around it differs.
+  docs/usage.md "Flags for TRL / ms-swift users" says where the behaviour around it differs.
 
 A field annotated :data:`AutoBool` (``bool | Literal["auto"]``, ``torch_compile``) is a tri-state switch:
 ``--flag`` (on), ``--flag false`` / ``--no-flag`` (off), ``--flag auto``; a ``--config`` file gives ``true``,
@@ -532,7 +532,7 @@ class SFTConfig:
         loss_type: DPO loss, ``sigmoid`` or ``robust`` (TRL's names and formulas).
         report_to: Trainer integrations (``none`` by default; several comma-separated); transformers' open
             set (``all``, ``tensorboard``, ``wandb``, ...), checked by ``TrainingArguments``. They get
-            varpack's per-step metrics and the packing report (README "Logging",
+            varpack's per-step metrics and the packing report (docs/usage.md "Logging",
             :mod:`varpack.train.reporting`).
         extra_training_args: more ``transformers.TrainingArguments`` keywords (applied last).
 

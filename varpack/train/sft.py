@@ -820,7 +820,7 @@ def _report_to(text: str) -> str | list[str]:
         if name not in available:
             raise ValueError(
                 f"report_to={text!r}: the {name!r} integration's package is not installed (pip install "
-                f"{name}; README 'Logging')"
+                f"{name}; docs/usage.md, 'Logging')"
             )
     return names
 
