@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from benchmarks.scaling import compare, main
+from tests import _launch as launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,33 +21,8 @@ def test_small_runs_and_their_table(tmp_path, capsys):
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         OMP_NUM_THREADS="1",
     )
-    run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "benchmarks/scaling.py",
-            "--small",
-            "--out",
-            str(two),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=os.setsid,  # its own process group: killed whole on a timeout
-    )
-    try:
-        out, _ = run.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGKILL)  # the launcher and both ranks
-        out, _ = run.communicate()
-        raise AssertionError(f"2-rank run did not finish in 300 s: {out[-3000:]}") from None
-    assert run.returncode == 0, out[-3000:]
+    run = launch.run(launch.torchrun(2, "benchmarks/scaling.py", "--small", "--out", two), timeout=300, cwd=ROOT, env=env)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     w1, w2 = json.loads(one.read_text()), json.loads(two.read_text())
     assert (w1["world_size"], w1["engine"], w2["world_size"], w2["engine"]) == (1, "none", 2, "ddp")
     assert len(w2["ms_per_step_per_rank"]) == 2 and w2["tokens_per_s"] > 0

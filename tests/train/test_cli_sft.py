@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from tests import _launch as launch
 from varpack.models import load_model
 from varpack.train import SFTConfig, build_sft
 
@@ -226,8 +226,8 @@ def test_cli_sft_three_steps(tmp_path, capsys):
 
 _DDP_SCRIPT = r"""
 import sys, torch
-sys.path.insert(0, {tests!r})
-from test_cli_sft import _build
+sys.path.insert(0, {root!r})
+from tests.train.test_cli_sft import _build
 import pathlib
 out = pathlib.Path({out!r})
 # round-robin (no cost balance): step 1 is the first 2 packs of the epoch's order under 1 or 2 ranks
@@ -247,25 +247,15 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path, reduction):
     """torchrun with 2 CPU ranks (one pack each, DDP over gloo) makes the same SGD step as one process with
     both packs in one row: each rank trains on its share, and the loss is the global mean."""
     import pathlib
-    import subprocess
 
-    tests = str(pathlib.Path(__file__).parent)
+    root = str(pathlib.Path(__file__).parents[2])
     params, logs = {}, {}
     for name, nproc, pps in (("ddp", 2, 1), ("single", 1, 2)):
         out = tmp_path / name
         out.mkdir()
         script = out / "run.py"
-        script.write_text(_DDP_SCRIPT.format(tests=tests, out=str(out), pps=pps, red=reduction))
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(nproc),
-            str(script),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        script.write_text(_DDP_SCRIPT.format(root=root, out=str(out), pps=pps, red=reduction))
+        proc = launch.run(launch.torchrun(nproc, script), timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         params[name] = torch.load(out / "params.pt")
         logs[name] = [h for h in torch.load(out / "logs.pt") if "loss" in h]

@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests import _launch as launch
 from varpack.collate import PaddingFreeCollator, shard_batch
 from varpack.loss import causal_lm_loss, shifted_lm_loss
 from varpack.models import load_model
@@ -359,17 +358,8 @@ def _launch(tmp_path, world):
     root = str(pathlib.Path(__file__).parents[2])
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.format(root=root, out=str(tmp_path)))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(world),
-        str(script),
-    ]
     env = {**os.environ, "PYTHONPATH": root, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=tmp_path)
+    proc = launch.run(launch.torchrun(world, script), timeout=900, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return proc
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests import _launch as launch
 from varpack.models import load_model
 from varpack.train import SFTConfig, build_sft
 from varpack.train.trainer import EngineReportCallback
@@ -207,8 +206,7 @@ def test_ddp_and_fsdp2_two_gloo_ranks_step_equals_one_process_step(tmp_path):
     root = str(pathlib.Path(__file__).parents[2])
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.format(root=root, out=str(tmp_path)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = launch.run(launch.torchrun(2, script), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
 
@@ -256,14 +254,13 @@ def test_accelerate_launch_two_cpu_ranks_runs_ddp(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2 -m varpack.cli.main sft` (accelerate's launcher; on
     CPUs it runs gloo): the run trains, prints the DDP engine line once, and leaves no empty output folder."""
     pytest.importorskip("accelerate")
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+    cmd = launch.accelerate_launch(
+        2, "--mixed_precision", "no", "--dynamo_backend", "no",
         "-m", "varpack.cli.main", "sft", "--max-steps", "1", "--no-save", "--packing-length", "2048",
         "--overflow", "drop",
-    ]  # fmt: skip
+    )  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[2]), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    proc = launch.run(cmd, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout + proc.stderr
     assert out.count("engine    DDP on 2 ranks") == 1, out[-3000:]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from tests import _launch as launch
 from tests._exact import LOSS_RTOL, assert_exact, measure
 from varpack.loss import causal_lm_loss
 from varpack.models import load_model
@@ -195,14 +196,11 @@ def test_eval_loss_on_two_gloo_ranks_counts_every_pack_once(tmp_path):
     that pack twice."""
     import json
     import pathlib
-    import subprocess
-    import sys
 
     root = str(pathlib.Path(__file__).parents[2])
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.format(root=root, out=str(tmp_path)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = launch.run(launch.torchrun(2, script), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
     assert results[0]["packs"] % 4 != 0  # 2 ranks x 2 packs: the last batch needs a filler

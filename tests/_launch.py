@@ -1,0 +1,83 @@
+"""Multi-process launches for the CPU tests (gloo): torchrun and accelerate's launcher on the loopback address,
+with a hard timeout that stops the launcher and every rank.
+
+Two things make a launch hermetic on any machine:
+
+* the rendezvous address is ``127.0.0.1`` (``--local-addr`` / ``--main_process_ip``): by default torchrun
+  hands its workers ``socket.getfqdn()`` as the store address, and where the host name does not resolve
+  (a CI container, a laptop off its network) every rank retries the connection for 30 minutes;
+* on a timeout the whole tree is killed: torchrun starts each worker in its own session, so killing the
+  launcher's process group leaves the ranks alive, holding the output open.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+
+LOOPBACK = "127.0.0.1"
+
+
+def torchrun(nproc: int, *args: object) -> list[str]:
+    """The command ``torchrun --standalone --nproc-per-node NPROC ARGS...`` with the rendezvous on the loopback."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", LOOPBACK,
+            "--nproc-per-node", str(nproc), *map(str, args)]  # fmt: skip
+
+
+def accelerate_launch(nproc: int, *args: object) -> list[str]:
+    """``accelerate launch --multi_gpu --num_processes NPROC`` (gloo on CPUs), its main process on the loopback."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+            "--num_machines", "1", "--main_process_ip", LOOPBACK, "--main_process_port", "0",
+            *map(str, args)]  # fmt: skip
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        import psutil
+    except ImportError:  # without psutil: the launcher's session only (its ranks run in sessions of their own)
+        psutil = None
+    procs = []
+    if psutil is not None:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except Exception:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run(cmd: Sequence[str], *, timeout: float, env: dict | None = None, cwd: object = None,
+        ) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run a launch command; its stdout and stderr go to files (no pipe a surviving rank could hold open).
+
+    Raises AssertionError naming the command and the end of its output when it runs past ``timeout`` seconds,
+    after killing the launcher and every process under it."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            list(cmd), stdout=out, stderr=err, text=True, env=env, cwd=cwd, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            proc.wait()
+            out.seek(0)
+            err.seek(0)
+            raise AssertionError(
+                f"{' '.join(cmd)} did not finish in {timeout:g} s:\n{out.read()[-2000:]}\n{err.read()[-4000:]}"
+            ) from None
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(list(cmd), rc, out.read(), err.read())
