@@ -105,6 +105,19 @@ def _deterministic():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _attention_registry_restored():
+    """A backend a test registers (a benchmark's ``no_kernel``, a fake) is gone before the next test: the
+    registry is what ``--attn-backend`` offers and what ``auto`` chooses from."""
+    from varpack.attn import registry
+
+    before = dict(registry.BACKENDS)
+    yield
+    if registry.BACKENDS != before:
+        registry.BACKENDS.clear()
+        registry.BACKENDS.update(before)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # uninitialised memory must not pass a test
 # ---------------------------------------------------------------------------------------------------------

@@ -186,11 +186,14 @@ def test_rounds_time_every_config_in_varied_order_and_report_the_median(monkeypa
     padded reference is timed once, after the rounds."""
     import benchmarks.attention as A
 
-    calls: list[tuple[int, bool]] = []  # (timed function id, queued) of every fwd+bwd timing, in order
-    ids: dict[int, int] = {}
+    calls: list[tuple[int, bool]] = []  # (timed function's number, queued) of every fwd+bwd timing, in order
+    seen: list = []  # every timed function, kept alive: a freed function's id() can be reused by the next one
 
     def fake_time_fn(fn, device, *, warmup=3, iters=10, queued=False):
-        owner = ids.setdefault(id(fn), len(ids))
+        owner = next((i for i, f in enumerate(seen) if f is fn), None)
+        if owner is None:
+            owner = len(seen)
+            seen.append(fn)
         if "fwd_bwd" in getattr(fn, "__qualname__", ""):
             calls.append((owner, queued))
         n = sum(1 for c in calls if c[0] == owner)  # each timing of a function takes longer: rounds differ
