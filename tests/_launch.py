@@ -6,8 +6,8 @@ Two things make a launch hermetic on any machine:
 * the rendezvous address is ``127.0.0.1`` (``--local-addr`` / ``--main_process_ip``): by default torchrun
   hands its workers ``socket.getfqdn()`` as the store address, and where the host name does not resolve
   (a CI container, a laptop off its network) every rank retries the connection for 30 minutes;
-* on a timeout the whole tree is killed: torchrun starts each worker in its own session, so killing the
-  launcher's process group leaves the ranks alive, holding the output open.
+* on a timeout the whole tree is killed: torchrun starts each worker with ``setsid`` (a process group of its
+  own), so killing the launcher's process group leaves the ranks alive, holding the output open.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def accelerate_launch(nproc: int, *args: object) -> list[str]:
 def _kill_tree(pid: int) -> None:
     try:
         import psutil
-    except ImportError:  # without psutil: the launcher's session only (its ranks run in sessions of their own)
+    except ImportError:  # without psutil: the launcher's process group only (each rank has its own)
         psutil = None
     procs = []
     if psutil is not None:
@@ -66,7 +66,7 @@ def run(cmd: Sequence[str], *, timeout: float, env: dict | None = None, cwd: obj
     after killing the launcher and every process under it."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            list(cmd), stdout=out, stderr=err, text=True, env=env, cwd=cwd, start_new_session=True
+            list(cmd), stdout=out, stderr=err, text=True, env=env, cwd=cwd, preexec_fn=os.setsid
         )
         try:
             rc = proc.wait(timeout=timeout)
