@@ -45,6 +45,7 @@ from benchmarks._common import (  # noqa: E402
     markdown_table,
     write_json,
 )
+from varpack.train.distributed import close_process_group  # noqa: E402
 from varpack.varlen.shard import contiguous_split, zigzag_split  # noqa: E402
 
 SPLITS = {"zigzag": zigzag_split, "contiguous": contiguous_split}
@@ -236,8 +237,7 @@ def run_memory(args: argparse.Namespace) -> None:
                 "per_rank": [{"bytes": b, "tokens": n} for b, n in got],
             },
         )
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from varpack.data.dataset import PackedDataset  # noqa: E402
 from varpack.data.sampler import BalancedPackSampler  # noqa: E402
 from varpack.plan import plan_packs  # noqa: E402
 from varpack.plan.balance import attention_cost_weight, layout_imbalance  # noqa: E402
+from varpack.train.distributed import close_process_group  # noqa: E402
 from varpack.train.objectives import get_objective  # noqa: E402
 from varpack.train.trainer import TrainCollator  # noqa: E402
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, {"args": vars(args), "world_size": world, "rows": [
             {"layout": name, "ms_per_slot_per_rank": per_rank, "measured": m, "model": pred, "slots": n}
             for name, per_rank, m, pred, n in rows]})  # fmt: skip
-    dist.destroy_process_group()
+    close_process_group()
     return 0
 
 

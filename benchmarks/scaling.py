@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ from varpack.data.dataset import PackedDataset  # noqa: E402
 from varpack.data.sampler import BalancedPackSampler  # noqa: E402
 from varpack.plan import plan_packs  # noqa: E402
 from varpack.plan.balance import attention_cost_weight, pack_membership_fingerprint  # noqa: E402
-from varpack.train.distributed import check_same_on_all_ranks  # noqa: E402
+from varpack.train.distributed import check_same_on_all_ranks, close_process_group  # noqa: E402
 from varpack.train.objectives import get_objective  # noqa: E402
 from varpack.train.trainer import TrainCollator  # noqa: E402
 
@@ -82,6 +83,36 @@ def wrap(model: torch.nn.Module, engine: str, device: torch.device) -> torch.nn.
     return model
 
 
+def _timed_steps(model: Any, engine: str, batches: list, device: Any, world: int, *, linear_ce: bool) -> dict:
+    """One cold pass, then the timed steps (``cold_then_timed``) of ``model`` under ``engine``. The DDP / FSDP2
+    wrapper lives in this frame only: it is gone before the caller closes the process group."""
+    if engine != "none":
+        model = wrap(model, engine, device)
+    opt, objective = make_optimizer(model, device), get_objective("sft")
+
+    def step(i: int) -> torch.Tensor:
+        batch = {
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batches[i].items()
+        }
+        count = objective.count_items(batch, reduction="token").to(torch.float32)
+        if world > 1:
+            dist.all_reduce(count)  # the step's global supervised tokens, a device tensor (no host sync)
+        loss = objective.loss(model, batch, num_items_in_batch=count, linear_ce=linear_ce).loss
+        (
+            loss * world
+        ).backward()  # DDP / FSDP2 average gradients over ranks; the loss is already a global mean
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def wait() -> None:
+        dist.barrier()
+        sync(device)
+
+    return cold_then_timed(step, len(batches), device, 1, per_step=True, wait=wait)
+
+
 def run(args: argparse.Namespace) -> dict | None:
     rank, world, device = init_distributed()
     cuda = device.type == "cuda"
@@ -111,33 +142,7 @@ def run(args: argparse.Namespace) -> dict | None:
     engine = (
         args.engine if world > 1 or args.engine == "fsdp2" else "none"
     )  # one GPU: what a single-GPU user runs
-    if engine != "none":
-        model = wrap(model, engine, device)
-    opt, objective = make_optimizer(model, device), get_objective("sft")
-
-    def step(i: int) -> torch.Tensor:
-        batch = {
-            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in batches[i].items()
-        }
-        count = objective.count_items(batch, reduction="token").to(torch.float32)
-        if world > 1:
-            dist.all_reduce(count)  # the step's global supervised tokens, a device tensor (no host sync)
-        loss = objective.loss(
-            model, batch, num_items_in_batch=count, linear_ce=args.loss_impl == "linear_ce"
-        ).loss
-        (
-            loss * world
-        ).backward()  # DDP / FSDP2 average gradients over ranks; the loss is already a global mean
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def wait() -> None:
-        dist.barrier()
-        sync(device)
-
-    t = cold_then_timed(step, len(batches), device, 1, per_step=True, wait=wait)
+    t = _timed_steps(model, engine, batches, device, world, linear_ce=args.loss_impl == "linear_ce")
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     mine = {
         "tokens": sum(int(b["input_ids"].numel()) for b in batches),
@@ -146,8 +151,7 @@ def run(args: argparse.Namespace) -> dict | None:
     }
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
-    dist.barrier()  # every rank leaves together
-    dist.destroy_process_group()
+    close_process_group()  # every rank leaves together; the wrapped model went with _timed_steps
     if rank != 0:
         return None
     tps, ms = sum(r["tokens"] for r in gathered) / t["seconds"], [r["ms_per_step"] for r in gathered]

@@ -236,8 +236,9 @@ run.trainer.train()
 if run.trainer.is_world_process_zero():
     torch.save({{n: p.detach() for n, p in run.model.named_parameters()}}, out / "params.pt")
     torch.save(run.trainer.state.log_history, out / "logs.pt")
-from varpack.cli.sft import _close_process_group
-_close_process_group()  # what `varpack sft` does: an open gloo group can abort the process at exit
+del run  # no DDP-wrapped model may outlive the group (close_process_group)
+from varpack.train.distributed import close_process_group
+close_process_group()  # what `varpack sft` does: an open gloo group can abort the process at exit
 """
 
 

@@ -347,8 +347,8 @@ if world == 2:  # the CLI, in this process group; sft last (it closes the group)
     if rank == 0:
         (out / "cli-sft.json").write_text(json.dumps({{"code": code, "stdout": buf.getvalue()}}))
 else:
-    from varpack.cli.sft import _close_process_group
-    _close_process_group()
+    from varpack.train.distributed import close_process_group
+    close_process_group()
 """
 
 

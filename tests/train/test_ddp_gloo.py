@@ -197,8 +197,8 @@ try:
 except RuntimeError as e:
     result["mismatch"] = str(e)
 (out / f"result{{rank}}.json").write_text(json.dumps(result))
-from varpack.cli.sft import _close_process_group
-_close_process_group()
+from varpack.train.distributed import close_process_group
+close_process_group()
 """
 
 

@@ -184,8 +184,9 @@ for reduction in ("token", "sample"):
     output = trainer.evaluation_loop(loader, "Evaluation", prediction_loss_only=True)
     result[reduction + "-control"] = output.metrics["eval_loss"]
 (out / f"result{{os.environ['RANK']}}.json").write_text(json.dumps(result))
-from varpack.cli.sft import _close_process_group
-_close_process_group()
+del trainer, loader  # no DDP-wrapped model may outlive the group (close_process_group)
+from varpack.train.distributed import close_process_group
+close_process_group()
 """
 
 

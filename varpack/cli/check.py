@@ -247,9 +247,9 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, torch)
     finally:
         if opened:
-            from varpack.cli.sft import _close_process_group
+            from varpack.train.distributed import close_process_group
 
-            _close_process_group()
+            close_process_group()
 
 
 def _init_process_group(cp: int) -> bool:

@@ -85,20 +85,13 @@ def run(args: argparse.Namespace) -> int:
     """Run ``varpack sft``; returns 0. Errors propagate to ``varpack.cli.main`` (exit codes 2 / 1)."""
     config = config_from_args(args)
     check_data_files(config.data)  # a missing file is reported before torch and transformers are imported
+    from varpack.train.distributed import close_process_group
     from varpack.train.sft import run_sft
 
     try:
         run_sft(config)
     finally:
-        _close_process_group()
+        close_process_group()
     return 0
 
 
-def _close_process_group() -> None:
-    """Tear down the process group torchrun/accelerate opened (the Trainer leaves it open): a gloo group
-    left to the interpreter's exit can abort the process ("terminate called without an active exception")."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
