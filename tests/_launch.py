@@ -13,7 +13,6 @@ Two things make a launch hermetic on any machine:
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,26 +35,19 @@ def accelerate_launch(nproc: int, *args: object) -> list[str]:
 
 
 def _kill_tree(pid: int) -> None:
+    """Kill ``pid`` and every process under it (torchrun's ranks are not in its process group)."""
+    import psutil
+
     try:
-        import psutil
-    except ImportError:  # without psutil: the launcher's process group only (each rank has its own)
-        psutil = None
-    procs = []
-    if psutil is not None:
-        try:
-            root = psutil.Process(pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            procs = []
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
     for p in procs:
         try:
             p.kill()
-        except Exception:
+        except psutil.NoSuchProcess:
             pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def run(cmd: Sequence[str], *, timeout: float, env: dict | None = None, cwd: object = None,

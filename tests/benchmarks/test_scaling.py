@@ -21,7 +21,8 @@ def test_small_runs_and_their_table(tmp_path, capsys):
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         OMP_NUM_THREADS="1",
     )
-    run = launch.run(launch.torchrun(2, "benchmarks/scaling.py", "--small", "--out", two), timeout=300, cwd=ROOT, env=env)
+    cmd = launch.torchrun(2, "benchmarks/scaling.py", "--small", "--out", two)
+    run = launch.run(cmd, timeout=300, cwd=ROOT, env=env)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     w1, w2 = json.loads(one.read_text()), json.loads(two.read_text())
     assert (w1["world_size"], w1["engine"], w2["world_size"], w2["engine"]) == (1, "none", 2, "ddp")
