@@ -186,8 +186,11 @@ def test_models_it_is_not_shown_for_are_refused(name, fragment):
     from varpack.train.sft import _refuse_graph_model
 
     with pytest.raises(ValueError, match=f"--cuda-graphs with .*{fragment}"):
-        _refuse_graph_model(load_model(name))
-    _refuse_graph_model(load_model("tiny-qwen3", vocab_size=VOCAB))  # control: a dense text model passes
+        _refuse_graph_model(load_model(name), autocast=True)
+    dense = load_model("tiny-qwen3", vocab_size=VOCAB)
+    _refuse_graph_model(dense, autocast=True)  # control: a dense text model under autocast passes
+    with pytest.raises(ValueError, match="--cuda-graphs with float32 training"):
+        _refuse_graph_model(dense)  # and without autocast its float32 weights are refused
 
 
 def test_float32_training_is_refused_with_the_fix_named(monkeypatch):
@@ -420,7 +423,7 @@ def test_hint_only_where_the_flag_would_run():
     def run(device="cuda", world=1, model="tiny-qwen3", **fields):
         args = types.SimpleNamespace(device=torch.device(device), world_size=world)
         return types.SimpleNamespace(
-            config=SFTConfig(**fields),
+            config=SFTConfig(**{"bf16": True, **fields}),
             trainer=types.SimpleNamespace(args=args),
             model=load_model(model, vocab_size=VOCAB) if model == "tiny-qwen3" else load_model(model),
         )
@@ -432,6 +435,7 @@ def test_hint_only_where_the_flag_would_run():
     assert not sft._graphs_would_run(run(grad_accum=2))
     assert not sft._graphs_would_run(run(world=2))
     assert not sft._graphs_would_run(run(model="tiny-qwen3.5"))
+    assert not sft._graphs_would_run(run(bf16=False))  # float32 training
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash_attn_4", "triton_short"])

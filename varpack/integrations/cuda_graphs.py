@@ -40,6 +40,7 @@ __all__ = [
     "capture_or_error",
     "compile_layers_as_graphs",
     "cudagraph_skips",
+    "model_refusal",
 ]
 
 #: :func:`varpack.integrations.kernels.compile_layers` keywords of CUDA-graph layers: attention as the custom op
@@ -51,6 +52,39 @@ GRAPH_COMPILE_KW: dict[str, Any] = {
     "dynamic": False,
     "mode": "reduce-overhead",
 }
+
+
+def model_refusal(model: torch.nn.Module, *, autocast: bool = False) -> str | None:
+    """Why ``model``'s decoder layers cannot run as CUDA graphs exactly, or ``None`` when they can.
+
+    Args:
+        model: a transformers model (before or after :func:`varpack.integrations.transformers.enable_varpack`).
+        autocast: the step runs under bf16 / fp16 autocast (``--bf16``), so float32 weights are fine.
+
+    Returns:
+        ``None``, or the reason in words, naming the model class: a vision-language model (the vision tower and
+        mRoPE positions are not tested with static packs and captured layers); recurrent mixers (Gated DeltaNet /
+        Mamba-2: host-built chunk layouts, a replayed graph would reuse the previous pack's); float32 training
+        without autocast (no capturable varlen kernel has a float32 backward through varpack's op).
+    """
+    from varpack.models import is_vl_model
+    from varpack.models.registry import family_of
+
+    name = type(model).__name__
+    if is_vl_model(model):
+        return f"a vision-language model ({name}): the vision tower and mRoPE positions are not tested with graphs"
+    if family_of(model).linear_layers(model):
+        return (
+            f"{name}: its recurrent mixers (Gated DeltaNet / Mamba-2) launch from chunk layouts built on the host "
+            "from each pack's boundaries, which a replayed graph would not rebuild"
+        )
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32 and not autocast:
+        return (
+            "float32 training: the captured layers need bf16 / fp16 attention (FlashAttention-4); "
+            "--bf16 (mixed precision) or --dtype bfloat16 gets them"
+        )
+    return None
 
 
 def compile_layers_as_graphs(

@@ -698,12 +698,7 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], devic
         enable_varpack(model, backend=config.attn_backend, linear_backend=config.gated_delta_backend)
     model.config.use_cache = False
     if config.cuda_graphs:
-        _refuse_graph_model(model)
-        param_dtype = next(model.parameters()).dtype
-        if param_dtype == torch.float32 and not config.bf16:
-            # float32 attention: no varlen kernel that launches without reading cu_seqlens on the host has a
-            # backward through the op for it (auto would reach sdpa, which cannot be captured)
-            raise ValueError(_GRAPHS_FLOAT32)
+        _refuse_graph_model(model, autocast=config.bf16)
         from varpack.integrations.cuda_graphs import compile_layers_as_graphs
 
         compile_layers_as_graphs(model, device=device, what="--cuda-graphs")
@@ -721,25 +716,18 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], devic
     return model
 
 
-def _refuse_graph_model(model: Any) -> None:
-    """``--cuda-graphs`` for a model it is not shown to run: a vision-language model (the vision tower and
-    mRoPE positions are not tested with static packs and captured layers) or one with Gated DeltaNet / Mamba-2
-    mixers (graph breaks, which ``fullgraph=True`` refuses at the first step; refused here instead).
+def _refuse_graph_model(model: Any, *, autocast: bool = False) -> None:
+    """``--cuda-graphs`` for a model it is not shown to run exactly
+    (:func:`varpack.integrations.cuda_graphs.model_refusal`).
 
     Raises:
-        ValueError: naming the model class and why.
+        ValueError: ``"--cuda-graphs with <the reason, naming the model class>"``.
     """
-    from varpack.models import is_vl_model
-    from varpack.models.registry import family_of
+    from varpack.integrations.cuda_graphs import model_refusal
 
-    name = type(model).__name__
-    if is_vl_model(model):
-        raise ValueError(f"--cuda-graphs with a vision-language model ({name}): not tested; train without it")
-    if family_of(model).linear_layers(model):
-        raise ValueError(
-            f"--cuda-graphs with {name}: its recurrent mixers (Gated DeltaNet / Mamba-2) are graph breaks, and "
-            "CUDA-graph layers are compiled whole (fullgraph); train without it"
-        )
+    reason = model_refusal(model, autocast=autocast)
+    if reason is not None:
+        raise ValueError(f"--cuda-graphs with {reason}")
 
 
 def training_arguments(config: SFTConfig) -> Any:
@@ -940,7 +928,7 @@ def _graphs_would_run(run: SFTRun) -> bool:
         return False
     try:
         check_cuda_graphs(replace(config, cuda_graphs=True), device=args.device.type, world_size=args.world_size)
-        _refuse_graph_model(run.model)
+        _refuse_graph_model(run.model, autocast=config.bf16)
     except ValueError:
         return False
     return True
