@@ -212,13 +212,15 @@ def test_cli_sft_three_steps(tmp_path, capsys):
     speed = (
         "speed     regional torch.compile + chunked linear CE (auto on CUDA: fastest measured"
         if cuda
-        else "speed     eager + chunked linear CE (auto: CPU run; compiled by default on CUDA only)\n"
+        else "speed     eager + chunked linear CE (auto: CPU run; compiled by default on CUDA only); "
+        "CUDA graphs off (auto: CPU run; CUDA graphs need a CUDA GPU)\n"
     )
     assert "engine    single process\n" + speed in out
     import yaml
 
     saved = yaml.safe_load((out_dir / "varpack_config.yaml").read_text())
     assert saved["torch_compile"] is cuda  # resolved, so the rerun line runs the same step
+    assert saved["cuda_graphs"] is False  # a CPU run, or float32 training on a GPU
     model = AutoModelForCausalLM.from_pretrained(out_dir)
     tok = AutoTokenizer.from_pretrained(out_dir)
     assert model.config.vocab_size == 151936 and tok("Hello, world!")["input_ids"] == [9707, 11, 1879, 0]

@@ -383,10 +383,10 @@ def test_run_prints_the_speed_line_it_ran(tmp_path, loss_impl):
         "linear_ce": f"chunked linear CE ({cpu}; loss forced by --loss-impl linear_ce)",
         "logits": f"CE on the logits ({cpu}; loss forced by --loss-impl logits)",
     }[loss_impl]
-    assert speed == [f"speed     eager + {expected}"]
+    assert speed == [f"speed     eager + {expected}; CUDA graphs off (auto: CPU run; CUDA graphs need a CUDA GPU)"]
     engine = next(i for i, line in enumerate(lines) if line.startswith("engine"))
     assert lines[engine + 1] == speed[0]  # next to the engine line
-    assert dataclasses.replace(run.config, lr=None, torch_compile="auto") == config
+    assert dataclasses.replace(run.config, lr=None, torch_compile="auto", cuda_graphs="auto") == config
 
 
 def test_report_lines_go_above_the_progress_bar(monkeypatch):

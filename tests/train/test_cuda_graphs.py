@@ -17,10 +17,11 @@ from varpack.cli.main import build_parser, main
 from varpack.models import load_model
 from varpack.train.cli_flags import config_from_args, config_to_argv
 from varpack.train.config import (
-    CUDA_GRAPHS_HINT,
+    GRAPHS_AUTO_REASON,
     CompileChoice,
     SFTConfig,
     check_cuda_graphs,
+    resolve_cuda_graphs,
     resolve_torch_compile,
 )
 from varpack.train.config_file import load_config_file, write_config_file
@@ -32,9 +33,11 @@ def _parse(*argv: str) -> SFTConfig:
 
 # -- the flag --------------------------------------------------------------------------------------------
 def test_flag_parses_and_round_trips(tmp_path):
-    assert _parse().cuda_graphs is False
+    assert _parse().cuda_graphs == "auto"
     assert _parse("--cuda-graphs").cuda_graphs is True
     assert _parse("--cuda-graphs", "--no-cuda-graphs").cuda_graphs is False
+    assert _parse("--cuda-graphs", "false").cuda_graphs is False
+    assert _parse("--cuda-graphs", "auto").cuda_graphs == "auto"
     config = SFTConfig(cuda_graphs=True, seed=3)
     assert _parse(*config_to_argv(config)) == config
     path = write_config_file(config, tmp_path / "run.yaml")
@@ -112,6 +115,30 @@ def test_each_refusal_names_the_flag(name):
         dataclasses.replace(config, cuda_graphs=False), device=device, world_size=world, environ=env
     )
     check_cuda_graphs(SFTConfig(cuda_graphs=True), device="cuda", world_size=1, environ={})
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_auto_falls_back_where_the_flag_is_refused(name):
+    """``cuda_graphs="auto"`` (the default) beside each setting the flag is refused with: off, with the same
+    reason, prefixed ``auto:`` (the ``speed`` line prints it); never an error. Control: auto alone on one CUDA
+    process is on, and ``--cuda-graphs false`` is off."""
+    fields, world, env, device, fragment = REFUSALS[name]
+    choice = resolve_cuda_graphs(SFTConfig(**fields), device=device, world_size=world, environ=env)
+    expected = "run; CUDA graphs need a CUDA GPU" if device != "cuda" else fragment.removeprefix("with ").split(":")[0]
+    assert not choice.on and choice.reason.startswith("auto: ") and expected in choice.reason, choice
+    on = resolve_cuda_graphs(SFTConfig(), device="cuda", world_size=1, environ={})
+    assert on == CompileChoice(True, GRAPHS_AUTO_REASON, "--cuda-graphs false for dynamic shapes")
+    assert not resolve_cuda_graphs(SFTConfig(cuda_graphs=False), device="cuda", environ={}).on
+    # a forced flag is refused, not turned off
+    with pytest.raises(ValueError, match="--cuda-graphs"):
+        resolve_cuda_graphs(SFTConfig(cuda_graphs=True, **fields), device=device, world_size=world, environ=env)
+
+
+def test_torch_compile_reads_the_resolved_graph_choice():
+    """``torch_compile="auto"`` follows graphs only once they are resolved on: ``cuda_graphs="auto"`` itself
+    does not force compile (a CPU run stays eager)."""
+    assert resolve_torch_compile(SFTConfig(), device="cpu").on is False
+    assert resolve_torch_compile(SFTConfig(cuda_graphs=True), device="cpu") == CompileChoice(True, "--cuda-graphs")
 
 
 @pytest.mark.parametrize(
@@ -351,17 +378,24 @@ def test_speed_line_names_the_static_step_and_the_hint():
         "static shapes T=8320 N=92 max_seqlen=1672 (pad 1.6%), CUDA graphs per layer + chunked linear CE "
         "(--cuda-graphs); the first steps compile and capture every decoder layer"
     )
+    auto = CompileChoice(True, GRAPHS_AUTO_REASON, "--cuda-graphs false for dynamic shapes")
+    line = describe_speed(
+        auto, loss_impl="linear_ce", loss_why="loss_impl auto", static="T=8 N=2 max_seqlen=8 (pad 0.0%)", graphs=auto
+    )
+    assert line.endswith(f"({GRAPHS_AUTO_REASON}); the first steps compile and capture every decoder layer; "
+                         "--cuda-graphs false for dynamic shapes"), line
     on = CompileChoice(
         True, "auto on CUDA: fastest measured, benchmarks/RESULTS.md", "--torch-compile false to skip"
     )
-    hinted = describe_speed(on, loss_impl="linear_ce", loss_why="", graphs_hint=True)
-    assert hinted.endswith("; --torch-compile false to skip; " + CUDA_GRAPHS_HINT) and "\n" not in hinted
-    assert CUDA_GRAPHS_HINT not in describe_speed(on, loss_impl="linear_ce", loss_why="")
+    off = CompileChoice(False, "auto: --lora (lora=True): peft adapters inside graph-captured layers are not tested")
+    told = describe_speed(on, loss_impl="linear_ce", loss_why="", graphs=off)
+    assert told.endswith(f"; --torch-compile false to skip; CUDA graphs off ({off.reason})") and "\n" not in told
+    assert "CUDA graphs" not in describe_speed(on, loss_impl="linear_ce", loss_why="")
     lines = []
     trainer = types.SimpleNamespace(model_wrapped=None, planned_loss_impl=lambda m: ("linear_ce", ""))
-    cb = SpeedReportCallback(trainer, on, print_fn=lines.append, graphs_hint=True)
+    cb = SpeedReportCallback(trainer, on, print_fn=lines.append, graphs=off)
     cb.on_train_begin(None, types.SimpleNamespace(is_world_process_zero=True), None)
-    assert lines == [f"speed     {hinted}"]
+    assert lines == [f"speed     {told}"]
 
 
 def test_pad_fraction_of_a_plan():
@@ -405,37 +439,45 @@ def test_gpu_sft_cuda_graphs_equals_the_default_run(tmp_path):
         return [h["loss"] for h in result.history], lines
 
     before = cudagraph_skips()
-    graphs, lines = run(True)
+    graphs, lines = run("auto")  # the default takes the graphs on one CUDA GPU
     assert cudagraph_skips() == before
     speed = next(line for line in lines if line.startswith("speed"))
     assert speed.startswith("speed     static shapes T=") and "CUDA graphs per layer" in speed, speed
+    assert GRAPHS_AUTO_REASON in speed, speed
+    compiled = next(line for line in lines if line.startswith("compile"))
+    assert compiled.endswith(", 0 after it"), compiled  # static shapes: nothing recompiles after step 1
     default, lines_d = run(False)
-    assert CUDA_GRAPHS_HINT in next(line for line in lines_d if line.startswith("speed"))
+    assert "CUDA graphs off (--cuda-graphs false)" in next(line for line in lines_d if line.startswith("speed"))
     assert len(graphs) == len(default) == 3
     torch.testing.assert_close(graphs, default, rtol=2e-2, atol=2e-2)
 
 
-def test_hint_only_where_the_flag_would_run():
-    """The speed line's --cuda-graphs hint: a CUDA run the flag would not refuse; none on a CPU, with the flag
-    on, or beside a setting it refuses (--lora, --grad-accum 2, a Gated DeltaNet model)."""
+def test_auto_asks_the_model_last():
+    """``cuda_graphs="auto"`` on one CUDA process is turned off by the model's refusal (reason ``auto: ...``
+    naming it): a Gated DeltaNet model, a vision-language model, float32 weights without autocast; a dense
+    bf16-autocast model keeps it on. A model not yet loaded is loaded for the question (and returned); a forced
+    flag is left to _prepare_model's refusal; off or a CPU run never loads the model."""
     from varpack.train import sft
 
-    def run(device="cuda", world=1, model="tiny-qwen3", **fields):
-        args = types.SimpleNamespace(device=torch.device(device), world_size=world)
-        return types.SimpleNamespace(
-            config=SFTConfig(**{"bf16": True, **fields}),
-            trainer=types.SimpleNamespace(args=args),
-            model=load_model(model, vocab_size=VOCAB) if model == "tiny-qwen3" else load_model(model),
-        )
+    def args(device="cuda", bf16=True):
+        return types.SimpleNamespace(device=torch.device(device), world_size=1, bf16=bf16, fp16=False)
 
-    assert sft._graphs_would_run(run())
-    assert not sft._graphs_would_run(run(device="cpu"))
-    assert not sft._graphs_would_run(run(cuda_graphs=True))
-    assert not sft._graphs_would_run(run(lora=True))
-    assert not sft._graphs_would_run(run(grad_accum=2))
-    assert not sft._graphs_would_run(run(world=2))
-    assert not sft._graphs_would_run(run(model="tiny-qwen3.5"))
-    assert not sft._graphs_would_run(run(bf16=False))  # float32 training
+    def never():
+        raise AssertionError("loaded")
+
+    dense = load_model("tiny-qwen3", vocab_size=VOCAB)
+    choice, model = sft._resolve_graphs(SFTConfig(), dense, never, args())
+    assert choice.on and choice.reason == GRAPHS_AUTO_REASON and model is dense
+    choice, model = sft._resolve_graphs(SFTConfig(), None, lambda: dense, args())
+    assert choice.on and model is dense  # loaded to ask it
+    for name, fragment in (("tiny-qwen3.5", "recurrent mixers"), ("tiny-qwen3-vl", "vision-language")):
+        choice, _ = sft._resolve_graphs(SFTConfig(), load_model(name), never, args())
+        assert not choice.on and choice.reason.startswith("auto: ") and fragment in choice.reason, choice
+    choice, _ = sft._resolve_graphs(SFTConfig(), dense, never, args(bf16=False))
+    assert not choice.on and "float32 training" in choice.reason
+    assert sft._resolve_graphs(SFTConfig(cuda_graphs=True), dense, never, args(bf16=False))[0].on
+    assert not sft._resolve_graphs(SFTConfig(), None, never, args(device="cpu"))[0].on
+    assert not sft._resolve_graphs(SFTConfig(cuda_graphs=False), None, never, args())[0].on
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash_attn_4", "triton_short"])

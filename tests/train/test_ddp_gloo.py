@@ -268,7 +268,8 @@ def test_accelerate_launch_two_cpu_ranks_runs_ddp(tmp_path):
     speed = [line for line in out.splitlines() if line.startswith("speed")]
     assert speed == [
         "speed     eager + CE on the logits (auto: CPU run; compiled by default on CUDA only; logits: loss_impl "
-        "auto: the model is wrapped (DistributedDataParallel))"
+        "auto: the model is wrapped (DistributedDataParallel)); CUDA graphs off (auto: CPU run; CUDA graphs need a "
+        "CUDA GPU)"
     ], speed
     assert "done: 1 steps" in out
     assert not (tmp_path / "varpack-sft").exists()

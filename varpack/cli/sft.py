@@ -22,9 +22,12 @@ cannot run, and for a model without such layers), then the
 engine and the step configuration it runs, with the reason (``speed     regional torch.compile + chunked linear
 CE (auto on CUDA: ...)``), then a progress bar with loss, tokens/s and pack fill, and saves the model and tokenizer to ``--output-dir``, with
 the resolved settings as ``varpack_config.yaml`` (``--config`` reads it back).
-``--cuda-graphs`` runs the fastest exact step measured (static-shape packs, decoder layers replayed as CUDA
-graphs, fused linear CE: 1.9x the default step on an H200; docs/speed.md) where it is shown to work, and is refused
-with an error naming the setting elsewhere (:func:`varpack.train.config.check_cuda_graphs`).
+On one CUDA GPU the run takes the fastest exact step measured (``--cuda-graphs auto``, the default: static-shape
+packs, decoder layers replayed as CUDA graphs, fused linear CE: 1.9x dynamic shapes + regional compile on an H200;
+docs/speed.md) where it is shown to work, and says on the ``speed`` line why not elsewhere; ``--cuda-graphs``
+forces it (an error naming the setting where auto would fall back, :func:`varpack.train.config.check_cuda_graphs`),
+``--cuda-graphs false`` turns it off. A compiled run ends with a ``compile`` line: graphs compiled in step 1 and
+after it.
 Runs on CPU and GPU, and under ``torchrun`` / ``accelerate launch`` (each rank trains on its share of the
 packs).
 """

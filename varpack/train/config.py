@@ -44,7 +44,6 @@ from varpack.plan.streaming import DEFAULT_BUFFER_SIZE
 __all__ = [
     "ALWAYS_ON",
     "COMPILE_COLD_COST",
-    "CUDA_GRAPHS_HINT",
     "DEFAULT_LR",
     "AttnBackendName",
     "AutoBool",
@@ -61,6 +60,7 @@ __all__ = [
     "SFTConfig",
     "check_context_parallel",
     "check_cuda_graphs",
+    "resolve_cuda_graphs",
     "check_precision",
     "default_lr",
     "literal_choices",
@@ -164,9 +164,10 @@ def _truthy(value: Any) -> bool:
 
 
 class CompileChoice(NamedTuple):
-    """What :func:`resolve_torch_compile` decided for a run."""
+    """What :func:`resolve_torch_compile` (compile the decoder layers) or :func:`resolve_cuda_graphs` (static
+    shapes + CUDA graphs) decided for a run."""
 
-    #: compile the decoder layers (:func:`varpack.integrations.kernels.compile_layers`)
+    #: the switch is on
     on: bool
     #: why, as the ``speed`` line shows it in parentheses
     reason: str
@@ -179,12 +180,15 @@ def resolve_torch_compile(
 ) -> CompileChoice:
     """Whether a run of ``config`` compiles its decoder layers (``SFTConfig.torch_compile``), and why.
 
-    ``cuda_graphs`` (with ``True`` or ``"auto"``): ``True``, reason ``"--cuda-graphs"`` (``False`` beside it is
-    refused by :func:`check_cuda_graphs`). ``True`` / ``False`` are the user's choice and returned as given. ``"auto"`` (the default) is ``True``
+    ``cuda_graphs=True`` (given, or :func:`resolve_cuda_graphs`' resolved choice; ``"auto"`` counts as off here:
+    resolve it first) with ``True`` or ``"auto"``: ``True``, reason ``"--cuda-graphs"`` (``False`` beside a
+    given ``cuda_graphs`` is refused by :func:`check_cuda_graphs`, and turns auto graphs off).
+    ``True`` / ``False`` are the user's choice and returned as given. ``"auto"`` (the default) is ``True``
     exactly when the run is on CUDA and no setting of ``config`` is known to conflict with regional compile
     or is untested with it; benchmarks/RESULTS.md#sft-step (benchmarks/train.py, one H200,
     Qwen3-0.6B shape) measured compile + linear CE at 112-141 ms/step vs 160-165 ms without compile, after a cold
-    first step (:data:`COMPILE_COLD_COST`); static shapes + CUDA graphs, faster still, stay opt-in. ``"auto"`` is
+    first step (:data:`COMPILE_COLD_COST`); where static shapes + CUDA graphs run (:func:`resolve_cuda_graphs`),
+    faster still, the layers are compiled for them. ``"auto"`` is
     ``False`` with any of these, checked in this order:
 
     * ``device`` is not ``"cuda"``: the speed-up was measured on CUDA only, and inductor on a CPU builds C++
@@ -218,7 +222,7 @@ def resolve_torch_compile(
         only; none on a CPU, or beside Liger, which is refused with compile).
     """
     value = config.torch_compile
-    if config.cuda_graphs and value is not False:  # check_cuda_graphs refuses the rest
+    if config.cuda_graphs is True and value is not False:  # check_cuda_graphs refuses the rest
         return CompileChoice(True, "--cuda-graphs")
     if value is True:
         return CompileChoice(True, "--torch-compile")
@@ -247,13 +251,6 @@ def resolve_torch_compile(
         True, "auto on CUDA: fastest measured, benchmarks/RESULTS.md", "--torch-compile false to skip"
     )
 
-
-#: the hint a CUDA run without ``--cuda-graphs`` prints on its ``speed`` line (benchmarks/RESULTS.md#sft-step:
-#: ``varpack_lce_static_graphs`` 75.3 ms/step vs ``varpack_lce_compile`` 140.8 ms, Qwen3-0.6B shape,
-#: packing_length 8192, one H200).
-CUDA_GRAPHS_HINT = (
-    "--cuda-graphs for static shapes + CUDA graphs (1.9x measured on an H200, benchmarks/RESULTS.md)"
-)
 
 #: settings ``--cuda-graphs`` is refused with: (field, value test, why). Each needs what CUDA-graph trees cannot
 #: be shown to do with it (module docstring of :mod:`varpack.integrations.cuda_graphs`).
@@ -363,11 +360,91 @@ def check_context_parallel(config: SFTConfig, *, world_size: int | None = None) 
         )
 
 
+def _graph_settings_conflict(
+    config: SFTConfig, *, device: str, world_size: int, environ: Mapping[str, str] | None
+) -> tuple[str, str] | None:
+    """The first setting of ``config`` (or its environment) that CUDA graphs cannot be shown to run exactly
+    with: ``(setting as the user wrote it, why)``, or ``None`` (:func:`check_cuda_graphs` lists the order)."""
+    for name, bad, why in _GRAPH_CONFLICTS:
+        value = getattr(config, name)
+        if bad(value):
+            return setting_text(name, value), why
+    env = os.environ if environ is None else environ
+    extra = config.extra_training_args
+    if _truthy(extra.get("fsdp")) or _truthy(env.get("ACCELERATE_USE_FSDP")):
+        return "FSDP", "sharded units around captured layers are not tested"
+    if _truthy(extra.get("deepspeed")) or _truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
+        return "DeepSpeed", "captured layers under it are not tested"
+    if _truthy(extra.get("torch_compile")):
+        return (
+            "transformers' own torch_compile (extra_training_args)",
+            "it would compile the whole model around the captured layers",
+        )
+    if world_size > 1:
+        return f"{world_size} ranks", "captured layers under DDP are neither tested nor measured; run one process"
+    if device != "cuda":
+        return _device_setting(device), "CUDA graphs need a CUDA GPU"
+    return None
+
+
+def _device_setting(device: str) -> str:
+    return f"a {device.upper()} run"
+
+
+#: the reason on the ``speed`` line when ``cuda_graphs="auto"`` turns the static-shape CUDA-graph step on
+#: (benchmarks/RESULTS.md#sft-step: 75.3 ms/step vs 140.8 ms of dynamic shapes + regional compile, Qwen3-0.6B
+#: shape, packing_length 8192, one H200)
+GRAPHS_AUTO_REASON = "auto on one CUDA GPU: fastest measured, benchmarks/RESULTS.md"
+
+
+def resolve_cuda_graphs(
+    config: SFTConfig, *, device: str, world_size: int = 1, environ: Mapping[str, str] | None = None
+) -> CompileChoice:
+    """Whether a run of ``config`` takes the static-shape CUDA-graph step (``SFTConfig.cuda_graphs``), and why,
+    from its settings; the model's own refusal (:func:`varpack.integrations.cuda_graphs.model_refusal`:
+    vision-language, recurrent mixers, float32 without autocast) is :func:`varpack.train.sft.build_sft`'s, once
+    the model is loaded.
+
+    ``True``: :func:`check_cuda_graphs` (raises on a conflict), then on, reason ``"--cuda-graphs"``. ``False``:
+    off, reason ``"--cuda-graphs false"``. ``"auto"`` (the default): on, reason :data:`GRAPHS_AUTO_REASON`,
+    unless the device is not CUDA (``"auto: CPU run; CUDA graphs need a CUDA GPU"``) or a setting conflicts (the
+    order of :func:`check_cuda_graphs`): then off, reason ``"auto: <setting>: <why>"`` (``"auto: --lora
+    (lora=True): peft adapters inside graph-captured layers are not tested"``), so the run takes the next
+    fastest step and the ``speed`` line says why.
+
+    Args:
+        config: the run's settings.
+        device: the device type the run trains on (the Trainer's ``TrainingArguments.device.type``).
+        world_size: processes training together.
+        environ: the environment accelerate reads (default: ``os.environ``).
+
+    Returns:
+        :class:`CompileChoice` ``(on, reason, hint)``; ``hint`` ``"--cuda-graphs false for dynamic shapes"``
+        when auto turned it on.
+
+    Raises:
+        ValueError: ``cuda_graphs=True`` with a conflicting setting (:func:`check_cuda_graphs`).
+    """
+    value = config.cuda_graphs
+    if value is True:
+        check_cuda_graphs(config, device=device, world_size=world_size, environ=environ)
+        return CompileChoice(True, "--cuda-graphs")
+    if value is False:
+        return CompileChoice(False, "--cuda-graphs false")
+    if device != "cuda":  # first: nothing else matters on another device
+        return CompileChoice(False, f"auto: {device.upper()} run; CUDA graphs need a CUDA GPU")
+    conflict = _graph_settings_conflict(config, device=device, world_size=world_size, environ=environ)
+    if conflict is not None:
+        return CompileChoice(False, f"auto: {conflict[0]}: {conflict[1]}")
+    return CompileChoice(True, GRAPHS_AUTO_REASON, "--cuda-graphs false for dynamic shapes")
+
+
 def check_cuda_graphs(
     config: SFTConfig, *, device: str, world_size: int = 1, environ: Mapping[str, str] | None = None
 ) -> None:
-    """Refuse ``config.cuda_graphs`` where it cannot be shown to run exactly (never a silent fallback to the
-    default step). Nothing happens when ``cuda_graphs`` is off.
+    """Refuse ``cuda_graphs=True`` where it cannot be shown to run exactly (never a silent fallback to the
+    default step). Nothing happens when ``cuda_graphs`` is off or ``"auto"`` (:func:`resolve_cuda_graphs`
+    falls back instead, saying why).
 
     Checked in this order: the settings of :data:`_GRAPH_CONFLICTS` (``torch_compile=False``, ``streaming``,
     ``packs_per_step != 1``, ``grad_accum != 1``, ``lora``, ``use_liger_kernel``, ``gradient_checkpointing``,
@@ -381,30 +458,15 @@ def check_cuda_graphs(
         ValueError: ``"--cuda-graphs ..."`` naming the conflicting setting as flag and field
             (:func:`setting_text`: ``--cuda-graphs with --lora (lora=True): ...``) and why.
     """
-    if not config.cuda_graphs:
+    if config.cuda_graphs is not True:
         return
-    for name, bad, why in _GRAPH_CONFLICTS:
-        value = getattr(config, name)
-        if bad(value):
-            raise ValueError(f"--cuda-graphs with {setting_text(name, value)}: {why}")
-    env = os.environ if environ is None else environ
-    extra = config.extra_training_args
-    if _truthy(extra.get("fsdp")) or _truthy(env.get("ACCELERATE_USE_FSDP")):
-        raise ValueError("--cuda-graphs with FSDP: sharded units around captured layers are not tested")
-    if _truthy(extra.get("deepspeed")) or _truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
-        raise ValueError("--cuda-graphs with DeepSpeed: captured layers under it are not tested")
-    if _truthy(extra.get("torch_compile")):
-        raise ValueError(
-            "--cuda-graphs with transformers' own torch_compile (extra_training_args): it would compile the "
-            "whole model around the captured layers"
-        )
-    if world_size > 1:
-        raise ValueError(
-            f"--cuda-graphs with {world_size} ranks: captured layers under DDP are neither tested nor measured; "
-            "run one process"
-        )
-    if device != "cuda":
+    conflict = _graph_settings_conflict(config, device=device, world_size=world_size, environ=environ)
+    if conflict is None:
+        return
+    setting, why = conflict
+    if setting == _device_setting(device):
         raise ValueError(f"--cuda-graphs needs a CUDA GPU; this run trains on {device}")
+    raise ValueError(f"--cuda-graphs with {setting}: {why}")
 
 
 def _lr_help(defaults: dict[str, Any]) -> str:
@@ -511,8 +573,11 @@ class SFTConfig:
         cuda_graphs: the static-shape CUDA-graph step (:mod:`varpack.integrations.cuda_graphs`): the collator
             pads every pack to ``StaticShape.from_plan(plan)``, the layers are compiled with
             :data:`varpack.integrations.cuda_graphs.GRAPH_COMPILE_KW` and replayed as CUDA graphs, the loss is
-            the fused linear CE; ``torch_compile="auto"`` resolves to on. Refused by :func:`check_cuda_graphs`
-            where it is not shown to work (never ignored).
+            the fused linear CE; ``torch_compile="auto"`` resolves to on. ``"auto"`` (default): on where it runs
+            exactly (:func:`resolve_cuda_graphs`, then the model's
+            :func:`varpack.integrations.cuda_graphs.model_refusal`), else off with the reason on the ``speed``
+            line; ``True``: refused by :func:`check_cuda_graphs` / the model where auto would fall back;
+            :func:`varpack.train.sft.build_sft` returns the config with the resolved ``True`` / ``False``.
         save: save model + tokenizer at the end (with ``lora``: the adapter, peft's ``save_pretrained``).
         lora: wrap the model in a peft LoRA adapter (:func:`varpack.train.sft.apply_lora`) and train only the
             adapter weights; needs ``peft`` (``pip install 'varpack[lora]'``).
@@ -762,17 +827,21 @@ class SFTConfig:
             metavar="auto|true|false",
         ),
     )
-    cuda_graphs: bool = field(
-        default=False,
+    cuda_graphs: AutoBool = field(
+        default="auto",
         metadata=_opt(
-            "the fastest exact step measured: every pack padded to one static shape (StaticShape.from_plan over "
-            "the whole plan; the pad cost is on the 'speed' line), each decoder layer compiled whole with "
-            "attention inside (custom ops, fullgraph, dynamic=False) and replayed as CUDA graphs "
-            "(mode=reduce-overhead), fused linear CE: 75 vs 141 ms/step of the default (1.9x) for a 0.6B model "
-            "at packing length 8192 on an H200 (benchmarks/RESULTS.md). CUDA, one process, a planned run "
-            "(no --streaming), --packs-per-step 1, --grad-accum 1, bf16 (--bf16 or --dtype bfloat16), --attn-backend "
-            "auto / flash_attn_4 / triton_short; refused (never ignored) with --torch-compile false, --lora, --use-liger-kernel, --gradient-checkpointing, FSDP, DeepSpeed, several ranks, "
-            "--loss-impl logits, --objective dpo, vision-language or Gated DeltaNet models"
+            "static shapes + CUDA graphs, the fastest exact step measured: every pack padded to one static shape "
+            "(StaticShape.from_plan over the whole plan; the pad cost is on the 'speed' line), each decoder layer "
+            "compiled whole with attention inside (custom ops, fullgraph, dynamic=False) and replayed as CUDA "
+            "graphs (mode=reduce-overhead), fused linear CE: 75 vs 141 ms/step of dynamic shapes (1.9x) for a "
+            "0.6B model at packing length 8192 on an H200 (benchmarks/RESULTS.md). auto: on where it runs "
+            "exactly -- CUDA, one process, a planned run (no --streaming), --packs-per-step 1, --grad-accum 1, "
+            "bf16 (--bf16 or --dtype bfloat16), --attn-backend auto / flash_attn_4 / triton_short, no --lora, "
+            "--use-liger-kernel, --gradient-checkpointing, FSDP, DeepSpeed, --loss-impl logits, --objective dpo, "
+            "vision-language or recurrent (Gated DeltaNet, Mamba-2) models; elsewhere the next fastest step, the "
+            "'speed' line says why. --cuda-graphs: on, refused (never ignored) where auto would fall back; "
+            "--cuda-graphs false or --no-cuda-graphs: off (default: %(default)s)",
+            metavar="auto|true|false",
         ),
     )
     save: bool = field(default=True, metadata=_opt("save the model and tokenizer to --output-dir at the end"))

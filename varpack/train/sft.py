@@ -23,12 +23,13 @@ Loss. ``loss_reduction="token"``: the global token mean of the optimizer step, w
 samples with a supervised token (see :mod:`varpack.loss`). Either way a step with gradient accumulation has
 the gradient of one big batch.
 
-CUDA graphs. ``cuda_graphs`` (``varpack sft --cuda-graphs``) pads every pack to the static shape of the whole
-plan (:meth:`varpack.collate.StaticShape.from_plan`), compiles each decoder layer whole for it and replays it as a
-CUDA graph (:mod:`varpack.integrations.cuda_graphs`), with the fused linear CE: on one H200 (Qwen3-0.6B shape,
-packing_length 8192, benchmarks/RESULTS.md) 75 ms/step vs 141 ms for the default regional compile (1.9x) and
-187 ms for the best HF peer; at 16,384 142 vs 165 vs 224 ms. Settings it is not shown to work with are refused
-(:func:`varpack.train.config.check_cuda_graphs`).
+CUDA graphs. ``cuda_graphs`` (``auto`` by default: on where it runs exactly on one CUDA GPU,
+:func:`varpack.train.config.resolve_cuda_graphs`) pads every pack to the static shape of the whole plan
+(:meth:`varpack.collate.StaticShape.from_plan`), compiles each decoder layer whole for it and replays it as a CUDA
+graph (:mod:`varpack.integrations.cuda_graphs`), with the fused linear CE: on one H200 (Qwen3-0.6B shape,
+packing_length 8192, benchmarks/RESULTS.md) 75 ms/step vs 141 ms for dynamic shapes + regional compile (1.9x) and
+187 ms for the best HF peer; at 16,384 142 vs 165 vs 224 ms. ``auto`` falls back with the reason where it is not
+shown to work; ``True`` is refused there (:func:`varpack.train.config.check_cuda_graphs`).
 
 Host syncs. Boundaries are built and validated once on the CPU by the collator, as the batch's
 :class:`varpack.varlen.VarlenMeta`, which Trainer's device placement leaves alone (one host-to-device copy per
@@ -53,16 +54,19 @@ from varpack.plan.report import plan_summary, summary_text
 from varpack.train.config import (
     DEFAULT_DPO_LR,
     DEFAULT_LR,
+    CompileChoice,
     SFTConfig,
     check_context_parallel,
     check_cuda_graphs,
     check_precision,
     default_lr,
+    resolve_cuda_graphs,
     resolve_torch_compile,
 )
 from varpack.train.config_file import CONFIG_FILE_NAME, write_config_file
 from varpack.train.reporting import RunReportCallback
 from varpack.train.trainer import (
+    CompileCountCallback,
     EngineReportCallback,
     PackedSFTTrainer,
     PackEpochCallback,
@@ -119,6 +123,9 @@ class SFTRun:
     #: :func:`varpack.train.config.resolve_torch_compile`'s decision (``config.torch_compile`` then holds
     #: its ``on``), with the reason ``varpack sft``'s ``speed`` line prints
     compile_choice: Any = None
+    #: :func:`varpack.train.config.resolve_cuda_graphs`' decision, turned off with the model's reason where
+    #: :func:`varpack.integrations.cuda_graphs.model_refusal` refuses it (``config.cuda_graphs`` holds its ``on``)
+    graph_choice: Any = None
     #: ``(backend, why)`` of the Gated DeltaNet layers on the training device
     #: (:func:`varpack.integrations.gated_delta.linear_attention_backend`; ``varpack sft``'s ``linear`` line),
     #: ``None`` for a model without them
@@ -156,9 +163,11 @@ def build_sft(
     Trainer's device and world size (``run.config.torch_compile`` holds ``True`` / ``False``,
     ``run.compile_choice`` the reason).
     ``Trainer`` creates ``config.output_dir`` (``run.created_output_dir`` says whether it was new).
-    ``config.cuda_graphs`` is checked by :func:`varpack.train.config.check_cuda_graphs` (before the data is
-    encoded, and again on the Trainer's device and world size), then against the model (a vision-language model
-    or one with Gated DeltaNet layers is refused); it pads every pack to ``StaticShape.from_plan(plan)``
+    ``config.cuda_graphs`` is resolved by :func:`varpack.train.config.resolve_cuda_graphs` on the Trainer's device
+    and world size, then against the model (:func:`varpack.integrations.cuda_graphs.model_refusal`): ``"auto"``
+    falls back with the reason (``run.graph_choice``), ``True`` is refused (also checked before the data is
+    encoded, :func:`varpack.train.config.check_cuda_graphs`); ``run.config.cuda_graphs`` holds the resolved
+    ``True`` / ``False``. On, it pads every pack to ``StaticShape.from_plan(plan)``
     (``run.static_shape``, ``run.static_pad``), compiles the layers for CUDA graphs
     (:func:`varpack.integrations.cuda_graphs.compile_layers_as_graphs`) and has the Trainer run each step as
     CUDA-graph replays (:class:`varpack.train.trainer.PackedLossMixin`).
@@ -189,7 +198,7 @@ def build_sft(
         device="cuda" if torch.cuda.is_available() else "cpu",
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
     )
-    if config.cuda_graphs and model is None and config.dtype == "float32" and not config.bf16:
+    if config.cuda_graphs is True and model is None and config.dtype == "float32" and not config.bf16:
         # the model is loaded in config.dtype: float32 training, refused before minutes of encoding (a model
         # object passed in is checked by its parameters' dtype in _prepare_model)
         raise ValueError(_GRAPHS_FLOAT32)
@@ -250,10 +259,13 @@ def build_sft(
         objective = _dpo_objective(config, model, load)
     training_args = training_arguments(config)
     created_output_dir = not os.path.exists(training_args.output_dir)
-    check_cuda_graphs(config, device=training_args.device.type, world_size=training_args.world_size)
+    graph_choice, model = _resolve_graphs(config, model, load, training_args)
+    config = replace(config, cuda_graphs=graph_choice.on)
     compile_choice = resolve_torch_compile(
         config, device=training_args.device.type, world_size=training_args.world_size
     )
+    if graph_choice.on:  # the reason the layers are compiled is the graphs'
+        compile_choice = CompileChoice(True, graph_choice.reason, graph_choice.hint)
     config = replace(config, torch_compile=compile_choice.on)
     model = _prepare_model(config, model, load, training_args.device)
     context = _context_parallel(config, model, training_args)
@@ -307,11 +319,33 @@ def build_sft(
         lr_default_kind=lr_default_kind,
         created_output_dir=created_output_dir,
         compile_choice=compile_choice,
+        graph_choice=graph_choice,
         gated_delta=gated_delta,
         static_shape=static_shape,
         static_pad=static_pad,
         context_parallel=context,
     )
+
+
+def _resolve_graphs(config: SFTConfig, model: Any, load: Callable[[], Any], args: Any) -> tuple[CompileChoice, Any]:
+    """``(choice, model)``: :func:`varpack.train.config.resolve_cuda_graphs` on the Trainer's device and world
+    size (``args``: ``TrainingArguments``); where ``cuda_graphs="auto"`` turns it on, the model is loaded (if
+    not yet) and its :func:`varpack.integrations.cuda_graphs.model_refusal` (autocast: ``args.bf16`` /
+    ``args.fp16``) turns it off again, reason ``"auto: <the model's reason>"``.
+
+    Raises:
+        ValueError: ``cuda_graphs=True`` with a conflicting setting (the model's refusal of a forced
+            ``cuda_graphs`` is :func:`_prepare_model`'s).
+    """
+    choice = resolve_cuda_graphs(config, device=args.device.type, world_size=args.world_size)
+    if choice.on and config.cuda_graphs == "auto":
+        from varpack.integrations.cuda_graphs import model_refusal
+
+        model = model if model is not None else load()
+        refusal = model_refusal(model, autocast=bool(args.bf16 or args.fp16))
+        if refusal is not None:
+            choice = CompileChoice(False, f"auto: {refusal}")
+    return choice, model
 
 
 @dataclass(frozen=True)
@@ -872,9 +906,11 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
                 liger=config.use_liger_kernel,
                 print_fn=print_fn,
                 static=_describe_static(run) if config.cuda_graphs else None,
-                graphs_hint=_graphs_would_run(run),
+                graphs=run.graph_choice,
             )
         )
+        if config.torch_compile:
+            run.trainer.add_callback(CompileCountCallback(print_fn))
         run.trainer.train()
         run.history = [h for h in run.trainer.state.log_history if "loss" in h]
         if config.save:
@@ -918,20 +954,6 @@ def _rerunnable(config: SFTConfig) -> SFTConfig:
     return dataclasses.replace(
         config, data=data, model=local(config.model), output_dir=os.path.abspath(config.output_dir)
     )
-
-
-def _graphs_would_run(run: SFTRun) -> bool:
-    """Whether the ``speed`` line hints at ``--cuda-graphs``: a run without it that it would not refuse
-    (:func:`varpack.train.config.check_cuda_graphs` on the Trainer's device and world size, then the model)."""
-    config, args = run.config, run.trainer.args
-    if config.cuda_graphs or args.device.type != "cuda":
-        return False
-    try:
-        check_cuda_graphs(replace(config, cuda_graphs=True), device=args.device.type, world_size=args.world_size)
-        _refuse_graph_model(run.model, autocast=config.bf16)
-    except ValueError:
-        return False
-    return True
 
 
 def _describe_static(run: SFTRun) -> str:

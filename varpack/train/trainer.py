@@ -28,6 +28,7 @@ from varpack.train.objectives import get_objective
 
 __all__ = [
     "STAT_KEYS",
+    "CompileCountCallback",
     "EngineReportCallback",
     "PackEpochCallback",
     "PackSamplingMixin",
@@ -37,6 +38,7 @@ __all__ = [
     "TrainCollator",
     "batch_stats",
     "check_sampler_checkpoint",
+    "compiled_graphs",
     "describe_engine",
     "describe_speed",
     "make_pack_sampler",
@@ -380,7 +382,7 @@ def describe_speed(
     liger: bool = False,
     hf_compile: bool = False,
     static: str | None = None,
-    graphs_hint: bool = False,
+    graphs: Any = None,
 ) -> str:
     """The step configuration of a run in one line (``varpack sft``'s ``speed`` line, without the label):
     how the decoder layers run, which loss implementation, and why, e.g.
@@ -397,12 +399,13 @@ def describe_speed(
         liger: Liger-Kernel's layers are on the model.
         hf_compile: transformers' own ``TrainingArguments.torch_compile`` is on (through
             ``extra_training_args``): Trainer compiles the whole model, so the layers are never called eager.
-        static: ``--cuda-graphs``' static shape and its pad cost (``"T=8320 N=92 max_seqlen=1672 (pad 1.6%)"``):
-            the line reads ``"static shapes T=... (pad ...), CUDA graphs per layer + chunked linear CE
-            (--cuda-graphs); the first steps compile and capture every decoder layer"``.
-        graphs_hint: append :data:`varpack.train.config.CUDA_GRAPHS_HINT` (a CUDA run without ``--cuda-graphs``).
+        static: the CUDA-graph step's static shape and its pad cost (``"T=8320 N=92 max_seqlen=1672 (pad
+            1.6%)"``): the line reads ``"static shapes T=... (pad ...), CUDA graphs per layer + chunked linear CE
+            (<graphs.reason>); the first steps compile and capture every decoder layer; <graphs.hint>"``.
+        graphs: :func:`varpack.train.config.resolve_cuda_graphs`' :class:`~varpack.train.config.CompileChoice`;
+            when off, the line ends with ``"; CUDA graphs off (<its reason>)"`` (why this run takes another step).
     """
-    from varpack.train.config import COMPILE_COLD_COST, CUDA_GRAPHS_HINT
+    from varpack.train.config import COMPILE_COLD_COST
 
     loss = {"linear_ce": "chunked linear CE", "logits": "CE on the logits"}.get(loss_impl, loss_impl)
     if loss_why.startswith("--loss-impl"):  # the user's flag, not loss_impl auto's choice
@@ -410,9 +413,10 @@ def describe_speed(
     else:
         why = choice.reason if loss_impl == "linear_ce" else f"{choice.reason}; logits: {loss_why}"
     if static is not None:
+        hint = f"; {graphs.hint}" if graphs is not None and graphs.hint else ""
         return (
             f"static shapes {static}, CUDA graphs per layer + {loss} ({why}); the first steps compile and "
-            "capture every decoder layer"
+            f"capture every decoder layer{hint}"
         )
     layers = "regional torch.compile" if choice.on else "Liger-Kernel layers" if liger else "eager"
     if hf_compile:
@@ -421,8 +425,8 @@ def describe_speed(
     tail = [COMPILE_COLD_COST] if choice.on else []
     if choice.hint:
         tail.append(choice.hint)
-    if graphs_hint:
-        tail.append(CUDA_GRAPHS_HINT)
+    if graphs is not None and not graphs.on:
+        tail.append(f"CUDA graphs off ({graphs.reason})")
     return f"{layers} + {loss} ({why})" + "".join("; " + t for t in tail)
 
 
@@ -441,13 +445,13 @@ class SpeedReportCallback(TrainerCallback):
         liger: bool = False,
         print_fn: Any = print,
         static: str | None = None,
-        graphs_hint: bool = False,
+        graphs: Any = None,
     ) -> None:
         self.trainer = trainer
         self.choice = choice
         self.liger = liger
         self.static = static
-        self.graphs_hint = graphs_hint
+        self.graphs = graphs
         self.print_fn = _bar_safe(print_fn)
         self.reported: str | None = None
         self.line: str | None = None
@@ -463,7 +467,7 @@ class SpeedReportCallback(TrainerCallback):
             liger=self.liger,
             hf_compile=hf_compile,
             static=self.static,
-            graphs_hint=self.graphs_hint,
+            graphs=self.graphs,
         )
         if state.is_world_process_zero:
             self.print_fn(f"speed     {self.line}")
@@ -475,6 +479,51 @@ class SpeedReportCallback(TrainerCallback):
         if used != self.reported and state.is_world_process_zero:
             self.print_fn(f"speed     note: the loss ran as {used}, not {self.reported} as reported above")
         self.reported = None  # checked once
+
+
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` (dynamo) has compiled so far in this process (``counters["stats"]
+    ["unique_graphs"]``; a recompilation of a layer for a new shape counts once more)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class CompileCountCallback(TrainerCallback):
+    """Counts the graphs ``torch.compile`` compiles while training (:func:`compiled_graphs`, per optimizer step)
+    and prints, on the main process when training ends, ``compile   <n> graphs compiled in step 1, <m> after
+    it (last in step <s>)``: a step whose shapes were not seen before recompiles, and a steady run compiles
+    nothing after its first steps. ``after_first`` / ``last_step`` hold the figures."""
+
+    def __init__(self, print_fn: Any = print) -> None:
+        self.print_fn = _bar_safe(print_fn)
+        self.first = 0
+        self.after_first = 0
+        self.last_step = 0
+        self._seen = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._seen = compiled_graphs()
+        self.first = self.after_first = self.last_step = 0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        now = compiled_graphs()
+        new, self._seen = now - self._seen, now
+        if not new:
+            return
+        if state.global_step <= 1:
+            self.first += new
+        else:
+            self.after_first += new
+        self.last_step = state.global_step
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        tail = f" (last in step {self.last_step})" if self.after_first else ""
+        self.print_fn(
+            f"compile   {self.first} graphs compiled in step 1, {self.after_first} after it{tail}"
+        )
 
 
 def _is_fully_sharded(model: Any) -> bool:
