@@ -10,6 +10,7 @@ import dataclasses
 import types
 
 import pytest
+import torch
 
 from varpack._argtypes import parse_auto_bool
 from varpack.cli.main import build_parser, main
@@ -407,3 +408,43 @@ def test_report_lines_go_above_the_progress_bar(monkeypatch):
         lines.append(line)
 
     assert _bar_safe(own) is own
+
+
+def test_compile_count_line(monkeypatch):
+    """The ``compile`` line counts the graphs compiled in step 1 and after it, from dynamo's counter between
+    steps (a step that recompiles is named); a steady run says 0 after it."""
+    from varpack.train import trainer as trainer_mod
+
+    graphs = iter([5, 7, 7, 7, 9, 9])  # train begin, then the end of steps 1..5
+    monkeypatch.setattr(trainer_mod, "compiled_graphs", lambda: next(graphs))
+    lines = []
+    cb = trainer_mod.CompileCountCallback(print_fn=lines.append)
+    state = types.SimpleNamespace(global_step=0, is_world_process_zero=True)
+    cb.on_train_begin(None, state, None)
+    for step in range(1, 6):
+        state.global_step = step
+        cb.on_step_end(None, state, None)
+    cb.on_train_end(None, state, None)
+    assert lines == ["compile   2 graphs compiled in step 1, 2 after it (last in step 4)"]
+    assert (cb.first, cb.after_first, cb.last_step) == (2, 2, 4)
+    steady = iter([0, 3, 3])
+    monkeypatch.setattr(trainer_mod, "compiled_graphs", lambda: next(steady))
+    cb.on_train_begin(None, state, None)
+    for step in (1, 2):
+        state.global_step = step
+        cb.on_step_end(None, state, None)
+    cb.on_train_end(None, state, None)
+    assert lines[-1] == "compile   3 graphs compiled in step 1, 0 after it"
+
+
+def test_compiled_graphs_counts_dynamo_graphs():
+    """:func:`compiled_graphs` reads dynamo's counter: one more after compiling a new function, none after a
+    second call with the same shapes (aot_eager: no code generation)."""
+    from varpack.train.trainer import compiled_graphs
+
+    fn = torch.compile(lambda x: x * 2 + 1, backend="aot_eager", dynamic=False)
+    before = compiled_graphs()
+    fn(torch.ones(3))
+    once = compiled_graphs()
+    fn(torch.ones(3))
+    assert once == before + 1 and compiled_graphs() == once
