@@ -272,3 +272,42 @@ def test_gpu_cuda_graph_layers_equal_eager(backend, dtype):
         dropped["max_length_q"] = dropped["max_length_k"] = SHAPE.tokens
         logits_b, _, _ = run(eager, dropped)
         assert (logits_b.float() - logits_e.float()).abs().max().item() > 10 * tol * max(scale, 1.0)
+
+
+def test_lora_in_static_layers_traces_one_graph_without_breaks():
+    """LoRA (peft, ``all-linear``, no dropout) injected into layers compiled for static packs (custom ops,
+    fullgraph, ``dynamic=False``; the order of ``varpack sft``: compile, then peft wraps the model): no graph
+    break, no recompilation across packs, compiled == the eager LoRA model for logits and every gradient (the
+    adapters' included). Negative control: the adapters change the logits (a graph traced before peft's
+    injection, i.e. without the adapters, would equal the base model and fail the comparison)."""
+    from torch._dynamo.utils import counters
+
+    from varpack.integrations.kernels import compile_layers
+    from varpack.train.config import SFTConfig
+    from varpack.train.lora import apply_lora
+
+    pytest.importorskip("peft")
+    torch._dynamo.reset()
+    counters.clear()
+    settings = SFTConfig(lora=True, lora_dropout=0.0)
+    base = _model("sdpa")
+    model = copy.deepcopy(base)
+    eager = apply_lora(copy.deepcopy(base), settings, init_lora_weights=False)
+    compile_layers(model, backend="aot_eager", custom_ops=True, fullgraph=True, dynamic=False)
+    model = apply_lora(model, settings, init_lora_weights=False)
+    eager.load_state_dict(model.state_dict())
+    graphs = None
+    for lengths in PACKS:
+        batch = static_batch(make_samples(lengths, seed=len(lengths)))
+        logits_c, loss_c, grads_c = run(model, batch)
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs > 0, lengths
+        logits_e, loss_e, grads_e = run(eager, batch)
+        assert any("lora_" in name for name in grads_c) and grads_c.keys() == grads_e.keys()
+        assert_exact(logits_c, logits_e, rtol=LOGITS_RTOL, what=f"logits compiled/eager LoRA {lengths}")
+        assert_exact(loss_c, loss_e, rtol=LOSS_RTOL, what="loss compiled/eager LoRA")
+        assert_exact(grads_c, grads_e, what=f"gradient compiled/eager LoRA {lengths}")
+        with torch.no_grad():
+            plain = base(**model_inputs(batch)).logits[0]
+        assert_differs(logits_c, plain, rtol=LOGITS_RTOL, what="the adapters in the compiled layers")
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -72,7 +72,9 @@ REFUSALS = {
     ),
     "packs_per_step": (dict(packs_per_step=2), 1, {}, "cuda", "with --packs-per-step 2 (packs_per_step=2): "),
     "grad_accum": (dict(grad_accum=4), 1, {}, "cuda", "with --grad-accum 4 (grad_accum=4): a step's"),
-    "lora": (dict(lora=True), 1, {}, "cuda", "with --lora (lora=True): peft"),
+    "lora_dropout": (
+        dict(lora=True, lora_dropout=0.1), 1, {}, "cuda", "with --lora-dropout 0.1 (lora_dropout=0.1): dropout"
+    ),
     "attn_sdpa": (dict(attn_backend="sdpa"), 1, {}, "cuda", "with --attn-backend sdpa (attn_backend='sdpa')"),
     "attn_torch_varlen": (
         dict(attn_backend="torch_varlen"),
@@ -144,7 +146,7 @@ def test_torch_compile_reads_the_resolved_graph_choice():
 @pytest.mark.parametrize(
     ("flags", "shown"),
     [
-        (["--lora"], "--cuda-graphs with --lora (lora=True): peft adapters"),
+        (["--lora", "--lora-dropout", "0.1"], "--cuda-graphs with --lora-dropout 0.1 (lora_dropout=0.1): dropout"),
         (["--packs-per-step", "2"], "--cuda-graphs with --packs-per-step 2 (packs_per_step=2): the static"),
         (
             ["--no-torch-compile"],
@@ -157,7 +159,7 @@ def test_torch_compile_reads_the_resolved_graph_choice():
     ],
 )
 def test_cli_refusal_names_the_flag_and_the_field(flags, shown, tmp_path, capsys):
-    """A CLI user typed --lora and read "--cuda-graphs with lora=True" (a fresh user's review): the refusal
+    """A CLI user typed a flag and read only the config field in the refusal (a fresh user's review): it
     names the flag as typed and the config field (a --config file's key), each once. It comes before the data
     is encoded, so no GPU is needed to see it."""
     rc = main(["sft", "--cuda-graphs", *flags, "--model", "tiny-qwen3", "--output-dir", str(tmp_path / "o")])
@@ -387,7 +389,7 @@ def test_speed_line_names_the_static_step_and_the_hint():
     on = CompileChoice(
         True, "auto on CUDA: fastest measured, benchmarks/RESULTS.md", "--torch-compile false to skip"
     )
-    off = CompileChoice(False, "auto: --lora (lora=True): peft adapters inside graph-captured layers are not tested")
+    off = CompileChoice(False, "auto: --grad-accum 4 (grad_accum=4): a step's graph outputs may be overwritten")
     told = describe_speed(on, loss_impl="linear_ce", loss_why="", graphs=off)
     assert told.endswith(f"; --torch-compile false to skip; CUDA graphs off ({off.reason})") and "\n" not in told
     assert "CUDA graphs" not in describe_speed(on, loss_impl="linear_ce", loss_why="")
@@ -409,11 +411,12 @@ def test_pad_fraction_of_a_plan():
 
 # -- GPU ------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_gpu_sft_cuda_graphs_equals_the_default_run(tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_gpu_sft_cuda_graphs_equals_the_default_run(tmp_path, lora):
     """``varpack sft --cuda-graphs``, 3 steps of tiny-qwen3 (head_dim 64, bf16, attention auto) on the built-in
-    chats: the losses equal the default run's (regional compile, no flag) within bf16 tolerance, every layer is
-    captured (cudagraph_skips == 0, a skip would also raise under capture_or_error), the speed line names the
-    static shape."""
+    chats, with and without ``--lora``: the default (auto) takes the graphs; the losses equal the run with
+    ``--cuda-graphs false`` within bf16 tolerance, every layer is captured (cudagraph_skips == 0, a skip would also
+    raise under capture_or_error), the speed line names the static shape, nothing recompiles after step 1."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (run on the GPU machine)")
     from varpack.integrations.cuda_graphs import cudagraph_skips
@@ -423,13 +426,15 @@ def test_gpu_sft_cuda_graphs_equals_the_default_run(tmp_path):
         lines = []
         config = SFTConfig(
             model="tiny-qwen3",
-            output_dir=str(tmp_path / str(flag)),
+            output_dir=str(tmp_path / f"{flag}-{lora}"),
             packing_length=1024,
             overflow="truncate",
             max_steps=3,
             dtype="bfloat16",
             save=False,
             cuda_graphs=flag,
+            lora=lora,
+            lr=1e-2 if lora else None,
         )
         model = load_model(
             "tiny-qwen3", dtype=torch.bfloat16, attn_backend="auto", config_overrides={"head_dim": 64}

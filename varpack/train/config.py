@@ -271,7 +271,11 @@ _GRAPH_CONFLICTS: tuple[tuple[str, Any, str], ...] = (
         "a step's graph outputs may be overwritten by the next micro-batch's replay before the gradients "
         "are accumulated",
     ),
-    ("lora", bool, "peft adapters inside graph-captured layers are not tested"),
+    (
+        "lora_dropout",
+        lambda v: v > 0,
+        "dropout on the LoRA path inside graph-captured layers is not tested (LoRA without dropout is)",
+    ),
     ("use_liger_kernel", bool, "Liger-Kernel's layers are not compiled"),
     ("gradient_checkpointing", bool, "recomputation inside captured layers is not tested"),
     ("fsdp", bool, "sharded units around captured layers are not tested"),
@@ -408,8 +412,8 @@ def resolve_cuda_graphs(
     ``True``: :func:`check_cuda_graphs` (raises on a conflict), then on, reason ``"--cuda-graphs"``. ``False``:
     off, reason ``"--cuda-graphs false"``. ``"auto"`` (the default): on, reason :data:`GRAPHS_AUTO_REASON`,
     unless the device is not CUDA (``"auto: CPU run; CUDA graphs need a CUDA GPU"``) or a setting conflicts (the
-    order of :func:`check_cuda_graphs`): then off, reason ``"auto: <setting>: <why>"`` (``"auto: --lora
-    (lora=True): peft adapters inside graph-captured layers are not tested"``), so the run takes the next
+    order of :func:`check_cuda_graphs`): then off, reason ``"auto: <setting>: <why>"`` (``"auto: --grad-accum 4
+    (grad_accum=4): a step's graph outputs may be overwritten ..."``), so the run takes the next
     fastest step and the ``speed`` line says why.
 
     Args:
@@ -447,7 +451,7 @@ def check_cuda_graphs(
     falls back instead, saying why).
 
     Checked in this order: the settings of :data:`_GRAPH_CONFLICTS` (``torch_compile=False``, ``streaming``,
-    ``packs_per_step != 1``, ``grad_accum != 1``, ``lora``, ``use_liger_kernel``, ``gradient_checkpointing``,
+    ``packs_per_step != 1``, ``grad_accum != 1``, ``lora_dropout > 0``, ``use_liger_kernel``, ``gradient_checkpointing``,
     ``fsdp``, ``loss_impl="logits"``, ``objective="dpo"``, an ``attn_backend`` outside
     :data:`GRAPH_ATTN_BACKENDS`), FSDP / DeepSpeed / transformers' own
     ``torch_compile`` from ``extra_training_args`` or accelerate's environment, ``world_size > 1``, then
@@ -456,7 +460,7 @@ def check_cuda_graphs(
 
     Raises:
         ValueError: ``"--cuda-graphs ..."`` naming the conflicting setting as flag and field
-            (:func:`setting_text`: ``--cuda-graphs with --lora (lora=True): ...``) and why.
+            (:func:`setting_text`: ``--cuda-graphs with --grad-accum 4 (grad_accum=4): ...``) and why.
     """
     if config.cuda_graphs is not True:
         return
@@ -836,8 +840,8 @@ class SFTConfig:
             "graphs (mode=reduce-overhead), fused linear CE: 75 vs 141 ms/step of dynamic shapes (1.9x) for a "
             "0.6B model at packing length 8192 on an H200 (benchmarks/RESULTS.md). auto: on where it runs "
             "exactly -- CUDA, one process, a planned run (no --streaming), --packs-per-step 1, --grad-accum 1, "
-            "bf16 (--bf16 or --dtype bfloat16), --attn-backend auto / flash_attn_4 / triton_short, no --lora, "
-            "--use-liger-kernel, --gradient-checkpointing, FSDP, DeepSpeed, --loss-impl logits, --objective dpo, "
+            "bf16 (--bf16 or --dtype bfloat16), --attn-backend auto / flash_attn_4 / triton_short (--lora "
+            "included, without --lora-dropout), no --use-liger-kernel, --gradient-checkpointing, FSDP, DeepSpeed, --loss-impl logits, --objective dpo, "
             "vision-language or recurrent (Gated DeltaNet, Mamba-2) models; elsewhere the next fastest step, the "
             "'speed' line says why. --cuda-graphs: on, refused (never ignored) where auto would fall back; "
             "--cuda-graphs false or --no-cuda-graphs: off (default: %(default)s)",
