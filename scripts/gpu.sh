@@ -31,8 +31,8 @@ On the GPU machine (files under /tmp survive between calls while the machine sta
               runs in TEST_WORKERS (8) pytest-xdist processes (--dist loadgroup), TEST_TIMEOUT (360) s per test,
               TESTS_LIMIT (450) s in all; leaves pytest.log (every duration) and autotune.tar.xz
   step        benchmarks/train.py: the SFT step, every configuration in the same run (STEP_ARGS)
-  user        what a user types: varpack sft on the 0.6B shape with and without --cuda-graphs, varpack check,
-              examples/trl_sft.py; on several GPUs also varpack sft --fsdp (torchrun) and accelerate launch
+  user        what a user types: varpack sft on the 0.6B shape without speed flags (--dtype bfloat16, --bf16,
+              --bf16 --lora; USER_STEPS, 60), varpack check, examples/trl_sft.py; on several GPUs also varpack sft --fsdp (torchrun) and accelerate launch
   attention   benchmarks/attention.py: varlen attention bake-off per mix (ATTN_MIXES, ATTN_ARGS)
   gated-delta benchmarks/gated_delta.py: the gated delta rule kernels (GDR_ARGS)
   hybrid      benchmarks/hybrid_step.py: the Qwen3.5-shaped hybrid SFT step (HYBRID_ARGS)
@@ -162,9 +162,11 @@ multi_gpu() {
 }
 
 user() {
-  local n flag sft=(--bf16 --model qwen3-0.6b-shape --packing-length 8192 --data .gpu/data/code_alpaca.jsonl
-    --overflow truncate --max-steps "${USER_STEPS:-30}" --logging-steps 10 --no-save --output-dir "$W/sft")
-  for flag in --no-cuda-graphs --cuda-graphs; do run "sft$flag" 200 varpack sft $flag "${sft[@]}"; done
+  local n sft=(--model qwen3-0.6b-shape --packing-length 8192 --data .gpu/data/code_alpaca.jsonl --overflow truncate
+    --max-steps "${USER_STEPS:-60}" --logging-steps 10 --no-save --output-dir "$W/sft")
+  run sft_bf16_weights 200 varpack sft --dtype bfloat16 "${sft[@]}"   # the default step, as a user types it
+  run sft_bf16_autocast 200 varpack sft --bf16 "${sft[@]}"
+  run sft_lora 200 varpack sft --bf16 --lora "${sft[@]}"
   run check 150 varpack check --model qwen3-0.6b-shape --dtype bf16 --device cuda
   run trl_sft 150 python3 examples/trl_sft.py --max-steps 20 --output-dir "$W/trl"
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
