@@ -33,6 +33,9 @@ On the GPU machine (files under /tmp survive between calls while the machine sta
   step        benchmarks/train.py: the SFT step, every configuration in the same run (STEP_ARGS)
   user        what a user types: varpack sft on the 0.6B shape with and without --cuda-graphs, varpack check,
               examples/trl_sft.py; on several GPUs also varpack sft --fsdp (torchrun) and accelerate launch
+  trl-user    benchmarks/trl_user.py: a TRL script with TRL's packing (FA4, Liger), the same script with
+              VarpackSFTTrainer, and varpack sft, as users run them on code_alpaca.jsonl (TRL_USER_ARGS); the
+              runs' logs come back in trl-user.tar.xz
   attention   benchmarks/attention.py: varlen attention bake-off per mix (ATTN_MIXES, ATTN_ARGS)
   gated-delta benchmarks/gated_delta.py: the gated delta rule kernels (GDR_ARGS)
   hybrid      benchmarks/hybrid_step.py: the Qwen3.5-shaped hybrid SFT step (HYBRID_ARGS)
@@ -216,6 +219,8 @@ for stage in "$@"; do
     step) need $SAMPLES && run train 450 python3 benchmarks/train.py --samples $SAMPLES \
       ${STEP_ARGS:---steps 14 --rounds 2 --time-budget 330} --out "$D/train.json" ;;
     user) need .gpu/data/code_alpaca.jsonl && user ;;
+    trl-user) need .gpu/data/code_alpaca.jsonl && TAIL=12 run trl_user 570 python3 benchmarks/trl_user.py \
+      --data .gpu/data/code_alpaca.jsonl ${TRL_USER_ARGS:-} --keep "$D/runs" --out "$D/trl_user.json" ;;
     attention) need $SAMPLES && attention ;;
     gated-delta) need benchmarks/gated_delta.py && { TAIL=30 run gated_delta 240 python3 benchmarks/gated_delta.py \
       ${GDR_ARGS:---methods chunk fla fla_hybrid}; r=$?; save_autotune; (exit $r); } ;;
