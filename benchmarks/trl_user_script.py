@@ -98,9 +98,10 @@ def main(argv: list[str] | None = None) -> Any:
     else:
         train_dataset = datasets.Dataset.from_list([{"messages": c["messages"]} for c in builtin_chats()])
     tokenizer = load_tokenizer_for(args.model)
-    model = load_model(args.model, dtype=getattr(torch, args.dtype), seed=args.seed, attn_backend=None)
-    attention, not_taken = set_best_attention(model, args.attn)
     cuda = torch.cuda.is_available()
+    model = load_model(args.model, dtype=getattr(torch, args.dtype), seed=args.seed, attn_backend=None,
+                       device="cuda" if cuda else None)  # fmt: skip
+    attention, not_taken = set_best_attention(model, args.attn)
     liger = args.liger == "on" or (
         args.liger == "auto" and cuda and importlib.util.find_spec("liger_kernel") is not None
     )
