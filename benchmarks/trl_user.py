@@ -36,6 +36,7 @@ figures averaged over rounds, each round's ratios to ``trl`` and to ``cli`` kept
 is flagged order-dependent.
 
     python benchmarks/trl_user.py --data .gpu/data/code_alpaca.jsonl --out trl_user.json      # H200
+    bash scripts/gpu.sh trl-user        # the same through the GPU runner (TRL_USER_ARGS adds flags)
     python benchmarks/trl_user.py --device cpu --small --out /tmp/trl_user.json             # CPU smoke run
 """
 
@@ -192,7 +193,7 @@ def run_stamped(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[in
     lock = threading.Lock()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)  # fmt: skip
+                            process_group=0)  # its own process group: a timeout kills it whole  # fmt: skip
 
     def reader(stream: Any, name: str) -> None:
         # a segment is stamped when its first byte arrives: tqdm writes "\r<bar>" and ends it only with the

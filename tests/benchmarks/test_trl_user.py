@@ -129,3 +129,9 @@ def test_small_run_three_user_runs_train_the_same_tokens(tmp_path):
     assert rows["cli"]["command"].split()[-1] == "--no-save" and rows["cli"]["speed_line"].startswith("speed")
     assert rows["trl"]["vs_best_peer"] == 1.0 and rows["cli"]["vs_cli"] == 1.0
     assert "| trl |" in res["table"]
+
+
+def test_run_stamped_kills_a_run_past_its_timeout():
+    code = "import time\nprint('up', flush=True)\ntime.sleep(120)"
+    rc, segments = run_stamped([sys.executable, "-c", code], {}, 3)
+    assert rc == -9 and [seg for _, _, seg in segments] == ["up"]
