@@ -32,7 +32,11 @@ On the GPU machine (files under /tmp survive between calls while the machine sta
               TESTS_LIMIT (450) s in all; leaves pytest.log (every duration) and autotune.tar.xz
   step        benchmarks/train.py: the SFT step, every configuration in the same run (STEP_ARGS)
   user        what a user types: varpack sft on the 0.6B shape without speed flags (--dtype bfloat16, --bf16,
-              --bf16 --lora; USER_STEPS, 60), varpack check, examples/trl_sft.py; on several GPUs also varpack sft --fsdp (torchrun) and accelerate launch
+              --bf16 --lora; USER_STEPS, 60) and varpack check; on several GPUs also varpack sft --fsdp
+              (torchrun) and accelerate launch
+  trl-user    benchmarks/trl_user.py: a TRL script with TRL's packing (FA4, Liger), the same script with
+              VarpackSFTTrainer, and varpack sft, as users run them on code_alpaca.jsonl (TRL_USER_ARGS); the
+              runs' logs come back in trl-user.tar.xz
   attention   benchmarks/attention.py: varlen attention bake-off per mix (ATTN_MIXES, ATTN_ARGS)
   gated-delta benchmarks/gated_delta.py: the gated delta rule kernels (GDR_ARGS)
   hybrid      benchmarks/hybrid_step.py: the Qwen3.5-shaped hybrid SFT step (HYBRID_ARGS)
@@ -168,7 +172,6 @@ user() {
   run sft_bf16_autocast 200 varpack sft --bf16 "${sft[@]}"
   run sft_lora 200 varpack sft --bf16 --lora "${sft[@]}"
   run check 150 varpack check --model qwen3-0.6b-shape --dtype bf16 --device cuda
-  run trl_sft 150 python3 examples/trl_sft.py --max-steps 20 --output-dir "$W/trl"
   n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   if [ "$n" -ge 2 ]; then
     run sft_fsdp 200 torchrun --standalone --nproc-per-node "$n" -m varpack.cli.main sft --fsdp --model qwen3-1.7b-shape \
@@ -218,6 +221,8 @@ for stage in "$@"; do
     step) need $SAMPLES && run train 450 python3 benchmarks/train.py --samples $SAMPLES \
       ${STEP_ARGS:---steps 14 --rounds 2 --time-budget 330} --out "$D/train.json" ;;
     user) need .gpu/data/code_alpaca.jsonl && user ;;
+    trl-user) need .gpu/data/code_alpaca.jsonl && TAIL=12 run trl_user 570 python3 benchmarks/trl_user.py \
+      --data .gpu/data/code_alpaca.jsonl ${TRL_USER_ARGS:-} --keep "$D/runs" --out "$D/trl_user.json" ;;
     attention) need $SAMPLES && attention ;;
     gated-delta) need benchmarks/gated_delta.py && { TAIL=30 run gated_delta 240 python3 benchmarks/gated_delta.py \
       ${GDR_ARGS:---methods chunk fla fla_hybrid}; r=$?; save_autotune; (exit $r); } ;;
