@@ -17,7 +17,7 @@ import torch
 from tests import _launch as launch
 from varpack.models import load_model
 from varpack.train import SFTConfig, build_sft
-from varpack.train.trainer import EngineReportCallback
+from varpack.train.trainer import EngineReportCallback, SpeedReportCallback
 
 VOCAB = 512
 #: packing_length 32: best-fit decreasing makes 3 packs ({25, 5}, {20, 12}, {18, 10}): 2 ranks x 1 pack per
@@ -66,6 +66,8 @@ def one_step(out_dir, *, encoded=None, **cfg):
     run.trained_ids = []  # sample ids of the micro-batches this rank trained (fillers have none)
     run.engines = []  # what varpack sft prints as its engine line (main process only)
     run.trainer.add_callback(EngineReportCallback(run.engines.append))
+    run.speed = []  # its speed line (main process only)
+    run.trainer.add_callback(SpeedReportCallback(run.trainer, run.compile_choice, print_fn=run.speed.append))
     step = run.trainer.training_step
 
     def training_step(model, inputs, *args, **kwargs):
@@ -79,13 +81,16 @@ def one_step(out_dir, *, encoded=None, **cfg):
     return run, delta, loss
 
 
-def fsdp2_step(reduction, *, global_items=True):
+def fsdp2_step(reduction, *, global_items=True, compile_backend=None):
     """One FSDP2 step on this rank (process group up): ``({name: full gradient}, global loss)``.
 
     The rank's micro-batches of :class:`BalancedPackSampler` (2 ranks x 2 micro-batches, as ``one_step``
     with ``grad_accum=2``), the loss divided by the step's item count summed over ranks (``global_items``;
     ``False``: this rank's own count, the negative control) and multiplied by the world size, as
-    ``PackedLossMixin.compute_loss`` does, because FSDP2 averages the gradients over ranks."""
+    ``PackedLossMixin.compute_loss`` does, because FSDP2 averages the gradients over ranks. With
+    ``compile_backend`` the decoder layers are compiled (:func:`varpack.integrations.kernels.compile_layers`
+    with that backend) before they are sharded, the order of ``varpack sft --fsdp`` (the layers are compiled
+    as the model is prepared, accelerate shards them when the Trainer starts)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -107,6 +112,10 @@ def fsdp2_step(reduction, *, global_items=True):
     dataset = PackedDataset(encoded, plan, shuffle=False)
     collate = TrainCollator(PaddingFreeCollator(pad_token_id=0))
     batches = [collate([dataset[p] for p in micro]) for micro in sampler]
+    if compile_backend is not None:
+        from varpack.integrations import kernels
+
+        kernels.compile_layers(model, backend=compile_backend)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
