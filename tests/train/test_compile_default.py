@@ -55,12 +55,20 @@ def test_explicit_values_are_kept_on_every_device():
 #: one setting that keeps "auto" eager on CUDA -> (config fields, world_size, environment, reason fragment)
 CONFLICTS = {
     "liger": (dict(use_liger_kernel=True), 1, {}, "--use-liger-kernel"),
-    "fsdp": (dict(fsdp=True), 1, {}, "FSDP"),
-    "fsdp_extra": (dict(extra_training_args={"fsdp": "full_shard"}), 1, {}, "FSDP"),
-    "fsdp_accelerate": (dict(), 1, {"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
+    "context_parallel": (dict(context_parallel=2), 2, {}, "--context-parallel"),
+    # FSDP1: compiled layers are tested inside FSDP2 units only (tests/train/test_ddp_compile_gloo.py)
+    "fsdp1_extra": (
+        dict(extra_training_args={"fsdp": True, "fsdp_config": {"version": 1}}), 2, {}, "FSDP version 1"
+    ),
+    "fsdp1_prefixed": (
+        dict(fsdp=True, extra_training_args={"fsdp_config": {"fsdp_version": 1}}), 2, {}, "FSDP version 1"
+    ),
+    "fsdp_config_file": (
+        dict(extra_training_args={"fsdp": True, "fsdp_config": "fsdp.json"}), 2, {}, "fsdp_config file (not read)"
+    ),
+    "fsdp1_accelerate": (dict(), 2, {"ACCELERATE_USE_FSDP": "true"}, "FSDP version 1"),  # accelerate's default
     "deepspeed_extra": (dict(extra_training_args={"deepspeed": "ds.json"}), 1, {}, "DeepSpeed"),
     "deepspeed_accelerate": (dict(), 1, {"ACCELERATE_USE_DEEPSPEED": "1"}, "DeepSpeed"),
-    "ddp": (dict(), 2, {}, "2 ranks (DDP)"),
     "lora": (dict(lora=True), 1, {}, "--lora"),
     "hf_compile": (
         dict(extra_training_args={"torch_compile": True}),
@@ -76,10 +84,34 @@ def test_each_conflict_keeps_auto_eager_on_cuda(name):
     fields, world, env, fragment = CONFLICTS[name]
     choice = resolve_torch_compile(SFTConfig(**fields), device="cuda", world_size=world, environ=env)
     assert not choice.on and choice.reason.startswith("auto: ") and fragment in choice.reason, choice
-    # Liger + compile is refused, so no flag is offered to force it; the others name --torch-compile
-    assert choice.hint == ("" if name == "liger" else "--torch-compile to compile anyway")
+    # Liger / context parallelism refuse compile, so no flag is offered to force it; the others name it
+    assert choice.hint == ("" if name in ("liger", "context_parallel") else "--torch-compile to compile anyway")
     # control: without that setting the same run compiles
     assert resolve_torch_compile(SFTConfig(), device="cuda", world_size=1, environ={}).on
+
+
+#: several ranks that compile under auto on CUDA -> (config fields, world_size, environment, engine named)
+MULTI_RANK = {
+    "ddp": (dict(), 2, {}, "DDP"),
+    "fsdp": (dict(fsdp=True), 2, {}, "FSDP2"),
+    "fsdp_extra": (dict(extra_training_args={"fsdp": "full_shard"}), 2, {}, "FSDP2"),  # transformers' default: 2
+    "fsdp2_extra": (dict(extra_training_args={"fsdp": True, "fsdp_config": {"version": 2}}), 4, {}, "FSDP2"),
+    "fsdp2_accelerate": (dict(), 2, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, "FSDP2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MULTI_RANK))
+def test_auto_compiles_under_ddp_and_fsdp2_on_cuda(name):
+    """Compiled layers under DDP and FSDP2 equal the one-process step (tests/train/test_ddp_compile_gloo.py),
+    so auto compiles there; the reason names the engine, and that the speed-up is measured on one GPU."""
+    fields, world, env, engine = MULTI_RANK[name]
+    choice = resolve_torch_compile(SFTConfig(**fields), device="cuda", world_size=world, environ=env)
+    assert choice == CompileChoice(
+        True, f"auto on CUDA: fastest measured on one GPU, exact under {engine}", "--torch-compile false to skip"
+    )
+    # control: LoRA on the same ranks stays eager
+    lora = resolve_torch_compile(SFTConfig(lora=True, **fields), device="cuda", world_size=world, environ=env)
+    assert not lora.on and "--lora" in lora.reason
 
 
 @pytest.mark.parametrize(
@@ -192,10 +224,11 @@ def test_help_names_every_auto_rule():
     sft = build_parser()._subparsers._group_actions[0].choices["sft"]
     text = " ".join(next(a.help for a in sft._actions if a.dest == "torch_compile").split())
     for rule in (
-        "single-process CUDA",
+        "CUDA run (one process, DDP or FSDP2)",
         "--use-liger-kernel",
         "--lora",
-        "FSDP",
+        "--context-parallel",
+        "FSDP1",
         "DeepSpeed",
         "--extra-training-args",
     ):

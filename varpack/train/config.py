@@ -188,17 +188,29 @@ def resolve_torch_compile(
     or is untested with it; benchmarks/RESULTS.md#sft-step (benchmarks/train.py, one H200,
     Qwen3-0.6B shape) measured compile + linear CE at 112-141 ms/step vs 160-165 ms without compile, after a cold
     first step (:data:`COMPILE_COLD_COST`); where static shapes + CUDA graphs run (:func:`resolve_cuda_graphs`),
-    faster still, the layers are compiled for them. ``"auto"`` is
-    ``False`` with any of these, checked in this order:
+    faster still, the layers are compiled for them.
+
+    Several ranks compile too: under DDP (``world_size > 1``) and under FSDP2 (``fsdp``, or FSDP from
+    ``extra_training_args`` / accelerate's environment with FSDP version 2) the compiled layers' step equals
+    the one-process eager step over the same packs, loss and every parameter's update (2 gloo ranks, CPU,
+    ``aot_eager`` backend: tests/train/test_ddp_compile_gloo.py; for FSDP2 the layers are compiled, then
+    sharded by ``fully_shard`` per decoder layer and the root, as accelerate places the units); the pack
+    shapes of 5 steps reuse one set of graphs on every rank (no recompilation). The speed-up under several
+    GPUs is not measured yet (benchmarks/scaling.py ``--torch-compile``). ``"auto"`` is ``False`` with any of
+    these, checked in this order:
 
     * ``device`` is not ``"cuda"``: the speed-up was measured on CUDA only, and inductor on a CPU builds C++
       for every layer before the first step;
     * ``use_liger_kernel``: refused together with compile
       (:data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`);
-    * FSDP (``fsdp``, ``extra_training_args["fsdp"]`` or accelerate's ``ACCELERATE_USE_FSDP``) or DeepSpeed
-      (``extra_training_args["deepspeed"]``, ``ACCELERATE_USE_DEEPSPEED``): compiled layers inside sharded
-      units are not tested;
-    * ``world_size > 1`` (DDP): compiled layers under several ranks are neither tested nor measured;
+    * ``context_parallel > 1``: compiled layers are not tested with its collectives (``True`` is refused
+      there by :func:`check_context_parallel`);
+    * DeepSpeed (``extra_training_args["deepspeed"]``, ``ACCELERATE_USE_DEEPSPEED``): compiled layers under
+      it are not tested;
+    * FSDP1: FSDP from ``extra_training_args`` whose ``fsdp_config`` sets ``"version"`` other than 2 or is
+      not a dict (a file, not read here), or accelerate's ``ACCELERATE_USE_FSDP`` without ``fsdp`` in the
+      training arguments and ``FSDP_VERSION`` not 2 (accelerate's default is 1): compiled layers are tested
+      inside FSDP2 units only;
     * ``lora``: peft's adapter layers inside compiled layers are not tested;
     * ``extra_training_args["torch_compile"]``: transformers would compile the whole model around the
       compiled layers.
@@ -217,9 +229,10 @@ def resolve_torch_compile(
 
     Returns:
         :class:`CompileChoice` ``(on, reason, hint)``: ``reason`` as ``varpack sft``'s ``speed`` line shows it
-        (``"--torch-compile"``, ``"auto on CUDA: fastest measured, benchmarks/RESULTS.md"``, ``"auto: CPU
-        run; compiled by default on CUDA only"``, ...), ``hint`` the flag that chooses otherwise (``auto``
-        only; none on a CPU, or beside Liger, which is refused with compile).
+        (``"--torch-compile"``, ``"auto on CUDA: fastest measured, benchmarks/RESULTS.md"``, ``"auto on CUDA:
+        fastest measured on one GPU, exact under DDP"``, ``"auto: CPU run; compiled by default on CUDA
+        only"``, ``"auto: FSDP version 1; ..."``), ``hint`` the flag that chooses otherwise (``auto`` only;
+        none on a CPU, or beside Liger or context parallelism, which refuse compile).
     """
     value = config.torch_compile
     if config.cuda_graphs is True and value is not False:  # check_cuda_graphs refuses the rest
@@ -234,22 +247,33 @@ def resolve_torch_compile(
         return CompileChoice(False, f"auto: {device.upper()} run; compiled by default on CUDA only")
     if config.use_liger_kernel:
         return CompileChoice(False, "auto: --use-liger-kernel, which is not combined with compile")
+    if config.context_parallel > 1:
+        return CompileChoice(False, "auto: --context-parallel; compiled layers are not tested with its collectives")
     anyway = "--torch-compile to compile anyway"
-    if config.fsdp or _truthy(extra.get("fsdp")) or _truthy(env.get("ACCELERATE_USE_FSDP")):
-        return CompileChoice(False, "auto: FSDP; compiled layers in sharded units are not tested", anyway)
     if _truthy(extra.get("deepspeed")) or _truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
         return CompileChoice(False, "auto: DeepSpeed; compiled layers under it are not tested", anyway)
-    if world_size > 1:
-        why = f"auto: {world_size} ranks (DDP); compiled layers under DDP are not tested or measured"
+    fsdp_version = None  # the FSDP version the Trainer will shard with (None: no FSDP)
+    if config.fsdp or _truthy(extra.get("fsdp")):  # TrainingArguments' fsdp_config; its default version is 2
+        fsdp_config = extra.get("fsdp_config", {})
+        if isinstance(fsdp_config, dict):  # transformers strips a key's "fsdp_" prefix
+            fsdp_version = str(fsdp_config.get("version", fsdp_config.get("fsdp_version", 2))).strip()
+        else:
+            fsdp_version = "of an fsdp_config file (not read)"
+    elif _truthy(env.get("ACCELERATE_USE_FSDP")):
+        fsdp_version = env.get("FSDP_VERSION", "1").strip()  # accelerate's default
+    if fsdp_version is not None and fsdp_version != "2":
+        why = f"auto: FSDP version {fsdp_version}; compiled layers are tested inside FSDP2 units only"
         return CompileChoice(False, why, anyway)
     if config.lora:
         return CompileChoice(False, "auto: --lora; compiled layers with peft adapters are not tested", anyway)
     if _truthy(extra.get("torch_compile")):
         why = "auto: transformers' own torch_compile (extra_training_args) compiles the whole model"
         return CompileChoice(False, why, anyway)
-    return CompileChoice(
-        True, "auto on CUDA: fastest measured, benchmarks/RESULTS.md", "--torch-compile false to skip"
-    )
+    skip = "--torch-compile false to skip"
+    if fsdp_version is not None or world_size > 1:
+        engine = "FSDP2" if fsdp_version is not None else "DDP"
+        return CompileChoice(True, f"auto on CUDA: fastest measured on one GPU, exact under {engine}", skip)
+    return CompileChoice(True, "auto on CUDA: fastest measured, benchmarks/RESULTS.md", skip)
 
 
 #: settings ``--cuda-graphs`` is refused with: (field, value test, why). Each needs what CUDA-graph trees cannot
@@ -569,8 +593,9 @@ class SFTConfig:
             ``liger-kernel``): :func:`varpack.integrations.kernels.apply_liger_kernels`. The loss stays varpack's.
         torch_compile: ``torch.compile`` each decoder layer, varpack attention outside the graph
             (:func:`varpack.integrations.kernels.compile_layers`); ``True``, ``False`` or ``"auto"`` (default):
-            :func:`resolve_torch_compile` decides per run (on for a single-process CUDA run without Liger,
-            LoRA, FSDP or DeepSpeed; off on a CPU); :func:`varpack.train.sft.build_sft` returns the config with
+            :func:`resolve_torch_compile` decides per run (on for a CUDA run, one process, DDP or FSDP2,
+            without Liger, LoRA, context parallelism, FSDP1 or DeepSpeed; off on a CPU);
+            :func:`varpack.train.sft.build_sft` returns the config with
             the resolved ``True`` / ``False``, and ``varpack sft`` prints it on its ``speed`` line. Cost: the first
             step compiles (:data:`COMPILE_COLD_COST`). ``True`` with ``use_liger_kernel`` is refused
             (:data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`).
@@ -823,9 +848,10 @@ class SFTConfig:
         default="auto",
         metadata=_opt(
             "torch.compile each decoder layer (varpack attention stays outside the graph). auto: on for a "
-            "single-process CUDA run without --use-liger-kernel, --lora, FSDP, DeepSpeed or transformers' own "
-            "torch_compile in --extra-training-args (compile + chunked linear CE is the fastest exact setup "
-            "measured, benchmarks/RESULTS.md), off on any other device (CPU, MPS, ...); the run's "
+            "CUDA run (one process, DDP or FSDP2) without --use-liger-kernel, --lora, --context-parallel, FSDP1, "
+            "DeepSpeed or transformers' own torch_compile in --extra-training-args (compile + chunked linear CE "
+            "is the fastest exact setup measured on one GPU, benchmarks/RESULTS.md), off on any other device "
+            "(CPU, MPS, ...); the run's "
             "'speed' line says which and why. The first step compiles (~14 s for a 0.6B model on an H200). "
             "--torch-compile: on; --torch-compile false or --no-torch-compile: off (default: %(default)s)",
             metavar="auto|true|false",
