@@ -15,6 +15,16 @@ tokens of all ranks / wall seconds of the timed pass (every rank synchronised).
     torchrun --standalone --nproc-per-node 2 benchmarks/scaling.py --model qwen3-1.7b-shape --engine fsdp2 \\
         --samples .gpu/samples.npz --steps 6 --out fsdp17.json
     torchrun --standalone --nproc-per-node 2 benchmarks/scaling.py --small   # CPU / gloo smoke run
+
+``--torch-compile`` compiles every decoder layer first (:func:`varpack.integrations.kernels.compile_layers`,
+inductor, then DDP / FSDP2 wraps the model: what ``varpack sft`` runs by default on CUDA); the cold pass then
+holds the compiles. Compiled DDP on 2 GPUs vs compiled on one:
+
+    torchrun --standalone --nproc-per-node 1 benchmarks/scaling.py --torch-compile --samples .gpu/samples.npz \\
+        --out w1c.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/scaling.py --torch-compile --samples .gpu/samples.npz \\
+        --out w2c.json
+    python benchmarks/scaling.py --compare w1.json w1c.json w2.json w2c.json
 """
 
 from __future__ import annotations
@@ -119,6 +129,10 @@ def run(args: argparse.Namespace) -> dict | None:
     model = build_model(args.model, device=device, dtype=torch.bfloat16 if cuda else torch.float32,
                         vocab_size=args.vocab_size, backend="auto")  # fmt: skip
     params, vocab = n_params(model), int(model.config.get_text_config().vocab_size)
+    if args.torch_compile:  # before the engine wraps the model, as varpack sft prepares it
+        from varpack.integrations.kernels import compile_layers
+
+        compile_layers(model)
     if args.samples:
         samples = [s for s in load_samples(args.samples) if s["length"] <= args.packing_length]
     else:
@@ -158,6 +172,7 @@ def run(args: argparse.Namespace) -> dict | None:
     return {
         "model": args.model,
         "engine": engine,
+        "torch_compile": bool(args.torch_compile),
         "world_size": world,
         "packing_length": args.packing_length,
         "steps": len(batches),
@@ -176,7 +191,8 @@ def run(args: argparse.Namespace) -> dict | None:
 
 
 def row(r: dict) -> list:
-    return [r["model"], r["engine"], r["world_size"], r["steps"], r["cold_pass_s"], r["tokens_per_s"],
+    engine = r["engine"] + (" + compile" if r.get("torch_compile") else "")
+    return [r["model"], engine, r["world_size"], r["steps"], r["cold_pass_s"], r["tokens_per_s"],
             r["tokens_per_s_per_gpu"], "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
             " / ".join(f"{m:.1f}" for m in r["ms_per_step_per_rank"]), f"{r['rank_imbalance']:.3f}",
             " / ".join("-" if g != g else f"{g:.1f}" for g in r["peak_gib_per_rank"])]  # fmt: skip
@@ -197,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--packing-length", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=16, help="optimizer steps per pass (one pack per rank each)")
     ap.add_argument("--loss-impl", choices=("logits", "linear_ce"), default="logits")
+    ap.add_argument(
+        "--torch-compile", action="store_true",
+        help="compile each decoder layer (varpack.integrations.kernels.compile_layers) before DDP / FSDP2",
+    )  # fmt: skip
     ap.add_argument(
         "--samples", default=None, help="pre-encoded samples (.npz from benchmarks/_common.py encode)"
     )

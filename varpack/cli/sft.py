@@ -8,8 +8,8 @@
 
 One flag per :class:`varpack.train.config.SFTConfig` field (``--weight-decay``, ``--dtype``,
 ``--dataloader-num-workers``, ``--report-to``, ``--extra-training-args JSON``, ...; booleans as
-``--flag/--no-flag``; ``--torch-compile [auto|true|false]``, ``auto`` by default: on for a single-process CUDA
-run, :func:`varpack.train.config.resolve_torch_compile`): ``varpack sft --help`` lists them all. ``--config run.yaml`` (or ``.json``) gives any
+``--flag/--no-flag``; ``--torch-compile [auto|true|false]``, ``auto`` by default: on for a CUDA run (one process, DDP
+or FSDP2), :func:`varpack.train.config.resolve_torch_compile`): ``varpack sft --help`` lists them all. ``--config run.yaml`` (or ``.json``) gives any
 of them from a file (:mod:`varpack.train.config_file`); flags on the command line override it. TRL / ms-swift
 spellings are accepted too (``--packing_length``, ``--max_length``, ``--learning_rate``, ``--attn_impl``,
 ``--padding_free true``; docs/usage.md "Flags for TRL / ms-swift users").

@@ -4,7 +4,7 @@ The profile of a packed SFT step (benchmarks/profile_step.py, benchmarks/RESULTS
 small model's step is spent outside attention: in many small element-wise kernels (RMSNorm, RoPE, SiLU·mul,
 casts, residual adds) and in the host time to launch them. Two well-kept remedies, both leaving varpack's
 boundaries untouched: ``varpack sft --use-liger-kernel`` (opt-in) and ``--torch-compile`` (``auto`` by default:
-on for a single-process CUDA run, :func:`varpack.train.config.resolve_torch_compile`):
+on for a CUDA run, one process, DDP or FSDP2, :func:`varpack.train.config.resolve_torch_compile`):
 
 * :func:`apply_liger_kernels` swaps a model's RMSNorm, RoPE and SwiGLU MLP for Liger-Kernel's fused Triton
   kernels (``liger_kernel.transformers._apply_liger_kernel_to_instance``; Hsu et al., "Liger Kernel: Efficient
