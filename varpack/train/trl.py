@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+from typing import Any, Literal
 
 try:
     from trl import SFTConfig, SFTTrainer
@@ -72,7 +72,9 @@ from varpack.train.trainer import (
     PackedLossMixin,
     PackEpochCallback,
     PackSamplingMixin,
+    SpeedReportCallback,
     TrainCollator,
+    describe_speed,
     make_pack_sampler,
 )
 
@@ -121,6 +123,12 @@ def _check_args(args: Any, kwargs: dict[str, Any]) -> None:
             f"train_sampling_strategy={args.train_sampling_strategy!r}",
             "items are packs already balanced by the planner; use 'random' or 'sequential'",
         )
+    if args.torch_compile_mode not in (None, "default"):
+        raise _refuse(
+            f"torch_compile_mode={args.torch_compile_mode!r}",
+            "varpack compiles each decoder layer itself (default mode; with cuda_graphs, mode "
+            "'reduce-overhead' on static-shape packs); leave torch_compile_mode unset",
+        )
     if kwargs.get("compute_loss_func") is not None:
         raise _refuse(
             "compute_loss_func", "the loss is varpack's packed objective (loss_reduction=, loss_impl=)"
@@ -136,6 +144,46 @@ def _check_args(args: Any, kwargs: dict[str, Any]) -> None:
                 "a collator that is not varpack's PaddingFreeCollator would not carry the pack boundaries; "
                 "leave data_collator unset",
             )
+
+
+def _device_type(args: Any) -> str:
+    """The device type the run trains on (``TrainingArguments.device.type``: ``"cuda"``, ``"cpu"``, ...)."""
+    return args.device.type
+
+
+def _checkpointing(args: Any, model: Any) -> bool:
+    """Activation (gradient) checkpointing asked by ``args`` or already on ``model`` (transformers 5 names it
+    ``activation_checkpointing``; ``gradient_checkpointing`` is its older alias)."""
+    asked = getattr(args, "activation_checkpointing", None)
+    if asked is None:
+        asked = getattr(args, "gradient_checkpointing", False)
+    on = getattr(model, "is_activation_checkpointing", None)
+    if on is None:
+        on = getattr(model, "is_gradient_checkpointing", False)
+    return bool(asked or on)
+
+
+def _base_model(model: Any) -> Any:
+    """The transformers model inside a PEFT wrapper (``get_base_model``), else ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _joined_plans(plans: list[Any]) -> Any:
+    """One plan-like object (``offsets`` ``[P+1]``, ``item_lengths`` ``[I]``) holding every pack of ``plans``:
+    what :meth:`varpack.collate.StaticShape.from_plan` reads to fit them all."""
+    import types
+
+    import numpy as np
+
+    if len(plans) == 1:
+        return plans[0]
+    offsets, lengths, items = [np.zeros(1, dtype=np.int64)], [], 0
+    for plan in plans:
+        item_lengths = np.asarray(plan.item_lengths, dtype=np.int64)
+        offsets.append(np.asarray(plan.offsets, dtype=np.int64)[1:] + items)
+        lengths.append(item_lengths)
+        items += item_lengths.size
+    return types.SimpleNamespace(offsets=np.concatenate(offsets), item_lengths=np.concatenate(lengths))
 
 
 def samples_from_trl(dataset: Any, *, name: str = "train") -> Any:
@@ -238,6 +286,8 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         attn_backend: str = "auto",
         rank_balance: bool = True,
         attention_cost_weight: float | None = None,
+        cuda_graphs: bool | Literal["auto"] = "auto",
+        compile_layers: bool | Literal["auto"] = "auto",
         **kwargs: Any,
     ) -> None:
         from varpack.collate import PaddingFreeCollator
@@ -251,7 +301,12 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             )
         if not isinstance(args, SFTConfig):
             raise TypeError(f"VarpackSFTTrainer needs args=trl.SFTConfig(...), got {type(args).__name__}")
+        for name, value in (("cuda_graphs", cuda_graphs), ("compile_layers", compile_layers)):
+            if not (value is True or value is False or value == "auto"):
+                raise _refuse(f"{name}={value!r}", "give True, False or 'auto'")
         _check_args(args, kwargs)
+        if cuda_graphs is True and compile_layers is False:
+            raise _refuse("cuda_graphs=True with compile_layers=False", "CUDA graphs replay the compiled layers")
         packing_length = packing_length if packing_length is not None else args.max_length
         if packing_length is None:
             raise _refuse(
@@ -274,6 +329,9 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         # TRL prepares the data (tokenize, labels) but must not truncate: max_length is the packing length.
         trl_args = copy.copy(args)
         trl_args.max_length = None
+        # TRL's torch_compile becomes varpack's compiled layers (below): transformers must not compile the
+        # whole model around them
+        trl_args.torch_compile, trl_args.torch_compile_backend = False, None
         self.packing_settings = dict(
             packing_length=int(packing_length), strategy=packing_strategy, overflow=overflow, seed=args.seed
         )
@@ -286,7 +344,10 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             PaddingFreeCollator(pad_token_id=pad_id or 0, pad_to_multiple_of=args.pad_to_multiple_of)
         )
         super().__init__(model, trl_args, **kwargs)
-        self.args = args  # the user's settings (max_length as given) are what the run records
+        # the user's settings (max_length as given) are what the run records, with transformers' whole-model
+        # compile off as it ran (the user's torch_compile is in step_choice's reason)
+        self.args = copy.copy(args)
+        self.args.torch_compile, self.args.torch_compile_backend = False, None
 
         parallel = self.accelerator.parallelism_config
         if parallel is not None and (parallel.cp_enabled or getattr(parallel, "sp_enabled", False)):
@@ -311,10 +372,221 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             self.eval_dataset = {k: self._pack(v, k, shuffle=False)[2] for k, v in self.eval_dataset.items()}
         elif self.eval_dataset is not None:
             self.eval_dataset = self._pack(self.eval_dataset, "eval", shuffle=False)[2]
+        self.loss_impl = loss_impl  # read by the step choice (the fused linear CE of the graph step)
+        self.static_shape = self.static_pad = None
+        graphs, self.step_choice = self._choose_step(args, cuda_graphs, compile_layers)
         self._init_packed_loss(
             loss_reduction=loss_reduction,
             loss_impl=loss_impl,
             packing_length=int(packing_length),
+            cuda_graphs=graphs,
+        )
+        self._speed = SpeedReportCallback(
+            self,
+            self.step_choice,
+            liger=bool(args.use_liger_kernel),
+            static=self._describe_static() if graphs else None,
+        )
+        self.add_callback(self._speed)
+
+    # -- the step: CUDA graphs, compiled layers or eager (module docstring, "Speed") --------------------------
+    def _graph_conflict(self, args: Any, compile_layers: Any) -> tuple[str, str, str | None] | None:
+        """The first setting under which this run's layers cannot run as CUDA graphs, as ``(setting, why, fix)``
+        (``fix``: the setting that would allow them, or ``None``), or ``None`` when they can."""
+        from varpack.integrations.cuda_graphs import model_refusal
+        from varpack.train.config import GRAPH_ATTN_BACKENDS
+
+        base = _base_model(self.model)
+        device = _device_type(args)
+        state = getattr(base, "_varpack_state", None)
+        backend = state.backend if state is not None else None
+        evals = self.eval_dataset is not None
+        checks: list[tuple[bool, str, str, str | None]] = [
+            (compile_layers is False, "compile_layers=False", "CUDA graphs replay the compiled layers", None),
+            (device != "cuda", f"a {device} run", "CUDA graphs need a CUDA GPU", None),
+            (
+                args.world_size > 1,
+                f"{args.world_size} processes",
+                "captured layers under DDP are neither tested nor measured",
+                None,
+            ),
+            (self.is_fsdp_enabled, "FSDP", "sharded units around captured layers are not tested", None),
+            (self.is_deepspeed_enabled, "DeepSpeed", "captured layers under it are not tested", None),
+            (
+                args.gradient_accumulation_steps != 1,
+                f"gradient_accumulation_steps={args.gradient_accumulation_steps}",
+                "a step's graph outputs may be overwritten by the next micro-batch's replay before the "
+                "gradients are accumulated",
+                "gradient_accumulation_steps=1",
+            ),
+            (
+                args.per_device_train_batch_size != 1,
+                f"per_device_train_batch_size={args.per_device_train_batch_size}",
+                "the static shape is one pack's; a row of several packs would need another",
+                "per_device_train_batch_size=1 (a larger max_length packs more tokens per step)",
+            ),
+            (
+                hasattr(self.model, "get_base_model"),
+                "a PEFT model (peft_config)",
+                "peft adapters inside graph-captured layers are not tested",
+                None,
+            ),
+            (
+                _checkpointing(args, base),
+                "gradient_checkpointing=True",
+                "recomputation inside captured layers is not tested",
+                "gradient_checkpointing=False",
+            ),
+            (
+                bool(args.use_liger_kernel),
+                "use_liger_kernel=True",
+                "Liger-Kernel's layers are not compiled",
+                "use_liger_kernel=False",
+            ),
+            (
+                args.torch_compile_backend not in (None, "inductor"),
+                f"torch_compile_backend={args.torch_compile_backend!r}",
+                "CUDA-graph trees are inductor's",
+                None,
+            ),
+            (
+                self.loss_impl == "logits",
+                "loss_impl='logits'",
+                "the measured graph step runs the fused linear CE",
+                "loss_impl='auto'",
+            ),
+            (
+                evals and args.per_device_eval_batch_size != 1,
+                f"an eval_dataset with per_device_eval_batch_size={args.per_device_eval_batch_size}",
+                "an eval row of several packs does not fit the one-pack static shape",
+                "per_device_eval_batch_size=1",
+            ),
+            (
+                backend not in GRAPH_ATTN_BACKENDS,
+                f"attention backend {backend!r}",
+                "captured layers need one that launches without reading cu_seqlens on the host and has a "
+                "backward through varpack's custom op: " + ", ".join(GRAPH_ATTN_BACKENDS),
+                "attn_backend='auto'",
+            ),
+        ]
+        for bad, setting, why, fix in checks:
+            if bad:
+                return setting, why, fix
+        reason = model_refusal(base, autocast=bool(args.bf16 or args.fp16))
+        if reason is not None:
+            return reason, "", "bf16=True" if reason.startswith("float32") else None
+        return None
+
+    def _choose_step(self, args: Any, cuda_graphs: Any, compile_layers: Any) -> tuple[bool, Any]:
+        """``(CUDA graphs, CompileChoice)`` of this run, applied to the model (static shapes + graph layers,
+        regional compile, or nothing); the choice's ``reason`` / ``hint`` are the ``speed`` line's.
+
+        Raises:
+            ValueError: ``cuda_graphs=True`` with a conflicting setting (named); ``torch_compile=True`` or
+                ``compile_layers=True`` with ``use_liger_kernel=True``.
+        """
+        from varpack.integrations.kernels import LIGER_COMPILE_REFUSAL
+        from varpack.train.config import CompileChoice, resolve_torch_compile
+        from varpack.train.config import SFTConfig as VarpackConfig
+
+        base = _base_model(self.model)
+        hf_compile = bool(args.torch_compile)
+        # TRL's torch_compile=True asks for compiled layers (SFTConfig's default False cannot be told from unset)
+        compile_given = compile_layers if compile_layers != "auto" else (True if hf_compile else "auto")
+        if compile_given is True and args.use_liger_kernel:
+            setting = "compile_layers=True" if compile_layers is True else "torch_compile=True"
+            raise _refuse(f"{setting} with use_liger_kernel=True", LIGER_COMPILE_REFUSAL)
+        mapped = "torch_compile=True: varpack's compiled layers (transformers' whole-model compile off)"
+        conflict = None if cuda_graphs is False else self._graph_conflict(args, compile_layers)
+        if cuda_graphs is True and conflict is not None:
+            setting, why, fix = conflict
+            raise _refuse(
+                f"cuda_graphs=True with {setting}",
+                why or ("set bf16=True (mixed precision) or load the model in bfloat16" if fix else "not shown exact"),
+            )
+        if cuda_graphs is not False and conflict is None:
+            self._use_static_shape()
+            from varpack.integrations import cuda_graphs as graphs_module
+
+            graphs_module.compile_layers_as_graphs(
+                base, device=self.args.device, what=f"VarpackSFTTrainer(cuda_graphs={cuda_graphs!r})"
+            )
+            reason = "cuda_graphs=True" if cuda_graphs is True else "cuda_graphs auto: one CUDA GPU, no conflict"
+            return True, CompileChoice(True, reason + (f"; {mapped}" if hf_compile else ""))
+
+        if compile_given is True:
+            why = "compile_layers=True" + (f"; {mapped}" if hf_compile else "")
+            choice = CompileChoice(True, why if compile_layers is True else mapped)
+        elif compile_given is False:
+            choice = CompileChoice(False, "compile_layers=False")
+        else:  # varpack sft's rule for its --torch-compile auto, on TRL's settings
+            config = VarpackConfig(
+                torch_compile="auto",
+                cuda_graphs=False,
+                use_liger_kernel=bool(args.use_liger_kernel),
+                lora=hasattr(self.model, "get_base_model"),
+                extra_training_args={"fsdp": self.is_fsdp_enabled, "deepspeed": self.is_deepspeed_enabled},
+            )
+            auto = resolve_torch_compile(config, device=_device_type(args), world_size=args.world_size)
+            reason = auto.reason.replace("--use-liger-kernel", "use_liger_kernel=True")
+            reason = reason.replace("--lora", "a PEFT model")
+            hint = ("compile_layers=False to skip" if auto.on else "compile_layers=True to compile anyway") if (
+                auto.hint
+            ) else ""
+            choice = CompileChoice(auto.on, reason, hint)
+        if cuda_graphs is False:
+            choice = choice._replace(reason=choice.reason + "; cuda_graphs=False")
+        elif conflict is not None and _device_type(args) == "cuda":
+            setting, why, fix = conflict
+            off = f"{setting}: {why}" if why else setting
+            choice = choice._replace(reason=f"{choice.reason}; no CUDA graphs with {off}")
+            if fix is not None:
+                choice = choice._replace(
+                    hint="; ".join(h for h in (choice.hint, f"{fix} for static shapes + CUDA graphs") if h)
+                )
+        if choice.on:
+            from varpack.integrations.kernels import compile_layers as compile_each_layer
+
+            compile_each_layer(base, backend=args.torch_compile_backend or "inductor")
+        return False, choice
+
+    def _use_static_shape(self) -> None:
+        """Pad every pack of the run to one :class:`varpack.collate.StaticShape`: the tightest that holds every
+        train and eval pack (:meth:`StaticShape.from_plan`, rounded to ``pad_to_multiple_of`` when set);
+        ``static_shape`` / ``static_pad`` (pad tokens / tokens over the train plan) are set. The graph step
+        uses it; on its own it is the same training, padded (tests)."""
+        from varpack.collate import PaddingFreeCollator, StaticShape
+
+        collator = self.data_collator
+        inner = collator.collator if isinstance(collator, TrainCollator) else collator
+        if not isinstance(inner, PaddingFreeCollator):  # pragma: no cover - refused by _check_args
+            raise TypeError(f"static shapes need varpack's PaddingFreeCollator, not {type(inner).__name__}")
+        evals = self.eval_dataset
+        evals = list(evals.values()) if isinstance(evals, dict) else [] if evals is None else [evals]
+        plans = [self.plan, *(d.plan for d in evals)]
+        self.static_shape = StaticShape.from_plan(_joined_plans(plans), multiple_of=inner.pad_to_multiple_of)
+        self.static_pad = self.static_shape.pad_fraction(self.plan)
+        inner.pad_to_multiple_of = None  # the static shape's token count is rounded to it already
+        inner.static_shape = self.static_shape
+
+    def _describe_static(self) -> str:
+        """``T=8320 N=92 max_seqlen=1672 (pad 1.6%)``: the static shape and its pad cost over the train plan."""
+        return f"{self.static_shape.describe()} (pad {100 * self.static_pad:.1f}%)"
+
+    @property
+    def speed_line(self) -> str:
+        """The ``speed`` line (without its label) printed at train begin on the main process
+        (:func:`varpack.train.trainer.describe_speed`): how the decoder layers run, the loss, and why. Before
+        ``train()`` it is computed for the model as it is now (unwrapped)."""
+        if self._speed.line is not None:
+            return self._speed.line
+        impl, why = self.planned_loss_impl(self.model_wrapped)
+        return describe_speed(
+            self.step_choice,
+            loss_impl=impl,
+            loss_why=why,
+            liger=self._speed.liger,
+            static=self._speed.static,
         )
 
     def _pack(self, dataset: Any, name: str, *, shuffle: bool) -> tuple[Any, Any, Any]:

@@ -1,0 +1,401 @@
+"""The TRL drop-in's step (`VarpackSFTTrainer(cuda_graphs=, compile_layers=)`): what it runs by default and why
+(the `speed` line), every fallback of `cuda_graphs="auto"` and every refusal of `cuda_graphs=True` (a CUDA run
+stood in by the device check, no CUDA step), TRL's `torch_compile` mapped to varpack's compiled layers, static
+shapes on the CPU equal to the dynamic run (negative control: the pad tokens supervised), compiled layers
+(`aot_eager`) equal to eager; on a GPU, the default drop-in runs CUDA graphs and matches the eager drop-in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")  # the `trl` extra; `make test` installs it
+datasets = pytest.importorskip("datasets")
+
+from tests._exact import LOSS_RTOL, assert_differs, assert_exact  # noqa: E402
+from tests.train.test_trl import VOCAB, rows, tiny_model, tokenizer, trl_args  # noqa: E402, F401
+from varpack.models import load_model  # noqa: E402
+from varpack.train import trl as trl_module  # noqa: E402
+from varpack.train.trl import VarpackSFTTrainer  # noqa: E402
+
+
+def graph_model(**kw):
+    """A model the graph step takes: bf16 weights, varpack attention ``auto``."""
+    return load_model("tiny-qwen3", **{"vocab_size": VOCAB, "attn_backend": "auto", "dtype": torch.bfloat16, "seed": 0, **kw})
+
+
+def make(tmp_path, tokenizer, *, model=None, args_kw=None, **kw):  # noqa: F811
+    base = dict(gradient_accumulation_steps=1)
+    base.update(args_kw or {})
+    return VarpackSFTTrainer(
+        model=model if model is not None else graph_model(),
+        args=trl_args(tmp_path, **base),
+        train_dataset=datasets.Dataset.from_list(rows()),
+        processing_class=tokenizer,
+        **kw,
+    )
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """The device check answers "cuda" (the model stays on the CPU); layer compilation is recorded, not run."""
+    from varpack.integrations import cuda_graphs, kernels
+
+    calls = {"graphs": [], "compile": []}
+    monkeypatch.setattr(trl_module, "_device_type", lambda args: "cuda")
+    monkeypatch.setattr(
+        cuda_graphs, "compile_layers_as_graphs", lambda model, **k: calls["graphs"].append((model, k)) or 2
+    )
+    monkeypatch.setattr(kernels, "compile_layers", lambda model, **k: calls["compile"].append((model, k)) or 2)
+    return calls
+
+
+# -- the default on the CPU ----------------------------------------------------------------------------------
+def test_cpu_default_is_eager_and_says_why(tmp_path, tokenizer, capsys):  # noqa: F811
+    trainer = make(tmp_path, tokenizer, model=tiny_model(), attn_backend="reference", args_kw={"max_steps": 1})
+    want = "eager + chunked linear CE (auto: CPU run; compiled by default on CUDA only)"
+    assert trainer.speed_line == want
+    assert not trainer.cuda_graphs and trainer.static_shape is None
+    assert not getattr(trainer.model, "_varpack_compiled", None)
+    trainer.train()
+    out = capsys.readouterr().out
+    assert out.count(f"speed     {want}") == 1 and trainer.speed_line == want
+
+
+# -- the graph step, chosen on a (stood-in) CUDA run --------------------------------------------------------
+def test_auto_runs_graphs_where_nothing_conflicts(tmp_path, tokenizer, on_cuda):  # noqa: F811
+    trainer = make(tmp_path, tokenizer)
+    assert trainer.cuda_graphs and on_cuda["compile"] == []
+    (model, kw), = on_cuda["graphs"]
+    assert model is trainer.model and "cuda_graphs='auto'" in kw["what"]
+    shape = trainer.static_shape
+    inner = trainer.data_collator.collator
+    assert inner.static_shape == shape and inner.pad_to_multiple_of is None
+    for batch in trainer.get_train_dataloader():
+        assert tuple(batch["input_ids"].shape) == (1, shape.tokens)
+        assert batch["varlen_meta"].num_seqs == shape.segments
+    line = trainer.speed_line
+    assert line.startswith(f"static shapes {shape.describe()} (pad ") and "CUDA graphs per layer" in line
+    assert "(cuda_graphs auto: one CUDA GPU, no conflict)" in line, line
+
+
+def test_torch_compile_maps_to_varpack_layers(tmp_path, tokenizer, on_cuda):  # noqa: F811
+    """TRL's torch_compile=True: the graph layers (or regional compile), never transformers' whole-model
+    compile around them (TRL gets args with torch_compile=False; accelerate has no dynamo backend)."""
+    from accelerate.utils import DynamoBackend
+
+    trainer = make(tmp_path, tokenizer, args_kw={"torch_compile": True})
+    assert trainer.cuda_graphs and len(on_cuda["graphs"]) == 1
+    assert trainer.args.torch_compile is False and trainer.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
+    assert "torch_compile=True: varpack's compiled layers (transformers' whole-model compile off)" in trainer.speed_line
+    trainer = make(tmp_path, tokenizer, args_kw={"torch_compile": True, "gradient_accumulation_steps": 2})
+    assert not trainer.cuda_graphs and len(on_cuda["compile"]) == 1
+    assert trainer.speed_line.startswith(
+        "regional torch.compile + chunked linear CE (torch_compile=True: varpack's compiled layers"
+    ), trainer.speed_line
+
+
+def _peft(tmp_path, tokenizer):  # noqa: F811
+    from peft import LoraConfig
+
+    return {"peft_config": LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")}
+
+
+#: name -> (trainer keywords or a function of (tmp_path, tokenizer) giving them, SFTConfig keywords, model
+#: keywords or None, the setting the refusal names, a fragment of the auto reason, the fix in the hint or None)
+CONFLICTS = {
+    "grad_accum": ({}, {"gradient_accumulation_steps": 2}, {}, "gradient_accumulation_steps=2", "overwritten",
+                   "gradient_accumulation_steps=1"),
+    "packs_per_row": ({}, {"per_device_train_batch_size": 2}, {}, "per_device_train_batch_size=2",
+                      "one pack's", "per_device_train_batch_size=1 (a larger max_length packs more tokens per step)"),
+    "peft": (_peft, {}, {}, "a PEFT model (peft_config)", "peft adapters", None),
+    "checkpointing": ({}, {"gradient_checkpointing": True}, {}, "gradient_checkpointing=True", "recomputation",
+                      "gradient_checkpointing=False"),
+    "compile_backend": ({}, {"torch_compile_backend": "aot_eager"}, {}, "torch_compile_backend='aot_eager'",
+                        "inductor's", None),
+    "logits": ({"loss_impl": "logits"}, {}, {}, "loss_impl='logits'", "fused linear CE", "loss_impl='auto'"),
+    "eval_rows": (lambda p, t: {"eval_dataset": datasets.Dataset.from_list(rows(seed=1))},
+                  {"per_device_eval_batch_size": 8}, {},
+                  "an eval_dataset with per_device_eval_batch_size=8", "does not fit", "per_device_eval_batch_size=1"),
+    "attention": ({}, {}, {"attn_backend": "reference"}, "attention backend 'reference'", "cu_seqlens on the host",
+                  "attn_backend='auto'"),
+    "float32": ({}, {}, {"dtype": torch.float32}, "float32 training", "float32 training", "bf16=True"),
+    "vl": ({}, {}, None, "a vision-language model", "vision tower", None),
+    "compile_off": ({"compile_layers": False}, {}, {}, "compile_layers=False", "replay the compiled layers", None),
+}
+
+
+def _conflict_trainer(tmp_path, tokenizer, name, **extra):  # noqa: F811
+    trainer_kw, args_kw, model_kw, *_ = CONFLICTS[name]
+    trainer_kw = trainer_kw(tmp_path, tokenizer) if callable(trainer_kw) else dict(trainer_kw)
+    if model_kw is None:
+        model = load_model("tiny-qwen3-vl", attn_backend="auto", dtype=torch.bfloat16)
+        rows_ = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows()]
+        for r in rows_:
+            r["input_ids"] = [i % 100 for i in r["input_ids"]]
+            r["labels"] = [i % 100 if i != -100 else -100 for i in r["labels"]]
+        return VarpackSFTTrainer(
+            model=model,
+            args=trl_args(tmp_path, gradient_accumulation_steps=1, **args_kw),
+            train_dataset=datasets.Dataset.from_list(rows_),
+            processing_class=tokenizer,
+            **trainer_kw,
+            **extra,
+        )
+    return make(tmp_path, tokenizer, model=graph_model(**model_kw), args_kw=args_kw, **trainer_kw, **extra)
+
+
+@pytest.mark.parametrize("name", sorted(CONFLICTS))
+def test_each_conflict_falls_back_with_the_reason(tmp_path, tokenizer, on_cuda, name):  # noqa: F811
+    *_, setting, fragment, fix = CONFLICTS[name]
+    trainer = _conflict_trainer(tmp_path, tokenizer, name)
+    assert not trainer.cuda_graphs and trainer.static_shape is None and on_cuda["graphs"] == []
+    line = trainer.speed_line
+    assert f"no CUDA graphs with {setting}" in line and fragment in line, line
+    if fix is not None:
+        assert f"{fix} for static shapes + CUDA graphs" in line, line
+    # the next fastest: compiled layers where varpack sft's auto compiles them (not beside peft), else eager
+    compiled = name not in ("peft", "compile_off")
+    assert len(on_cuda["compile"]) == int(compiled)
+    assert line.startswith("regional torch.compile" if compiled else "eager"), line
+
+
+@pytest.mark.parametrize("name", sorted(CONFLICTS))
+def test_each_conflict_refuses_cuda_graphs_true(tmp_path, tokenizer, on_cuda, name):  # noqa: F811
+    setting = CONFLICTS[name][3]
+    with pytest.raises(ValueError, match="VarpackSFTTrainer: cuda_graphs=True with ") as info:
+        _conflict_trainer(tmp_path, tokenizer, name, cuda_graphs=True)
+    assert f"cuda_graphs=True with {setting}" in str(info.value), str(info.value)
+    assert on_cuda["graphs"] == []
+    # control: the same trainer without the conflict runs graphs with cuda_graphs=True
+    assert make(tmp_path, tokenizer, cuda_graphs=True).cuda_graphs
+
+
+class _Args:
+    """The trainer's SFTConfig with some attributes answered otherwise (``world_size`` is a property)."""
+
+    def __init__(self, args, **over):
+        self._args, self._over = args, over
+
+    def __getattr__(self, name):
+        return self._over[name] if name in self._over else getattr(self._args, name)
+
+
+@pytest.mark.parametrize(
+    ("attr", "value", "setting"),
+    [
+        ("world_size", 2, "2 processes"),
+        ("is_fsdp_enabled", True, "FSDP"),
+        ("is_deepspeed_enabled", True, "DeepSpeed"),
+        ("use_liger_kernel", True, "use_liger_kernel=True"),
+    ],
+)
+def test_engine_and_liger_conflicts(tmp_path, tokenizer, on_cuda, attr, value, setting):  # noqa: F811
+    """Several processes, FSDP, DeepSpeed and Liger (which need a launcher or liger-kernel to construct):
+    the choice on the constructed trainer with the setting answered otherwise."""
+    trainer = make(tmp_path, tokenizer, cuda_graphs=False)
+    on_cuda["compile"].clear()
+    if attr.startswith("is_"):
+        setattr(trainer, attr, value)
+        args = trainer.args
+    else:
+        args = _Args(trainer.args, **{attr: value})
+    graphs, choice = trainer._choose_step(args, "auto", "auto")
+    assert not graphs and on_cuda["graphs"] == [] and len(on_cuda["compile"]) == int(choice.on)
+    assert f"no CUDA graphs with {setting}" in choice.reason, choice
+    if attr == "use_liger_kernel":  # Liger's layers are eager (never compiled)
+        assert not choice.on and choice.reason.startswith("auto: use_liger_kernel=True"), choice
+    with pytest.raises(ValueError, match=f"cuda_graphs=True with {setting}"):
+        trainer._choose_step(args, True, "auto")
+    if attr == "use_liger_kernel":  # Liger and compiled layers are not combined: refused, naming both
+        for given, forced in (("torch_compile=True", _Args(args, torch_compile=True)), ("compile_layers=True", args)):
+            with pytest.raises(ValueError, match=f"{given} with use_liger_kernel=True"):
+                trainer._choose_step(forced, "auto", True if given.startswith("compile") else "auto")
+    if attr.startswith("is_"):
+        setattr(trainer, attr, False)
+    graphs, choice = trainer._choose_step(trainer.args, "auto", "auto")  # control: the trainer's own settings
+    assert graphs and choice.reason.startswith("cuda_graphs auto")
+
+
+def test_cpu_refuses_cuda_graphs_true(tmp_path, tokenizer):  # noqa: F811
+    with pytest.raises(ValueError, match="cuda_graphs=True with a cpu run -- CUDA graphs need a CUDA GPU"):
+        make(tmp_path, tokenizer, cuda_graphs=True)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"cuda_graphs": "yes"}, "cuda_graphs='yes'"),
+        ({"compile_layers": 1.0}, "compile_layers=1.0"),
+        ({"cuda_graphs": True, "compile_layers": False}, "cuda_graphs=True with compile_layers=False"),
+        ({"args_kw": {"torch_compile_mode": "reduce-overhead"}}, "torch_compile_mode='reduce-overhead'"),
+    ],
+)
+def test_bad_step_settings_are_refused(tmp_path, tokenizer, kw, match):  # noqa: F811
+    with pytest.raises(ValueError, match=match):
+        make(tmp_path, tokenizer, **kw)
+
+
+def test_cuda_graphs_false_and_compile_off(tmp_path, tokenizer, on_cuda):  # noqa: F811
+    trainer = make(tmp_path, tokenizer, cuda_graphs=False)
+    assert not trainer.cuda_graphs and len(on_cuda["compile"]) == 1
+    assert trainer.speed_line.endswith(
+        "(auto on CUDA: fastest measured, benchmarks/RESULTS.md; cuda_graphs=False); "
+        "the first step compiles every decoder layer (4-17 s for a 0.6B model on an H200); "
+        "compile_layers=False to skip"
+    ), trainer.speed_line
+    trainer = make(tmp_path, tokenizer, cuda_graphs=False, compile_layers=False)
+    assert len(on_cuda["compile"]) == 1
+    assert trainer.speed_line == "eager + chunked linear CE (compile_layers=False; cuda_graphs=False)"
+
+
+# -- static shapes on the CPU: the same training, padded --------------------------------------------------------
+def _losses_and_weights(trainer):
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def _supervise_pads(collator):
+    """Negative control: the pad tokens after the samples get labels (the static path's pads must never)."""
+
+    def wrapped(features):
+        batch = collator(features)
+        real = int(batch["varlen_meta"].cu_seqlens_q[len(batch["sample_ids"])])
+        labels = batch["labels"].clone()
+        labels[0, real:] = batch["input_ids"][0, real:]
+        batch["labels"] = labels
+        return batch
+
+    return wrapped
+
+
+def test_static_shapes_equal_the_dynamic_run(tmp_path, tokenizer):  # noqa: F811
+    """The graph step's collation on the CPU (eager layers): every row padded to one StaticShape of the train and
+    eval plans; 3 optimizer steps (AdamW, 2 accumulation micro-batches) give the losses, weights and eval loss of
+    the dynamic run; supervising the pad tokens (control) changes the loss."""
+    eval_rows = datasets.Dataset.from_list(rows(lengths=(2, 2, 3, 2, 1, 2, 3, 2, 2), seed=3))
+
+    def trainer(path):
+        return VarpackSFTTrainer(
+            model=tiny_model(),
+            args=trl_args(tmp_path / path, per_device_eval_batch_size=1),
+            train_dataset=datasets.Dataset.from_list(rows()),
+            eval_dataset=eval_rows,
+            processing_class=tokenizer,
+            attn_backend="reference",
+            pad_token_id=0,  # the pad tokens are embedded: an id of the tiny vocabulary
+        )
+
+    dynamic, static = trainer("dynamic"), trainer("static")
+    static._use_static_shape()
+    shape = static.static_shape
+    eval_plan = static.eval_dataset.plan
+    # the eval packs hold more samples than any train pack: the shape is the union's
+    assert shape.segments == int(max(torch.tensor(p.offsets).diff().max() for p in (static.plan, eval_plan))) + 1
+    assert shape.segments > int(torch.tensor(static.plan.offsets).diff().max()) + 1
+    assert 0 < static.static_pad < 1
+    for batch in [*static.get_train_dataloader(), *static.get_eval_dataloader()]:
+        assert tuple(batch["input_ids"].shape) == (1, shape.tokens)
+        assert batch["varlen_meta"].num_seqs == shape.segments
+        assert batch["varlen_meta"].max_seqlen_q == shape.max_seqlen
+    losses_d, weights_d = _losses_and_weights(dynamic)
+    losses_s, weights_s = _losses_and_weights(static)
+    assert len(losses_d) == len(losses_s) == 3
+    assert_exact(losses_s, losses_d, rtol=LOSS_RTOL, what="loss")
+    assert_exact(weights_s, weights_d)
+    assert_exact(static.evaluate()["eval_loss"], dynamic.evaluate()["eval_loss"], rtol=LOSS_RTOL, what="eval")
+    control = trainer("control")
+    control._use_static_shape()
+    control.data_collator = _supervise_pads(control.data_collator)
+    losses_c, _ = _losses_and_weights(control)
+    assert_differs(losses_c, losses_d, rtol=LOSS_RTOL, what="loss")
+
+
+# -- compiled layers on the CPU --------------------------------------------------------------------------------
+def test_torch_compile_runs_compiled_layers_equal_to_eager(tmp_path, tokenizer):  # noqa: F811
+    """TRL's torch_compile=True with torch_compile_backend="aot_eager" (traced, no code generation) on the CPU:
+    every decoder layer compiled by varpack (not the whole model by transformers), the same losses as eager."""
+    from accelerate.utils import DynamoBackend
+
+    torch._dynamo.reset()
+    compiled = make(
+        tmp_path / "c",
+        tokenizer,
+        model=tiny_model(),
+        attn_backend="reference",
+        args_kw={"torch_compile": True, "torch_compile_backend": "aot_eager", "gradient_accumulation_steps": 2},
+    )
+    assert compiled.model._varpack_compiled["backend"] == "aot_eager"
+    assert compiled.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
+    assert compiled.speed_line.startswith(
+        "regional torch.compile + chunked linear CE (torch_compile=True: varpack's compiled layers"
+    ), compiled.speed_line
+    eager = make(
+        tmp_path / "e", tokenizer, model=tiny_model(), attn_backend="reference",
+        args_kw={"gradient_accumulation_steps": 2},
+    )
+    assert not getattr(eager.model, "_varpack_compiled", None)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    got, _ = _losses_and_weights(compiled)
+    assert counters["stats"]["unique_graphs"] > graphs  # the layers ran traced
+    graphs = counters["stats"]["unique_graphs"]
+    want, _ = _losses_and_weights(eager)
+    assert counters["stats"]["unique_graphs"] == graphs  # and the eager drop-in traced nothing
+    assert len(got) == 3
+    assert_exact(got, want, rtol=LOSS_RTOL, what="loss")
+
+
+# -- GPU ------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_drop_in_runs_graphs_by_default(tmp_path, tokenizer):  # noqa: F811
+    """The drop-in on tiny-qwen3 (head_dim 64, bf16 weights, attention auto), one CUDA GPU, no step keyword:
+    static shapes + CUDA graphs (speed line; no graph skipped), losses and eval loss equal to the eager drop-in
+    (cuda_graphs=False, compile_layers=False) within bf16 tolerance."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine)")
+    from varpack.integrations.cuda_graphs import cudagraph_skips
+
+    def run(path, **kw):
+        torch._dynamo.reset()
+        model = load_model(
+            "tiny-qwen3", dtype=torch.bfloat16, attn_backend="auto", config_overrides={"head_dim": 64}, seed=0
+        )
+        args = trl_args(
+            tmp_path / path,
+            max_length=256,
+            gradient_accumulation_steps=1,
+            max_steps=4,
+            learning_rate=1e-3,
+            per_device_eval_batch_size=1,
+            use_cpu=False,
+            bf16=False,
+        )
+        g = torch.Generator().manual_seed(0)
+        data = [
+            {"input_ids": (ids := torch.randint(0, 1000, (n,), generator=g).tolist()), "labels": ids}
+            for n in torch.randint(8, 120, (48,), generator=g).tolist()
+        ]
+        trainer = VarpackSFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=datasets.Dataset.from_list(data[:40]),
+            eval_dataset=datasets.Dataset.from_list(data[40:]),
+            processing_class=tokenizer,
+            **kw,
+        )
+        losses, _ = _losses_and_weights(trainer)
+        return trainer, losses, trainer.evaluate()["eval_loss"]
+
+    before = cudagraph_skips()
+    graphs, losses_g, eval_g = run("graphs")
+    assert cudagraph_skips() == before
+    assert graphs.cuda_graphs and graphs.speed_line.startswith("static shapes T="), graphs.speed_line
+    assert "CUDA graphs per layer" in graphs.speed_line and "cuda_graphs auto" in graphs.speed_line
+    eager, losses_e, eval_e = run("eager", cuda_graphs=False, compile_layers=False)
+    assert eager.speed_line.startswith("eager + chunked linear CE"), eager.speed_line
+    assert len(losses_g) == len(losses_e) == 4
+    torch.testing.assert_close(losses_g, losses_e, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(eval_g, eval_e, rtol=2e-2, atol=2e-2)
