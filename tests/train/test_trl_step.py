@@ -47,6 +47,9 @@ def on_cuda(monkeypatch):
         cuda_graphs, "compile_layers_as_graphs", lambda model, **k: calls["graphs"].append((model, k)) or 2
     )
     monkeypatch.setattr(kernels, "compile_layers", lambda model, **k: calls["compile"].append((model, k)) or 2)
+    # the attention a captured layer resolves to on the GPU (FlashAttention-4): not resolvable without one
+    monkeypatch.setattr(cuda_graphs, "attention_refusal", lambda model, **k: calls["attention"].append(k))
+    calls["attention"] = []
     return calls
 
 
@@ -169,6 +172,51 @@ def test_each_conflict_refuses_cuda_graphs_true(tmp_path, tokenizer, on_cuda, na
     assert on_cuda["graphs"] == []
     # control: the same trainer without the conflict runs graphs with cuda_graphs=True
     assert make(tmp_path, tokenizer, cuda_graphs=True).cuda_graphs
+
+
+def test_attention_that_cannot_be_captured_falls_back(tmp_path, tokenizer, on_cuda, monkeypatch):  # noqa: F811
+    """The backend a captured layer would resolve to is asked for the model and the static shape; one that is not
+    capturable (e.g. flex for a head dim FA4 does not train on this GPU) means no graphs, with its reason."""
+    from varpack.integrations import cuda_graphs
+
+    trainer = make(tmp_path, tokenizer)
+    (asked,) = on_cuda["attention"]
+    shape = trainer.static_shape
+    assert asked["backend"] == "auto" and asked["dtype"] == torch.bfloat16
+    assert asked["max_seqlen"] == shape.max_seqlen
+    monkeypatch.setattr(cuda_graphs, "attention_refusal", lambda model, **k: "attention 'auto' resolves to flex")
+    trainer = make(tmp_path, tokenizer)
+    assert not trainer.cuda_graphs and "no CUDA graphs with attention 'auto' resolves to flex" in trainer.speed_line
+    with pytest.raises(ValueError, match="cuda_graphs=True with attention 'auto' resolves to flex"):
+        make(tmp_path, tokenizer, cuda_graphs=True)
+
+
+def test_attention_refusal_resolves_as_the_captured_layer(monkeypatch):
+    """attention_refusal resolves the custom op's backend for the model's heads (with gradients, the op's
+    exclusions): on the CPU auto reaches a backend that reads cu_seqlens on the host (refused, named);
+    a resolution to flash_attn_4 (stood in) passes."""
+    from varpack.attn import registry
+    from varpack.integrations.cuda_graphs import GRAPH_BACKENDS, attention_refusal
+
+    model = graph_model(config_overrides={"head_dim": 64})
+    why = attention_refusal(model, backend="auto", device="cpu", dtype=torch.bfloat16, max_seqlen=300)
+    assert why is not None and "resolves to" in why and "head dim 64, bfloat16" in why, why
+    assert why.endswith("captured layers need flash_attn_4 or triton_short") and GRAPH_BACKENDS == (
+        "flash_attn_4", "triton_short"
+    )
+    specs = []
+
+    def resolved(name, spec, exclude=None):
+        specs.append((name, spec, exclude))
+        return registry.ResolvedBackend("flash_attn_4", "stood in")
+
+    monkeypatch.setattr(registry, "resolve_spec", resolved)
+    assert attention_refusal(model, backend="auto", device="cpu", dtype=torch.bfloat16, max_seqlen=300) is None
+    (name, spec, exclude), = specs
+    cfg = model.config
+    assert name == "auto" and spec.needs_grad and spec.max_seqlen == 300 and spec.head_dim == 64
+    assert (spec.num_heads, spec.num_kv_heads) == (cfg.num_attention_heads, cfg.num_key_value_heads)
+    assert exclude  # the backends without a backward through the op are passed over
 
 
 class _Args:
@@ -365,7 +413,7 @@ def test_gpu_drop_in_runs_graphs_by_default(tmp_path, tokenizer):  # noqa: F811
         )
         args = trl_args(
             tmp_path / path,
-            max_length=256,
+            max_length=1024,
             gradient_accumulation_steps=1,
             max_steps=4,
             learning_rate=1e-3,
@@ -376,7 +424,7 @@ def test_gpu_drop_in_runs_graphs_by_default(tmp_path, tokenizer):  # noqa: F811
         g = torch.Generator().manual_seed(0)
         data = [
             {"input_ids": (ids := torch.randint(0, 1000, (n,), generator=g).tolist()), "labels": ids}
-            for n in torch.randint(8, 120, (48,), generator=g).tolist()
+            for n in torch.randint(130, 500, (48,), generator=g).tolist()  # max_seqlen > 128: FA4's class
         ]
         trainer = VarpackSFTTrainer(
             model=model,

@@ -34,7 +34,9 @@ import torch
 from varpack.schema import FLASH_ATTN_KWARGS, VARLEN_META
 
 __all__ = [
+    "GRAPH_BACKENDS",
     "GRAPH_COMPILE_KW",
+    "attention_refusal",
     "begin_step",
     "boundaries_on_device",
     "capture_or_error",
@@ -52,6 +54,59 @@ GRAPH_COMPILE_KW: dict[str, Any] = {
     "dynamic": False,
     "mode": "reduce-overhead",
 }
+
+
+#: the attention backends a captured layer runs: they launch without reading ``cu_seqlens`` on the host and have a
+#: backward through varpack's custom op (tests/invariant/test_static_shapes.py's GPU test captures both)
+GRAPH_BACKENDS: tuple[str, ...] = ("flash_attn_4", "triton_short")
+
+
+def attention_refusal(
+    model: torch.nn.Module,
+    *,
+    backend: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    max_seqlen: int,
+) -> str | None:
+    """Why ``model``'s attention, resolved as a captured training layer resolves it, is not one of
+    :data:`GRAPH_BACKENDS`, or ``None`` when it is.
+
+    ``backend`` (``"auto"`` or a name) is resolved for the model's head sizes and logit softcap on ``device`` in
+    ``dtype`` (the autocast dtype under mixed precision), causal, with gradients, for the static shape's
+    ``max_seqlen`` bucket, skipping the backends without a backward through the custom op: what
+    :func:`varpack.attn.custom_op.varlen_attention_op` resolves at trace time from the same facts (its head-dim,
+    architecture and install checks included: ``auto`` on an H200 takes ``flex`` for a head dim below 64, which
+    FA4's sm90 backward is not verified for). Sliding-window layers are not asked separately.
+
+    Returns:
+        ``None``, or the reason in words, naming the backend it resolved to (or why none resolved).
+    """
+    from varpack.attn._base import BackendUnavailableError, CallSpec
+    from varpack.attn.custom_op import _no_op_backward
+    from varpack.attn.registry import resolve_spec
+    from varpack.models.registry import family_of
+
+    config = family_of(model).text_config(model)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = getattr(config, "head_dim", None) or (int(config.hidden_size) // heads if heads else 0)
+    softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+    spec = CallSpec(
+        device=torch.device(device), dtype=dtype, head_dim=int(head_dim), num_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), softcap=softcap,
+        needs_grad=True, max_seqlen=int(max_seqlen),
+    )  # fmt: skip
+    try:
+        resolved = resolve_spec(backend, spec, exclude=_no_op_backward(True, softcap))
+    except (BackendUnavailableError, ValueError) as exc:
+        return f"attention {backend!r}: {exc}"
+    name = str(resolved)
+    if name in GRAPH_BACKENDS:
+        return None
+    return (
+        f"attention {backend!r} resolves to {name} here (head dim {int(head_dim)}, {str(dtype).split('.')[-1]}): "
+        f"captured layers need {' or '.join(GRAPH_BACKENDS)}"
+    )
 
 
 def model_refusal(model: torch.nn.Module, *, autocast: bool = False) -> str | None:

@@ -7,7 +7,8 @@ Change one name in a TRL script::
 
     trainer = VarpackSFTTrainer(
         model=model,                                # a model object (any transformers causal LM)
-        args=SFTConfig(output_dir="out", max_length=4096, per_device_train_batch_size=2),
+        args=SFTConfig(output_dir="out", max_length=4096, per_device_train_batch_size=1,
+                       gradient_checkpointing=False),   # both: CUDA graphs on one GPU ("Speed" below)
         train_dataset=dataset,                      # any dataset SFTTrainer takes: messages, prompt/completion, text,
         processing_class=tokenizer,                 # or already tokenized (input_ids, labels)
     )
@@ -41,6 +42,41 @@ What changes, and what TRL keeps:
   unwrapped model) divided by transformers' ``num_items_in_batch``; TRL's fused LM head is not used, so TRL's
   ``entropy`` / ``mean_token_accuracy`` / ``num_tokens`` metrics are not logged; varpack logs
   ``tokens_per_second`` and ``pack_fill``.
+- **Speed** -- the step ``varpack sft`` runs, chosen per run and printed once at train begin on the main
+  process as a ``speed`` line (``trainer.speed_line``; :func:`varpack.train.trainer.describe_speed`), with the
+  reason and the setting that would allow a faster step:
+
+  1. ``cuda_graphs="auto"`` (default) on one CUDA GPU: every pack padded to one
+     :class:`varpack.collate.StaticShape` (the tightest over the train and eval plans; ``trainer.static_shape``),
+     each decoder layer compiled whole and replayed as a CUDA graph
+     (:func:`varpack.integrations.cuda_graphs.compile_layers_as_graphs`), the chunked linear CE. It falls back
+     (the reason on the ``speed`` line) with: a device other than CUDA, several processes, FSDP, DeepSpeed,
+     ``gradient_accumulation_steps > 1``, ``per_device_train_batch_size > 1`` (a row of several packs),
+     a PEFT model (``peft_config``), ``gradient_checkpointing`` (TRL's default is ``True``),
+     ``use_liger_kernel``, a ``torch_compile_backend`` other than inductor, ``loss_impl="logits"``, an
+     ``eval_dataset`` with ``per_device_eval_batch_size > 1``, an attention backend outside
+     :data:`varpack.train.config.GRAPH_ATTN_BACKENDS`, and the models
+     :func:`varpack.integrations.cuda_graphs.model_refusal` names (vision-language, Gated DeltaNet / Mamba-2,
+     float32 weights without ``bf16`` / ``fp16``), and an attention that a captured layer would resolve to
+     another backend than FlashAttention-4 / ``triton_short`` on this GPU and static shape
+     (:func:`varpack.integrations.cuda_graphs.attention_refusal`: e.g. a head dim below 64 on an H200, or FA4
+     not installed). ``cuda_graphs=True`` raises ``ValueError`` naming any of
+     them; ``cuda_graphs=False`` turns graphs off. So a TRL ``SFTConfig`` gets graphs with
+     ``gradient_checkpointing=False, per_device_train_batch_size=1`` (``max_length`` sets the tokens per step).
+  2. Otherwise compiled decoder layers (regional ``torch.compile``,
+     :func:`varpack.integrations.kernels.compile_layers`) where ``varpack sft --torch-compile auto`` compiles
+     them (:func:`varpack.train.config.resolve_torch_compile`: CUDA, one process, no Liger / PEFT / FSDP /
+     DeepSpeed), else eager layers. ``compile_layers=False`` keeps them eager, ``compile_layers=True``
+     compiles them anyway (any device).
+  3. TRL's ``torch_compile=True`` (or a ``torch_compile_backend``) means compiled layers: varpack compiles each
+     layer (with that backend) and TRL's Trainer gets ``torch_compile=False``, so transformers never compiles
+     the whole model around them (``trainer.args.torch_compile`` is ``False``, as run). ``SFTConfig``'s
+     default ``torch_compile=False`` cannot be told from unset, so it does not turn compiled layers off:
+     ``compile_layers=False`` does. ``torch_compile_mode`` is refused (varpack picks the mode).
+  4. ``use_liger_kernel=True``: TRL applies Liger-Kernel's layers, which are never compiled
+     (:data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`): eager Liger layers + the linear CE; with
+     ``torch_compile=True`` or ``compile_layers=True`` it is refused. ``bf16=True`` (float32 master weights
+     under autocast) runs every step above.
 
 Refused, with the setting named (each would mix samples, cut them, or train another loss): a model given by
 name (load it first: TRL would load it on another attention), ``packing=True`` / ``eval_packing=True`` (TRL's
@@ -264,12 +300,21 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             (:class:`varpack.data.sampler.BalancedPackSampler`, as ``varpack sft``); every pack once per
             epoch either way.
         attention_cost_weight: the cost model's weight of ``sum L_i^2`` (default: from the model's config).
+        cuda_graphs: ``"auto"`` (default): static shapes + CUDA-graph layers wherever they run exactly (module
+            docstring, "Speed"); ``True``: those or an error; ``False``: never.
+        compile_layers: ``"auto"`` (default): compiled decoder layers where ``varpack sft`` compiles them, or
+            when ``args.torch_compile``; ``True`` / ``False``: always / never (``False`` also rules out graphs).
 
     Attributes (after construction): ``plan`` (the train ``PackPlan``), ``samples`` (the encoded train samples),
-    ``train_dataset`` (a :class:`varpack.data.dataset.PackedDataset`).
+    ``train_dataset`` (a :class:`varpack.data.dataset.PackedDataset`), ``cuda_graphs`` (bool: the step runs
+    as CUDA graphs), ``static_shape`` (the :class:`varpack.collate.StaticShape` every pack is padded to, or
+    ``None``), ``step_choice`` (:class:`varpack.train.config.CompileChoice`: compiled layers or not, the reason,
+    the hint), ``speed_line`` (str, the ``speed`` line).
 
     Raises:
         ValueError / TypeError: conflicting TRL settings (see the module docstring), naming the setting;
+            ``cuda_graphs=True`` with a setting or model it does not run exactly, naming it;
+            ``torch_compile=True`` / ``compile_layers=True`` with ``use_liger_kernel=True``;
             the planner's errors (an overlong sample with ``overflow="error"``, naming it).
     """
 
@@ -393,6 +438,9 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
     def _graph_conflict(self, args: Any, compile_layers: Any) -> tuple[str, str, str | None] | None:
         """The first setting under which this run's layers cannot run as CUDA graphs, as ``(setting, why, fix)``
         (``fix``: the setting that would allow them, or ``None``), or ``None`` when they can."""
+        import torch
+
+        from varpack.integrations import cuda_graphs
         from varpack.integrations.cuda_graphs import model_refusal
         from varpack.train.config import GRAPH_ATTN_BACKENDS
 
@@ -475,6 +523,18 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         reason = model_refusal(base, autocast=bool(args.bf16 or args.fp16))
         if reason is not None:
             return reason, "", "bf16=True" if reason.startswith("float32") else None
+        # the backend a captured layer would resolve to, for this model on this GPU and the static shape
+        shape = self._static_shape()[0]
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(base.parameters()).dtype
+        reason = cuda_graphs.attention_refusal(
+            base,
+            backend=backend,
+            device=self.args.device,
+            dtype=dtype,
+            max_seqlen=shape.max_seqlen,
+        )
+        if reason is not None:
+            return reason, "", None
         return None
 
     def _choose_step(self, args: Any, cuda_graphs: Any, compile_layers: Any) -> tuple[bool, Any]:
@@ -550,11 +610,10 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             compile_each_layer(base, backend=args.torch_compile_backend or "inductor")
         return False, choice
 
-    def _use_static_shape(self) -> None:
-        """Pad every pack of the run to one :class:`varpack.collate.StaticShape`: the tightest that holds every
-        train and eval pack (:meth:`StaticShape.from_plan`, rounded to ``pad_to_multiple_of`` when set);
-        ``static_shape`` / ``static_pad`` (pad tokens / tokens over the train plan) are set. The graph step
-        uses it; on its own it is the same training, padded (tests)."""
+    def _static_shape(self) -> tuple[Any, Any]:
+        """``(StaticShape, collator)``: the tightest :class:`varpack.collate.StaticShape` that holds every train
+        and eval pack (:meth:`StaticShape.from_plan`, rounded to ``pad_to_multiple_of`` when set) and the
+        :class:`varpack.collate.PaddingFreeCollator` that would pad to it."""
         from varpack.collate import PaddingFreeCollator, StaticShape
 
         collator = self.data_collator
@@ -564,7 +623,13 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         evals = self.eval_dataset
         evals = list(evals.values()) if isinstance(evals, dict) else [] if evals is None else [evals]
         plans = [self.plan, *(d.plan for d in evals)]
-        self.static_shape = StaticShape.from_plan(_joined_plans(plans), multiple_of=inner.pad_to_multiple_of)
+        return StaticShape.from_plan(_joined_plans(plans), multiple_of=inner.pad_to_multiple_of), inner
+
+    def _use_static_shape(self) -> None:
+        """Pad every pack of the run to :meth:`_static_shape`'s shape; ``static_shape`` / ``static_pad`` (pad
+        tokens / tokens over the train plan) are set. The graph step uses it; on its own it is the same training,
+        padded (tests)."""
+        self.static_shape, inner = self._static_shape()
         self.static_pad = self.static_shape.pad_fraction(self.plan)
         inner.pad_to_multiple_of = None  # the static shape's token count is rounded to it already
         inner.static_shape = self.static_shape
