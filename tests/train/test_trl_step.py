@@ -219,6 +219,20 @@ def test_attention_refusal_resolves_as_the_captured_layer(monkeypatch):
     assert exclude  # the backends without a backward through the op are passed over
 
 
+def test_trl_defaults_name_every_setting_to_change(tmp_path, tokenizer, on_cuda):  # noqa: F811
+    """SFTConfig's defaults (8 packs per row, gradient checkpointing) on a CUDA run: compiled layers, the first
+    conflict named, and the hint lists both settings that give CUDA graphs."""
+    trainer = make(
+        tmp_path, tokenizer, args_kw={"per_device_train_batch_size": 8, "gradient_checkpointing": True}
+    )
+    line = trainer.speed_line
+    assert line.startswith("regional torch.compile") and "no CUDA graphs with per_device_train_batch_size=8" in line
+    assert line.endswith(
+        "per_device_train_batch_size=1 (a larger max_length packs more tokens per step), "
+        "gradient_checkpointing=False for static shapes + CUDA graphs"
+    ), line
+
+
 class _Args:
     """The trainer's SFTConfig with some attributes answered otherwise (``world_size`` is a property)."""
 

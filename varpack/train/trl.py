@@ -437,7 +437,8 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
     # -- the step: CUDA graphs, compiled layers or eager (module docstring, "Speed") --------------------------
     def _graph_conflict(self, args: Any, compile_layers: Any) -> tuple[str, str, str | None] | None:
         """The first setting under which this run's layers cannot run as CUDA graphs, as ``(setting, why, fix)``
-        (``fix``: the setting that would allow them, or ``None``), or ``None`` when they can."""
+        (``fix``: the settings that would allow them, every conflicting one, or ``None``), or ``None`` when they
+        can."""
         import torch
 
         from varpack.integrations import cuda_graphs
@@ -517,9 +518,12 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
                 "attn_backend='auto'",
             ),
         ]
-        for bad, setting, why, fix in checks:
-            if bad:
-                return setting, why, fix
+        failing = [(setting, why, fix) for bad, setting, why, fix in checks if bad]
+        if failing:
+            # the first conflict is named; the fix lists every setting to change (None: one has no fix)
+            fixes = [fix for _, _, fix in failing]
+            setting, why, _ = failing[0]
+            return setting, why, None if None in fixes else ", ".join(fixes)
         reason = model_refusal(base, autocast=bool(args.bf16 or args.fp16))
         if reason is not None:
             return reason, "", "bf16=True" if reason.startswith("float32") else None
@@ -560,10 +564,9 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         conflict = None if cuda_graphs is False else self._graph_conflict(args, compile_layers)
         if cuda_graphs is True and conflict is not None:
             setting, why, fix = conflict
-            raise _refuse(
-                f"cuda_graphs=True with {setting}",
-                why or ("set bf16=True (mixed precision) or load the model in bfloat16" if fix else "not shown exact"),
-            )
+            if not why:  # a model / attention reason, complete in itself
+                why = f"set {fix}" if fix else "cuda_graphs='auto' runs the next fastest step"
+            raise _refuse(f"cuda_graphs=True with {setting}", why)
         if cuda_graphs is not False and conflict is None:
             self._use_static_shape()
             from varpack.integrations import cuda_graphs as graphs_module
