@@ -16,6 +16,7 @@ from tests._exact import LOSS_RTOL, assert_differs, assert_exact  # noqa: E402
 from tests.train.test_trl import VOCAB, rows, tiny_model, tokenizer, trl_args  # noqa: E402, F401
 from varpack.models import load_model  # noqa: E402
 from varpack.train import trl as trl_module  # noqa: E402
+from varpack.train.config import GRAPHS_AUTO_REASON  # noqa: E402
 from varpack.train.trl import VarpackSFTTrainer  # noqa: E402
 
 
@@ -56,7 +57,10 @@ def on_cuda(monkeypatch):
 # -- the default on the CPU ----------------------------------------------------------------------------------
 def test_cpu_default_is_eager_and_says_why(tmp_path, tokenizer, capsys):  # noqa: F811
     trainer = make(tmp_path, tokenizer, model=tiny_model(), attn_backend="reference", args_kw={"max_steps": 1})
-    want = "eager + chunked linear CE (auto: CPU run; compiled by default on CUDA only)"
+    want = (
+        "eager + chunked linear CE (auto: CPU run; compiled by default on CUDA only); "
+        "CUDA graphs off (auto: CPU run; CUDA graphs need a CUDA GPU)"
+    )
     assert trainer.speed_line == want
     assert not trainer.cuda_graphs and trainer.static_shape is None
     assert not getattr(trainer.model, "_varpack_compiled", None)
@@ -79,7 +83,11 @@ def test_auto_runs_graphs_where_nothing_conflicts(tmp_path, tokenizer, on_cuda):
         assert batch["varlen_meta"].num_seqs == shape.segments
     line = trainer.speed_line
     assert line.startswith(f"static shapes {shape.describe()} (pad ") and "CUDA graphs per layer" in line
-    assert "(cuda_graphs auto: one CUDA GPU, no conflict)" in line, line
+    assert line.endswith(
+        "(auto on one CUDA GPU: fastest measured, benchmarks/RESULTS.md); the first steps compile and capture "
+        "every decoder layer; cuda_graphs=False for dynamic shapes"
+    ), line
+    assert trainer.graph_choice.on and trainer.step_choice.on
 
 
 def test_torch_compile_maps_to_varpack_layers(tmp_path, tokenizer, on_cuda):  # noqa: F811
@@ -154,9 +162,9 @@ def test_each_conflict_falls_back_with_the_reason(tmp_path, tokenizer, on_cuda, 
     trainer = _conflict_trainer(tmp_path, tokenizer, name)
     assert not trainer.cuda_graphs and trainer.static_shape is None and on_cuda["graphs"] == []
     line = trainer.speed_line
-    assert f"no CUDA graphs with {setting}" in line and fragment in line, line
+    assert f"; CUDA graphs off (auto: {setting}" in line and fragment in line, line
     if fix is not None:
-        assert f"{fix} for static shapes + CUDA graphs" in line, line
+        assert line.endswith(f"; {fix} for them)"), line
     # the next fastest: compiled layers where varpack sft's auto compiles them (not beside peft), else eager
     compiled = name not in ("peft", "compile_off")
     assert len(on_cuda["compile"]) == int(compiled)
@@ -186,7 +194,8 @@ def test_attention_that_cannot_be_captured_falls_back(tmp_path, tokenizer, on_cu
     assert asked["max_seqlen"] == shape.max_seqlen
     monkeypatch.setattr(cuda_graphs, "attention_refusal", lambda model, **k: "attention 'auto' resolves to flex")
     trainer = make(tmp_path, tokenizer)
-    assert not trainer.cuda_graphs and "no CUDA graphs with attention 'auto' resolves to flex" in trainer.speed_line
+    assert not trainer.cuda_graphs
+    assert trainer.speed_line.endswith("; CUDA graphs off (auto: attention 'auto' resolves to flex)")
     with pytest.raises(ValueError, match="cuda_graphs=True with attention 'auto' resolves to flex"):
         make(tmp_path, tokenizer, cuda_graphs=True)
 
@@ -226,10 +235,10 @@ def test_trl_defaults_name_every_setting_to_change(tmp_path, tokenizer, on_cuda)
         tmp_path, tokenizer, args_kw={"per_device_train_batch_size": 8, "gradient_checkpointing": True}
     )
     line = trainer.speed_line
-    assert line.startswith("regional torch.compile") and "no CUDA graphs with per_device_train_batch_size=8" in line
+    assert line.startswith("regional torch.compile") and "CUDA graphs off (auto: per_device_train_batch_size=8" in line
     assert line.endswith(
         "per_device_train_batch_size=1 (a larger max_length packs more tokens per step), "
-        "gradient_checkpointing=False for static shapes + CUDA graphs"
+        "gradient_checkpointing=False for them)"
     ), line
 
 
@@ -262,11 +271,11 @@ def test_engine_and_liger_conflicts(tmp_path, tokenizer, on_cuda, attr, value, s
         args = trainer.args
     else:
         args = _Args(trainer.args, **{attr: value})
-    graphs, choice = trainer._choose_step(args, "auto", "auto")
-    assert not graphs and on_cuda["graphs"] == [] and len(on_cuda["compile"]) == int(choice.on)
-    assert f"no CUDA graphs with {setting}" in choice.reason, choice
+    graphs, layers = trainer._choose_step(args, "auto", "auto")
+    assert not graphs.on and on_cuda["graphs"] == [] and len(on_cuda["compile"]) == int(layers.on)
+    assert graphs.reason.startswith(f"auto: {setting}: "), graphs
     if attr == "use_liger_kernel":  # Liger's layers are eager (never compiled)
-        assert not choice.on and choice.reason.startswith("auto: use_liger_kernel=True"), choice
+        assert not layers.on and layers.reason.startswith("auto: use_liger_kernel=True"), layers
     with pytest.raises(ValueError, match=f"cuda_graphs=True with {setting}"):
         trainer._choose_step(args, True, "auto")
     if attr == "use_liger_kernel":  # Liger and compiled layers are not combined: refused, naming both
@@ -275,8 +284,8 @@ def test_engine_and_liger_conflicts(tmp_path, tokenizer, on_cuda, attr, value, s
                 trainer._choose_step(forced, "auto", True if given.startswith("compile") else "auto")
     if attr.startswith("is_"):
         setattr(trainer, attr, False)
-    graphs, choice = trainer._choose_step(trainer.args, "auto", "auto")  # control: the trainer's own settings
-    assert graphs and choice.reason.startswith("cuda_graphs auto")
+    graphs, layers = trainer._choose_step(trainer.args, "auto", "auto")  # control: the trainer's own settings
+    assert graphs.on and layers.on and graphs.reason == GRAPHS_AUTO_REASON
 
 
 def test_cpu_refuses_cuda_graphs_true(tmp_path, tokenizer):  # noqa: F811
@@ -302,13 +311,13 @@ def test_cuda_graphs_false_and_compile_off(tmp_path, tokenizer, on_cuda):  # noq
     trainer = make(tmp_path, tokenizer, cuda_graphs=False)
     assert not trainer.cuda_graphs and len(on_cuda["compile"]) == 1
     assert trainer.speed_line.endswith(
-        "(auto on CUDA: fastest measured, benchmarks/RESULTS.md; cuda_graphs=False); "
+        "(auto on CUDA: fastest measured, benchmarks/RESULTS.md); "
         "the first step compiles every decoder layer (4-17 s for a 0.6B model on an H200); "
-        "compile_layers=False to skip"
+        "compile_layers=False to skip; CUDA graphs off (cuda_graphs=False)"
     ), trainer.speed_line
     trainer = make(tmp_path, tokenizer, cuda_graphs=False, compile_layers=False)
     assert len(on_cuda["compile"]) == 1
-    assert trainer.speed_line == "eager + chunked linear CE (compile_layers=False; cuda_graphs=False)"
+    assert trainer.speed_line == "eager + chunked linear CE (compile_layers=False); CUDA graphs off (cuda_graphs=False)"
 
 
 # -- static shapes on the CPU: the same training, padded --------------------------------------------------------
@@ -455,7 +464,7 @@ def test_gpu_drop_in_runs_graphs_by_default(tmp_path, tokenizer):  # noqa: F811
     graphs, losses_g, eval_g = run("graphs")
     assert cudagraph_skips() == before
     assert graphs.cuda_graphs and graphs.speed_line.startswith("static shapes T="), graphs.speed_line
-    assert "CUDA graphs per layer" in graphs.speed_line and "cuda_graphs auto" in graphs.speed_line
+    assert "CUDA graphs per layer" in graphs.speed_line and "(auto on one CUDA GPU" in graphs.speed_line
     eager, losses_e, eval_e = run("eager", cuda_graphs=False, compile_layers=False)
     assert eager.speed_line.startswith("eager + chunked linear CE"), eager.speed_line
     assert len(losses_g) == len(losses_e) == 4

@@ -44,7 +44,9 @@ What changes, and what TRL keeps:
   ``tokens_per_second`` and ``pack_fill``.
 - **Speed** -- the step ``varpack sft`` runs, chosen per run and printed once at train begin on the main
   process as a ``speed`` line (``trainer.speed_line``; :func:`varpack.train.trainer.describe_speed`), with the
-  reason and the setting that would allow a faster step:
+  reason; where CUDA graphs are off it ends with ``CUDA graphs off (<why>; <the settings to change> for them)``,
+  and a run with compiled layers ends with their compile count
+  (:class:`varpack.train.trainer.CompileCountCallback`):
 
   1. ``cuda_graphs="auto"`` (default) on one CUDA GPU: every pack padded to one
      :class:`varpack.collate.StaticShape` (the tightest over the train and eval plans; ``trainer.static_shape``),
@@ -105,6 +107,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from varpack.schema import IGNORE_INDEX, INPUT_IDS, LABELS, LENGTH, SAMPLE_ID, TOKEN_FIELDS
 from varpack.train.trainer import (
+    CompileCountCallback,
     PackedLossMixin,
     PackEpochCallback,
     PackSamplingMixin,
@@ -308,8 +311,8 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
     Attributes (after construction): ``plan`` (the train ``PackPlan``), ``samples`` (the encoded train samples),
     ``train_dataset`` (a :class:`varpack.data.dataset.PackedDataset`), ``cuda_graphs`` (bool: the step runs
     as CUDA graphs), ``static_shape`` (the :class:`varpack.collate.StaticShape` every pack is padded to, or
-    ``None``), ``step_choice`` (:class:`varpack.train.config.CompileChoice`: compiled layers or not, the reason,
-    the hint), ``speed_line`` (str, the ``speed`` line).
+    ``None``), ``graph_choice`` / ``step_choice`` (:class:`varpack.train.config.CompileChoice` s: static shapes
+    + CUDA graphs / compiled layers, on or not, the reason, the hint), ``speed_line`` (str, the ``speed`` line).
 
     Raises:
         ValueError / TypeError: conflicting TRL settings (see the module docstring), naming the setting;
@@ -419,20 +422,23 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             self.eval_dataset = self._pack(self.eval_dataset, "eval", shuffle=False)[2]
         self.loss_impl = loss_impl  # read by the step choice (the fused linear CE of the graph step)
         self.static_shape = self.static_pad = None
-        graphs, self.step_choice = self._choose_step(args, cuda_graphs, compile_layers)
+        self.graph_choice, self.step_choice = self._choose_step(args, cuda_graphs, compile_layers)
         self._init_packed_loss(
             loss_reduction=loss_reduction,
             loss_impl=loss_impl,
             packing_length=int(packing_length),
-            cuda_graphs=graphs,
+            cuda_graphs=self.graph_choice.on,
         )
         self._speed = SpeedReportCallback(
             self,
             self.step_choice,
             liger=bool(args.use_liger_kernel),
-            static=self._describe_static() if graphs else None,
+            static=self._describe_static() if self.graph_choice.on else None,
+            graphs=self.graph_choice,
         )
         self.add_callback(self._speed)
+        if self.step_choice.on:  # the graphs compiled in step 1 and after it, printed at the end
+            self.add_callback(CompileCountCallback())
 
     # -- the step: CUDA graphs, compiled layers or eager (module docstring, "Speed") --------------------------
     def _graph_conflict(self, args: Any, compile_layers: Any) -> tuple[str, str, str | None] | None:
@@ -541,19 +547,23 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             return reason, "", None
         return None
 
-    def _choose_step(self, args: Any, cuda_graphs: Any, compile_layers: Any) -> tuple[bool, Any]:
-        """``(CUDA graphs, CompileChoice)`` of this run, applied to the model (static shapes + graph layers,
-        regional compile, or nothing); the choice's ``reason`` / ``hint`` are the ``speed`` line's.
+    def _choose_step(self, args: Any, cuda_graphs: Any, compile_layers: Any) -> tuple[Any, Any]:
+        """``(graphs, layers)``: two :class:`varpack.train.config.CompileChoice` s of this run, static shapes +
+        CUDA graphs and compiled decoder layers (``on``, the ``speed`` line's reason, its hint), as
+        ``varpack sft`` decides them (:func:`varpack.train.config.resolve_cuda_graphs`, then
+        :func:`~varpack.train.config.resolve_torch_compile`) on TRL's settings; applied to the model (static
+        shapes + graph layers, regional compile, or nothing).
 
         Raises:
             ValueError: ``cuda_graphs=True`` with a conflicting setting (named); ``torch_compile=True`` or
                 ``compile_layers=True`` with ``use_liger_kernel=True``.
         """
         from varpack.integrations.kernels import LIGER_COMPILE_REFUSAL
-        from varpack.train.config import CompileChoice, resolve_torch_compile
+        from varpack.train.config import GRAPHS_AUTO_REASON, CompileChoice, resolve_torch_compile
         from varpack.train.config import SFTConfig as VarpackConfig
 
         base = _base_model(self.model)
+        device = _device_type(args)
         hf_compile = bool(args.torch_compile)
         # TRL's torch_compile=True asks for compiled layers (SFTConfig's default False cannot be told from unset)
         compile_given = compile_layers if compile_layers != "auto" else (True if hf_compile else "auto")
@@ -574,14 +584,26 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             graphs_module.compile_layers_as_graphs(
                 base, device=self.args.device, what=f"VarpackSFTTrainer(cuda_graphs={cuda_graphs!r})"
             )
-            reason = "cuda_graphs=True" if cuda_graphs is True else "cuda_graphs auto: one CUDA GPU, no conflict"
-            return True, CompileChoice(True, reason + (f"; {mapped}" if hf_compile else ""))
+            if cuda_graphs is True:
+                graphs = CompileChoice(True, "cuda_graphs=True")
+            else:
+                graphs = CompileChoice(True, GRAPHS_AUTO_REASON, "cuda_graphs=False for dynamic shapes")
+            # the layers are compiled for the graphs: their reason is the graphs'
+            return graphs, graphs._replace(reason=graphs.reason + (f"; {mapped}" if hf_compile else ""))
 
+        if cuda_graphs is False:
+            graphs = CompileChoice(False, "cuda_graphs=False")
+        elif device != "cuda":  # first: nothing else matters on another device
+            graphs = CompileChoice(False, f"auto: {device.upper()} run; CUDA graphs need a CUDA GPU")
+        else:
+            setting, why, fix = conflict
+            reason = f"auto: {setting}: {why}" if why else f"auto: {setting}"
+            graphs = CompileChoice(False, reason + (f"; {fix} for them" if fix else ""))
         if compile_given is True:
             why = "compile_layers=True" + (f"; {mapped}" if hf_compile else "")
-            choice = CompileChoice(True, why if compile_layers is True else mapped)
+            layers = CompileChoice(True, why if compile_layers is True else mapped)
         elif compile_given is False:
-            choice = CompileChoice(False, "compile_layers=False")
+            layers = CompileChoice(False, "compile_layers=False")
         else:  # varpack sft's rule for its --torch-compile auto, on TRL's settings
             config = VarpackConfig(
                 torch_compile="auto",
@@ -590,28 +612,18 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
                 lora=hasattr(self.model, "get_base_model"),
                 extra_training_args={"fsdp": self.is_fsdp_enabled, "deepspeed": self.is_deepspeed_enabled},
             )
-            auto = resolve_torch_compile(config, device=_device_type(args), world_size=args.world_size)
+            auto = resolve_torch_compile(config, device=device, world_size=args.world_size)
             reason = auto.reason.replace("--use-liger-kernel", "use_liger_kernel=True")
             reason = reason.replace("--lora", "a PEFT model")
-            hint = ("compile_layers=False to skip" if auto.on else "compile_layers=True to compile anyway") if (
-                auto.hint
-            ) else ""
-            choice = CompileChoice(auto.on, reason, hint)
-        if cuda_graphs is False:
-            choice = choice._replace(reason=choice.reason + "; cuda_graphs=False")
-        elif conflict is not None and _device_type(args) == "cuda":
-            setting, why, fix = conflict
-            off = f"{setting}: {why}" if why else setting
-            choice = choice._replace(reason=f"{choice.reason}; no CUDA graphs with {off}")
-            if fix is not None:
-                choice = choice._replace(
-                    hint="; ".join(h for h in (choice.hint, f"{fix} for static shapes + CUDA graphs") if h)
-                )
-        if choice.on:
+            hint = ""
+            if auto.hint:  # the keyword that chooses otherwise (none on a CPU, or beside Liger)
+                hint = "compile_layers=False to skip" if auto.on else "compile_layers=True to compile anyway"
+            layers = CompileChoice(auto.on, reason, hint)
+        if layers.on:
             from varpack.integrations.kernels import compile_layers as compile_each_layer
 
             compile_each_layer(base, backend=args.torch_compile_backend or "inductor")
-        return False, choice
+        return graphs, layers
 
     def _static_shape(self) -> tuple[Any, Any]:
         """``(StaticShape, collator)``: the tightest :class:`varpack.collate.StaticShape` that holds every train
@@ -655,6 +667,7 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             loss_why=why,
             liger=self._speed.liger,
             static=self._speed.static,
+            graphs=self.graph_choice,
         )
 
     def _pack(self, dataset: Any, name: str, *, shuffle: bool) -> tuple[Any, Any, Any]:
