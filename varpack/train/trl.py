@@ -67,8 +67,8 @@ What changes, and what TRL keeps:
      ``gradient_checkpointing=False, per_device_train_batch_size=1`` (``max_length`` sets the tokens per step).
   2. Otherwise compiled decoder layers (regional ``torch.compile``,
      :func:`varpack.integrations.kernels.compile_layers`) where ``varpack sft --torch-compile auto`` compiles
-     them (:func:`varpack.train.config.resolve_torch_compile`: CUDA, one process, no Liger / PEFT / FSDP /
-     DeepSpeed), else eager layers. ``compile_layers=False`` keeps them eager, ``compile_layers=True``
+     them (:func:`varpack.train.config.resolve_torch_compile` on TRL's settings: CUDA, one process or DDP or
+     FSDP2, no Liger / PEFT / DeepSpeed / FSDP1), else eager layers. ``compile_layers=False`` keeps them eager, ``compile_layers=True``
      compiles them anyway (any device).
   3. TRL's ``torch_compile=True`` (or a ``torch_compile_backend``) means compiled layers: varpack compiles each
      layer (with that backend) and TRL's Trainer gets ``torch_compile=False``, so transformers never compiles
@@ -610,7 +610,12 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
                 cuda_graphs=False,
                 use_liger_kernel=bool(args.use_liger_kernel),
                 lora=hasattr(self.model, "get_base_model"),
-                extra_training_args={"fsdp": self.is_fsdp_enabled, "deepspeed": self.is_deepspeed_enabled},
+                # TRL's FSDP / DeepSpeed settings (accelerate's environment is read by the rule itself)
+                extra_training_args={
+                    "fsdp": args.fsdp,
+                    "fsdp_config": args.fsdp_config or {},
+                    "deepspeed": args.deepspeed or self.is_deepspeed_enabled,
+                },
             )
             auto = resolve_torch_compile(config, device=device, world_size=args.world_size)
             reason = auto.reason.replace("--use-liger-kernel", "use_liger_kernel=True")
