@@ -483,6 +483,18 @@ def test_auto_asks_the_model_last():
     assert sft._resolve_graphs(SFTConfig(cuda_graphs=True), dense, never, args(bf16=False))[0].on
     assert not sft._resolve_graphs(SFTConfig(), None, never, args(device="cpu"))[0].on
     assert not sft._resolve_graphs(SFTConfig(cuda_graphs=False), None, never, args())[0].on
+    # with the plan, the attention a captured layer would resolve to is asked too: here (no FlashAttention-4
+    # installed, tiny-qwen3's head dim 16) it is not FA4 / triton_short, so auto falls back, naming it
+    from varpack.integrations.cuda_graphs import attention_refusal
+    from varpack.plan import plan_packs
+
+    plan = plan_packs([10, 20, 5], 32)
+    expected = attention_refusal(dense, backend="auto", device="cuda", dtype=torch.bfloat16, max_seqlen=32)
+    choice, _ = sft._resolve_graphs(SFTConfig(), dense, never, args(), plan)
+    if expected is None:  # a machine where tiny-qwen3's attention is capturable
+        assert choice.on
+    else:
+        assert not choice.on and choice.reason == f"auto: {expected}" and "attention" in expected, choice
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash_attn_4", "triton_short"])

@@ -470,3 +470,24 @@ def test_gpu_drop_in_runs_graphs_by_default(tmp_path, tokenizer):  # noqa: F811
     assert len(losses_g) == len(losses_e) == 4
     torch.testing.assert_close(losses_g, losses_e, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(eval_g, eval_e, rtol=2e-2, atol=2e-2)
+
+
+def test_liger_is_mapped_to_the_compiled_step(tmp_path, tokenizer, on_cuda, monkeypatch):  # noqa: F811
+    """TRL's ``use_liger_kernel=True`` asks for fused layers: where the step compiles the layers (here the CUDA
+    graphs, device answered "cuda") they take Liger's place -- TRL is not asked to apply Liger, the speed line
+    says so; where the layers stay eager (compile auto off: a CPU run), Liger's layers are applied (recorded
+    here: liger-kernel needs CUDA). Control: ``compile_layers=True`` with Liger is still refused by name."""
+    from varpack.integrations import kernels
+
+    applied = []
+    monkeypatch.setattr(kernels, "apply_liger_kernels", lambda model, **k: applied.append(model) or ["rms_norm"])
+    trainer = make(tmp_path, tokenizer, args_kw={"use_liger_kernel": True})
+    assert trainer.graph_choice.on and trainer.step_choice.on and not trainer.liger_applied and applied == []
+    assert "use_liger_kernel=True: varpack's compiled layers in place of Liger-Kernel's" in trainer.speed_line
+    assert trainer.args.use_liger_kernel is True  # the user's settings are what the run records
+    monkeypatch.setattr(trl_module, "_device_type", lambda args: "cpu")
+    eager = make(tmp_path, tokenizer, args_kw={"use_liger_kernel": True})
+    assert not eager.step_choice.on and eager.liger_applied and len(applied) == 1
+    assert "Liger-Kernel layers" in eager.speed_line, eager.speed_line
+    with pytest.raises(ValueError, match="compile_layers=True with use_liger_kernel=True"):
+        make(tmp_path, tokenizer, args_kw={"use_liger_kernel": True}, compile_layers=True)

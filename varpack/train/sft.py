@@ -259,7 +259,7 @@ def build_sft(
         objective = _dpo_objective(config, model, load)
     training_args = training_arguments(config)
     created_output_dir = not os.path.exists(training_args.output_dir)
-    graph_choice, model = _resolve_graphs(config, model, load, training_args)
+    graph_choice, model = _resolve_graphs(config, model, load, training_args, plan)
     config = replace(config, cuda_graphs=graph_choice.on)
     compile_choice = resolve_torch_compile(
         config, device=training_args.device.type, world_size=training_args.world_size
@@ -327,11 +327,15 @@ def build_sft(
     )
 
 
-def _resolve_graphs(config: SFTConfig, model: Any, load: Callable[[], Any], args: Any) -> tuple[CompileChoice, Any]:
+def _resolve_graphs(
+    config: SFTConfig, model: Any, load: Callable[[], Any], args: Any, plan: Any = None
+) -> tuple[CompileChoice, Any]:
     """``(choice, model)``: :func:`varpack.train.config.resolve_cuda_graphs` on the Trainer's device and world
     size (``args``: ``TrainingArguments``); where ``cuda_graphs="auto"`` turns it on, the model is loaded (if
     not yet) and its :func:`varpack.integrations.cuda_graphs.model_refusal` (autocast: ``args.bf16`` /
-    ``args.fp16``) turns it off again, reason ``"auto: <the model's reason>"``.
+    ``args.fp16``), then :func:`varpack.integrations.cuda_graphs.attention_refusal` (the backend a captured
+    layer would resolve to for the model at the ``plan``'s static shape: FA4 refuses a head dim below 64 on an
+    H200) turn it off again, reason ``"auto: <the reason>"``.
 
     Raises:
         ValueError: ``cuda_graphs=True`` with a conflicting setting (the model's refusal of a forced
@@ -339,10 +343,21 @@ def _resolve_graphs(config: SFTConfig, model: Any, load: Callable[[], Any], args
     """
     choice = resolve_cuda_graphs(config, device=args.device.type, world_size=args.world_size)
     if choice.on and config.cuda_graphs == "auto":
-        from varpack.integrations.cuda_graphs import model_refusal
+        from varpack.integrations.cuda_graphs import attention_refusal, model_refusal
 
         model = model if model is not None else load()
         refusal = model_refusal(model, autocast=bool(args.bf16 or args.fp16))
+        if refusal is None and plan is not None:
+            from varpack.collate import StaticShape
+
+            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(model.parameters()).dtype
+            refusal = attention_refusal(
+                model,
+                backend=config.attn_backend,
+                device=args.device,
+                dtype=dtype,
+                max_seqlen=StaticShape.from_plan(plan).max_seqlen,
+            )
         if refusal is not None:
             choice = CompileChoice(False, f"auto: {refusal}")
     return choice, model

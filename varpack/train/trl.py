@@ -75,9 +75,12 @@ What changes, and what TRL keeps:
      the whole model around them (``trainer.args.torch_compile`` is ``False``, as run). ``SFTConfig``'s
      default ``torch_compile=False`` cannot be told from unset, so it does not turn compiled layers off:
      ``compile_layers=False`` does. ``torch_compile_mode`` is refused (varpack picks the mode).
-  4. ``use_liger_kernel=True``: TRL applies Liger-Kernel's layers, which are never compiled
-     (:data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`): eager Liger layers + the linear CE; with
-     ``torch_compile=True`` or ``compile_layers=True`` it is refused. ``bf16=True`` (float32 master weights
+  4. ``use_liger_kernel=True`` asks for fused layers. Liger-Kernel's layers are never compiled
+     (:data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`), so where the step above compiles the
+     layers (CUDA graphs, or regional compile: inductor fuses the same RMSNorm / RoPE / SwiGLU) they take the
+     place of Liger's, TRL is not asked to apply Liger, and the ``speed`` line says so
+     (``trainer.liger_applied`` is ``False``); where the layers stay eager, Liger's are applied (eager Liger
+     layers + the linear CE). With ``torch_compile=True`` or ``compile_layers=True`` it is refused. ``bf16=True`` (float32 master weights
      under autocast) runs every step above.
 
 Refused, with the setting named (each would mix samples, cut them, or train another loss): a model given by
@@ -380,6 +383,12 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         # TRL's torch_compile becomes varpack's compiled layers (below): transformers must not compile the
         # whole model around them
         trl_args.torch_compile, trl_args.torch_compile_backend = False, None
+        # TRL's use_liger_kernel=True asks for fused layers: where the step compiles the layers (CUDA graphs or
+        # regional compile, fused by inductor) they take the place of Liger-Kernel's, which are never compiled;
+        # where it does not, Liger's are applied after the step is chosen (module docstring, "Speed")
+        liger_mapped = bool(args.use_liger_kernel) and compile_layers == "auto" and not args.torch_compile
+        if liger_mapped:
+            trl_args.use_liger_kernel = False
         self.packing_settings = dict(
             packing_length=int(packing_length), strategy=packing_strategy, overflow=overflow, seed=args.seed
         )
@@ -422,7 +431,20 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             self.eval_dataset = self._pack(self.eval_dataset, "eval", shuffle=False)[2]
         self.loss_impl = loss_impl  # read by the step choice (the fused linear CE of the graph step)
         self.static_shape = self.static_pad = None
-        self.graph_choice, self.step_choice = self._choose_step(args, cuda_graphs, compile_layers)
+        step_args = args
+        if liger_mapped:
+            step_args = copy.copy(args)
+            step_args.use_liger_kernel = False
+        self.graph_choice, self.step_choice = self._choose_step(step_args, cuda_graphs, compile_layers)
+        self.liger_applied = bool(args.use_liger_kernel) and not liger_mapped  # TRL applied it
+        if liger_mapped and self.step_choice.on:
+            note = "use_liger_kernel=True: varpack's compiled layers in place of Liger-Kernel's (never compiled)"
+            self.step_choice = self.step_choice._replace(reason=f"{self.step_choice.reason}; {note}")
+        elif liger_mapped:  # eager layers: Liger's, as TRL would have applied them
+            from varpack.integrations.kernels import apply_liger_kernels
+
+            apply_liger_kernels(_base_model(self.model))
+            self.liger_applied = True
         self._init_packed_loss(
             loss_reduction=loss_reduction,
             loss_impl=loss_impl,
@@ -432,7 +454,7 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         self._speed = SpeedReportCallback(
             self,
             self.step_choice,
-            liger=bool(args.use_liger_kernel),
+            liger=self.liger_applied,
             static=self._describe_static() if self.graph_choice.on else None,
             graphs=self.graph_choice,
         )
