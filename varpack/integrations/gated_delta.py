@@ -44,6 +44,7 @@ from varpack.integrations.recurrent import (
 from varpack.models.registry import is_gated_delta_layer as _is_gdn
 from varpack.ops._fla import load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
+from varpack.ops.gated_delta_rule.custom_op import gated_delta_rule_op
 from varpack.ops.gated_delta_rule.dispatch import (
     fla_gated_delta_status,
     resolve_backend,
@@ -51,6 +52,8 @@ from varpack.ops.gated_delta_rule.dispatch import (
 )
 from varpack.ops.gated_delta_rule.fla_hybrid import FlaHybridBoundaries, prepare_fla_hybrid_boundaries
 from varpack.ops.short_conv import short_conv
+from varpack.schema import VARLEN_META
+from varpack.varlen.boundaries import seq_idx_on_device
 from varpack.varlen.meta import VarlenMeta
 
 __all__ = ["layer_head_dims", "linear_attention_backend", "patch_linear_attention"]
@@ -282,10 +285,69 @@ def _original_cannot_train(layer: torch.nn.Module, hidden_states: torch.Tensor) 
     return not backward[0]
 
 
+def _traced_packed_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask, meta: VarlenMeta
+) -> torch.Tensor:
+    """The packed forward as ``torch.compile`` traces it (``compile_layers(custom_ops=True)``): the same
+    projections, gates, norm and output projection as :func:`_packed_forward`; the short convolution on the
+    PyTorch path with the segment index computed in the graph from the meta's offsets
+    (:func:`varpack.varlen.seq_idx_on_device`: no host read, no data-dependent shape); the gated delta rule
+    (q/k l2norm inside) as the ``varpack::gated_delta_rule`` custom op, one graph node, with the offsets on
+    the device and the meta's CPU copy (the ``chunk`` / ``fla_hybrid`` backends build their chunk plans from
+    it inside the op: host work, no device sync). The backend is resolved at trace time from the layer's
+    backend, device, grad need and head dims. ``hidden_states`` ``[1, T, hidden]`` -> ``[1, T, hidden]``."""
+    B, T, _ = hidden_states.shape
+    device = hidden_states.device
+    mixed, z, b, a = _projections(layer, hidden_states, attention_mask)
+    weight, bias = _conv_weight(layer)
+    beta, g = _gates(layer, b, a)
+    hk, hv, dk, dv = layer_head_dims(layer)
+    cu_host = meta.cu_seqlens_q
+    cu = cu_host.to(device=device, dtype=torch.int32)  # in the graph: a no-op for offsets already there
+    cu_cpu = cu_host if cu_host.device.type == "cpu" else meta.cu_seqlens_cpu()
+    mixed = short_conv(
+        mixed, weight, bias, conv_activation(layer.activation), seq_idx=seq_idx_on_device(cu, T)
+    )
+    query, key, value = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    core, _ = gated_delta_rule_op(
+        query.reshape(B, T, hk, dk), key.reshape(B, T, hk, dk), value.reshape(B, T, hv, dv), g, beta,
+        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=True,
+        backend=getattr(layer, "_varpack_gdn_backend", "auto"), needs_grad=_needs_grad(layer, hidden_states),
+    )  # fmt: skip
+    core = layer.norm(core.reshape(-1, dv), z.reshape(-1, dv))
+    return layer.out_proj(core.reshape(B, T, -1))
+
+
+def _traced_call(layer: torch.nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict):
+    """Inside a compiled layer with ``custom_ops``: the traced packed forward for a packed, cache-free call
+    on one row outside context parallelism; ``None`` for every other call (it then runs as a graph break,
+    where the eager path raises its errors)."""
+    cache = args[0] if args else next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
+    attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+    meta = kwargs.get(VARLEN_META)
+    if meta is None:
+        meta = getattr(layer, "_varpack_meta", None)  # handed over by the decoder layer's pre-hook
+    if (
+        meta is None
+        or cache is not None
+        or hidden_states.shape[0] != 1
+        or current_shard(layer, kwargs) is not None
+        or (attention_mask is not None and attention_mask.dim() == 2)
+    ):
+        return None
+    # the meta's token count was checked against the row where it was bound (the text model's pre-hook)
+    return _traced_packed_forward(layer, hidden_states, None, meta)
+
+
 def _patched_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     if torch.compiler.is_compiling():
-        # inside a torch.compile'd decoder layer (varpack.integrations.kernels.compile_layers): the mixer is a
-        # graph break, like varpack attention; traced, its data-dependent chunking recompiles for every pack
+        # inside a torch.compile'd decoder layer (varpack.integrations.kernels.compile_layers): with custom_ops
+        # a packed call is traced whole (the rule as one custom-op node); otherwise the mixer is a graph break,
+        # like varpack attention (traced eagerly, its data-dependent chunking would recompile for every pack)
+        if getattr(self, "_varpack_custom_op", False):
+            out = _traced_call(self, hidden_states, args, kwargs)
+            if out is not None:
+                return out
         return _patched_forward_outside_graph(self, hidden_states, *args, **kwargs)
     B, T = hidden_states.shape[:2]
     cache = args[0] if args else next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)

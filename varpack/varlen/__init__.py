@@ -11,6 +11,7 @@ from varpack.varlen.boundaries import (
     normalize_cu_seqlens,
     normalize_max_seqlen,
     seq_idx_from_cu_seqlens,
+    seq_idx_on_device,
     validate_cu_seqlens,
 )
 from varpack.varlen.meta import VarlenMeta, varlen_meta_from_kwargs
@@ -25,6 +26,7 @@ __all__ = [
     "normalize_cu_seqlens",
     "normalize_max_seqlen",
     "seq_idx_from_cu_seqlens",
+    "seq_idx_on_device",
     "validate_cu_seqlens",
     "varlen_meta_from_kwargs",
 ]

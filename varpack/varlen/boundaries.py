@@ -26,6 +26,7 @@ __all__ = [
     "normalize_cu_seqlens",
     "normalize_max_seqlen",
     "seq_idx_from_cu_seqlens",
+    "seq_idx_on_device",
     "validate_cu_seqlens",
 ]
 
@@ -476,6 +477,33 @@ def seq_idx_from_cu_seqlens(cu_seqlens: Any, total_tokens: int) -> torch.Tensor:
     lengths = np.diff(cu)
     seq_idx = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
     return torch.from_numpy(seq_idx).unsqueeze(0)
+
+
+def seq_idx_on_device(cu_seqlens: torch.Tensor, total_tokens: int | torch.SymInt) -> torch.Tensor:
+    """Sample index of every token, ``[1, T]`` int32, computed where ``cu_seqlens`` lives without reading it:
+    ``searchsorted(cu_seqlens[1:], arange(T), right=True)``. No host sync, no data-dependent shape, so it
+    traces into a ``torch.compile`` graph (``T`` may be symbolic) and replays under a CUDA graph.
+
+    Args:
+        cu_seqlens: ``[N+1]`` int32 offsets on any device, trusted as valid (validated where they were built,
+            e.g. :class:`varpack.varlen.VarlenMeta`); zero-length segments allowed.
+        total_tokens: ``T``.
+
+    Returns:
+        ``[1, T]`` int32 on ``cu_seqlens``' device, equal to :func:`seq_idx_from_cu_seqlens` for valid offsets.
+
+    Raises:
+        TypeError: ``cu_seqlens`` not an integer tensor.
+    """
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or cu_seqlens.is_floating_point()
+        or cu_seqlens.dtype == torch.bool
+    ):
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {type(cu_seqlens).__name__}")
+    cu = cu_seqlens.to(torch.int32)
+    positions = torch.arange(total_tokens, device=cu.device, dtype=torch.int32)
+    return torch.searchsorted(cu[1:].contiguous(), positions, right=True).to(torch.int32)[None]
 
 
 def _validate_values(

@@ -49,6 +49,7 @@ from varpack.varlen.boundaries import (
     normalize_cu_seqlens,
     normalize_max_seqlen,
     seq_idx_from_cu_seqlens,
+    seq_idx_on_device,
 )
 
 __all__ = ["VarlenMeta", "varlen_meta_from_kwargs"]
@@ -360,8 +361,7 @@ class VarlenMeta:
         if cu.device.type == "cpu":
             return seq_idx_from_cu_seqlens(cu, self.total_q)
         # device offsets (trusted, never read): the index of the segment holding each token, on the device
-        positions = torch.arange(self.total_q, device=cu.device, dtype=cu.dtype)
-        return (torch.searchsorted(cu[1:].contiguous(), positions, right=True).to(torch.int32))[None]
+        return seq_idx_on_device(cu, self.total_q)
 
     def seq_idx_on(self, device: torch.device | str) -> torch.Tensor:
         """:meth:`seq_idx` on ``device`` (one copy per batch and device)."""

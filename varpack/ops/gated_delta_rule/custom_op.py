@@ -260,6 +260,7 @@ def gated_delta_rule_op(
     *,
     backend: str = "auto",
     cu_seqlens_cpu: torch.Tensor | None = None,
+    needs_grad: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`varpack.ops.gated_delta_rule.gated_delta_rule` through the ``varpack::gated_delta_rule``
     custom op: same arguments (no ``layout``: the op rebuilds it per call), shapes and results
@@ -268,15 +269,19 @@ def gated_delta_rule_op(
     Outside ``torch.compile``, the inputs are validated as the backends do (:func:`check_inputs`, CPU
     ``cu_seqlens`` values included) and ``backend`` is resolved before the op; under ``torch.compile`` only
     shapes are checked (tensor values are never read) and ``auto`` is resolved at trace time from the
-    device and grad mode, facts the compiler guards on.
+    device and grad mode, facts the compiler guards on. ``needs_grad``: resolve ``backend`` as for a call
+    that will (``True``) or will not need gradients; default ``None``: whether this call records them (a
+    layer in training mode passes ``True``, so that the no-grad first pass of reentrant gradient checkpointing
+    picks the backend of its recomputation).
 
     Raises:
         ValueError / TypeError: as :func:`gated_delta_rule`; ``backend="chunk_compiled"``.
         RuntimeError: a forced backend that cannot run here; a call that needs gradients on ``fla``.
     """
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)
-    )
+    if needs_grad is None:
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)
+        )
     if torch.compiler.is_compiling():
         name = _resolve_constant(backend, q.device.type, -1 if q.device.index is None else q.device.index,
                                  needs_grad, head_dims(q, v))  # fmt: skip

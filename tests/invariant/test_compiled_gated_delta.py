@@ -1,0 +1,188 @@
+"""Gated DeltaNet layers traced whole inside compiled decoder layers (``compile_layers(custom_ops=True)``):
+projections, the short convolution (segment index computed in the graph), gates, the gated delta rule as the
+``varpack::gated_delta_rule`` custom op, output gate + RMSNorm -- no graph break (``fullgraph=True``).
+
+tiny-qwen3.5 and tiny-qwen3-next (the same mixer; Qwen3-Next adds a mixture of experts), ``aot_eager`` on the
+CPU: packed-compiled == each sample alone and == packed-eager (logits, loss, every gradient), one graph per
+layer kind for every pack; static-shape packs (pad segments at the end) == dynamic-shape packs, each pad
+segment == that segment run alone.
+
+Negative controls, caught by the same assertions: the boundaries dropped (one segment for the row); the
+short convolution in the graph given one segment (its taps read across samples); the rule's op given one
+segment (its state carried across samples); the pad segments merged into the last sample (its state carried
+into them); ``custom_ops=False`` under ``fullgraph=True`` (the mixer's graph break raises).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests._exact import LOGITS_RTOL, LOSS_RTOL, assert_differs, assert_exact
+from tests.invariant.test_gated_delta import _per_sample, _samples
+from varpack.collate import PaddingFreeCollator, StaticShape
+from varpack.integrations import gated_delta as gd
+from varpack.integrations.kernels import compile_layers
+from varpack.integrations.transformers import enable_varpack
+from varpack.models.gated_delta import tiny_model
+
+VOCAB = 512
+PACKS = ([5, 1, 30, 66, 2], [40, 41], [3] * 12)  # lengths across the 64-token chunk, a 1-token sample
+PAD_ID = 7
+STATIC = StaticShape.for_packing(104, max_samples=6, multiple_of=8)
+STATIC_PACKS = ([5, 1, 30, 66, 2], [40, 41], [3] * 6, [104])
+
+
+def _models(name, **compile_kw):
+    """(compiled varpack model, eager varpack copy, unpatched reference) with the same weights."""
+    torch._dynamo.reset()
+    ref = tiny_model(name, seed=1, vocab_size=VOCAB)
+    model = copy.deepcopy(ref)
+    enable_varpack(model, linear_backend="chunk")
+    eager = copy.deepcopy(model)
+    kw = {"backend": "aot_eager", "custom_ops": True, "fullgraph": True, **compile_kw}
+    assert compile_layers(model, **kw) == model.config.num_hidden_layers
+    return model, eager, ref
+
+
+def _run(model, batch):
+    """Forward + backward of one collated row: (logits [T, V], loss, grads)."""
+    model.zero_grad(set_to_none=True)
+    out = model(**{k: v for k, v in batch.items() if k != "sample_ids"})
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits[0].detach(), out.loss.detach(), grads
+
+
+def _dropped(batch):
+    """Sabotage: one segment over the whole row (the boundaries are gone)."""
+    t = batch["input_ids"].shape[1]
+    bad = dict(batch, cu_seq_lens_q=torch.tensor([0, t], dtype=torch.int32), max_length_q=t, max_length_k=t)
+    bad["cu_seq_lens_k"] = bad["cu_seq_lens_q"]
+    bad.pop("varlen_meta")
+    return bad
+
+
+def _assert_same(got, want, what):
+    assert_exact(got[0], want[0], rtol=LOGITS_RTOL, what=f"logits {what}")
+    assert_exact(got[1], want[1], rtol=LOSS_RTOL, what=f"loss {what}")
+    assert_exact(got[2], want[2], what=f"gradient {what}")
+
+
+def _assert_far(got, want, what):
+    assert_differs(got[0], want[0], rtol=LOGITS_RTOL, what=f"logits {what}")
+    assert_differs(got[2], want[2], what=f"gradient {what}")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3-next"])
+def test_compiled_mixer_packed_equals_unpacked_and_eager(name):
+    from torch._dynamo.utils import counters
+
+    model, eager, ref = _models(name)
+    counters.clear()
+    graphs = None
+    for lengths in PACKS:
+        samples = _samples(lengths, vocab=VOCAB)
+        batch = PaddingFreeCollator()(samples)
+        got = _run(model, batch)
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs == 2, lengths  # linear + full-attention layers
+        want = _per_sample(ref, samples)
+        assert got[2].keys() == {n for n, _ in model.named_parameters()}
+        _assert_same(got, want, f"compiled/unpacked {lengths}")
+        _assert_same(got, _run(eager, batch), f"compiled/eager {lengths}")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # negative control: the same compiled model, the boundaries dropped
+    _assert_far(_run(model, _dropped(batch)), want, "boundaries dropped")
+
+
+def _sabotage_conv(monkeypatch):
+    """The short convolution in the graph sees one segment: its taps read the previous sample's tokens."""
+    monkeypatch.setattr(gd, "seq_idx_on_device", lambda cu, T: torch.zeros(1, T, dtype=torch.int32))
+
+
+def _sabotage_rule(monkeypatch):
+    """The rule's custom op sees one segment: its recurrent state runs across the samples."""
+    real = gd.gated_delta_rule_op
+
+    def whole_row(q, *args, cu_seqlens, cu_seqlens_cpu, **kw):
+        one = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+        return real(q, *args, cu_seqlens=one.to(cu_seqlens.device), cu_seqlens_cpu=one, **kw)
+
+    monkeypatch.setattr(gd, "gated_delta_rule_op", whole_row)
+
+
+@pytest.mark.parametrize("sabotage", [_sabotage_conv, _sabotage_rule], ids=["conv", "rule"])
+def test_compiled_mixer_negative_controls(sabotage, monkeypatch):
+    """Each boundary of the traced mixer matters: with one of them sabotaged in the graph, the packed run
+    fails the assertion the honest run passes (tiny-qwen3.5)."""
+    sabotage(monkeypatch)
+    model, _, ref = _models("tiny-qwen3.5")
+    samples = _samples(PACKS[0], vocab=VOCAB)
+    _assert_far(_run(model, PaddingFreeCollator()(samples)), _per_sample(ref, samples), sabotage.__name__)
+
+
+def test_graph_break_without_custom_ops_is_refused_by_fullgraph():
+    """``custom_ops=False`` keeps the mixer a graph break (its eager path): ``fullgraph=True`` raises, and
+    without it the breaks are counted -- what the zero-break assertions above would see on a regression."""
+    from torch._dynamo.exc import Unsupported
+    from torch._dynamo.utils import counters
+
+    samples = _samples(PACKS[1], vocab=VOCAB)
+    model, _, _ = _models("tiny-qwen3.5", custom_ops=False)
+    with pytest.raises(Unsupported):
+        _run(model, PaddingFreeCollator()(samples))
+    model, _, _ = _models("tiny-qwen3.5", custom_ops=False, fullgraph=False)
+    counters.clear()
+    _run(model, PaddingFreeCollator()(samples))
+    breaks = counters["graph_break"]
+    assert breaks and all("torch.compiler.disable" in reason for reason in breaks), dict(breaks)
+
+
+def _static(samples):
+    return PaddingFreeCollator(static_shape=STATIC, pad_token_id=PAD_ID)([samples])
+
+
+def _pad_segments_alone(ref, batch, num_real):
+    """The logits of each pad segment run alone through the reference: ``[pad tokens, V]``."""
+    cu = batch["cu_seq_lens_q"].tolist()
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        return torch.cat([ref(input_ids=ids[:, a:b]).logits[0] for a, b in zip(cu[num_real:-1], cu[num_real + 1 :])])
+
+
+def test_static_packs_equal_dynamic_and_pads_carry_no_state():
+    """Static-shape packs through one ``dynamic=False`` compile (no recompilation across packs): the real
+    tokens' logits, the loss and every gradient equal the dynamic-shape eager run; each pad segment's logits
+    equal that segment alone (it starts from a zero state and a reset convolution). Control: the pad segments
+    merged into the last sample (state and convolution carried into them) fail the pad check."""
+    from torch._dynamo.utils import counters
+
+    model, eager, ref = _models("tiny-qwen3.5", dynamic=False)
+    counters.clear()
+    graphs = None
+    for lengths in STATIC_PACKS:
+        samples = _samples(lengths, vocab=VOCAB, seed=len(lengths))
+        t = sum(lengths)
+        static = _static(samples)
+        assert static["input_ids"].shape == (1, STATIC.tokens) and static["input_ids"].shape[1] > t
+        got = _run(model, static)
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs == 2, lengths
+        want = _run(eager, PaddingFreeCollator()(samples))
+        _assert_same((got[0][:t], got[1], got[2]), want, f"static/dynamic {lengths}")
+        pads = _pad_segments_alone(ref, static, len(lengths))
+        assert_exact(got[0][t:], pads, rtol=LOGITS_RTOL, what=f"pad segments' logits {lengths}")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # control: the pad segments merged into the last sample's segment
+    bad = dict(static)
+    cu = static["cu_seq_lens_q"]
+    merged = torch.cat([cu[: len(lengths)], cu[-1:]])
+    merged = torch.cat([merged, merged[-1:].expand(cu.numel() - merged.numel())])  # same N: no recompile
+    bad["cu_seq_lens_q"] = bad["cu_seq_lens_k"] = merged
+    bad["max_length_q"] = bad["max_length_k"] = STATIC.tokens  # the merged segment is longer than max_seqlen
+    bad.pop("varlen_meta")
+    logits_m = _run(model, bad)[0]
+    assert_differs(logits_m[t:], pads, rtol=LOGITS_RTOL, what="pad logits (pads merged into the last sample)")
