@@ -14,6 +14,12 @@ Rows (``--backends``; the first is the baseline of "speed vs first"):
   padding-free row, varpack attention ``auto`` for the full-attention layers,
   :func:`varpack.integrations.gated_delta.patch_linear_attention` with that backend (short conv and recurrent
   state reset at every sample boundary), loss ``--loss-impl`` (default the chunked linear CE);
+* ``<backend>_compiled_layers`` (``chunk_compiled_layers``, ``fla_hybrid_compiled_layers`` ...): the same varpack
+  row with every decoder layer compiled whole,
+  ``compile_layers(model, custom_ops=True, fullgraph=True, backend=--compile-backend)``: the Gated DeltaNet
+  mixer traced in the layer's graph (short conv, gates, norms fused by inductor; the rule as the
+  ``varpack::gated_delta_rule`` custom op), varpack attention as its custom op; one graph for every pack
+  (dynamic shapes). The cold pass includes the compiles;
 * ``hf_padded_torch``: the exact HF peer. ``Qwen3_5ForCausalLM`` as is, ``--hf-attn`` (sdpa), right-padded
   micro-batches of at most ``--pad-tokens`` padded tokens (each step's samples by length: HF's
   ``group_by_length`` at its best), gradient accumulation, HF's loss with ``num_items_in_batch``; the Gated
@@ -37,7 +43,11 @@ tests/benchmarks/test_hybrid_step.py: packed == ``hf_padded_torch`` in loss and 
 
     python benchmarks/hybrid_step.py --samples .gpu/samples.npz --steps 4 --rounds 1 \\
         --backends chunk,fla_hybrid,hf_padded_torch,hf_flat_torch --out hybrid.json      # GPU
+    python benchmarks/hybrid_step.py --samples .gpu/samples.npz --steps 8 --rounds 2 \
+        --backends fla_hybrid,fla_hybrid_compiled_layers,chunk_compiled_layers --out hybrid_compiled.json  # GPU
     python benchmarks/hybrid_step.py --device cpu --small --backends chunk,hf_padded_torch,hf_flat_torch
+    python benchmarks/hybrid_step.py --device cpu --small --backends chunk,chunk_compiled_layers \
+        --compile-backend aot_eager
 """
 
 from __future__ import annotations
@@ -79,6 +89,7 @@ from benchmarks._common import (  # noqa: E402
 )
 from varpack.collate import PaddingFreeCollator  # noqa: E402
 from varpack.integrations.gated_delta import patch_linear_attention  # noqa: E402
+from varpack.integrations.kernels import compile_layers  # noqa: E402
 from varpack.train.objectives import get_objective  # noqa: E402
 from varpack.train.trainer import TrainCollator  # noqa: E402
 
@@ -239,6 +250,17 @@ class Row:
     info: dict[str, Any]
 
 
+#: suffix of a varpack row whose decoder layers are compiled whole (custom ops, fullgraph)
+COMPILED_LAYERS = "_compiled_layers"
+
+
+def varpack_base(config: str) -> tuple[str, bool]:
+    """``"fla_hybrid_compiled_layers"`` -> ``("fla_hybrid", True)``: the gated-delta backend of a varpack row
+    and whether its decoder layers are compiled."""
+    compiled = config.endswith(COMPILED_LAYERS)
+    return (config[: -len(COMPILED_LAYERS)] if compiled else config), compiled
+
+
 def peer_base(config: str) -> tuple[str, bool]:
     """``"hf_padded_torch_liger"`` -> ``("hf_padded_torch", True)``."""
     liger = config.endswith("_liger")
@@ -257,14 +279,20 @@ def build_row(
     base, liger = peer_base(config)
     common = dict(device=device, dtype=dtype, vocab_size=args.vocab_size, overrides=args.overrides)
     if base not in PEERS:  # a varpack gated-delta backend
+        linear, compiled = varpack_base(config)
         model = build_model(args.model, backend="auto", **common)
-        patch_linear_attention(model, backend=config)
+        patch_linear_attention(model, backend=linear)
         objective, linear_ce = get_objective("sft"), args.loss_impl == "linear_ce"
 
         def varpack_loss(model, mb, num_items):
             return objective.loss(model, mb, linear_ce=linear_ce, num_items_in_batch=num_items).loss
 
         info = {"exact": "yes (boundaries)", "loss_impl": args.loss_impl, "attention": "varpack auto"}
+        if compiled:
+            torch._dynamo.reset()  # every compiled row compiles in its own cold pass
+            compile_backend = getattr(args, "compile_backend", "inductor")
+            compile_layers(model, backend=compile_backend, custom_ops=True, fullgraph=True)
+            info["compiled_layers"] = f"{compile_backend}, custom_ops, fullgraph"
         return Row(model, [[b] for b in wl.batches], varpack_loss, info)
     model = build_model(args.model, hf_attn=args.hf_attn, **common)
     module = sys.modules[type(model).__module__]
@@ -412,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--backends",
         default="chunk,fla_hybrid,hf_padded_torch",
-        help=f"rows: varpack gated-delta backends and peers {PEERS} (+ '_liger'); the first is the baseline",
+        help=f"rows: varpack gated-delta backends (+ '{COMPILED_LAYERS}') and peers {PEERS} (+ '_liger'); "
+        "the first is the baseline",
     )
     ap.add_argument(
         "--samples", default=None, help="pre-encoded samples (.npz, benchmarks/_common.py encode)"
@@ -431,6 +460,11 @@ def main(argv: list[str] | None = None) -> int:
         help="padded tokens per HF micro-batch (default: packing length)",
     )
     ap.add_argument("--vocab-size", type=int, default=None, help="embedding rows (default: the model's)")
+    ap.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend of the *_compiled_layers rows (aot_eager: no code generation, CPU smoke)",
+    )
     args = ap.parse_args(argv)
     device = checked_device(ap, args)
     dtype = getattr(torch, args.dtype)

@@ -103,6 +103,19 @@ def test_padded_peer_matches_varpack_linear_ce(wl, varpack_step):
     assert loss_lce == pytest.approx(varpack_step[0], rel=1e-5)
 
 
+def test_compiled_layers_row_matches_the_eager_row(wl, varpack_step):
+    """``chunk_compiled_layers``: the same step with every decoder layer compiled whole (aot_eager here), the
+    same loss and gradients as the eager ``chunk`` row (which the exact peer matches above)."""
+    loss_v, grads_v, _, _ = varpack_step
+    loss_c, grads_c, info, _ = _first_step("chunk_compiled_layers", wl, _args(compile_backend="aot_eager"))
+    assert info["compiled_layers"] == "aot_eager, custom_ops, fullgraph"
+    assert loss_c == pytest.approx(loss_v, rel=1e-5)
+    assert grads_c.keys() == grads_v.keys()
+    assert _mismatched(grads_c, grads_v) == []
+    assert H.varpack_base("fla_hybrid_compiled_layers") == ("fla_hybrid", True)
+    assert H.varpack_base("chunk") == ("chunk", False)
+
+
 def test_flat_reference_leaks_negative_control(wl, varpack_step):
     loss_v, grads_v, _, _ = varpack_step
     loss_f, grads_f, info, steps = _first_step("hf_flat_torch", wl, _args())
@@ -179,3 +192,16 @@ def test_small_run_on_the_cpu(tmp_path, capsys):
     assert rows["chunk"]["exact"].startswith("yes") and rows["hf_flat_torch"]["exact"].startswith("NO")
     assert rows["chunk"]["loss_first"] == pytest.approx(rows["hf_padded_torch"]["loss_first"], rel=1e-4)
     assert rows["chunk"]["speed_vs_best_exact_peer"] > 0 and "| chunk | yes" in capsys.readouterr().out
+
+
+def test_small_compiled_layers_run_on_the_cpu(tmp_path):
+    """--small with the compiled-layers row (``--compile-backend aot_eager``): it runs and its first-step loss
+    is the eager row's."""
+    out = tmp_path / "hybrid.json"
+    argv = ["--device", "cpu", "--small", "--steps", "1", "--rounds", "1", "--backends",
+            "chunk,chunk_compiled_layers", "--compile-backend", "aot_eager", "--out", str(out)]  # fmt: skip
+    assert H.main(argv) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["summary"]}
+    assert set(rows) == {"chunk", "chunk_compiled_layers"} and not any("error" in r for r in rows.values())
+    assert rows["chunk_compiled_layers"]["compiled_layers"] == "aot_eager, custom_ops, fullgraph"
+    assert rows["chunk_compiled_layers"]["loss_first"] == pytest.approx(rows["chunk"]["loss_first"], rel=1e-5)
