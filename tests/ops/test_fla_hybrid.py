@@ -299,12 +299,14 @@ def _custom_op_on_standins(monkeypatch, custom_op, standins):
     monkeypatch.setattr(
         custom_op,
         "fla_hybrid_gated_delta_rule",
-        lambda *a, cu_seqlens_cpu=None: standins._hybrid(*a, cu_seqlens_cpu, "fp32"),
+        lambda *a, cu_seqlens_cpu=None, boundaries=None: standins._hybrid(*a, cu_seqlens_cpu, "fp32", boundaries),
     )
     monkeypatch.setattr(
         custom_op,
         "fla_hybrid_backward",
-        lambda *a, cu_seqlens_cpu=None: standins._hybrid_backward(*a, cu_seqlens_cpu, "fp32"),
+        lambda *a, cu_seqlens_cpu=None, boundaries=None: standins._hybrid_backward(
+            *a, cu_seqlens_cpu, "fp32", boundaries
+        ),
     )
 
 

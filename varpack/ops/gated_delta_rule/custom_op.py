@@ -10,8 +10,10 @@ initial_state ``[N, H, K, V]`` or None; ``o`` ``[B, T, H, V]`` in q's dtype; ``f
 
 Backends through the op: ``chunk``, ``naive``, ``fla_hybrid`` (native backward, below) and ``fla``
 (forward-only). The chunk layout
-(:func:`prepare_chunk_layout`) is rebuilt from ``cu_seqlens_cpu`` (or CPU ``cu_seqlens``) in every call: CPU
-work per layer, no device sync; a per-batch layout object cannot travel through an op's schema.
+(:func:`prepare_chunk_layout`) and ``fla_hybrid``'s boundaries are built from ``cu_seqlens_cpu`` (or CPU
+``cu_seqlens``) and kept for the last few batches, keyed by the offsets' values (:func:`_host_plan`): CPU work
+once per batch, shared by every layer, no device sync; a per-batch object cannot travel through an op's
+schema.
 ``chunk_compiled`` is refused: inside a compiled layer the op is already one node, and a nested
 ``torch.compile`` would run inside the op's implementation.
 
@@ -34,13 +36,18 @@ manual); flash-linear-attention ``chunk_gated_delta_rule``.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from .._fla import fla_chunk_gated_delta_rule
 from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, normalize_optional_cu
 from .chunk import chunk_gated_delta_rule, prepare_chunk_layout
 from .dispatch import head_dims, resolve_backend
-from .fla_hybrid import fla_hybrid_backward, fla_hybrid_gated_delta_rule
+from .fla_hybrid import fla_hybrid_backward, fla_hybrid_gated_delta_rule, prepare_fla_hybrid_boundaries
 from .naive import naive_recurrent_gated_delta_rule
 
 __all__ = ["OP_BACKENDS", "gated_delta_rule_op"]
@@ -50,15 +57,55 @@ OP_BACKENDS = ("chunk", "naive", "fla_hybrid", "fla")
 _DIFFERENTIABLE = ("chunk", "naive", "fla_hybrid")
 
 
+#: How many batches' host plans :func:`_host_plan` keeps (a step's forward and backward use one batch).
+PLANS_KEPT = 4
+_PLANS: OrderedDict = OrderedDict()
+_PLANS_LOCK = threading.Lock()
+
+
+def _host_plan(kind: str, host_cu: torch.Tensor, device: torch.device, build: Callable[[], Any]) -> Any:
+    """``build()`` once per ``(kind, device, offsets' values)``, kept for the last :data:`PLANS_KEPT` batches.
+
+    The op cannot carry a per-batch object through its schema, so every layer of a step (forward, and the
+    backward's recomputation) would rebuild its plan from the CPU offsets: the ``chunk`` layout, or
+    ``fla_hybrid``'s boundaries (device offsets, the dq/dk plan; one device copy shared by every layer, so
+    fla's own per-tensor chunk-index cache hits). Keyed by the offsets' values (a CPU read, no device sync),
+    a kept plan is always the one of the same segmentation, as the eager path's per-batch
+    :meth:`varpack.varlen.VarlenMeta.memo`."""
+    key = (kind, str(device), cu_seqlens_to_cpu(host_cu).numpy().tobytes())
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan
+    plan = build()
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return plan
+
+
 def _host_boundaries(backend, q, cu, cu_cpu):
     """What the backend reads on the host, built before any autograd transform: the chunk layout for
-    ``chunk``, the offsets as a Python list for ``naive`` (``torch.func`` wraps every tensor made inside its
-    scope, and a wrapped tensor has no storage to read)."""
+    ``chunk`` (its device copies made here), ``fla_hybrid``'s boundaries, the offsets as a Python list for
+    ``naive`` (``torch.func`` wraps every tensor made inside its scope, and a wrapped tensor has no storage to
+    read)."""
     host_cu = cu if cu_cpu is None else cu_cpu
     if backend == "chunk":
         if host_cu is None:
             host_cu = torch.arange(q.shape[0] + 1, dtype=torch.int64) * q.shape[1]
-        return prepare_chunk_layout(host_cu)
+
+        def layout():
+            built = prepare_chunk_layout(host_cu)
+            built.tensors(q.device)
+            return built
+
+        return _host_plan("chunk", host_cu, q.device, layout)
+    if backend == "fla_hybrid" and host_cu is not None:
+        return _host_plan(
+            "fla_hybrid", host_cu, q.device, lambda: prepare_fla_hybrid_boundaries(host_cu, q.device)
+        )
     if backend == "naive" and host_cu is not None:
         return cu_seqlens_to_cpu(host_cu).tolist()
     return None
@@ -67,7 +114,7 @@ def _host_boundaries(backend, q, cu, cu_cpu):
 def _run(backend, host, q, k, v, g, beta, cu, cu_cpu, h0, scale, output_final_state, l2norm):
     if backend == "fla_hybrid":
         return fla_hybrid_gated_delta_rule(
-            q, k, v, g, beta, scale, h0, output_final_state, cu, l2norm, cu_seqlens_cpu=cu_cpu
+            q, k, v, g, beta, scale, h0, output_final_state, cu, l2norm, cu_seqlens_cpu=cu_cpu, boundaries=host
         )
     if backend == "fla":
         return fla_chunk_gated_delta_rule(
@@ -146,6 +193,7 @@ def _gated_delta_rule_backward(
         grads = fla_hybrid_backward(
             do, dfinal if output_final_state else None, q, k, v, g, beta, scale, initial_state, cu_seqlens,
             use_qk_l2norm_in_kernel, cu_seqlens_cpu=cu_seqlens_cpu,
+            boundaries=_host_boundaries(backend, q, cu_seqlens, cu_seqlens_cpu),
         )  # fmt: skip
         grads = [x.contiguous() for x in grads[:5]] + [
             grads[5].contiguous() if with_state else q.new_empty((0,), dtype=acc_dtype(q))
