@@ -253,6 +253,29 @@ def test_compile_for_graphs_refuses_a_cpu_device():
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
 
 
+def test_compile_for_graphs_refuses_gated_delta_models_with_the_reason():
+    """A Gated DeltaNet model is refused before compiling (its backends size their launches from host-read
+    boundaries: a replay would compute the captured pack's segmentation); a dense model gets past the check
+    (the control)."""
+    from varpack.integrations.cuda_graphs import (
+        GATED_DELTA_GRAPHS_REFUSAL,
+        compile_layers_as_graphs,
+        model_refusal,
+    )
+    from varpack.integrations.transformers import enable_varpack
+    from varpack.models.gated_delta import tiny_model
+
+    hybrid = tiny_model("tiny-qwen3.5", seed=1, vocab_size=VOCAB)
+    enable_varpack(hybrid, linear_backend="chunk")
+    assert model_refusal(hybrid, autocast=True) == f"Qwen3_5ForCausalLM: {GATED_DELTA_GRAPHS_REFUSAL}"
+    with pytest.raises(ValueError, match=r"--cuda-graphs with Qwen3_5ForCausalLM: its recurrent mixers \(Gated"):
+        compile_layers_as_graphs(hybrid, device="cuda", what="--cuda-graphs")
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in hybrid.modules())
+    dense = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa")
+    assert model_refusal(dense, autocast=True) is None
+    assert compile_layers_as_graphs(dense, device="cuda") == dense.config.num_hidden_layers  # compiled lazily
+
+
 # -- the static collation of sft, on the CPU ---------------------------------------------------------------
 def _static_build(tmp_path, *, static, **cfg):
     from varpack.train.sft import build_sft

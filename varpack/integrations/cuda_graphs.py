@@ -34,8 +34,10 @@ import torch
 from varpack.schema import FLASH_ATTN_KWARGS, VARLEN_META
 
 __all__ = [
+    "GATED_DELTA_GRAPHS_REFUSAL",
     "GRAPH_BACKENDS",
     "GRAPH_COMPILE_KW",
+    "MAMBA2_GRAPHS_REFUSAL",
     "attention_refusal",
     "begin_step",
     "boundaries_on_device",
@@ -44,6 +46,41 @@ __all__ = [
     "cudagraph_skips",
     "model_refusal",
 ]
+
+#: Why CUDA-graph layers are refused for a model with Gated DeltaNet layers, read from the backends' code.
+#: Replaying a captured graph re-runs its kernel launches with the grids, loop counts and host-built index
+#: tensors of the pack it was captured on; neither gated delta rule backend launches from device-only
+#: boundaries with a static grid: ``chunk`` runs a Python loop over chunk steps whose count and per-step
+#: batch sizes come from a CPU chunk layout (varpack.ops.gated_delta_rule.chunk.prepare_chunk_layout), and
+#: ``fla_hybrid`` launches fla's kernels over ``NT`` chunks from fla's ``prepare_chunk_indices`` /
+#: ``prepare_chunk_offsets`` (built from the CPU offsets) and its dq/dk step over a CPU-built plan
+#: (varpack.ops.gated_delta_rule.fla_hybrid.dqkwg_plan: grid ``NT``, one launch per padded chunk size).
+GATED_DELTA_GRAPHS_REFUSAL = (
+    "its recurrent mixers (Gated DeltaNet) are not replay-safe: a replayed CUDA graph re-runs the kernel "
+    "launches captured for one pack (grids, loop counts, host-built chunk indices), and both gated delta rule "
+    "backends size their launches from boundaries read on the host (chunk: the CPU chunk layout's steps; "
+    "fla_hybrid: fla's chunk indices / offsets and the dq/dk plan, grid = the pack's chunk count), so the next "
+    "pack would be computed with the captured pack's segmentation. Without CUDA graphs, compiled layers "
+    "(compile_layers(model, custom_ops=True)) trace the whole Gated DeltaNet layer without a graph break"
+)
+#: Why CUDA-graph layers are refused for a model with Mamba-2 mixers.
+MAMBA2_GRAPHS_REFUSAL = (
+    "its recurrent mixers (Mamba-2) are graph breaks in a compiled layer (the SSD chunk layout is built on the "
+    "host per pack), and CUDA-graph layers are compiled whole (fullgraph)"
+)
+
+
+def _recurrent_refusal(model: torch.nn.Module) -> str | None:
+    """:data:`GATED_DELTA_GRAPHS_REFUSAL` / :data:`MAMBA2_GRAPHS_REFUSAL` for a model with those mixers."""
+    from varpack.models.mamba2 import is_mamba2_mixer
+    from varpack.models.registry import is_gated_delta_layer
+
+    if any(is_gated_delta_layer(m) for m in model.modules()):
+        return GATED_DELTA_GRAPHS_REFUSAL
+    if any(is_mamba2_mixer(m) for m in model.modules()):
+        return MAMBA2_GRAPHS_REFUSAL
+    return None
+
 
 #: :func:`varpack.integrations.kernels.compile_layers` keywords of CUDA-graph layers: attention as the custom op
 #: inside the layer's graph (``custom_ops``), no graph break allowed (``fullgraph``), one static shape
@@ -128,11 +165,9 @@ def model_refusal(model: torch.nn.Module, *, autocast: bool = False) -> str | No
     name = type(model).__name__
     if is_vl_model(model):
         return f"a vision-language model ({name}): the vision tower and mRoPE positions are not tested with graphs"
-    if family_of(model).linear_layers(model):
-        return (
-            f"{name}: its recurrent mixers (Gated DeltaNet / Mamba-2) launch from chunk layouts built on the host "
-            "from each pack's boundaries, which a replayed graph would not rebuild"
-        )
+    recurrent = _recurrent_refusal(model)
+    if recurrent is not None or family_of(model).linear_layers(model):
+        return f"{name}: {recurrent or GATED_DELTA_GRAPHS_REFUSAL}"
     dtype = next(model.parameters()).dtype
     if dtype == torch.float32 and not autocast:
         return (
@@ -155,13 +190,17 @@ def compile_layers_as_graphs(
 
     Raises:
         ValueError: ``device`` is not CUDA (``"{what}: CUDA graphs need a CUDA device, the model is on cpu"``),
-            nothing compiled; :func:`varpack.integrations.kernels.compile_layers`' refusals.
+            or the model has Gated DeltaNet / Mamba-2 layers (:data:`GATED_DELTA_GRAPHS_REFUSAL`), nothing
+            compiled; :func:`varpack.integrations.kernels.compile_layers`' refusals.
     """
     from varpack.integrations.kernels import compile_layers
 
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type != "cuda":
         raise ValueError(f"{what}: CUDA graphs need a CUDA device, the model is on {device}")
+    recurrent = _recurrent_refusal(model)
+    if recurrent is not None:
+        raise ValueError(f"{what} with {type(model).__name__}: {recurrent}")
     return compile_layers(model, **GRAPH_COMPILE_KW)
 
 
