@@ -20,6 +20,7 @@ from varpack.varlen import (
     lengths_from_cu_seqlens,
     max_seqlen_from_cu_seqlens,
     seq_idx_from_cu_seqlens,
+    seq_idx_on_device,
     validate_cu_seqlens,
 )
 
@@ -215,6 +216,31 @@ def test_seq_idx_matches_naive(lengths):
     assert seq[0].tolist() == naive
     assert max_seqlen_from_cu_seqlens(cu) == max(lengths)
     assert isinstance(max_seqlen_from_cu_seqlens(cu), int)
+
+
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=20).filter(lambda x: sum(x) > 0))
+def test_seq_idx_on_device_matches_naive(lengths):
+    """The traceable builder (no host read) equals the host one, zero-length segments included."""
+    cu = cu_seqlens_from_lengths(lengths, allow_empty=True)
+    naive = [i for i, n in enumerate(lengths) for _ in range(n)]
+    for offsets in (cu, cu.to(torch.int64)):
+        seq = seq_idx_on_device(offsets, sum(lengths))
+        assert seq.dtype == torch.int32 and seq.shape == (1, sum(lengths))
+        assert seq[0].tolist() == naive
+
+
+def test_seq_idx_on_device_traces_without_breaks():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(seq_idx_on_device, backend="aot_eager", fullgraph=True, dynamic=True)
+    for lengths in ([3, 1, 3], [5, 0, 2, 9], [4]):
+        cu = cu_seqlens_from_lengths(lengths, allow_empty=True)
+        assert fn(cu, sum(lengths)).tolist() == seq_idx_from_cu_seqlens(cu, sum(lengths)).tolist()
+    assert not counters["graph_break"]
+    with pytest.raises(TypeError, match="integer tensor"):
+        seq_idx_on_device(torch.tensor([0.0, 3.0]), 3)
 
 
 def test_seq_idx_checks_total():

@@ -14,7 +14,8 @@ on for a CUDA run, one process, DDP or FSDP2, :func:`varpack.train.config.resolv
 * :func:`compile_layers` compiles every decoder layer with ``torch.compile`` ("regional compilation", the
   PyTorch recipe for repeated blocks: one compiled graph reused by every layer). varpack's attention function
   is a graph break (``torch.compiler.disable``): the varlen kernel runs eagerly with the batch's Python-int
-  ``max_seqlen`` and its once-per-batch device copy of ``cu_seqlens``, and is never traced or specialised.
+  ``max_seqlen`` and its once-per-batch device copy of ``cu_seqlens``, and is never traced or specialised;
+  with ``custom_ops=True`` attention and Gated DeltaNet mixers are traced as custom ops instead (no break).
   ``dynamic=True`` by default, so packs of different lengths and sample counts reuse one graph; layers are
   traced without duck sizing, so a pack whose sizes happen to equal a model width does not specialise it.
 
@@ -33,6 +34,7 @@ import torch
 __all__ = [
     "LIGER_COMPILE_REFUSAL",
     "apply_liger_kernels",
+    "compile_custom_ops",
     "compile_layers",
     "decoder_layers",
     "liger_available",
@@ -156,6 +158,19 @@ def _without_duck_shapes(compiled: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def compile_custom_ops(model: torch.nn.Module) -> bool:
+    """Whether :func:`compile_layers` should trace ``model``'s layers through the custom ops
+    (``custom_ops=True``): ``True`` for a model with Gated DeltaNet layers, whose mixer is then traced whole
+    instead of a graph break in three of every four Qwen3.5 layers; ``False`` otherwise (a dense layer has one
+    break, attention, and ``custom_ops`` would exclude the attention backends without an op backward, FA2 /
+    FA3, from ``auto``).
+
+    Not for context-parallel training (the attention op refuses a context-parallel shard)."""
+    from varpack.models.registry import is_gated_delta_layer
+
+    return any(is_gated_delta_layer(m) for m in model.modules())
+
+
 def compile_layers(
     model: torch.nn.Module,
     *,
@@ -179,9 +194,15 @@ def compile_layers(
             of the layer's graph, so a dense decoder layer compiles whole (``fullgraph=True`` works). The
             backend is then resolved at trace time and CPU ``cu_seqlens`` are copied to the device in each
             layer's graph; gradients: native FA4 backward, recomputation for the PyTorch backends, none
-            for FA2 / FA3 (:func:`varpack.attn.custom_op.op_backward_kind`). Gated-delta mixers stay graph
-            breaks either way (their op, :mod:`varpack.ops.gated_delta_rule.custom_op`, is not wired into
-            :mod:`varpack.integrations.gated_delta` yet).
+            for FA2 / FA3 (:func:`varpack.attn.custom_op.op_backward_kind`). A Gated DeltaNet mixer's packed
+            call is then traced whole too (:mod:`varpack.integrations.gated_delta`): projections, the short
+            convolution (segment index computed in the graph from the meta's offsets), gates, the rule as the
+            ``varpack::gated_delta_rule`` custom op (q/k l2norm inside), output gate + RMSNorm; its ``chunk``
+            / ``fla_hybrid`` plan is built on the host from the meta's CPU offsets inside the op, once per
+            batch (no device sync). So a Qwen3.5 / Qwen3-Next layer compiles with ``fullgraph=True`` and one
+            graph serves every pack (tests/invariant/test_compiled_gated_delta.py). Without ``custom_ops`` the
+            mixer is a graph break, as attention. Unpacked, cached or context-parallel mixer calls stay graph
+            breaks either way.
         **compile_kw: passed to ``torch.compile`` (``mode``, ``fullgraph=False`` ...). CUDA graphs per layer:
             ``custom_ops=True, dynamic=False, mode="reduce-overhead"`` on static-shape packs
             (:class:`varpack.collate.StaticShape`) whose boundaries are on the device
@@ -189,7 +210,8 @@ def compile_layers(
             with ``torch.compiler.cudagraph_mark_step_begin()`` before each step's forward; the attention
             backend must launch without host reads (``flash_attn_4``, ``triton_short``: the GPU test of
             tests/invariant/test_static_shapes.py checks both; the per-segment PyTorch
-            backends read the offsets). ``benchmarks/train.py``'s ``varpack_lce_static_graphs`` runs it.
+            backends read the offsets). ``benchmarks/train.py``'s ``varpack_lce_static_graphs`` runs it. Not
+            for Gated DeltaNet models (:data:`varpack.integrations.cuda_graphs.GATED_DELTA_GRAPHS_REFUSAL`).
 
     Returns:
         The number of layers compiled.
