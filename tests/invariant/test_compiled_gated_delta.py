@@ -29,7 +29,8 @@ from varpack.integrations.transformers import enable_varpack
 from varpack.models.gated_delta import tiny_model
 
 VOCAB = 512
-PACKS = ([5, 1, 30, 66, 2], [40, 41], [3] * 12)  # lengths across the 64-token chunk, a 1-token sample
+#: lengths across the 64-token chunk, a 1-token sample, a one-sample pack (no recompilation for N = 1 either)
+PACKS = ([5, 1, 30, 66, 2], [40, 41], [3] * 12, [50])
 PAD_ID = 7
 STATIC = StaticShape.for_packing(104, max_samples=6, multiple_of=8)
 STATIC_PACKS = ([5, 1, 30, 66, 2], [40, 41], [3] * 6, [104])
@@ -82,7 +83,7 @@ def test_compiled_mixer_packed_equals_unpacked_and_eager(name):
 
     model, eager, ref = _models(name)
     counters.clear()
-    graphs = None
+    graphs = control = None
     for lengths in PACKS:
         samples = _samples(lengths, vocab=VOCAB)
         batch = PaddingFreeCollator()(samples)
@@ -93,9 +94,11 @@ def test_compiled_mixer_packed_equals_unpacked_and_eager(name):
         assert got[2].keys() == {n for n, _ in model.named_parameters()}
         _assert_same(got, want, f"compiled/unpacked {lengths}")
         _assert_same(got, _run(eager, batch), f"compiled/eager {lengths}")
+        control = control or (batch, want)  # the first pack: five samples
     assert not counters["graph_break"], dict(counters["graph_break"])
-    # negative control: the same compiled model, the boundaries dropped
-    _assert_far(_run(model, _dropped(batch)), want, "boundaries dropped")
+    # negative control: the same compiled model, the boundaries dropped (one segment: no recompilation)
+    _assert_far(_run(model, _dropped(control[0])), control[1], "boundaries dropped")
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def _sabotage_conv(monkeypatch):

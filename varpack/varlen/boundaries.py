@@ -481,7 +481,7 @@ def seq_idx_from_cu_seqlens(cu_seqlens: Any, total_tokens: int) -> torch.Tensor:
 
 def seq_idx_on_device(cu_seqlens: torch.Tensor, total_tokens: int | torch.SymInt) -> torch.Tensor:
     """Sample index of every token, ``[1, T]`` int32, computed where ``cu_seqlens`` lives without reading it:
-    ``searchsorted(cu_seqlens[1:], arange(T), right=True)``. No host sync, no data-dependent shape, so it
+    ``searchsorted(cu_seqlens, arange(T), right=True) - 1``. No host sync, no data-dependent shape, so it
     traces into a ``torch.compile`` graph (``T`` may be symbolic) and replays under a CUDA graph.
 
     Args:
@@ -503,7 +503,9 @@ def seq_idx_on_device(cu_seqlens: torch.Tensor, total_tokens: int | torch.SymInt
         raise TypeError(f"cu_seqlens must be an integer tensor, got {type(cu_seqlens).__name__}")
     cu = cu_seqlens.to(torch.int32)
     positions = torch.arange(total_tokens, device=cu.device, dtype=torch.int32)
-    return torch.searchsorted(cu[1:].contiguous(), positions, right=True).to(torch.int32)[None]
+    # over the whole offsets, not cu[1:]: a slice's contiguity check guards on N >= 2 and a one-sample pack
+    # would recompile a compiled layer
+    return (torch.searchsorted(cu, positions, right=True) - 1).to(torch.int32)[None]
 
 
 def _validate_values(
