@@ -101,6 +101,22 @@ def test_compiled_mixer_packed_equals_unpacked_and_eager(name):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_compiled_mixer_with_gradient_checkpointing():
+    """Recomputed compiled layers (gradient checkpointing) trace the mixer whole too and stay exact."""
+    torch._dynamo.reset()
+    ref = tiny_model("tiny-qwen3.5", seed=1, vocab_size=VOCAB)
+    model = copy.deepcopy(ref)
+    enable_varpack(model, linear_backend="chunk")
+    model.gradient_checkpointing_enable()
+    model.train()
+    compile_layers(model, backend="aot_eager", custom_ops=True, fullgraph=True)
+    samples = _samples(PACKS[0], vocab=VOCAB)
+    batch = PaddingFreeCollator()(samples)
+    want = _per_sample(ref, samples)
+    _assert_same(_run(model, batch), want, "gradient checkpointing")
+    _assert_far(_run(model, _dropped(batch)), want, "gradient checkpointing, boundaries dropped")
+
+
 def _sabotage_conv(monkeypatch):
     """The short convolution in the graph sees one segment: its taps read the previous sample's tokens."""
     monkeypatch.setattr(gd, "seq_idx_on_device", lambda cu, T: torch.zeros(1, T, dtype=torch.int32))
