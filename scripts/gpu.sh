@@ -39,7 +39,8 @@ On the GPU machine (files under /tmp survive between calls while the machine sta
               runs' logs come back in trl-user.tar.xz
   attention   benchmarks/attention.py: varlen attention bake-off per mix (ATTN_MIXES, ATTN_ARGS)
   gated-delta benchmarks/gated_delta.py: the gated delta rule kernels (GDR_ARGS)
-  hybrid      benchmarks/hybrid_step.py: the Qwen3.5-shaped hybrid SFT step (HYBRID_ARGS)
+  hybrid      benchmarks/hybrid_step.py: the Qwen3.5-shaped hybrid SFT step (HYBRID_ARGS), then varpack sft on
+              qwen3.5-hybrid-shape as a user types it (HYBRID_SFT_STEPS, 30)
   multi-gpu   benchmarks/scaling.py 1 -> all GPUs and FSDP2 1.7B, benchmarks/rank_step_time.py (>= 2 GPUs)
   profile     benchmarks/profile_step.py (PROFILE_CONFIG) and benchmarks/attention_profile.py
   check       varpack check --dtype bf16 --device cuda for each model of CHECK_MODELS (auto's backend) and of
@@ -227,7 +228,11 @@ for stage in "$@"; do
     gated-delta) need benchmarks/gated_delta.py && { TAIL=30 run gated_delta 240 python3 benchmarks/gated_delta.py \
       ${GDR_ARGS:---methods chunk fla fla_hybrid}; r=$?; save_autotune; (exit $r); } ;;
     hybrid) need $SAMPLES && { run hybrid_step 420 python3 benchmarks/hybrid_step.py --samples $SAMPLES \
-      ${HYBRID_ARGS:---backends chunk,fla_hybrid,hf_padded_torch --steps 4 --rounds 1} --out "$D/hybrid_step.json"; r=$?; save_autotune; (exit $r); } ;;
+      ${HYBRID_ARGS:---backends fla_hybrid,fla_hybrid_compiled_layers,hf_padded_torch --steps 4 --rounds 1} \
+      --out "$D/hybrid_step.json"; r=$?; save_autotune
+      [ -e .gpu/data/code_alpaca.jsonl ] && run sft_hybrid 240 varpack sft --model qwen3.5-hybrid-shape --dtype bfloat16 \
+        --packing-length 8192 --data .gpu/data/code_alpaca.jsonl --overflow truncate --max-steps "${HYBRID_SFT_STEPS:-30}" \
+        --logging-steps 10 --no-save --output-dir "$W/hybrid"; (exit $r); } ;;
     multi-gpu) need $SAMPLES && multi_gpu ;;
     profile) need $SAMPLES && profile ;;
     check) quiet_setup && checks ;;
