@@ -348,3 +348,36 @@ def test_gpu_auto_trains_short_documents_through_the_op():
     for a, b in zip(_grads(got.float(), (q, k, v)), _grads(want.float(), (q, k, v))):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     print(f"auto: {eager} for varlen_attention, {name} through the op")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_attention_backward_fake_strides_match_the_implementation(layout):
+    """The backward op's fake (meta) outputs have the strides its implementation returns, also for q / k / v
+    that are strided views (heads-first projections transposed to ``[T, H, D]``, as a Qwen3.5 full-attention
+    layer hands them over): inductor asserts the real strides against the fake ones (a fake that copied the
+    inputs' strides failed on an H200 with ``expected ... stride 512==256``). Control: in the strided case the
+    inputs' own strides differ from what the implementation returns, so a fake copying them would fail here."""
+    from varpack.attn import custom_op  # noqa: F401 - registers the ops
+
+    T, H, D = 12, 2, 8
+    gen = torch.Generator().manual_seed(0)
+
+    def make():
+        x = torch.randn(H, T, D, generator=gen)
+        return x.transpose(0, 1) if layout == "strided" else x.transpose(0, 1).contiguous()
+
+    q, k, v = make(), make(), make()
+    assert (q.is_contiguous()) == (layout == "contiguous")
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out = torch.randn(T, H, D, generator=gen)
+    lse = torch.empty(0, dtype=torch.float32)
+    args = (out.clone(), q, k, v, out, lse, cu, cu, 7, 7, True, D**-0.5, -1, -1, 0.0, "reference")
+    real = torch.ops.varpack.varlen_attention_backward.default(*args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.varpack.varlen_attention_backward.default(
+            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        )
+    assert [t.stride() for t in fake] == [t.stride() for t in real], ([t.stride() for t in fake], real)
+    assert [t.shape for t in fake] == [q.shape, k.shape, v.shape]
+    copied = [x.stride() for x in (q, k, v)]
+    assert (copied == [t.stride() for t in real]) == (layout == "contiguous"), copied

@@ -261,7 +261,7 @@ def _varlen_attention_backward(
             dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
             softmax_scale, window, softcap,
         )  # fmt: skip
-        return dq, dk, dv
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
     if kind is None:
         raise BackendUnavailableError(f"attention backend {backend!r} has no backward through varpack's op")
 
@@ -278,7 +278,9 @@ def _varlen_attention_backward(
 
 @_varlen_attention_backward.register_fake
 def _varlen_attention_backward_fake(dout, q, k, v, *rest):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as the implementation returns them: q / k / v may be strided views (heads-first projections
+    # transposed), and inductor asserts the real strides against these
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _SCALARS = ("max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale", "window_left", "window_right",

@@ -78,9 +78,9 @@ What changes, and what TRL keeps:
   4. ``use_liger_kernel=True`` asks for fused layers. Liger-Kernel's layers are never compiled
      (:data:`varpack.integrations.kernels.LIGER_COMPILE_REFUSAL`), so where the step above compiles the
      layers (CUDA graphs, or regional compile: inductor fuses the same RMSNorm / RoPE / SwiGLU) they take the
-     place of Liger's, TRL is not asked to apply Liger, and the ``speed`` line says so
-     (``trainer.liger_applied`` is ``False``); where the layers stay eager, Liger's are applied (eager Liger
-     layers + the linear CE). With ``torch_compile=True`` or ``compile_layers=True`` it is refused. ``bf16=True`` (float32 master weights
+     place of Liger's, neither TRL nor ``Trainer.train`` applies Liger (``trainer.args.use_liger_kernel`` and
+     ``trainer.liger_applied`` are ``False``, as run), and the ``speed`` line says so; where the layers stay
+     eager, ``Trainer.train`` applies Liger's (eager Liger layers + the linear CE). With ``torch_compile=True`` or ``compile_layers=True`` it is refused. ``bf16=True`` (float32 master weights
      under autocast) runs every step above.
 
 Refused, with the setting named (each would mix samples, cut them, or train another loss): a model given by
@@ -436,15 +436,12 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             step_args = copy.copy(args)
             step_args.use_liger_kernel = False
         self.graph_choice, self.step_choice = self._choose_step(step_args, cuda_graphs, compile_layers)
-        self.liger_applied = bool(args.use_liger_kernel) and not liger_mapped  # TRL applied it
+        # Trainer.train() applies Liger's layers when self.args.use_liger_kernel is set
+        self.liger_applied = bool(args.use_liger_kernel)
         if liger_mapped and self.step_choice.on:
             note = "use_liger_kernel=True: varpack's compiled layers in place of Liger-Kernel's (never compiled)"
             self.step_choice = self.step_choice._replace(reason=f"{self.step_choice.reason}; {note}")
-        elif liger_mapped:  # eager layers: Liger's, as TRL would have applied them
-            from varpack.integrations.kernels import apply_liger_kernels
-
-            apply_liger_kernels(_base_model(self.model))
-            self.liger_applied = True
+            self.args.use_liger_kernel = self.liger_applied = False  # as run
         self._init_packed_loss(
             loss_reduction=loss_reduction,
             loss_impl=loss_impl,
