@@ -143,15 +143,6 @@ def test_compiled_mixer_negative_controls(sabotage, monkeypatch):
     _assert_far(_run(model, PaddingFreeCollator()(samples)), _per_sample(ref, samples), sabotage.__name__)
 
 
-def test_compile_custom_ops_is_on_for_gated_delta_models_only():
-    from varpack.integrations.kernels import compile_custom_ops
-    from varpack.models import load_model
-
-    assert compile_custom_ops(tiny_model("tiny-qwen3.5", seed=1, vocab_size=VOCAB))
-    assert compile_custom_ops(tiny_model("tiny-qwen3-next", seed=1, vocab_size=VOCAB))
-    assert not compile_custom_ops(load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa"))
-
-
 def test_graph_break_without_custom_ops_is_refused_by_fullgraph():
     """``custom_ops=False`` keeps the mixer a graph break (its eager path): ``fullgraph=True`` raises, and
     without it the breaks are counted -- what the zero-break assertions above would see on a regression."""

@@ -34,7 +34,6 @@ import torch
 __all__ = [
     "LIGER_COMPILE_REFUSAL",
     "apply_liger_kernels",
-    "compile_custom_ops",
     "compile_layers",
     "decoder_layers",
     "liger_available",
@@ -156,19 +155,6 @@ def _without_duck_shapes(compiled: Callable[..., Any]) -> Callable[..., Any]:
             fx_config.use_duck_shape = duck
 
     return call
-
-
-def compile_custom_ops(model: torch.nn.Module) -> bool:
-    """Whether :func:`compile_layers` should trace ``model``'s layers through the custom ops
-    (``custom_ops=True``): ``True`` for a model with Gated DeltaNet layers, whose mixer is then traced whole
-    instead of a graph break in three of every four Qwen3.5 layers; ``False`` otherwise (a dense layer has one
-    break, attention, and ``custom_ops`` would exclude the attention backends without an op backward, FA2 /
-    FA3, from ``auto``).
-
-    Not for context-parallel training (the attention op refuses a context-parallel shard)."""
-    from varpack.models.registry import is_gated_delta_layer
-
-    return any(is_gated_delta_layer(m) for m in model.modules())
 
 
 def compile_layers(

@@ -644,12 +644,9 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
                 hint = "compile_layers=False to skip" if auto.on else "compile_layers=True to compile anyway"
             layers = CompileChoice(auto.on, reason, hint)
         if layers.on:
-            from varpack.integrations.kernels import compile_custom_ops
             from varpack.integrations.kernels import compile_layers as compile_each_layer
 
-            compile_each_layer(
-                base, backend=args.torch_compile_backend or "inductor", custom_ops=compile_custom_ops(base)
-            )
+            compile_each_layer(base, backend=args.torch_compile_backend or "inductor")
         return graphs, layers
 
     def _static_shape(self) -> tuple[Any, Any]:
