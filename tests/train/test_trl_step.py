@@ -13,6 +13,7 @@ pytest.importorskip("trl")  # the `trl` extra; `make test` installs it
 datasets = pytest.importorskip("datasets")
 
 from tests._exact import LOSS_RTOL, assert_differs, assert_exact  # noqa: E402
+from tests.train.test_cuda_graphs import _supervise_pads  # noqa: E402
 from tests.train.test_trl import VOCAB, rows, tiny_model, tokenizer, trl_args  # noqa: E402, F401
 from varpack.models import load_model  # noqa: E402
 from varpack.train import trl as trl_module  # noqa: E402
@@ -325,20 +326,6 @@ def _losses_and_weights(trainer):
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-
-
-def _supervise_pads(collator):
-    """Negative control: the pad tokens after the samples get labels (the static path's pads must never)."""
-
-    def wrapped(features):
-        batch = collator(features)
-        real = int(batch["varlen_meta"].cu_seqlens_q[len(batch["sample_ids"])])
-        labels = batch["labels"].clone()
-        labels[0, real:] = batch["input_ids"][0, real:]
-        batch["labels"] = labels
-        return batch
-
-    return wrapped
 
 
 def test_static_shapes_equal_the_dynamic_run(tmp_path, tokenizer):  # noqa: F811
