@@ -73,3 +73,23 @@ def run(cmd: Sequence[str], *, timeout: float, env: dict | None = None, cwd: obj
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(list(cmd), rc, out.read(), err.read())
+
+
+def run_ranks(script: str, tmp_path: object, *, nproc: int = 2, timeout: float = 600) -> list[dict]:
+    """Write ``script`` (a ``str.format`` template with ``{root}``, the repository, and ``{out}``, ``tmp_path``)
+    to ``tmp_path/run.py``, launch it on ``nproc`` loopback ranks (:func:`torchrun`, :func:`run`) and return each
+    rank's ``tmp_path/result{rank}.json``, in rank order.
+
+    Raises:
+        AssertionError: the launch failed (its stderr's tail in the message).
+    """
+    import json
+    import pathlib
+
+    out = pathlib.Path(str(tmp_path))
+    root = str(pathlib.Path(__file__).parents[1])
+    path = out / "run.py"
+    path.write_text(script.format(root=root, out=str(out)))
+    proc = run(torchrun(nproc, path), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"result{r}.json").read_text()) for r in range(nproc)]

@@ -20,9 +20,6 @@ in one process by tests/invariant/test_compile_and_liger.py (``backend`` ``induc
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 from tests import _exact
 from tests import _launch as launch
 
@@ -94,12 +91,7 @@ close_process_group()
 def test_compiled_layers_under_ddp_and_fsdp2_equal_the_one_process_step(tmp_path):
     from tests.train.test_ddp_gloo import LENGTHS, one_step
 
-    root = str(pathlib.Path(__file__).parents[2])
-    script = tmp_path / "run.py"
-    script.write_text(_SCRIPT.format(root=root, out=str(tmp_path)))
-    proc = launch.run(launch.torchrun(2, script), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
+    results = launch.run_ranks(_SCRIPT, tmp_path)
 
     for r in range(2):
         # the compiled layers ran: every decoder layer, once per micro-batch, on every rank, in every run

@@ -7,7 +7,6 @@ different packs are refused before training."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 
@@ -212,12 +211,7 @@ close_process_group()
 
 
 def test_ddp_and_fsdp2_two_gloo_ranks_step_equals_one_process_step(tmp_path):
-    root = str(pathlib.Path(__file__).parents[2])
-    script = tmp_path / "run.py"
-    script.write_text(_SCRIPT.format(root=root, out=str(tmp_path)))
-    proc = launch.run(launch.torchrun(2, script), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
+    results = launch.run_ranks(_SCRIPT, tmp_path)
 
     # the layout: every pack once over 2 ranks x 2 micro-batches, one masked filler place
     layout = results[0]["token"]["layout"]

@@ -195,15 +195,7 @@ def test_eval_loss_on_two_gloo_ranks_counts_every_pack_once(tmp_path):
     one-process unpacked value (the packs dealt by BalancedPackSampler, each to one rank once); under
     accelerate's own sharding (the control), which repeats a pack to fill the last batch, the same sums count
     that pack twice."""
-    import json
-    import pathlib
-
-    root = str(pathlib.Path(__file__).parents[2])
-    script = tmp_path / "run.py"
-    script.write_text(_SCRIPT.format(root=root, out=str(tmp_path)))
-    proc = launch.run(launch.torchrun(2, script), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(2)]
+    results = launch.run_ranks(_SCRIPT, tmp_path)
     assert results[0]["packs"] % 4 != 0  # 2 ranks x 2 packs: the last batch needs a filler
     model = tiny_model()
     for reduction in ("token", "sample"):
