@@ -289,6 +289,22 @@ def test_engine_and_liger_conflicts(tmp_path, tokenizer, on_cuda, attr, value, s
     assert graphs.on and layers.on and graphs.reason == GRAPHS_AUTO_REASON
 
 
+def test_trls_nan_filter_runs_on_the_device_and_copies_do_not_block(tmp_path, tokenizer, on_cuda, monkeypatch):  # noqa: F811
+    """TRL's defaults (``logging_nan_inf_filter=True``, pinned batches) read nothing on the host per step:
+    the filter moves to the device (tests/train/test_host_syncs.py) and a CUDA run's copies do not block;
+    the user's ``args`` object is left as given."""
+    args = trl_args(tmp_path, gradient_accumulation_steps=1, logging_nan_inf_filter=True, use_cpu=False)
+    assert args.device.type == "cpu"  # resolved before CUDA is faked: the model stays on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert args.logging_nan_inf_filter and args.dataloader_pin_memory and not args.accelerator_config.non_blocking
+    trainer = VarpackSFTTrainer(
+        model=graph_model(), args=args, train_dataset=datasets.Dataset.from_list(rows()), processing_class=tokenizer
+    )
+    assert trainer.nan_inf_filter_on_device and not trainer.args.logging_nan_inf_filter
+    assert trainer.args.accelerator_config.non_blocking and trainer.accelerator.dataloader_config.non_blocking
+    assert args.logging_nan_inf_filter and not args.accelerator_config.non_blocking
+
+
 def test_cpu_refuses_cuda_graphs_true(tmp_path, tokenizer):  # noqa: F811
     with pytest.raises(ValueError, match="cuda_graphs=True with a cpu run -- CUDA graphs need a CUDA GPU"):
         make(tmp_path, tokenizer, cuda_graphs=True)

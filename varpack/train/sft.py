@@ -34,8 +34,10 @@ shown to work; ``True`` is refused there (:func:`varpack.train.config.check_cuda
 Host syncs. Boundaries are built and validated once on the CPU by the collator, as the batch's
 :class:`varpack.varlen.VarlenMeta`, which Trainer's device placement leaves alone (one host-to-device copy per
 batch, kept on it, read by every layer), ``max_length_*`` are Python ints, the loss and the sample counts stay on the device, and
-``logging_nan_inf_filter`` is off (it reads the loss every step): varpack adds no host sync per step; Trainer
-reads the loss at logging steps only.
+``logging_nan_inf_filter`` is off (it reads the loss every step; given as an extra training argument it runs
+on the device, :class:`varpack.train.trainer.PackedLossMixin`), and on CUDA the pinned batches are copied to
+the device without blocking (:func:`varpack.train.trainer.non_blocking_copies`): varpack adds no host sync per
+step; Trainer reads the loss at logging steps only (measure it: benchmarks/profile_sft.py).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from varpack.train.trainer import (
     PackEpochCallback,
     SpeedReportCallback,
     TrainCollator,
+    non_blocking_copies,
 )
 
 __all__ = [
@@ -824,7 +827,9 @@ def training_arguments(config: SFTConfig) -> Any:
     if config.gradient_checkpointing:  # the flag is renamed in newer transformers; pass it only when used
         args_kw["gradient_checkpointing"] = True
     args_kw.update(config.extra_training_args)
-    return TrainingArguments(**args_kw)
+    args = TrainingArguments(**args_kw)
+    args.accelerator_config = non_blocking_copies(args)  # pinned batches: no stream sync per copy
+    return args
 
 
 def _report_to(text: str) -> str | list[str]:

@@ -41,7 +41,9 @@ __all__ = [
     "compiled_graphs",
     "describe_engine",
     "describe_speed",
+    "finite_or_window_mean",
     "make_pack_sampler",
+    "non_blocking_copies",
     "step_metrics",
 ]
 
@@ -65,6 +67,70 @@ class PackEpochCallback(TrainerCallback):
             self.sampler.set_epoch(epoch)
 
 
+def _trainer_keeps_window_on_self() -> bool:
+    """Whether this transformers' training loop keeps the logging window's loss sum in ``Trainer._tr_loss``
+    and its first step in ``_globalstep_last_logged``, and filters a non-finite step's loss with them
+    (what :func:`finite_or_window_mean` reproduces)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(Trainer)
+    except (OSError, TypeError):
+        return False
+    return all(
+        name in source
+        for name in (
+            "self._tr_loss += self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)",
+            "self._tr_loss += tr_loss_step",
+        )
+    )
+
+
+#: Trainer's ``logging_nan_inf_filter`` can run on the device with this transformers
+#: (:func:`_trainer_keeps_window_on_self`).
+FILTER_ON_DEVICE: bool = _trainer_keeps_window_on_self()
+
+
+def finite_or_window_mean(loss: Any, window_sum: Any, steps: int) -> Any:
+    """Trainer's ``logging_nan_inf_filter`` without a host read: ``loss`` where it is finite, else the mean
+    of the logging window so far, ``window_sum / steps`` (``steps`` = 1 + optimizer steps since the last
+    log), which is what ``Trainer`` adds in place of a NaN or inf micro-batch loss.
+
+    Args:
+        loss: one micro-batch's detached loss, a 0-d float tensor.
+        window_sum: Trainer's running loss sum of the window (``Trainer._tr_loss``), 0-d, same device.
+        steps: a Python int >= 1.
+
+    Returns:
+        A 0-d tensor on ``loss``'s device, ``window_sum``'s dtype where ``loss`` is not finite.
+    """
+    import torch
+
+    return torch.where(torch.isfinite(loss), loss, window_sum / steps)
+
+
+def non_blocking_copies(args: Any) -> Any:
+    """``args.accelerator_config`` with ``non_blocking=True`` where a CUDA run pins its batches
+    (``dataloader_pin_memory``): accelerate then copies each batch to the device without waiting for the device
+    (``send_to_device(..., non_blocking=True)``), so the host prepares the next step while the device still runs
+    this one. A blocking copy synchronises the stream once per tensor and step. Returns the config as given
+    otherwise (CPU runs, unpinned batches, a config that is not transformers' ``AcceleratorConfig``)."""
+    import dataclasses
+
+    import torch
+
+    cfg = getattr(args, "accelerator_config", None)
+    if (
+        not dataclasses.is_dataclass(cfg)
+        or getattr(cfg, "non_blocking", True)
+        or not torch.cuda.is_available()
+        or getattr(args, "use_cpu", False)
+        or not args.dataloader_pin_memory
+    ):
+        return cfg
+    return dataclasses.replace(cfg, non_blocking=True)
+
+
 class PackedLossMixin:
     """The packed-loss side of a ``Trainer`` subclass: the loss from a training objective
     (:data:`varpack.train.objectives.OBJECTIVES`) divided by ``num_items_in_batch`` (overridden for the
@@ -85,6 +151,13 @@ class PackedLossMixin:
     not captured raises), and ``compute_loss`` moves the batch's boundaries to the device
     (:func:`~varpack.integrations.cuda_graphs.boundaries_on_device`) and begins a CUDA-graph step
     (:func:`~varpack.integrations.cuda_graphs.begin_step`) before the forward.
+
+    ``logging_nan_inf_filter=True`` (Trainer's default, kept by TRL's ``SFTConfig``) makes Trainer read every
+    micro-batch's loss on the host (a device sync per step, which leaves the GPU idle while the host prepares
+    the next step). :meth:`_init_packed_loss` turns Trainer's check off and :meth:`training_step` applies the
+    same filter on the device (:func:`finite_or_window_mean`): the logged loss is the same, without the sync.
+    Where this transformers keeps its logging window elsewhere (:data:`FILTER_ON_DEVICE` false) Trainer's own
+    check stays.
     """
 
     def _init_packed_loss(
@@ -102,6 +175,12 @@ class PackedLossMixin:
         self.loss_impl = loss_impl
         self.packing_length = packing_length
         self.model_accepts_loss_kwargs = True  # our compute_loss divides by num_items_in_batch itself
+        # Trainer's NaN / inf filter of the logged loss, on the device (class docstring)
+        self.nan_inf_filter_on_device = bool(getattr(self.args, "logging_nan_inf_filter", False)) and (
+            FILTER_ON_DEVICE
+        )
+        if self.nan_inf_filter_on_device:
+            self.args.logging_nan_inf_filter = False
         self._window = dict.fromkeys(STAT_KEYS, 0)  # batch_stats summed since the previous log (this rank)
         self._window_start: float | None = None  # set by the first micro-batch of a logging window
         self._last_logged_step = 0
@@ -289,8 +368,13 @@ class PackedLossMixin:
             from varpack.integrations.cuda_graphs import capture_or_error
 
             with capture_or_error():
-                return super().training_step(model, inputs, *args, **kwargs)
-        return super().training_step(model, inputs, *args, **kwargs)
+                loss = super().training_step(model, inputs, *args, **kwargs)
+        else:
+            loss = super().training_step(model, inputs, *args, **kwargs)
+        if getattr(self, "nan_inf_filter_on_device", False):
+            steps = 1 + self.state.global_step - self._globalstep_last_logged
+            loss = finite_or_window_mean(loss, self._tr_loss, steps)
+        return loss
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Adds varpack's metrics to a training log entry (one with ``loss``); see :func:`step_metrics`.

@@ -118,6 +118,7 @@ from varpack.train.trainer import (
     TrainCollator,
     describe_speed,
     make_pack_sampler,
+    non_blocking_copies,
 )
 
 __all__ = ["VarpackSFTTrainer", "samples_from_trl"]
@@ -389,6 +390,7 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         liger_mapped = bool(args.use_liger_kernel) and compile_layers == "auto" and not args.torch_compile
         if liger_mapped:
             trl_args.use_liger_kernel = False
+        trl_args.accelerator_config = non_blocking_copies(args)
         self.packing_settings = dict(
             packing_length=int(packing_length), strategy=packing_strategy, overflow=overflow, seed=args.seed
         )
@@ -405,6 +407,7 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         # compile off as it ran (the user's torch_compile is in step_choice's reason)
         self.args = copy.copy(args)
         self.args.torch_compile, self.args.torch_compile_backend = False, None
+        self.args.accelerator_config = trl_args.accelerator_config
 
         parallel = self.accelerator.parallelism_config
         if parallel is not None and (parallel.cp_enabled or getattr(parallel, "sp_enabled", False)):

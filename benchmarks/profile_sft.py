@@ -1,0 +1,224 @@
+"""Where ``varpack sft``, run as a user types it, spends its steps: device busy time, host gaps, and the host
+syncs that open them.
+
+The command line after ``--`` is ``varpack sft``'s (parsed by the CLI's own parser, run by
+:func:`varpack.train.sft.run_sft`); one Trainer callback is added. It times optimizer steps
+``[--start - --steps, --start)`` without the profiler (device synchronised at both ends: the true step time),
+then profiles steps ``[--start, --start + --steps)`` with ``torch.profiler`` (``with_stack``) and reports:
+
+- wall ms per step (unprofiled and profiled), device busy ms per step (the union of kernel intervals), host gap
+  ms per step (wall - busy: the device waiting for the host), and kernel time per category
+  (:mod:`benchmarks._profile_attr`, as benchmarks/profile_step.py);
+- every host call that waits for the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
+  ``cudaEventSynchronize``, a blocking ``cudaMemcpy``, ``aten::_local_scalar_dense``), per step, with the wait
+  and the Python line that made it;
+- the longest device idle intervals and the host calls running during each.
+
+Both timed windows start from a synchronised device, so each counts one pipeline fill: use ``--steps`` of 5 or
+more. ``--start`` must leave the warm-up (compiles, graph captures, autotuning) behind it.
+
+    python benchmarks/profile_sft.py --start 30 --steps 6 --out p.json -- --model qwen3-0.6b-shape \\
+        --dtype bfloat16 --packing-length 8192 --data code_alpaca.jsonl --max-steps 40
+    python benchmarks/profile_sft.py --start 3 --steps 2 -- --model tiny-qwen3 --packing-length 256 \\
+        --max-steps 6 --device cpu                                          # CPU smoke run (op time)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import TrainerCallback  # noqa: E402
+
+from benchmarks import _profile_attr as A  # noqa: E402
+
+#: host calls that wait for the device (CUDA runtime calls; the ATen op reading a device scalar)
+SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "aten::_local_scalar_dense",
+)
+_PY_FRAME = re.compile(r"\.py\(\d+\): ")
+
+
+def _source(evt: Any, frames: int = 2) -> str:
+    """Where a host event came from: the innermost Python frames among its ancestors (the profiler's
+    ``with_stack`` events, ``path.py(line): function``) outside torch itself, innermost first."""
+    found, e = [], evt
+    while e is not None and len(found) < frames:
+        name = e.name
+        if _PY_FRAME.search(name) and not name.startswith(("torch/", "<")):
+            found.append(name.split("site-packages/")[-1])
+        e = e.cpu_parent
+    return " < ".join(found) if found else "?"
+
+
+class ProfileWindow(TrainerCallback):
+    """Trainer callback: times steps ``[start - steps, start)``, profiles ``[start, start + steps)``."""
+
+    def __init__(self, start: int, steps: int, cuda: bool) -> None:
+        self.start, self.steps, self.cuda = start, steps, cuda
+        self.prof: Any = None
+        self.t0 = 0.0
+        self.timed_s: float | None = None
+        self.profiled_s: float | None = None
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if state.global_step == self.start - self.steps:
+            self._sync()
+            self.t0 = time.perf_counter()
+        elif state.global_step == self.start and self.prof is None:
+            self._sync()
+            self.timed_s = time.perf_counter() - self.t0
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts, record_shapes=True, with_stack=True)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.prof is not None and self.profiled_s is None and state.global_step == self.start + self.steps:
+            self._sync()
+            self.profiled_s = time.perf_counter() - self.t0
+            self.prof.__exit__(None, None, None)
+
+
+def _syncs(events: list[Any], steps: int) -> list[dict[str, Any]]:
+    from torch.autograd import DeviceType
+
+    rows: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e.device_type != DeviceType.CPU or e.name not in SYNC_CALLS:
+            continue
+        key = (e.name, _source(e))
+        rows.setdefault(key, []).append(e.time_range.end - e.time_range.start)
+    out = [
+        {"call": k[0], "source": k[1], "per_step": len(v) / steps, "wait_ms_per_step": sum(v) / steps / 1e3}
+        for k, v in rows.items()
+    ]
+    return sorted(out, key=lambda r: -r["wait_ms_per_step"])
+
+
+def _idle_gaps(events: list[Any], device_events: list[A.Event], top: int = 8) -> list[dict[str, Any]]:
+    """The longest intervals between device work, with the host calls open at their midpoint."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.start_us, e.start_us + e.dur_us) for e in device_events if not e.is_annotation)
+    gaps, end = [], None
+    for a, b in spans:
+        if end is not None and a > end:
+            gaps.append((a - end, end, a))
+        end = b if end is None else max(end, b)
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    out = []
+    for length, a, b in sorted(gaps, reverse=True)[:top]:
+        mid = (a + b) / 2
+        open_calls = [e for e in host if e.time_range.start <= mid <= e.time_range.end]
+        inner = min(open_calls, key=lambda e: e.time_range.end - e.time_range.start, default=None)
+        out.append({
+            "idle_ms": length / 1e3,
+            "host_innermost": inner.name if inner is not None else "(no profiled host call)",
+            "source": _source(inner) if inner is not None else "",
+        })  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sft_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--start", type=int, default=30, help="first profiled optimizer step (default 30)")
+    p.add_argument("--steps", type=int, default=6, help="steps timed, then steps profiled (default 6)")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args(own)
+    if args.start < args.steps or args.steps < 1:
+        p.error("--start must be >= --steps >= 1 (the timed window precedes the profiled one)")
+    if not sft_argv:
+        p.error("give varpack sft's flags after --")
+
+    import torch
+
+    import varpack.train.sft as sft
+    from varpack.cli import sft as cli_sft
+
+    parser = argparse.ArgumentParser(prog="varpack sft")
+    cli_sft.add_sft_arguments(parser)
+    config = cli_sft.config_from_args(parser.parse_args(sft_argv))
+    if config.max_steps is not None and config.max_steps < args.start + args.steps:
+        p.error(f"--max-steps {config.max_steps} ends before the profiled window ({args.start + args.steps})")
+    cuda = torch.cuda.is_available()
+    window = ProfileWindow(args.start, args.steps, cuda)
+    build = sft.build_sft
+
+    def build_with_window(*a: Any, **k: Any) -> Any:
+        run = build(*a, **k)
+        run.trainer.add_callback(window)
+        return run
+
+    sft.build_sft = build_with_window
+    try:
+        run = sft.run_sft(config)
+    finally:
+        sft.build_sft = build
+    if window.prof is None or window.profiled_s is None or window.timed_s is None:
+        print("the profiled window was not reached (fewer steps ran?)", file=sys.stderr)
+        return 1
+    events = list(window.prof.events())
+    device = "cuda" if cuda else "cpu"
+    vocab = int(run.model.config.get_text_config().vocab_size)
+    dev_events = A.events_from_profiler(events, vocab, device)
+    attr = A.attribute(dev_events, device=device)
+    wall_us = window.profiled_s * 1e6
+    figures = A.per_step(attr, args.steps, wall_us)
+    tokens = [h.get("tokens_per_second") for h in run.history if h.get("tokens_per_second")]
+    result = {
+        "command": "varpack sft " + " ".join(sft_argv),
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "steps_timed": [args.start - args.steps, args.start],
+        "steps_profiled": [args.start, args.start + args.steps],
+        "wall_ms_per_step_unprofiled": window.timed_s * 1e3 / args.steps,
+        **figures,
+        "syncs": _syncs(events, args.steps),
+        "longest_idle": _idle_gaps(events, dev_events) if cuda else [],
+        "tokens_per_second_logged": tokens,
+    }
+    ms = "ms/step"
+    print(f"\n{result['command']}  [{result['device']}]")
+    print(f"wall (no profiler)   {result['wall_ms_per_step_unprofiled']:8.2f} {ms}")
+    print(f"wall (profiled)      {figures['wall_ms_per_step']:8.2f} {ms}")
+    print(f"device busy          {figures['busy_ms_per_step']:8.2f} {ms}")
+    print(f"host gaps            {figures['host_gap_ms_per_step']:8.2f} {ms}")
+    for cat, v in sorted(figures["kernel_ms_per_step"].items(), key=lambda kv: -kv[1]):
+        print(f"  {cat:20s} {v:8.2f} {ms}")
+    print("host waits for the device (per step):")
+    for r in result["syncs"][:12]:
+        print(f"  {r['call']:28s} x{r['per_step']:6.1f}  {r['wait_ms_per_step']:7.3f} ms  {r['source']}")
+    if result["longest_idle"]:
+        print("longest device idle intervals:")
+        for g in result["longest_idle"]:
+            print(f"  {g['idle_ms']:7.3f} ms  {g['host_innermost']}  {g['source']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
