@@ -148,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start", type=int, default=30, help="first profiled optimizer step (default 30)")
     p.add_argument("--steps", type=int, default=6, help="steps timed, then steps profiled (default 6)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
+    p.add_argument(
+        "--blocking-copies",
+        action="store_true",
+        help="the A/B control: batches copied to the device with blocking copies (Trainer's default) instead "
+        "of varpack's non-blocking ones",
+    )
     args = p.parse_args(own)
     if args.start < args.steps or args.steps < 1:
         p.error("--start must be >= --steps >= 1 (the timed window precedes the profiled one)")
@@ -173,11 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         run.trainer.add_callback(window)
         return run
 
+    copies = sft.non_blocking_copies
     sft.build_sft = build_with_window
+    if args.blocking_copies:
+        sft.non_blocking_copies = lambda training_args: training_args.accelerator_config
     try:
         run = sft.run_sft(config)
     finally:
-        sft.build_sft = build
+        sft.build_sft, sft.non_blocking_copies = build, copies
     if window.prof is None or window.profiled_s is None or window.timed_s is None:
         print("the profiled window was not reached (fewer steps ran?)", file=sys.stderr)
         return 1
@@ -191,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [h.get("tokens_per_second") for h in run.history if h.get("tokens_per_second")]
     result = {
         "command": "varpack sft " + " ".join(sft_argv),
+        "batch_copies": "blocking" if args.blocking_copies else "non-blocking (varpack sft's default on CUDA)",
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "steps_timed": [args.start - args.steps, args.start],
         "steps_profiled": [args.start, args.start + args.steps],
@@ -201,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_second_logged": tokens,
     }
     ms = "ms/step"
-    print(f"\n{result['command']}  [{result['device']}]")
+    print(f"\n{result['command']}  [{result['device']}, {result['batch_copies']} batch copies]")
     print(f"wall (no profiler)   {result['wall_ms_per_step_unprofiled']:8.2f} {ms}")
     print(f"wall (profiled)      {figures['wall_ms_per_step']:8.2f} {ms}")
     print(f"device busy          {figures['busy_ms_per_step']:8.2f} {ms}")
