@@ -50,16 +50,45 @@ SYNC_CALLS = (
 _PY_FRAME = re.compile(r"\.py\(\d+\): ")
 
 
-def _source(evt: Any, frames: int = 2) -> str:
-    """Where a host event came from: the innermost Python frames among its ancestors (the profiler's
-    ``with_stack`` events, ``path.py(line): function``) outside torch itself, innermost first."""
+def _frames(evt: Any) -> list[str]:
+    """The Python frames (the profiler's ``with_stack`` events, ``path.py(line): function``) among ``evt`` and
+    its ancestors, innermost first, torch's own left out."""
     found, e = [], evt
-    while e is not None and len(found) < frames:
-        name = e.name
-        if _PY_FRAME.search(name) and not name.startswith(("torch/", "<")):
-            found.append(name.split("site-packages/")[-1])
+    while e is not None:
+        if _PY_FRAME.search(e.name) and not e.name.startswith(("torch/", "<")):
+            found.append(e.name.split("site-packages/")[-1])
         e = e.cpu_parent
-    return " < ".join(found) if found else "?"
+    return found
+
+
+class _Frames:
+    """Where a host event came from: its own Python ancestors, else (a CUDA runtime call, which the profiler
+    does not link to the Python frames) the innermost Python frame of its thread open at its start."""
+
+    def __init__(self, events: list[Any]) -> None:
+        from bisect import bisect_right
+
+        self._bisect = bisect_right
+        by_thread: dict[Any, list[Any]] = {}
+        for e in events:
+            if _PY_FRAME.search(e.name) and not e.name.startswith(("torch/", "<")):
+                by_thread.setdefault(e.thread, []).append(e)
+        by_thread[None] = [e for v in by_thread.values() for e in v]  # any thread (ids may differ per source)
+        self._threads = {t: sorted(v, key=lambda e: e.time_range.start) for t, v in by_thread.items()}
+        self._starts = {t: [e.time_range.start for e in v] for t, v in self._threads.items()}
+
+    def source(self, evt: Any, frames: int = 3) -> str:
+        found = _frames(evt)
+        for thread in (evt.thread, None):
+            if found:
+                break
+            spans, starts = self._threads.get(thread, []), self._starts.get(thread, [])
+            t = evt.time_range.start
+            for i in range(self._bisect(starts, t) - 1, -1, -1):
+                if spans[i].time_range.end >= t:
+                    found = _frames(spans[i])
+                    break
+        return " < ".join(found[:frames]) if found else "?"
 
 
 class ProfileWindow(TrainerCallback):
@@ -100,14 +129,14 @@ class ProfileWindow(TrainerCallback):
             self.prof.__exit__(None, None, None)
 
 
-def _syncs(events: list[Any], steps: int) -> list[dict[str, Any]]:
+def _syncs(events: list[Any], steps: int, where: _Frames) -> list[dict[str, Any]]:
     from torch.autograd import DeviceType
 
     rows: dict[tuple[str, str], list[float]] = {}
     for e in events:
         if e.device_type != DeviceType.CPU or e.name not in SYNC_CALLS:
             continue
-        key = (e.name, _source(e))
+        key = (e.name, where.source(e))
         rows.setdefault(key, []).append(e.time_range.end - e.time_range.start)
     out = [
         {"call": k[0], "source": k[1], "per_step": len(v) / steps, "wait_ms_per_step": sum(v) / steps / 1e3}
@@ -116,7 +145,9 @@ def _syncs(events: list[Any], steps: int) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: -r["wait_ms_per_step"])
 
 
-def _idle_gaps(events: list[Any], device_events: list[A.Event], top: int = 8) -> list[dict[str, Any]]:
+def _idle_gaps(
+    events: list[Any], device_events: list[A.Event], where: _Frames, top: int = 8
+) -> list[dict[str, Any]]:
     """The longest intervals between device work, with the host calls open at their midpoint."""
     from torch.autograd import DeviceType
 
@@ -135,7 +166,7 @@ def _idle_gaps(events: list[Any], device_events: list[A.Event], top: int = 8) ->
         out.append({
             "idle_ms": length / 1e3,
             "host_innermost": inner.name if inner is not None else "(no profiled host call)",
-            "source": _source(inner) if inner is not None else "",
+            "source": where.source(inner) if inner is not None else "",
         })  # fmt: skip
     return out
 
@@ -195,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = int(run.model.config.get_text_config().vocab_size)
     dev_events = A.events_from_profiler(events, vocab, device)
     attr = A.attribute(dev_events, device=device)
+    where = _Frames(events)
     wall_us = window.profiled_s * 1e6
     figures = A.per_step(attr, args.steps, wall_us)
     tokens = [h.get("tokens_per_second") for h in run.history if h.get("tokens_per_second")]
@@ -206,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps_profiled": [args.start, args.start + args.steps],
         "wall_ms_per_step_unprofiled": window.timed_s * 1e3 / args.steps,
         **figures,
-        "syncs": _syncs(events, args.steps),
-        "longest_idle": _idle_gaps(events, dev_events) if cuda else [],
+        "syncs": _syncs(events, args.steps, where),
+        "longest_idle": _idle_gaps(events, dev_events, where) if cuda else [],
         "tokens_per_second_logged": tokens,
     }
     ms = "ms/step"
