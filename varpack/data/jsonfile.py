@@ -2,7 +2,8 @@
 chats, streams, preference pairs, and the error locations of the ``datasets`` loader).
 
 A file is read as bytes, split on ``\\n`` only (U+2028 inside a JSON string is part of its row), each line
-decoded as UTF-8 and parsed with :mod:`json`; blank lines are not rows. Compressed files (``.gz``, ``.bz2``,
+decoded as UTF-8 and parsed with :mod:`json`; blank lines are not rows. A UTF-8 byte order mark at the start of
+a file (``EF BB BF``, written by some Windows editors and by ``utf-8-sig`` encoders) is skipped. Compressed files (``.gz``, ``.bz2``,
 ``.xz``, ``.zst``, ...) are opened by their suffix (``fsspec``'s ``compression="infer"``). A line that is not
 UTF-8 text or not JSON is a ``ValueError`` naming the file, the line and the sample (its index among the
 rows of the files read together), one way for every reader::
@@ -24,6 +25,7 @@ from typing import Any
 __all__ = ["decode_text", "is_json_lines", "iter_lines", "location", "parse_line", "read_rows"]
 
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+_BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark
 
 
 def location(path: str | os.PathLike[str], lineno: int, sample_id: int | None = None) -> str:
@@ -81,11 +83,14 @@ def _open(path: str | os.PathLike[str]) -> Any:
 
 
 def iter_lines(path: str | os.PathLike[str], *, first_sample: int = 0) -> Iterator[tuple[int, int, bytes]]:
-    """``(sample_id, line number, raw bytes)`` of every non-blank line of ``path``, read lazily; sample ids
-    count from ``first_sample`` (the rows of the files read before it)."""
+    """``(sample_id, line number, raw bytes)`` of every non-blank line of ``path``, read lazily (a byte order
+    mark at the start of the file skipped); sample ids count from ``first_sample`` (the rows of the files read
+    before it)."""
     sample_id = first_sample
     with _open(path) as fh:
         for lineno, line in enumerate(fh, 1):
+            if lineno == 1 and line.startswith(_BOM):
+                line = line[len(_BOM) :]
             if line.strip():
                 yield sample_id, lineno, line
                 sample_id += 1
@@ -108,7 +113,8 @@ def is_json_lines(path: str | os.PathLike[str]) -> bool:
 def read_rows(path: str | os.PathLike[str], *, first_sample: int = 0) -> list[tuple[Any, str]]:
     """Every row of a JSON / JSON Lines file with where it is: ``[(row, "FILE:LINE"), ...]`` for JSON Lines,
     ``[(row, "FILE[i]"), ...]`` for a JSON array; a ``.json`` file holding one object is one row, and one
-    holding one object per line is read as JSON Lines. Rows are not checked (any JSON value).
+    holding one object per line is read as JSON Lines. Rows are not checked (any JSON value). A byte order
+    mark at the start of the file is skipped.
 
     Args:
         path: the file (compressed as its suffix says).
@@ -121,6 +127,8 @@ def read_rows(path: str | os.PathLike[str], *, first_sample: int = 0) -> list[tu
     path = os.fspath(path)
     with _open(path) as fh:
         data = fh.read()
+    if data.startswith(_BOM):
+        data = data[len(_BOM) :]
     head = data.lstrip()[:1]
     if head == b"[" or (head == b"{" and _suffix(path) == ".json"):
         text = decode_text(data, path, document=True)
