@@ -167,6 +167,37 @@ def test_missing_data_file_exits_1_with_one_error_line(cmd, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
+def test_data_directory_exits_1_naming_the_path(cmd, tmp_path, capsys):
+    """A directory as data was reported as "chat data file not found" (it exists); varpack reads the files it
+    is given, and the error says which ones the directory holds."""
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    _write(folder / "a.jsonl", _chat_rows(2))
+    _write(folder / "b.jsonl", _chat_rows(2))
+    argv = [cmd, str(folder)] if cmd == "plan" else [cmd, "--data", str(folder)]
+    code, out, err = _run(argv, capsys)
+    assert code == 1 and out == "" and "Traceback" not in err, err
+    want = (
+        f"varpack {cmd}: error: chat data path {str(folder)!r} is a directory, not a file: give the data files "
+        f"in it (e.g. {folder / '*.jsonl'}; it holds 2 .jsonl files)\n"
+    )
+    assert err == want, err
+
+
+def test_data_directory_is_refused_by_every_reader(tmp_path):
+    from varpack.data.chat import load_chat_data
+    from varpack.data.multimodal import load_mm_rows
+    from varpack.data.preference import load_pairs
+    from varpack.data.stream import ChatStream
+
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    for read in (load_chat_data, load_mm_rows, load_pairs, ChatStream):
+        with pytest.raises(IsADirectoryError, match=r"is a directory, not a file: .*it holds no \.json"):
+            read(str(folder))
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
 def test_bad_data_row_exits_1_naming_the_sample(cmd, tmp_path, capsys):
     """A data error found while running (a row without messages) is exit 1, one line, no traceback, in every
     sub-command (check used to exit 2)."""

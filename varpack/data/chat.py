@@ -299,6 +299,7 @@ def load_chat_data(
 
     Raises:
         FileNotFoundError: a path does not exist.
+        IsADirectoryError: a path is a directory (give its files).
         ValueError: unknown file type, mixed JSON and parquet, no rows, files with different columns on
             datasets < 4.7, a line that is not JSON or text that is not UTF-8 (names the file, line and
             sample, :mod:`varpack.data.jsonfile`), an in-memory row that is not a supported chat (names the row
@@ -306,6 +307,8 @@ def load_chat_data(
         TypeError: unsupported input type, an in-memory row with a field of the wrong type (named).
     """
     import datasets
+
+    from varpack.data.jsonfile import require_file
 
     if isinstance(paths_or_rows, datasets.Dataset):
         return paths_or_rows
@@ -331,9 +334,8 @@ def load_chat_data(
     kinds = set()
     files = []
     for p in items:
+        require_file(p)
         path = Path(p).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"chat data file not found: {os.fspath(p)!r}")
         name = path.name.lower()
         for comp in _COMPRESSION_SUFFIXES:
             if name.endswith(comp):

@@ -22,9 +22,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["decode_text", "is_json_lines", "iter_lines", "location", "parse_line", "read_rows"]
+__all__ = ["decode_text", "is_json_lines", "iter_lines", "location", "parse_line", "read_rows", "require_file"]
 
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+_DATA_SUFFIXES = (".json", ".jsonl", ".ndjson", ".parquet")
 _BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark
 
 
@@ -32,6 +33,42 @@ def location(path: str | os.PathLike[str], lineno: int, sample_id: int | None = 
     """``"FILE:LINE"``, or ``"FILE:LINE: sample N"`` with a sample id: how every data error starts."""
     where = f"{os.fspath(path)}:{lineno}"
     return where if sample_id is None else f"{where}: sample {sample_id}"
+
+
+def require_file(path: str | os.PathLike[str]) -> None:
+    """Refuse a data path that is not a file (every reader of data files, and the CLI before its imports).
+
+    Raises:
+        IsADirectoryError: ``chat data path 'DIR' is a directory, not a file: give the data files in it (e.g.
+            DIR/*.jsonl; it holds 3 .jsonl files)``: varpack reads the files it is given, not folders.
+        FileNotFoundError: ``chat data file not found: 'PATH'``.
+    """
+    shown = os.fspath(path)
+    full = os.path.expanduser(shown)
+    if os.path.isfile(full):
+        return
+    if not os.path.isdir(full):
+        raise FileNotFoundError(f"chat data file not found: {shown!r}")
+    counts: dict[str, int] = {}
+    try:
+        names = os.listdir(full)
+    except OSError:
+        names = []
+    for name in names:
+        suffix = _suffix(name)
+        if suffix in _DATA_SUFFIXES and os.path.isfile(os.path.join(full, name)):
+            comp = next((c for c in _COMPRESSION_SUFFIXES if name.lower().endswith(c)), "")
+            key = suffix + comp
+            counts[key] = counts.get(key, 0) + 1
+    if counts:
+        top = max(counts, key=lambda k: counts[k])
+        held = ", ".join(f"{n} {k} file{'s' if n > 1 else ''}" for k, n in sorted(counts.items()))
+        hint = f"e.g. {os.path.join(shown, '*' + top)}; it holds {held}"
+    else:
+        hint = "it holds no .json / .jsonl / .ndjson / .parquet file"
+    raise IsADirectoryError(
+        f"chat data path {shown!r} is a directory, not a file: give the data files in it ({hint})"
+    )
 
 
 def decode_text(raw: bytes, where: str, *, document: bool = False) -> str:
