@@ -149,15 +149,14 @@ def _detect(
         )
     keys = sorted(all_keys) if all_keys is not None else sorted(present)
     nulls = [k for k in FORMAT_FIELDS if k in null_keys]
-    if nulls:
+    null = ""
+    if nulls:  # a field given as null (or, in an Arrow table, a column that this row lacks)
         named = ", ".join(repr(k) for k in nulls)
-        needs = " (a 'messages' row needs a list of {role, content})" if nulls == ["messages"] else ""
-        raise ValueError(
-            f"{where}: {named} {'is' if len(nulls) == 1 else 'are'} null{needs}, and the row has no other field "
-            f"of a supported chat format (other keys: {keys}); {_SUPPORTED_HELP}"
-        )
+        null = f"; {named} {'is' if len(nulls) == 1 else 'are'} null or absent"
+        if "messages" in nulls:
+            null += " (a 'messages' row needs a list of {role, content})"
     raise ValueError(
-        f"{where}: row has none of the fields of a supported chat format (keys: {keys}); {_SUPPORTED_HELP}"
+        f"{where}: row has none of the fields of a supported chat format (keys: {keys}){null}; {_SUPPORTED_HELP}"
     )
 
 
