@@ -52,7 +52,9 @@ __all__ = [
 
 #: Roles a message may have.
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
-_ENCODE_VERSION = "2"  # bump when the encoding of a chat changes (invalidates Arrow caches)
+#: keys that give an assistant turn something to supervise besides its content (tool calls, reasoning)
+_ANSWER_KEYS = ("tool_calls", "reasoning_content", "thinking")
+_ENCODE_VERSION = "3"  # bump when the encoding of a chat changes (invalidates Arrow caches)
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
@@ -67,7 +69,8 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
 
     Args:
         messages: a non-empty list of ``{"role": str, "content": str}``; roles in :data:`KNOWN_ROLES`;
-            at least one ``assistant`` message (otherwise the sample would have nothing to learn).
+            at least one ``assistant`` message (otherwise the sample would have nothing to learn), none of
+            them empty (content blank, and no ``tool_calls`` / ``reasoning_content`` / ``thinking``).
             Extra keys are kept (the template may use them); ``None`` values are dropped (Arrow fills
             absent struct fields with ``None``).
         sample_id: named in error messages.
@@ -78,7 +81,8 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
     Raises:
         TypeError: ``messages`` not a list, a message not a mapping, a role/content not a ``str``
             (the error names ``messages[i].field`` and the sample).
-        ValueError: empty conversation, unknown role, no assistant message.
+        ValueError: empty conversation, unknown role, no assistant message, an empty assistant answer
+            (``messages[i].content is empty``).
     """
     where = _where(sample_id)
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
@@ -99,6 +103,17 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
                 )
         if message["role"] not in KNOWN_ROLES:
             raise ValueError(f"{where}: messages[{i}].role={message['role']!r} is not one of {KNOWN_ROLES}")
+        if (
+            message["role"] == "assistant"
+            and not message["content"].strip()
+            and not any(message.get(k) for k in _ANSWER_KEYS)
+        ):
+            # as the other formats' empty answers (varpack.data.formats): it would train the model to answer
+            # with the end-of-turn token alone
+            raise ValueError(
+                f"{where}: messages[{i}].content is empty (an assistant answer with no text to supervise); "
+                "write the answer, or remove the turn or the row"
+            )
         out.append({k: v for k, v in message.items() if v is not None})
     if not any(m["role"] == "assistant" for m in out):
         roles = [m["role"] for m in out]
@@ -263,7 +278,8 @@ def encode_chat(
 
     Raises:
         TypeError: malformed messages (names ``messages[i].field``).
-        ValueError: empty conversation, unknown role, no assistant message, no chat template, a template
+        ValueError: empty conversation, unknown role, no assistant message, an empty assistant answer, no
+            chat template, a template
             that is not prefix-stable (when it has no ``{% generation %}`` markers), or nothing supervised.
 
     Example (embedded Qwen3 tokenizer; ``|`` marks supervised tokens)::
