@@ -158,6 +158,27 @@ def test_usage_errors_exit_2(cmd, capsys):
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
+def test_abbreviated_flags_are_not_taken(cmd, capsys):
+    """argparse took any unique prefix of a long flag (``--packing-len 4096`` set --packing-length): a typo of
+    one flag silently became another. Every long flag of every sub-command, cut by one character where that is
+    not a flag itself, is now an unrecognized argument."""
+    parser = build_parser()
+    sp = _subparsers()[cmd]
+    flags = {o for a in sp._actions for o in a.option_strings if o.startswith("--")}
+    cut = sorted({f[:-1] for f in flags if len(f) > 4} - flags)
+    assert len(cut) > 5
+    for prefix in cut:
+        _, extra = parser.parse_known_args([cmd, prefix, "1"] if cmd != "plan" else [cmd, prefix])
+        assert prefix in extra, (cmd, prefix, extra)
+    code, out, err = _run([cmd, "--pack" if cmd != "check" else "--num-samp", "4096"], capsys)
+    flag = "--pack" if cmd != "check" else "--num-samp"
+    named = flag if cmd == "plan" else f"{flag} 4096"  # plan takes 4096 as a DATA path
+    assert code == 2 and out == "" and err.strip().splitlines()[-1] == (
+        f"varpack {cmd}: error: unrecognized arguments: {named}"
+    ), err
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
 def test_missing_data_file_exits_1_with_one_error_line(cmd, tmp_path, capsys):
     missing = tmp_path / "nope.jsonl"
     argv = [cmd, str(missing)] if cmd == "plan" else [cmd, "--data", str(missing)]
