@@ -46,6 +46,7 @@ __all__ = [
     "encode_chat",
     "encode_dataset",
     "load_chat_data",
+    "locate_samples",
     "tokenizer_fingerprint",
     "validate_messages",
 ]
@@ -525,6 +526,52 @@ def locate_row(kind: str, files: list[str], row: int) -> str | None:
         return None
     f, k, lineno, _ = found
     return f"{f}:{lineno}" if lineno is not None else f"{f} row {k}"
+
+
+def locate_samples(paths: Sequence[str | os.PathLike[str]], sample_ids: Any) -> dict[int, str]:
+    """Where samples came from: ``{sample_id: "FILE:LINE"}`` for the rows of JSON Lines files, ``"FILE[i]"`` for
+    a row of a JSON array (:func:`varpack.data.jsonfile.read_rows`), ``"FILE row K"`` for parquet; sample ``i``
+    is row ``i`` of the files read one after the other, as :func:`load_chat_data` and
+    :func:`varpack.data.multimodal.load_mm_rows` number them (blank lines are not rows). Each file is read at
+    most once, and not past the last wanted row's file (for reports of a few samples: overlong, left out).
+
+    Args:
+        paths: the data files, in the order they were read.
+        sample_ids: the ids to locate (any iterable of ints; ids beyond the files' rows are left out).
+
+    Returns:
+        ``{sample_id: location}`` for the ids found.
+    """
+    from varpack.data.jsonfile import is_json_lines, iter_lines, location, read_rows
+
+    wanted = {int(i) for i in sample_ids}
+    last = max(wanted, default=-1)
+    out: dict[int, str] = {}
+    offset = 0
+    for p in paths:
+        if offset > last:
+            break
+        shown = os.fspath(p)
+        path = os.path.expanduser(shown)
+        if _kinds_of([shown]) == {"parquet"}:
+            import pyarrow.parquet as pq
+
+            n = pq.ParquetFile(path).metadata.num_rows
+            out.update({i: f"{shown} row {i - offset}" for i in wanted if offset <= i < offset + n})
+        elif is_json_lines(shown):
+            n = 0
+            for k, lineno, _ in iter_lines(path):
+                if offset + k in wanted:
+                    out[offset + k] = location(shown, lineno)
+                n = k + 1
+        else:
+            rows = read_rows(path)
+            n = len(rows)
+            out.update(
+                {i: rows[i - offset][1].replace(path, shown, 1) for i in wanted if offset <= i < offset + n}
+            )
+        offset += n
+    return out
 
 
 def _check_utf8(ds: datasets.Dataset, kind: str, files: list[str]) -> None:

@@ -464,7 +464,13 @@ class StreamingPackedDataset(IterableDataset):
                 n = int(sample["length"])
                 left_out = len(rep["unsupervised_ids"]) + len(rep["unsupervised_pieces"])
                 # a sample or piece without a supervised token is left out and reported by the packer
-                batch = packer.add(n, [sid], supervised=supervised_ranges({sid: sample}))
+                try:
+                    batch = packer.add(n, [sid], supervised=supervised_ranges({sid: sample}))
+                except ValueError as exc:  # an overlong sample under overflow="error": name its FILE:LINE
+                    where = getattr(row, "where", None)
+                    if where:
+                        raise ValueError(f"{exc} ({where})") from exc
+                    raise
                 live["position"] = sid + 1
                 pieces = (
                     0
