@@ -193,7 +193,7 @@ def test_plan_preference_pairs_with_objective_dpo(tmp_path, capsys, monkeypatch)
     assert "pair(s) are longer than --packing-length 40 together (pair id: tokens): " in capsys.readouterr().err
 
 
-def test_overlong_samples_are_named_with_file_and_line(tmp_path, capsys, monkeypatch, tokenizer):
+def test_overlong_samples_are_named_with_file_and_line(tmp_path, capsys, tokenizer):
     """An overlong sample was named by its id only (``2: 412``), an index the user cannot look up in a file with
     blank lines or several files: the error of --overflow error, the report (table, --json, varpack sft's
     packing report) and the streaming error now also name its FILE:LINE."""
@@ -213,10 +213,15 @@ def test_overlong_samples_are_named_with_file_and_line(tmp_path, capsys, monkeyp
     from varpack.plan.report import summary_text
 
     assert f"  overlong  sample 5: {n} tokens ({where})" in summary_text({**summary, "data": "x"}).splitlines()
-    monkeypatch.setenv("COLUMNS", "400")  # the table's rows unwrapped
-    rc = main(["plan", str(first), str(data), "--packing-length", "256", "--overflow", "split"])
-    table = capsys.readouterr().out
-    assert rc == 0 and re.search(rf"│ overlong +│ +sample 5: {n} tokens \({re.escape(where)}\) │", table), table
+    import io
+
+    from rich.console import Console
+
+    from varpack.plan.report import summary_table
+
+    out = io.StringIO()
+    Console(file=out, width=400).print(summary_table(summary))  # the table of `varpack plan`, rows unwrapped
+    assert re.search(rf"│ overlong +│ +sample 5: {n} tokens \({re.escape(where)}\) │", out.getvalue()), out.getvalue()
     # negative control: the locations follow the files (the same rows alone: sample 4, line 5)
     rc = main(["plan", str(data), "--packing-length", "256", "--overflow", "drop", "--json"])
     assert json.loads(capsys.readouterr().out)["locations"] == {"4": where}
