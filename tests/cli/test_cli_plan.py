@@ -221,7 +221,8 @@ def test_overlong_samples_are_named_with_file_and_line(tmp_path, capsys, tokeniz
 
     out = io.StringIO()
     Console(file=out, width=400).print(summary_table(summary))  # the table of `varpack plan`, rows unwrapped
-    assert re.search(rf"│ overlong +│ +sample 5: {n} tokens \({re.escape(where)}\) │", out.getvalue()), out.getvalue()
+    row = rf"│ overlong +│ +sample 5: {n} tokens \({re.escape(where)}\) │"
+    assert re.search(row, out.getvalue()), out.getvalue()
     # negative control: the locations follow the files (the same rows alone: sample 4, line 5)
     rc = main(["plan", str(data), "--packing-length", "256", "--overflow", "drop", "--json"])
     assert json.loads(capsys.readouterr().out)["locations"] == {"4": where}

@@ -370,4 +370,5 @@ def test_null_messages_named_by_every_path(tmp_path, capsys):
         data_formats(datasets.Dataset.from_list([good, {"messages": None}]))
     assert main(["plan", str(tmp_path / "d.jsonl")]) == 1
     err = capsys.readouterr().err
-    assert "Traceback" not in err and re.search(r"^varpack plan: error: " + want + r".*d\.jsonl:2\]$", err.splitlines()[-1])
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err and re.search(r"^varpack plan: error: " + want + r".*d\.jsonl:2\]$", last), last

@@ -192,7 +192,11 @@ def test_no_chat_template(tok):
             ValueError,
             r"sample 7: messages\[1\]\.content is empty \(an assistant answer with no text to supervise\)",
         ),
-        ([*MULTI[:3], {"role": "assistant", "content": " \n"}], ValueError, r"sample 7: messages\[3\]\.content is empty"),
+        (
+            [*MULTI[:3], {"role": "assistant", "content": " \n"}],
+            ValueError,
+            r"sample 7: messages\[3\]\.content is empty",
+        ),
     ],
 )
 def test_bad_input_names_sample_and_field(tok, messages, error, pattern):

@@ -280,8 +280,8 @@ def encode_chat(
     Raises:
         TypeError: malformed messages (names ``messages[i].field``).
         ValueError: empty conversation, unknown role, no assistant message, an empty assistant answer, no
-            chat template, a template
-            that is not prefix-stable (when it has no ``{% generation %}`` markers), or nothing supervised.
+            chat template, a template that is not prefix-stable (when it has no ``{% generation %}`` markers),
+            or nothing supervised.
 
     Example (embedded Qwen3 tokenizer; ``|`` marks supervised tokens)::
 

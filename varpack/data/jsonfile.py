@@ -3,8 +3,9 @@ chats, streams, preference pairs, and the error locations of the ``datasets`` lo
 
 A file is read as bytes, split on ``\\n`` only (U+2028 inside a JSON string is part of its row), each line
 decoded as UTF-8 and parsed with :mod:`json`; blank lines are not rows. A UTF-8 byte order mark at the start of
-a file (``EF BB BF``, written by some Windows editors and by ``utf-8-sig`` encoders) is skipped. Compressed files (``.gz``, ``.bz2``,
-``.xz``, ``.zst``, ...) are opened by their suffix (``fsspec``'s ``compression="infer"``). A line that is not
+a file (``EF BB BF``, written by some Windows editors and by ``utf-8-sig`` encoders) is skipped. Compressed
+files (``.gz``, ``.bz2``, ``.xz``, ``.zst``, ...) are opened by their suffix (``fsspec``'s
+``compression="infer"``). A line that is not
 UTF-8 text or not JSON is a ``ValueError`` naming the file, the line and the sample (its index among the
 rows of the files read together), one way for every reader::
 
