@@ -158,12 +158,64 @@ def test_usage_errors_exit_2(cmd, capsys):
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
+def test_abbreviated_flags_are_not_taken(cmd, capsys):
+    """argparse took any unique prefix of a long flag (``--packing-len 4096`` set --packing-length): a typo of
+    one flag silently became another. Every long flag of every sub-command, cut by one character where that is
+    not a flag itself, is now an unrecognized argument."""
+    parser = build_parser()
+    sp = _subparsers()[cmd]
+    flags = {o for a in sp._actions for o in a.option_strings if o.startswith("--")}
+    cut = sorted({f[:-1] for f in flags if len(f) > 4} - flags)
+    assert len(cut) > 5
+    for prefix in cut:
+        _, extra = parser.parse_known_args([cmd, prefix, "1"] if cmd != "plan" else [cmd, prefix])
+        assert prefix in extra, (cmd, prefix, extra)
+    code, out, err = _run([cmd, "--pack" if cmd != "check" else "--num-samp", "4096"], capsys)
+    flag = "--pack" if cmd != "check" else "--num-samp"
+    named = flag if cmd == "plan" else f"{flag} 4096"  # plan takes 4096 as a DATA path
+    assert code == 2 and out == "" and err.strip().splitlines()[-1] == (
+        f"varpack {cmd}: error: unrecognized arguments: {named}"
+    ), err
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
 def test_missing_data_file_exits_1_with_one_error_line(cmd, tmp_path, capsys):
     missing = tmp_path / "nope.jsonl"
     argv = [cmd, str(missing)] if cmd == "plan" else [cmd, "--data", str(missing)]
     code, out, err = _run(argv, capsys)
     assert code == 1 and out == "", err
     assert err == f"varpack {cmd}: error: chat data file not found: {str(missing)!r}\n"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_data_directory_exits_1_naming_the_path(cmd, tmp_path, capsys):
+    """A directory as data was reported as "chat data file not found" (it exists); varpack reads the files it
+    is given, and the error says which ones the directory holds."""
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    _write(folder / "a.jsonl", _chat_rows(2))
+    _write(folder / "b.jsonl", _chat_rows(2))
+    argv = [cmd, str(folder)] if cmd == "plan" else [cmd, "--data", str(folder)]
+    code, out, err = _run(argv, capsys)
+    assert code == 1 and out == "" and "Traceback" not in err, err
+    want = (
+        f"varpack {cmd}: error: chat data path {str(folder)!r} is a directory, not a file: give the data files "
+        f"in it (e.g. {folder / '*.jsonl'}; it holds 2 .jsonl files)\n"
+    )
+    assert err == want, err
+
+
+def test_data_directory_is_refused_by_every_reader(tmp_path):
+    from varpack.data.chat import load_chat_data
+    from varpack.data.multimodal import load_mm_rows
+    from varpack.data.preference import load_pairs
+    from varpack.data.stream import ChatStream
+
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    for read in (load_chat_data, load_mm_rows, load_pairs, ChatStream):
+        with pytest.raises(IsADirectoryError, match=r"is a directory, not a file: .*it holds no \.json"):
+            read(str(folder))
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)

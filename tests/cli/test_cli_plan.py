@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -190,3 +191,47 @@ def test_plan_preference_pairs_with_objective_dpo(tmp_path, capsys, monkeypatch)
     assert "5 preference pairs, each in one pack" in out and "pairs.jsonl" in out
     assert main([*argv[:-1], "40"]) == 1  # pair 4 (its chosen answer: 21 words) does not fit 40 tokens
     assert "pair(s) are longer than --packing-length 40 together (pair id: tokens): " in capsys.readouterr().err
+
+
+def test_overlong_samples_are_named_with_file_and_line(tmp_path, capsys, tokenizer):
+    """An overlong sample was named by its id only (``2: 412``), an index the user cannot look up in a file with
+    blank lines or several files: the error of --overflow error, the report (table, --json, varpack sft's
+    packing report) and the streaming error now also name its FILE:LINE."""
+    first = tmp_path / "first.jsonl"
+    first.write_text(json.dumps(_chats(1)[0]) + "\n\n")  # a blank line: sample ids and lines differ
+    rows = _chats(6, long_id=4)
+    data = _write(tmp_path, rows)
+    where = f"{data}:5"  # sample 5 overall = rows[4], line 5 of the second file
+    lengths = _template_lengths(tokenizer, rows)
+    n = lengths[4]
+    rc = main(["plan", str(first), str(data), "--packing-length", "256"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert rc == 1 and f"(sample_id: length): 5: {n} ({where}); raise" in err, err
+    rc = main(["plan", str(first), str(data), "--packing-length", "256", "--overflow", "drop", "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert rc == 0 and summary["overflow"]["overlong_ids"] == [5] and summary["locations"] == {"5": where}
+    from varpack.plan.report import summary_text
+
+    assert f"  overlong  sample 5: {n} tokens ({where})" in summary_text({**summary, "data": "x"}).splitlines()
+    import io
+
+    from rich.console import Console
+
+    from varpack.plan.report import summary_table
+
+    out = io.StringIO()
+    Console(file=out, width=400).print(summary_table(summary))  # the table of `varpack plan`, rows unwrapped
+    row = rf"│ overlong +│ +sample 5: {n} tokens \({re.escape(where)}\) │"
+    assert re.search(row, out.getvalue()), out.getvalue()
+    # negative control: the locations follow the files (the same rows alone: sample 4, line 5)
+    rc = main(["plan", str(data), "--packing-length", "256", "--overflow", "drop", "--json"])
+    assert json.loads(capsys.readouterr().out)["locations"] == {"4": where}
+    # varpack sft: the same error; streaming: the sample's FILE:LINE
+    argv = ["sft", "--model", "tiny-qwen3", "--data", str(first), str(data), "--packing-length", "256",
+            "--max-steps", "1", "--no-save", "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 1
+    assert f"5: {n} ({where}); raise" in capsys.readouterr().err.splitlines()[-1]
+    from varpack.data.stream import StreamingPackedDataset
+
+    with pytest.raises(ValueError, match=rf"sample 5 is longer than packing_length=256 .*\({re.escape(where)}\)$"):
+        list(StreamingPackedDataset([str(first), str(data)], tokenizer, packing_length=256, buffer_size=4))

@@ -5,6 +5,7 @@ are errors naming the sample, the field and the file line; files of different fo
 from __future__ import annotations
 
 import json
+import re
 
 import datasets
 import pytest
@@ -265,6 +266,18 @@ BAD = [
         r"row has none of the fields of a supported chat format \(keys: \['answer', 'question'\]\)",
     ),
     (
+        {"messages": None},
+        ValueError,
+        r"row has none of the fields of a supported chat format \(keys: \[\]\); 'messages' is null or absent "
+        r"\(a 'messages' row needs a list of \{role, content\}\); supported:",
+    ),
+    (
+        {"instruction": None, "output": None, "id": 7},
+        ValueError,
+        r"row has none of the fields of a supported chat format \(keys: \['id'\]\); ('messages', )?'instruction', "
+        r"'output' are null or absent(; | \()",
+    ),
+    (
         {"messages": [_u("hi"), _a("yo")], "conversations": [_u("hi")]},
         ValueError,
         r"row has both 'messages' and 'conversations'",
@@ -338,3 +351,24 @@ def test_refused_rows_in_parquet_name_the_file_row(tmp_path, capsys):
     assert main(["plan", str(path), "--json"]) == 1
     err = capsys.readouterr().err
     assert "sample 0: language-modeling row" in err and "d.parquet row 0]" in err
+
+
+def test_null_messages_named_by_every_path(tmp_path, capsys):
+    """``{"messages": null}`` was "row has none of the fields of a supported chat format (keys: [])": the
+    field the row does hold went unnamed. Named on the Arrow path (data_formats over a Dataset read by
+    datasets: .ndjson), the JSON reader (.jsonl, read first by the image-chat probe) and the CLI."""
+    from varpack.data import load_and_encode
+
+    good = {"messages": [_u("hi"), _a("yo")]}
+    want = r"sample 1: .*; 'messages' is null or absent \(a 'messages' row needs a list of \{role, content\}\)"
+    for name in ("d.ndjson", "d.jsonl"):
+        path = tmp_path / name
+        path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": None}) + "\n", encoding="utf-8")
+        with pytest.raises(ValueError, match=want + r".*\[.*" + name.replace(".", r"\.") + r":2\]$"):
+            load_and_encode([str(path)], lambda: None, formats=True)
+    with pytest.raises(ValueError, match=want):
+        data_formats(datasets.Dataset.from_list([good, {"messages": None}]))
+    assert main(["plan", str(tmp_path / "d.jsonl")]) == 1
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err and re.search(r"^varpack plan: error: " + want + r".*d\.jsonl:2\]$", last), last

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import datasets
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 import varpack.data.chat as chat_mod
 from varpack.data.builtin import builtin_chats, topic_paragraphs
-from varpack.data.chat import encode_chat, encode_dataset, load_chat_data
+from varpack.data.chat import encode_chat, encode_dataset, load_chat_data, validate_messages
 from varpack.data.tokenizer import load_tokenizer
 
 IGNORE = -100
@@ -186,6 +187,16 @@ def test_no_chat_template(tok):
         ),
         ([{"role": "bot", "content": "x"}], ValueError, r"sample 7: messages\[0\]\.role='bot' is not one of"),
         ([{"role": "user", "content": "x"}], ValueError, r"sample 7: no assistant message"),
+        (
+            [SINGLE[0], {"role": "assistant", "content": ""}],
+            ValueError,
+            r"sample 7: messages\[1\]\.content is empty \(an assistant answer with no text to supervise\)",
+        ),
+        (
+            [*MULTI[:3], {"role": "assistant", "content": " \n"}],
+            ValueError,
+            r"sample 7: messages\[3\]\.content is empty",
+        ),
     ],
 )
 def test_bad_input_names_sample_and_field(tok, messages, error, pattern):
@@ -356,3 +367,27 @@ def test_builtin_chats(tok, tmp_path):
     assert np.percentile(lengths, 90) > 3 * np.percentile(lengths, 10)
     for row in ds:  # real text: labels equal the independent oracle on every conversation
         assert row["labels"] == expected_labels(tok, row["input_ids"]), row["sample_id"]
+
+
+def test_empty_assistant_answer_is_refused_by_every_path(tmp_path, tok, capsys):
+    """``{"role": "assistant", "content": ""}`` was encoded and trained (its one supervised token the
+    end-of-turn: the model learns to answer nothing), where an empty ShareGPT / Alpaca / TRL answer is refused:
+    now refused the same way, naming the sample, the field and FILE:LINE (datasets path, streaming, CLI)."""
+    from varpack.cli.main import main
+    from varpack.data.stream import StreamingPackedDataset
+
+    empty = [SINGLE[0], {"role": "assistant", "content": ""}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": SINGLE}) + "\n" + json.dumps({"messages": empty}) + "\n")
+    want = r"sample 1: messages\[1\]\.content is empty \(an assistant answer with no text to supervise\)"
+    with pytest.raises(ValueError, match=want + r".*\[.*chats\.jsonl:2\]$"):
+        encode_dataset(load_chat_data(str(path)), tok)
+    with pytest.raises(ValueError, match=want):
+        load_chat_data([{"messages": SINGLE}, {"messages": empty}])
+    with pytest.raises(ValueError, match=want + r".*\(.*chats\.jsonl:2\)$"):
+        list(StreamingPackedDataset(str(path), tok, packing_length=256, buffer_size=4))
+    assert main(["plan", str(path)]) == 1
+    assert re.search(r"^varpack plan: error: " + want, capsys.readouterr().err.splitlines()[-1])
+    # an assistant turn whose answer is a tool call (content "") is not empty
+    call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+    assert validate_messages([SINGLE[0], {"role": "assistant", "content": "", "tool_calls": [call]}])

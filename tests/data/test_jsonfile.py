@@ -155,3 +155,27 @@ def test_cli_names_file_line_sample(tmp_path, capsys, command):
     err = capsys.readouterr().err
     assert err.startswith(f"varpack {command}: error: ") and len(err.strip().splitlines()) == 1
     assert re.search(_match(path), err), err
+
+
+@pytest.mark.parametrize("name", ["chats.jsonl", "chats.ndjson", "chats.jsonl.gz", "chats.json"])
+def test_byte_order_mark_is_skipped(tmp_path, tok, name):
+    """A file saved with a UTF-8 byte order mark (EF BB BF, as Windows editors and utf-8-sig write it): its
+    first line failed as "invalid JSON: Unexpected UTF-8 BOM"."""
+    rows = [CHAT, {"messages": [{"role": "user", "content": "Name it."}, {"role": "assistant", "content": "é"}]}]
+    if name.endswith(".json"):
+        body = json.dumps(rows).encode()
+    else:
+        body = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    path = _file(tmp_path, name, b"\xef\xbb\xbf" + body)
+    from varpack.data.jsonfile import read_rows
+
+    assert [r for r, _ in read_rows(path)] == rows
+    assert list(load_chat_data(path)["messages"]) == [r["messages"] for r in rows]
+    assert [r for r, _ in load_mm_rows(path)] == rows
+    data = load_and_encode([path], tok, formats=True)
+    assert data.formats == {"messages": 2} and len(data.samples) == 2
+    assert data.samples[0]["input_ids"] == encode_dataset([CHAT], tok)[0]["input_ids"]
+    if not name.endswith(".json"):
+        assert [dict(r) for _, r in ChatStream(path).rows()] == rows
+        packs = list(StreamingPackedDataset(path, tok, packing_length=256, buffer_size=4))
+        assert sorted(s["sample_id"] for p in packs for s in p) == [0, 1]

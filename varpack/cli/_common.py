@@ -12,10 +12,8 @@ This module imports nothing heavy (no torch, transformers or datasets): the pars
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 
 from varpack._argtypes import DTYPE_SPELLINGS, dtype_spelling, float_above, int_at_least, max_steps_type
 
@@ -66,15 +64,18 @@ class UsageError(ValueError):
 
 
 def check_data_files(paths: Sequence[str] | None) -> None:
-    """Refuse a ``--data`` / ``DATA`` path that is not a file before anything heavy is imported.
+    """Refuse a ``--data`` / ``DATA`` path that is not a file before anything heavy is imported
+    (:func:`varpack.data.jsonfile.require_file`, the check of every data reader).
 
     Raises:
-        FileNotFoundError: ``chat data file not found: 'PATH'`` (the wording of
-            :func:`varpack.data.chat.load_chat_data`).
+        FileNotFoundError: ``chat data file not found: 'PATH'``.
+        IsADirectoryError: ``chat data path 'DIR' is a directory, not a file: give the data files in it (e.g.
+            DIR/*.jsonl; ...)``.
     """
+    from varpack.data.jsonfile import require_file
+
     for p in paths or ():
-        if not Path(p).expanduser().is_file():
-            raise FileNotFoundError(f"chat data file not found: {os.fspath(p)!r}")
+        require_file(p)
 
 
 def _long_flag(action: argparse.Action) -> str:

@@ -4,6 +4,9 @@ Each sub-command module defines ``register(subparsers) -> argparse.ArgumentParse
 ``run(args) -> int``. Building the parsers imports no torch, transformers or datasets (each ``run`` imports
 what it needs), so ``varpack --help``, ``varpack <command> --help`` and argument errors are quick.
 
+Flags are matched whole: no parser takes an abbreviation (``allow_abbrev=False``; ``--pack 4096`` is an
+unrecognized argument, not a prefix of some ``--packing-*`` flag), so a typo never lands on another flag.
+
 Exit codes are the same for every sub-command (:mod:`varpack.cli._common`): 2 for a usage error (argparse),
 1 for an error found while running (``varpack <command>: error: ...`` on stderr, no traceback), 0 otherwise.
 """
@@ -29,11 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="varpack",
         description="Padding-free sequence packing for LLM fine-tuning (packed step == unpacked step).",
+        allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS.values():
         mod = importlib.import_module(module)
         p = mod.register(sub)
+        p.allow_abbrev = False  # every sub-command: a flag is matched whole, never by a prefix
         p.set_defaults(_run=mod.run, _parser=p)
     return parser
 

@@ -159,7 +159,13 @@ def run(args: argparse.Namespace) -> int:
             mm_samples = data.samples if data.multimodal else None
             formats = data.formats
     t1 = time.perf_counter()
+    from varpack.data.chat import locate_samples
     from varpack.data.dataset import supervised_ranges
+
+    paths = () if dpo else data.paths  # (preference pairs: two samples per row)
+
+    def locate(ids: Any) -> dict[int, str]:
+        return locate_samples(paths, ids)
 
     plan = plan_packs(
         lengths,
@@ -171,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         supervised=None if dpo else supervised_ranges(data.samples),
         groups=groups,
         group_noun="pair",
+        locate=locate if paths else None,  # an overlong sample named with its FILE:LINE
     )
     t2 = time.perf_counter()
     if mm_samples is not None and plan.pieces:
@@ -202,6 +209,10 @@ def run(args: argparse.Namespace) -> int:
         context["plan_path"] = args.save
     if formats is not None:
         context["formats"] = formats
+    ov = plan.overflow
+    named = ov["overlong_ids"] + ov["unsupervised_ids"] + [s for s, _, _ in ov["unsupervised_pieces"]]
+    if paths and named:  # where the overlong and left-out samples come from
+        context["locations"] = {str(i): w for i, w in sorted(locate(named).items())}
     if dpo:
         context.update(objective="dpo", preference_pairs=pairs)
     summary = plan_summary(plan, lengths, **context)

@@ -46,13 +46,16 @@ __all__ = [
     "encode_chat",
     "encode_dataset",
     "load_chat_data",
+    "locate_samples",
     "tokenizer_fingerprint",
     "validate_messages",
 ]
 
 #: Roles a message may have.
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
-_ENCODE_VERSION = "2"  # bump when the encoding of a chat changes (invalidates Arrow caches)
+#: keys that give an assistant turn something to supervise besides its content (tool calls, reasoning)
+_ANSWER_KEYS = ("tool_calls", "reasoning_content", "thinking")
+_ENCODE_VERSION = "3"  # bump when the encoding of a chat changes (invalidates Arrow caches)
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
@@ -67,7 +70,8 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
 
     Args:
         messages: a non-empty list of ``{"role": str, "content": str}``; roles in :data:`KNOWN_ROLES`;
-            at least one ``assistant`` message (otherwise the sample would have nothing to learn).
+            at least one ``assistant`` message (otherwise the sample would have nothing to learn), none of
+            them empty (content blank, and no ``tool_calls`` / ``reasoning_content`` / ``thinking``).
             Extra keys are kept (the template may use them); ``None`` values are dropped (Arrow fills
             absent struct fields with ``None``).
         sample_id: named in error messages.
@@ -78,7 +82,8 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
     Raises:
         TypeError: ``messages`` not a list, a message not a mapping, a role/content not a ``str``
             (the error names ``messages[i].field`` and the sample).
-        ValueError: empty conversation, unknown role, no assistant message.
+        ValueError: empty conversation, unknown role, no assistant message, an empty assistant answer
+            (``messages[i].content is empty``).
     """
     where = _where(sample_id)
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
@@ -99,6 +104,17 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
                 )
         if message["role"] not in KNOWN_ROLES:
             raise ValueError(f"{where}: messages[{i}].role={message['role']!r} is not one of {KNOWN_ROLES}")
+        if (
+            message["role"] == "assistant"
+            and not message["content"].strip()
+            and not any(message.get(k) for k in _ANSWER_KEYS)
+        ):
+            # as the other formats' empty answers (varpack.data.formats): it would train the model to answer
+            # with the end-of-turn token alone
+            raise ValueError(
+                f"{where}: messages[{i}].content is empty (an assistant answer with no text to supervise); "
+                "write the answer, or remove the turn or the row"
+            )
         out.append({k: v for k, v in message.items() if v is not None})
     if not any(m["role"] == "assistant" for m in out):
         roles = [m["role"] for m in out]
@@ -263,8 +279,9 @@ def encode_chat(
 
     Raises:
         TypeError: malformed messages (names ``messages[i].field``).
-        ValueError: empty conversation, unknown role, no assistant message, no chat template, a template
-            that is not prefix-stable (when it has no ``{% generation %}`` markers), or nothing supervised.
+        ValueError: empty conversation, unknown role, no assistant message, an empty assistant answer, no
+            chat template, a template that is not prefix-stable (when it has no ``{% generation %}`` markers),
+            or nothing supervised.
 
     Example (embedded Qwen3 tokenizer; ``|`` marks supervised tokens)::
 
@@ -299,6 +316,7 @@ def load_chat_data(
 
     Raises:
         FileNotFoundError: a path does not exist.
+        IsADirectoryError: a path is a directory (give its files).
         ValueError: unknown file type, mixed JSON and parquet, no rows, files with different columns on
             datasets < 4.7, a line that is not JSON or text that is not UTF-8 (names the file, line and
             sample, :mod:`varpack.data.jsonfile`), an in-memory row that is not a supported chat (names the row
@@ -306,6 +324,8 @@ def load_chat_data(
         TypeError: unsupported input type, an in-memory row with a field of the wrong type (named).
     """
     import datasets
+
+    from varpack.data.jsonfile import require_file
 
     if isinstance(paths_or_rows, datasets.Dataset):
         return paths_or_rows
@@ -331,9 +351,8 @@ def load_chat_data(
     kinds = set()
     files = []
     for p in items:
+        require_file(p)
         path = Path(p).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"chat data file not found: {os.fspath(p)!r}")
         name = path.name.lower()
         for comp in _COMPRESSION_SUFFIXES:
             if name.endswith(comp):
@@ -507,6 +526,52 @@ def locate_row(kind: str, files: list[str], row: int) -> str | None:
         return None
     f, k, lineno, _ = found
     return f"{f}:{lineno}" if lineno is not None else f"{f} row {k}"
+
+
+def locate_samples(paths: Sequence[str | os.PathLike[str]], sample_ids: Any) -> dict[int, str]:
+    """Where samples came from: ``{sample_id: "FILE:LINE"}`` for the rows of JSON Lines files, ``"FILE[i]"`` for
+    a row of a JSON array (:func:`varpack.data.jsonfile.read_rows`), ``"FILE row K"`` for parquet; sample ``i``
+    is row ``i`` of the files read one after the other, as :func:`load_chat_data` and
+    :func:`varpack.data.multimodal.load_mm_rows` number them (blank lines are not rows). Each file is read at
+    most once, and not past the last wanted row's file (for reports of a few samples: overlong, left out).
+
+    Args:
+        paths: the data files, in the order they were read.
+        sample_ids: the ids to locate (any iterable of ints; ids beyond the files' rows are left out).
+
+    Returns:
+        ``{sample_id: location}`` for the ids found.
+    """
+    from varpack.data.jsonfile import is_json_lines, iter_lines, location, read_rows
+
+    wanted = {int(i) for i in sample_ids}
+    last = max(wanted, default=-1)
+    out: dict[int, str] = {}
+    offset = 0
+    for p in paths:
+        if offset > last:
+            break
+        shown = os.fspath(p)
+        path = os.path.expanduser(shown)
+        if _kinds_of([shown]) == {"parquet"}:
+            import pyarrow.parquet as pq
+
+            n = pq.ParquetFile(path).metadata.num_rows
+            out.update({i: f"{shown} row {i - offset}" for i in wanted if offset <= i < offset + n})
+        elif is_json_lines(shown):
+            n = 0
+            for k, lineno, _ in iter_lines(path):
+                if offset + k in wanted:
+                    out[offset + k] = location(shown, lineno)
+                n = k + 1
+        else:
+            rows = read_rows(path)
+            n = len(rows)
+            out.update(
+                {i: rows[i - offset][1].replace(path, shown, 1) for i in wanted if offset <= i < offset + n}
+            )
+        offset += n
+    return out
 
 
 def _check_utf8(ds: datasets.Dataset, kind: str, files: list[str]) -> None:

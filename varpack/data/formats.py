@@ -106,8 +106,14 @@ def _present(row: Mapping[str, Any]) -> set[str]:
     return {k for k in FORMAT_FIELDS if row.get(k) is not None}
 
 
-def _detect(present: Collection[str], where: str, all_keys: Collection[str] | None = None) -> str:
-    """The format of a row with the (non-``None``) fields ``present``; raises for refused / unknown rows."""
+def _detect(
+    present: Collection[str],
+    where: str,
+    all_keys: Collection[str] | None = None,
+    null_keys: Collection[str] = (),
+) -> str:
+    """The format of a row with the (non-``None``) fields ``present``; raises for refused / unknown rows
+    (``null_keys``: the format fields the row holds as ``None``, named in the error of a row of no format)."""
     if "messages" in present:
         if "conversations" in present:
             raise ValueError(f"{where}: row has both 'messages' and 'conversations'; keep one of them")
@@ -142,8 +148,15 @@ def _detect(present: Collection[str], where: str, all_keys: Collection[str] | No
             f"{{'prompt': ..., 'completion': ...}}"
         )
     keys = sorted(all_keys) if all_keys is not None else sorted(present)
+    nulls = [k for k in FORMAT_FIELDS if k in null_keys]
+    null = ""
+    if nulls:  # a field given as null (or, in an Arrow table, a column that this row lacks)
+        named = ", ".join(repr(k) for k in nulls)
+        null = f"; {named} {'is' if len(nulls) == 1 else 'are'} null or absent"
+        if "messages" in nulls:
+            null += " (a 'messages' row needs a list of {role, content})"
     raise ValueError(
-        f"{where}: row has none of the fields of a supported chat format (keys: {keys}); {_SUPPORTED_HELP}"
+        f"{where}: row has none of the fields of a supported chat format (keys: {keys}){null}; {_SUPPORTED_HELP}"
     )
 
 
@@ -160,12 +173,13 @@ def detect_format(row: Mapping[str, Any], sample_id: Any = None) -> str:
     Raises:
         TypeError: ``row`` is not a mapping.
         ValueError: a refused format (preference, KTO, prompt-only, ``text``; the error names it and says
-            what to do) or no known field.
+            what to do) or no known field (a format field that is ``null``, ``{"messages": null}``, is named).
     """
     where = _where(sample_id)
     if not isinstance(row, Mapping):
         raise TypeError(f"{where}: a row must be a JSON object (dict), got {type(row).__name__}")
-    return _detect(_present(row), where, [k for k, v in row.items() if v is not None])
+    keys = [k for k, v in row.items() if v is not None]
+    return _detect(_present(row), where, keys, [k for k, v in row.items() if v is None])
 
 
 def _str_field(value: Any, field: str, where: str, *, non_empty: bool = False) -> str:
@@ -444,7 +458,8 @@ def data_formats(data: Any) -> dict[str, int]:
         for sig in np.unique(signature):
             present = {name for bit, name in enumerate(columns) if (int(sig) >> bit) & 1}
             first = int(np.flatnonzero(signature == sig)[0])
-            fmt = _detect(present, _where(first), data.column_names)
+            keys = [c for c in data.column_names if c in present or c not in columns]
+            fmt = _detect(present, _where(first), keys, [c for c in columns if c not in present])
             counts[fmt] = counts.get(fmt, 0) + int((signature == sig).sum())
     else:
         for i, row in enumerate(data):

@@ -2,8 +2,10 @@
 chats, streams, preference pairs, and the error locations of the ``datasets`` loader).
 
 A file is read as bytes, split on ``\\n`` only (U+2028 inside a JSON string is part of its row), each line
-decoded as UTF-8 and parsed with :mod:`json`; blank lines are not rows. Compressed files (``.gz``, ``.bz2``,
-``.xz``, ``.zst``, ...) are opened by their suffix (``fsspec``'s ``compression="infer"``). A line that is not
+decoded as UTF-8 and parsed with :mod:`json`; blank lines are not rows. A UTF-8 byte order mark at the start of
+a file (``EF BB BF``, written by some Windows editors and by ``utf-8-sig`` encoders) is skipped. Compressed
+files (``.gz``, ``.bz2``, ``.xz``, ``.zst``, ...) are opened by their suffix (``fsspec``'s
+``compression="infer"``). A line that is not
 UTF-8 text or not JSON is a ``ValueError`` naming the file, the line and the sample (its index among the
 rows of the files read together), one way for every reader::
 
@@ -21,15 +23,53 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["decode_text", "is_json_lines", "iter_lines", "location", "parse_line", "read_rows"]
+__all__ = ["decode_text", "is_json_lines", "iter_lines", "location", "parse_line", "read_rows", "require_file"]
 
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+_DATA_SUFFIXES = (".json", ".jsonl", ".ndjson", ".parquet")
+_BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark
 
 
 def location(path: str | os.PathLike[str], lineno: int, sample_id: int | None = None) -> str:
     """``"FILE:LINE"``, or ``"FILE:LINE: sample N"`` with a sample id: how every data error starts."""
     where = f"{os.fspath(path)}:{lineno}"
     return where if sample_id is None else f"{where}: sample {sample_id}"
+
+
+def require_file(path: str | os.PathLike[str]) -> None:
+    """Refuse a data path that is not a file (every reader of data files, and the CLI before its imports).
+
+    Raises:
+        IsADirectoryError: ``chat data path 'DIR' is a directory, not a file: give the data files in it (e.g.
+            DIR/*.jsonl; it holds 3 .jsonl files)``: varpack reads the files it is given, not folders.
+        FileNotFoundError: ``chat data file not found: 'PATH'``.
+    """
+    shown = os.fspath(path)
+    full = os.path.expanduser(shown)
+    if os.path.isfile(full):
+        return
+    if not os.path.isdir(full):
+        raise FileNotFoundError(f"chat data file not found: {shown!r}")
+    counts: dict[str, int] = {}
+    try:
+        names = os.listdir(full)
+    except OSError:
+        names = []
+    for name in names:
+        suffix = _suffix(name)
+        if suffix in _DATA_SUFFIXES and os.path.isfile(os.path.join(full, name)):
+            comp = next((c for c in _COMPRESSION_SUFFIXES if name.lower().endswith(c)), "")
+            key = suffix + comp
+            counts[key] = counts.get(key, 0) + 1
+    if counts:
+        top = max(counts, key=lambda k: counts[k])
+        held = ", ".join(f"{n} {k} file{'s' if n > 1 else ''}" for k, n in sorted(counts.items()))
+        hint = f"e.g. {os.path.join(shown, '*' + top)}; it holds {held}"
+    else:
+        hint = "it holds no .json / .jsonl / .ndjson / .parquet file"
+    raise IsADirectoryError(
+        f"chat data path {shown!r} is a directory, not a file: give the data files in it ({hint})"
+    )
 
 
 def decode_text(raw: bytes, where: str, *, document: bool = False) -> str:
@@ -81,11 +121,14 @@ def _open(path: str | os.PathLike[str]) -> Any:
 
 
 def iter_lines(path: str | os.PathLike[str], *, first_sample: int = 0) -> Iterator[tuple[int, int, bytes]]:
-    """``(sample_id, line number, raw bytes)`` of every non-blank line of ``path``, read lazily; sample ids
-    count from ``first_sample`` (the rows of the files read before it)."""
+    """``(sample_id, line number, raw bytes)`` of every non-blank line of ``path``, read lazily (a byte order
+    mark at the start of the file skipped); sample ids count from ``first_sample`` (the rows of the files read
+    before it)."""
     sample_id = first_sample
     with _open(path) as fh:
         for lineno, line in enumerate(fh, 1):
+            if lineno == 1 and line.startswith(_BOM):
+                line = line[len(_BOM) :]
             if line.strip():
                 yield sample_id, lineno, line
                 sample_id += 1
@@ -108,7 +151,8 @@ def is_json_lines(path: str | os.PathLike[str]) -> bool:
 def read_rows(path: str | os.PathLike[str], *, first_sample: int = 0) -> list[tuple[Any, str]]:
     """Every row of a JSON / JSON Lines file with where it is: ``[(row, "FILE:LINE"), ...]`` for JSON Lines,
     ``[(row, "FILE[i]"), ...]`` for a JSON array; a ``.json`` file holding one object is one row, and one
-    holding one object per line is read as JSON Lines. Rows are not checked (any JSON value).
+    holding one object per line is read as JSON Lines. Rows are not checked (any JSON value). A byte order
+    mark at the start of the file is skipped.
 
     Args:
         path: the file (compressed as its suffix says).
@@ -121,6 +165,8 @@ def read_rows(path: str | os.PathLike[str], *, first_sample: int = 0) -> list[tu
     path = os.fspath(path)
     with _open(path) as fh:
         data = fh.read()
+    if data.startswith(_BOM):
+        data = data[len(_BOM) :]
     head = data.lstrip()[:1]
     if head == b"[" or (head == b"{" and _suffix(path) == ".json"):
         text = decode_text(data, path, document=True)

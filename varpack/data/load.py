@@ -135,6 +135,7 @@ def load_and_encode(
 
     Raises:
         FileNotFoundError: a path does not exist.
+        IsADirectoryError: a path is a directory (give its files).
         ValueError / TypeError: unreadable file, unknown file type, a row of no supported format or with a
             bad field (the sample, field and ``FILE:LINE`` named), a missing image — as
             :func:`varpack.data.chat.encode_dataset` and :func:`varpack.data.multimodal.encode_any`.

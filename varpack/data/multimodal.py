@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from varpack.data.jsonfile import read_rows
+from varpack.data.jsonfile import read_rows, require_file
 from varpack.schema import FLAT_TOKEN_FIELDS, IGNORE_INDEX, IMAGE_FIELDS, VIDEO_FIELDS
 
 __all__ = [
@@ -467,6 +467,7 @@ def load_mm_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
         ``[(row, directory_of_its_file), ...]`` in file order.
 
     Raises:
+        FileNotFoundError / IsADirectoryError: a path that is not a file.
         ValueError / TypeError: a line that is not UTF-8 text or not JSON (file, line and sample named), a
             row of no supported format or a bad field (sample, field, file and line named; see
             :mod:`varpack.data.formats`).
@@ -475,9 +476,8 @@ def load_mm_rows(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
         paths = [paths]
     rows: list[tuple[dict, str]] = []
     for p in paths:
+        require_file(p)
         path = Path(p)
-        if not path.is_file():
-            raise ValueError(f"chat file not found: {str(path)!r}")
         base = str(path.parent.resolve())
         # one reader for every data file: lines split on '\n' only (U+2028 inside a JSON string is part of
         # its row, ../shared/data/gsm8k.jsonl line 2382), UTF-8 and JSON errors named by file, line and sample

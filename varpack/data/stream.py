@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from varpack.data.dataset import cut_piece, supervised_ranges
-from varpack.data.jsonfile import iter_lines, location, parse_line
+from varpack.data.jsonfile import iter_lines, location, parse_line, require_file
 from varpack.plan.streaming import DEFAULT_BUFFER_SIZE, PackBatch, StreamingPacker
 from varpack.schema import TOKEN_ALIGNED_FIELDS
 
@@ -63,6 +63,7 @@ class ChatStream:
 
     Raises:
         FileNotFoundError: a path does not exist.
+        IsADirectoryError: a path is a directory (give its files).
         ValueError: a file that is not JSON Lines (``.json`` / parquet: use the non-streaming path, or give
             a ``datasets`` streaming dataset).
         TypeError: a one-shot iterator (a generator object): pass the generator function instead, so that
@@ -77,9 +78,8 @@ class ChatStream:
         if isinstance(source, Sequence) and source and all(isinstance(p, (str, os.PathLike)) for p in source):
             paths = []
             for p in source:
+                require_file(p)
                 path = Path(p).expanduser()
-                if not path.is_file():
-                    raise FileNotFoundError(f"chat data file not found: {os.fspath(p)!r}")
                 if not path.name.lower().endswith(_JSONL_SUFFIXES):
                     raise ValueError(
                         f"{os.fspath(p)!r}: streaming reads JSON Lines files (.jsonl, .ndjson, optionally .gz) "
@@ -464,7 +464,13 @@ class StreamingPackedDataset(IterableDataset):
                 n = int(sample["length"])
                 left_out = len(rep["unsupervised_ids"]) + len(rep["unsupervised_pieces"])
                 # a sample or piece without a supervised token is left out and reported by the packer
-                batch = packer.add(n, [sid], supervised=supervised_ranges({sid: sample}))
+                try:
+                    batch = packer.add(n, [sid], supervised=supervised_ranges({sid: sample}))
+                except ValueError as exc:  # an overlong sample under overflow="error": name its FILE:LINE
+                    where = getattr(row, "where", None)
+                    if where:
+                        raise ValueError(f"{exc} ({where})") from exc
+                    raise
                 live["position"] = sid + 1
                 pieces = (
                     0

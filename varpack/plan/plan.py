@@ -352,8 +352,13 @@ def _as_lengths(lengths: Any) -> np.ndarray:
     return arr
 
 
-def _listing(ids: np.ndarray, lengths: np.ndarray) -> str:
-    shown = ", ".join(f"{int(i)}: {int(lengths[i])}" for i in ids[:_MAX_LISTED])
+def _listing(ids: np.ndarray, lengths: np.ndarray, locate: Any = None) -> str:
+    """``"3: 912, 7: 1030"`` (sample id: length) of the first ids; with ``locate``, ``"3: 912 (FILE:LINE)"``."""
+    where = locate(ids[:_MAX_LISTED].tolist()) if locate is not None else {}
+    shown = ", ".join(
+        f"{int(i)}: {int(lengths[i])}" + (f" ({where[int(i)]})" if int(i) in where else "")
+        for i in ids[:_MAX_LISTED]
+    )
     more = f", ... and {ids.size - _MAX_LISTED} more" if ids.size > _MAX_LISTED else ""
     return shown + more
 
@@ -436,6 +441,7 @@ def plan_packs(
     groups: Any = None,
     supervised: Any = None,
     group_noun: str = "group",
+    locate: Any = None,
 ) -> PackPlan:
     """Group samples into packs of at most ``packing_length`` tokens.
 
@@ -490,6 +496,9 @@ def plan_packs(
             item after the overflow policy; not with ``groups``.
         group_noun: what a group is, in the errors and the report (``"pair"`` for preference pairs: ``"2
             pair(s) are longer than packing_length=..."``).
+        locate: optional ``locate(sample_ids: list[int]) -> {sample_id: str}`` saying where samples came from
+            (:func:`varpack.data.chat.locate_samples`: ``"FILE:LINE"``), asked only on the error path about the
+            overlong samples listed, each then named with it (``"2: 412 (chats.jsonl:4)"``); not with ``groups``.
 
     Returns:
         A deterministic :class:`PackPlan` (for the same lengths, settings and answers of ``supervised``; the
@@ -499,7 +508,7 @@ def plan_packs(
         TypeError: if ``lengths`` is not integer or ``packing_length`` / ``seed`` is not an int.
         ValueError: for an unknown ``strategy`` / ``overflow``, ``packing_length < 1``, a negative length
             (naming the sample ids), a negative seed, or overlong samples with ``overflow="error"`` (listing
-            the first 20 ids with their lengths and the count).
+            the first 20 ids with their lengths, their ``locate`` answers, and the count).
 
     Example:
         >>> plan = plan_packs([3, 5, 2, 6, 1], 8)
@@ -548,7 +557,7 @@ def plan_packs(
         if over_ids.size and overflow == "error":
             raise ValueError(
                 f"{over_ids.size} sample(s) are longer than packing_length={L} (sample_id: length): "
-                f"{_listing(over_ids, arr)}; raise packing_length or choose overflow='drop', "
+                f"{_listing(over_ids, arr, locate)}; raise packing_length or choose overflow='drop', "
                 "overflow='truncate' or overflow='split'"
             )
         whole = np.flatnonzero((arr > 0) & (arr <= L))

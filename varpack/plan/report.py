@@ -50,8 +50,9 @@ def plan_summary(plan: PackPlan, lengths: Any, **context: Any) -> dict[str, Any]
         lengths: ``[N]`` integer sample lengths in tokens, the ones ``plan`` was made from.
         **context: the caller's fields, added after the plan's own, in the given order. The renderers read
             ``data`` (:func:`summary_table`: a list of file names or ``"builtin"``; :func:`summary_text`: a
-            label), and :func:`summary_table` also ``formats`` (rows per data format) and ``seconds``
-            (``{"encode": s, "plan": s}``) when present.
+            label), ``locations`` (``{"sample_id": "FILE:LINE"}``, :func:`varpack.data.chat.locate_samples`:
+            where the overlong and left-out samples named come from), and :func:`summary_table` also ``formats``
+            (rows per data format) and ``seconds`` (``{"encode": s, "plan": s}``) when present.
 
     Returns:
         ``plan.stats`` (counts, tokens, fill, overflow counts, fingerprint; see
@@ -82,14 +83,40 @@ def _overflow_line(ov: dict[str, Any], *, split: str) -> str:
     return over + f", {len(ov['empty_ids']):,} empty, {ov['tokens_dropped']:,} tokens dropped"
 
 
-def _unsupervised_line(ov: dict[str, Any]) -> str | None:
-    """``"1 sample, 2 pieces left out (no supervised token): sample 3, sample 5 [0, 64), ..."`` or None."""
+def _at(where: dict[str, str], sample_id: int) -> str:
+    """``" (FILE:LINE)"`` of a sample in a summary's ``locations``, or ``""``."""
+    at = where.get(str(sample_id))
+    return f" ({at})" if at else ""
+
+
+def _overlong_line(summary: dict[str, Any]) -> str | None:
+    """``"sample 2: 412 tokens (chats.jsonl:4), sample 9: 5,000 tokens (...) and 3 more"``: the first 10 overlong
+    samples, with their ``locations`` when the summary has them; None when none is overlong (or for a plan with
+    groups, whose overflow line names the groups)."""
+    ov = summary["overflow"]
+    ids = ov.get("overlong_ids") or []
+    if not ids or ov.get("overlong_group_ids"):
+        return None
+    where = summary.get("locations") or {}
+    lengths = ov.get("overlong_lengths") or []
+    named = [
+        f"sample {i}" + (f": {lengths[k]:,} tokens" if k < len(lengths) else "") + _at(where, i)
+        for k, i in enumerate(ids[:10])
+    ]
+    more = len(ids) - len(named)
+    return ", ".join(named) + (f" and {more:,} more" if more else "")
+
+
+def _unsupervised_line(ov: dict[str, Any], where: dict[str, str] | None = None) -> str | None:
+    """``"1 sample, 2 pieces left out (no supervised token): sample 3, sample 5 [0, 64), ..."`` or None; each
+    named with its place in ``where`` (a summary's ``locations``) when known."""
     ids = ov.get("unsupervised_ids") or []
     pieces = ov.get("unsupervised_pieces") or []
     if not ids and not pieces:
         return None
-    named = [f"sample {i}" for i in ids[:10]]
-    named += [f"sample {s} [{a}, {b})" for s, a, b in pieces[: 10 - len(named)]]
+    where = where or {}
+    named = [f"sample {i}{_at(where, i)}" for i in ids[:10]]
+    named += [f"sample {s} [{a}, {b}){_at(where, s)}" for s, a, b in pieces[: 10 - len(named)]]
     more = len(ids) + len(pieces) - len(named)
     counts = [f"{len(ids):,} sample(s)" if ids else "", f"{len(pieces):,} piece(s)" if pieces else ""]
     return (
@@ -129,7 +156,8 @@ def summary_table(summary: dict[str, Any]) -> Any:
     """The ``varpack plan`` table of a :func:`plan_summary` (a ``rich.table.Table``; print it with
     ``rich.console.Console().print``). Rows: data, pairs (when ``preference_pairs`` is given: ``varpack plan
     --objective dpo``), format (when ``formats`` is given), samples, tokens, packs, lower bound, fill, overflow,
-    time (when ``seconds`` is given)."""
+    overlong (the first 10 overlong samples: id, tokens and, with ``locations``, ``FILE:LINE``), no loss (samples
+    left out for want of a supervised token), time (when ``seconds`` is given)."""
     from rich.table import Table
 
     ov = summary["overflow"]
@@ -158,7 +186,10 @@ def summary_table(summary: dict[str, Any]) -> Any:
     table.add_row("lower bound", f"{summary['lower_bound_packs']:,}")
     table.add_row("fill", f"{summary['fill_ratio']:.4%}")
     table.add_row("overflow", over)
-    unsup = _unsupervised_line(ov)
+    overlong = _overlong_line(summary)
+    if overlong:
+        table.add_row("overlong", overlong)
+    unsup = _unsupervised_line(ov, summary.get("locations"))
     if unsup:
         table.add_row("no loss", unsup)
     stream = _stream_line(summary)
@@ -177,9 +208,9 @@ def summary_text(summary: dict[str, Any]) -> str:
         summary: from :func:`plan_summary` (or :meth:`varpack.plan.streaming.StreamingPacker.summary`).
 
     Returns:
-        Lines ``packing report (...)``, data, samples, packs, tokens, fill, overflow[, no loss: the samples
-        and pieces left out for want of a supervised token, the first 10 by sample id and token range]
-        [, stream].
+        Lines ``packing report (...)``, data, samples, packs, tokens, fill, overflow[, overlong: the first 10
+        overlong samples by id, tokens and, with ``locations``, ``FILE:LINE``][, no loss: the samples and pieces
+        left out for want of a supervised token, the first 10 by sample id and token range][, stream].
     """
     ov = summary["overflow"]
     over = _overflow_line(ov, split=" into {:,} pieces)")
@@ -193,7 +224,10 @@ def summary_text(summary: dict[str, Any]) -> str:
         f"  fill      {summary['fill_ratio']:.2%}",
         f"  overflow  {over}",
     ]
-    unsup = _unsupervised_line(ov)
+    overlong = _overlong_line(summary)
+    if overlong:
+        lines.append(f"  overlong  {overlong}")
+    unsup = _unsupervised_line(ov, summary.get("locations"))
     if unsup:
         lines.append(f"  no loss   {unsup}")
     stream = _stream_line(summary)

@@ -245,17 +245,19 @@ def build_sft(
         model, encoded, dataset, report = _streaming_dataset(config, model, tokenizer, encoded, load)
         plan = summary = None
     else:
+        files: tuple[str, ...] = ()  # the files sample i is row i of (not for given samples or pairs)
         if encoded is None and dpo:
             from varpack.data.preference import encode_pairs, load_pairs
 
             encoded = encode_pairs(load_pairs(config.data), tokenizer)
         elif encoded is None:
             model, encoded, data_label, config = _load_samples(config, model, tokenizer, load)
+            files = tuple(config.data or ())
         if dpo:
             data_label += f" ({len(encoded) // 2:,} preference pairs, each in one pack)"
-        lengths, plan = _plan_packs(config, encoded, data_label)
+        lengths, plan = _plan_packs(config, encoded, data_label, files)
         dataset = PackedDataset(encoded, plan, shuffle=False)  # the pack sampler orders the packs
-        summary = plan_summary(plan, lengths, data=data_label)
+        summary = plan_summary(plan, lengths, data=data_label, **_locations(plan, files))
         report = summary_text(summary)
     objective: Any = "sft"
     if dpo:
@@ -633,9 +635,33 @@ def _load_samples(
     return loaded[0], source.samples, source.source, config
 
 
-def _plan_packs(config: SFTConfig, encoded: Any, data_label: str) -> tuple[np.ndarray, Any]:
+def _locate(files: tuple[str, ...]) -> Callable[[Any], dict[int, str]] | None:
+    """``locate(sample_ids) -> {sample_id: "FILE:LINE"}`` over the data files sample ``i`` is row ``i`` of
+    (:func:`varpack.data.chat.locate_samples`); None without files."""
+    if not files:
+        return None
+    from varpack.data.chat import locate_samples
+
+    return lambda ids: locate_samples(files, ids)
+
+
+def _locations(plan: Any, files: tuple[str, ...]) -> dict[str, Any]:
+    """``{"locations": {"sample_id": "FILE:LINE"}}`` of the overlong and left-out samples of ``plan`` (the
+    packing report names them with it), or ``{}``."""
+    ov = plan.overflow
+    named = ov["overlong_ids"] + ov["unsupervised_ids"] + [s for s, _, _ in ov["unsupervised_pieces"]]
+    locate = _locate(files)
+    if locate is None or not named:
+        return {}
+    return {"locations": {str(i): w for i, w in sorted(locate(named).items())}}
+
+
+def _plan_packs(
+    config: SFTConfig, encoded: Any, data_label: str, files: tuple[str, ...] = ()
+) -> tuple[np.ndarray, Any]:
     """``(lengths [N] int64, PackPlan)`` of the encoded samples, with ``config``'s packing settings
-    (:func:`plan_samples`); with ``objective="dpo"`` a preference pair (samples 2k, 2k + 1) stays in one pack."""
+    (:func:`plan_samples`); with ``objective="dpo"`` a preference pair (samples 2k, 2k + 1) stays in one pack.
+    ``files``: the data files sample ``i`` is row ``i`` of (an overlong sample's error names its FILE:LINE)."""
     groups = None
     if config.objective == "dpo":
         from varpack.data.preference import pair_groups
@@ -650,6 +676,7 @@ def _plan_packs(config: SFTConfig, encoded: Any, data_label: str) -> tuple[np.nd
         data_label=data_label,
         groups=groups,
         group_noun="pair",
+        locate=None if groups is not None else _locate(files),
     )
 
 
@@ -663,6 +690,7 @@ def plan_samples(
     data_label: str = "the data",
     groups: Any = None,
     group_noun: str = "group",
+    locate: Callable[[Any], dict[int, str]] | None = None,
 ) -> tuple[np.ndarray, Any]:
     """``(lengths [N] int64, PackPlan)`` of encoded samples (a ``datasets.Dataset`` with a ``length`` column,
     or a sequence of dicts): :func:`varpack.plan.plan_packs` (``groups``: its group constraint, e.g. preference
@@ -670,7 +698,9 @@ def plan_samples(
     to train on. Without ``groups``, a sample or a piece of ``truncate`` / ``split`` with no supervised token is
     left out of the packs and reported by id (``plan.overflow["unsupervised_ids"]`` / ``["unsupervised_pieces"]``,
     :func:`varpack.data.dataset.supervised_ranges`): no pack, so no optimizer step, is made of them.
-    Shared by :func:`build_sft` and :class:`varpack.train.trl.VarpackSFTTrainer`.
+    Shared by :func:`build_sft` and :class:`varpack.train.trl.VarpackSFTTrainer`. ``locate``: where samples come
+    from (``locate(sample_ids) -> {sample_id: "FILE:LINE"}``), named in the error of overlong samples
+    (:func:`varpack.plan.plan_packs`).
 
     Raises:
         ValueError: no pack left to train on (every sample dropped or empty), or a split / truncated piece
@@ -693,6 +723,7 @@ def plan_samples(
         groups=groups,
         supervised=supervised,
         group_noun=group_noun,
+        locate=locate,
     )
     if plan.num_packs == 0:  # training would do nothing and save the untrained model as if it had trained
         ov = plan.overflow
