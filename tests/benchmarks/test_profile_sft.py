@@ -1,0 +1,61 @@
+"""benchmarks/profile_sft.py: a host call's source named from its own Python frames or, for a CUDA runtime call the
+profiler links to none, from the frame open at its start (negative control: a call outside every frame stays
+unnamed); the CPU smoke run of `varpack sft` under the profile window, with its argument checks."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.profile_sft import _Frames, main
+
+
+def _evt(name, start, end, parent=None, thread=1):
+    return SimpleNamespace(
+        name=name, time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent, thread=thread
+    )
+
+
+def test_sources_from_parents_and_from_the_open_frame():
+    loop = _evt("transformers/trainer.py(1902): _run_epoch", 0, 100)
+    step = _evt("accelerate/optimizer.py(152): step", 10, 20, parent=loop)
+    torch_frame = _evt("torch/optim/adamw.py(40): step", 11, 19, parent=step)
+    item = _evt("aten::_local_scalar_dense", 12, 13, parent=torch_frame)
+    runtime = _evt("cudaStreamSynchronize", 30, 31)  # no parent: the profiler linked it to no frame
+    outside = _evt("cudaStreamSynchronize", 200, 201)
+    other_thread = _evt("cudaStreamSynchronize", 15, 16, thread=7)
+    where = _Frames([loop, step, torch_frame, item, runtime, outside, other_thread])
+    assert where.source(item) == "accelerate/optimizer.py(152): step < transformers/trainer.py(1902): _run_epoch"
+    assert where.source(runtime) == "transformers/trainer.py(1902): _run_epoch"
+    assert where.source(other_thread).startswith("accelerate/optimizer.py(152): step")  # any thread's frame
+    assert where.source(outside) == "?"
+
+
+def test_argument_checks():
+    with pytest.raises(SystemExit):
+        main(["--start", "2", "--steps", "3", "--", "--model", "tiny-qwen3"])
+    with pytest.raises(SystemExit):
+        main(["--start", "3", "--steps", "2"])  # no varpack sft flags
+    with pytest.raises(SystemExit):  # the run ends before the profiled window
+        main(["--start", "3", "--steps", "2", "--", "--model", "tiny-qwen3", "--max-steps", "4"])
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = main([
+        "--start", "2", "--steps", "1", "--out", str(out), "--", "--model", "tiny-qwen3", "--packing-length",
+        "1024", "--max-steps", "3", "--overflow", "drop", "--no-save", "--output-dir", str(tmp_path / "o"),
+    ])  # fmt: skip
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["device"] == "cpu" and r["steps_profiled"] == [2, 3]
+    assert r["wall_ms_per_step_unprofiled"] > 0 and r["wall_ms_per_step"] > 0
+    total = sum(r["kernel_ms_per_step"].values())
+    assert total == pytest.approx(r["kernel_total_ms_per_step"], rel=1e-6)
+    # AdamW on the CPU reads its step counts on the host: each such read named with the Python line making it
+    reads = [s for s in r["syncs"] if s["call"] == "aten::_local_scalar_dense"]
+    assert reads and all(s["source"] != "?" for s in reads)
+    assert "wall (no profiler)" in capsys.readouterr().out
