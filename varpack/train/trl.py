@@ -82,6 +82,12 @@ What changes, and what TRL keeps:
      ``trainer.liger_applied`` are ``False``, as run), and the ``speed`` line says so; where the layers stay
      eager, ``Trainer.train`` applies Liger's (eager Liger layers + the linear CE). With ``torch_compile=True`` or ``compile_layers=True`` it is refused. ``bf16=True`` (float32 master weights
      under autocast) runs every step above.
+  5. No host sync per step: ``logging_nan_inf_filter=True`` (TRL's default) runs on the device
+     (:class:`varpack.train.trainer.PackedLossMixin`: the same logged loss, ``trainer.args.logging_nan_inf_filter``
+     reads ``False`` and ``trainer.nan_inf_filter_on_device`` ``True``), and on CUDA the pinned batches are
+     copied without blocking (:func:`varpack.train.trainer.non_blocking_copies`;
+     ``trainer.args.accelerator_config.non_blocking`` is ``True``, as run). The user's ``args`` object is not
+     changed.
 
 Refused, with the setting named (each would mix samples, cut them, or train another loss): a model given by
 name (load it first: TRL would load it on another attention), ``packing=True`` / ``eval_packing=True`` (TRL's
