@@ -11,7 +11,9 @@ then profiles steps ``[--start, --start + --steps)`` with ``torch.profiler`` (``
   (:mod:`benchmarks._profile_attr`, as benchmarks/profile_step.py);
 - every host call that waits for the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
   ``cudaEventSynchronize``, a blocking ``cudaMemcpy``, ``aten::_local_scalar_dense``), per step, with the wait
-  and the Python line that made it;
+  and the Python line that made it (where the profiler records Python frames);
+- on CUDA, every synchronising call torch reports under ``torch.cuda.set_sync_debug_mode("warn")`` in the
+  profiled window, with the Python lines that made it (:class:`SyncSites`; on any torch build);
 - the longest device idle intervals and the host calls running during each.
 
 Both timed windows start from a synchronised device, so each counts one pipeline fill: use ``--steps`` of 5 or
@@ -30,6 +32,8 @@ import json
 import re
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +95,47 @@ class _Frames:
         return " < ".join(found[:frames]) if found else "?"
 
 
+class SyncSites:
+    """While on, every synchronising CUDA call (``torch.cuda.set_sync_debug_mode("warn")``) is recorded with the
+    innermost Python frames outside torch that made it: the sources of the host waits, on any torch (the
+    profiler's Python frames are not recorded by every build)."""
+
+    def __init__(self) -> None:
+        self.sites: dict[str, int] = {}
+        self._saved: Any = None
+
+    def start(self) -> None:
+        import torch
+
+        self._saved = (warnings.showwarning, warnings.filters[:])
+        warnings.simplefilter("always")
+
+        def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+            if "synchroniz" not in str(message):
+                return self._saved[0](message, category, filename, lineno, file, line)
+            frames = [
+                f"{f.filename.split('site-packages/')[-1]}({f.lineno}): {f.name}"
+                for f in reversed(traceback.extract_stack())
+                if "/torch/" not in f.filename and "warnings" not in f.filename and f.filename != __file__
+            ]
+            key = " < ".join(frames[:3]) or "?"
+            self.sites[key] = self.sites.get(key, 0) + 1
+
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning, warnings.filters[:] = self._saved
+
+
 class ProfileWindow(TrainerCallback):
     """Trainer callback: times steps ``[start - steps, start)``, profiles ``[start, start + steps)``."""
 
-    def __init__(self, start: int, steps: int, cuda: bool) -> None:
-        self.start, self.steps, self.cuda = start, steps, cuda
+    def __init__(self, start: int, steps: int, cuda: bool, sync_sites: SyncSites | None = None) -> None:
+        self.start, self.steps, self.cuda, self.sync_sites = start, steps, cuda, sync_sites
         self.prof: Any = None
         self.t0 = 0.0
         self.timed_s: float | None = None
@@ -120,12 +160,16 @@ class ProfileWindow(TrainerCallback):
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self.prof = profile(activities=acts, record_shapes=True, with_stack=True)
             self.prof.__enter__()
+            if self.sync_sites is not None:
+                self.sync_sites.start()
             self.t0 = time.perf_counter()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.prof is not None and self.profiled_s is None and state.global_step == self.start + self.steps:
             self._sync()
             self.profiled_s = time.perf_counter() - self.t0
+            if self.sync_sites is not None:
+                self.sync_sites.stop()
             self.prof.__exit__(None, None, None)
 
 
@@ -202,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     if config.max_steps is not None and config.max_steps < args.start + args.steps:
         p.error(f"--max-steps {config.max_steps} ends before the profiled window ({args.start + args.steps})")
     cuda = torch.cuda.is_available()
-    window = ProfileWindow(args.start, args.steps, cuda)
+    sites = SyncSites() if cuda else None
+    window = ProfileWindow(args.start, args.steps, cuda, sites)
     build = sft.build_sft
 
     def build_with_window(*a: Any, **k: Any) -> Any:
@@ -241,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         "syncs": _syncs(events, args.steps, where),
         "longest_idle": _idle_gaps(events, dev_events, where) if cuda else [],
         "tokens_per_second_logged": tokens,
+        "sync_sites": (
+            [{"per_step": n / args.steps, "source": k} for k, n in sorted(sites.sites.items(), key=lambda kv: -kv[1])]
+            if sites is not None
+            else []
+        ),
     }
     ms = "ms/step"
     print(f"\n{result['command']}  [{result['device']}, {result['batch_copies']} batch copies]")
@@ -253,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     print("host waits for the device (per step):")
     for r in result["syncs"][:12]:
         print(f"  {r['call']:28s} x{r['per_step']:6.1f}  {r['wait_ms_per_step']:7.3f} ms  {r['source']}")
+    if result["sync_sites"]:
+        print('synchronising CUDA calls (torch.cuda.set_sync_debug_mode("warn"), per step):')
+        for r in result["sync_sites"][:12]:
+            print(f"  x{r['per_step']:6.1f}  {r['source']}")
     if result["longest_idle"]:
         print("longest device idle intervals:")
         for g in result["longest_idle"]:

@@ -5,11 +5,12 @@ unnamed); the CPU smoke run of `varpack sft` under the profile window, with its 
 from __future__ import annotations
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.profile_sft import _Frames, main
+from benchmarks.profile_sft import SyncSites, _Frames, main
 
 
 def _evt(name, start, end, parent=None, thread=1):
@@ -59,3 +60,30 @@ def test_cpu_smoke_run(tmp_path, capsys):
     reads = [s for s in r["syncs"] if s["call"] == "aten::_local_scalar_dense"]
     assert reads and all(s["source"] != "?" for s in reads)
     assert "wall (no profiler)" in capsys.readouterr().out
+
+
+def _reads_the_device():
+    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+
+def test_sync_sites_record_the_calling_line(monkeypatch):
+    import torch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    sites = SyncSites()
+    sites.start()
+    try:
+        for _ in range(2):  # one call site
+            _reads_the_device()
+        with pytest.warns(DeprecationWarning):  # any other warning is shown as before
+            warnings.warn("unrelated", DeprecationWarning, stacklevel=1)
+    finally:
+        sites.stop()
+    assert modes == ["warn", "default"]
+    [(site, n)] = sites.sites.items()
+    assert n == 2 and "_reads_the_device" in site.split(" < ")[0]
+    _reads_the_device_after = sites.sites.copy()
+    with pytest.warns(UserWarning):  # stopped: nothing recorded any more
+        _reads_the_device()
+    assert sites.sites == _reads_the_device_after
