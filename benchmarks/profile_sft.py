@@ -166,10 +166,10 @@ class ProfileWindow(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.prof is not None and self.profiled_s is None and state.global_step == self.start + self.steps:
-            self._sync()
-            self.profiled_s = time.perf_counter() - self.t0
             if self.sync_sites is not None:
                 self.sync_sites.stop()
+            self._sync()
+            self.profiled_s = time.perf_counter() - self.t0
             self.prof.__exit__(None, None, None)
 
 
