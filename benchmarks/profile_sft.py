@@ -22,7 +22,7 @@ more. ``--start`` must leave the warm-up (compiles, graph captures, autotuning) 
     python benchmarks/profile_sft.py --start 30 --steps 6 --out p.json -- --model qwen3-0.6b-shape \\
         --dtype bfloat16 --packing-length 8192 --data code_alpaca.jsonl --max-steps 40
     python benchmarks/profile_sft.py --start 3 --steps 2 -- --model tiny-qwen3 --packing-length 256 \\
-        --max-steps 6 --device cpu                                          # CPU smoke run (op time)
+        --overflow split --max-steps 6 --no-save                           # CPU smoke run (op time)
 """
 
 from __future__ import annotations

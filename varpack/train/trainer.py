@@ -92,9 +92,11 @@ FILTER_ON_DEVICE: bool = _trainer_keeps_window_on_self()
 
 
 def finite_or_window_mean(loss: Any, window_sum: Any, steps: int) -> Any:
-    """Trainer's ``logging_nan_inf_filter`` without a host read: ``loss`` where it is finite, else the mean
-    of the logging window so far, ``window_sum / steps`` (``steps`` = 1 + optimizer steps since the last
-    log), which is what ``Trainer`` adds in place of a NaN or inf micro-batch loss.
+    """Trainer's ``logging_nan_inf_filter`` without a host read: ``loss`` where it is finite, else
+    ``window_sum / steps`` (``steps`` = 1 + optimizer steps since the last log), exactly what ``Trainer`` adds in
+    place of a NaN or inf micro-batch loss (not a mean of the window's losses: it under-reports, as Trainer's).
+    Turn the filter off with ``trainer.nan_inf_filter_on_device = False`` (``trainer.args.logging_nan_inf_filter``
+    reads ``False`` once the filter runs on the device).
 
     Args:
         loss: one micro-batch's detached loss, a 0-d float tensor.
