@@ -16,15 +16,15 @@ from tests.train.test_cli_sft import VOCAB, _Tok, synthetic_samples
 from varpack.models import load_model
 from varpack.train import SFTConfig, run_sft
 from varpack.train import trainer as trainer_module
-from varpack.train.trainer import FILTER_ON_DEVICE, finite_or_window_mean, non_blocking_copies
+from varpack.train.trainer import FILTER_ON_DEVICE, nan_inf_filtered_loss, non_blocking_copies
 
 
-def test_finite_or_window_mean():
+def test_nan_inf_filtered_loss():
     window = torch.tensor(6.0)
-    assert finite_or_window_mean(torch.tensor(2.5), window, 3).item() == 2.5
+    assert nan_inf_filtered_loss(torch.tensor(2.5), window, 3).item() == 2.5
     for bad in (float("nan"), float("inf"), float("-inf")):
-        assert finite_or_window_mean(torch.tensor(bad), window, 3).item() == 2.0
-    assert finite_or_window_mean(torch.tensor(float("nan")), torch.tensor(0.0), 1).item() == 0.0
+        assert nan_inf_filtered_loss(torch.tensor(bad), window, 3).item() == 2.0
+    assert nan_inf_filtered_loss(torch.tensor(float("nan")), torch.tensor(0.0), 1).item() == 0.0
 
 
 def test_this_transformers_keeps_the_window_where_the_filter_reads_it():

@@ -41,7 +41,7 @@ __all__ = [
     "compiled_graphs",
     "describe_engine",
     "describe_speed",
-    "finite_or_window_mean",
+    "nan_inf_filtered_loss",
     "make_pack_sampler",
     "non_blocking_copies",
     "step_metrics",
@@ -70,7 +70,7 @@ class PackEpochCallback(TrainerCallback):
 def _trainer_keeps_window_on_self() -> bool:
     """Whether this transformers' training loop keeps the logging window's loss sum in ``Trainer._tr_loss``
     and its first step in ``_globalstep_last_logged``, and filters a non-finite step's loss with them
-    (what :func:`finite_or_window_mean` reproduces)."""
+    (what :func:`nan_inf_filtered_loss` reproduces)."""
     import inspect
 
     try:
@@ -91,7 +91,7 @@ def _trainer_keeps_window_on_self() -> bool:
 FILTER_ON_DEVICE: bool = _trainer_keeps_window_on_self()
 
 
-def finite_or_window_mean(loss: Any, window_sum: Any, steps: int) -> Any:
+def nan_inf_filtered_loss(loss: Any, window_sum: Any, steps: int) -> Any:
     """Trainer's ``logging_nan_inf_filter`` without a host read: ``loss`` where it is finite, else
     ``window_sum / steps`` (``steps`` = 1 + optimizer steps since the last log), exactly what ``Trainer`` adds in
     place of a NaN or inf micro-batch loss (not a mean of the window's losses: it under-reports, as Trainer's).
@@ -105,6 +105,8 @@ def finite_or_window_mean(loss: Any, window_sum: Any, steps: int) -> Any:
 
     Returns:
         A 0-d tensor on ``loss``'s device, ``window_sum``'s dtype where ``loss`` is not finite.
+
+    Source: transformers ``Trainer._run_epoch`` (the ``logging_nan_inf_filter`` branch), 5.x.
     """
     import torch
 
@@ -116,7 +118,12 @@ def non_blocking_copies(args: Any) -> Any:
     (``dataloader_pin_memory``): accelerate then copies each batch to the device without waiting for the device
     (``send_to_device(..., non_blocking=True)``), so the host prepares the next step while the device still runs
     this one. A blocking copy synchronises the stream once per tensor and step. Returns the config as given
-    otherwise (CPU runs, unpinned batches, a config that is not transformers' ``AcceleratorConfig``)."""
+    otherwise (CPU runs, unpinned batches, a config that is not transformers' ``AcceleratorConfig``); never
+    changes ``args``. Measured: benchmarks/RESULTS.md#user-level-sft (``benchmarks/profile_sft.py
+    --blocking-copies``).
+
+    Source: accelerate ``DataLoaderConfiguration.non_blocking`` / ``send_to_device``; transformers
+    ``AcceleratorConfig``."""
     import dataclasses
 
     import torch
@@ -157,7 +164,7 @@ class PackedLossMixin:
     ``logging_nan_inf_filter=True`` (Trainer's default, kept by TRL's ``SFTConfig``) makes Trainer read every
     micro-batch's loss on the host (a device sync per step, which leaves the GPU idle while the host prepares
     the next step). :meth:`_init_packed_loss` turns Trainer's check off and :meth:`training_step` applies the
-    same filter on the device (:func:`finite_or_window_mean`): the logged loss is the same, without the sync.
+    same filter on the device (:func:`nan_inf_filtered_loss`): the logged loss is the same, without the sync.
     Where this transformers keeps its logging window elsewhere (:data:`FILTER_ON_DEVICE` false) Trainer's own
     check stays.
     """
@@ -375,7 +382,7 @@ class PackedLossMixin:
             loss = super().training_step(model, inputs, *args, **kwargs)
         if getattr(self, "nan_inf_filter_on_device", False):
             steps = 1 + self.state.global_step - self._globalstep_last_logged
-            loss = finite_or_window_mean(loss, self._tr_loss, steps)
+            loss = nan_inf_filtered_loss(loss, self._tr_loss, steps)
         return loss
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
