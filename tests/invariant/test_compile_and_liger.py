@@ -385,3 +385,86 @@ def test_gpu_liger_then_compile_is_refused():
         for name, value in saved.items():
             if vars(modeling_qwen3).get(name) is not value:
                 setattr(modeling_qwen3, name, value)
+
+
+#: packs of other token counts T, sample counts N and longest samples max_seqlen than the first (a single-sample
+#: pack, N = 1, included): after the first pack none may add a graph
+PACK_SHAPES = [(40, 24), (5, 6, 5), (63,), (2, 3, 2, 3, 2, 3, 6), (30, 1, 17, 9)]
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3.5"])
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_no_graph_after_the_first_pack(name, dynamic):
+    """Compiled layers (``compile_layers``, attention and Gated DeltaNet mixers as graph breaks) trained over
+    packs of new T, N and max_seqlen compile no graph after the first pack: the pack's sizes and its Python-int
+    ``max_length_q/k`` are symbolic from the first trace. Negative control (``dynamic=False``): a graph
+    specialised to the first pack's sizes recompiles for the second, so the count would catch it."""
+    from torch._dynamo.utils import counters
+
+    from tests.invariant.test_gated_delta import _samples
+    from varpack.collate import PaddingFreeCollator
+    from varpack.integrations.transformers import enable_varpack
+    from varpack.models.gated_delta import tiny_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    if name == "tiny-qwen3":
+        model = load_model(name, vocab_size=VOCAB, attn_backend="reference")
+    else:
+        model = tiny_model(name, seed=1, vocab_size=VOCAB)
+        enable_varpack(model, linear_backend="chunk")
+    model.train()
+    compile_layers(model, backend="aot_eager", dynamic=dynamic)
+    counts = []
+    for i, lengths in enumerate(PACK_SHAPES):
+        batch = PaddingFreeCollator()(_samples(lengths, vocab=VOCAB, seed=i))
+        batch.pop("sample_ids", None)
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        counts.append(counters["stats"]["unique_graphs"])
+    assert counts[0] > 0
+    if dynamic:
+        assert counts == [counts[0]] * len(PACK_SHAPES), counts
+    else:
+        assert counts[1] > counts[0], counts
+
+
+def test_dynamic_inductor_options():
+    """Layers compiled by inductor for dynamic shapes get ``triton.mix_order_reduction_non_strict_mode`` (no
+    guard on the token count from the mix-order reduction's size thresholds); not for other backends, static
+    shapes or a given ``mode`` (torch takes ``mode`` or ``options``); the caller's options win."""
+    from varpack.integrations.kernels import DYNAMIC_INDUCTOR_OPTIONS, dynamic_inductor_options
+
+    key = "triton.mix_order_reduction_non_strict_mode"
+    assert DYNAMIC_INDUCTOR_OPTIONS == {key: True}
+    assert hasattr(torch._inductor.config.triton, key.split(".")[1])  # the torch this package is tested on has it
+    for dynamic in (True, None):
+        assert dynamic_inductor_options("inductor", dynamic, {}) == {"options": {key: True}}
+    assert dynamic_inductor_options("inductor", True, {"fullgraph": True, "options": {key: False, "a.b": 1}}) == {
+        "fullgraph": True, "options": {key: False, "a.b": 1},
+    }
+    assert dynamic_inductor_options("inductor", True, {"options": {"a.b": 1}}) == {"options": {key: True, "a.b": 1}}
+    assert dynamic_inductor_options("aot_eager", True, {}) == {}
+    assert dynamic_inductor_options("inductor", False, {}) == {}
+    assert dynamic_inductor_options("inductor", True, {"mode": "max-autotune"}) == {"mode": "max-autotune"}
+
+
+def test_compile_layers_passes_the_dynamic_inductor_options(monkeypatch):
+    """compile_layers hands the options to every layer's ``compile``; aot_eager layers get none (negative
+    control of the recorder)."""
+    seen = []
+    original = torch.nn.Module.compile
+
+    def record(self, *args, **kwargs):
+        seen.append(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", record)
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    n = compile_layers(model)
+    assert len(seen) == n and all(
+        kw["options"] == {"triton.mix_order_reduction_non_strict_mode": True} for kw in seen
+    ), seen
+    seen.clear()
+    compile_layers(load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference"), backend="aot_eager")
+    assert seen and all("options" not in kw for kw in seen), seen

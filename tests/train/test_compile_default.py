@@ -497,3 +497,26 @@ def test_compiled_run_keeps_mixers_as_graph_breaks(monkeypatch, name):
     config = SFTConfig(model=name, torch_compile=True, cuda_graphs=False)
     _prepare_model(config, load_model(name), lambda: None)
     assert seen == [{}], seen
+
+
+def test_compile_count_names_the_failed_guard():
+    """A recompilation after step 1 is named on the ``compile`` output by the guard that failed (dynamo's
+    ``recompile_reason``); step 1's own compilations are not listed. Negative control: a static-shape function
+    called with a new size recompiles, so a reason must appear."""
+    from varpack.train.trainer import CompileCountCallback
+
+    fn = torch.compile(lambda x: x * 3 - 1, backend="aot_eager", dynamic=False)
+    lines = []
+    cb = CompileCountCallback(print_fn=lines.append)
+    state = types.SimpleNamespace(global_step=0, is_world_process_zero=True)
+    cb.on_train_begin(None, state, None)
+    for step, size in ((1, 5), (2, 5), (3, 6)):  # step 3: a new size for a graph specialised to 5
+        state.global_step = step
+        fn(torch.ones(size))
+        cb.on_step_end(None, state, None)
+    cb.on_train_end(None, state, None)
+    assert (cb.first, cb.after_first, cb.last_step) == (1, 1, 3)
+    assert len(cb.reasons) == 1 and cb.reasons[0][0] == 3, cb.reasons
+    assert "size mismatch at index 0" in cb.reasons[0][1] and "expected 5, actual 6" in cb.reasons[0][1]
+    assert lines[0] == "compile   1 graphs compiled in step 1, 1 after it (last in step 3)"
+    assert lines[1].startswith("compile   recompiled (step 3): ") and "size mismatch" in lines[1]

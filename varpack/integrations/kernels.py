@@ -32,10 +32,12 @@ from typing import Any
 import torch
 
 __all__ = [
+    "DYNAMIC_INDUCTOR_OPTIONS",
     "LIGER_COMPILE_REFUSAL",
     "apply_liger_kernels",
     "compile_layers",
     "decoder_layers",
+    "dynamic_inductor_options",
     "liger_available",
 ]
 
@@ -157,6 +159,39 @@ def _without_duck_shapes(compiled: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+#: inductor options of a layer compiled for dynamic shapes (:func:`dynamic_inductor_options`)
+DYNAMIC_INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+def dynamic_inductor_options(backend: str, dynamic: bool | None, compile_kw: dict[str, Any]) -> dict[str, Any]:
+    """``compile_kw`` with the inductor options that keep one graph for packs of every token count ``T``.
+
+    Inductor's mix-order reduction (GPU / Triton only: it fuses a reduction over the hidden size with one over
+    the tokens, as in an RMSNorm backward, whose graph AOTAutograd compiles with the forward for symbolic
+    sizes) decides by size thresholds on the token count and guards on them: ``5242880 <= T * D``,
+    ``2 * D <= T``, ``4096 <= T``. A first pack of 8192 tokens then recompiles every layer for the first pack
+    under the thresholds. ``triton.mix_order_reduction_non_strict_mode`` skips those size checks (the fusion is
+    decided by the graph's structure alone), so no guard on ``T`` is added. Added for ``backend="inductor"``
+    with ``dynamic`` not ``False`` and no ``mode`` (torch takes ``mode`` or ``options``, not both), where this
+    torch has the option; options the caller gives win.
+
+    Returns:
+        A new dict: ``compile_kw`` with ``options`` completed, or ``compile_kw`` unchanged.
+    """
+    if backend != "inductor" or dynamic is False or "mode" in compile_kw:
+        return dict(compile_kw)
+    from torch._inductor import config as inductor_config
+
+    wanted = {
+        key: value
+        for key, value in DYNAMIC_INDUCTOR_OPTIONS.items()
+        if hasattr(getattr(inductor_config, key.split(".")[0], None), key.split(".")[1])
+    }
+    if not wanted:
+        return dict(compile_kw)
+    return {**compile_kw, "options": {**wanted, **(compile_kw.get("options") or {})}}
+
+
 def compile_layers(
     model: torch.nn.Module,
     *,
@@ -173,8 +208,9 @@ def compile_layers(
         backend: ``torch.compile`` backend (``"inductor"``; ``"aot_eager"`` traces without code generation,
             which the CPU tests use).
         dynamic: ``True`` (default) compiles for symbolic token counts once, so packs of every length reuse
-            the graph (traced without duck sizing: see :func:`_without_duck_shapes`); ``None`` lets torch
-            decide after the first recompilation.
+            the graph (traced without duck sizing: see :func:`_without_duck_shapes`; with inductor's
+            size-threshold guards of mix-order reductions off: see :func:`dynamic_inductor_options`); ``None``
+            lets torch decide after the first recompilation.
         custom_ops: ``False`` (default): varpack attention is a graph break in every layer. ``True``: it is
             traced as the ``varpack::varlen_attention`` custom op (:mod:`varpack.attn.custom_op`), one node
             of the layer's graph, so a dense decoder layer compiles whole (``fullgraph=True`` works). The
@@ -223,7 +259,7 @@ def compile_layers(
     for layer in layers:
         for module in layer.modules():  # read by varpack_attention_forward (its `module` argument)
             module._varpack_custom_op = bool(custom_ops)
-        layer.compile(backend=backend, dynamic=dynamic, **compile_kw)
+        layer.compile(backend=backend, dynamic=dynamic, **dynamic_inductor_options(backend, dynamic, compile_kw))
         layer._compiled_call_impl = _without_duck_shapes(layer._compiled_call_impl)
     model._varpack_compiled = {
         "backend": backend, "dynamic": dynamic, "layers": len(layers), "custom_ops": bool(custom_ops)

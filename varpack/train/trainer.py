@@ -582,32 +582,73 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _compile_records() -> list[Any]:
+    """dynamo's records of its latest frame compilations (``torch._dynamo.utils.get_compilation_metrics``, the
+    newest last; each has ``recompile_reason``: the first guard that failed, or None for a first compilation);
+    an empty list where this torch has none."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:  # pragma: no cover - a torch without compilation metrics
+        return []
+    return list(get_compilation_metrics())
+
+
 class CompileCountCallback(TrainerCallback):
     """Counts the graphs ``torch.compile`` compiles while training (:func:`compiled_graphs`, per optimizer step)
     and prints, on the main process when training ends, ``compile   <n> graphs compiled in step 1, <m> after
     it (last in step <s>)``: a step whose shapes were not seen before recompiles, and a steady run compiles
-    nothing after its first steps. ``after_first`` / ``last_step`` hold the figures."""
+    nothing after its first steps. A recompilation after step 1 is named by the guard that failed (dynamo's
+    ``recompile_reason``, e.g. ``tensor 'L['args'][0]' size mismatch at index 1``), up to
+    :attr:`MAX_REASONS` distinct ones on a second line ``compile   recompiled (step <s>): <reason>``.
+    ``after_first`` / ``last_step`` / ``reasons`` (``[(step, reason)]``) hold the figures."""
+
+    #: distinct recompilation reasons kept (the first ones seen) and printed
+    MAX_REASONS = 4
+    #: characters of one printed reason
+    REASON_CHARS = 300
 
     def __init__(self, print_fn: Any = print) -> None:
         self.print_fn = _bar_safe(print_fn)
         self.first = 0
         self.after_first = 0
         self.last_step = 0
+        self.reasons: list[tuple[int, str]] = []
         self._seen = 0
+        self._last_record: Any = None
+
+    def _new_records(self) -> list[Any]:
+        """The compilation records appended since the last call (all of them the first time)."""
+        records = _compile_records()
+        start = 0
+        for i in range(len(records) - 1, -1, -1):
+            if records[i] is self._last_record:
+                start = i + 1
+                break
+        self._last_record = records[-1] if records else None
+        return records[start:]
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._seen = compiled_graphs()
         self.first = self.after_first = self.last_step = 0
+        self.reasons = []
+        self._new_records()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = compiled_graphs()
         new, self._seen = now - self._seen, now
+        records = self._new_records()
         if not new:
             return
         if state.global_step <= 1:
             self.first += new
         else:
             self.after_first += new
+            known = {reason for _, reason in self.reasons}
+            for record in records:
+                reason = getattr(record, "recompile_reason", None)
+                if reason and reason not in known and len(self.reasons) < self.MAX_REASONS:
+                    self.reasons.append((state.global_step, str(reason)))
+                    known.add(reason)
         self.last_step = state.global_step
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -617,6 +658,11 @@ class CompileCountCallback(TrainerCallback):
         self.print_fn(
             f"compile   {self.first} graphs compiled in step 1, {self.after_first} after it{tail}"
         )
+        for step, reason in self.reasons:
+            text = " ".join(reason.split())
+            if len(text) > self.REASON_CHARS:
+                text = text[: self.REASON_CHARS - 3] + "..."
+            self.print_fn(f"compile   recompiled (step {step}): {text}")
 
 
 def _is_fully_sharded(model: Any) -> bool:
