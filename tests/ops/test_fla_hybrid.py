@@ -269,6 +269,60 @@ def test_hybrid_never_calls_flas_dqkwg():
     assert 'fns["chunk_bwd_dqkwg"]' not in inspect.getsource(fla_hybrid)
 
 
+@pytest.mark.parametrize("lengths", [[1], [64], [65, 0, 128, 1, 63], [0, 0, 3], [1] * 5 + [200]])
+def test_fla_chunk_indices_layout(lengths):
+    """varpack's host-built chunk indices == fla's layout ((sequence, chunk within it), sequence-major; a
+    zero-length sequence has no chunk), written out independently (the stand-in of fla's function)."""
+    from tests.ops._fla_standins import prepare_chunk_indices
+    from varpack.ops._fla import fla_chunk_indices
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    got = fla_chunk_indices(cu.to(torch.int32), "cpu")
+    assert got.dtype == torch.int64 and got.shape[1] == 2
+    assert torch.equal(got, prepare_chunk_indices(cu, 64))
+    # negative control: another chunk size gives other indices wherever a sequence is longer than it
+    if max(lengths) > 32:
+        assert not torch.equal(fla_chunk_indices(cu, "cpu", 32), got)
+
+
+def test_fla_chunk_indices_needs_host_offsets():
+    from varpack.ops._fla import fla_chunk_indices
+
+    with pytest.raises(ValueError, match="1-D CPU offsets"):
+        fla_chunk_indices(torch.tensor([[0, 3]]), "cpu")
+
+
+def test_hybrid_passes_its_own_chunk_indices(standins, monkeypatch):
+    """fla's own prepare_chunk_indices (a blocking host-to-device copy per call on CUDA) is never called: the
+    batch's indices come from the boundaries, and the pipeline still equals the naive recurrence."""
+    from tests.ops import _fla_standins
+    from varpack.ops import naive_recurrent_gated_delta_rule
+
+    fakes = _fla_standins.standins()
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return _fla_standins.prepare_chunk_indices(*a, **k)
+
+    fakes["prepare_chunk_indices"] = counted
+    monkeypatch.setattr(standins, "load_hybrid", lambda: (fakes, "ok"))
+    lengths = [5, 64, 1, 130]
+    ins, h0 = _gdr_inputs(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    o, s, grads = _fwd_bwd(_hybrid_fn(standins, cu), ins, h0, use_qk_l2norm_in_kernel=True)
+    o_r, s_r, grads_r = _fwd_bwd(
+        naive_recurrent_gated_delta_rule, ins, h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=True
+    )
+    assert calls == []
+    torch.testing.assert_close(o, o_r, atol=1e-10, rtol=1e-10)
+    for a, b in zip(grads, grads_r):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+    # negative control: without the batch's indices the forward asks fla for them
+    saved = standins._forward_impl(*ins, h0, 0.3, False, cu, cu, True, None)[2]
+    assert calls == [1] and torch.equal(saved[-1], _fla_standins.prepare_chunk_indices(cu, 64))
+
+
 def test_hybrid_refuses_cpu_and_missing_fla(monkeypatch):
     from varpack.ops.gated_delta_rule import fla_hybrid_gated_delta_rule
 
@@ -535,8 +589,8 @@ def test_gpu_fla_hybrid_custom_op_equals_direct():
 
 @pytest.mark.gpu
 def test_gpu_fla_hybrid_is_sync_free():
-    """After a warm-up on the same boundaries (Triton compiles, fla's chunk-index cache), forward and backward
-    make no host sync (the CPU offsets are given)."""
+    """After a warm-up (Triton compiles), forward and backward on a new batch's boundaries make no host sync
+    (the CPU offsets are given; the chunk indices come with the boundaries)."""
     from tests.ops.test_gated_delta_rule import GPU_DIMS, _cu, _inputs
 
     lengths = [3, 500, 64, 1, 1000]
@@ -548,9 +602,10 @@ def test_gpu_fla_hybrid_is_sync_free():
         prepare_fla_hybrid_boundaries,
     )
 
-    bnd = prepare_fla_hybrid_boundaries(cu, "cuda")  # per batch (the model layers keep it on the VarlenMeta)
-
     def step():
+        # a new batch's boundaries every step (the model layers keep them on the VarlenMeta): fla's own
+        # per-tensor cache of chunk indices would miss here and make a blocking copy
+        bnd = prepare_fla_hybrid_boundaries(cu, "cuda")
         leaves = [x.clone().requires_grad_() for x in ins]
         o, _ = fla_hybrid_gated_delta_rule(
             *leaves,

@@ -119,3 +119,41 @@ def test_gpu_conv_matches_reference_and_fla_if_usable():
         )
     y32 = short_conv_reference(xb.float(), wb.float(), None, "silu", cu_seqlens=cu)
     assert (y_fla.float() - y32).abs().max() < 2e-2 * y32.abs().max() + 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_fla_conv_with_chunk_indices_is_sync_free_and_exact():
+    """fla's short conv given the batch's chunk indices (varpack.ops._fla.fla_chunk_indices): the same output
+    as the reference, and forward + backward on a new batch's tensors make no host sync (without them fla
+    builds its own with a blocking copy)."""
+    from varpack.ops._fla import fla_chunk_indices
+    from varpack.ops.short_conv import fla_conv_status
+
+    D = 256
+    if not all(s[0] for s in fla_conv_status("cuda", (D, 4))):
+        pytest.skip("fla conv unusable here")
+    lengths = LENGTHS * 20
+    x, w, _ = _case(lengths, D=D)
+    cu = _cu(lengths).long()
+
+    xc, wc = x.detach().cuda().bfloat16(), w.detach().cuda().bfloat16()
+
+    def step():
+        xb, wb = xc.clone().requires_grad_(), wc.clone().requires_grad_()
+        y = short_conv(
+            xb, wb, None, "silu", cu_seqlens=cu.cuda(non_blocking=True), cu_seqlens_cpu=cu,
+            chunk_indices=fla_chunk_indices(cu, "cuda"), backend="fla",
+        )  # fmt: skip
+        y.float().sum().backward()
+        return y
+
+    y = step()
+    y32 = short_conv_reference(x.bfloat16().float(), w.bfloat16().float(), None, "silu", cu_seqlens=cu)
+    assert (y.float().cpu() - y32).abs().max() < 2e-2 * y32.abs().max() + 1e-3
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

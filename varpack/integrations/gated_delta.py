@@ -42,7 +42,7 @@ from varpack.integrations.recurrent import (
     mixer_name,
 )
 from varpack.models.registry import is_gated_delta_layer as _is_gdn
-from varpack.ops._fla import load_fla
+from varpack.ops._fla import fla_chunk_indices, load_fla
 from varpack.ops.gated_delta_rule import BACKENDS, ChunkLayout, gated_delta_rule, prepare_chunk_layout
 from varpack.ops.gated_delta_rule.custom_op import gated_delta_rule_op
 from varpack.ops.gated_delta_rule.dispatch import (
@@ -72,6 +72,14 @@ def _fla_hybrid_boundaries(meta: VarlenMeta, device: torch.device) -> FlaHybridB
     return meta.memo(
         ("fla_hybrid_boundaries", str(device)),
         lambda: prepare_fla_hybrid_boundaries(meta.cu_seqlens_cpu(), device),
+    )
+
+
+def _fla_chunk_indices(meta: VarlenMeta, device: torch.device) -> torch.Tensor:
+    """fla's chunk indices of this batch on ``device`` (:func:`varpack.ops._fla.fla_chunk_indices`), built once
+    and kept on the meta: fla's short conv then never makes its own blocking copy of them."""
+    return meta.memo(
+        ("fla_chunk_indices", str(device)), lambda: fla_chunk_indices(meta.cu_seqlens_cpu(), device)
     )
 
 
@@ -129,7 +137,11 @@ def _conv_and_rule(
     rule_backend = resolve_backend(backend, device, needs_grad=needs_grad, dims=dims)
     conv_backend = "auto" if backend in ("auto", "fla", "fla_hybrid") and device.type == "cuda" else "torch"
     if conv_backend != "torch":
-        conv_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
+        conv_kwargs = {
+            "cu_seqlens": meta.cu_seqlens_on(device)[0],
+            "cu_seqlens_cpu": meta.cu_seqlens_cpu(),
+            "chunk_indices": _fla_chunk_indices(meta, device),
+        }
     else:
         conv_kwargs = {"seq_idx": meta.seq_idx_on(device)}
     mixed = short_conv(

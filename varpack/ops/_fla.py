@@ -28,8 +28,10 @@ __all__ = [
     "autotune_notice",
     "FlaStatus",
     "bf16_randn",
+    "FLA_CHUNK_SIZE",
     "fla_causal_conv1d",
     "fla_chunk_gated_delta_rule",
+    "fla_chunk_indices",
     "fla_device",
     "first_line",
     "load_fla",
@@ -40,6 +42,8 @@ __all__ = [
 ]
 
 PROBE_TOL = 0.05  # relative max error allowed vs the fp32 reference (bf16 kernels)
+#: tokens per chunk of fla's chunked kernels (the gated delta rule and ``causal_conv1d`` of fla-core 0.6.0)
+FLA_CHUNK_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -323,8 +327,44 @@ def fla_chunk_gated_delta_rule(
     return o, (final.float() if final is not None else None)
 
 
-def fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu):
-    """Call fla's ``causal_conv1d`` (``x [B, T, D]``, ``weight [D, W]``) with ``cu_seqlens``."""
+def fla_chunk_indices(
+    cu_seqlens_cpu: torch.Tensor, device: torch.device | str, chunk_size: int = FLA_CHUNK_SIZE
+) -> torch.Tensor:
+    """fla's chunk indices of one batch, built on the host: ``[NT, 2]`` int64 on ``device``, row ``c`` =
+    (sequence, chunk within the sequence) of the ``c``-th chunk of ``chunk_size`` tokens, sequence-major (each
+    sequence's last chunk may be shorter; a zero-length sequence has none). The layout of fla's
+    ``fla.ops.utils.index.prepare_chunk_indices`` (fla-core 0.6.0), which every fla chunked kernel takes as
+    ``chunk_indices``.
+
+    Why: fla builds them itself on a cache miss of its per-tensor cache and moves them to the device with a
+    blocking copy (one ``cudaStreamSynchronize`` per call; 23 per step of a Qwen3.5-shaped model, measured with
+    ``benchmarks/profile_sft.py``). Built once per batch here and copied with ``non_blocking=True``, no call
+    waits for the device.
+
+    Args:
+        cu_seqlens_cpu: ``[N+1]`` offsets on the CPU (any integer dtype).
+        device: where the indices go.
+        chunk_size: tokens per chunk (fla's kernels: :data:`FLA_CHUNK_SIZE`).
+
+    Raises:
+        ValueError: offsets on a device other than the CPU, or not 1-D.
+    """
+    if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.dim() != 1:
+        raise ValueError(
+            f"fla_chunk_indices needs 1-D CPU offsets [N+1], got {tuple(cu_seqlens_cpu.shape)} on "
+            f"{cu_seqlens_cpu.device}"
+        )
+    lengths = torch.diff(cu_seqlens_cpu.to(torch.int64))
+    counts = (lengths + (chunk_size - 1)) // chunk_size
+    seq = torch.repeat_interleave(torch.arange(counts.numel(), dtype=torch.int64), counts)
+    first = torch.cumsum(counts, 0) - counts  # each sequence's first chunk
+    within = torch.arange(seq.numel(), dtype=torch.int64) - first[seq]
+    return torch.stack([seq, within], 1).to(device, non_blocking=True)
+
+
+def fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices=None):
+    """Call fla's ``causal_conv1d`` (``x [B, T, D]``, ``weight [D, W]``) with ``cu_seqlens``; ``chunk_indices``:
+    :func:`fla_chunk_indices` of the batch (fla builds them, with a blocking copy, when ``None``)."""
     _, conv, reason = load_fla()
     if conv is None:
         raise RuntimeError(
@@ -335,5 +375,7 @@ def fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu):
         kwargs["cu_seqlens"] = cu_seqlens.to(device=x.device, dtype=torch.int64, non_blocking=True)
         if cu_seqlens_cpu is not None:
             kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu.to(torch.int64)
+        if chunk_indices is not None:
+            kwargs["chunk_indices"] = chunk_indices
     y = conv(x, weight, bias, activation=activation, **kwargs)
     return y[0] if isinstance(y, tuple) else y

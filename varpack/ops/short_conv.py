@@ -196,6 +196,7 @@ def short_conv(
     seq_idx: torch.Tensor | None = None,
     backend: str = "torch",
     cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal depthwise convolution that never reads across a sample boundary.
 
@@ -216,6 +217,9 @@ def short_conv(
             ``causal_conv1d`` with ``cu_seqlens``; needs ``cu_seqlens``) or ``"auto"``
             (:func:`resolve_conv_backend`).
         cu_seqlens_cpu: CPU copy of a device ``cu_seqlens`` (fla backend; avoids a sync).
+        chunk_indices: fla backend: the batch's ``[NT, 2]`` chunk indices on ``x``'s device
+            (:func:`varpack.ops._fla.fla_chunk_indices` of ``cu_seqlens_cpu``); without them fla builds its own
+            with a blocking copy (one host wait per call). Ignored by the ``torch`` backend.
 
     Returns:
         ``[B, T, D]`` in ``x.dtype`` (computed in fp32, fp64 for fp64 inputs).
@@ -254,7 +258,7 @@ def short_conv(
                 raise ValueError(f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={B}")
             if cu_seqlens_cpu is None and cu_seqlens is not None and cu_seqlens.device.type == "cpu":
                 cu_seqlens_cpu = cu_seqlens
-            return fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu)
+            return fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
     if seq_idx is None and cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={B}")

@@ -50,7 +50,7 @@ import torch
 
 from varpack.varlen.boundaries import checked_host_cu_seqlens, seq_idx_from_cu_seqlens
 
-from .._fla import load_fla_internals
+from .._fla import FLA_CHUNK_SIZE, fla_chunk_indices, load_fla_internals
 from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, normalize_optional_cu
 
 __all__ = [
@@ -70,7 +70,6 @@ __all__ = [
     "prepare_fla_hybrid_boundaries",
 ]
 
-FLA_CHUNK_SIZE = 64
 RCP_LN2 = 1.0 / math.log(2.0)  # fla stores the chunk cumsum of g in log2 units (exp2 in its kernels)
 PRECISIONS = ("fp32", "mixed", "input")
 #: The replaced step's default precision: ``"mixed"``, fla's own kernel semantics. Measured on the H200
@@ -479,9 +478,10 @@ def _fns() -> dict:
     return fns
 
 
-def _forward_impl(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, cu_seqlens_cpu, l2):
-    """fla's forward (l2norm, chunk indices, ``chunk_gated_delta_rule_fwd``): ``(o, final_state, saved)``
-    with ``saved`` what the backward reads (fla's own choice of saved tensors)."""
+def _forward_impl(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, cu_seqlens_cpu, l2, chunk_indices):
+    """fla's forward (l2norm, ``chunk_gated_delta_rule_fwd``; the batch's ``chunk_indices``, built by fla when
+    ``None``): ``(o, final_state, saved)`` with ``saved`` what the backward reads (fla's own choice of saved
+    tensors)."""
     fns = _fns()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = h0.contiguous() if h0 is not None else None
@@ -490,9 +490,10 @@ def _forward_impl(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, c
         if l2:
             q, q_rstd = fns["l2norm_fwd"](q)
             k, k_rstd = fns["l2norm_fwd"](k)
-        chunk_indices = fns["prepare_chunk_indices"](
-            cu_seqlens, FLA_CHUNK_SIZE, cu_seqlens_cpu=cu_seqlens_cpu
-        )
+        if chunk_indices is None:
+            chunk_indices = fns["prepare_chunk_indices"](
+                cu_seqlens, FLA_CHUNK_SIZE, cu_seqlens_cpu=cu_seqlens_cpu
+            )
         gcum, o, A, final_state, _, _ = fns["chunk_gated_delta_rule_fwd"](
             q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK_SIZE,
@@ -540,10 +541,10 @@ def _backward_impl(saved, do, dht, scale, l2, plan, precision):
 class _FlaHybridGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                use_qk_l2norm_in_kernel, plan, precision):  # fmt: skip
+                use_qk_l2norm_in_kernel, plan, precision, chunk_indices):  # fmt: skip
         o, final_state, saved = _forward_impl(
             q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, cu_seqlens_cpu,
-            use_qk_l2norm_in_kernel,
+            use_qk_l2norm_in_kernel, chunk_indices,
         )  # fmt: skip
         ctx.save_for_backward(*saved)
         ctx.args = (scale, use_qk_l2norm_in_kernel, plan, precision)
@@ -558,7 +559,7 @@ class _FlaHybridGatedDeltaRule(torch.autograd.Function):
         h0 = saved[8]
         dts = ctx.dtypes
         return (dq.to(dts[0]), dk.to(dts[1]), dv.to(dts[2]), dg.to(dts[3]), db.to(dts[4]),
-                dh0.to(h0.dtype) if h0 is not None else None, None, None, None, None, None, None, None)  # fmt: skip
+                dh0.to(h0.dtype) if h0 is not None else None, None, None, None, None, None, None, None, None)  # fmt: skip
 
 
 def fla_hybrid_gated_delta_rule(
@@ -649,12 +650,13 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
 class FlaHybridBoundaries:
     """One batch's boundaries as ``fla_hybrid`` uses them, built once (:func:`prepare_fla_hybrid_boundaries`)
     and shared by every layer: ``cu_seqlens_cpu`` / ``cu_seqlens`` int64 ``[N+1]`` on the CPU and on the
-    device (the same device tensor for every layer, so fla's own per-tensor caches, e.g. of its chunk
-    indices, hit), and the :class:`DqkwgPlan`."""
+    device, the :class:`DqkwgPlan`, and fla's ``chunk_indices`` ``[NT, 2]`` int64 on the device
+    (:func:`varpack.ops._fla.fla_chunk_indices`: no layer waits for fla's own blocking copy of them)."""
 
     cu_seqlens_cpu: torch.Tensor
     cu_seqlens: torch.Tensor
     plan: DqkwgPlan
+    chunk_indices: torch.Tensor
 
 
 def prepare_fla_hybrid_boundaries(cu_seqlens_cpu: Any, device: torch.device | str) -> FlaHybridBoundaries:
@@ -668,7 +670,10 @@ def prepare_fla_hybrid_boundaries(cu_seqlens_cpu: Any, device: torch.device | st
     cu64 = cu_seqlens_to_cpu(cu_seqlens_cpu)
     checked_host_cu_seqlens(cu64)
     return FlaHybridBoundaries(
-        cu64, cu64.to(device, non_blocking=True), dqkwg_plan(cu64, FLA_CHUNK_SIZE, device=device)
+        cu64,
+        cu64.to(device, non_blocking=True),
+        dqkwg_plan(cu64, FLA_CHUNK_SIZE, device=device),
+        fla_chunk_indices(cu64, device, FLA_CHUNK_SIZE),
     )
 
 
@@ -692,7 +697,7 @@ def _hybrid(
         return o, fs
     o, final = _FlaHybridGatedDeltaRule.apply(
         q, k, v, g, beta, initial_state, scale, bool(output_final_state), bnd.cu_seqlens, bnd.cu_seqlens_cpu,
-        bool(use_qk_l2norm_in_kernel), bnd.plan, precision,
+        bool(use_qk_l2norm_in_kernel), bnd.plan, precision, bnd.chunk_indices,
     )  # fmt: skip
     o = o.reshape(B, T, H, V)
     return o, (final.to(acc_dtype(q)) if final is not None else None)
@@ -757,6 +762,7 @@ def _hybrid_backward(
         bnd.cu_seqlens,
         bnd.cu_seqlens_cpu,
         use_qk_l2norm_in_kernel,
+        bnd.chunk_indices,
     )
     do = do.reshape(1, B * T, H, V)
     dq, dk, dv, dg, db, dh0 = _backward_impl(
