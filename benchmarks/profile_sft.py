@@ -14,7 +14,11 @@ then profiles steps ``[--start, --start + --steps)`` with ``torch.profiler`` (``
   and the Python line that made it (where the profiler records Python frames);
 - on CUDA, every synchronising call torch reports under ``torch.cuda.set_sync_debug_mode("warn")`` in the
   profiled window, with the Python lines that made it (:class:`SyncSites`; on any torch build);
-- the longest device idle intervals and the host calls running during each.
+- the longest device idle intervals and the host calls running during each;
+- with ``--host-samples``, a third window of ``--steps`` steps after the profiled one in which a thread samples
+  the training thread's Python stack every millisecond (:class:`HostSampler`, no profiler): the share of the
+  host's wall time inside each function (inclusive) and on each line (innermost), i.e. where a host-bound step
+  spends its time.
 
 Both timed windows start from a synchronised device, so each counts one pipeline fill: use ``--steps`` of 5 or
 more. ``--start`` must leave the warm-up (compiles, graph captures, autotuning) behind it.
@@ -131,11 +135,91 @@ class SyncSites:
         warnings.showwarning, warnings.filters[:] = self._saved
 
 
-class ProfileWindow(TrainerCallback):
-    """Trainer callback: times steps ``[start - steps, start)``, profiles ``[start, start + steps)``."""
+class HostSampler:
+    """Samples one thread's Python stack every ``interval_s`` from a background thread (``sys._current_frames``)
+    while on: ``inclusive`` gives each function (``path:function``) on the stack, ``innermost`` the line being
+    run, the seconds since the previous sample (``seconds`` in all; ``samples`` taken). Weighting by time, not
+    by count: a thread running Python holds the GIL, so the sampler gets it only at the interpreter's switch
+    interval (5 ms), while a thread waiting in C (a sleep, a device sync) lets it sample every ``interval_s``.
+    Frames of this script are left out."""
 
-    def __init__(self, start: int, steps: int, cuda: bool, sync_sites: SyncSites | None = None) -> None:
-        self.start, self.steps, self.cuda, self.sync_sites = start, steps, cuda, sync_sites
+    def __init__(self, interval_s: float = 1e-3) -> None:
+        import threading
+
+        self.interval_s = interval_s
+        self.inclusive: dict[str, float] = {}
+        self.innermost: dict[str, float] = {}
+        self.samples = 0
+        self.seconds = 0.0
+        self._stop = threading.Event()
+        self._thread: Any = None
+        self._target = 0
+
+    @staticmethod
+    def _name(code: Any) -> str:
+        path = code.co_filename.split("site-packages/")[-1]
+        return f"{path}:{code.co_name}"
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(self.interval_s):
+            frame = sys._current_frames().get(self._target)
+            now = time.perf_counter()
+            dt, last = now - last, now
+            if frame is None:
+                continue
+            self.samples += 1
+            self.seconds += dt
+            seen, first = set(), True
+            while frame is not None:
+                code = frame.f_code
+                if code.co_filename != __file__:
+                    if first:
+                        line = f"{self._name(code)}({frame.f_lineno})"
+                        self.innermost[line] = self.innermost.get(line, 0.0) + dt
+                        first = False
+                    name = self._name(code)
+                    if name not in seen:
+                        seen.add(name)
+                        self.inclusive[name] = self.inclusive.get(name, 0.0) + dt
+                frame = frame.f_back
+
+    def start(self) -> None:
+        import threading
+
+        self._target = threading.get_ident()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="host-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def top(self, which: str, n: int = 25) -> list[dict[str, Any]]:
+        """The ``n`` ``"inclusive"`` functions or ``"innermost"`` lines with the most time, with their share of
+        the sampled time."""
+        times = self.inclusive if which == "inclusive" else self.innermost
+        total = max(self.seconds, 1e-12)
+        rows = sorted(times.items(), key=lambda kv: -kv[1])[:n]
+        return [{"share": t / total, "seconds": t, "where": k} for k, t in rows]
+
+
+class ProfileWindow(TrainerCallback):
+    """Trainer callback: times steps ``[start - steps, start)``, profiles ``[start, start + steps)``; with a
+    :class:`HostSampler`, samples the host over ``[start + steps, start + 2 * steps)``."""
+
+    def __init__(
+        self,
+        start: int,
+        steps: int,
+        cuda: bool,
+        sync_sites: SyncSites | None = None,
+        sampler: HostSampler | None = None,
+    ) -> None:
+        self.start, self.steps, self.cuda, self.sync_sites, self.sampler = start, steps, cuda, sync_sites, sampler
+        self.sampled_s: float | None = None
         self.prof: Any = None
         self.t0 = 0.0
         self.timed_s: float | None = None
@@ -171,6 +255,18 @@ class ProfileWindow(TrainerCallback):
             self._sync()
             self.profiled_s = time.perf_counter() - self.t0
             self.prof.__exit__(None, None, None)
+            if self.sampler is not None:
+                self.t0 = time.perf_counter()
+                self.sampler.start()
+        elif (
+            self.sampler is not None
+            and self.sampled_s is None
+            and self.profiled_s is not None
+            and state.global_step == self.start + 2 * self.steps
+        ):
+            self.sampler.stop()
+            self._sync()
+            self.sampled_s = time.perf_counter() - self.t0
 
 
 def _syncs(events: list[Any], steps: int, where: _Frames) -> list[dict[str, Any]]:
@@ -229,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the A/B control: batches copied to the device with blocking copies (Trainer's default) instead "
         "of varpack's non-blocking ones",
     )
+    p.add_argument(
+        "--host-samples",
+        action="store_true",
+        help="then sample the host's Python stack over --steps more steps (needs --max-steps >= start + 2 * steps)",
+    )
     args = p.parse_args(own)
     if args.start < args.steps or args.steps < 1:
         p.error("--start must be >= --steps >= 1 (the timed window precedes the profiled one)")
@@ -243,11 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="varpack sft")
     cli_sft.add_sft_arguments(parser)
     config = cli_sft.config_from_args(parser.parse_args(sft_argv))
-    if config.max_steps is not None and config.max_steps < args.start + args.steps:
-        p.error(f"--max-steps {config.max_steps} ends before the profiled window ({args.start + args.steps})")
+    end = args.start + (2 if args.host_samples else 1) * args.steps
+    if config.max_steps is not None and config.max_steps < end:
+        p.error(f"--max-steps {config.max_steps} ends before the last window ({end})")
     cuda = torch.cuda.is_available()
     sites = SyncSites() if cuda else None
-    window = ProfileWindow(args.start, args.steps, cuda, sites)
+    sampler = HostSampler() if args.host_samples else None
+    window = ProfileWindow(args.start, args.steps, cuda, sites, sampler)
     build = sft.build_sft
 
     def build_with_window(*a: Any, **k: Any) -> Any:
@@ -292,6 +395,17 @@ def main(argv: list[str] | None = None) -> int:
             else []
         ),
     }
+    if sampler is not None:
+        if window.sampled_s is None:
+            print("the host-sampled window was not reached (fewer steps ran?)", file=sys.stderr)
+            return 1
+        result["host_samples"] = {
+            "steps": [args.start + args.steps, args.start + 2 * args.steps],
+            "wall_ms_per_step": window.sampled_s * 1e3 / args.steps,
+            "samples": sampler.samples,
+            "inclusive": sampler.top("inclusive", 40),
+            "innermost": sampler.top("innermost", 25),
+        }
     ms = "ms/step"
     print(f"\n{result['command']}  [{result['device']}, {result['batch_copies']} batch copies]")
     print(f"wall (no profiler)   {result['wall_ms_per_step_unprofiled']:8.2f} {ms}")
@@ -311,6 +425,15 @@ def main(argv: list[str] | None = None) -> int:
         print("longest device idle intervals:")
         for g in result["longest_idle"]:
             print(f"  {g['idle_ms']:7.3f} ms  {g['host_innermost']}  {g['source']}")
+    if sampler is not None:
+        hs = result["host_samples"]
+        print(f"host samples (steps {hs['steps'][0]}-{hs['steps'][1]}, {hs['wall_ms_per_step']:.2f} ms/step, "
+              f"{hs['samples']} samples): functions (inclusive share of the host's time)")  # fmt: skip
+        for r in hs["inclusive"][:30]:
+            print(f"  {100 * r['share']:5.1f}%  {r['where']}")
+        print("  lines running (innermost):")
+        for r in hs["innermost"][:15]:
+            print(f"  {100 * r['share']:5.1f}%  {r['where']}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

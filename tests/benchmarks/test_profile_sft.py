@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.profile_sft import SyncSites, _Frames, main
+from benchmarks.profile_sft import HostSampler, SyncSites, _Frames, main
 
 
 def _evt(name, start, end, parent=None, thread=1):
@@ -60,6 +60,56 @@ def test_cpu_smoke_run(tmp_path, capsys):
     reads = [s for s in r["syncs"] if s["call"] == "aten::_local_scalar_dense"]
     assert reads and all(s["source"] != "?" for s in reads)
     assert "wall (no profiler)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_with_host_samples(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = main([
+        "--start", "2", "--steps", "1", "--host-samples", "--out", str(out), "--", "--model", "tiny-qwen3",
+        "--packing-length", "1024", "--max-steps", "4", "--overflow", "drop", "--no-save", "--output-dir",
+        str(tmp_path / "o"),
+    ])  # fmt: skip
+    assert rc == 0
+    hs = json.loads(out.read_text())["host_samples"]
+    assert hs["steps"] == [3, 4] and hs["samples"] > 0 and hs["wall_ms_per_step"] > 0
+    # the optimizer step and the model's forward run inside Trainer's training loop in every sample
+    loop = [r for r in hs["inclusive"] if r["where"].endswith("trainer.py:_inner_training_loop")]
+    assert loop and loop[0]["share"] > 0.5
+    assert "host samples" in capsys.readouterr().out
+
+
+def _spin(seconds):
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _sleep(seconds):
+    import time
+
+    time.sleep(seconds)
+
+
+def test_host_sampler_shares_follow_the_time_spent():
+    sampler = HostSampler(interval_s=1e-3)
+    sampler.start()
+    try:
+        _spin(0.3)
+        _sleep(0.1)
+    finally:
+        sampler.stop()
+    shares = {r["where"].split(":")[-1]: r["share"] for r in sampler.top("inclusive")}
+    assert sampler.samples > 50
+    assert 0.55 < shares["_spin"] < 0.95 and 0.1 < shares["_sleep"] < 0.45  # 3 : 1 of the time
+    lines = sampler.top("innermost")
+    assert lines[0]["where"].split("(")[0].endswith("test_profile_sft.py:_spin")
+    # stopped: no more samples
+    n = sampler.samples
+    _spin(0.05)
+    assert sampler.samples == n
 
 
 def _reads_the_device():
