@@ -135,10 +135,16 @@ class SyncSites:
         warnings.showwarning, warnings.filters[:] = self._saved
 
 
+_IDLE_FILES = ("/threading.py", "/queue.py", "/selectors.py")
+
+
 class HostSampler:
-    """Samples one thread's Python stack every ``interval_s`` from a background thread (``sys._current_frames``)
-    while on: ``inclusive`` gives each function (``path:function``) on the stack, ``innermost`` the line being
-    run, the seconds since the previous sample (``seconds`` in all; ``samples`` taken). Weighting by time, not
+    """Samples the Python stacks of every other thread every ``interval_s`` from a background thread
+    (``sys._current_frames``; the training thread, and autograd's device threads, where the backward of a CUDA
+    step runs its Python) while on: ``inclusive`` gives each function (``path:function``) on a stack,
+    ``innermost`` the line being run, the seconds since the previous sample (``seconds`` in all: the wall time
+    sampled; ``samples`` taken). Shares are of the wall time, so threads running at once add up past 100%.
+    Threads waiting in ``threading`` / ``queue`` are left out. Weighting by time, not
     by count: a thread running Python holds the GIL, so the sampler gets it only at the interpreter's switch
     interval (5 ms), while a thread waiting in C (a sleep, a device sync) lets it sample every ``interval_s``.
     Frames of this script are left out."""
@@ -153,7 +159,6 @@ class HostSampler:
         self.seconds = 0.0
         self._stop = threading.Event()
         self._thread: Any = None
-        self._target = 0
 
     @staticmethod
     def _name(code: Any) -> str:
@@ -161,33 +166,38 @@ class HostSampler:
         return f"{path}:{code.co_name}"
 
     def _run(self) -> None:
-        last = time.perf_counter()
+        import threading
+
+        me, last = threading.get_ident(), time.perf_counter()
         while not self._stop.wait(self.interval_s):
-            frame = sys._current_frames().get(self._target)
+            frames = sys._current_frames()
             now = time.perf_counter()
             dt, last = now - last, now
-            if frame is None:
-                continue
             self.samples += 1
             self.seconds += dt
-            seen, first = set(), True
-            while frame is not None:
-                code = frame.f_code
-                if code.co_filename != __file__:
-                    if first:
-                        line = f"{self._name(code)}({frame.f_lineno})"
-                        self.innermost[line] = self.innermost.get(line, 0.0) + dt
-                        first = False
-                    name = self._name(code)
-                    if name not in seen:
-                        seen.add(name)
-                        self.inclusive[name] = self.inclusive.get(name, 0.0) + dt
-                frame = frame.f_back
+            for ident, frame in frames.items():
+                # threads parked in threading / queue waits (tqdm's monitor, a loader's idle worker) do no work
+                if ident != me and not frame.f_code.co_filename.endswith(_IDLE_FILES):
+                    self._add(frame, dt)
+
+    def _add(self, frame: Any, dt: float) -> None:
+        seen, first = set(), True
+        while frame is not None:
+            code = frame.f_code
+            if code.co_filename != __file__:
+                name = self._name(code)
+                if first:
+                    line = f"{name}({frame.f_lineno})"
+                    self.innermost[line] = self.innermost.get(line, 0.0) + dt
+                    first = False
+                if name not in seen:
+                    seen.add(name)
+                    self.inclusive[name] = self.inclusive.get(name, 0.0) + dt
+            frame = frame.f_back
 
     def start(self) -> None:
         import threading
 
-        self._target = threading.get_ident()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="host-sampler", daemon=True)
         self._thread.start()

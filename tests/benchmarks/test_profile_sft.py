@@ -104,8 +104,8 @@ def test_host_sampler_shares_follow_the_time_spent():
     shares = {r["where"].split(":")[-1]: r["share"] for r in sampler.top("inclusive")}
     assert sampler.samples > 50
     assert 0.55 < shares["_spin"] < 0.95 and 0.1 < shares["_sleep"] < 0.45  # 3 : 1 of the time
-    lines = sampler.top("innermost")
-    assert lines[0]["where"].split("(")[0].endswith("test_profile_sft.py:_spin")
+    lines = [r["where"].split("(")[0] for r in sampler.top("innermost") if "test_profile_sft.py" in r["where"]]
+    assert lines[0].endswith("test_profile_sft.py:_spin")
     # stopped: no more samples
     n = sampler.samples
     _spin(0.05)
