@@ -5,7 +5,11 @@ Each sub-command module defines ``register(subparsers) -> argparse.ArgumentParse
 what it needs), so ``varpack --help``, ``varpack <command> --help`` and argument errors are quick.
 
 Flags are matched whole: no parser takes an abbreviation (``allow_abbrev=False``; ``--pack 4096`` is an
-unrecognized argument, not a prefix of some ``--packing-*`` flag), so a typo never lands on another flag.
+unrecognized argument, not a prefix of some ``--packing-*`` flag), so a typo never lands on another flag. An
+unrecognized flag is reported with the sub-command's closest flag (``--packing-lenght``: "did you mean
+--packing-length?"). Every sub-command takes the underscore spelling of its flags (``--packing_length``, as TRL
+and HF scripts write them): rewritten to the hyphen spelling before parsing, only where the sub-command has
+that flag.
 
 Exit codes are the same for every sub-command (:mod:`varpack.cli._common`): 2 for a usage error (argparse),
 1 for an error found while running (``varpack <command>: error: ...`` on stderr, no traceback), 0 otherwise.
@@ -14,6 +18,7 @@ Exit codes are the same for every sub-command (:mod:`varpack.cli._common`): 2 fo
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -43,6 +48,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sub_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser | None:
+    """The sub-command parser ``argv`` names (its first sub-command word), or ``None``."""
+    command = next((a for a in argv if a in SUBCOMMANDS), None)
+    for action in parser._actions:  # argparse keeps the sub-parsers here; there is no public accessor
+        if isinstance(action, argparse._SubParsersAction) and command is not None:
+            return action.choices.get(command)
+    return None
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    return [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+
+
+def hyphen_spellings(argv: list[str], sub: argparse.ArgumentParser | None) -> list[str]:
+    """``argv`` with each ``--under_score`` flag (or ``--under_score=value``) that ``sub`` lacks but has as
+    ``--under-score`` rewritten to that; everything after ``--`` and every other word unchanged."""
+    if sub is None:
+        return list(argv)
+    known, out = set(_flags(sub)), []
+    for i, word in enumerate(argv):
+        if word == "--":
+            return out + list(argv[i:])
+        flag, eq, value = word.partition("=")
+        if flag.startswith("--") and "_" in flag and flag not in known and flag.replace("_", "-") in known:
+            word = flag.replace("_", "-") + eq + value
+        out.append(word)
+    return out
+
+
+def _did_you_mean(extra: list[str], sub: argparse.ArgumentParser) -> str:
+    """`` (did you mean --x?)`` for the first unrecognized flag with a close flag of ``sub``, else ``""``."""
+    flags = _flags(sub)
+    for word in extra:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.partition("=")[0], flags, n=1, cutoff=0.75)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def _exit_code(exc: SystemExit) -> int:
     code = exc.code
     return code if isinstance(code, int) else (0 if code is None else 1)
@@ -52,10 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``varpack`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code (argparse's own exits,
     ``--help`` and usage errors, included) instead of raising ``SystemExit``."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = hyphen_spellings(argv, _sub_parser(parser, argv))
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # reported by the sub-command's parser: its usage line and `varpack <command>: error:`
-            getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+            sub = getattr(args, "_parser", parser)
+            sub.error(f"unrecognized arguments: {' '.join(extra)}{_did_you_mean(extra, sub)}")
     except SystemExit as exc:
         return _exit_code(exc)
     if not getattr(args, "command", None):
