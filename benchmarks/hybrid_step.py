@@ -20,6 +20,9 @@ Rows (``--backends``; the first is the baseline of "speed vs first"):
   mixer traced in the layer's graph (short conv, gates, norms fused by inductor; the rule as the
   ``varpack::gated_delta_rule`` custom op), varpack attention as its custom op; one graph for every pack
   (dynamic shapes). The cold pass includes the compiles;
+* ``<backend>_compiled_breaks``: every decoder layer compiled with the Gated DeltaNet mixer and varpack attention
+  as graph breaks (``compile_layers(model)``, what ``varpack sft`` runs on CUDA): the mixer runs eagerly between
+  compiled regions;
 * ``hf_padded_torch``: the exact HF peer. ``Qwen3_5ForCausalLM`` as is, ``--hf-attn`` (sdpa), right-padded
   micro-batches of at most ``--pad-tokens`` padded tokens (each step's samples by length: HF's
   ``group_by_length`` at its best), gradient accumulation, HF's loss with ``num_items_in_batch``; the Gated
@@ -252,13 +255,18 @@ class Row:
 
 #: suffix of a varpack row whose decoder layers are compiled whole (custom ops, fullgraph)
 COMPILED_LAYERS = "_compiled_layers"
+#: suffix of a varpack row whose decoder layers are compiled with the mixers as graph breaks (varpack sft's step)
+COMPILED_BREAKS = "_compiled_breaks"
 
 
-def varpack_base(config: str) -> tuple[str, bool]:
-    """``"fla_hybrid_compiled_layers"`` -> ``("fla_hybrid", True)``: the gated-delta backend of a varpack row
-    and whether its decoder layers are compiled."""
-    compiled = config.endswith(COMPILED_LAYERS)
-    return (config[: -len(COMPILED_LAYERS)] if compiled else config), compiled
+def varpack_base(config: str) -> tuple[str, str | None]:
+    """``"fla_hybrid_compiled_layers"`` -> ``("fla_hybrid", "custom_ops")``, ``"fla_hybrid_compiled_breaks"`` ->
+    ``("fla_hybrid", "graph_breaks")``, ``"fla_hybrid"`` -> ``("fla_hybrid", None)``: the gated-delta backend
+    of a varpack row and how its decoder layers are compiled."""
+    for suffix, mode in ((COMPILED_LAYERS, "custom_ops"), (COMPILED_BREAKS, "graph_breaks")):
+        if config.endswith(suffix):
+            return config[: -len(suffix)], mode
+    return config, None
 
 
 def peer_base(config: str) -> tuple[str, bool]:
@@ -291,8 +299,11 @@ def build_row(
         if compiled:
             torch._dynamo.reset()  # every compiled row compiles in its own cold pass
             compile_backend = getattr(args, "compile_backend", "inductor")
-            compile_layers(model, backend=compile_backend, custom_ops=True, fullgraph=True)
-            info["compiled_layers"] = f"{compile_backend}, custom_ops, fullgraph"
+            whole = compiled == "custom_ops"
+            compile_layers(model, backend=compile_backend, custom_ops=whole, fullgraph=whole)
+            info["compiled_layers"] = (
+                f"{compile_backend}, custom_ops, fullgraph" if whole else f"{compile_backend}, mixers as graph breaks"
+            )
         return Row(model, [[b] for b in wl.batches], varpack_loss, info)
     model = build_model(args.model, hf_attn=args.hf_attn, **common)
     module = sys.modules[type(model).__module__]

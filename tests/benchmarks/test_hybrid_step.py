@@ -112,8 +112,10 @@ def test_compiled_layers_row_matches_the_eager_row(wl, varpack_step):
     assert loss_c == pytest.approx(loss_v, rel=1e-5)
     assert grads_c.keys() == grads_v.keys()
     assert _mismatched(grads_c, grads_v) == []
-    assert H.varpack_base("fla_hybrid_compiled_layers") == ("fla_hybrid", True)
-    assert H.varpack_base("chunk") == ("chunk", False)
+    assert H.varpack_base("fla_hybrid_compiled_layers") == ("fla_hybrid", "custom_ops")
+    assert H.varpack_base("fla_hybrid_compiled_breaks") == ("fla_hybrid", "graph_breaks")
+    assert H.varpack_base("fla_hybrid") == ("fla_hybrid", None)
+    assert H.varpack_base("chunk") == ("chunk", None)
 
 
 def test_flat_reference_leaks_negative_control(wl, varpack_step):
@@ -199,9 +201,13 @@ def test_small_compiled_layers_run_on_the_cpu(tmp_path):
     is the eager row's."""
     out = tmp_path / "hybrid.json"
     argv = ["--device", "cpu", "--small", "--steps", "1", "--rounds", "1", "--backends",
-            "chunk,chunk_compiled_layers", "--compile-backend", "aot_eager", "--out", str(out)]  # fmt: skip
+            "chunk,chunk_compiled_layers,chunk_compiled_breaks", "--compile-backend", "aot_eager", "--out",
+            str(out)]  # fmt: skip
     assert H.main(argv) == 0
     rows = {r["config"]: r for r in json.loads(out.read_text())["summary"]}
-    assert set(rows) == {"chunk", "chunk_compiled_layers"} and not any("error" in r for r in rows.values())
+    assert set(rows) == {"chunk", "chunk_compiled_layers", "chunk_compiled_breaks"}
+    assert not any("error" in r for r in rows.values())
     assert rows["chunk_compiled_layers"]["compiled_layers"] == "aot_eager, custom_ops, fullgraph"
-    assert rows["chunk_compiled_layers"]["loss_first"] == pytest.approx(rows["chunk"]["loss_first"], rel=1e-5)
+    assert rows["chunk_compiled_breaks"]["compiled_layers"] == "aot_eager, mixers as graph breaks"
+    for name in ("chunk_compiled_layers", "chunk_compiled_breaks"):
+        assert rows[name]["loss_first"] == pytest.approx(rows["chunk"]["loss_first"], rel=1e-5)
