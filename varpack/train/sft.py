@@ -792,7 +792,7 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], devic
             apply_liger_kernels(model)
         if config.torch_compile:
             # attention and Gated DeltaNet mixers stay graph breaks: tracing the mixers whole through the custom
-            # ops (custom_ops=True) measured 498.5 vs 196.2 ms/step eager on an H200 (benchmarks/RESULTS.md)
+            # ops (custom_ops=True) measured 207.0 vs 185.9 ms/step on an H200 with FA4 (benchmarks/RESULTS.md)
             compile_layers(model)
     if config.lora:  # last: peft wraps the finished model (boundaries and patches run inside it)
         from varpack.train.lora import apply_lora
