@@ -268,7 +268,7 @@ BAD = [
     (
         {"messages": None},
         ValueError,
-        r"row has none of the fields of a supported chat format \(keys: \[\]\); 'messages' is null or absent "
+        r"row has none of the fields of a supported chat format \(no field holds a value\); 'messages' is null or absent "
         r"\(a 'messages' row needs a list of \{role, content\}\); supported:",
     ),
     (
@@ -372,3 +372,21 @@ def test_null_messages_named_by_every_path(tmp_path, capsys):
     err = capsys.readouterr().err
     last = err.splitlines()[-1]
     assert "Traceback" not in err and re.search(r"^varpack plan: error: " + want + r".*d\.jsonl:2\]$", last), last
+    assert "(no field holds a value)" in last and "keys: []" not in last
+
+
+@pytest.mark.parametrize(
+    "row, field",
+    [
+        ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": None}]}, "conversations[1].value"),
+        ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]}, "conversations[1].value"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, "messages[1].content"),
+    ],
+)
+def test_null_or_absent_turn_field_says_both(row, field):
+    """A turn's field given as null was reported as "missing" (the row has the key): the error says "missing or
+    null" for both, naming the field (ShareGPT rows when converted, messages when validated)."""
+    from varpack.data.chat import validate_messages
+
+    with pytest.raises(TypeError, match=re.escape(f"{field} is missing or null")):
+        validate_messages(row_to_messages(row)[0])

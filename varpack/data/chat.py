@@ -96,7 +96,7 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
             raise TypeError(f"{where}: messages[{i}] must be a dict, got {type(message).__name__}")
         for field in ("role", "content"):
             if field not in message or message[field] is None:
-                raise TypeError(f"{where}: messages[{i}].{field} is missing")
+                raise TypeError(f"{where}: messages[{i}].{field} is missing or null")
             if not isinstance(message[field], str):
                 value = message[field]
                 raise TypeError(

@@ -155,8 +155,9 @@ def _detect(
         null = f"; {named} {'is' if len(nulls) == 1 else 'are'} null or absent"
         if "messages" in nulls:
             null += " (a 'messages' row needs a list of {role, content})"
+    held = f"keys: {keys}" if keys else "no field holds a value"
     raise ValueError(
-        f"{where}: row has none of the fields of a supported chat format (keys: {keys}){null}; {_SUPPORTED_HELP}"
+        f"{where}: row has none of the fields of a supported chat format ({held}){null}; {_SUPPORTED_HELP}"
     )
 
 
@@ -184,7 +185,7 @@ def detect_format(row: Mapping[str, Any], sample_id: Any = None) -> str:
 
 def _str_field(value: Any, field: str, where: str, *, non_empty: bool = False) -> str:
     if value is None:
-        raise TypeError(f"{where}: {field} is missing")
+        raise TypeError(f"{where}: {field} is missing or null")
     if not isinstance(value, str):
         raise TypeError(f"{where}: {field} must be a str, got {type(value).__name__} ({value!r:.60})")
     if non_empty and not value.strip():
@@ -241,7 +242,7 @@ def _turns(turns: Any, field: str, where: str, *, check_empty: bool = True) -> l
         if turn.get("from") is not None or (turn.get("role") is None and turn.get("value") is not None):
             tag = turn.get("from")
             if tag is None:
-                raise TypeError(f"{where}: {f}.from is missing")
+                raise TypeError(f"{where}: {f}.from is missing or null")
             if tag not in SHAREGPT_ROLES:
                 raise ValueError(
                     f"{where}: {f}.from={tag!r} is not a ShareGPT role (known: {sorted(SHAREGPT_ROLES)})"
