@@ -43,8 +43,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformers import TrainerCallback  # noqa: E402
-
 from benchmarks import _profile_attr as A  # noqa: E402
 
 #: host calls that wait for the device (CUDA runtime calls; the ATen op reading a device scalar)
@@ -216,8 +214,9 @@ class HostSampler:
         return [{"share": t / total, "seconds": t, "where": k} for k, t in rows]
 
 
-class ProfileWindow(TrainerCallback):
-    """Trainer callback: times steps ``[start - steps, start)``, profiles ``[start, start + steps)``; with a
+class ProfileWindow:
+    """Trainer callback (mixed with ``transformers.TrainerCallback`` by :func:`main`, so that ``--help`` does not
+    import transformers): times steps ``[start - steps, start)``, profiles ``[start, start + steps)``; with a
     :class:`HostSampler`, samples the host over ``[start + steps, start + 2 * steps)``."""
 
     def __init__(
@@ -360,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     sites = SyncSites() if cuda else None
     sampler = HostSampler() if args.host_samples else None
-    window = ProfileWindow(args.start, args.steps, cuda, sites, sampler)
+    from transformers import TrainerCallback
+
+    callback = type("ProfileWindowCallback", (ProfileWindow, TrainerCallback), {})
+    window = callback(args.start, args.steps, cuda, sites, sampler)
     build = sft.build_sft
 
     def build_with_window(*a: Any, **k: Any) -> Any:
