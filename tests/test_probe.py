@@ -99,13 +99,15 @@ def test_fla_and_short_conv_import_in_either_order(order):
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
 
 
-def test_fla_autotune_notice_once_per_device_and_dims_never_on_cpu():
+def test_fla_autotune_notice_once_per_device_and_dims_never_on_cpu(monkeypatch, tmp_path):
     import io
 
     import torch
 
     from varpack.ops import _fla
 
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # the shipped results go here, not the user's cache
+    monkeypatch.setattr(_fla, "_SHIPPED_INSTALLED", {})
     _fla._NOTICED.clear()
     out = io.StringIO()
     cuda0 = torch.device("cuda", 0)  # a device object only: nothing runs on it
@@ -133,8 +135,73 @@ def test_fla_autotune_notice_names_tritons_own_cache_dir(monkeypatch, tmp_path):
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    monkeypatch.setattr(_fla, "_SHIPPED_INSTALLED", {})
     _fla._NOTICED.clear()
     out = io.StringIO()
     assert _fla.autotune_notice(torch.device("cuda", 0), (1, 1, 16, 16), file=out)
     assert str(tmp_path / ".triton" / "cache") in out.getvalue()  # TRITON_HOME honoured, as Triton does
+    # the shipped autotune results went to that folder, once per process
+    n = len(_shipped()["files"])
+    assert f"{n} shipped results installed" in out.getvalue()
+    assert len(list((tmp_path / ".triton" / "cache").glob("*/*.autotune.json"))) == n
+    assert _fla.autotune_notice(torch.device("cuda", 0), (2, 1, 16, 16), file=out)
+    assert out.getvalue().count("shipped results installed") == 1
     _fla._NOTICED.clear()
+
+
+def _shipped():
+    import json
+
+    from varpack.ops import _fla
+
+    return json.loads(_fla.SHIPPED_AUTOTUNE.read_text(encoding="utf-8"))
+
+
+def test_shipped_autotune_results_are_tritons_files():
+    """Each shipped entry is one Triton autotune file as Triton's check_disk_cache reads it: the folder of
+    Triton's hash, the kernel's ``.autotune.json``, with ``key`` and ``configs_timings`` (config, timings)."""
+    shipped = _shipped()
+    assert "Triton" in shipped["stack"] and "fla-core" in shipped["stack"] and shipped["files"]
+    for name, content in shipped["files"].items():
+        folder, file = name.split("/")
+        assert len(folder) >= 32 and folder.isalnum() and file.endswith("_kernel.autotune.json") or file.endswith(
+            ".autotune.json"
+        ), name
+        assert isinstance(content["key"], list) and content["configs_timings"], name
+        for config, timings in content["configs_timings"]:
+            assert "num_warps" in config and "kwargs" in config and all(t > 0 for t in timings), name
+
+
+def test_install_shipped_autotune_writes_only_absent_files(tmp_path, monkeypatch):
+    import json
+
+    from varpack.ops import _fla
+
+    files = _shipped()["files"]
+    assert _fla.install_shipped_autotune(tmp_path) == len(files)
+    for name, content in files.items():
+        assert json.loads((tmp_path / name).read_text()) == content
+    assert _fla.install_shipped_autotune(tmp_path) == 0  # all there
+    first = tmp_path / sorted(files)[0]
+    first.write_text("{}")  # a result this machine tuned itself: never overwritten
+    second = tmp_path / sorted(files)[1]
+    second.unlink()
+    assert _fla.install_shipped_autotune(tmp_path) == 1
+    assert first.read_text() == "{}" and json.loads(second.read_text()) == files[sorted(files)[1]]
+    assert not list(tmp_path.glob("*/*.tmp"))
+    # opted out: nothing written
+    monkeypatch.setenv("VARPACK_FLA_SHIPPED_AUTOTUNE", "0")
+    assert _fla.install_shipped_autotune(tmp_path / "other") == 0 and not (tmp_path / "other").exists()
+
+
+def test_install_shipped_autotune_refuses_a_path_outside_the_cache(tmp_path, monkeypatch):
+    import json
+
+    from varpack.ops import _fla
+
+    bad = tmp_path / "shipped.json"
+    bad.write_text(json.dumps({"stack": "x", "files": {"../escape/k.autotune.json": {"key": []}}}))
+    monkeypatch.setattr(_fla, "SHIPPED_AUTOTUNE", bad)
+    with pytest.raises(ValueError, match="is not <folder>/<kernel>.autotune.json"):
+        _fla.install_shipped_autotune(tmp_path / "cache")
+    assert not (tmp_path / "escape").exists()

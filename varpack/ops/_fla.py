@@ -17,9 +17,11 @@ its own fla kernel against its own PyTorch path, next to its dispatch, once per 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -32,6 +34,7 @@ __all__ = [
     "fla_causal_conv1d",
     "fla_chunk_gated_delta_rule",
     "fla_chunk_indices",
+    "install_shipped_autotune",
     "fla_device",
     "first_line",
     "load_fla",
@@ -208,6 +211,52 @@ def _load_fla_internals() -> tuple[dict | None, str]:
 
 _NOTICED: set[tuple[str, str, tuple]] = set()
 
+#: fla's autotune results that varpack ships (``{"stack": ..., "files": {"<key>/<kernel>.autotune.json": {...}}}``)
+SHIPPED_AUTOTUNE = Path(__file__).with_name("fla_autotune.json")
+_SHIPPED_INSTALLED: dict[str, int] = {}
+
+
+def install_shipped_autotune(cache_dir: str | os.PathLike[str] | None = None) -> int:
+    """Write varpack's shipped fla autotune results (:data:`SHIPPED_AUTOTUNE`) into Triton's cache folder, each
+    file that is not there yet; returns how many were written (0 when all are there, the folder cannot be
+    written, or ``VARPACK_FLA_SHIPPED_AUTOTUNE=0``).
+
+    fla autotunes each Triton kernel on its first use of a shape and keeps the result in Triton's cache
+    (``cache_results``); a first run on a new machine spends 1-4 min there (measured on the H200: step 1 of the
+    Qwen3.5 shape at 63 s without the results, 16-27 s with them). Triton reads a result only under the folder
+    named by its hash of the Triton build, the GPU target (``sm90``: H100 / H200), the kernel's source, the
+    tuning key (head shapes, dtypes) and the configs (triton/runtime/autotuner.py ``check_disk_cache``), so a
+    shipped file is read only on the stack that produced it (see the file's ``stack``) and is inert elsewhere.
+    Files already in the cache are never overwritten. Called once per process by :func:`autotune_notice`.
+
+    Args:
+        cache_dir: the folder; default Triton's (``TRITON_CACHE_DIR``, else ``~/.triton/cache``).
+
+    Raises:
+        ValueError: a shipped file name that is not ``<folder>/<kernel>.autotune.json``.
+    """
+    if os.environ.get("VARPACK_FLA_SHIPPED_AUTOTUNE", "1") in ("0", "false", "no"):
+        return 0
+    root = Path(os.path.expanduser(str(cache_dir if cache_dir is not None else _triton_cache_dir())))
+    files = json.loads(SHIPPED_AUTOTUNE.read_text(encoding="utf-8"))["files"]
+    written = 0
+    for name, content in files.items():
+        parts = Path(name).parts
+        if len(parts) != 2 or not parts[1].endswith(".autotune.json") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"{SHIPPED_AUTOTUNE}: {name!r} is not <folder>/<kernel>.autotune.json")
+        path = root.joinpath(*parts)
+        if path.exists():
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(content), encoding="utf-8")
+            os.replace(tmp, path)  # atomic: another process never reads half a file
+        except OSError:
+            return written  # a read-only cache: fla tunes as before
+        written += 1
+    return written
+
 
 def _triton_cache_dir() -> str:
     """Triton's cache folder as Triton resolves it (``TRITON_CACHE_DIR``, else ``$TRITON_HOME/.triton/cache``,
@@ -234,17 +283,23 @@ def autotune_notice(
     Measured on the H200 (torch 2.11, Triton 3.6, fla-core 0.6.0; benchmarks/RESULTS.md#hybrid-step): a cold
     pass of 192.6 s before the first step of a Qwen3.5-shaped model or ``varpack check --model tiny-qwen3.5``, with no
     output meanwhile. fla keeps the results in Triton's cache (``FLA_CACHE_RESULTS``, on by default; the
-    folder as Triton resolves it), so later processes on the same machine skip most of it. Printed to
+    folder as Triton resolves it), so later processes on the same machine skip most of it; before the first
+    notice of a process, varpack's shipped results are installed there (:func:`install_shipped_autotune`). Printed to
     ``file`` (default stderr), never on CPU. Called by the probes of the gated delta rule
     (:mod:`varpack.ops.gated_delta_rule.dispatch`) and of the short causal conv (:mod:`varpack.ops.short_conv`)."""
     key = (what, str(device), tuple(dims))
     if torch.device(device).type != "cuda" or key in _NOTICED:
         return False
     _NOTICED.add(key)
+    cache = _triton_cache_dir()
+    shipped = ""
+    if cache not in _SHIPPED_INSTALLED:  # once per process and folder, said by the notice that installs them
+        _SHIPPED_INSTALLED[cache] = install_shipped_autotune(cache)
+        shipped = f"; {_SHIPPED_INSTALLED[cache]} shipped results installed" if _SHIPPED_INSTALLED[cache] else ""
     print(
         f"varpack: checking fla's {what} kernels on {device} at {dims_name} = {tuple(dims)}; fla autotunes each "
         f"Triton kernel on first use of a shape (1-4 min on an H200 without output; cached in "
-        f"{_triton_cache_dir()} for later runs)",
+        f"{cache} for later runs{shipped})",
         file=file if file is not None else sys.stderr,
         flush=True,
     )
