@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._sync import without_host_sync
 from varpack.ops.gated_delta_rule.fla_hybrid import FLA_CHUNK_SIZE, chunk_bwd_dqkwg_torch, dqkwg_plan
 
 BT = FLA_CHUNK_SIZE
@@ -618,13 +619,7 @@ def test_gpu_fla_hybrid_is_sync_free():
 
     pytest.importorskip("fla")
     step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    without_host_sync(step)
 
 
 def test_model_layers_reach_fla_hybrid_on_standins(standins, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._sync import without_host_sync
 from varpack.ops import resolve_conv_backend, short_conv, short_conv_reference
 
 
@@ -150,10 +151,4 @@ def test_gpu_fla_conv_with_chunk_indices_is_sync_free_and_exact():
     y = step()
     y32 = short_conv_reference(x.bfloat16().float(), w.bfloat16().float(), None, "silu", cu_seqlens=cu)
     assert (y.float().cpu() - y32).abs().max() < 2e-2 * y32.abs().max() + 1e-3
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    without_host_sync(step)
