@@ -16,7 +16,7 @@ then profiles steps ``[--start, --start + --steps)`` with ``torch.profiler`` (``
   profiled window, with the Python lines that made it (:class:`SyncSites`; on any torch build);
 - the longest device idle intervals and the host calls running during each;
 - with ``--host-samples``, a third window of ``--steps`` steps after the profiled one in which a thread samples
-  the training thread's Python stack every millisecond (:class:`HostSampler`, no profiler): the share of the
+  every other thread's Python stack every millisecond (:class:`HostSampler`, no profiler): the share of the
   host's wall time inside each function (inclusive) and on each line (innermost), i.e. where a host-bound step
   spends its time.
 
@@ -324,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     sft_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--start", type=int, default=30, help="first profiled optimizer step (default 30)")
     p.add_argument("--steps", type=int, default=6, help="steps timed, then steps profiled (default 6)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -350,11 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     import varpack.train.sft as sft
     from varpack.cli import sft as cli_sft
 
-    parser = argparse.ArgumentParser(prog="varpack sft")
+    parser = argparse.ArgumentParser(prog="varpack sft", allow_abbrev=False)  # as the CLI: flags matched whole
     cli_sft.add_sft_arguments(parser)
     config = cli_sft.config_from_args(parser.parse_args(sft_argv))
     end = args.start + (2 if args.host_samples else 1) * args.steps
-    if config.max_steps is not None and config.max_steps < end:
+    if config.max_steps is not None and 0 < config.max_steps < end:  # -1: run by --epochs
         p.error(f"--max-steps {config.max_steps} ends before the last window ({end})")
     cuda = torch.cuda.is_available()
     sites = SyncSites() if cuda else None

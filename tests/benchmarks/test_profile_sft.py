@@ -41,6 +41,22 @@ def test_argument_checks():
         main(["--start", "3", "--steps", "2"])  # no varpack sft flags
     with pytest.raises(SystemExit):  # the run ends before the profiled window
         main(["--start", "3", "--steps", "2", "--", "--model", "tiny-qwen3", "--max-steps", "4"])
+    with pytest.raises(SystemExit):  # flags matched whole, as varpack sft: no abbreviation of its own flags
+        main(["--start", "3", "--steps", "2", "--host-sample", "--", "--model", "tiny-qwen3"])
+    with pytest.raises(SystemExit):  # ... nor of varpack sft's
+        main(["--start", "3", "--steps", "2", "--", "--model", "tiny-qwen3", "--packing-len", "256"])
+
+
+def test_a_run_by_epochs_passes_the_window_check(monkeypatch):
+    """``--epochs`` leaves max_steps at -1 (run by epochs): not a run that ends before the window."""
+    import varpack.train.sft as sft
+
+    def ran(config):
+        raise RuntimeError(f"ran {config.max_steps}")
+
+    monkeypatch.setattr(sft, "run_sft", ran)
+    with pytest.raises(RuntimeError, match="ran -1"):
+        main(["--start", "3", "--steps", "2", "--host-samples", "--", "--model", "tiny-qwen3", "--epochs", "1"])
 
 
 @pytest.mark.slow

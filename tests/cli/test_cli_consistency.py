@@ -225,6 +225,22 @@ def test_unrecognized_flag_names_the_closest(argv, hint, capsys):
     assert code == 2 and out == "" and err.strip().splitlines()[-1].endswith(f"({hint})"), err
 
 
+@pytest.mark.parametrize("argv", [["sft", "--packinglength", "256"], ["demo", "--maxsteps", "2"], ["sft", "--nosave"]])
+def test_the_guess_is_the_hyphen_spelling(argv, capsys):
+    """sft / demo also declare each flag's underscore spelling: the guess names the hyphen flag of the usage line."""
+    code, _, err = _run(argv, capsys)
+    guess = err.strip().splitlines()[-1].rsplit("(did you mean ", 1)[1]
+    assert code == 2 and "_" not in guess, err
+
+
+def test_no_guess_for_words_after_the_double_dash(capsys):
+    code, _, err = _run(["sft", "--", "--packing_length", "256"], capsys)
+    assert code == 2 and "did you mean" not in err and "unrecognized arguments: -- --packing_length 256" in err
+    # negative control: the same word before "--" gets its guess
+    code, _, err = _run(["sft", "--packing_lenght", "256"], capsys)
+    assert code == 2 and "(did you mean --packing-length?)" in err
+
+
 def test_unrecognized_flag_far_from_every_flag_gets_no_guess(capsys):
     code, _, err = _run(["sft", "--zzzzzz"], capsys)
     assert code == 2 and err.strip().endswith("unrecognized arguments: --zzzzzz")

@@ -381,6 +381,10 @@ def test_null_messages_named_by_every_path(tmp_path, capsys):
         ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": None}]}, "conversations[1].value"),
         ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]}, "conversations[1].value"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, "messages[1].content"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{}]}]},
+            'messages[1].content is missing or null (a turn with tool_calls takes content "")',
+        ),
     ],
 )
 def test_null_or_absent_turn_field_says_both(row, field):
@@ -388,5 +392,5 @@ def test_null_or_absent_turn_field_says_both(row, field):
     null" for both, naming the field (ShareGPT rows when converted, messages when validated)."""
     from varpack.data.chat import validate_messages
 
-    with pytest.raises(TypeError, match=re.escape(f"{field} is missing or null")):
+    with pytest.raises(TypeError, match=re.escape(field if "null" in field else f"{field} is missing or null")):
         validate_messages(row_to_messages(row)[0])

@@ -78,9 +78,13 @@ def hyphen_spellings(argv: list[str], sub: argparse.ArgumentParser | None) -> li
 
 
 def _did_you_mean(extra: list[str], sub: argparse.ArgumentParser) -> str:
-    """`` (did you mean --x?)`` for the first unrecognized flag with a close flag of ``sub``, else ``""``."""
-    flags = _flags(sub)
+    """`` (did you mean --x?)`` for the first unrecognized flag before any ``--`` with a close flag of ``sub``
+    (its hyphen spelling), else ``""``."""
+    known = set(_flags(sub))
+    flags = [f for f in _flags(sub) if not ("_" in f and f.replace("_", "-") in known)]
     for word in extra:
+        if word == "--":  # what follows is not a flag of this command
+            break
         if word.startswith("-"):
             close = difflib.get_close_matches(word.partition("=")[0], flags, n=1, cutoff=0.75)
             if close:

@@ -96,7 +96,12 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
             raise TypeError(f"{where}: messages[{i}] must be a dict, got {type(message).__name__}")
         for field in ("role", "content"):
             if field not in message or message[field] is None:
-                raise TypeError(f"{where}: messages[{i}].{field} is missing or null")
+                hint = (
+                    ' (a turn with tool_calls takes content "")'
+                    if field == "content" and message.get("tool_calls")
+                    else ""
+                )
+                raise TypeError(f"{where}: messages[{i}].{field} is missing or null{hint}")
             if not isinstance(message[field], str):
                 value = message[field]
                 raise TypeError(
