@@ -135,3 +135,29 @@ def test_on_device_moves_the_offsets_once_and_keeps_the_host_facts():
     assert moved.cu_seqlens_cpu() is meta.cu_seqlens_q
     assert moved.flash_attn_kwargs()["cu_seq_lens_q"] is moved.cu_seqlens_q
     assert not hasattr(moved, "to")  # HF Trainer / accelerate never move it on their own
+
+
+def test_a_memo_build_may_read_another_memo():
+    """A per-batch build that reads another memoized value of the same meta (a Gated DeltaNet layer's chunk
+    indices read :meth:`cu_seqlens_cpu`, itself memoized for a device meta) finishes instead of waiting on
+    the meta's own lock; the control: the value is built once and kept."""
+    import threading
+
+    import torch
+
+    from varpack.varlen import VarlenMeta
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    device_meta = VarlenMeta(torch.empty(3, dtype=torch.int32, device="meta"), max_seqlen_q=5, total_q=8)
+    device_meta._derived[("cu_seqlens", "cpu")] = cu  # as on_device() keeps the host copy
+    built, done = [], threading.Event()
+
+    def nested():
+        built.append(device_meta.memo("indices", lambda: device_meta.cu_seqlens_cpu().tolist()))
+        built.append(device_meta.memo("indices", lambda: None))
+        done.set()
+
+    worker = threading.Thread(target=nested, daemon=True)
+    worker.start()
+    assert done.wait(20), "memo() waited on its own lock"
+    assert built == [[0, 3, 8], [0, 3, 8]]

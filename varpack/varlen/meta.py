@@ -139,7 +139,7 @@ class VarlenMeta:
         if host_q is not None and host_k is not None:  # read once, while validating: no later host read
             derived["host_offsets"] = (host_q, host_q if host_k is host_q else host_k)
         setattr_(self, "_derived", derived)
-        setattr_(self, "_lock", threading.Lock())
+        setattr_(self, "_lock", threading.RLock())  # re-entrant: a build may read another memo
 
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
@@ -244,7 +244,8 @@ class VarlenMeta:
 
     # -- derived, once per batch -----------------------------------------------------------------------------
     def memo(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """``build()`` once per ``key`` for this batch, then the kept result (thread-safe).
+        """``build()`` once per ``key`` for this batch, then the kept result (thread-safe; ``build`` may read
+        other memoized values, e.g. :meth:`cu_seqlens_cpu` of a device meta: the lock is re-entrant).
 
         The home of per-batch objects a consumer derives from the boundaries: FlexAttention's block mask,
         the gated-delta chunk layout, device copies. They live and die with this batch.
@@ -282,7 +283,7 @@ class VarlenMeta:
         device = torch.device(device)
         if self.cu_seqlens_q.device == device:
             return self
-        cu_q, cu_k = self.cu_seqlens_on(device)  # outside build(): memo's lock is not re-entrant
+        cu_q, cu_k = self.cu_seqlens_on(device)
 
         def build() -> VarlenMeta:
             moved = VarlenMeta(
@@ -319,7 +320,7 @@ class VarlenMeta:
         if not self.self_attention:
             raise ValueError("chunked boundaries need a self-attention meta (one segmentation for q and k)")
 
-        offsets, _ = self.host_offsets()  # outside build(): memo's lock is not re-entrant
+        offsets, _ = self.host_offsets()
 
         def build() -> VarlenMeta:
             cuts = [0]

@@ -218,7 +218,7 @@ class ContextParallelShard:
         setattr_(self, "group", None)
         setattr_(self, "attention", None)
         setattr_(self, "_derived", {"offsets": offsets})
-        setattr_(self, "_lock", threading.Lock())
+        setattr_(self, "_lock", threading.RLock())  # re-entrant: a build may read another memo
 
     @classmethod
     def from_offsets(
