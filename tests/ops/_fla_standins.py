@@ -21,11 +21,17 @@ def _acc(x):
 
 
 def _chunks(cu_seqlens, chunk_indices, chunk_size=64):
+    """``(sequence, first token, end)`` of every chunk row; a row at or past its sequence's end (a padding row
+    of a fixed-size table, varpack.ops._fla.fla_chunk_tables) holds no token and is dropped, as fla's kernels
+    mask every token of it. Padding rows come after the real ones, so a kept row's position is its index."""
     cu = cu_seqlens.tolist()
-    return [
+    rows = [
         (n, cu[n] + j * chunk_size, min(cu[n] + (j + 1) * chunk_size, cu[n + 1]))
         for n, j in chunk_indices.tolist()
     ]
+    kept = [r for r in rows if r[1] < r[2]]
+    assert rows[: len(kept)] == kept, "padding rows must follow the real chunks"
+    return kept
 
 
 def _grp(x, H):  # [.., Hk, D] -> [.., H, D]
@@ -95,7 +101,7 @@ def chunk_gated_delta_rule_fwd_h(
     H, K, V = u.shape[2], k.shape[-1], u.shape[-1]
     ch = _chunks(cu_seqlens, chunk_indices, chunk_size)
     acc = _acc(k)
-    h = torch.zeros(1, len(ch), H, K, V, dtype=k.dtype)
+    h = torch.full((1, chunk_indices.shape[0], H, K, V), math.nan, dtype=k.dtype)  # padding rows: never read
     v_new = torch.zeros_like(u)
     N = cu_seqlens.numel() - 1
     S = [
@@ -181,7 +187,7 @@ def chunk_gated_delta_rule_bwd_dhu(
     acc = _acc(q)
     ch = _chunks(cu_seqlens, chunk_indices, chunk_size)
     N = cu_seqlens.numel() - 1
-    dh = torch.zeros(1, len(ch), H, K, V, dtype=q.dtype)
+    dh = torch.full((1, chunk_indices.shape[0], H, K, V), math.nan, dtype=q.dtype)  # padding rows: never read
     dv2 = torch.zeros_like(dv)
     dS = [dht[n].to(acc) if dht is not None else torch.zeros(H, K, V, dtype=acc) for n in range(N)]
     for c in reversed(range(len(ch))):

@@ -752,3 +752,225 @@ def test_short_conv_probes_at_its_own_channels(monkeypatch):
     with pytest.raises(RuntimeError, match="stand-in"):
         sc.short_conv(x, w, None, "silu", cu_seqlens=[0, 3, 7], backend="fla")
     assert seen == [(12, 3)]
+
+
+# ------------------------------------------------------------------------------------------------------
+# fixed-size chunk tables built on the device (what a CUDA graph replays): varpack.ops._fla.fla_chunk_tables
+TABLE_LAYOUTS = [[1], [5, 64, 1, 130, 63, 65], [1] * 30 + [70], [0, 3, 0], [64, 64], [3, 0, 0], [200]]
+
+
+def _cu64(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("lengths", TABLE_LAYOUTS)
+def test_device_chunk_tables_real_rows_then_padding(lengths):
+    """The first NT rows are fla's chunk indices and the dq/dk plan's chunk table; every row after them names
+    the last non-empty sequence at or past its end, holds no token and starts inside the row; the row count
+    is max_chunks(T, N), whatever the segmentation."""
+    from varpack.ops._fla import fla_chunk_indices, fla_chunk_tables, max_chunks
+
+    cu = _cu64(lengths)
+    T, N = sum(lengths), len(lengths)
+    idx, start, length = fla_chunk_tables(cu.to(torch.int32), T)
+    ref = fla_chunk_indices(cu, "cpu")
+    plan = dqkwg_plan(cu)
+    NT = ref.shape[0]
+    assert idx.shape == (max_chunks(T, N), 2) and idx.dtype == torch.int64
+    assert start.dtype == length.dtype == torch.int32 and start.shape == length.shape == (idx.shape[0],)
+    assert torch.equal(idx[:NT], ref)
+    assert torch.equal(start[:NT], plan.chunk_start) and torch.equal(length[:NT], plan.chunk_len)
+    last = max(i for i, n in enumerate(lengths) if n > 0)
+    pad = idx[NT:]
+    assert (pad[:, 0] == last).all() and (pad[:, 1] * BT >= lengths[last]).all()
+    assert (length[NT:] == 0).all() and ((start[NT:] >= 1) & (start[NT:] <= T)).all()
+
+
+def test_max_chunks_bounds_every_segmentation_and_is_reached():
+    import random
+
+    from varpack.ops._fla import max_chunks
+
+    rng = random.Random(0)
+    for _ in range(500):
+        T = rng.randint(1, 700)
+        N = rng.randint(1, min(T, 40))
+        cuts = sorted(rng.sample(range(1, T), N - 1)) if N > 1 else []
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, T])]
+        assert sum(-(-n // BT) for n in lengths) <= max_chunks(T, N)
+        worst = [1] * (N - 1) + [T - N + 1]  # all but one sequence of one token
+        assert sum(-(-n // BT) for n in worst) == max_chunks(T, N)
+    assert max_chunks(10, 30) == 10 and max_chunks(0, 3) == 0  # empty sequences hold no chunk
+    with pytest.raises(ValueError, match="max_chunks"):
+        max_chunks(-1, 2)
+
+
+def test_device_chunk_tables_refuse_bad_offsets():
+    from varpack.ops._fla import fla_chunk_tables
+
+    with pytest.raises(TypeError, match="integer tensor"):
+        fla_chunk_tables(torch.tensor([0.0, 3.0]), 3)
+    with pytest.raises(ValueError, match="1-D"):
+        fla_chunk_tables(torch.zeros(2, 2, dtype=torch.int64), 3)
+
+
+def _interpreted_or_skip():
+    pytest.importorskip("triton")
+    from varpack._triton import triton_interpreted
+
+    if not triton_interpreted():
+        pytest.skip("Triton was imported compiled in this process (TRITON_INTERPRET=1 not set before it)")
+
+
+@pytest.mark.parametrize("lengths", [[5, 64, 1, 130, 63, 65], [1] * 30 + [70], [200]])
+def test_hybrid_on_device_tables_equals_host_plan(standins, lengths):
+    """The whole fla_hybrid pipeline (stand-in fla kernels, varpack's Triton dq/dk step interpreted) on the
+    device-built tables (padding rows; the stand-ins' states of padding rows are NaN, so a padding row that
+    reached a token would show) == on the host-built plan, output, final state and every gradient (fp32).
+    Negative control: the tables of another segmentation with the same (T, N) -- tables of the same shape, as
+    a replayed graph would hold them -- do not match."""
+    _interpreted_or_skip()
+    ins, h0 = _gdr_inputs(lengths)
+    ins, h0 = [x.float() for x in ins], h0.float()
+    cu = _cu64(lengths)
+    T = sum(lengths)
+    host = _fwd_bwd(_hybrid_fn(standins, cu), ins, h0, use_qk_l2norm_in_kernel=True)
+
+    def on_tables(tables_cu):
+        bnd = standins.device_fla_hybrid_boundaries(tables_cu.to(torch.int32), T)
+        assert bnd.cu_seqlens_cpu is None and not bnd.plan.groups
+
+        def fn(q, k, v, g, beta, **call):
+            return standins._hybrid(
+                q, k, v, g, beta, None, call.pop("initial_state"), call.pop("output_final_state"), bnd.cu_seqlens,
+                call.pop("use_qk_l2norm_in_kernel"), None, "fp32", bnd,
+            )  # fmt: skip
+
+        return _fwd_bwd(fn, ins, h0, use_qk_l2norm_in_kernel=True), bnd
+
+    (o, s, grads), bnd = on_tables(cu)
+    names = ("o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for name, a, b in zip(names, (o, s, *grads), (host[0], host[1], *host[2])):
+        scale = float(b.abs().max()) + 1e-6
+        assert float((a - b).abs().max()) <= 1e-5 * scale, name
+    if len(lengths) > 1:
+        other = list(reversed(lengths))
+        (o2, _, grads2), bnd2 = on_tables(_cu64(other))
+        assert bnd2.chunk_indices.shape == bnd.chunk_indices.shape
+        assert float((o2 - host[0]).abs().max()) > 1e-2 * float(host[0].abs().max())
+        assert float((grads2[0] - host[2][0]).abs().max()) > 1e-2 * float(host[2][0].abs().max())
+
+
+def test_torch_dqkwg_refuses_a_device_plan():
+    """The batched PyTorch step reads host groups a device plan does not have: refused, never zeros."""
+    p64, cu, _, _ = _problem([5, 70])
+    from varpack.ops.gated_delta_rule.fla_hybrid import device_fla_hybrid_boundaries
+
+    bnd = device_fla_hybrid_boundaries(cu, 75)
+    NT = bnd.plan.num_chunks
+    h = torch.zeros(1, NT, *p64["h"].shape[2:], dtype=torch.float64)
+    with pytest.raises(ValueError, match="device plan"):
+        chunk_bwd_dqkwg_torch(
+            p64["q"], p64["k"], p64["v_new"], p64["gcum"], h, h, p64["dv"], p64["do"], 0.25, cu, plan=bnd.plan
+        )
+
+
+@pytest.mark.gpu
+def test_gpu_fla_hybrid_device_tables_replay_as_cuda_graph():
+    """fla_hybrid's forward and backward on device offsets without a CPU copy, captured once as a CUDA graph on
+    one segmentation, then replayed after another segmentation (same T, N) is copied into the offsets buffer:
+    equal to the eager call on the new segmentation (host-built plan). The eager call on device offsets makes
+    no host sync. Negative control: replaying without copying the new offsets in computes the captured pack's
+    segmentation, which does not match."""
+    pytest.importorskip("fla")
+    from tests.ops.test_gated_delta_rule import GPU_DIMS, _bf16_tol, _cu, _inputs
+    from varpack.ops.gated_delta_rule.fla_hybrid import fla_hybrid_backward, fla_hybrid_gated_delta_rule
+
+    first = [3, 500, 64, 1, 1000, 480]
+    second = [700, 1, 1, 129, 1200, 17]
+    assert sum(first) == sum(second) and len(first) == len(second)
+    Hk, H, K, V = GPU_DIMS
+    ins, _ = _inputs(first, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator("cuda").manual_seed(3)
+    do = torch.randn(ins[2].shape, generator=gen, device="cuda").bfloat16()
+    cu_static = _cu(first, torch.int64).cuda()
+
+    def step():
+        o, _ = fla_hybrid_gated_delta_rule(*ins, cu_seqlens=cu_static, use_qk_l2norm_in_kernel=True)
+        grads = fla_hybrid_backward(do, None, *ins, None, None, cu_static, True)
+        return [o, *grads[:5]]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: Triton compiles and autotunes outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    without_host_sync(step)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+
+    def truth(lengths):
+        cu = _cu(lengths, torch.int64)
+        o, _ = fla_hybrid_gated_delta_rule(
+            *ins, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=True
+        )
+        grads = fla_hybrid_backward(do, None, *ins, None, None, cu.cuda(), True, cu_seqlens_cpu=cu)
+        return [o, *grads[:5]]
+
+    names = ("o", "dq", "dk", "dv", "dg", "dbeta")
+    for lengths in (second, first, second):
+        cu_static.copy_(_cu(lengths, torch.int64).cuda())
+        graph.replay()
+        for name, a, b in zip(names, outs, truth(lengths)):
+            b = b.float()
+            assert float((a.float() - b).abs().max()) <= 0.05 * _bf16_tol(b), (lengths, name)
+    graph.replay()  # negative control: the offsets buffer still holds `second`
+    wrong = truth(first)
+    assert float((outs[0].float() - wrong[0].float()).abs().max()) > 5 * _bf16_tol(wrong[0].float())
+
+
+def test_op_reads_no_host_plan_for_device_offsets_alone(monkeypatch):
+    """varpack::gated_delta_rule on fla_hybrid with offsets on a device and no CPU copy builds no host plan
+    (no device read, nothing kept across calls: fla_hybrid builds its tables on the device); with a CPU copy
+    (the control) the host plan is built from it."""
+    from varpack.ops.gated_delta_rule import custom_op
+
+    built = []
+    monkeypatch.setattr(custom_op, "prepare_fla_hybrid_boundaries", lambda cu, dev: built.append(cu) or "plan")
+    q = torch.zeros(1, 8, 2, 16)
+    on_device = torch.tensor([0, 3, 8], device="meta")  # not the CPU: what the rule must never read
+    assert custom_op._host_boundaries("fla_hybrid", q, on_device, None) is None and not built
+    cpu = torch.tensor([0, 3, 8])
+    assert custom_op._host_boundaries("fla_hybrid", q, on_device, cpu) == "plan" and built[0] is cpu
+
+
+def test_fla_tensor_cache_is_off_around_device_tables(standins, monkeypatch):
+    """fla's identity-keyed tensor cache is switched off while fla_hybrid runs on device-built tables (a kept
+    result would be a live tensor in a CUDA-graph pool) and left as it was with host-built ones (the control),
+    restored after both."""
+    import sys
+    import types
+
+    from tests.ops import _fla_standins
+
+    fake = types.ModuleType("fla.utils")
+    fake.FLA_DISABLE_TENSOR_CACHE = False
+    monkeypatch.setitem(sys.modules, "fla.utils", fake)
+    seen = []
+    fakes = _fla_standins.standins()
+    real = fakes["chunk_gated_delta_rule_fwd"]
+
+    def recording(*a, **kw):
+        seen.append(fake.FLA_DISABLE_TENSOR_CACHE)
+        return real(*a, **kw)
+
+    fakes["chunk_gated_delta_rule_fwd"] = recording
+    monkeypatch.setattr(standins, "load_hybrid", lambda: (fakes, "ok"))
+    ins, h0 = _gdr_inputs([5, 70])
+    ins = [x.float() for x in ins]
+    cu = _cu64([5, 70])
+    standins._forward_impl(*ins, None, 0.3, False, cu, cu, True, None)
+    bnd = standins.device_fla_hybrid_boundaries(cu, 75)
+    standins._forward_impl(*ins, None, 0.3, False, bnd.cu_seqlens, None, True, bnd.chunk_indices)
+    assert seen == [False, True] and fake.FLA_DISABLE_TENSOR_CACHE is False

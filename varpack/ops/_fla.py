@@ -34,7 +34,9 @@ __all__ = [
     "fla_causal_conv1d",
     "fla_chunk_gated_delta_rule",
     "fla_chunk_indices",
+    "fla_chunk_tables",
     "install_shipped_autotune",
+    "max_chunks",
     "fla_device",
     "first_line",
     "load_fla",
@@ -415,6 +417,70 @@ def fla_chunk_indices(
     first = torch.cumsum(counts, 0) - counts  # each sequence's first chunk
     within = torch.arange(seq.numel(), dtype=torch.int64) - first[seq]
     return torch.stack([seq, within], 1).to(device, non_blocking=True)
+
+
+def max_chunks(total_tokens: int, num_seqs: int, chunk_size: int = FLA_CHUNK_SIZE) -> int:
+    """The most chunks of ``chunk_size`` tokens that ``num_seqs`` sequences of ``total_tokens`` tokens in all can
+    be cut into (each sequence's last chunk may be shorter; an empty sequence has none): with ``n = min(N, T)``
+    non-empty sequences, ``sum ceil(l_i / C) = n + sum floor((l_i - 1) / C) <= n + (T - n) // C``, reached
+    when all but one sequence hold one token. A fixed bound of a static shape (``T``, ``N``), so a chunk table
+    of this many rows has the same shape for every pack of that shape."""
+    T, N, C = int(total_tokens), int(num_seqs), int(chunk_size)
+    if T < 0 or N < 0 or C < 1:
+        raise ValueError(f"max_chunks needs T >= 0, N >= 0, chunk_size >= 1, got {T}, {N}, {C}")
+    n = min(N, T)
+    return n + (T - n) // C
+
+
+def fla_chunk_tables(
+    cu_seqlens: torch.Tensor, total_tokens: int, chunk_size: int = FLA_CHUNK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch's chunk tables built where ``cu_seqlens`` lives, with a fixed row count: what a CUDA graph
+    replays (no host read of the offsets, no data-dependent shape; every pack of one static shape gets tables
+    of one shape, :func:`max_chunks` rows).
+
+    Rows ``c < NT`` (``NT`` the batch's real chunk count) are :func:`fla_chunk_indices`' rows, in fla's
+    order. Every row past them is a *padding row*: it names the last non-empty sequence and a chunk at or past
+    that sequence's end, so each fla kernel's per-sequence bounds mask every token of it (nothing is read
+    from or written to another sequence, and the chunk-end reads ``min((i_t + 1) * BT, T) - 1`` stay inside
+    that sequence), and its length in the dq/dk table is 0.
+
+    Args:
+        cu_seqlens: ``[N+1]`` integer offsets (int32 / int64) on any device, trusted as valid (validated where
+            they were built); zero-length sequences allowed.
+        total_tokens: ``T``, the packed row's token count (a static shape's ``tokens``).
+        chunk_size: tokens per chunk (fla's kernels: :data:`FLA_CHUNK_SIZE`).
+
+    Returns:
+        ``(chunk_indices [R, 2] int64, chunk_start [R] int32, chunk_len [R] int32)`` on ``cu_seqlens``'
+        device, ``R = max_chunks(T, N, chunk_size)``: fla's ``chunk_indices`` (sequence, chunk within it), and
+        each row's first token in the row and token count (``fla_hybrid``'s dq/dk chunk table,
+        :class:`varpack.ops.gated_delta_rule.fla_hybrid.DqkwgPlan`); a padding row's start is the end of
+        its sequence (any token index in range) and its count 0.
+
+    Raises:
+        TypeError: offsets that are not an integer tensor. ValueError: offsets that are not 1-D.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {tuple(cu_seqlens.shape)}")
+    C = int(chunk_size)
+    N = int(cu_seqlens.shape[0]) - 1
+    rows = max_chunks(total_tokens, N, C)
+    cu = cu_seqlens.to(torch.int64)
+    counts = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")
+    first = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # each sequence's first chunk, [N+1]
+    slots = torch.arange(rows, device=cu.device, dtype=torch.int64)
+    seq = torch.searchsorted(first, slots, right=True) - 1  # the sequence whose chunks hold the slot
+    # padding rows (slot >= NT): the last non-empty sequence, the first index whose chunk start is NT, minus 1
+    last = (torch.searchsorted(first, first[-1:], right=False) - 1).clamp(min=0)
+    seq = torch.where(slots < first[-1], seq, last).clamp(0, max(N - 1, 0))
+    within = slots - first[seq]
+    start = cu[seq] + within * C
+    length = (cu[seq + 1] - start).clamp(0, C)
+    start = torch.where(length > 0, start, cu[seq + 1])
+    return torch.stack([seq, within], 1), start.to(torch.int32), length.to(torch.int32)
 
 
 def fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices=None):

@@ -13,7 +13,10 @@ Backends through the op: ``chunk``, ``naive``, ``fla_hybrid`` (native backward, 
 (:func:`prepare_chunk_layout`) and ``fla_hybrid``'s boundaries are built from ``cu_seqlens_cpu`` (or CPU
 ``cu_seqlens``) and kept for the last few batches, keyed by the offsets' values (:func:`_host_plan`): CPU work
 once per batch, shared by every layer, no device sync; a per-batch object cannot travel through an op's
-schema.
+schema. ``fla_hybrid`` with device ``cu_seqlens`` and no CPU copy builds its tables on the device in every
+call instead (:func:`varpack.ops.gated_delta_rule.fla_hybrid.device_fla_hybrid_boundaries`: fixed-size, no
+host read), what a layer replayed as a CUDA graph needs; ``chunk`` and ``naive`` read such offsets on the
+host (one copy).
 ``chunk_compiled`` is refused: inside a compiled layer the op is already one node, and a nested
 ``torch.compile`` would run inside the op's implementation.
 
@@ -90,7 +93,8 @@ def _host_boundaries(backend, q, cu, cu_cpu):
     """What the backend reads on the host, built before any autograd transform: the chunk layout for
     ``chunk`` (its device copies made here), ``fla_hybrid``'s boundaries, the offsets as a Python list for
     ``naive`` (``torch.func`` wraps every tensor made inside its scope, and a wrapped tensor has no storage to
-    read)."""
+    read). ``fla_hybrid`` with device offsets and no CPU copy: ``None`` (no host read, nothing kept across
+    calls; fla_hybrid builds fixed-size tables on the device, what a CUDA-graph replay needs)."""
     host_cu = cu if cu_cpu is None else cu_cpu
     if backend == "chunk":
         if host_cu is None:
@@ -103,6 +107,8 @@ def _host_boundaries(backend, q, cu, cu_cpu):
 
         return _host_plan("chunk", host_cu, q.device, layout)
     if backend == "fla_hybrid" and host_cu is not None:
+        if host_cu.device.type != "cpu":  # device offsets alone: fla_hybrid builds its tables on the device
+            return None
         return _host_plan(
             "fla_hybrid", host_cu, q.device, lambda: prepare_fla_hybrid_boundaries(host_cu, q.device)
         )

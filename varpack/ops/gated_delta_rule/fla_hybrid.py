@@ -41,7 +41,9 @@ math). Devices: CUDA (fla's kernels); :func:`chunk_bwd_dqkwg_torch` itself runs 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +52,7 @@ import torch
 
 from varpack.varlen.boundaries import checked_host_cu_seqlens, seq_idx_from_cu_seqlens
 
-from .._fla import FLA_CHUNK_SIZE, fla_chunk_indices, load_fla_internals
+from .._fla import FLA_CHUNK_SIZE, fla_chunk_indices, fla_chunk_tables, load_fla_internals
 from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, normalize_optional_cu
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "chunk_bwd_dqkwg",
     "chunk_bwd_dqkwg_torch",
     "chunk_bwd_dqkwg_triton",
+    "device_fla_hybrid_boundaries",
     "dqkwg_plan",
     "fla_hybrid_backward",
     "fla_hybrid_gated_delta_rule",
@@ -107,6 +110,9 @@ class DqkwgPlan:
     """Where every chunk and token of a packed row goes in :func:`chunk_bwd_dqkwg_torch`'s padded batches,
     built once on the CPU from ``cu_seqlens`` (:func:`dqkwg_plan`): chunks grouped by their length rounded
     up to a power of two, so rows of short sequences are not padded to 64 (memory ~ tokens, not chunks x 64).
+
+    A *device plan* (:func:`device_fla_hybrid_boundaries`) has no groups: only the chunk table, built on the
+    device with a fixed row count (padding rows of length 0), which only :func:`chunk_bwd_dqkwg_triton` reads.
     """
 
     total_tokens: int
@@ -240,11 +246,17 @@ def chunk_bwd_dqkwg_torch(
         fp32 (gradient of the natural-unit chunk cumsum, before fla's reverse cumsum). fp64 for fp64 ``h``.
 
     Raises:
-        ValueError: ``precision`` unknown, shapes or a ``plan`` that disagree with the tensors.
+        ValueError: ``precision`` unknown, shapes or a ``plan`` that disagree with the tensors, a device plan
+            (no host groups: :func:`chunk_bwd_dqkwg_triton` runs it).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     plan, (T, Hk, H, K, V) = _checked_plan(q, v_new, h, dh, cu_seqlens, chunk_size, plan)
+    if plan.num_chunks and not plan.groups:
+        raise ValueError(
+            "chunk_bwd_dqkwg_torch needs a host-built plan (dqkwg_plan); a device plan "
+            "(device_fla_hybrid_boundaries: a fixed-size chunk table, no host groups) runs chunk_bwd_dqkwg_triton"
+        )
     acc = torch.float64 if h.dtype == torch.float64 else torch.float32
     mm = acc if precision == "fp32" else h.dtype
     out_acc = precision == "mixed" and mm != acc  # GEMM outputs in acc from low-precision operands
@@ -445,7 +457,8 @@ def chunk_bwd_dqkwg_triton(
 
 def chunk_bwd_dqkwg(*args, impl: str | None = None, **kwargs):
     """:func:`chunk_bwd_dqkwg_triton` or :func:`chunk_bwd_dqkwg_torch` (same arguments) by ``impl``
-    (default :data:`DQKWG_IMPL`; ``"auto"``: Triton on CUDA for ``"mixed"`` / ``"fp32"``, else PyTorch).
+    (default :data:`DQKWG_IMPL`; ``"auto"``: Triton on CUDA for ``"mixed"`` / ``"fp32"`` and for every device
+    plan (:func:`device_fla_hybrid_boundaries`; interpreted on the CPU), else PyTorch).
 
     Raises:
         ValueError: an unknown ``impl``; as the chosen function.
@@ -455,8 +468,11 @@ def chunk_bwd_dqkwg(*args, impl: str | None = None, **kwargs):
         raise ValueError(f"dqkwg impl must be one of {DQKWG_IMPLS}, got {impl!r}")
     q = args[0] if args else kwargs["q"]
     precision = kwargs.get("precision", DEFAULT_PRECISION)
+    plan = kwargs.get("plan")
+    device_plan = plan is not None and plan.num_chunks > 0 and not plan.groups
     if impl == "auto":
-        impl = "triton" if q.device.type == "cuda" and precision in ("mixed", "fp32") else "torch"
+        triton_ok = precision in ("mixed", "fp32")
+        impl = "triton" if triton_ok and (q.device.type == "cuda" or device_plan) else "torch"
     fn = chunk_bwd_dqkwg_triton if impl == "triton" else chunk_bwd_dqkwg_torch
     return fn(*args, **kwargs)
 
@@ -469,6 +485,24 @@ def _device_ctx(t: torch.Tensor):
     import contextlib
 
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fla_tensor_cache_off(off: bool):
+    """fla's identity-keyed per-tensor cache (``fla.utils.FLA_DISABLE_TENSOR_CACHE``, read at every call) off
+    inside, when ``off``: with device-built tables the offsets are a new tensor every call, so the cache would
+    only keep tensors alive (its last results, e.g. ``chunk_offsets``); under CUDA-graph trees a kept tensor
+    from the graph's memory pool is a live allocation the graph does not own, which the trees refuse."""
+    module = sys.modules.get("fla.utils") if off else None
+    if module is None:
+        yield
+        return
+    before = getattr(module, "FLA_DISABLE_TENSOR_CACHE", False)
+    module.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        module.FLA_DISABLE_TENSOR_CACHE = before
 
 
 def _fns() -> dict:
@@ -485,7 +519,8 @@ def _forward_impl(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, c
     fns = _fns()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = h0.contiguous() if h0 is not None else None
-    with _device_ctx(q), torch.autocast(q.device.type, enabled=False):
+    device_tables = cu_seqlens_cpu is None and chunk_indices is not None
+    with _device_ctx(q), torch.autocast(q.device.type, enabled=False), _fla_tensor_cache_off(device_tables):
         q_rstd = k_rstd = None
         if l2:
             q, q_rstd = fns["l2norm_fwd"](q)
@@ -510,7 +545,8 @@ def _backward_impl(saved, do, dht, scale, l2, plan, precision):
     BT = FLA_CHUNK_SIZE
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
-    with _device_ctx(q), torch.autocast(q.device.type, enabled=False):
+    device_plan = plan is not None and plan.num_chunks > 0 and not plan.groups
+    with _device_ctx(q), torch.autocast(q.device.type, enabled=False), _fla_tensor_cache_off(device_plan):
         common = {"cu_seqlens": cu, "chunk_indices": chunk_indices}
         w, u = fns["recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, g=g, **common)
         h, v_new, _ = fns["chunk_gated_delta_rule_fwd_h"](
@@ -587,10 +623,12 @@ def fla_hybrid_gated_delta_rule(
 
     Args:
         cu_seqlens: boundaries (any integer tensor / list); moved to the device as int64.
-        cu_seqlens_cpu: a CPU copy of ``cu_seqlens`` (no device->host sync; without it and with device
-            ``cu_seqlens``, one copy to the host is made, as fla itself does).
-        boundaries: :func:`prepare_fla_hybrid_boundaries` of these offsets, kept per batch (every layer
-            then shares one device copy and one plan: no per-layer host work); built here when ``None``.
+        cu_seqlens_cpu: a CPU copy of ``cu_seqlens``. Without it and with device ``cu_seqlens``, the
+            boundaries are built on the device (:func:`device_fla_hybrid_boundaries`: no host read, fixed-size
+            tables) for ``precision`` ``"mixed"`` / ``"fp32"``; for ``"input"`` one copy to the host is made.
+        boundaries: :func:`prepare_fla_hybrid_boundaries` (or :func:`device_fla_hybrid_boundaries`) of these
+            offsets, kept per batch (every layer then shares one device copy and one plan: no per-layer host
+            work); built here when ``None``.
         precision: :func:`chunk_bwd_dqkwg_torch`'s ``precision`` for the backward (default
             :data:`DEFAULT_PRECISION`).
 
@@ -628,11 +666,14 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
         q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
         boundaries = None
     elif cu_seqlens_cpu is None and boundaries is None:
-        cu_seqlens_cpu = cu_seqlens_to_cpu(cu_seqlens)  # one sync; fla would make the same one
+        if precision in ("mixed", "fp32"):  # no host read: tables built on the device (Triton dq/dk step)
+            boundaries = device_fla_hybrid_boundaries(cu_seqlens, q.shape[1])
+        else:
+            cu_seqlens_cpu = cu_seqlens_to_cpu(cu_seqlens)  # one sync; fla would make the same one
     if boundaries is None:
         boundaries = prepare_fla_hybrid_boundaries(cu_seqlens_cpu, q.device)
     else:
-        n = boundaries.cu_seqlens_cpu.numel()
+        n = boundaries.cu_seqlens.numel()
         if (
             boundaries.cu_seqlens.device != q.device
             or boundaries.plan.total_tokens != q.shape[1]
@@ -651,9 +692,13 @@ class FlaHybridBoundaries:
     """One batch's boundaries as ``fla_hybrid`` uses them, built once (:func:`prepare_fla_hybrid_boundaries`)
     and shared by every layer: ``cu_seqlens_cpu`` / ``cu_seqlens`` int64 ``[N+1]`` on the CPU and on the
     device, the :class:`DqkwgPlan`, and fla's ``chunk_indices`` ``[NT, 2]`` int64 on the device
-    (:func:`varpack.ops._fla.fla_chunk_indices`: no layer waits for fla's own blocking copy of them)."""
+    (:func:`varpack.ops._fla.fla_chunk_indices`: no layer waits for fla's own blocking copy of them).
 
-    cu_seqlens_cpu: torch.Tensor
+    Built on the device instead (:func:`device_fla_hybrid_boundaries`): ``cu_seqlens_cpu`` is ``None``,
+    ``chunk_indices`` and the plan's chunk table have :func:`varpack.ops._fla.max_chunks` rows (padding rows
+    past the real chunks), and the plan has no host groups."""
+
+    cu_seqlens_cpu: torch.Tensor | None
     cu_seqlens: torch.Tensor
     plan: DqkwgPlan
     chunk_indices: torch.Tensor
@@ -677,6 +722,32 @@ def prepare_fla_hybrid_boundaries(cu_seqlens_cpu: Any, device: torch.device | st
     )
 
 
+def device_fla_hybrid_boundaries(cu_seqlens: torch.Tensor, total_tokens: int) -> FlaHybridBoundaries:
+    """:class:`FlaHybridBoundaries` built on ``cu_seqlens``' device from the offsets alone: no host read, and
+    tables whose shapes depend only on ``(T, N)`` (:func:`varpack.ops._fla.fla_chunk_tables`: fla's chunk
+    indices and the dq/dk chunk table, :func:`varpack.ops._fla.max_chunks` rows, padding rows masked by
+    every kernel), so the launches of one static shape are the same for every pack: what a captured CUDA
+    graph replays (``varpack sft`` with CUDA graphs on a Gated DeltaNet model). The offsets are copied to a
+    new int64 tensor: fla's identity-keyed per-tensor cache (its ``chunk_offsets``) never hits an entry
+    computed outside the current call, so under capture those offsets are recorded with the rest.
+
+    Args:
+        cu_seqlens: ``[N+1]`` int32 / int64 offsets on the device, trusted as valid (checked where they were
+            built, e.g. :class:`varpack.varlen.VarlenMeta`).
+        total_tokens: ``T`` of the packed row.
+
+    Raises:
+        TypeError / ValueError: offsets that are not a 1-D integer tensor.
+    """
+    indices, start, length = fla_chunk_tables(cu_seqlens, total_tokens, FLA_CHUNK_SIZE)
+    cu64 = cu_seqlens.to(torch.int64, copy=True)
+    plan = DqkwgPlan(
+        total_tokens=int(total_tokens), num_chunks=int(indices.shape[0]), groups=(), chunk_start=start,
+        chunk_len=length,
+    )  # fmt: skip
+    return FlaHybridBoundaries(None, cu64, plan, indices)
+
+
 def _hybrid(
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
     cu_seqlens_cpu, precision, boundaries=None,
@@ -689,7 +760,7 @@ def _hybrid(
     B, T, Hk, H, K, V = dims
     if T * B == 0 or bnd.plan.total_tokens == 0:
         o = v.new_zeros(v.shape).reshape(B, T, H, V).to(q.dtype)
-        n = bnd.cu_seqlens_cpu.numel() - 1
+        n = bnd.cu_seqlens.numel() - 1
         fs = None
         if output_final_state:
             acc = acc_dtype(q)
