@@ -172,14 +172,26 @@ def _pad_segments_alone(ref, batch, num_real):
         return torch.cat([ref(input_ids=ids[:, a:b]).logits[0] for a, b in zip(cu[num_real:-1], cu[num_real + 1 :])])
 
 
-def test_static_packs_equal_dynamic_and_pads_carry_no_state():
+@pytest.mark.parametrize("static_boundaries", [False, True], ids=["cpu-offsets", "device-tables"])
+def test_static_packs_equal_dynamic_and_pads_carry_no_state(static_boundaries):
     """Static-shape packs through one ``dynamic=False`` compile (no recompilation across packs): the real
     tokens' logits, the loss and every gradient equal the dynamic-shape eager run; each pad segment's logits
     equal that segment alone (it starts from a zero state and a reset convolution). Control: the pad segments
-    merged into the last sample (state and convolution carried into them) fail the pad check."""
+    merged into the last sample (state and convolution carried into them) fail the pad check.
+
+    ``device-tables``: the Gated DeltaNet layers marked as CUDA-graph layers are
+    (``_varpack_static_boundaries``, what ``compile_layers_as_graphs`` sets): the traced rule gets no CPU copy
+    of the offsets (no CPU tensor in a captured graph; fla_hybrid then builds its tables on the device;
+    :func:`test_static_boundary_layer_passes_no_cpu_offsets`)."""
     from torch._dynamo.utils import counters
 
     model, eager, ref = _models("tiny-qwen3.5", dynamic=False)
+    if static_boundaries:
+        from varpack.models.registry import is_gated_delta_layer
+
+        for m in model.modules():
+            if is_gated_delta_layer(m):
+                m._varpack_static_boundaries = True
     counters.clear()
     graphs = None
     for lengths in STATIC_PACKS:
@@ -205,3 +217,93 @@ def test_static_packs_equal_dynamic_and_pads_carry_no_state():
     bad.pop("varlen_meta")
     logits_m = _run(model, bad)[0]
     assert_differs(logits_m[t:], pads, rtol=LOGITS_RTOL, what="pad logits (pads merged into the last sample)")
+
+
+@pytest.mark.parametrize("static_boundaries", [True, False])
+def test_static_boundary_layer_passes_no_cpu_offsets(static_boundaries, monkeypatch):
+    """The traced Gated DeltaNet forward of a layer marked for CUDA graphs hands the rule device offsets only
+    (``cu_seqlens_cpu=None``); an unmarked layer (the control) hands it the meta's CPU copy. Same output."""
+    from varpack.models.registry import is_gated_delta_layer
+    from varpack.varlen import VarlenMeta
+
+    torch._dynamo.reset()
+    model = tiny_model("tiny-qwen3.5", seed=1, vocab_size=VOCAB)
+    enable_varpack(model, linear_backend="chunk")
+    layer = next(m for m in model.modules() if is_gated_delta_layer(m))
+    seen, real = [], gd.gated_delta_rule_op
+
+    def recording(*args, cu_seqlens_cpu, **kw):
+        seen.append(cu_seqlens_cpu)
+        return real(*args, cu_seqlens_cpu=cu_seqlens_cpu, **kw)
+
+    monkeypatch.setattr(gd, "gated_delta_rule_op", recording)
+    meta = VarlenMeta.from_lengths([5, 70, 1])
+    hidden = torch.randn(1, 76, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    want = gd._packed_forward(layer, hidden, None, meta)
+    if static_boundaries:
+        layer._varpack_static_boundaries = True
+    got = gd._traced_packed_forward(layer, hidden, None, meta)
+    assert len(seen) == 1
+    assert (seen[0] is None) == static_boundaries
+    assert_exact(got, want, rtol=LOGITS_RTOL, what="traced / eager mixer")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("attn", "dtype"), [("triton_short", torch.float32), ("flash_attn_4", torch.bfloat16)])
+def test_gpu_hybrid_layers_replayed_as_cuda_graphs_equal_eager(attn, dtype):
+    """tiny-qwen3.5 (Gated DeltaNet at Qwen3.5's head size, fla_hybrid) compiled for CUDA graphs
+    (:func:`varpack.integrations.cuda_graphs.compile_layers_as_graphs`) on static packs: every layer captured
+    (a skipped graph raises), one graph set for every pack, and each pack -- replayed on graphs recorded for
+    other segmentations -- equals the same model run eagerly (logits, loss, every gradient). Negative control:
+    the eager model with the boundaries dropped differs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine)")
+    pytest.importorskip("fla")
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    from tests.invariant.test_static_shapes import _on_cuda
+    from varpack.attn import BackendUnavailableError, resolve_backend
+    from varpack.integrations.cuda_graphs import compile_layers_as_graphs, model_refusal
+
+    q = torch.zeros(8, 4, 64, device="cuda", dtype=dtype, requires_grad=True)
+    try:
+        resolve_backend(attn, q, q, q, cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32))
+    except BackendUnavailableError as exc:
+        pytest.skip(f"{attn}: {exc}")
+    torch._dynamo.reset()
+    counters.clear()
+    dims = dict(
+        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    )  # fmt: skip  (the GPU tests' fla head shape: one autotune)
+    model = tiny_model("tiny-qwen3.5", seed=1, vocab_size=VOCAB, **dims).to("cuda", dtype)
+    enable_varpack(model, backend=attn, linear_backend="fla_hybrid")
+    eager = copy.deepcopy(model)
+    assert model_refusal(model, device="cuda", autocast=True) is None  # fp32 + triton_short: the test's own choice
+    compile_layers_as_graphs(model, device="cuda")
+    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    graphs = batch = None
+    with inductor_config.patch({"triton.cudagraph_or_error": True}):
+        for _ in range(2):  # the second pass replays graphs recorded on the first pass's packs
+            for lengths in STATIC_PACKS:
+                batch = _on_cuda(_static(_samples(lengths, vocab=VOCAB, seed=len(lengths))))
+                torch.compiler.cudagraph_mark_step_begin()
+                logits_c, loss_c, grads_c = _run(model, batch)
+                graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+                assert counters["stats"]["unique_graphs"] == graphs, lengths
+                logits_e, loss_e, grads_e = _run(eager, batch)
+                scale = logits_e.float().abs().max().item()
+                assert (logits_c.float() - logits_e.float()).abs().max().item() <= tol * max(scale, 1.0), lengths
+                torch.testing.assert_close(loss_c.float(), loss_e.float(), rtol=tol, atol=tol)
+                assert grads_c.keys() == grads_e.keys() == {n for n, _ in model.named_parameters()}
+                for name in grads_c:
+                    ref = grads_e[name].float()
+                    diff = (grads_c[name].float() - ref).abs().max().item()
+                    assert diff <= tol * max(ref.abs().max().item(), 1e-3), (lengths, name, diff)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    dropped = _dropped(batch)
+    dropped["cu_seq_lens_q"] = dropped["cu_seq_lens_k"] = dropped["cu_seq_lens_q"].cuda()
+    logits_b = _run(eager, dropped)[0]
+    assert (logits_b.float() - logits_e.float()).abs().max().item() > 10 * tol * max(scale, 1.0)

@@ -253,10 +253,11 @@ def test_compile_for_graphs_refuses_a_cpu_device():
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
 
 
-def test_compile_for_graphs_refuses_gated_delta_models_with_the_reason():
-    """A Gated DeltaNet model is refused before compiling (its backends size their launches from host-read
-    boundaries: a replay would compute the captured pack's segmentation); a dense model gets past the check
-    (the control)."""
+def test_compile_for_graphs_gated_delta_models_need_fla_hybrid(monkeypatch):
+    """A Gated DeltaNet model runs captured only where its rule resolves to fla_hybrid (chunk tables built on
+    the device): on the chunk backend, or off CUDA, it is refused before compiling, with the backend it
+    resolved to; with fla_hybrid resolvable (its probe stood in) it is compiled and its Gated DeltaNet layers
+    are marked to trace without CPU offsets. A dense model gets past the check (the control)."""
     from varpack.integrations.cuda_graphs import (
         GATED_DELTA_GRAPHS_REFUSAL,
         compile_layers_as_graphs,
@@ -264,15 +265,41 @@ def test_compile_for_graphs_refuses_gated_delta_models_with_the_reason():
     )
     from varpack.integrations.transformers import enable_varpack
     from varpack.models.gated_delta import tiny_model
+    from varpack.models.registry import is_gated_delta_layer
+    from varpack.ops.gated_delta_rule import dispatch
 
     hybrid = tiny_model("tiny-qwen3.5", seed=1, vocab_size=VOCAB)
     enable_varpack(hybrid, linear_backend="chunk")
-    assert model_refusal(hybrid, autocast=True) == f"Qwen3_5ForCausalLM: {GATED_DELTA_GRAPHS_REFUSAL}"
+    assert model_refusal(hybrid, autocast=True, device="cuda") == (
+        f"Qwen3_5ForCausalLM: {GATED_DELTA_GRAPHS_REFUSAL}; gated delta rule backend 'chunk' resolves to 'chunk' "
+        "here"
+    )
+    assert model_refusal(hybrid, autocast=True, device="cpu").endswith("which needs a CUDA device (here: cpu)")
     with pytest.raises(ValueError, match=r"--cuda-graphs with Qwen3_5ForCausalLM: its recurrent mixers \(Gated"):
         compile_layers_as_graphs(hybrid, device="cuda", what="--cuda-graphs")
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in hybrid.modules())
+    assert not any(getattr(m, "_varpack_static_boundaries", False) for m in hybrid.modules())
+
+    monkeypatch.setattr(dispatch, "_fla_hybrid_capability", lambda device, dims=None: (False, "fla-core missing"))
+    forced = model_refusal(hybrid, autocast=True, device="cuda", gated_delta_backend="fla_hybrid")
+    assert forced is not None and forced.endswith("RuntimeError: gated delta rule backend 'fla_hybrid' cannot run on cuda: fla-core missing")
+    monkeypatch.setattr(dispatch, "_fla_hybrid_capability", lambda device, dims=None: (True, "ok"))
+    enable_varpack(hybrid, linear_backend="fla_hybrid")
+    assert model_refusal(hybrid, autocast=True, device="cuda") is None
+    assert compile_layers_as_graphs(hybrid, device="cuda") == hybrid.config.num_hidden_layers
+    gdn = [m for m in hybrid.modules() if is_gated_delta_layer(m)]
+    assert gdn and all(m._varpack_static_boundaries for m in gdn)
+    # auto leaves it off, naming why (the whole captured model step is not yet verified on the GPU); a dense
+    # model has no such reason (the control)
+    from varpack.integrations.cuda_graphs import GATED_DELTA_AUTO_OFF, auto_refusal
+    from varpack.train import sft
+
+    args = types.SimpleNamespace(device=torch.device("cuda"), world_size=1, bf16=True, fp16=False)
+    choice, _ = sft._resolve_graphs(SFTConfig(gated_delta_backend="fla_hybrid"), hybrid, None, args)
+    assert not choice.on and choice.reason == f"auto: Qwen3_5ForCausalLM: {GATED_DELTA_AUTO_OFF}", choice
+    assert sft._resolve_graphs(SFTConfig(cuda_graphs=True), hybrid, None, args)[0].on
     dense = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa")
-    assert model_refusal(dense, autocast=True) is None
+    assert model_refusal(dense, autocast=True) is None and auto_refusal(dense) is None
     assert compile_layers_as_graphs(dense, device="cuda") == dense.config.num_hidden_layers  # compiled lazily
 
 

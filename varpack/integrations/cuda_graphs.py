@@ -20,6 +20,9 @@ the CUDA semantics notes, and ``torch.compiler.cudagraph_mark_step_begin``):
 
 The attention backend must launch without host reads of the offsets (``flash_attn_4``, ``triton_short``;
 tests/invariant/test_static_shapes.py's GPU test); one that reads them fails the capture (an error, above).
+Gated DeltaNet layers (Qwen3.5, Qwen3-Next) run captured on the ``fla_hybrid`` rule only, with fla's chunk
+indices and varpack's dq/dk chunk table built on the device at a size fixed by the static shape
+(:data:`GATED_DELTA_GRAPHS_REFUSAL`; tests/ops/test_fla_hybrid.py's graph-replay GPU test).
 Embedding, final norm, the loss and the optimizer stay eager.
 """
 
@@ -34,11 +37,13 @@ import torch
 from varpack.schema import FLASH_ATTN_KWARGS, VARLEN_META
 
 __all__ = [
+    "GATED_DELTA_AUTO_OFF",
     "GATED_DELTA_GRAPHS_REFUSAL",
     "GRAPH_BACKENDS",
     "GRAPH_COMPILE_KW",
     "MAMBA2_GRAPHS_REFUSAL",
     "attention_refusal",
+    "auto_refusal",
     "begin_step",
     "boundaries_on_device",
     "capture_or_error",
@@ -47,21 +52,27 @@ __all__ = [
     "model_refusal",
 ]
 
-#: Why CUDA-graph layers are refused for a model with Gated DeltaNet layers, read from the backends' code.
-#: Replaying a captured graph re-runs its kernel launches with the grids, loop counts and host-built index
-#: tensors of the pack it was captured on; neither gated delta rule backend launches from device-only
-#: boundaries with a static grid: ``chunk`` runs a Python loop over chunk steps whose count and per-step
-#: batch sizes come from a CPU chunk layout (varpack.ops.gated_delta_rule.chunk.prepare_chunk_layout), and
-#: ``fla_hybrid`` launches fla's kernels over ``NT`` chunks from fla's ``prepare_chunk_indices`` /
-#: ``prepare_chunk_offsets`` (built from the CPU offsets) and its dq/dk step over a CPU-built plan
-#: (varpack.ops.gated_delta_rule.fla_hybrid.dqkwg_plan: grid ``NT``, one launch per padded chunk size).
+#: What CUDA-graph layers need of a model's Gated DeltaNet layers. Replaying a captured graph re-runs its
+#: kernel launches with the grids, loop counts and index tensors of the pack it was captured on, so every launch
+#: must be sized by the static shape alone and every index built on the device. ``fla_hybrid`` does that in a
+#: captured layer (:func:`varpack.ops.gated_delta_rule.fla_hybrid.device_fla_hybrid_boundaries`: fla's chunk
+#: indices and the dq/dk chunk table built from the device offsets with :func:`varpack.ops._fla.max_chunks`
+#: rows, padding rows masked by every kernel; the short convolution on the PyTorch path with the segment index
+#: computed in the graph). ``chunk`` (a Python loop over a CPU chunk layout), ``naive`` (a loop over host
+#: offsets) and ``fla`` (no backward through varpack's op) do not.
 GATED_DELTA_GRAPHS_REFUSAL = (
-    "its recurrent mixers (Gated DeltaNet) are not replay-safe: a replayed CUDA graph re-runs the kernel "
-    "launches captured for one pack (grids, loop counts, host-built chunk indices), and both gated delta rule "
-    "backends size their launches from boundaries read on the host (chunk: the CPU chunk layout's steps; "
-    "fla_hybrid: fla's chunk indices / offsets and the dq/dk plan, grid = the pack's chunk count), so the next "
-    "pack would be computed with the captured pack's segmentation. Without CUDA graphs, compiled layers "
-    "(compile_layers(model, custom_ops=True)) trace the whole Gated DeltaNet layer without a graph break"
+    "its recurrent mixers (Gated DeltaNet) replay as CUDA graphs only on the fla_hybrid backend (fla-core's "
+    "kernels with chunk tables built on the device, fixed-size for the static shape); the others size their "
+    "launches from offsets read on the host, so a replay would compute the next pack with the captured pack's "
+    "segmentation"
+)
+#: Why ``cuda_graphs="auto"`` leaves a Gated DeltaNet model off graphs even where ``fla_hybrid`` runs: the captured
+#: rule (fla's kernels replayed on device-built chunk tables) is verified on the GPU op by op
+#: (tests/ops/test_fla_hybrid.py's graph-replay test), the whole captured model step is not yet
+#: (tests/invariant/test_compiled_gated_delta.py's GPU test). ``--cuda-graphs`` / ``cuda_graphs=True`` runs it.
+GATED_DELTA_AUTO_OFF = (
+    "Gated DeltaNet layers: their captured step is verified op by op on the GPU, not yet as a whole model; "
+    "--cuda-graphs runs it"
 )
 #: Why CUDA-graph layers are refused for a model with Mamba-2 mixers.
 MAMBA2_GRAPHS_REFUSAL = (
@@ -70,16 +81,50 @@ MAMBA2_GRAPHS_REFUSAL = (
 )
 
 
-def _recurrent_refusal(model: torch.nn.Module) -> str | None:
-    """:data:`GATED_DELTA_GRAPHS_REFUSAL` / :data:`MAMBA2_GRAPHS_REFUSAL` for a model with those mixers."""
-    from varpack.models.mamba2 import is_mamba2_mixer
+def _gated_delta_refusal(
+    model: torch.nn.Module, device: torch.device | str | None, backend: str | None
+) -> str | None:
+    """Why ``model``'s Gated DeltaNet layers cannot run captured on ``device`` (default: CUDA when available),
+    or ``None``: each layer's gated delta rule backend (``backend``, else the layer's own, else ``"auto"``)
+    must resolve to ``fla_hybrid`` there at the layer's head dims, with gradients
+    (:func:`varpack.ops.gated_delta_rule.resolve_backend`: fla's probes run on the device)."""
+    from varpack.integrations.gated_delta import layer_head_dims
     from varpack.models.registry import is_gated_delta_layer
+    from varpack.ops.gated_delta_rule import resolve_backend
 
-    if any(is_gated_delta_layer(m) for m in model.modules()):
-        return GATED_DELTA_GRAPHS_REFUSAL
+    layers = [m for m in model.modules() if is_gated_delta_layer(m)]
+    if not layers:
+        return None
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type != "cuda":
+        return f"{GATED_DELTA_GRAPHS_REFUSAL}, which needs a CUDA device (here: {dev})"
+    resolved: dict[tuple, str] = {}
+    for layer in layers:
+        name = backend or getattr(layer, "_varpack_gdn_backend", "auto")
+        key = (name, layer_head_dims(layer))
+        if key not in resolved:
+            try:
+                resolved[key] = resolve_backend(name, dev, needs_grad=True, dims=key[1])
+            except Exception as exc:  # noqa: BLE001 - the reason goes on the speed line / into the error
+                return f"{GATED_DELTA_GRAPHS_REFUSAL}: {type(exc).__name__}: {exc}"
+        if resolved[key] != "fla_hybrid":
+            return (
+                f"{GATED_DELTA_GRAPHS_REFUSAL}; gated delta rule backend {name!r} resolves to "
+                f"{resolved[key]!r} here"
+            )
+    return None
+
+
+def _recurrent_refusal(
+    model: torch.nn.Module, device: torch.device | str | None = None, backend: str | None = None
+) -> str | None:
+    """:data:`MAMBA2_GRAPHS_REFUSAL` for a model with Mamba-2 mixers; for Gated DeltaNet layers, why they
+    cannot run captured on ``device`` (:func:`_gated_delta_refusal`); else ``None``."""
+    from varpack.models.mamba2 import is_mamba2_mixer
+
     if any(is_mamba2_mixer(m) for m in model.modules()):
         return MAMBA2_GRAPHS_REFUSAL
-    return None
+    return _gated_delta_refusal(model, device, backend)
 
 
 #: :func:`varpack.integrations.kernels.compile_layers` keywords of CUDA-graph layers: attention as the custom op
@@ -146,34 +191,55 @@ def attention_refusal(
     )
 
 
-def model_refusal(model: torch.nn.Module, *, autocast: bool = False) -> str | None:
+def model_refusal(
+    model: torch.nn.Module,
+    *,
+    autocast: bool = False,
+    device: torch.device | str | None = None,
+    gated_delta_backend: str | None = None,
+) -> str | None:
     """Why ``model``'s decoder layers cannot run as CUDA graphs exactly, or ``None`` when they can.
 
     Args:
         model: a transformers model (before or after :func:`varpack.integrations.transformers.enable_varpack`).
         autocast: the step runs under bf16 / fp16 autocast (``--bf16``), so float32 weights are fine.
+        device: the training device (default: CUDA when available); Gated DeltaNet layers' backend is resolved
+            there.
+        gated_delta_backend: the run's gated delta rule backend (``--gated-delta-backend``); default: each
+            layer's own (set by ``enable_varpack``), else ``"auto"``.
 
     Returns:
         ``None``, or the reason in words, naming the model class: a vision-language model (the vision tower and
-        mRoPE positions are not tested with static packs and captured layers); recurrent mixers (Gated DeltaNet /
-        Mamba-2: host-built chunk layouts, a replayed graph would reuse the previous pack's); float32 training
-        without autocast (no capturable varlen kernel has a float32 backward through varpack's op).
+        mRoPE positions are not tested with static packs and captured layers); Mamba-2 mixers (host-built chunk
+        layouts, a replayed graph would reuse the previous pack's); Gated DeltaNet layers whose rule does not
+        resolve to ``fla_hybrid`` on ``device`` (:data:`GATED_DELTA_GRAPHS_REFUSAL`, with the backend it
+        resolved to or why it cannot run); float32 training without autocast (no capturable varlen kernel has
+        a float32 backward through varpack's op).
     """
     from varpack.models import is_vl_model
-    from varpack.models.registry import family_of
 
     name = type(model).__name__
     if is_vl_model(model):
         return f"a vision-language model ({name}): the vision tower and mRoPE positions are not tested with graphs"
-    recurrent = _recurrent_refusal(model)
-    if recurrent is not None or family_of(model).linear_layers(model):
-        return f"{name}: {recurrent or GATED_DELTA_GRAPHS_REFUSAL}"
+    recurrent = _recurrent_refusal(model, device, gated_delta_backend)
+    if recurrent is not None:
+        return f"{name}: {recurrent}"
     dtype = next(model.parameters()).dtype
     if dtype == torch.float32 and not autocast:
         return (
             "float32 training: the captured layers need bf16 / fp16 attention (FlashAttention-4); "
             "--bf16 (mixed precision) or --dtype bfloat16 gets them"
         )
+    return None
+
+
+def auto_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``cuda_graphs="auto"`` leaves ``model`` off graphs although :func:`model_refusal` lets it run them
+    when asked (:data:`GATED_DELTA_AUTO_OFF` for a model with Gated DeltaNet layers), or ``None``."""
+    from varpack.models.registry import is_gated_delta_layer
+
+    if any(is_gated_delta_layer(m) for m in model.modules()):
+        return f"{type(model).__name__}: {GATED_DELTA_AUTO_OFF}"
     return None
 
 
@@ -190,17 +256,24 @@ def compile_layers_as_graphs(
 
     Raises:
         ValueError: ``device`` is not CUDA (``"{what}: CUDA graphs need a CUDA device, the model is on cpu"``),
-            or the model has Gated DeltaNet / Mamba-2 layers (:data:`GATED_DELTA_GRAPHS_REFUSAL`), nothing
-            compiled; :func:`varpack.integrations.kernels.compile_layers`' refusals.
+            or the model has Mamba-2 mixers, or Gated DeltaNet layers whose rule does not resolve to
+            ``fla_hybrid`` on ``device`` (:func:`model_refusal`'s reasons), nothing compiled;
+            :func:`varpack.integrations.kernels.compile_layers`' refusals. Gated DeltaNet layers that pass are
+            marked to trace without CPU offsets (``fla_hybrid`` builds its chunk tables on the device).
     """
     from varpack.integrations.kernels import compile_layers
 
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type != "cuda":
         raise ValueError(f"{what}: CUDA graphs need a CUDA device, the model is on {device}")
-    recurrent = _recurrent_refusal(model)
+    recurrent = _recurrent_refusal(model, device)
     if recurrent is not None:
         raise ValueError(f"{what} with {type(model).__name__}: {recurrent}")
+    from varpack.models.registry import is_gated_delta_layer
+
+    for module in model.modules():  # read by the traced Gated DeltaNet forward: no CPU offsets in the graph
+        if is_gated_delta_layer(module):
+            module._varpack_static_boundaries = True
     return compile_layers(model, **GRAPH_COMPILE_KW)
 
 

@@ -306,7 +306,10 @@ def _traced_packed_forward(
     (:func:`varpack.varlen.seq_idx_on_device`: no host read, no data-dependent shape); the gated delta rule
     (q/k l2norm inside) as the ``varpack::gated_delta_rule`` custom op, one graph node, with the offsets on
     the device and the meta's CPU copy (the ``chunk`` / ``fla_hybrid`` backends build their chunk plans from
-    it inside the op: host work, no device sync). The backend is resolved at trace time from the layer's
+    it inside the op: host work, no device sync). A layer compiled for CUDA graphs
+    (``_varpack_static_boundaries``, set by :func:`varpack.integrations.cuda_graphs.compile_layers_as_graphs`)
+    passes no CPU copy: ``fla_hybrid`` then builds fixed-size chunk tables on the device
+    (:func:`varpack.ops.gated_delta_rule.fla_hybrid.device_fla_hybrid_boundaries`), replay-safe. The backend is resolved at trace time from the layer's
     backend, device, grad need and head dims. ``hidden_states`` ``[1, T, hidden]`` -> ``[1, T, hidden]``."""
     B, T, _ = hidden_states.shape
     device = hidden_states.device
@@ -316,7 +319,10 @@ def _traced_packed_forward(
     hk, hv, dk, dv = layer_head_dims(layer)
     cu_host = meta.cu_seqlens_q
     cu = cu_host.to(device=device, dtype=torch.int32)  # in the graph: a no-op for offsets already there
-    cu_cpu = cu_host if cu_host.device.type == "cpu" else meta.cu_seqlens_cpu()
+    if getattr(layer, "_varpack_static_boundaries", False):
+        cu_cpu = None  # CUDA-graph layers: fla_hybrid builds fixed-size chunk tables on the device
+    else:
+        cu_cpu = cu_host if cu_host.device.type == "cpu" else meta.cu_seqlens_cpu()
     mixed = short_conv(
         mixed, weight, bias, conv_activation(layer.activation), seq_idx=seq_idx_on_device(cu, T)
     )

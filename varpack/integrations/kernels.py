@@ -232,8 +232,9 @@ def compile_layers(
             with ``torch.compiler.cudagraph_mark_step_begin()`` before each step's forward; the attention
             backend must launch without host reads (``flash_attn_4``, ``triton_short``: the GPU test of
             tests/invariant/test_static_shapes.py checks both; the per-segment PyTorch
-            backends read the offsets). ``benchmarks/train.py``'s ``varpack_lce_static_graphs`` runs it. Not
-            for Gated DeltaNet models (:data:`varpack.integrations.cuda_graphs.GATED_DELTA_GRAPHS_REFUSAL`).
+            backends read the offsets). ``benchmarks/train.py``'s ``varpack_lce_static_graphs`` runs it. Gated
+            DeltaNet models only through :func:`varpack.integrations.cuda_graphs.compile_layers_as_graphs` (it marks
+            their mixers to pass no CPU offsets; ``fla_hybrid`` then builds its chunk tables on the device).
 
     Returns:
         The number of layers compiled.

@@ -348,10 +348,13 @@ def _resolve_graphs(
     """
     choice = resolve_cuda_graphs(config, device=args.device.type, world_size=args.world_size)
     if choice.on and config.cuda_graphs == "auto":
-        from varpack.integrations.cuda_graphs import attention_refusal, model_refusal
+        from varpack.integrations.cuda_graphs import attention_refusal, auto_refusal, model_refusal
 
         model = model if model is not None else load()
-        refusal = model_refusal(model, autocast=bool(args.bf16 or args.fp16))
+        refusal = model_refusal(
+            model, autocast=bool(args.bf16 or args.fp16), device=args.device,
+            gated_delta_backend=config.gated_delta_backend,
+        ) or auto_refusal(model)  # fmt: skip
         if refusal is None and plan is not None:
             from varpack.collate import StaticShape
 
@@ -781,7 +784,7 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], devic
         enable_varpack(model, backend=config.attn_backend, linear_backend=config.gated_delta_backend)
     model.config.use_cache = False
     if config.cuda_graphs:
-        _refuse_graph_model(model, autocast=config.bf16)
+        _refuse_graph_model(model, autocast=config.bf16, device=device)
         from varpack.integrations.cuda_graphs import compile_layers_as_graphs
 
         compile_layers_as_graphs(model, device=device, what="--cuda-graphs")
@@ -801,7 +804,7 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], devic
     return model
 
 
-def _refuse_graph_model(model: Any, *, autocast: bool = False) -> None:
+def _refuse_graph_model(model: Any, *, autocast: bool = False, device: Any = None) -> None:
     """``--cuda-graphs`` for a model it is not shown to run exactly
     (:func:`varpack.integrations.cuda_graphs.model_refusal`).
 
@@ -810,7 +813,7 @@ def _refuse_graph_model(model: Any, *, autocast: bool = False) -> None:
     """
     from varpack.integrations.cuda_graphs import model_refusal
 
-    reason = model_refusal(model, autocast=autocast)
+    reason = model_refusal(model, autocast=autocast, device=device)
     if reason is not None:
         raise ValueError(f"--cuda-graphs with {reason}")
 

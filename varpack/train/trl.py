@@ -58,8 +58,9 @@ What changes, and what TRL keeps:
      ``use_liger_kernel``, a ``torch_compile_backend`` other than inductor, ``loss_impl="logits"``, an
      ``eval_dataset`` with ``per_device_eval_batch_size > 1``, an attention backend outside
      :data:`varpack.train.config.GRAPH_ATTN_BACKENDS`, and the models
-     :func:`varpack.integrations.cuda_graphs.model_refusal` names (vision-language, Gated DeltaNet / Mamba-2,
-     float32 weights without ``bf16`` / ``fp16``), and an attention that a captured layer would resolve to
+     :func:`varpack.integrations.cuda_graphs.model_refusal` names (vision-language, Mamba-2, Gated DeltaNet
+     layers whose rule does not resolve to ``fla_hybrid`` on the GPU, float32 weights without ``bf16`` /
+     ``fp16``), and an attention that a captured layer would resolve to
      another backend than FlashAttention-4 / ``triton_short`` on this GPU and static shape
      (:func:`varpack.integrations.cuda_graphs.attention_refusal`: e.g. a head dim below 64 on an H200, or FA4
      not installed). ``cuda_graphs=True`` raises ``ValueError`` naming any of
@@ -558,7 +559,7 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             fixes = [fix for _, _, fix in failing]
             setting, why, _ = failing[0]
             return setting, why, None if None in fixes else ", ".join(fixes)
-        reason = model_refusal(base, autocast=bool(args.bf16 or args.fp16))
+        reason = model_refusal(base, autocast=bool(args.bf16 or args.fp16), device=args.device)
         if reason is not None:
             return reason, "", "bf16=True" if reason.startswith("float32") else None
         # the backend a captured layer would resolve to, for this model on this GPU and the static shape
@@ -600,6 +601,11 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             raise _refuse(f"{setting} with use_liger_kernel=True", LIGER_COMPILE_REFUSAL)
         mapped = "torch_compile=True: varpack's compiled layers (transformers' whole-model compile off)"
         conflict = None if cuda_graphs is False else self._graph_conflict(args, compile_layers)
+        if cuda_graphs == "auto" and conflict is None:
+            from varpack.integrations.cuda_graphs import auto_refusal
+
+            reason = auto_refusal(base)
+            conflict = (reason, "", None) if reason is not None else None
         if cuda_graphs is True and conflict is not None:
             setting, why, fix = conflict
             if not why:  # a model / attention reason, complete in itself
