@@ -214,6 +214,36 @@ def _on_cuda(batch):
     return out
 
 
+def cuda_backend_or_skip(backend: str, dtype: torch.dtype) -> None:
+    """Skip unless there is a CUDA device and varpack attention ``backend`` runs there in ``dtype`` (head dim 64,
+    with gradients)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine)")
+    from varpack.attn import BackendUnavailableError, resolve_backend
+
+    q = torch.zeros(8, 4, 64, device="cuda", dtype=dtype, requires_grad=True)
+    try:
+        resolve_backend(backend, q, q, q, cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32))
+    except BackendUnavailableError as exc:
+        pytest.skip(f"{backend}: {exc}")
+
+
+def assert_step_close(got, want, tol: float, what) -> float:
+    """A captured step ``(logits, loss, grads)`` against the eager one: logits within ``tol`` of their scale, the
+    loss within ``tol``, every gradient within ``tol`` of its own scale, the same gradient names. Returns the
+    logits' scale (for a negative control's bound)."""
+    (logits_c, loss_c, grads_c), (logits_e, loss_e, grads_e) = got, want
+    scale = logits_e.float().abs().max().item()
+    assert (logits_c.float() - logits_e.float()).abs().max().item() <= tol * max(scale, 1.0), what
+    torch.testing.assert_close(loss_c.float(), loss_e.float(), rtol=tol, atol=tol)
+    assert grads_c.keys() == grads_e.keys(), what
+    for name in grads_c:
+        ref = grads_e[name].float()
+        diff = (grads_c[name].float() - ref).abs().max().item()
+        assert diff <= tol * max(ref.abs().max().item(), 1e-3), (what, name, diff)
+    return scale
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("backend", "dtype"), [("triton_short", torch.float32), ("flash_attn_4", torch.bfloat16)]
@@ -222,19 +252,12 @@ def test_gpu_cuda_graph_layers_equal_eager(backend, dtype):
     """compile_layers(custom_ops=True, fullgraph=True, dynamic=False, mode="reduce-overhead") on static packs:
     every layer captured (inductor's cudagraph_or_error on: a skipped graph raises), one dynamo graph for every
     pack, logits / loss / every gradient equal to the same model run eagerly; the boundaries dropped differ."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (run on the GPU machine)")
+    cuda_backend_or_skip(backend, dtype)
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
 
-    from varpack.attn import BackendUnavailableError, resolve_backend
     from varpack.integrations.kernels import compile_layers
 
-    q = torch.zeros(8, 4, 64, device="cuda", dtype=dtype, requires_grad=True)
-    try:
-        resolve_backend(backend, q, q, q, cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32))
-    except BackendUnavailableError as exc:
-        pytest.skip(f"{backend}: {exc}")
     torch._dynamo.reset()
     counters.clear()
     model = load_model(
@@ -253,16 +276,8 @@ def test_gpu_cuda_graph_layers_equal_eager(backend, dtype):
                 graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
                 assert counters["stats"]["unique_graphs"] == graphs, lengths
                 logits_e, loss_e, grads_e = run(eager, batch)
-                scale = logits_e.abs().max().item()
-                assert (logits_c.float() - logits_e.float()).abs().max().item() <= tol * max(scale, 1.0), (
-                    lengths
-                )
-                torch.testing.assert_close(loss_c, loss_e, rtol=tol, atol=tol)
+                scale = assert_step_close((logits_c, loss_c, grads_c), (logits_e, loss_e, grads_e), tol, lengths)
                 assert len(grads_c) == len(list(model.parameters()))
-                for name in grads_c:
-                    ref = grads_e[name].float()
-                    diff = (grads_c[name].float() - ref).abs().max().item()
-                    assert diff <= tol * max(ref.abs().max().item(), 1e-3), (lengths, name, diff)
         assert counters["inductor"]["cudagraph_skips"] == 0
         assert not counters["graph_break"], dict(counters["graph_break"])
         dropped = dict(batch)  # negative control: one segment over the row
