@@ -235,3 +235,17 @@ def test_overlong_samples_are_named_with_file_and_line(tmp_path, capsys, tokeniz
 
     with pytest.raises(ValueError, match=rf"sample 5 is longer than packing_length=256 .*\({re.escape(where)}\)$"):
         list(StreamingPackedDataset([str(first), str(data)], tokenizer, packing_length=256, buffer_size=4))
+
+
+def test_plan_takes_data_paths_on_both_sides_of_a_flag(tmp_path, capsys):
+    """``varpack plan a.jsonl --json b.jsonl`` plans both files (argparse alone left b.jsonl unrecognized), the
+    same as with both paths first; an unknown flag among them is still an error (the control)."""
+    first = _write(tmp_path, _chats(3), "a.jsonl")
+    second = _write(tmp_path, _chats(4), "b.jsonl")
+    assert main(["plan", str(first), "--json", str(second), "--packing-length", "4096"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert main(["plan", str(first), str(second), "--json", "--packing-length", "4096"]) == 0
+    together = json.loads(capsys.readouterr().out)
+    assert split["num_samples"] == together["num_samples"] == 7
+    assert main(["plan", str(first), "--bogus", str(second)]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -92,6 +92,24 @@ def _did_you_mean(extra: list[str], sub: argparse.ArgumentParser) -> str:
     return ""
 
 
+def _more_positionals(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """``extra`` less the words that belong to a sub-command's list positional (``varpack plan``'s ``DATA``
+    paths): argparse takes such a list in one run, so paths on both sides of a flag (``varpack plan a.jsonl
+    --json b.jsonl``) left the later ones unrecognized. Those words are appended to the list, in order; words
+    after ``--`` and flags stay in ``extra`` (still an error)."""
+    sub = getattr(args, "_parser", None)
+    if sub is None or not extra:
+        return extra
+    lists = [a.dest for a in sub._actions if not a.option_strings and a.nargs in ("*", "+")]
+    if len(lists) != 1 or "--" in extra:
+        return extra
+    words = [w for w in extra if not w.startswith("-")]
+    if not words:
+        return extra
+    getattr(args, lists[0]).extend(words)
+    return [w for w in extra if w.startswith("-")]
+
+
 def _exit_code(exc: SystemExit) -> int:
     code = exc.code
     return code if isinstance(code, int) else (0 if code is None else 1)
@@ -105,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = hyphen_spellings(argv, _sub_parser(parser, argv))
     try:
         args, extra = parser.parse_known_args(argv)
+        extra = _more_positionals(args, extra)
         if extra:  # reported by the sub-command's parser: its usage line and `varpack <command>: error:`
             sub = getattr(args, "_parser", parser)
             sub.error(f"unrecognized arguments: {' '.join(extra)}{_did_you_mean(extra, sub)}")
