@@ -123,6 +123,11 @@ class DqkwgPlan:
     chunk_start: torch.Tensor | None = None
     chunk_len: torch.Tensor | None = None
 
+    @property
+    def device_built(self) -> bool:
+        """A device plan: chunks but no host groups (only :func:`chunk_bwd_dqkwg_triton` reads it)."""
+        return self.num_chunks > 0 and not self.groups
+
 
 def dqkwg_plan(
     cu_seqlens: Any,
@@ -252,7 +257,7 @@ def chunk_bwd_dqkwg_torch(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     plan, (T, Hk, H, K, V) = _checked_plan(q, v_new, h, dh, cu_seqlens, chunk_size, plan)
-    if plan.num_chunks and not plan.groups:
+    if plan.device_built:
         raise ValueError(
             "chunk_bwd_dqkwg_torch needs a host-built plan (dqkwg_plan); a device plan "
             "(device_fla_hybrid_boundaries: a fixed-size chunk table, no host groups) runs chunk_bwd_dqkwg_triton"
@@ -469,7 +474,7 @@ def chunk_bwd_dqkwg(*args, impl: str | None = None, **kwargs):
     q = args[0] if args else kwargs["q"]
     precision = kwargs.get("precision", DEFAULT_PRECISION)
     plan = kwargs.get("plan")
-    device_plan = plan is not None and plan.num_chunks > 0 and not plan.groups
+    device_plan = plan is not None and plan.device_built
     if impl == "auto":
         triton_ok = precision in ("mixed", "fp32")
         impl = "triton" if triton_ok and (q.device.type == "cuda" or device_plan) else "torch"
@@ -545,7 +550,7 @@ def _backward_impl(saved, do, dht, scale, l2, plan, precision):
     BT = FLA_CHUNK_SIZE
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
-    device_plan = plan is not None and plan.num_chunks > 0 and not plan.groups
+    device_plan = plan is not None and plan.device_built
     with _device_ctx(q), torch.autocast(q.device.type, enabled=False), _fla_tensor_cache_off(device_plan):
         common = {"cu_seqlens": cu, "chunk_indices": chunk_indices}
         w, u = fns["recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, g=g, **common)
@@ -739,7 +744,7 @@ def device_fla_hybrid_boundaries(cu_seqlens: torch.Tensor, total_tokens: int) ->
     Raises:
         TypeError / ValueError: offsets that are not a 1-D integer tensor.
     """
-    indices, start, length = fla_chunk_tables(cu_seqlens, total_tokens, FLA_CHUNK_SIZE)
+    indices, start, length = fla_chunk_tables(cu_seqlens, total_tokens, FLA_CHUNK_SIZE)  # checks the offsets
     cu64 = cu_seqlens.to(torch.int64, copy=True)
     plan = DqkwgPlan(
         total_tokens=int(total_tokens), num_chunks=int(indices.shape[0]), groups=(), chunk_start=start,
