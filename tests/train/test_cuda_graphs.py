@@ -297,7 +297,7 @@ def test_compile_for_graphs_gated_delta_models_need_fla_hybrid(monkeypatch):
     args = types.SimpleNamespace(device=torch.device("cuda"), world_size=1, bf16=True, fp16=False)
     choice, _ = sft._resolve_graphs(SFTConfig(gated_delta_backend="fla_hybrid"), hybrid, None, args)
     assert not choice.on and choice.reason == f"auto: Qwen3_5ForCausalLM: {GATED_DELTA_AUTO_OFF}", choice
-    assert sft._resolve_graphs(SFTConfig(cuda_graphs=True), hybrid, None, args)[0].on
+    assert sft._resolve_graphs(SFTConfig(cuda_graphs=True, gated_delta_backend="fla_hybrid"), hybrid, None, args)[0].on
     dense = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa")
     assert model_refusal(dense, autocast=True) is None and auto_refusal(dense) is None
     assert compile_layers_as_graphs(dense, device="cuda") == dense.config.num_hidden_layers  # compiled lazily
@@ -511,7 +511,7 @@ def test_auto_asks_the_model_last():
     """``cuda_graphs="auto"`` on one CUDA process is turned off by the model's refusal (reason ``auto: ...``
     naming it): a Gated DeltaNet model, a vision-language model, float32 weights without autocast; a dense
     bf16-autocast model keeps it on. A model not yet loaded is loaded for the question (and returned); a forced
-    flag is left to _prepare_model's refusal; off or a CPU run never loads the model."""
+    flag is refused by the same reasons (an error); off or a CPU run never loads the model."""
     from varpack.train import sft
 
     def args(device="cuda", bf16=True):
@@ -530,7 +530,9 @@ def test_auto_asks_the_model_last():
         assert not choice.on and choice.reason.startswith("auto: ") and fragment in choice.reason, choice
     choice, _ = sft._resolve_graphs(SFTConfig(), dense, never, args(bf16=False))
     assert not choice.on and "float32 training" in choice.reason
-    assert sft._resolve_graphs(SFTConfig(cuda_graphs=True), dense, never, args(bf16=False))[0].on
+    assert sft._resolve_graphs(SFTConfig(cuda_graphs=True), dense, never, args())[0].on
+    with pytest.raises(ValueError, match="^--cuda-graphs with float32 training"):  # forced: refused, not off
+        sft._resolve_graphs(SFTConfig(cuda_graphs=True), dense, never, args(bf16=False))
     assert not sft._resolve_graphs(SFTConfig(), None, never, args(device="cpu"))[0].on
     assert not sft._resolve_graphs(SFTConfig(cuda_graphs=False), None, never, args())[0].on
     # with the plan, the attention a captured layer would resolve to is asked too: here (no FlashAttention-4
@@ -545,6 +547,9 @@ def test_auto_asks_the_model_last():
         assert choice.on
     else:
         assert not choice.on and choice.reason == f"auto: {expected}" and "attention" in expected, choice
+        with pytest.raises(ValueError) as forced:  # forced: an error naming the backend, never a failed capture
+            sft._resolve_graphs(SFTConfig(cuda_graphs=True), dense, never, args(), plan)
+        assert str(forced.value) == f"--cuda-graphs with {expected}"
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash_attn_4", "triton_short"])

@@ -340,34 +340,42 @@ def _resolve_graphs(
     not yet) and its :func:`varpack.integrations.cuda_graphs.model_refusal` (autocast: ``args.bf16`` /
     ``args.fp16``), then :func:`varpack.integrations.cuda_graphs.attention_refusal` (the backend a captured
     layer would resolve to for the model at the ``plan``'s static shape: FA4 refuses a head dim below 64 on an
-    H200) turn it off again, reason ``"auto: <the reason>"``.
+    H200) turn it off again, reason ``"auto: <the reason>"``. A forced ``cuda_graphs=True`` asks the same two
+    (not :func:`~varpack.integrations.cuda_graphs.auto_refusal`) and is refused by either: never a captured
+    layer that reads ``cu_seqlens`` on the host.
 
     Raises:
-        ValueError: ``cuda_graphs=True`` with a conflicting setting (the model's refusal of a forced
-            ``cuda_graphs`` is :func:`_prepare_model`'s).
+        ValueError: ``cuda_graphs=True`` with a conflicting setting, a model it refuses (``"--cuda-graphs with
+            <the reason, naming the model class>"``), or attention that resolves to a backend outside
+            :data:`varpack.integrations.cuda_graphs.GRAPH_BACKENDS` (``"--cuda-graphs with attention 'auto'
+            resolves to sdpa here ..."``).
     """
     choice = resolve_cuda_graphs(config, device=args.device.type, world_size=args.world_size)
-    if choice.on and config.cuda_graphs == "auto":
-        from varpack.integrations.cuda_graphs import attention_refusal, auto_refusal, model_refusal
+    if not choice.on:
+        return choice, model
+    from varpack.integrations.cuda_graphs import attention_refusal, auto_refusal, model_refusal
 
-        model = model if model is not None else load()
-        refusal = model_refusal(
-            model, autocast=bool(args.bf16 or args.fp16), device=args.device,
-            gated_delta_backend=config.gated_delta_backend,
-        ) or auto_refusal(model)  # fmt: skip
-        if refusal is None and plan is not None:
-            from varpack.collate import StaticShape
+    forced = config.cuda_graphs is True
+    model = model if model is not None else load()
+    refusal = model_refusal(
+        model, autocast=bool(args.bf16 or args.fp16), device=args.device,
+        gated_delta_backend=config.gated_delta_backend,
+    ) or (None if forced else auto_refusal(model))  # fmt: skip
+    if refusal is None and plan is not None:
+        from varpack.collate import StaticShape
 
-            dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(model.parameters()).dtype
-            refusal = attention_refusal(
-                model,
-                backend=config.attn_backend,
-                device=args.device,
-                dtype=dtype,
-                max_seqlen=StaticShape.from_plan(plan).max_seqlen,
-            )
-        if refusal is not None:
-            choice = CompileChoice(False, f"auto: {refusal}")
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(model.parameters()).dtype
+        refusal = attention_refusal(
+            model,
+            backend=config.attn_backend,
+            device=args.device,
+            dtype=dtype,
+            max_seqlen=StaticShape.from_plan(plan).max_seqlen,
+        )
+    if refusal is not None:
+        if forced:
+            raise ValueError(f"--cuda-graphs with {refusal}")
+        choice = CompileChoice(False, f"auto: {refusal}")
     return choice, model
 
 
