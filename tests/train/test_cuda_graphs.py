@@ -289,17 +289,21 @@ def test_compile_for_graphs_gated_delta_models_need_fla_hybrid(monkeypatch):
     assert compile_layers_as_graphs(hybrid, device="cuda") == hybrid.config.num_hidden_layers
     gdn = [m for m in hybrid.modules() if is_gated_delta_layer(m)]
     assert gdn and all(m._varpack_static_boundaries for m in gdn)
-    # auto leaves it off, naming why (the whole captured model step is not yet verified on the GPU); a dense
-    # model has no such reason (the control)
-    from varpack.integrations.cuda_graphs import GATED_DELTA_AUTO_OFF, auto_refusal
+    # auto takes it where fla_hybrid runs, as for a dense model; where the rule resolves elsewhere, auto falls
+    # back naming the backend and a forced flag is an error naming it
     from varpack.train import sft
 
     args = types.SimpleNamespace(device=torch.device("cuda"), world_size=1, bf16=True, fp16=False)
     choice, _ = sft._resolve_graphs(SFTConfig(gated_delta_backend="fla_hybrid"), hybrid, None, args)
-    assert not choice.on and choice.reason == f"auto: Qwen3_5ForCausalLM: {GATED_DELTA_AUTO_OFF}", choice
+    assert choice.on and choice.reason == GRAPHS_AUTO_REASON, choice
     assert sft._resolve_graphs(SFTConfig(cuda_graphs=True, gated_delta_backend="fla_hybrid"), hybrid, None, args)[0].on
+    choice, _ = sft._resolve_graphs(SFTConfig(gated_delta_backend="chunk"), hybrid, None, args)
+    assert not choice.on and choice.reason.startswith("auto: Qwen3_5ForCausalLM: its recurrent mixers"), choice
+    assert choice.reason.endswith("gated delta rule backend 'chunk' resolves to 'chunk' here"), choice
+    with pytest.raises(ValueError, match=r"^--cuda-graphs with Qwen3_5ForCausalLM: its recurrent mixers"):
+        sft._resolve_graphs(SFTConfig(cuda_graphs=True, gated_delta_backend="chunk"), hybrid, None, args)
     dense = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa")
-    assert model_refusal(dense, autocast=True) is None and auto_refusal(dense) is None
+    assert model_refusal(dense, autocast=True) is None
     assert compile_layers_as_graphs(dense, device="cuda") == dense.config.num_hidden_layers  # compiled lazily
 
 

@@ -37,13 +37,11 @@ import torch
 from varpack.schema import FLASH_ATTN_KWARGS, VARLEN_META
 
 __all__ = [
-    "GATED_DELTA_AUTO_OFF",
     "GATED_DELTA_GRAPHS_REFUSAL",
     "GRAPH_BACKENDS",
     "GRAPH_COMPILE_KW",
     "MAMBA2_GRAPHS_REFUSAL",
     "attention_refusal",
-    "auto_refusal",
     "begin_step",
     "boundaries_on_device",
     "capture_or_error",
@@ -65,14 +63,6 @@ GATED_DELTA_GRAPHS_REFUSAL = (
     "kernels with chunk tables built on the device, fixed-size for the static shape); the others size their "
     "launches from offsets read on the host, so a replay would compute the next pack with the captured pack's "
     "segmentation"
-)
-#: Why ``cuda_graphs="auto"`` leaves a Gated DeltaNet model off graphs even where ``fla_hybrid`` runs: the captured
-#: rule (fla's kernels replayed on device-built chunk tables) is verified on the GPU op by op
-#: (tests/ops/test_fla_hybrid.py's graph-replay test), the whole captured model step is not yet
-#: (tests/invariant/test_compiled_gated_delta.py's GPU test). ``--cuda-graphs`` / ``cuda_graphs=True`` runs it.
-GATED_DELTA_AUTO_OFF = (
-    "Gated DeltaNet layers: their captured step is verified op by op on the GPU, not yet as a whole model; "
-    "--cuda-graphs runs it"
 )
 #: Why CUDA-graph layers are refused for a model with Mamba-2 mixers.
 MAMBA2_GRAPHS_REFUSAL = (
@@ -230,16 +220,6 @@ def model_refusal(
             "float32 training: the captured layers need bf16 / fp16 attention (FlashAttention-4); "
             "--bf16 (mixed precision) or --dtype bfloat16 gets them"
         )
-    return None
-
-
-def auto_refusal(model: torch.nn.Module) -> str | None:
-    """Why ``cuda_graphs="auto"`` leaves ``model`` off graphs although :func:`model_refusal` lets it run them
-    when asked (:data:`GATED_DELTA_AUTO_OFF` for a model with Gated DeltaNet layers), or ``None``."""
-    from varpack.models.registry import is_gated_delta_layer
-
-    if any(is_gated_delta_layer(m) for m in model.modules()):
-        return f"{type(model).__name__}: {GATED_DELTA_AUTO_OFF}"
     return None
 
 

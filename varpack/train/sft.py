@@ -341,8 +341,7 @@ def _resolve_graphs(
     ``args.fp16``), then :func:`varpack.integrations.cuda_graphs.attention_refusal` (the backend a captured
     layer would resolve to for the model at the ``plan``'s static shape: FA4 refuses a head dim below 64 on an
     H200) turn it off again, reason ``"auto: <the reason>"``. A forced ``cuda_graphs=True`` asks the same two
-    (not :func:`~varpack.integrations.cuda_graphs.auto_refusal`) and is refused by either: never a captured
-    layer that reads ``cu_seqlens`` on the host.
+    and is refused by either: never a captured layer that reads ``cu_seqlens`` on the host.
 
     Raises:
         ValueError: ``cuda_graphs=True`` with a conflicting setting, a model it refuses (``"--cuda-graphs with
@@ -353,14 +352,13 @@ def _resolve_graphs(
     choice = resolve_cuda_graphs(config, device=args.device.type, world_size=args.world_size)
     if not choice.on:
         return choice, model
-    from varpack.integrations.cuda_graphs import attention_refusal, auto_refusal, model_refusal
+    from varpack.integrations.cuda_graphs import attention_refusal, model_refusal
 
-    forced = config.cuda_graphs is True
     model = model if model is not None else load()
     refusal = model_refusal(
         model, autocast=bool(args.bf16 or args.fp16), device=args.device,
         gated_delta_backend=config.gated_delta_backend,
-    ) or (None if forced else auto_refusal(model))  # fmt: skip
+    )  # fmt: skip
     if refusal is None and plan is not None:
         from varpack.collate import StaticShape
 
@@ -373,7 +371,7 @@ def _resolve_graphs(
             max_seqlen=StaticShape.from_plan(plan).max_seqlen,
         )
     if refusal is not None:
-        if forced:
+        if config.cuda_graphs is True:
             raise ValueError(f"--cuda-graphs with {refusal}")
         choice = CompileChoice(False, f"auto: {refusal}")
     return choice, model

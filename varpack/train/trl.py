@@ -601,11 +601,6 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             raise _refuse(f"{setting} with use_liger_kernel=True", LIGER_COMPILE_REFUSAL)
         mapped = "torch_compile=True: varpack's compiled layers (transformers' whole-model compile off)"
         conflict = None if cuda_graphs is False else self._graph_conflict(args, compile_layers)
-        if cuda_graphs == "auto" and conflict is None:
-            from varpack.integrations.cuda_graphs import auto_refusal
-
-            reason = auto_refusal(base)
-            conflict = (reason, "", None) if reason is not None else None
         if cuda_graphs is True and conflict is not None:
             setting, why, fix = conflict
             if not why:  # a model / attention reason, complete in itself
