@@ -88,7 +88,7 @@ def test_check_llama_eval_mode_restored():
     assert model.training and all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3-next"])
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-next"])
 def test_check_linear_attention_models(name, monkeypatch):
     """Hybrid models (gated-delta linear attention + full attention) through the same check."""
     model = load_model(name, vocab_size=VOCAB, attn_backend="reference")

@@ -77,7 +77,7 @@ def _assert_far(got, want, what):
     assert_differs(got[2], want[2], what=f"gradient {what}")
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3-next"])
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-next"])
 def test_compiled_mixer_packed_equals_unpacked_and_eager(name):
     from torch._dynamo.utils import counters
 

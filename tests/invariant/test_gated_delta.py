@@ -21,7 +21,7 @@ from varpack.integrations.gated_delta import patch_linear_attention
 from varpack.integrations.transformers import enable_varpack
 from varpack.models.gated_delta import tiny_model
 
-MODELS = ["tiny-qwen3.5", "tiny-qwen3-next"]
+MODELS = ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-next"]
 LENGTHS = [5, 1, 30, 66, 2]  # 1-token sample, lengths across the 64-token chunk size
 
 

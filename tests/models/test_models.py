@@ -122,7 +122,7 @@ def test_find_gguf_in_a_package_without_importing_it(tmp_path, monkeypatch):
     assert find_gguf(str(tmp_path / "nothing")) is None
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3-next"])
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-next"])
 def test_external_linear_attention_factories(name):
     m = load_model(name, vocab_size=VOCAB, attn_backend="reference")
     assert name in BUILTIN_MODELS

@@ -1,5 +1,5 @@
-"""Gated-delta (linear-attention) text families: Qwen3.5 text and Qwen3-Next (``tiny-qwen3.5``,
-``tiny-qwen3-next``, and the benchmark shape ``qwen3.5-hybrid-shape``).
+"""Gated-delta (linear-attention) text families: Qwen3.5 text, Qwen3.5-MoE text and Qwen3-Next (``tiny-qwen3.5``,
+``tiny-qwen3.5-moe``, ``tiny-qwen3-next``, and the benchmark shape ``qwen3.5-hybrid-shape``).
 
 Their decoder mixes Gated DeltaNet layers (a 4-tap causal short convolution and a recurrent gated delta rule,
 both reset at every sample boundary by :func:`varpack.integrations.gated_delta.patch_linear_attention`, which
@@ -28,19 +28,21 @@ __all__ = [
     "tiny_model",
 ]
 
-TINY_MODELS = ("tiny-qwen3.5", "tiny-qwen3-next")
+TINY_MODELS = ("tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3-next")
 
 
 def tiny_config(name: str, *, vocab_size: int | None = None, **kw: Any) -> Any:
-    """Config of a tiny random-init Qwen3.5 text / Qwen3-Next model (see :func:`tiny_model`).
+    """Config of a tiny random-init Qwen3.5 text / Qwen3.5-MoE text / Qwen3-Next model (see :func:`tiny_model`).
 
     Raises:
         ValueError: an unknown name.
     """
-    from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
+    qwen3_5 = name in ("tiny-qwen3.5", "tiny-qwen3.5-moe")
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     common: dict[str, Any] = dict(
-        vocab_size=vocab_size or (248320 if name == "tiny-qwen3.5" else 151936),
+        vocab_size=vocab_size or (248320 if qwen3_5 else 151936),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
@@ -58,7 +60,7 @@ def tiny_config(name: str, *, vocab_size: int | None = None, **kw: Any) -> Any:
         tie_word_embeddings=False,
         pad_token_id=0,
     )
-    if name == "tiny-qwen3.5":
+    if qwen3_5:
         common["rope_parameters"] = {
             "rope_type": "default",
             "rope_theta": 10000.0,
@@ -66,17 +68,14 @@ def tiny_config(name: str, *, vocab_size: int | None = None, **kw: Any) -> Any:
             "mrope_section": [2, 1, 1],
             "mrope_interleaved": True,
         }
+        if name == "tiny-qwen3.5-moe":
+            common.pop("intermediate_size")  # every layer's MLP is the mixture of experts
+            common.update(moe, **kw)
+            return Qwen3_5MoeTextConfig(**common)
         common.update(kw)
         return Qwen3_5TextConfig(**common)
     if name == "tiny-qwen3-next":
-        common.update(
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
+        common.update(moe, decoder_sparse_step=1, mlp_only_layers=[])
         common.update(kw)
         return Qwen3NextConfig(**common)
     raise ValueError(f"unknown tiny linear-attention model {name!r}; expected one of {TINY_MODELS}")
@@ -118,7 +117,8 @@ def qwen3_5_hybrid_shape_config(vocab_size: int | None = None, **kw: Any) -> Any
 
 
 def _causal_lm(config: Any) -> torch.nn.Module:
-    """``Qwen3_5ForCausalLM`` / ``Qwen3NextForCausalLM`` of ``config`` (random init, float32)."""
+    """``Qwen3_5ForCausalLM`` / ``Qwen3NextForCausalLM`` of ``config``, else transformers' causal LM of its
+    ``model_type`` (``Qwen3_5MoeForCausalLM``) (random init, float32)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 
     if config.model_type == "qwen3_next":
@@ -138,18 +138,21 @@ def tiny_model(
     vocab_size: int | None = None,
     **kw: Any,
 ) -> torch.nn.Module:
-    """A tiny random-init ``Qwen3_5ForCausalLM`` or ``Qwen3NextForCausalLM`` (built offline, no hub).
+    """A tiny random-init ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` or ``Qwen3NextForCausalLM`` (built
+    offline, no hub).
 
-    Both mix linear-attention (Gated DeltaNet, grouped value heads: 2 key heads, 4 value heads, conv
-    kernel 4) and full-attention layers: ``layer_types = [linear, full, linear, linear]``; Qwen3-Next
-    also has a small mixture of experts (4 experts, top 2, shared expert). ``use_cache=False``.
+    All mix linear-attention (Gated DeltaNet, grouped value heads: 2 key heads, 4 value heads, conv
+    kernel 4) and full-attention layers: ``layer_types = [linear, full, linear, linear]``; Qwen3.5-MoE and
+    Qwen3-Next have a small mixture of experts in every layer (4 experts of 32, top 2, a shared expert of 32).
+    ``use_cache=False``.
 
     Args:
-        name: ``"tiny-qwen3.5"`` or ``"tiny-qwen3-next"``.
+        name: ``"tiny-qwen3.5"``, ``"tiny-qwen3.5-moe"`` or ``"tiny-qwen3-next"``.
         dtype: parameter dtype.
         seed: ``torch.manual_seed`` for the initialisation.
         vocab_size: vocabulary size; default the real model's (248320 for Qwen3.5, whose tokenizer
-            varpack's ``load_tokenizer("qwen3.5")`` embeds; 151936 for Qwen3-Next, Qwen3 tokenizer), so real
+            varpack's ``load_tokenizer("qwen3.5")`` embeds, also for Qwen3.5-MoE; 151936 for Qwen3-Next, Qwen3
+            tokenizer), so real
             tokenized text fits. Tests pass a small one.
         **kw: overrides of config fields (e.g. ``num_hidden_layers=6, layer_types=[...]``).
 
@@ -177,7 +180,7 @@ GATED_DELTA_TEXT = ModelFamily(
         **{name: partial(tiny_config, name) for name in TINY_MODELS},
         "qwen3.5-hybrid-shape": qwen3_5_hybrid_shape_config,
     },
-    builtin_tokenizers={"tiny-qwen3.5": "qwen3.5", "qwen3.5-hybrid-shape": "qwen3.5"},
+    builtin_tokenizers={"tiny-qwen3.5": "qwen3.5", "tiny-qwen3.5-moe": "qwen3.5", "qwen3.5-hybrid-shape": "qwen3.5"},
     model_class=_causal_lm,
 )
 
