@@ -736,14 +736,16 @@ def encode_dataset(
 
 
 def locate_error(exc: Exception, data: Any) -> Exception:
-    """``exc`` with ``[FILE:LINE]`` appended when its message starts with ``sample N:`` and ``data`` is a
-    dataset read from files by :func:`load_chat_data`; otherwise ``exc`` itself. Runs on error paths only."""
+    """``exc`` with its message prefixed by ``FILE:LINE: `` (``FILE row K: `` for a JSON array / parquet row) when
+    it starts with ``sample N:`` and ``data`` is a dataset read from files by :func:`load_chat_data`, the form
+    every data error takes (a bad JSON line, a streamed row); otherwise ``exc`` itself. Runs on error paths
+    only."""
     m = re.match(r"sample (\d+): ", str(exc))
     sources = getattr(data, "_varpack_files", None)
     where = locate_row(*sources, int(m.group(1))) if (m and sources) else None
     if where is None:
         return exc
-    return type(exc)(f"{exc} [{where}]")
+    return type(exc)(f"{where}: {exc}")
 
 
 def _map_encode(ds, tokenizer, batch_size, features, num_proc, desc, fingerprint, cache_file_name):  # noqa: ANN001

@@ -504,7 +504,7 @@ def _check_row(row: Any, sample_id: int, where: str | None = None) -> dict:
     except (ValueError, TypeError) as exc:
         if where is None:
             raise
-        raise type(exc)(f"{exc} [{where}]") from exc
+        raise type(exc)(f"{where}: {exc}") from exc
     if fmt == "messages":
         return row if messages is row["messages"] else {**row, "messages": messages}
     return {"messages": messages}

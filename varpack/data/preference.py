@@ -221,14 +221,14 @@ def encode_pairs(rows: Any, tokenizer: Any, *, batch_size: int = 256) -> list[di
             try:
                 out.extend(_samples(ids[j], ids[j + 1 : j + 3], f"pair {k}"))
             except ValueError as exc:
-                raise ValueError(f"{exc}{_location(rows, k)}") from exc
+                raise ValueError(f"{_location(rows, k)}{exc}") from exc
         texts.clear()
 
     for k, row in enumerate(rows):
         try:
             texts.extend(_render(row, tokenizer, f"pair {k}", k))
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{exc}{_location(rows, k)}") from exc
+            raise type(exc)(f"{_location(rows, k)}{exc}") from exc
         if len(texts) >= 3 * batch_size:
             flush()
     flush()
@@ -244,7 +244,7 @@ def _location(rows: Any, k: int) -> str:
     from varpack.data.chat import locate_row
 
     where = locate_row(*sources, k)
-    return f" [{where}]" if where else ""
+    return f"{where}: " if where else ""
 
 
 def pair_groups(num_samples: int) -> np.ndarray:

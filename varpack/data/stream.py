@@ -225,7 +225,7 @@ def encode_row(row: Mapping[str, Any], sample_id: int, tokenizer: Any) -> dict[s
             sample = encode_chat(messages, tokenizer, sample_id=sample_id)
     except (ValueError, TypeError) as exc:
         if where:
-            raise type(exc)(f"{exc} ({where})") from exc
+            raise type(exc)(f"{where}: {exc}") from exc
         raise
     sample["sample_id"] = int(sample_id)
     return sample
@@ -469,7 +469,7 @@ class StreamingPackedDataset(IterableDataset):
                 except ValueError as exc:  # an overlong sample under overflow="error": name its FILE:LINE
                     where = getattr(row, "where", None)
                     if where:
-                        raise ValueError(f"{exc} ({where})") from exc
+                        raise ValueError(f"{where}: {exc}") from exc
                     raise
                 live["position"] = sid + 1
                 pieces = (
