@@ -233,6 +233,32 @@ def test_the_guess_is_the_hyphen_spelling(argv, capsys):
     assert code == 2 and "_" not in guess, err
 
 
+def test_each_unrecognized_flag_gets_its_guess(capsys):
+    code, _, err = _run(["sft", "--packing-lenght", "10", "--max-step", "3", "--zzzzzz"], capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.endswith("(did you mean --packing-length for --packing-lenght, --max-steps for --max-step?)")
+
+
+@pytest.mark.parametrize(
+    "argv, flag, moved",
+    [
+        (["--packing-length", "10", "sft"], "--packing-length", "varpack sft --packing-length 10)"),
+        (["--json", "plan", "d.jsonl"], "--json", "varpack plan --json d.jsonl)"),
+        (["--max-steps", "1", "sft", "--model", "tiny-qwen3", "--no-save", "--bf16"], "--max-steps",
+         "varpack sft --max-steps 1 --model tiny-qwen3 --no-save ...)"),
+    ],
+)  # fmt: skip
+def test_a_flag_before_the_command_names_the_order_that_works(argv, flag, moved, capsys):
+    """argparse took the flag's value for the command ("invalid choice: '10'"): the error names the flag and the
+    command line with the flag moved after the command."""
+    code, out, err = _run(argv, capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and out == "" and last.startswith(f"varpack: error: {flag} comes before the command "), err
+    assert last.endswith(moved) and "invalid choice" not in err, last
+    # the control: -h before the command is the top-level help, and "--" ends the check
+    assert _run(["-h", "sft"], capsys)[0] == 0
+
+
 def test_no_guess_for_words_after_the_double_dash(capsys):
     code, _, err = _run(["sft", "--", "--packing_length", "256"], capsys)
     assert code == 2 and "did you mean" not in err and "unrecognized arguments: -- --packing_length 256" in err

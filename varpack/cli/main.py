@@ -7,7 +7,8 @@ what it needs), so ``varpack --help``, ``varpack <command> --help`` and argument
 Flags are matched whole: no parser takes an abbreviation (``allow_abbrev=False``; ``--pack 4096`` is an
 unrecognized argument, not a prefix of some ``--packing-*`` flag), so a typo never lands on another flag. An
 unrecognized flag is reported with the sub-command's closest flag (``--packing-lenght``: "did you mean
---packing-length?"). Every sub-command takes the underscore spelling of its flags (``--packing_length``, as TRL
+--packing-length?"), each of several. A flag written before the sub-command is refused naming the order that
+works (``varpack sft --packing-length 10``). Every sub-command takes the underscore spelling of its flags (``--packing_length``, as TRL
 and HF scripts write them): rewritten to the hyphen spelling before parsing, only where the sub-command has
 that flag.
 
@@ -78,18 +79,45 @@ def hyphen_spellings(argv: list[str], sub: argparse.ArgumentParser | None) -> li
 
 
 def _did_you_mean(extra: list[str], sub: argparse.ArgumentParser) -> str:
-    """`` (did you mean --x?)`` for the first unrecognized flag before any ``--`` with a close flag of ``sub``
-    (its hyphen spelling), else ``""``."""
+    """The closest flag of ``sub`` (its hyphen spelling) for each unrecognized flag before any ``--``:
+    `` (did you mean --x?)`` for one, `` (did you mean --x for --y, --z for --w?)`` for several; ``""`` when
+    no flag is close."""
     known = set(_flags(sub))
     flags = [f for f in _flags(sub) if not ("_" in f and f.replace("_", "-") in known)]
+    guesses: list[tuple[str, str]] = []
     for word in extra:
         if word == "--":  # what follows is not a flag of this command
             break
         if word.startswith("-"):
-            close = difflib.get_close_matches(word.partition("=")[0], flags, n=1, cutoff=0.75)
+            typed = word.partition("=")[0]
+            close = difflib.get_close_matches(typed, flags, n=1, cutoff=0.75)
             if close:
-                return f" (did you mean {close[0]}?)"
+                guesses.append((close[0], typed))
+    if len(guesses) == 1:
+        return f" (did you mean {guesses[0][0]}?)"
+    if guesses:
+        return " (did you mean " + ", ".join(f"{g} for {t}" for g, t in guesses) + "?)"
     return ""
+
+
+def _flags_before_command(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Refuse a sub-command's flag written before the sub-command (``varpack --packing-length 10 sft``):
+    argparse would take its value for the command name ("invalid choice: '10'").
+
+    Raises:
+        SystemExit: through ``parser.error`` (exit code 2), naming the flag and the order that works.
+    """
+    command = next((i for i, a in enumerate(argv) if a in SUBCOMMANDS), None)
+    if command is None or "--" in argv[:command]:
+        return
+    early = [a for a in argv[:command] if a.startswith("-") and a not in ("-h", "--help")]
+    if early:
+        name = argv[command]
+        moved = " ".join([name, *argv[:command], *argv[command + 1 :]][:6])
+        parser.error(
+            f"{early[0]} comes before the command {name!r}: a command's flags go after its name "
+            f"(varpack {moved}{' ...' if len(argv) > 6 else ''})"
+        )
 
 
 def _more_positionals(args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -122,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = hyphen_spellings(argv, _sub_parser(parser, argv))
     try:
+        _flags_before_command(parser, argv)
         args, extra = parser.parse_known_args(argv)
         extra = _more_positionals(args, extra)
         if extra:  # reported by the sub-command's parser: its usage line and `varpack <command>: error:`
