@@ -382,8 +382,8 @@ def test_null_messages_named_by_every_path(tmp_path, capsys):
         ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt"}]}, "conversations[1].value"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}, "messages[1].content"),
         (
-            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{}]}]},
-            'messages[1].content is missing or null (a turn with tool_calls takes content "")',
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": []}]},
+            "messages[1].content",
         ),
     ],
 )
@@ -394,3 +394,83 @@ def test_null_or_absent_turn_field_says_both(row, field):
 
     with pytest.raises(TypeError, match=re.escape(field if "null" in field else f"{field} is missing or null")):
         validate_messages(row_to_messages(row)[0])
+
+
+def test_a_turn_that_only_calls_tools_may_have_null_content(tok):
+    """OpenAI's format writes ``"content": null`` for an assistant turn that only calls tools: it is encoded as
+    the same turn with ``"content": ""`` (what chat templates render for it), from a file and in memory; a null
+    content without tool calls is still refused (above)."""
+    from varpack.data.chat import encode_chat, validate_messages
+
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    turns = [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+    absent = [turns[0], {"role": "assistant", "tool_calls": [call]}, *turns[2:]]
+    empty = [turns[0], {"role": "assistant", "content": "", "tool_calls": [call]}, *turns[2:]]
+    assert validate_messages(turns)[1] == empty[1] == validate_messages(absent)[1]
+    want = encode_chat(empty, tok)
+    for messages in (turns, absent):
+        got = encode_chat(messages, tok)
+        assert got["input_ids"] == want["input_ids"] and got["labels"] == want["labels"]
+    assert "get_weather" in tok.decode(want["input_ids"])  # the call itself is in the encoded text
+
+
+def test_embedded_template_renders_tool_calls_as_qwen3_and_supervises_them(tok):
+    """The embedded ChatML template writes an assistant turn's tool calls in Qwen3's layout, inside the
+    supervised span (a call is what the model learns to emit); arguments given as a JSON string are kept as
+    written. A turn without tool calls renders as before (the control)."""
+    from varpack.data.chat import encode_chat
+
+    calls = [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"function": {"name": "f", "arguments": '{"x": 1}'}},
+    ]
+    turns = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    enc = encode_chat(turns, tok)
+    reply = (
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>'
+    )
+    assert tok.decode(enc["input_ids"]) == (
+        f"<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n{reply}\n"
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\nSunny.<|im_end|>\n"
+    )
+    supervised = tok.decode([t for t, label in zip(enc["input_ids"], enc["labels"]) if label != -100])
+    assert supervised == reply + "Sunny.<|im_end|>"
+    plain = encode_chat([turns[0], {"role": "assistant", "content": "Checking."}], tok)
+    assert tok.decode(plain["input_ids"]).endswith("<|im_start|>assistant\nChecking.<|im_end|>\n")
+
+
+@pytest.mark.parametrize("key, value", [("tool_calls", [{"function": {"name": "f", "arguments": {}}}]),
+                                        ("reasoning_content", "think first")])  # fmt: skip
+def test_an_answer_field_the_template_does_not_render_is_refused(tok, key, value):
+    """A template that never reads ``tool_calls`` / ``reasoning_content`` would drop the field and train the
+    turn without it: refused, naming the sample, the field and the tokenizer. The same row with a template that
+    reads the field encodes (the control)."""
+    import copy
+
+    from varpack.data.chat import encode_chat
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", key: value}]
+    blind = copy.deepcopy(tok)
+    blind.chat_template = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+        "{%- if m.role == 'assistant' %}{%- generation %}{{- m.content + '<|im_end|>' }}{%- endgeneration %}"
+        "{%- else %}{{- m.content + '<|im_end|>' }}{%- endif %}{{- '\\n' }}{%- endfor %}"
+    )
+    with pytest.raises(ValueError, match=rf"^sample 7: messages\[1\]\.{key} is set, but the chat template of .* does not render {key}"):
+        encode_chat(turns, blind, sample_id=7)
+    reads = copy.deepcopy(blind)
+    reads.chat_template = blind.chat_template.replace("m.content + '<|im_end|>' }}{%- endgeneration",
+                                                      f"m.content + (m.{key} | string) + '<|im_end|>' }}}}{{%- endgeneration")  # fmt: skip
+    shown = "think first" if key == "reasoning_content" else "'name': 'f'"
+    assert shown in tok.decode(encode_chat(turns, reads)["input_ids"])

@@ -73,7 +73,8 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
             at least one ``assistant`` message (otherwise the sample would have nothing to learn), none of
             them empty (content blank, and no ``tool_calls`` / ``reasoning_content`` / ``thinking``).
             Extra keys are kept (the template may use them); ``None`` values are dropped (Arrow fills
-            absent struct fields with ``None``).
+            absent struct fields with ``None``). A turn with ``tool_calls`` may have ``content`` null or absent
+            (OpenAI's format for a turn that only calls tools): it is passed to the template as ``""``.
         sample_id: named in error messages.
 
     Returns:
@@ -94,14 +95,11 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TypeError(f"{where}: messages[{i}] must be a dict, got {type(message).__name__}")
+        if message.get("content") is None and message.get("tool_calls"):
+            message = {**message, "content": ""}  # a turn that only calls tools
         for field in ("role", "content"):
             if field not in message or message[field] is None:
-                hint = (
-                    ' (a turn with tool_calls takes content "")'
-                    if field == "content" and message.get("tool_calls")
-                    else ""
-                )
-                raise TypeError(f"{where}: messages[{i}].{field} is missing or null{hint}")
+                raise TypeError(f"{where}: messages[{i}].{field} is missing or null")
             if not isinstance(message[field], str):
                 value = message[field]
                 raise TypeError(
@@ -257,10 +255,39 @@ def _encode_prefix(
     return _result(ids, mask, sample_id, "prefix method")
 
 
+def _refuse_unrendered(
+    conversations: list[list[dict[str, Any]]], tokenizer: PreTrainedTokenizerBase, sample_ids: Sequence[Any]
+) -> None:
+    """Refuse a turn's answer field (:data:`_ANSWER_KEYS`: ``tool_calls``, ``reasoning_content``, ``thinking``)
+    that the chat template never reads (its name is not in the template's source): the template would drop it
+    and the sample would train on the rest of the turn, silently.
+
+    Raises:
+        ValueError: ``"sample N: messages[i].tool_calls is set, but the chat template of <tokenizer> does not
+            render tool_calls ..."``.
+    """
+    present = {k for conv in conversations for m in conv for k in _ANSWER_KEYS if m.get(k)}
+    if not present:
+        return
+    template = _chat_template(tokenizer)
+    missing = {k for k in present if k not in template}
+    for conv, sid in zip(conversations, sample_ids):
+        for i, message in enumerate(conv):
+            for key in _ANSWER_KEYS:
+                if key in missing and message.get(key):
+                    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+                    raise ValueError(
+                        f"{_where(sid)}: messages[{i}].{key} is set, but the chat template of {name!r} does not "
+                        f"render {key} (the turn would be trained without it); use the model's own tokenizer, "
+                        f"whose template renders it, or move it into content"
+                    )
+
+
 def _encode_many(
     batch_messages: Sequence[Any], tokenizer: PreTrainedTokenizerBase, sample_ids: Sequence[Any]
 ) -> list[dict[str, Any]]:
     conversations = [validate_messages(m, sid) for m, sid in zip(batch_messages, sample_ids)]
+    _refuse_unrendered(conversations, tokenizer, sample_ids)
     if _uses_generation_markers(tokenizer):
         return _encode_generation_marked(conversations, tokenizer, sample_ids)
     return [_encode_prefix(conv, tokenizer, sid) for conv, sid in zip(conversations, sample_ids)]
@@ -285,8 +312,9 @@ def encode_chat(
     Raises:
         TypeError: malformed messages (names ``messages[i].field``).
         ValueError: empty conversation, unknown role, no assistant message, an empty assistant answer, no
-            chat template, a template that is not prefix-stable (when it has no ``{% generation %}`` markers),
-            or nothing supervised.
+            chat template, a ``tool_calls`` / ``reasoning_content`` / ``thinking`` field the template does not
+            render, a template that is not prefix-stable (when it has no ``{% generation %}`` markers), or
+            nothing supervised.
 
     Example (embedded Qwen3 tokenizer; ``|`` marks supervised tokens)::
 

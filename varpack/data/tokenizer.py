@@ -52,15 +52,25 @@ _BUILDER_VERSION = 1
 _MARKER = "varpack_tokenizer.json"
 _PROBE = "Hello, world! def f(x):\n    return x ** 2  # café 日本語 👍\n\n"
 
-#: ChatML in Qwen3's layout (no default system prompt, no ``<think>`` block). Consecutive ``tool``
-#: messages are grouped into one user turn wrapped in ``<tool_response>`` as Qwen3 does. Every assistant
-#: reply, content plus its ``<|im_end|>``, is inside ``{% generation %}``; the ``\n`` after ``<|im_end|>``
-#: is not (it belongs to the layout between turns).
+#: ChatML in Qwen3's layout (no default system prompt, no ``<think>`` block). An assistant turn's
+#: ``tool_calls`` follow its content as Qwen3 writes them: one ``<tool_call>\n{"name": ..., "arguments":
+#: ...}\n</tool_call>`` each, separated by ``\n`` (arguments given as a string are written as they are, a
+#: dict as JSON). Consecutive ``tool`` messages are grouped into one user turn wrapped in ``<tool_response>``
+#: as Qwen3 does. Every assistant reply, content and tool calls plus its ``<|im_end|>``, is inside
+#: ``{% generation %}``; the ``\n`` after ``<|im_end|>`` is not (it belongs to the layout between turns).
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' %}"
     "{{- '<|im_start|>assistant\\n' }}"
-    "{%- generation %}{{- message.content + '<|im_end|>' }}{%- endgeneration %}"
+    "{%- generation %}{{- message.content }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set fn = call.function if call.function else call %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}{%- endgeneration %}"
     "{{- '\\n' }}"
     "{%- elif message.role == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
