@@ -152,3 +152,19 @@ def test_template_not_prefix_stable_refused(tok):
         ValueError, match="pair 0: the rendered prompt is not a prefix of the rendered prompt"
     ):
         encode_pairs([{"prompt": "q", "chosen": "a", "rejected": "b"}], Tok())
+
+
+def test_a_pair_field_the_template_does_not_render_is_refused(tok):
+    """A chosen answer's ``reasoning_content`` (which the embedded template has no block for) would be dropped
+    from the pair: refused naming the pair and the field; the same pair without it encodes (the control)."""
+    from varpack.data.preference import encode_pairs
+
+    row = {
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "chosen": [{"role": "assistant", "content": "4", "reasoning_content": "two and two"}],
+        "rejected": [{"role": "assistant", "content": "5"}],
+    }
+    with pytest.raises(ValueError, match=r"pair 0: chosen\[0\]\.reasoning_content is set, but the chat template"):
+        encode_pairs([row], tok)
+    del row["chosen"][0]["reasoning_content"]
+    assert len(encode_pairs([row], tok)) == 2

@@ -255,32 +255,36 @@ def _encode_prefix(
     return _result(ids, mask, sample_id, "prefix method")
 
 
+def unrendered_answer_field(messages: Sequence[Mapping[str, Any]], tokenizer: Any) -> tuple[int, str] | None:
+    """``(i, key)`` of the first message whose answer field (:data:`_ANSWER_KEYS`: ``tool_calls``,
+    ``reasoning_content``, ``thinking``) is set while the tokenizer's chat template never reads it (its name is
+    not in the template's source), else ``None``. Such a field would be dropped by the template and the turn
+    trained without it."""
+    keys = [(i, k) for i, m in enumerate(messages) for k in _ANSWER_KEYS if m.get(k)]
+    if not keys:
+        return None
+    template = _chat_template(tokenizer)
+    return next(((i, k) for i, k in keys if k not in template), None)
+
+
+def unrendered_message(tokenizer: Any, field: str, key: str) -> str:
+    """The refusal of :func:`unrendered_answer_field`'s finding ``field`` (``messages[1]``) / ``key``."""
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return (
+        f"{field}.{key} is set, but the chat template of {name!r} does not render {key} (the turn would be "
+        f"trained without it); use the model's own tokenizer, whose template renders it, or move it into content"
+    )
+
+
 def _refuse_unrendered(
     conversations: list[list[dict[str, Any]]], tokenizer: PreTrainedTokenizerBase, sample_ids: Sequence[Any]
 ) -> None:
-    """Refuse a turn's answer field (:data:`_ANSWER_KEYS`: ``tool_calls``, ``reasoning_content``, ``thinking``)
-    that the chat template never reads (its name is not in the template's source): the template would drop it
-    and the sample would train on the rest of the turn, silently.
-
-    Raises:
-        ValueError: ``"sample N: messages[i].tool_calls is set, but the chat template of <tokenizer> does not
-            render tool_calls ..."``.
-    """
-    present = {k for conv in conversations for m in conv for k in _ANSWER_KEYS if m.get(k)}
-    if not present:
-        return
-    template = _chat_template(tokenizer)
-    missing = {k for k in present if k not in template}
+    """Raises ``ValueError`` ("sample N: messages[i].tool_calls is set, but the chat template ... does not
+    render tool_calls ...") for the first conversation with an :func:`unrendered_answer_field`."""
     for conv, sid in zip(conversations, sample_ids):
-        for i, message in enumerate(conv):
-            for key in _ANSWER_KEYS:
-                if key in missing and message.get(key):
-                    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-                    raise ValueError(
-                        f"{_where(sid)}: messages[{i}].{key} is set, but the chat template of {name!r} does not "
-                        f"render {key} (the turn would be trained without it); use the model's own tokenizer, "
-                        f"whose template renders it, or move it into content"
-                    )
+        found = unrendered_answer_field(conv, tokenizer)
+        if found is not None:
+            raise ValueError(f"{_where(sid)}: {unrendered_message(tokenizer, f'messages[{found[0]}]', found[1])}")
 
 
 def _encode_many(

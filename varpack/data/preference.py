@@ -143,8 +143,19 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _render(row: Any, tokenizer: Any, where: str, pair_id: Any) -> list[str]:
-    """The three texts of a pair: prompt (with the generation prompt), prompt + chosen, prompt + rejected."""
+    """The three texts of a pair: prompt (with the generation prompt), prompt + chosen, prompt + rejected.
+
+    Raises:
+        ValueError: a template failure, or an answer field the template does not render
+            (``pair 3: chosen[0].tool_calls is set, but the chat template ... does not render tool_calls``).
+    """
     prompt, chosen, rejected = pair_messages(row, pair_id)
+    from varpack.data.chat import unrendered_answer_field, unrendered_message
+
+    for field, msgs in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        found = unrendered_answer_field(msgs, tokenizer)
+        if found is not None:
+            raise ValueError(f"{where}: {unrendered_message(tokenizer, f'{field}[{found[0]}]', found[1])}")
     try:
         return [
             tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
