@@ -394,7 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [h.get("tokens_per_second") for h in run.history if h.get("tokens_per_second")]
     result = {
         "command": "varpack sft " + " ".join(sft_argv),
-        "batch_copies": "blocking" if args.blocking_copies else "non-blocking (varpack sft's default on CUDA)",
+        "batch_copies": (
+            "none (a CPU run copies nothing to a device)" if not cuda
+            else "blocking" if args.blocking_copies
+            else "non-blocking (varpack sft's default on CUDA)"
+        ),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "steps_timed": [args.start - args.steps, args.start],
         "steps_profiled": [args.start, args.start + args.steps],
@@ -421,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             "innermost": sampler.top("innermost", 25),
         }
     ms = "ms/step"
-    print(f"\n{result['command']}  [{result['device']}, {result['batch_copies']} batch copies]")
+    copies = f", {result['batch_copies']} batch copies" if cuda else ""
+    print(f"\n{result['command']}  [{result['device']}{copies}]")
     print(f"wall (no profiler)   {result['wall_ms_per_step_unprofiled']:8.2f} {ms}")
     print(f"wall (profiled)      {figures['wall_ms_per_step']:8.2f} {ms}")
     print(f"device busy          {figures['busy_ms_per_step']:8.2f} {ms}")

@@ -75,7 +75,10 @@ def test_cpu_smoke_run(tmp_path, capsys):
     # AdamW on the CPU reads its step counts on the host: each such read named with the Python line making it
     reads = [s for s in r["syncs"] if s["call"] == "aten::_local_scalar_dense"]
     assert reads and all(s["source"] != "?" for s in reads)
-    assert "wall (no profiler)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wall (no profiler)" in printed
+    # a CPU run copies nothing to a device: neither the header nor the JSON speaks of CUDA copies
+    assert "[cpu]" in printed and "non-blocking" not in printed and "non-blocking" not in r["batch_copies"]
 
 
 @pytest.mark.slow
