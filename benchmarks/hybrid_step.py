@@ -21,8 +21,13 @@ Rows (``--backends``; the first is the baseline of "speed vs first"):
   ``varpack::gated_delta_rule`` custom op), varpack attention as its custom op; one graph for every pack
   (dynamic shapes). The cold pass includes the compiles;
 * ``<backend>_compiled_breaks``: every decoder layer compiled with the Gated DeltaNet mixer and varpack attention
-  as graph breaks (``compile_layers(model)``, what ``varpack sft`` runs on CUDA): the mixer runs eagerly between
-  compiled regions;
+  as graph breaks (``compile_layers(model)``, the step of ``varpack sft --cuda-graphs false`` on CUDA): the mixer
+  runs eagerly between compiled regions;
+* ``<backend>_graphs`` (``fla_hybrid_graphs``; CUDA): ``varpack sft``'s default step on one GPU. Every pack
+  collated to one static shape (``StaticShape.from_plan`` over the workload's plan: pad segments at the end),
+  the boundaries on the device, every decoder layer compiled whole for CUDA-graph replay
+  (:func:`varpack.integrations.cuda_graphs.compile_layers_as_graphs`, a graph not captured raises); the cold
+  pass includes the compiles and captures;
 * ``hf_padded_torch``: the exact HF peer. ``Qwen3_5ForCausalLM`` as is, ``--hf-attn`` (sdpa), right-padded
   micro-batches of at most ``--pad-tokens`` padded tokens (each step's samples by length: HF's
   ``group_by_length`` at its best), gradient accumulation, HF's loss with ``num_items_in_batch``; the Gated
@@ -48,6 +53,8 @@ tests/benchmarks/test_hybrid_step.py: packed == ``hf_padded_torch`` in loss and 
         --backends chunk,fla_hybrid,hf_padded_torch,hf_flat_torch --out hybrid.json      # GPU
     python benchmarks/hybrid_step.py --samples .gpu/samples.npz --steps 8 --rounds 2 \
         --backends fla_hybrid,fla_hybrid_compiled_layers,chunk_compiled_layers --out hybrid_compiled.json  # GPU
+    python benchmarks/hybrid_step.py --samples .gpu/samples.npz --steps 4 --rounds 2 \
+        --backends fla_hybrid_graphs,fla_hybrid_compiled_breaks,hf_padded_torch --out hybrid_graphs.json  # GPU
     python benchmarks/hybrid_step.py --device cpu --small --backends chunk,hf_padded_torch,hf_flat_torch
     python benchmarks/hybrid_step.py --device cpu --small --backends chunk,chunk_compiled_layers \
         --compile-backend aot_eager
@@ -113,12 +120,13 @@ HF_LINEAR_FUNCS = (
 
 @dataclass
 class Workload:
-    """The chosen packs: ``batches`` (varpack's collated rows, CPU tensors) and ``packs`` (each pack's
-    samples: ``input_ids`` / ``labels`` int64 lists, unshifted, -100 = not supervised), in the same step
-    order."""
+    """The chosen packs: ``batches`` (varpack's collated rows, CPU tensors), ``static_batches`` (the same rows
+    collated to the plan's one static shape, pad segments at the end) and ``packs`` (each pack's samples:
+    ``input_ids`` / ``labels`` int64 lists, unshifted, -100 = not supervised), in the same step order."""
 
     batches: list[dict[str, Any]]
     packs: list[list[dict[str, list[int]]]]
+    static_batches: list[dict[str, Any]]
 
     @property
     def tokens(self) -> int:
@@ -128,11 +136,16 @@ class Workload:
 
 def workload(samples: list[dict], packing_length: int, steps: int) -> Workload:
     """The ``steps`` fullest BFD packs of ``samples``: varpack's collated rows and the packs' samples."""
+    from varpack.collate import StaticShape
+
     dataset, chosen, _ = fullest_packs(samples, packing_length, steps)
     collate = TrainCollator(PaddingFreeCollator(pad_token_id=0))
+    static = TrainCollator(PaddingFreeCollator(static_shape=StaticShape.from_plan(dataset.plan), pad_token_id=0))
     packs = [[{"input_ids": np.asarray(r["input_ids"]).tolist(), "labels": np.asarray(r["labels"]).tolist()}
               for r in dataset[i]] for i in chosen]  # fmt: skip
-    return Workload([collate([dataset[i]]) for i in chosen], packs)
+    return Workload(
+        [collate([dataset[i]]) for i in chosen], packs, [static([dataset[i]]) for i in chosen]
+    )
 
 
 def supervised_count(pack: list[dict[str, list[int]]]) -> int:
@@ -255,15 +268,18 @@ class Row:
 
 #: suffix of a varpack row whose decoder layers are compiled whole (custom ops, fullgraph)
 COMPILED_LAYERS = "_compiled_layers"
-#: suffix of a varpack row whose decoder layers are compiled with the mixers as graph breaks (varpack sft's step)
+#: suffix of a varpack row whose decoder layers are compiled with the mixers as graph breaks
 COMPILED_BREAKS = "_compiled_breaks"
+#: suffix of a varpack row on static shapes + CUDA graphs per layer (varpack sft's default on one GPU)
+GRAPHS = "_graphs"
 
 
 def varpack_base(config: str) -> tuple[str, str | None]:
     """``"fla_hybrid_compiled_layers"`` -> ``("fla_hybrid", "custom_ops")``, ``"fla_hybrid_compiled_breaks"`` ->
-    ``("fla_hybrid", "graph_breaks")``, ``"fla_hybrid"`` -> ``("fla_hybrid", None)``: the gated-delta backend
-    of a varpack row and how its decoder layers are compiled."""
-    for suffix, mode in ((COMPILED_LAYERS, "custom_ops"), (COMPILED_BREAKS, "graph_breaks")):
+    ``("fla_hybrid", "graph_breaks")``, ``"fla_hybrid_graphs"`` -> ``("fla_hybrid", "graphs")``,
+    ``"fla_hybrid"`` -> ``("fla_hybrid", None)``: the gated-delta backend of a varpack row and how its decoder
+    layers are compiled."""
+    for suffix, mode in ((COMPILED_LAYERS, "custom_ops"), (COMPILED_BREAKS, "graph_breaks"), (GRAPHS, "graphs")):
         if config.endswith(suffix):
             return config[: -len(suffix)], mode
     return config, None
@@ -296,6 +312,26 @@ def build_row(
             return objective.loss(model, mb, linear_ce=linear_ce, num_items_in_batch=num_items).loss
 
         info = {"exact": "yes (boundaries)", "loss_impl": args.loss_impl, "attention": "varpack auto"}
+        if compiled == "graphs":
+            from varpack.integrations.cuda_graphs import (
+                begin_step,
+                boundaries_on_device,
+                capture_or_error,
+                compile_layers_as_graphs,
+            )
+
+            torch._dynamo.reset()
+            layers = compile_layers_as_graphs(model, device=device, what=config)
+            stack.enter_context(capture_or_error())
+
+            def graphs_loss(model, mb, num_items):
+                begin_step()
+                return varpack_loss(model, boundaries_on_device(mb, device), num_items)
+
+            meta = wl.static_batches[0]["varlen_meta"]
+            info["compiled_layers"] = f"inductor x{layers}, static shapes, CUDA graphs per layer"
+            info["static_shape"] = f"T={int(meta.total_q)} N={int(meta.num_seqs)} max_seqlen={int(meta.max_seqlen_q)}"
+            return Row(model, [[b] for b in wl.static_batches], graphs_loss, info)
         if compiled:
             torch._dynamo.reset()  # every compiled row compiles in its own cold pass
             compile_backend = getattr(args, "compile_backend", "inductor")
@@ -451,8 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--backends",
         default="chunk,fla_hybrid,hf_padded_torch",
-        help=f"rows: varpack gated-delta backends (+ '{COMPILED_LAYERS}') and peers {PEERS} (+ '_liger'); "
-        "the first is the baseline",
+        help=f"rows: varpack gated-delta backends (+ '{COMPILED_LAYERS}', '{COMPILED_BREAKS}' or '{GRAPHS}') and "
+        f"peers {PEERS} (+ '_liger'); the first is the baseline",
     )
     ap.add_argument(
         "--samples", default=None, help="pre-encoded samples (.npz, benchmarks/_common.py encode)"

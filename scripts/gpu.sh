@@ -228,7 +228,7 @@ for stage in "$@"; do
     gated-delta) need benchmarks/gated_delta.py && { TAIL=30 run gated_delta 240 python3 benchmarks/gated_delta.py \
       ${GDR_ARGS:---methods chunk fla fla_hybrid}; r=$?; save_autotune; (exit $r); } ;;
     hybrid) need $SAMPLES && { run hybrid_step 420 python3 benchmarks/hybrid_step.py --samples $SAMPLES \
-      ${HYBRID_ARGS:---backends fla_hybrid,fla_hybrid_compiled_layers,hf_padded_torch --steps 4 --rounds 1} \
+      ${HYBRID_ARGS:---backends fla_hybrid_graphs,fla_hybrid_compiled_breaks,hf_padded_torch --steps 4 --rounds 2} \
       --out "$D/hybrid_step.json"; r=$?; save_autotune
       [ -e .gpu/data/code_alpaca.jsonl ] && run sft_hybrid 240 varpack sft --model qwen3.5-hybrid-shape --dtype bfloat16 \
         --packing-length 8192 --data .gpu/data/code_alpaca.jsonl --overflow truncate --max-steps "${HYBRID_SFT_STEPS:-30}" \

@@ -211,3 +211,31 @@ def test_small_compiled_layers_run_on_the_cpu(tmp_path):
     assert rows["chunk_compiled_breaks"]["compiled_layers"] == "aot_eager, mixers as graph breaks"
     for name in ("chunk_compiled_layers", "chunk_compiled_breaks"):
         assert rows[name]["loss_first"] == pytest.approx(rows["chunk"]["loss_first"], rel=1e-5)
+
+
+def test_static_batches_are_the_packs_padded_to_one_shape(wl, varpack_step):
+    """The ``_graphs`` rows' batches: one static shape for every pack, the pack's tokens first, pad segments
+    after them with nothing supervised; the same model on a static batch gives the dynamic batch's loss and
+    gradients (the pads add no loss and carry no state into a sample)."""
+    shapes = {tuple(b["input_ids"].shape) for b in wl.static_batches}
+    metas = {(int(b["varlen_meta"].total_q), int(b["varlen_meta"].num_seqs)) for b in wl.static_batches}
+    assert len(shapes) == 1 and len(metas) == 1
+    for dyn, stat in zip(wl.batches, wl.static_batches):
+        n = dyn["input_ids"].shape[-1]
+        assert stat["input_ids"].shape[-1] >= n and torch.equal(stat["input_ids"][..., :n], dyn["input_ids"])
+        assert bool((stat["labels"][..., n:] == -100).all())
+    counts = [H.supervised_count(p) for p in wl.packs]
+    with contextlib.ExitStack() as stack:
+        row = H.build_row("chunk", _args(), wl, CPU, torch.float32, stack)
+        row.steps = [[b] for b in wl.static_batches]
+        loss = float(H.step_loss(row, 0, counts, CPU))
+        grads = {n: p.grad for n, p in row.model.named_parameters() if p.grad is not None}
+    want_loss, want_grads, _, _ = varpack_step
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    assert grads.keys() == want_grads.keys() and not _mismatched(grads, want_grads)
+
+
+def test_graphs_row_names_its_mode_and_needs_cuda(wl):
+    assert H.varpack_base("fla_hybrid_graphs") == ("fla_hybrid", "graphs")
+    with contextlib.ExitStack() as stack, pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        H.build_row("chunk_graphs", _args(), wl, CPU, torch.float32, stack)
