@@ -259,6 +259,22 @@ def test_a_flag_before_the_command_names_the_order_that_works(argv, flag, moved,
     assert _run(["-h", "sft"], capsys)[0] == 0
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data", "d.jsonl", "plan"], "--data comes before the command 'plan', and plan has no --data flag"),
+        (["--pack", "10", "sft"], "--pack comes before the command 'sft', and sft has no --pack flag (did you mean"),
+        (["--packing-length", "10"], "--packing-length needs a command before it: varpack COMMAND --packing-length"),
+    ],
+)
+def test_a_flag_before_the_command_that_moving_would_not_fix(argv, message, capsys):
+    """A flag the command does not have is not suggested after it (that would fail too); with no command, the
+    commands are named (was "invalid choice: '10'")."""
+    code, _, err = _run(argv, capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"varpack: error: {message}") and "invalid choice" not in err, last
+
+
 def test_no_guess_for_words_after_the_double_dash(capsys):
     code, _, err = _run(["sft", "--", "--packing_length", "256"], capsys)
     assert code == 2 and "did you mean" not in err and "unrecognized arguments: -- --packing_length 256" in err

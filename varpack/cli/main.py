@@ -101,23 +101,34 @@ def _did_you_mean(extra: list[str], sub: argparse.ArgumentParser) -> str:
 
 
 def _flags_before_command(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    """Refuse a sub-command's flag written before the sub-command (``varpack --packing-length 10 sft``):
-    argparse would take its value for the command name ("invalid choice: '10'").
+    """Refuse a flag written before the sub-command (``varpack --packing-length 10 sft``), or with no
+    sub-command at all: argparse would take its value for the command name ("invalid choice: '10'").
 
     Raises:
-        SystemExit: through ``parser.error`` (exit code 2), naming the flag and the order that works.
+        SystemExit: through ``parser.error`` (exit code 2): the command line with the flag moved after the
+            command where the command has that flag; else that the command has no such flag (with the closest
+            one); with no command, the commands there are.
     """
     command = next((i for i, a in enumerate(argv) if a in SUBCOMMANDS), None)
-    if command is None or "--" in argv[:command]:
+    before = argv if command is None else argv[:command]
+    if "--" in before:
         return
-    early = [a for a in argv[:command] if a.startswith("-") and a not in ("-h", "--help")]
-    if early:
-        name = argv[command]
-        moved = " ".join([name, *argv[:command], *argv[command + 1 :]][:6])
+    early = [a for a in before if a.startswith("-") and a not in ("-h", "--help")]
+    if not early:
+        return
+    if command is None:
         parser.error(
-            f"{early[0]} comes before the command {name!r}: a command's flags go after its name "
-            f"(varpack {moved}{' ...' if len(argv) > 6 else ''})"
+            f"{early[0]} needs a command before it: varpack COMMAND {early[0]} ... (COMMAND: {', '.join(SUBCOMMANDS)})"
         )
+    name, sub = argv[command], _sub_parser(parser, argv)
+    flag = early[0].partition("=")[0]
+    if sub is not None and flag not in _flags(sub) and flag.replace("_", "-") not in _flags(sub):
+        parser.error(f"{early[0]} comes before the command {name!r}, and {name} has no {flag} flag{_did_you_mean([flag], sub)}")
+    moved = " ".join([name, *argv[:command], *argv[command + 1 :]][:6])
+    parser.error(
+        f"{early[0]} comes before the command {name!r}: a command's flags go after its name "
+        f"(varpack {moved}{' ...' if len(argv) > 6 else ''})"
+    )
 
 
 def _more_positionals(args: argparse.Namespace, extra: list[str]) -> list[str]:
