@@ -474,3 +474,72 @@ def test_an_answer_field_the_template_does_not_render_is_refused(tok, key, value
                                                       f"m.content + (m.{key} | string) + '<|im_end|>' }}}}{{%- endgeneration")  # fmt: skip
     shown = "think first" if key == "reasoning_content" else "'name': 'f'"
     assert shown in tok.decode(encode_chat(turns, reads)["input_ids"])
+
+
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+
+
+@pytest.mark.parametrize(
+    "turn, message",
+    [
+        ({"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"arguments": {}}}]},
+         r"messages\[1\]\.tool_calls\[0\]\.function\.name is missing, null or empty"),
+        ({"role": "assistant", "content": "", "tool_calls": "get_weather()"},
+         r"messages\[1\]\.tool_calls must be a list of calls, got str"),
+        ({"role": "assistant", "content": "", "tool_calls": ["x"]},
+         r"messages\[1\]\.tool_calls\[0\] must be a dict"),
+        ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]},
+         r"messages\[1\]\.tool_calls\[0\]\.function\.arguments must be a dict or a JSON string, got missing or null"),
+        ({"role": "user", "content": "hi", "tool_calls": [{"function": CALL}]},
+         r"messages\[1\]\.tool_calls is on a 'user' turn; only assistant turns call tools"),
+    ],
+)  # fmt: skip
+def test_a_malformed_tool_call_is_named(turn, message):
+    """A tool call the template cannot render (no name, not a list of dicts, no arguments) or on a turn that
+    does not call tools: refused naming the field, before the template (which failed with jinja2's
+    "'dict object' has no attribute 'name'", a traceback under --streaming)."""
+    from varpack.data.chat import validate_messages
+
+    first = {"role": "user", "content": "weather?"}
+    last = {"role": "assistant", "content": "ok"}
+    with pytest.raises((TypeError, ValueError), match=r"^sample 4: " + message):
+        validate_messages([first, turn, last], 4)
+    assert validate_messages([first, {"role": "assistant", "content": "", "tool_calls": [{"function": CALL}]}, last])
+
+
+def test_openai_legacy_function_call_is_trained_as_a_tool_call(tok):
+    """OpenAI's legacy ``function_call`` on an assistant turn (dropped by every template that reads
+    ``tool_calls``) is encoded as the same turn with that one call in ``tool_calls``."""
+    first = {"role": "user", "content": "weather?"}
+    legacy = [first, {"role": "assistant", "content": None, "function_call": CALL}]
+    modern = [first, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]}]
+    got, want = encode_chat(legacy, tok), encode_chat(modern, tok)
+    assert got == want and "get_weather" in tok.decode([t for t, y in zip(got["input_ids"], got["labels"]) if y != -100])
+
+
+def test_a_template_failure_is_named_by_sample(tok):
+    """A template's own error (here: ``raise_exception``) names the sample, also for one conversation (the
+    streaming path encodes one row at a time)."""
+    import copy
+
+    strict = copy.deepcopy(tok)
+    strict.chat_template = tok.chat_template.replace(
+        "{%- for message in messages %}", "{%- for message in messages %}{%- if message.content == 'boom' %}"
+        "{{ raise_exception('no boom here') }}{%- endif %}", 1
+    )
+    with pytest.raises(ValueError, match=r"^sample 9: chat template failed: no boom here"):
+        encode_chat([{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}], strict, sample_id=9)
+
+
+def test_rows_mixing_field_types_around_a_blank_line_load(tmp_path, tok):
+    """A string prompt / completion row, a blank line, then a message-list row: datasets' JSON reader failed with
+    pandas' "Expected object or value" (no file, no line); varpack's reader takes over and both rows load."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "hi", "completion": "yo"}) + "\n\n"
+        + json.dumps({"prompt": [_u("hi")], "completion": [_a("yo")]}) + "\n", encoding="utf-8",
+    )  # fmt: skip
+    rows = load_chat_data(str(path))
+    assert len(rows) == 2
+    enc = encode_dataset(rows, tok)
+    assert enc[0]["input_ids"] == enc[1]["input_ids"]  # the same chat, written two ways

@@ -168,3 +168,24 @@ def test_a_pair_field_the_template_does_not_render_is_refused(tok):
         encode_pairs([row], tok)
     del row["chosen"][0]["reasoning_content"]
     assert len(encode_pairs([row], tok)) == 2
+
+
+def test_an_answer_that_only_calls_tools_is_a_pair(tok):
+    """A chosen answer that only calls a tool (content "" or null, as SFT rows take it) is a preference answer,
+    rendered with its call; a malformed call is named; a null content without a call is "missing or null"."""
+    from varpack.data.preference import encode_pairs
+
+    call = {"type": "function", "function": {"name": "w", "arguments": {"c": "P"}}}
+    row = {
+        "prompt": [{"role": "user", "content": "weather?"}],
+        "chosen": [{"role": "assistant", "content": None, "tool_calls": [call]}],
+        "rejected": [{"role": "assistant", "content": "no idea"}],
+    }
+    chosen, _ = encode_pairs([row], tok)
+    assert '"name": "w"' in tok.decode([t for t, y in zip(chosen["input_ids"], chosen["labels"]) if y != -100])
+    row["chosen"][0]["tool_calls"] = [{"function": {"arguments": {}}}]
+    with pytest.raises(ValueError, match=r"pair 0: chosen\[0\]\.tool_calls\[0\]\.function\.name is missing"):
+        encode_pairs([row], tok)
+    row["chosen"] = [{"role": "assistant", "content": None}]
+    with pytest.raises(TypeError, match=r"pair 0: chosen\[0\]\.content is missing or null"):
+        encode_pairs([row], tok)

@@ -25,11 +25,13 @@ Two ways to find the assistant tokens, chosen per tokenizer:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import pickle
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,7 +57,19 @@ __all__ = [
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 #: keys that give an assistant turn something to supervise besides its content (tool calls, reasoning)
 _ANSWER_KEYS = ("tool_calls", "reasoning_content", "thinking")
-_ENCODE_VERSION = "3"  # bump when the encoding of a chat changes (invalidates Arrow caches)
+
+
+@functools.cache
+def _encoder_version() -> str:
+    """A hash of the source of the modules that turn a row into ``input_ids`` / ``labels`` (this one and
+    :mod:`varpack.data.formats`): part of the encoded-data cache's fingerprint, so a change in how rows are
+    checked or encoded never reads an Arrow cache written by the code before it."""
+    from varpack.data import formats
+
+    digest = hashlib.sha256()
+    for module in (sys.modules[__name__], formats):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:16]
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
@@ -63,6 +77,34 @@ _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 
 def _where(sample_id: Any) -> str:
     return f"sample {sample_id}" if sample_id is not None else "sample"
+
+
+def _check_tool_calls(message: Mapping[str, Any], where: str) -> None:
+    """An assistant turn's ``tool_calls``: a list of ``{"type": "function", "function": {"name", "arguments"}}``
+    (or the flat ``{"name", "arguments"}``), each name a non-empty string and the arguments a dict or a JSON
+    string, as chat templates read them.
+
+    Raises:
+        TypeError / ValueError: naming ``messages[i].tool_calls[j]`` and the field (``where`` is
+            ``"sample N: messages[i]"``).
+    """
+    calls = message["tool_calls"]
+    if message.get("role") != "assistant":
+        raise ValueError(f"{where}.tool_calls is on a {message.get('role')!r} turn; only assistant turns call tools")
+    if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence):
+        raise TypeError(f"{where}.tool_calls must be a list of calls, got {type(calls).__name__} ({calls!r:.60})")
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, Mapping):
+            raise TypeError(f"{at} must be a dict {{type, function: {{name, arguments}}}}, got {type(call).__name__}")
+        fn, at = (call["function"], f"{at}.function") if call.get("function") is not None else (call, at)
+        if not isinstance(fn, Mapping):
+            raise TypeError(f"{at} must be a dict {{name, arguments}}, got {type(fn).__name__}")
+        if not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise ValueError(f"{at}.name is missing, null or empty (the name of the called function)")
+        if not isinstance(fn.get("arguments"), (Mapping, str)):
+            got = "missing or null" if fn.get("arguments") is None else f"a {type(fn['arguments']).__name__}"
+            raise TypeError(f"{at}.arguments must be a dict or a JSON string, got {got}")
 
 
 def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, Any]]:
@@ -74,7 +116,9 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
             them empty (content blank, and no ``tool_calls`` / ``reasoning_content`` / ``thinking``).
             Extra keys are kept (the template may use them); ``None`` values are dropped (Arrow fills
             absent struct fields with ``None``). A turn with ``tool_calls`` may have ``content`` null or absent
-            (OpenAI's format for a turn that only calls tools): it is passed to the template as ``""``.
+            (OpenAI's format for a turn that only calls tools): it is passed to the template as ``""``. Each
+            tool call is checked (a name, arguments as a dict or a JSON string; assistant turns only); OpenAI's
+            legacy ``function_call`` becomes the one call of ``tool_calls``.
         sample_id: named in error messages.
 
     Returns:
@@ -95,6 +139,12 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TypeError(f"{where}: messages[{i}] must be a dict, got {type(message).__name__}")
+        if message.get("function_call") is not None and message.get("tool_calls") is None:
+            # OpenAI's legacy single call: the same call in the tool_calls form every template reads
+            message = {k: v for k, v in message.items() if k != "function_call"}
+            message["tool_calls"] = [{"type": "function", "function": messages[i]["function_call"]}]
+        if message.get("tool_calls") is not None:
+            _check_tool_calls(message, f"{where}: messages[{i}]")
         if message.get("content") is None and message.get("tool_calls"):
             message = {**message, "content": ""}  # a turn that only calls tools
         for field in ("role", "content"):
@@ -166,16 +216,13 @@ def _encode_generation_marked(
         out = tokenizer.apply_chat_template(
             conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
-    except Exception:
+    except Exception as exc:  # the template's own error (jinja2's, a raise_exception): named by sample
         if len(conversations) == 1:
-            raise
+            raise ValueError(f"{_where(sample_ids[0])}: chat template failed: {exc}") from exc
         # find the sample that breaks the template and name it
         results = []
         for conv, sid in zip(conversations, sample_ids):
-            try:
-                results.extend(_encode_generation_marked([conv], tokenizer, [sid]))
-            except Exception as e:
-                raise ValueError(f"{_where(sid)}: chat template failed: {e}") from e
+            results.extend(_encode_generation_marked([conv], tokenizer, [sid]))
         return results
     return [
         _result(list(ids), mask, sid, "generation markers")
@@ -183,15 +230,20 @@ def _encode_generation_marked(
     ]
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], gen: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], gen: bool, sample_id: Any = None
+) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    except Exception as exc:  # the template's own error: named by sample
+        raise ValueError(f"{_where(sample_id)}: chat template failed: {exc}") from exc
 
 
 def _assistant_char_spans(
     messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, sample_id: Any
 ) -> tuple[str, list[tuple[int, int]]]:
     where = _where(sample_id)
-    full = _render(tokenizer, messages, gen=False)
+    full = _render(tokenizer, messages, gen=False, sample_id=sample_id)
     spans: list[tuple[int, int]] = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -201,8 +253,8 @@ def _assistant_char_spans(
                 f"{where}: messages[0] is an assistant turn; the prefix method (template without "
                 f"{{% generation %}} markers) needs a prompt before it"
             )
-        prompt = _render(tokenizer, messages[:i], gen=True)
-        upto = _render(tokenizer, messages[: i + 1], gen=False)
+        prompt = _render(tokenizer, messages[:i], gen=True, sample_id=sample_id)
+        upto = _render(tokenizer, messages[: i + 1], gen=False, sample_id=sample_id)
         if not upto.startswith(prompt) or not full.startswith(upto):
             bad = f"messages[:{i}] + generation prompt is not a prefix of messages[:{i + 1}]"
             if upto.startswith(prompt):
@@ -496,12 +548,14 @@ def _load_files(kind: str, files: list[str], cache_dir: str | None) -> datasets.
 
     try:
         ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
-    except datasets.exceptions.DatasetGenerationError:
+    except (datasets.exceptions.DatasetGenerationError, ValueError) as exc:
+        # ValueError: pandas' JSON reader failing while datasets infers the features (rows whose fields mix
+        # types, with a blank line among them: "Expected object or value", no file or line named)
         if kind == "json":
             # a line that is not JSON (datasets names no file or line), or fields typed differently across
             # files: read with json, which names the file, line and sample of a bad line
             return _dataset_from_rows(_read_files(files))
-        if len(files) == 1:
+        if len(files) == 1 or not isinstance(exc, datasets.exceptions.DatasetGenerationError):
             raise
     else:
         if not (kind == "json" and _has_json_feature(ds.features)):
@@ -743,7 +797,7 @@ def encode_dataset(
     if len(ds) == 0:
         raise ValueError("chat data has no rows")
     fingerprint = hashlib.sha256(
-        f"varpack-encode-{_ENCODE_VERSION}-{ds._fingerprint}-{tokenizer_fingerprint(tokenizer)}".encode()
+        f"varpack-encode-{_encoder_version()}-{ds._fingerprint}-{tokenizer_fingerprint(tokenizer)}".encode()
     ).hexdigest()[:32]
     cache_file_name = None
     if not ds.cache_files:  # in memory: datasets would not cache, so name an Arrow file ourselves

@@ -50,10 +50,15 @@ def _messages(value: Any, field: str, where: str) -> list[dict[str, Any]]:
     for i, m in enumerate(value):
         if not isinstance(m, Mapping):
             raise TypeError(f"{where}: {field}[{i}] must be a dict {{role, content}}, got {type(m).__name__}")
+        if m.get("tool_calls") is not None:  # checked as an SFT turn's; a turn that only calls tools: content ""
+            from varpack.data.chat import _check_tool_calls
+
+            _check_tool_calls(m, f"{where}: {field}[{i}]")
+            m = {**m, "content": "" if m.get("content") is None else m["content"]}
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
-                got = "missing" if m.get(key) is None else f"a {type(m.get(key)).__name__}"
-                raise TypeError(f"{where}: {field}[{i}].{key} must be a str, got {got}")
+                got = "is missing or null" if m.get(key) is None else f"must be a str, got a {type(m.get(key)).__name__}"
+                raise TypeError(f"{where}: {field}[{i}].{key} {got}")
         if m["role"] not in _ROLES:
             raise ValueError(f"{where}: {field}[{i}].role={m['role']!r} is not one of {_ROLES}")
         out.append({k: v for k, v in m.items() if v is not None})
@@ -129,8 +134,8 @@ def pair_messages(
                 raise ValueError(
                     f"{where}: {field}[{i}].role={m['role']!r}; an answer holds assistant turns only"
                 )
-        if not any(m["content"].strip() for m in msgs):
-            raise ValueError(f"{where}: field {field!r} is empty (no assistant content)")
+        if not any(m["content"].strip() or m.get("tool_calls") for m in msgs):
+            raise ValueError(f"{where}: field {field!r} is empty (no assistant content or tool call)")
         answers.append(msgs)
     return prompt, answers[0], answers[1]
 
