@@ -369,7 +369,7 @@ def test_builtin_chats(tok, tmp_path):
         assert row["labels"] == expected_labels(tok, row["input_ids"]), row["sample_id"]
 
 
-def test_empty_assistant_answer_is_refused_by_every_path(tmp_path, tok, capsys):
+def test_empty_assistant_answer_is_refused_by_every_path(tmp_path, tok, capsys, monkeypatch):
     """``{"role": "assistant", "content": ""}`` was encoded and trained (its one supervised token the
     end-of-turn: the model learns to answer nothing), where an empty ShareGPT / Alpaca / TRL answer is refused:
     now refused the same way, naming the sample, the field and FILE:LINE (datasets path, streaming, CLI)."""
@@ -386,10 +386,13 @@ def test_empty_assistant_answer_is_refused_by_every_path(tmp_path, tok, capsys):
         load_chat_data([{"messages": SINGLE}, {"messages": empty}])
     with pytest.raises(ValueError, match=r"chats\.jsonl:2: " + want) as streamed:
         list(StreamingPackedDataset(str(path), tok, packing_length=256, buffer_size=4))
-    # one form for every path: FILE:LINE: sample N: field
-    assert str(streamed.value).split("chats.jsonl:2: ")[1] == str(datasets_path.value).split("chats.jsonl:2: ")[1]
-    assert main(["plan", str(path)]) == 1
-    assert re.search(r"^varpack plan: error: \S*chats\.jsonl:2: " + want, capsys.readouterr().err.splitlines()[-1])
+    # one form for every path: FILE:LINE: sample N: field, the file named as the caller wrote it
+    assert str(streamed.value) == str(datasets_path.value) == f"{path}:2: " + str(datasets_path.value).split(":2: ")[1]
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "chats.jsonl"]) == 1
+    assert re.search(r"^varpack plan: error: chats\.jsonl:2: " + want, capsys.readouterr().err.splitlines()[-1])
+    with pytest.raises(ValueError, match=r"^chats\.jsonl:2: " + want):
+        list(StreamingPackedDataset("chats.jsonl", tok, packing_length=256, buffer_size=4))
     # an assistant turn whose answer is a tool call (content "") is not empty
     call = {"type": "function", "function": {"name": "f", "arguments": {}}}
     assert validate_messages([SINGLE[0], {"role": "assistant", "content": "", "tool_calls": [call]}])

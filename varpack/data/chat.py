@@ -466,7 +466,8 @@ def load_chat_data(
     if len(ds) == 0:
         raise ValueError(f"load_chat_data: {files} contain no rows")
     _check_utf8(ds, kind, files)
-    ds._varpack_files = (next(iter(_kinds_of(files))), files)  # for error locations only
+    # for error locations only: the files as read, and each named as the caller wrote it
+    ds._varpack_files = (next(iter(_kinds_of(files))), files, dict(zip(files, (os.fspath(p) for p in items))))
     return ds
 
 
@@ -608,14 +609,16 @@ def _find_row(kind: str, files: list[str], row: int) -> tuple[str, int, int | No
     return None
 
 
-def locate_row(kind: str, files: list[str], row: int) -> str | None:
-    """``"FILE:LINE"`` (JSON Lines) or ``"FILE row K"`` for row ``row`` (0-based) of the concatenation of
-    ``files`` as :func:`load_chat_data` reads them; ``None`` if it cannot be told. Runs on error paths only
-    (it reads the files again)."""
+def locate_row(kind: str, files: list[str], row: int, shown: Mapping[str, str] | None = None) -> str | None:
+    """``"FILE:LINE"`` (JSON Lines) or ``"FILE row K"`` (K 0-based) for row ``row`` (0-based) of the
+    concatenation of ``files`` as :func:`load_chat_data` reads them, each file named as ``shown`` maps it (the
+    path the caller wrote); ``None`` if it cannot be told. Runs on error paths only (it reads the files
+    again)."""
     found = _find_row(kind, files, row)
     if found is None:
         return None
     f, k, lineno, _ = found
+    f = (shown or {}).get(f, f)
     return f"{f}:{lineno}" if lineno is not None else f"{f} row {k}"
 
 
@@ -828,7 +831,7 @@ def locate_error(exc: Exception, data: Any) -> Exception:
     only."""
     m = re.match(r"sample (\d+): ", str(exc))
     sources = getattr(data, "_varpack_files", None)
-    where = locate_row(*sources, int(m.group(1))) if (m and sources) else None
+    where = locate_row(*sources[:2], int(m.group(1)), *sources[2:]) if (m and sources) else None
     if where is None:
         return exc
     return type(exc)(f"{where}: {exc}")

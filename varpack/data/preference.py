@@ -259,7 +259,7 @@ def _location(rows: Any, k: int) -> str:
         return ""
     from varpack.data.chat import locate_row
 
-    where = locate_row(*sources, k)
+    where = locate_row(*sources[:2], k, *sources[2:])
     return f"{where}: " if where else ""
 
 
