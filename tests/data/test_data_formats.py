@@ -232,6 +232,11 @@ BAD = [
         r"conversations\[1\]\.value of a function_call turn must be JSON",
     ),
     (
+        {"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "[]"}]},
+        ValueError,
+        r"conversations\[1\]\.value of a function_call turn holds no call",
+    ),
+    (
         {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y", "weight": 0}]},
         ValueError,
         r"conversations\[1\]\.weight=0 switches training on this turn off",

@@ -212,6 +212,8 @@ def _tool_calls(value: str, field: str, where: str) -> list[dict[str, Any]]:
             f"{where}: {field} of a function_call turn must be JSON {{name, arguments}}: {exc}"
         ) from exc
     calls = calls if isinstance(calls, list) else [calls]
+    if not calls:
+        raise ValueError(f"{where}: {field} of a function_call turn holds no call (an empty list)")
     out = []
     for k, call in enumerate(calls):
         if not isinstance(call, Mapping) or not isinstance(call.get("name"), str):
