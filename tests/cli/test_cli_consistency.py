@@ -275,6 +275,22 @@ def test_a_flag_before_the_command_that_moving_would_not_fix(argv, message, caps
     assert code == 2 and last.startswith(f"varpack: error: {message}") and "invalid choice" not in err, last
 
 
+@pytest.mark.parametrize("word, guess", [("spt", "sft"), ("Plan", "plan"), ("chekc", "check"), ("zzz", None)])
+def test_a_misspelled_command_gets_its_guess(word, guess, capsys):
+    code, _, err = _run([word, "--max-steps", "1"], capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"varpack: error: unknown command {word!r}"), last
+    assert (f"(did you mean {guess}?)" in last) if guess else ("did you mean" not in last), last
+    assert last.endswith("the commands: plan, sft, check, demo")
+
+
+def test_help_before_the_command_is_the_commands_help(capsys):
+    code, out, _ = _run(["--help", "sft"], capsys)
+    assert code == 0 and out.startswith("usage: varpack sft")
+    code, out, _ = _run(["--help"], capsys)  # the control: alone, the top-level help
+    assert code == 0 and out.startswith("usage: varpack [-h] COMMAND")
+
+
 def test_no_guess_for_words_after_the_double_dash(capsys):
     code, _, err = _run(["sft", "--", "--packing_length", "256"], capsys)
     assert code == 2 and "did you mean" not in err and "unrecognized arguments: -- --packing_length 256" in err

@@ -8,7 +8,8 @@ Flags are matched whole: no parser takes an abbreviation (``allow_abbrev=False``
 unrecognized argument, not a prefix of some ``--packing-*`` flag), so a typo never lands on another flag. An
 unrecognized flag is reported with the sub-command's closest flag (``--packing-lenght``: "did you mean
 --packing-length?"), each of several. A flag written before the sub-command is refused naming the order that
-works (``varpack sft --packing-length 10``). Every sub-command takes the underscore spelling of its flags (``--packing_length``, as TRL
+works (``varpack sft --packing-length 10``); ``varpack --help sft`` is ``sft``'s help; a misspelled command gets its
+closest command. Every sub-command takes the underscore spelling of its flags (``--packing_length``, as TRL
 and HF scripts write them): rewritten to the hyphen spelling before parsing, only where the sub-command has
 that flag.
 
@@ -113,8 +114,15 @@ def _flags_before_command(parser: argparse.ArgumentParser, argv: list[str]) -> N
     before = argv if command is None else argv[:command]
     if "--" in before:
         return
+    if command is None and argv and not argv[0].startswith("-"):  # a misspelled command
+        close = difflib.get_close_matches(argv[0].lower(), list(SUBCOMMANDS), n=1, cutoff=0.6)
+        guess = f" (did you mean {close[0]}?)" if close else ""
+        parser.error(f"unknown command {argv[0]!r}{guess}; the commands: {', '.join(SUBCOMMANDS)}")
     early = [a for a in before if a.startswith("-") and a not in ("-h", "--help")]
     if not early:
+        if command is not None and before:  # varpack --help sft: the command's help
+            _sub_parser(parser, argv).print_help()
+            parser.exit(0)
         return
     if command is None:
         parser.error(
