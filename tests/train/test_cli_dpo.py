@@ -102,4 +102,4 @@ def test_bad_pair_named(tmp_path, capsys, bad):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n" + json.dumps(bad))
     assert main(["sft", "--objective", "dpo", "--data", str(path), "--max-steps", "1", "--no-save"]) == 1
-    assert "pair 1: field 'rejected' is missing [" in capsys.readouterr().err
+    assert f"{path}:2: pair 1: field 'rejected' is missing" in capsys.readouterr().err
