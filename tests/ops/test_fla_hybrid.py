@@ -332,35 +332,55 @@ def test_hybrid_refuses_cpu_and_missing_fla(monkeypatch):
         fla_hybrid_gated_delta_rule(*ins, cu_seqlens=[0, 3, 7])
 
 
+@pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("final", [True, False])
-def test_hybrid_backward_function_equals_autograd_on_standins(standins, final):
-    """fla_hybrid_backward (the custom op's backward: recompute + fla's backward pipeline) == autograd."""
+def test_hybrid_backward_function_equals_autograd_on_standins(standins, final, l2):
+    """fla_hybrid_forward + fla_hybrid_backward (the custom op's pair: the forward's residuals, no forward
+    recomputed) == autograd through the whole pipeline, values and every gradient; the residuals have the
+    shapes and dtypes the op's fake implementation gives."""
     lengths = [5, 64, 1, 70]
     ins, h0 = _gdr_inputs(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     leaves = [x.clone().requires_grad_() for x in (*ins, h0)]
-    o, s = standins._hybrid(*leaves[:5], 0.3, leaves[5], final, cu, True, None, "fp32")
+    o, s = standins._hybrid(*leaves[:5], 0.3, leaves[5], final, cu, l2, None, "fp32")
     gen = torch.Generator().manual_seed(3)
     do = torch.randn(o.shape, generator=gen, dtype=o.dtype)
     dht = torch.randn(h0.shape, generator=gen, dtype=o.dtype) if final else None
     want = torch.autograd.grad((o * do).sum() + ((s * dht).sum() if final else 0), leaves)
-    got = standins._hybrid_backward(do, dht, *ins, 0.3, h0, cu, True, None, "fp32")
+    q, k, v, g, beta = ins
+    o2, s2, residuals = standins._hybrid_forward(q, k, v, g, beta, 0.3, h0, final, cu, l2, None, "fp32")
+    torch.testing.assert_close(o2, o.detach(), atol=0, rtol=0)
+    if final:
+        torch.testing.assert_close(s2, s.detach(), atol=0, rtol=0)
+    shapes = standins.fla_hybrid_residual_shapes(tuple(q.shape), tuple(v.shape), q.dtype, l2)
+    assert [(tuple(x.shape), x.dtype) for x in residuals] == shapes
+    assert not any(x.data_ptr() in (q.data_ptr(), k.data_ptr()) for x in residuals)  # never an input's storage
+    got = standins._hybrid_backward(do, dht, v, beta, residuals, 0.3, h0, cu, l2, g.dtype, None, "fp32")
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    # negative control: residuals of other keys give other gradients
+    wrong = list(residuals)
+    wrong[1] = residuals[1].roll(1, dims=1)
+    bad = standins._hybrid_backward(do, dht, v, beta, wrong, 0.3, h0, cu, l2, g.dtype, None, "fp32")
+    assert not torch.allclose(bad[1], want[1], atol=1e-6)
+    with pytest.raises(ValueError, match="residuals"):
+        standins._hybrid_backward(do, dht, v, beta, residuals[:3], 0.3, h0, cu, l2, g.dtype, None, "fp32")
 
 
 def _custom_op_on_standins(monkeypatch, custom_op, standins):
     """Route varpack::gated_delta_rule's fla_hybrid forward and backward to the stand-in kernels (fp32 step)."""
     monkeypatch.setattr(
         custom_op,
-        "fla_hybrid_gated_delta_rule",
-        lambda *a, cu_seqlens_cpu=None, boundaries=None: standins._hybrid(*a, cu_seqlens_cpu, "fp32", boundaries),
+        "fla_hybrid_forward",
+        lambda *a, cu_seqlens_cpu=None, boundaries=None: standins._hybrid_forward(
+            *a, cu_seqlens_cpu, "fp32", boundaries
+        ),
     )
     monkeypatch.setattr(
         custom_op,
         "fla_hybrid_backward",
-        lambda *a, cu_seqlens_cpu=None, boundaries=None: standins._hybrid_backward(
-            *a, cu_seqlens_cpu, "fp32", boundaries
+        lambda *a, g_dtype, cu_seqlens_cpu=None, boundaries=None: standins._hybrid_backward(
+            *a, g_dtype, cu_seqlens_cpu, "fp32", boundaries
         ),
     )
 
@@ -378,7 +398,7 @@ def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch,
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
 
     def via_op(q, k, v, g, beta, initial_state, output_final_state, **kw):
-        o, s = torch.ops.varpack.gated_delta_rule(
+        o, s, _ = torch.ops.varpack.gated_delta_rule(
             q, k, v, g, beta, cu, cu, initial_state, 0.3, output_final_state, True, "fla_hybrid"
         )
         return o, s

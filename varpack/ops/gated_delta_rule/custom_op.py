@@ -1,12 +1,14 @@
 """The gated delta rule as a ``torch.library`` custom op, so ``torch.compile`` traces a layer through it.
 
 ``varpack::gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, scale,
-output_final_state, use_qk_l2norm_in_kernel, backend) -> (o, final_state)`` runs one *resolved* backend of
+output_final_state, use_qk_l2norm_in_kernel, backend) -> (o, final_state, residuals)`` runs one *resolved* backend of
 :func:`varpack.ops.gated_delta_rule.gated_delta_rule` as a single opaque graph node, with a fake (meta)
 implementation giving shapes and dtypes without touching values. Shapes as :func:`gated_delta_rule`:
 q/k ``[B, T, Hk, K]``, v ``[B, T, H, V]``, g/beta ``[B, T, H]``, cu_seqlens ``[N+1]`` (B = 1) or None,
 initial_state ``[N, H, K, V]`` or None; ``o`` ``[B, T, H, V]`` in q's dtype; ``final_state`` ``[N, H, K, V]``
-(fp32, fp64 for fp64 inputs) when ``output_final_state``, else an empty ``[0]`` tensor.
+(fp32, fp64 for fp64 inputs) when ``output_final_state``, else an empty ``[0]`` tensor; ``residuals`` what
+``fla_hybrid``'s backward reads (:func:`varpack.ops.gated_delta_rule.fla_hybrid.fla_hybrid_forward`), an empty
+list for the other backends.
 
 Backends through the op: ``chunk``, ``naive``, ``fla_hybrid`` (native backward, below) and ``fla``
 (forward-only). The chunk layout
@@ -20,18 +22,16 @@ host (one copy).
 ``chunk_compiled`` is refused: inside a compiled layer the op is already one node, and a nested
 ``torch.compile`` would run inside the op's implementation.
 
-Backward (``register_autograd``): the second op ``varpack::gated_delta_rule_backward`` recomputes the
-backend's forward under ``torch.func.vjp`` (autograd records nothing inside an op's implementation, which
-runs below the autograd dispatch key; functorch's transform re-enables it) and pulls the output gradient
-back to q, k, v, g, beta and initial_state: one extra forward per backward. A native path would plug in
-there: fla's ``chunk_gated_delta_rule_fwd`` / ``chunk_gated_delta_rule_bwd`` (fla/ops/gated_delta_rule/chunk.py)
-take the same tensors plus the intermediate ``A``/``w``/``u`` (or recompute them), with q/k l2-normalised
-outside them (fla's ``l2norm_fwd`` / ``l2norm_bwd``); their signatures changed across fla releases, so they
-are not wired blind here. Through this op ``fla`` is therefore forward-only: a call on ``fla`` that needs
-gradients raises ``RuntimeError`` (use ``chunk``, or :func:`gated_delta_rule` directly). ``fla_hybrid`` is
-wired natively: its backward op calls :func:`varpack.ops.gated_delta_rule.fla_hybrid.fla_hybrid_backward`
-(fla's forward recomputed, then fla's backward kernels with varpack's own ``dq/dk/dw/dg`` step; fla-core
-0.6.0's internal signatures, checked at load).
+Backward (``register_autograd``): ``fla_hybrid``'s is the op ``varpack::fla_hybrid_gated_delta_rule_backward``,
+fla's backward kernels with varpack's own ``dq/dk/dw/dg`` step fed by the forward's residuals (the l2-normalised
+q/k and their norms, fla's cumulative decay and its ``A`` blocks): fla's forward runs once per step, as in
+fla's own autograd function (fla-core 0.6.0's internal signatures, checked at load). For ``chunk`` and
+``naive`` the op ``varpack::gated_delta_rule_backward`` recomputes the backend's forward under
+``torch.func.vjp`` (autograd records nothing inside an op's implementation, which runs below the autograd
+dispatch key; functorch's transform re-enables it) and pulls the output gradient back to q, k, v, g, beta and
+initial_state: one extra forward per backward. ``fla`` is forward-only through the op (its backward is not
+wired: a call that needs gradients raises ``RuntimeError``; use ``fla_hybrid``, ``chunk``, or
+:func:`gated_delta_rule` directly).
 
 Source: ``torch.library.custom_op`` / ``register_fake`` / ``register_autograd`` (PyTorch custom operators
 manual); flash-linear-attention ``chunk_gated_delta_rule``.
@@ -50,7 +50,12 @@ from .._fla import fla_chunk_gated_delta_rule
 from ._common import acc_dtype, check_inputs, cu_seqlens_to_cpu, normalize_optional_cu
 from .chunk import chunk_gated_delta_rule, prepare_chunk_layout
 from .dispatch import head_dims, resolve_backend
-from .fla_hybrid import fla_hybrid_backward, fla_hybrid_gated_delta_rule, prepare_fla_hybrid_boundaries
+from .fla_hybrid import (
+    fla_hybrid_backward,
+    fla_hybrid_forward,
+    fla_hybrid_residual_shapes,
+    prepare_fla_hybrid_boundaries,
+)
 from .naive import naive_recurrent_gated_delta_rule
 
 __all__ = ["OP_BACKENDS", "gated_delta_rule_op"]
@@ -118,10 +123,7 @@ def _host_boundaries(backend, q, cu, cu_cpu):
 
 
 def _run(backend, host, q, k, v, g, beta, cu, cu_cpu, h0, scale, output_final_state, l2norm):
-    if backend == "fla_hybrid":
-        return fla_hybrid_gated_delta_rule(
-            q, k, v, g, beta, scale, h0, output_final_state, cu, l2norm, cu_seqlens_cpu=cu_cpu, boundaries=host
-        )
+    """Every backend but ``fla_hybrid`` (:func:`fla_hybrid_forward` in the op)."""
     if backend == "fla":
         return fla_chunk_gated_delta_rule(
             q, k, v, g, beta, scale, h0, output_final_state, cu, cu_cpu if cu_cpu is not None else cu, l2norm
@@ -149,14 +151,21 @@ def _gated_delta_rule(
     output_final_state: bool,
     use_qk_l2norm_in_kernel: bool,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     host = _host_boundaries(backend, q, cu_seqlens, cu_seqlens_cpu)
-    o, final = _run(
-        backend, host, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, scale, output_final_state,
-        use_qk_l2norm_in_kernel,
-    )  # fmt: skip
+    if backend == "fla_hybrid":  # fla's forward once: what its backward reads comes out as residuals
+        o, final, residuals = fla_hybrid_forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+            cu_seqlens_cpu=cu_seqlens_cpu, boundaries=host,
+        )  # fmt: skip
+    else:
+        o, final = _run(
+            backend, host, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, scale,
+            output_final_state, use_qk_l2norm_in_kernel,
+        )  # fmt: skip
+        residuals = []
     final = final.contiguous() if output_final_state else _empty_state(q)
-    return o.contiguous(), final
+    return o.contiguous(), final, [x.contiguous() for x in residuals]
 
 
 @_gated_delta_rule.register_fake
@@ -167,10 +176,61 @@ def _gated_delta_rule_fake(
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[3]
     o = q.new_empty((B, T, H, V))
+    residuals = []
+    if backend == "fla_hybrid":
+        residuals = [
+            q.new_empty(shape, dtype=dtype)
+            for shape, dtype in fla_hybrid_residual_shapes(
+                tuple(q.shape), tuple(v.shape), q.dtype, use_qk_l2norm_in_kernel
+            )
+        ]
     if not output_final_state:
-        return o, _empty_state(q)
+        return o, _empty_state(q), residuals
     n = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
-    return o, q.new_empty((n, H, K, V), dtype=acc_dtype(q))
+    return o, q.new_empty((n, H, K, V), dtype=acc_dtype(q)), residuals
+
+
+@torch.library.custom_op("varpack::fla_hybrid_gated_delta_rule_backward", mutates_args=())
+def _fla_hybrid_backward(
+    do: torch.Tensor,
+    dfinal: torch.Tensor | None,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    residuals: list[torch.Tensor],
+    cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+    g_dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """``[dq, dk, dv, dg, dbeta, dinitial_state]`` of the ``fla_hybrid`` forward from its residuals (fla's
+    backward pipeline with varpack's dq/dk step; no forward recomputed); the last is an empty ``[0]`` tensor
+    without ``initial_state``."""
+    host = _host_boundaries("fla_hybrid", v, cu_seqlens, cu_seqlens_cpu)
+    grads = fla_hybrid_backward(
+        do, dfinal, v, beta, residuals, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+        g_dtype=g_dtype, cu_seqlens_cpu=cu_seqlens_cpu, boundaries=host,
+    )  # fmt: skip
+    last = grads[5].contiguous() if initial_state is not None else v.new_empty((0,), dtype=acc_dtype(v))
+    return [x.contiguous() for x in grads[:5]] + [last]
+
+
+@_fla_hybrid_backward.register_fake
+def _fla_hybrid_backward_fake(
+    do, dfinal, v, beta, residuals, cu_seqlens, cu_seqlens_cpu, initial_state, scale, use_qk_l2norm_in_kernel,
+    g_dtype,
+):  # fmt: skip
+    B, T, H, _ = v.shape
+    qn, kn = residuals[0], residuals[1]
+    q_shape = (B, T, qn.shape[2], qn.shape[3])
+    state = (
+        torch.empty_like(initial_state)
+        if initial_state is not None
+        else v.new_empty((0,), dtype=acc_dtype(v))
+    )
+    return [qn.new_empty(q_shape), kn.new_empty(q_shape), torch.empty_like(v), v.new_empty((B, T, H), dtype=g_dtype),
+            torch.empty_like(beta), state]  # fmt: skip
 
 
 @torch.library.custom_op("varpack::gated_delta_rule_backward", mutates_args=())
@@ -192,19 +252,9 @@ def _gated_delta_rule_backward(
 ) -> list[torch.Tensor]:
     """``[dq, dk, dv, dg, dbeta, dinitial_state]`` (the last is an empty ``[0]`` tensor without
     ``initial_state``) by recomputation under ``torch.func.vjp``."""
-    if backend not in _DIFFERENTIABLE:
-        raise RuntimeError(f"gated delta rule backend {backend!r} has no backward through varpack's op")
+    if backend not in _DIFFERENTIABLE or backend == "fla_hybrid":  # fla_hybrid: _fla_hybrid_backward
+        raise RuntimeError(f"gated delta rule backend {backend!r} has no backward through this op")
     with_state = initial_state is not None
-    if backend == "fla_hybrid":  # native: fla's forward recomputed, its backward with varpack's dqkwg step
-        grads = fla_hybrid_backward(
-            do, dfinal if output_final_state else None, q, k, v, g, beta, scale, initial_state, cu_seqlens,
-            use_qk_l2norm_in_kernel, cu_seqlens_cpu=cu_seqlens_cpu,
-            boundaries=_host_boundaries(backend, q, cu_seqlens, cu_seqlens_cpu),
-        )  # fmt: skip
-        grads = [x.contiguous() for x in grads[:5]] + [
-            grads[5].contiguous() if with_state else q.new_empty((0,), dtype=acc_dtype(q))
-        ]
-        return grads
     primals = (q, k, v, g, beta) + ((initial_state,) if with_state else ())
 
     host = _host_boundaries(backend, q, cu_seqlens, cu_seqlens_cpu)
@@ -248,24 +298,38 @@ def _gated_delta_rule_backward_fake(
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, cu, cu_cpu, h0, scale, output_final_state, l2norm, backend = inputs
-    ctx.save_for_backward(q, k, v, g, beta, cu, cu_cpu, h0)
+    residuals = output[2]
+    ctx.mark_non_differentiable(*residuals)
+    if backend == "fla_hybrid":  # the residuals replace q, k and g (fla_hybrid_forward)
+        ctx.save_for_backward(v, beta, cu, cu_cpu, h0, *residuals)
+        ctx.g_dtype = g.dtype
+    else:
+        ctx.save_for_backward(q, k, v, g, beta, cu, cu_cpu, h0)
     ctx.scalars = (scale, output_final_state, l2norm, backend)
 
 
-def _backward(ctx, do, dfinal):
-    q, k, v, g, beta, cu, cu_cpu, h0 = ctx.saved_tensors
+def _backward(ctx, do, dfinal, _dresiduals):
     scale, output_final_state, l2norm, backend = ctx.scalars
+    if backend == "fla_hybrid":
+        v, beta, cu, cu_cpu, h0, *residuals = ctx.saved_tensors
+        q_like = residuals[0]  # the l2-normalised q: q's shape (packed) and dtype
+    else:
+        q, k, v, g, beta, cu, cu_cpu, h0 = ctx.saved_tensors
+        q_like = q
     if output_final_state and dfinal is None:
+        n = v.shape[0] if cu is None else cu.shape[0] - 1
         dfinal = torch.zeros(
-            (q.shape[0] if cu is None else cu.shape[0] - 1, v.shape[2], q.shape[3], v.shape[3]),
-            dtype=acc_dtype(q), device=q.device,
-        )  # fmt: skip
+            (n, v.shape[2], q_like.shape[3], v.shape[3]), dtype=acc_dtype(q_like), device=v.device
+        )
     if do is None:
-        do = torch.zeros_like(v, dtype=q.dtype)
-    grads = _gated_delta_rule_backward(
-        do, dfinal if output_final_state else None, q, k, v, g, beta, cu, cu_cpu, h0, scale,
-        output_final_state, l2norm, backend,
-    )  # fmt: skip
+        do = torch.zeros_like(v, dtype=q_like.dtype)
+    dfinal = dfinal if output_final_state else None
+    if backend == "fla_hybrid":
+        grads = _fla_hybrid_backward(do, dfinal, v, beta, residuals, cu, cu_cpu, h0, scale, l2norm, ctx.g_dtype)
+    else:
+        grads = _gated_delta_rule_backward(
+            do, dfinal, q, k, v, g, beta, cu, cu_cpu, h0, scale, output_final_state, l2norm, backend
+        )
     dh0 = grads[5] if h0 is not None else None
     return (*grads[:5], None, None, dh0, None, None, None, None)
 
@@ -359,7 +423,7 @@ def gated_delta_rule_op(
         and cu_seqlens.device.type == "cpu"
     ):
         cu_seqlens_cpu = cu_seqlens
-    o, final = _gated_delta_rule(
+    o, final, _ = _gated_delta_rule(
         q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, float(scale), bool(output_final_state),
         bool(use_qk_l2norm_in_kernel), name,
     )  # fmt: skip

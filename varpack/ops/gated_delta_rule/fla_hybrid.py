@@ -68,7 +68,9 @@ __all__ = [
     "device_fla_hybrid_boundaries",
     "dqkwg_plan",
     "fla_hybrid_backward",
+    "fla_hybrid_forward",
     "fla_hybrid_gated_delta_rule",
+    "fla_hybrid_residual_shapes",
     "load_hybrid",
     "prepare_fla_hybrid_boundaries",
 ]
@@ -779,9 +781,7 @@ def _hybrid(
     return o, (final.to(acc_dtype(q)) if final is not None else None)
 
 
-def fla_hybrid_backward(
-    do: torch.Tensor,
-    dfinal: torch.Tensor | None,
+def fla_hybrid_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -789,61 +789,145 @@ def fla_hybrid_backward(
     beta: torch.Tensor,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
     cu_seqlens: Any = None,
     use_qk_l2norm_in_kernel: bool = False,
     *,
     cu_seqlens_cpu: Any = None,
     boundaries: FlaHybridBoundaries | None = None,
     precision: str = DEFAULT_PRECISION,
-) -> list[torch.Tensor | None]:
-    """``[dq, dk, dv, dg, dbeta, dinitial_state | None]`` of :func:`fla_hybrid_gated_delta_rule` for the
-    output gradient ``do`` ``[B, T, H, V]`` and the final-state gradient ``dfinal`` ``[N, H, K, V]`` (or
-    ``None``), recomputing fla's forward first (one extra forward; no autograd graph is needed, so
-    ``varpack::gated_delta_rule``'s backward op calls it). Gradients in the inputs' dtypes.
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """:func:`fla_hybrid_gated_delta_rule`'s forward without autograd, returning what its backward reads:
+    ``(o, final_state | None, residuals)``, for an op whose backward is a second op
+    (``varpack::gated_delta_rule``, :func:`fla_hybrid_backward`): fla's forward runs once per step, not again
+    in the backward.
+
+    ``residuals`` (packed rows, ``BT = B * T`` tokens): ``[q', k', gcum, A]`` and, with
+    ``use_qk_l2norm_in_kernel``, ``[q_rstd, k_rstd]`` after them. ``q'``, ``k'`` ``[1, BT, Hk, K]`` in q's
+    dtype: the l2-normalised q and k (a copy of q and k without the l2norm); ``gcum`` ``[1, BT, H]`` fp32 (fp64
+    for fp64 inputs): fla's chunk-local cumulative decay in log2 units; ``A`` ``[1, BT, H, 64]`` in k's dtype:
+    fla's inverted ``(I + beta K K^T)`` blocks per chunk; ``q_rstd``, ``k_rstd`` ``[1, BT, Hk]`` fp32: the
+    l2norm's reciprocal norms. :func:`fla_hybrid_residual_shapes` gives them from the input shapes.
 
     Raises:
         RuntimeError / ValueError / TypeError: as :func:`fla_hybrid_gated_delta_rule`.
     """
     if q.device.type != "cuda":
         raise RuntimeError(f"fla_hybrid needs a CUDA device (fla's Triton kernels), got {q.device}")
-    return _hybrid_backward(
-        do, dfinal, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+    return _hybrid_forward(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
         cu_seqlens_cpu, precision, boundaries,
     )  # fmt: skip
 
 
-def _hybrid_backward(
-    do, dfinal, q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
-    precision, boundaries=None,
+def fla_hybrid_residual_shapes(
+    q_shape: tuple[int, ...], v_shape: tuple[int, ...], q_dtype: torch.dtype, l2: bool
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """``(shape, dtype)`` of each of :func:`fla_hybrid_forward`'s residuals for q ``[B, T, Hk, K]`` and v
+    ``[B, T, H, V]`` (the op's fake implementation; k has q's dtype)."""
+    B, T, Hk, K = q_shape
+    H = v_shape[2]
+    acc = torch.float64 if q_dtype == torch.float64 else torch.float32
+    out = [((1, B * T, Hk, K), q_dtype), ((1, B * T, Hk, K), q_dtype), ((1, B * T, H), acc),
+           ((1, B * T, H, FLA_CHUNK_SIZE), q_dtype)]  # fmt: skip
+    if l2:
+        out += [((1, B * T, Hk), acc), ((1, B * T, Hk), acc)]
+    return out
+
+
+def _hybrid_forward(
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+    cu_seqlens_cpu, precision, boundaries=None,
 ):  # fmt: skip
-    dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
-    shapes = (q.shape, k.shape, v.shape, g.shape, beta.shape)
+    l2 = bool(use_qk_l2norm_in_kernel)
+    shapes = fla_hybrid_residual_shapes(tuple(q.shape), tuple(v.shape), q.dtype, l2)
     qp, kp, vp, gp, bp, scale, bnd, dims = _prepare(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision, boundaries
     )
     B, T, Hk, H, K, V = dims
+    acc = acc_dtype(q)
     if T * B == 0 or bnd.plan.total_tokens == 0:
-        grads = [torch.zeros(s, dtype=d, device=q.device) for s, d in zip(shapes, dtypes)]
+        n = bnd.cu_seqlens.numel() - 1
+        fs = None
+        if output_final_state:
+            fs = initial_state.to(acc) if initial_state is not None else q.new_zeros(n, H, K, V, dtype=acc)
+        return q.new_zeros(B, T, H, V), fs, [q.new_zeros(s, dtype=d) for s, d in shapes]
+    with torch.no_grad():
+        o, final, saved = _forward_impl(
+            qp, kp, vp, gp, bp, initial_state, scale, bool(output_final_state), bnd.cu_seqlens,
+            bnd.cu_seqlens_cpu, l2, bnd.chunk_indices,
+        )  # fmt: skip
+    qn, q_rstd, kn, k_rstd, _, gcum, _, A = saved[:8]
+    if not l2:  # fla read q and k as given: copies, so no residual is (a view of) an input
+        qn, kn = qn.clone(), kn.clone()
+    residuals = [qn, kn, gcum, A] + ([q_rstd, k_rstd] if l2 else [])
+    residuals = [x.reshape(s).to(d) for x, (s, d) in zip(residuals, shapes)]
+    return o.reshape(B, T, H, V), (final.to(acc) if output_final_state else None), residuals
+
+
+def fla_hybrid_backward(
+    do: torch.Tensor,
+    dfinal: torch.Tensor | None,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    residuals: list[torch.Tensor],
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: Any = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    g_dtype: torch.dtype = torch.float32,
+    cu_seqlens_cpu: Any = None,
+    boundaries: FlaHybridBoundaries | None = None,
+    precision: str = DEFAULT_PRECISION,
+) -> list[torch.Tensor | None]:
+    """``[dq, dk, dv, dg, dbeta, dinitial_state | None]`` of :func:`fla_hybrid_forward` from its
+    ``residuals`` (no forward recomputed), for the output gradient ``do`` ``[B, T, H, V]`` and the final-state
+    gradient ``dfinal`` ``[N, H, K, V]`` (or ``None``); ``v``, ``beta``, ``initial_state``, ``cu_seqlens``,
+    ``scale`` and ``use_qk_l2norm_in_kernel`` as given to the forward. Gradients in the inputs' dtypes (q's
+    and k's from the residuals, g's ``g_dtype``); shapes of the inputs.
+
+    Raises:
+        RuntimeError / ValueError / TypeError: as :func:`fla_hybrid_gated_delta_rule`; residuals of another
+            problem (``ValueError``).
+    """
+    if do.device.type != "cuda":
+        raise RuntimeError(f"fla_hybrid needs a CUDA device (fla's Triton kernels), got {do.device}")
+    return _hybrid_backward(
+        do, dfinal, v, beta, residuals, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+        g_dtype, cu_seqlens_cpu, precision, boundaries,
+    )  # fmt: skip
+
+
+def _hybrid_backward(
+    do, dfinal, v, beta, residuals, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, g_dtype,
+    cu_seqlens_cpu, precision, boundaries=None,
+):  # fmt: skip
+    l2 = bool(use_qk_l2norm_in_kernel)
+    B, T, H, V = v.shape
+    want = len(fla_hybrid_residual_shapes((B, T, 1, 1), tuple(v.shape), v.dtype, l2))
+    if len(residuals) != want:
+        raise ValueError(f"fla_hybrid_backward: {len(residuals)} residuals, the forward leaves {want}")
+    qn, kn, gcum, A = residuals[:4]
+    q_rstd, k_rstd = residuals[4:] if l2 else (None, None)
+    Hk, K = qn.shape[2], qn.shape[3]
+    q_shape, g_shape = (B, T, Hk, K), (B, T, H)
+    # the forward's checks and boundaries, on the residuals' shapes
+    _, _, vp, _, bp, scale, bnd, _ = _prepare(
+        qn.reshape(q_shape), kn.reshape(q_shape), v, gcum.reshape(g_shape), beta, scale, initial_state,
+        cu_seqlens, cu_seqlens_cpu, precision, boundaries,
+    )  # fmt: skip
+    dtypes = (qn.dtype, kn.dtype, v.dtype, g_dtype, beta.dtype)
+    shapes = (q_shape, q_shape, v.shape, g_shape, beta.shape)
+    if T * B == 0 or bnd.plan.total_tokens == 0:
+        grads = [torch.zeros(s, dtype=d, device=do.device) for s, d in zip(shapes, dtypes)]
         return grads + [dfinal.to(initial_state.dtype) if initial_state is not None and dfinal is not None
                         else (torch.zeros_like(initial_state) if initial_state is not None else None)]  # fmt: skip
-    _, _, saved = _forward_impl(
-        qp,
-        kp,
-        vp,
-        gp,
-        bp,
-        initial_state,
-        scale,
-        False,
-        bnd.cu_seqlens,
-        bnd.cu_seqlens_cpu,
-        use_qk_l2norm_in_kernel,
-        bnd.chunk_indices,
-    )
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    saved = (qn, q_rstd, kn, k_rstd, vp.contiguous(), gcum, bp.contiguous(), A, h0, bnd.cu_seqlens,
+             bnd.chunk_indices)  # fmt: skip
     do = do.reshape(1, B * T, H, V)
-    dq, dk, dv, dg, db, dh0 = _backward_impl(
-        saved, do, dfinal, scale, use_qk_l2norm_in_kernel, bnd.plan, precision
-    )
+    dq, dk, dv, dg, db, dh0 = _backward_impl(saved, do, dfinal, scale, l2, bnd.plan, precision)
     out = [x.reshape(s).to(d) for x, s, d in zip((dq, dk, dv, dg, db), shapes, dtypes)]
     out.append(dh0.to(initial_state.dtype) if initial_state is not None else None)
     return out
