@@ -269,3 +269,44 @@ def test_default_rounding_scales_with_the_packing_length():
     assert StaticShape.for_packing(8192, max_samples=92).tokens == StaticShape.for_packing(
         8192, max_samples=92, multiple_of=64
     ).tokens
+
+
+# -- the linear-attention layout: pad segments as one sequence ------------------------------------------------
+def _linear_chunks(lengths, tokens):
+    pad = tokens - sum(lengths)
+    return sum(-(-n // 64) for n in [*lengths, pad] if n)
+
+
+def test_from_plan_bounds_every_packs_chunks_with_its_pad_as_one_sequence():
+    """linear_chunks is the most 64-token chunks of any pack whose pad tokens form one sequence: reached by some
+    pack, never exceeded; far below the chunks of the pad segments taken one by one (one chunk each)."""
+    rng = np.random.default_rng(1)
+    lengths = np.concatenate([rng.integers(1, 400, 120), rng.integers(1, 8, 200)])  # many tiny samples
+    plan = plan_packs(lengths, 2048)
+    shape = StaticShape.from_plan(plan)
+    per_pack = [_linear_chunks(lengths[p].tolist(), shape.tokens) for p in plan.packs]
+    assert shape.linear_chunks == max(per_pack)
+    separate = max(sum(-(-n // 64) for n in [*lengths[p], *shape.pad_lengths(lengths[p])]) for p in plan.packs)
+    assert shape.linear_chunks < separate
+    for p in plan.packs:
+        shape.check_linear_chunks(lengths[p])
+    assert StaticShape.for_packing(512, max_samples=4).linear_chunks is None
+
+
+def test_collator_gives_linear_offsets_with_the_pads_merged_and_refuses_a_row_beyond_the_bound():
+    shape = StaticShape(tokens=200, segments=6, max_seqlen=200, linear_chunks=6)
+    collate = PaddingFreeCollator(static_shape=shape, pad_token_id=PAD)
+    batch = collate([pack([5, 70, 1])])  # 76 tokens, then 124 pad tokens in 3 pad segments
+    meta = batch["varlen_meta"]
+    cu = batch["cu_seq_lens_q"].tolist()
+    assert len(cu) == 7 and cu[:4] == [0, 5, 75, 76]
+    assert meta.cu_seqlens_linear.tolist() == [0, 5, 75, 76, 200, 200, 200]  # one pad sequence, then empty ones
+    assert meta.linear_chunk_rows == 6  # 1 + 2 + 1 chunks of the samples and 2 of the pad: at the bound
+    # 1 + 2 + 1 + 1 + 1 chunks of the samples and 2 of the pad: 8 > 6, named by its samples
+    with pytest.raises(ValueError, match=r"sample_id 10, 11, 12, 13, 14.*holds 8 chunks of 64 tokens, more than linear_chunks=6"):
+        collate([pack([60, 70, 1, 1, 1], 10)])
+    loose = PaddingFreeCollator(static_shape=StaticShape(tokens=200, segments=6, max_seqlen=200), pad_token_id=PAD)
+    one_pad = loose([pack([5, 70, 1, 1, 2], 30)])  # 5 samples, one pad segment: nothing to merge
+    assert one_pad["varlen_meta"].cu_seqlens_linear.tolist() == one_pad["cu_seq_lens_q"].tolist()
+    assert one_pad["varlen_meta"].linear_chunk_rows is None  # no bound given: the tables take max_chunks
+    assert PaddingFreeCollator()([pack([5, 7])])["varlen_meta"].cu_seqlens_linear is None  # dynamic rows: none

@@ -160,8 +160,16 @@ def test_graph_break_without_custom_ops_is_refused_by_fullgraph():
     assert breaks and all("torch.compiler.disable" in reason for reason in breaks), dict(breaks)
 
 
-def _static(samples):
-    return PaddingFreeCollator(static_shape=STATIC, pad_token_id=PAD_ID)([samples])
+def _tight(shape, packs):
+    """``shape`` with ``linear_chunks`` the most of ``packs`` (as :meth:`StaticShape.from_plan` sets it)."""
+    from varpack.varlen import linear_chunk_count
+
+    most = max(linear_chunk_count([*p, shape.tokens - sum(p)]) for p in packs)
+    return StaticShape(tokens=shape.tokens, segments=shape.segments, max_seqlen=shape.max_seqlen, linear_chunks=most)
+
+
+def _static(samples, shape=STATIC):
+    return PaddingFreeCollator(static_shape=shape, pad_token_id=PAD_ID)([samples])
 
 
 def _pad_segments_alone(ref, batch, num_real):
@@ -175,9 +183,11 @@ def _pad_segments_alone(ref, batch, num_real):
 @pytest.mark.parametrize("static_boundaries", [False, True], ids=["cpu-offsets", "device-tables"])
 def test_static_packs_equal_dynamic_and_pads_carry_no_state(static_boundaries):
     """Static-shape packs through one ``dynamic=False`` compile (no recompilation across packs): the real
-    tokens' logits, the loss and every gradient equal the dynamic-shape eager run; each pad segment's logits
-    equal that segment alone (it starts from a zero state and a reset convolution). Control: the pad segments
-    merged into the last sample (state and convolution carried into them) fail the pad check.
+    tokens' logits, the loss and every gradient equal the dynamic-shape eager run. The gated delta rule runs
+    the pad segments as one sequence (the meta's ``cu_seqlens_linear``), which starts from a zero state: the
+    first pad segment's logits equal that segment alone. Controls: the pad segments merged into the last
+    sample (state and convolution carried into them) fail the pad check; linear offsets that merge two
+    samples fail the real tokens' check (the rule reads ``cu_seqlens_linear``).
 
     ``device-tables``: the Gated DeltaNet layers marked as CUDA-graph layers are
     (``_varpack_static_boundaries``, what ``compile_layers_as_graphs`` sets): the traced rule gets no CPU copy
@@ -199,14 +209,46 @@ def test_static_packs_equal_dynamic_and_pads_carry_no_state(static_boundaries):
         t = sum(lengths)
         static = _static(samples)
         assert static["input_ids"].shape == (1, STATIC.tokens) and static["input_ids"].shape[1] > t
+        meta = static["varlen_meta"]
+        cu = static["cu_seq_lens_q"]
+        n = len(lengths)
+        if cu.numel() - 1 > n + 1:  # two or more pad segments: one sequence for the rule
+            lin = meta.cu_seqlens_linear
+            assert lin[: n + 1].tolist() == cu[: n + 1].tolist() and (lin[n + 1 :] == STATIC.tokens).all()
         got = _run(model, static)
         graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs == 2, lengths
         want = _run(eager, PaddingFreeCollator()(samples))
         _assert_same((got[0][:t], got[1], got[2]), want, f"static/dynamic {lengths}")
-        pads = _pad_segments_alone(ref, static, len(lengths))
-        assert_exact(got[0][t:], pads, rtol=LOGITS_RTOL, what=f"pad segments' logits {lengths}")
+        first = int(cu[n + 1] - cu[n])
+        pads = _pad_segments_alone(ref, static, n)[:first]
+        assert_exact(got[0][t : t + first], pads, rtol=LOGITS_RTOL, what=f"first pad segment's logits {lengths}")
     assert not counters["graph_break"], dict(counters["graph_break"])
+    # control: linear offsets merging two samples (30 and 66 tokens: a leak the rule must show)
+    lengths = STATIC_PACKS[0]
+    samples = _samples(lengths, vocab=VOCAB, seed=len(lengths))
+    static = _static(samples)
+    good = static["varlen_meta"]
+    leaky = good.cu_seqlens_linear.clone()
+    leaky[3] = leaky[2]  # segment 3 spans samples 2 and 3, segment 2 is empty
+    from varpack.varlen import VarlenMeta
+
+    bad_meta = VarlenMeta(
+        good.cu_seqlens_q, max_seqlen_q=good.max_seqlen_q, total_q=good.total_q, cu_seqlens_linear=None,
+    )  # fmt: skip
+    object.__setattr__(bad_meta, "cu_seqlens_linear", leaky)  # past the meta's check, as a wrong producer would
+    leak = dict(static, varlen_meta=bad_meta)
+    t = sum(lengths)
+    # the leak enters through the rule's state alone (attention keeps its own offsets): 40-45x the bound here
+    assert_differs(_run(model, leak)[0][:t], _run(eager, PaddingFreeCollator()(samples))[0], rtol=LOGITS_RTOL,
+                   margin=10, what="real logits with two samples merged in cu_seqlens_linear")  # fmt: skip
+    lengths = STATIC_PACKS[-1]
+    samples = _samples(lengths, vocab=VOCAB, seed=len(lengths))
+    static = _static(samples)
+    t = sum(lengths)
+    n = len(lengths)
+    cu = static["cu_seq_lens_q"]
+    pads = _pad_segments_alone(ref, static, n)[: int(cu[n + 1] - cu[n])]
     # control: the pad segments merged into the last sample's segment
     bad = dict(static)
     cu = static["cu_seq_lens_q"]
@@ -216,7 +258,8 @@ def test_static_packs_equal_dynamic_and_pads_carry_no_state(static_boundaries):
     bad["max_length_q"] = bad["max_length_k"] = STATIC.tokens  # the merged segment is longer than max_seqlen
     bad.pop("varlen_meta")
     logits_m = _run(model, bad)[0]
-    assert_differs(logits_m[t:], pads, rtol=LOGITS_RTOL, what="pad logits (pads merged into the last sample)")
+    assert_differs(logits_m[t : t + pads.shape[0]], pads, rtol=LOGITS_RTOL,
+                   what="first pad segment's logits (pads merged into the last sample)")  # fmt: skip
 
 
 @pytest.mark.parametrize("static_boundaries", [True, False])
@@ -277,11 +320,13 @@ def test_gpu_hybrid_layers_replayed_as_cuda_graphs_equal_eager(attn, dtype):
     assert model_refusal(model, device="cuda", autocast=True) is None  # fp32 + triton_short: the test's own choice
     compile_layers_as_graphs(model, device="cuda")
     tol = 2e-3 if dtype == torch.float32 else 3e-2
+    tight = _tight(STATIC, STATIC_PACKS)
     graphs = batch = None
     with inductor_config.patch({"triton.cudagraph_or_error": True}):
         for _ in range(2):  # the second pass replays graphs recorded on the first pass's packs
-            for lengths in STATIC_PACKS:
-                batch = _on_cuda(_static(_samples(lengths, vocab=VOCAB, seed=len(lengths))))
+            for lengths in STATIC_PACKS:  # chunk tables of the plan's bound (linear_chunks), not max_chunks
+                batch = _on_cuda(_static(_samples(lengths, vocab=VOCAB, seed=len(lengths)), tight))
+                assert batch["varlen_meta"].linear_chunk_rows == tight.linear_chunks
                 torch.compiler.cudagraph_mark_step_begin()
                 logits_c, loss_c, grads_c = _run(model, batch)
                 graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]

@@ -71,7 +71,7 @@ def test_attention_opcheck(backend, window):
 def test_gated_delta_opcheck(backend, final):
     q, k, v, g, beta, h0 = _gdn_inputs()
     cu = torch.tensor([0, 5, 6, 36, 39])
-    args = (q, k, v, g, beta, cu, cu, h0, 0.35, final, True, backend)
+    args = (q, k, v, g, beta, cu, cu, h0, 0.35, final, True, backend, 0)
     torch.library.opcheck(_gated_delta_rule, args)
 
 

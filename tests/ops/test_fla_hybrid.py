@@ -372,15 +372,15 @@ def _custom_op_on_standins(monkeypatch, custom_op, standins):
     monkeypatch.setattr(
         custom_op,
         "fla_hybrid_forward",
-        lambda *a, cu_seqlens_cpu=None, boundaries=None: standins._hybrid_forward(
-            *a, cu_seqlens_cpu, "fp32", boundaries
+        lambda *a, cu_seqlens_cpu=None, boundaries=None, chunk_rows=None: standins._hybrid_forward(
+            *a, cu_seqlens_cpu, "fp32", boundaries, chunk_rows
         ),
     )
     monkeypatch.setattr(
         custom_op,
         "fla_hybrid_backward",
-        lambda *a, g_dtype, cu_seqlens_cpu=None, boundaries=None: standins._hybrid_backward(
-            *a, g_dtype, cu_seqlens_cpu, "fp32", boundaries
+        lambda *a, g_dtype, cu_seqlens_cpu=None, boundaries=None, chunk_rows=None: standins._hybrid_backward(
+            *a, g_dtype, cu_seqlens_cpu, "fp32", boundaries, chunk_rows
         ),
     )
 
@@ -399,7 +399,7 @@ def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch,
 
     def via_op(q, k, v, g, beta, initial_state, output_final_state, **kw):
         o, s, _ = torch.ops.varpack.gated_delta_rule(
-            q, k, v, g, beta, cu, cu, initial_state, 0.3, output_final_state, True, "fla_hybrid"
+            q, k, v, g, beta, cu, cu, initial_state, 0.3, output_final_state, True, "fla_hybrid", 0
         )
         return o, s
 
@@ -432,7 +432,7 @@ def test_custom_op_fla_hybrid_opcheck_on_standins(standins, monkeypatch, final):
     ins, h0 = _gdr_inputs([5, 1, 30, 3])
     ins = [x.float().requires_grad_() for x in ins]
     cu = torch.tensor([0, 5, 6, 36, 39])
-    args = (*ins, cu, cu, h0.float().requires_grad_(), 0.35, final, True, "fla_hybrid")
+    args = (*ins, cu, cu, h0.float().requires_grad_(), 0.35, final, True, "fla_hybrid", 0)
     torch.library.opcheck(custom_op._gated_delta_rule, args)
 
 
@@ -783,20 +783,22 @@ def _cu64(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
 
 
+@pytest.mark.parametrize("extra", [None, 0, 3], ids=["max-chunks", "rows-exact", "rows-plus-3"])
 @pytest.mark.parametrize("lengths", TABLE_LAYOUTS)
-def test_device_chunk_tables_real_rows_then_padding(lengths):
+def test_device_chunk_tables_real_rows_then_padding(lengths, extra):
     """The first NT rows are fla's chunk indices and the dq/dk plan's chunk table; every row after them names
     the last non-empty sequence at or past its end, holds no token and starts inside the row; the row count
-    is max_chunks(T, N), whatever the segmentation."""
+    is max_chunks(T, N), whatever the segmentation, or the ``rows`` given (a static shape's bound)."""
     from varpack.ops._fla import fla_chunk_indices, fla_chunk_tables, max_chunks
 
     cu = _cu64(lengths)
     T, N = sum(lengths), len(lengths)
-    idx, start, length = fla_chunk_tables(cu.to(torch.int32), T)
     ref = fla_chunk_indices(cu, "cpu")
-    plan = dqkwg_plan(cu)
     NT = ref.shape[0]
-    assert idx.shape == (max_chunks(T, N), 2) and idx.dtype == torch.int64
+    rows = None if extra is None else max(NT + extra, 1)
+    idx, start, length = fla_chunk_tables(cu.to(torch.int32), T, rows=rows)
+    plan = dqkwg_plan(cu)
+    assert idx.shape == (max_chunks(T, N) if rows is None else rows, 2) and idx.dtype == torch.int64
     assert start.dtype == length.dtype == torch.int32 and start.shape == length.shape == (idx.shape[0],)
     assert torch.equal(idx[:NT], ref)
     assert torch.equal(start[:NT], plan.chunk_start) and torch.equal(length[:NT], plan.chunk_len)
@@ -832,6 +834,8 @@ def test_device_chunk_tables_refuse_bad_offsets():
         fla_chunk_tables(torch.tensor([0.0, 3.0]), 3)
     with pytest.raises(ValueError, match="1-D"):
         fla_chunk_tables(torch.zeros(2, 2, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        fla_chunk_tables(torch.tensor([0, 3]), 3, rows=0)
 
 
 def _interpreted_or_skip():
@@ -842,11 +846,14 @@ def _interpreted_or_skip():
         pytest.skip("Triton was imported compiled in this process (TRITON_INTERPRET=1 not set before it)")
 
 
-@pytest.mark.parametrize("lengths", [[5, 64, 1, 130, 63, 65], [1] * 30 + [70], [200]])
-def test_hybrid_on_device_tables_equals_host_plan(standins, lengths):
+@pytest.mark.parametrize("rows", ["max-chunks", "exact"])
+@pytest.mark.parametrize("lengths", [[5, 64, 1, 130, 63, 65], [1] * 30 + [70], [200], [5, 64, 100, 0, 0, 0]])
+def test_hybrid_on_device_tables_equals_host_plan(standins, lengths, rows):
     """The whole fla_hybrid pipeline (stand-in fla kernels, varpack's Triton dq/dk step interpreted) on the
     device-built tables (padding rows; the stand-ins' states of padding rows are NaN, so a padding row that
-    reached a token would show) == on the host-built plan, output, final state and every gradient (fp32).
+    reached a token would show), of the default row count or of exactly the chunks there are, with empty
+    trailing sequences (a static row's merged pad layout) == on the host-built plan, output, final state and
+    every gradient (fp32).
     Negative control: the tables of another segmentation with the same (T, N) -- tables of the same shape, as
     a replayed graph would hold them -- do not match."""
     _interpreted_or_skip()
@@ -856,8 +863,12 @@ def test_hybrid_on_device_tables_equals_host_plan(standins, lengths):
     T = sum(lengths)
     host = _fwd_bwd(_hybrid_fn(standins, cu), ins, h0, use_qk_l2norm_in_kernel=True)
 
+    exact = sum(-(-n // BT) for n in lengths)  # the chunks of these lengths (a static shape's bound)
+
     def on_tables(tables_cu):
-        bnd = standins.device_fla_hybrid_boundaries(tables_cu.to(torch.int32), T)
+        bnd = standins.device_fla_hybrid_boundaries(
+            tables_cu.to(torch.int32), T, rows=exact if rows == "exact" else None
+        )
         assert bnd.cu_seqlens_cpu is None and not bnd.plan.groups
 
         def fn(q, k, v, g, beta, **call):

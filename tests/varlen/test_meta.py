@@ -161,3 +161,45 @@ def test_a_memo_build_may_read_another_memo():
     worker.start()
     assert done.wait(20), "memo() waited on its own lock"
     assert built == [[0, 3, 8], [0, 3, 8]]
+
+
+def test_linear_offsets_merge_the_trailing_segments_and_travel_with_the_meta():
+    """cu_seqlens_linear (the collator's pad segments as one sequence for the linear-attention layers): built by
+    from_lengths from the first merged segment, checked to be such a merge within linear_chunk_rows, copied by
+    on_device (its CPU copy kept: no device read), pickled with the meta."""
+    meta = VarlenMeta.from_lengths([5, 70, 1, 40, 3, 81], linear_from=3, linear_chunk_rows=6)
+    assert meta.cu_seqlens_linear.tolist() == [0, 5, 75, 76, 200, 200, 200]
+    assert meta.cu_seqlens_linear.dtype == torch.int32 and meta.linear_chunk_rows == 6
+    assert meta.cu_seqlens_linear_cpu() is meta.cu_seqlens_linear
+    copy = pickle.loads(pickle.dumps(meta))
+    assert copy.cu_seqlens_linear.tolist() == meta.cu_seqlens_linear.tolist() and copy.linear_chunk_rows == 6
+    moved = meta.on_device("meta")  # values unreadable there: none is read
+    assert moved.cu_seqlens_linear.device.type == "meta" and moved.linear_chunk_rows == 6
+    assert moved.cu_seqlens_linear_cpu() is meta.cu_seqlens_linear
+    assert VarlenMeta.from_lengths([2, 5]).cu_seqlens_linear is None
+    assert VarlenMeta.from_lengths([2, 5]).cu_seqlens_linear_cpu() is None
+
+
+@pytest.mark.parametrize(
+    ("linear", "rows", "message"),
+    [
+        ([0, 5, 76, 76, 200], None, "equal cu_seqlens_q up to an entry and T after it"),  # not T after the merge
+        ([0, 3, 75, 200, 200], None, "equal cu_seqlens_q up to an entry and T after it"),  # a real boundary moved
+        ([0, 5, 75, 76], None, r"must be \[N\+1\]"),
+        ([0, 5, 75, 76, 200], 5, "holds 6 chunks of 64 tokens, more than linear_chunk_rows=5"),
+    ],
+)
+def test_linear_offsets_are_checked(linear, rows, message):
+    cu = torch.tensor([0, 5, 75, 76, 200], dtype=torch.int32)
+    assert VarlenMeta(cu, cu_seqlens_linear=torch.tensor([0, 5, 75, 200, 200]), linear_chunk_rows=5).num_seqs == 4
+    with pytest.raises(ValueError, match=message):
+        VarlenMeta(cu, cu_seqlens_linear=torch.tensor(linear), linear_chunk_rows=rows)
+
+
+def test_linear_chunk_rows_needs_linear_offsets():
+    with pytest.raises(ValueError, match="linear_chunk_rows needs"):
+        VarlenMeta(torch.tensor([0, 3]), linear_chunk_rows=2)
+    with pytest.raises(ValueError, match="linear_chunk_rows needs linear_from"):
+        VarlenMeta.from_lengths([3], linear_chunk_rows=2)
+    with pytest.raises(ValueError, match="linear_from=2 is not a segment index"):
+        VarlenMeta.from_lengths([3, 4], linear_from=2)

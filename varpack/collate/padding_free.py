@@ -464,19 +464,23 @@ class PaddingFreeCollator:
 
         total = int(lengths.sum())
         max_seqlen = None
+        linear: dict[str, Any] = {}
         if self.static_shape is not None:  # fixed T, N and max_seqlen: pad segments of >= 1 token each
             try:
                 pads = self.static_shape.pad_lengths(lengths)
+                self.static_shape.check_linear_chunks(lengths)
             except ValueError as exc:
                 raise ValueError(f"{_batch_name(names)}: {exc}") from None
             pad, seg_lengths = int(pads.sum()), np.concatenate([lengths, pads])
             max_seqlen = self.static_shape.max_seqlen
+            # the linear-attention layers run the pad tokens as one sequence (VarlenMeta.cu_seqlens_linear)
+            linear = {"linear_from": n, "linear_chunk_rows": self.static_shape.linear_chunks} if pads.size else {}
         else:
             pad = 0 if self.pad_to_multiple_of is None else (-total) % self.pad_to_multiple_of
             seg_lengths = np.append(lengths, pad) if pad else lengths
         full = total + pad
         # the boundaries, once: validated, int32 (raises past int32)
-        meta = VarlenMeta.from_lengths(seg_lengths, max_seqlen=max_seqlen)
+        meta = VarlenMeta.from_lengths(seg_lengths, max_seqlen=max_seqlen, **linear)
         cu = meta.cu_seqlens.numpy().astype(np.int64)
         starts = cu[:-1]
         positions = np.arange(full, dtype=np.int64) - np.repeat(starts, seg_lengths)

@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from varpack.varlen.meta import LINEAR_CHUNK_SIZE, linear_chunk_count
+
 __all__ = ["AUTO_MULTIPLE_RANGE", "StaticShape", "auto_multiple_of"]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -102,6 +104,12 @@ class StaticShape:
             token each, so it needs ``n <= segments`` and ``tokens - t >= segments - n``, and ``n < segments``
             when ``t < tokens``.
         max_seqlen: the fixed ``max_seqlen`` (``max_length_q/k``) of every row, a bound of every segment.
+        linear_chunks: a bound of the 64-token chunks (:data:`varpack.varlen.LINEAR_CHUNK_SIZE`) of every row
+            whose pad segments are merged into one sequence, the layout the linear-attention layers run on
+            (:class:`varpack.varlen.VarlenMeta`'s ``cu_seqlens_linear``): the fixed row count of the gated
+            delta rule's chunk tables on the device. ``None`` (default): those tables take the bound of any
+            row of ``tokens`` and ``segments`` (:func:`varpack.ops._fla.max_chunks`).
+            :meth:`from_plan` sets it to the plan's largest row.
 
     Raises:
         TypeError: a value that is not an integer. ValueError: a value below 1, ``segments`` or
@@ -111,7 +119,7 @@ class StaticShape:
     Example:
         >>> shape = StaticShape.for_packing(16, max_samples=3, multiple_of=8)
         >>> shape
-        StaticShape(tokens=24, segments=4, max_seqlen=21)
+        StaticShape(tokens=24, segments=4, max_seqlen=21, linear_chunks=None)
         >>> shape.pad_lengths([5, 7]).tolist()  # 12 real tokens, 2 samples -> 2 pad segments of 12 tokens
         [6, 6]
     """
@@ -119,6 +127,7 @@ class StaticShape:
     tokens: int
     segments: int
     max_seqlen: int
+    linear_chunks: int | None = None
 
     def __post_init__(self) -> None:
         tokens = _positive_int(self.tokens, "tokens")
@@ -140,6 +149,8 @@ class StaticShape:
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "segments", segments)
         object.__setattr__(self, "max_seqlen", max_seqlen)
+        if self.linear_chunks is not None:
+            object.__setattr__(self, "linear_chunks", _positive_int(self.linear_chunks, "linear_chunks"))
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -190,7 +201,8 @@ class StaticShape:
         that give every pack at least one token per pad segment (``max over packs of its tokens + its pad
         segments``), rounded up to ``multiple_of`` (default: :func:`auto_multiple_of` of that count: less than
         1/16 of the row, 64 from 1,024 tokens on). ``max_seqlen``: the longest segment of any pack laid out with
-        these, its pad segments included.
+        these, its pad segments included. ``linear_chunks``: the most 64-token chunks of any pack with its pad
+        tokens as one sequence.
 
         Raises:
             ValueError: an empty plan, or a given ``segments`` smaller than a pack's sample count (naming the
@@ -222,7 +234,12 @@ class StaticShape:
         pad_tokens = tokens - totals
         longest_pad = int((-(-pad_tokens // np.maximum(pads, 1))).max()) if pad_tokens.any() else 0
         longest = max(int(lengths.max()) if lengths.size else 1, longest_pad, 1)
-        return cls(tokens=tokens, segments=segments, max_seqlen=min(longest, tokens))
+        C = LINEAR_CHUNK_SIZE
+        per_item = np.concatenate([[0], np.cumsum((lengths + C - 1) // C)])
+        chunks = per_item[offsets[1:]] - per_item[offsets[:-1]] + (pad_tokens + C - 1) // C
+        return cls(
+            tokens=tokens, segments=segments, max_seqlen=min(longest, tokens), linear_chunks=max(int(chunks.max()), 1)
+        )
 
     # -- cost ---------------------------------------------------------------------------------------------
     def pad_fraction(self, plan: Any) -> float:
@@ -240,6 +257,22 @@ class StaticShape:
         return f"T={self.tokens} N={self.segments} max_seqlen={self.max_seqlen}"
 
     # -- layout -------------------------------------------------------------------------------------------
+    def check_linear_chunks(self, lengths: Any) -> None:
+        """Raise ``ValueError`` when a row of samples ``lengths`` (``[n]``), its pad tokens as one sequence,
+        holds more 64-token chunks than ``linear_chunks`` (a row not from the plan the shape was sized on);
+        nothing to check without ``linear_chunks``."""
+        if self.linear_chunks is None:
+            return
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        pad = self.tokens - int(lengths.sum())
+        chunks = linear_chunk_count(np.append(lengths, max(pad, 0)))
+        if chunks > self.linear_chunks:
+            raise ValueError(
+                f"a row of {lengths.size} samples and {int(lengths.sum())} tokens does not fit {self}: with its "
+                f"pad tokens as one sequence it holds {chunks} chunks of {LINEAR_CHUNK_SIZE} tokens, more than "
+                f"linear_chunks={self.linear_chunks} (StaticShape.from_plan sizes it for the plan's packs)"
+            )
+
     def pad_lengths(self, lengths: Any) -> np.ndarray:
         """The pad segments of a row whose real segments have ``lengths`` (``[n]`` positive ints).
 

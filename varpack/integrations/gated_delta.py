@@ -62,16 +62,33 @@ __all__ = ["layer_head_dims", "linear_attention_backend", "patch_linear_attentio
 # varpack.models.registry.is_gated_delta_layer
 
 
+def _rule_cpu(meta: VarlenMeta) -> torch.Tensor:
+    """The CPU offsets the gated delta rule runs on: the meta's ``cu_seqlens_linear`` (a static row's pad
+    segments as one sequence) when it has them, else its offsets."""
+    lin = meta.cu_seqlens_linear_cpu()
+    return lin if lin is not None else meta.cu_seqlens_cpu()
+
+
+def _rule_on(meta: VarlenMeta, device: torch.device) -> torch.Tensor:
+    """:func:`_rule_cpu`'s offsets on ``device`` (int32; one copy per batch, kept on the meta)."""
+    if meta.cu_seqlens_linear is None:
+        return meta.cu_seqlens_on(device)[0]
+    lin = meta.cu_seqlens_linear
+    if lin.device == device:
+        return lin
+    return meta.memo(("cu_seqlens_linear", str(device)), lambda: lin.to(device, non_blocking=True))
+
+
 def _chunk_layout(meta: VarlenMeta) -> ChunkLayout:
     """The gated-delta chunk layout of this batch, built once (first linear layer) and kept on the meta."""
-    return meta.memo("gated_delta_chunk_layout", lambda: prepare_chunk_layout(meta.cu_seqlens_cpu()))
+    return meta.memo("gated_delta_chunk_layout", lambda: prepare_chunk_layout(_rule_cpu(meta)))
 
 
 def _fla_hybrid_boundaries(meta: VarlenMeta, device: torch.device) -> FlaHybridBoundaries:
     """fla_hybrid's per-batch boundaries (device offsets, dq/dk plan), built once and kept on the meta."""
     return meta.memo(
         ("fla_hybrid_boundaries", str(device)),
-        lambda: prepare_fla_hybrid_boundaries(meta.cu_seqlens_cpu(), device),
+        lambda: prepare_fla_hybrid_boundaries(_rule_cpu(meta), device),
     )
 
 
@@ -151,12 +168,13 @@ def _conv_and_rule(
     query = query.reshape(B, T, -1, dk)
     key = key.reshape(B, T, -1, dk)
     value = value.reshape(B, T, -1, dv)
+    # the rule on the linear-attention offsets when the meta has them (module docstring of VarlenMeta)
     if rule_backend in ("fla", "fla_hybrid"):  # fla's kernels: int64 offsets on the device + the CPU copy
-        rule_kwargs = {"cu_seqlens": meta.cu_seqlens_on(device)[0], "cu_seqlens_cpu": meta.cu_seqlens_cpu()}
+        rule_kwargs = {"cu_seqlens": _rule_on(meta, device), "cu_seqlens_cpu": _rule_cpu(meta)}
         if rule_backend == "fla_hybrid":
             rule_kwargs["fla_boundaries"] = _fla_hybrid_boundaries(meta, device)
     else:
-        rule_kwargs = {"cu_seqlens": meta.cu_seqlens_cpu(), "layout": _chunk_layout(meta)}
+        rule_kwargs = {"cu_seqlens": _rule_cpu(meta), "layout": _chunk_layout(meta)}
     core, _ = gated_delta_rule(
         query, key, value, g, beta, use_qk_l2norm_in_kernel=True, backend=rule_backend, **rule_kwargs
     )
@@ -304,6 +322,8 @@ def _traced_packed_forward(
     projections, gates, norm and output projection as :func:`_packed_forward`; the short convolution on the
     PyTorch path with the segment index computed in the graph from the meta's offsets
     (:func:`varpack.varlen.seq_idx_on_device`: no host read, no data-dependent shape); the gated delta rule
+    on the meta's ``cu_seqlens_linear`` when it has them (a static row's pad segments as one sequence: fewer
+    chunks, the same real tokens; its chunk tables ``linear_chunk_rows`` long), else on its offsets
     (q/k l2norm inside) as the ``varpack::gated_delta_rule`` custom op, one graph node, with the offsets on
     the device and the meta's CPU copy (the ``chunk`` / ``fla_hybrid`` backends build their chunk plans from
     it inside the op: host work, no device sync). A layer compiled for CUDA graphs
@@ -319,18 +339,22 @@ def _traced_packed_forward(
     hk, hv, dk, dv = layer_head_dims(layer)
     cu_host = meta.cu_seqlens_q
     cu = cu_host.to(device=device, dtype=torch.int32)  # in the graph: a no-op for offsets already there
+    # the rule runs on the linear-attention offsets (a static row's pad segments as one sequence) when given
+    lin_host = meta.cu_seqlens_linear if meta.cu_seqlens_linear is not None else cu_host
+    lin = lin_host.to(device=device, dtype=torch.int32)
     if getattr(layer, "_varpack_static_boundaries", False):
-        cu_cpu = None  # CUDA-graph layers: fla_hybrid builds fixed-size chunk tables on the device
+        lin_cpu = None  # CUDA-graph layers: fla_hybrid builds fixed-size chunk tables on the device
     else:
-        cu_cpu = cu_host if cu_host.device.type == "cpu" else meta.cu_seqlens_cpu()
+        lin_cpu = lin_host if lin_host.device.type == "cpu" else _rule_cpu(meta)
     mixed = short_conv(
         mixed, weight, bias, conv_activation(layer.activation), seq_idx=seq_idx_on_device(cu, T)
     )
     query, key, value = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     core, _ = gated_delta_rule_op(
         query.reshape(B, T, hk, dk), key.reshape(B, T, hk, dk), value.reshape(B, T, hv, dv), g, beta,
-        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=lin, cu_seqlens_cpu=lin_cpu, use_qk_l2norm_in_kernel=True,
         backend=getattr(layer, "_varpack_gdn_backend", "auto"), needs_grad=_needs_grad(layer, hidden_states),
+        chunk_rows=meta.linear_chunk_rows if meta.cu_seqlens_linear is not None else None,
     )  # fmt: skip
     core = layer.norm(core.reshape(-1, dv), z.reshape(-1, dv))
     return layer.out_proj(core.reshape(B, T, -1))

@@ -433,7 +433,7 @@ def max_chunks(total_tokens: int, num_seqs: int, chunk_size: int = FLA_CHUNK_SIZ
 
 
 def fla_chunk_tables(
-    cu_seqlens: torch.Tensor, total_tokens: int, chunk_size: int = FLA_CHUNK_SIZE
+    cu_seqlens: torch.Tensor, total_tokens: int, chunk_size: int = FLA_CHUNK_SIZE, rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batch's chunk tables built where ``cu_seqlens`` lives, with a fixed row count: what a CUDA graph
     replays (no host read of the offsets, no data-dependent shape; every pack of one static shape gets tables
@@ -450,16 +450,19 @@ def fla_chunk_tables(
             they were built); zero-length sequences allowed.
         total_tokens: ``T``, the packed row's token count (a static shape's ``tokens``).
         chunk_size: tokens per chunk (fla's kernels: :data:`FLA_CHUNK_SIZE`).
+        rows: the row count ``R``, a bound of the batch's chunks known to hold (a static shape's
+            ``linear_chunks``, checked on the host where the batch was built: rows past ``R`` would be lost);
+            default :func:`max_chunks` ``(T, N, chunk_size)``, which holds for any offsets.
 
     Returns:
         ``(chunk_indices [R, 2] int64, chunk_start [R] int32, chunk_len [R] int32)`` on ``cu_seqlens``'
-        device, ``R = max_chunks(T, N, chunk_size)``: fla's ``chunk_indices`` (sequence, chunk within it), and
+        device, ``R = rows`` or ``max_chunks(T, N, chunk_size)``: fla's ``chunk_indices`` (sequence, chunk within it), and
         each row's first token in the row and token count (``fla_hybrid``'s dq/dk chunk table,
         :class:`varpack.ops.gated_delta_rule.fla_hybrid.DqkwgPlan`); a padding row's start is the end of
         its sequence (any token index in range) and its count 0.
 
     Raises:
-        TypeError: offsets that are not an integer tensor. ValueError: offsets that are not 1-D.
+        TypeError: offsets that are not an integer tensor. ValueError: offsets that are not 1-D, ``rows < 1``.
     """
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be an integer tensor, got {type(cu_seqlens).__name__}")
@@ -467,7 +470,9 @@ def fla_chunk_tables(
         raise ValueError(f"cu_seqlens must be 1-D [N+1], got shape {tuple(cu_seqlens.shape)}")
     C = int(chunk_size)
     N = int(cu_seqlens.shape[0]) - 1
-    rows = max_chunks(total_tokens, N, C)
+    rows = max_chunks(total_tokens, N, C) if rows is None else int(rows)
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
     cu = cu_seqlens.to(torch.int64)
     counts = torch.div(cu[1:] - cu[:-1] + (C - 1), C, rounding_mode="floor")
     first = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # each sequence's first chunk, [N+1]

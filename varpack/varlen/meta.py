@@ -15,7 +15,19 @@ attribute                   type                             meaning
 ``total_q`` / ``total_k``   Python int                       ``T``
 ``num_seqs``                Python int                       ``N``
 ``has_empty``               bool, or None (device-only)      some segment has zero tokens
+``cu_seqlens_linear``       ``[N+1]`` int32 tensor, or None  the offsets the linear-attention mixers (the
+                            (the offsets' device)            gated delta rule) run on: ``cu_seqlens_q`` with
+                                                             its trailing pad segments merged into one
+``linear_chunk_rows``       Python int, or None              a bound of the 64-token chunks of
+                                                             ``cu_seqlens_linear`` (a static shape's)
 =========================== ================================ =============================================
+
+``cu_seqlens_linear`` is set by the collator's static layout (:class:`varpack.collate.StaticShape`), whose pad
+segments come after every real sample: for the linear-attention layers the pad tokens form one sequence (the
+first pad segment's offset, then ``T`` for every later entry: empty segments) instead of many short ones. A
+pad token never reaches a real token (causal, and the pad sequence starts at the last real sample's end), so
+real tokens' outputs, the loss and every gradient are the same; what changes is the work of the chunked gated
+delta kernels, which is per chunk of :data:`LINEAR_CHUNK_SIZE` tokens and so per segment for short segments.
 
 Derived values are built lazily, once per batch, and kept on the object (never in a module-level cache):
 :meth:`cu_seqlens_on` (one host-to-device copy per device), :meth:`seq_idx` / :meth:`seq_idx_on`,
@@ -52,9 +64,19 @@ from varpack.varlen.boundaries import (
     seq_idx_on_device,
 )
 
-__all__ = ["VarlenMeta", "varlen_meta_from_kwargs"]
+__all__ = ["LINEAR_CHUNK_SIZE", "VarlenMeta", "linear_chunk_count", "varlen_meta_from_kwargs"]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+
+#: tokens per chunk of the chunked linear-attention kernels (fla's gated delta rule: ``varpack.ops._fla.FLA_CHUNK_SIZE``)
+LINEAR_CHUNK_SIZE = 64
+
+
+def linear_chunk_count(lengths: Any, chunk_size: int = LINEAR_CHUNK_SIZE) -> int:
+    """``sum(ceil(length / chunk_size))`` over segment lengths ``[N]`` (host integers; empty segments have no
+    chunk): the chunks the chunked gated delta kernels run for these segments."""
+    arr = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    return int(((arr + chunk_size - 1) // chunk_size).sum())
 
 
 class VarlenMeta:
@@ -69,6 +91,14 @@ class VarlenMeta:
         total_q, total_k: the stream's token count ``T`` (default: the last offset of CPU offsets; required
             for device ones).
         allow_empty: accept zero-length segments.
+        cu_seqlens_linear: the linear-attention offsets (module docstring): ``[N+1]``, on the offsets' device,
+            equal to ``cu_seqlens_q`` up to an entry ``j >= 1`` and ``T`` from ``j + 1`` on (the segments from
+            ``j`` on merged into one, the rest empty); self-attention metas only. Default ``None``: the
+            linear layers run on ``cu_seqlens_q``.
+        linear_chunk_rows: a host integer at least :func:`linear_chunk_count` of ``cu_seqlens_linear``'s
+            segments (checked for CPU offsets): the fixed row count of the chunk tables the gated delta rule
+            builds on the device (a static shape's bound, :class:`varpack.collate.StaticShape`); needs
+            ``cu_seqlens_linear``.
 
     CPU offsets are validated here, once (:func:`varpack.varlen.validate_cu_seqlens`: starts at 0, ends at
     ``T``, increasing; ``max_seqlen`` not below the longest segment). Offsets on a device are not read (no
@@ -77,7 +107,8 @@ class VarlenMeta:
     Raises:
         TypeError: offsets that are not integers, a ``max_seqlen`` / ``total`` that is not a host integer.
         ValueError: invalid offsets (named ``cu_seqlens_q`` / ``cu_seqlens_k``), q and k offsets of different
-            lengths, a device meta without ``max_seqlen`` / ``total``.
+            lengths, a device meta without ``max_seqlen`` / ``total``; ``cu_seqlens_linear`` that is not such a
+            merge of ``cu_seqlens_q`` (or of another shape or device), more chunks than ``linear_chunk_rows``.
 
     Example:
         >>> meta = VarlenMeta.from_lengths([3, 1, 3])
@@ -93,8 +124,10 @@ class VarlenMeta:
         "_derived",
         "_lock",
         "cu_seqlens_k",
+        "cu_seqlens_linear",
         "cu_seqlens_q",
         "has_empty",
+        "linear_chunk_rows",
         "max_seqlen_k",
         "max_seqlen_q",
         "num_seqs",
@@ -112,6 +145,8 @@ class VarlenMeta:
         total_q: Any = None,
         total_k: Any = None,
         allow_empty: bool = True,
+        cu_seqlens_linear: Any = None,
+        linear_chunk_rows: Any = None,
     ) -> None:
         same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
         cu_q = normalize_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
@@ -135,6 +170,9 @@ class VarlenMeta:
         setattr_(self, "total_k", tot_k)
         setattr_(self, "num_seqs", int(cu_q.shape[0]) - 1)
         setattr_(self, "has_empty", None if empty_q is None or empty_k is None else (empty_q or empty_k))
+        lin, rows = _checked_linear(cu_q, host_q, tot_q, same, cu_seqlens_linear, linear_chunk_rows)
+        setattr_(self, "cu_seqlens_linear", lin)
+        setattr_(self, "linear_chunk_rows", rows)
         derived: dict[Hashable, Any] = {}
         if host_q is not None and host_k is not None:  # read once, while validating: no later host read
             derived["host_offsets"] = (host_q, host_q if host_k is host_q else host_k)
@@ -143,13 +181,18 @@ class VarlenMeta:
 
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
-    def from_lengths(cls, lengths: Any, *, max_seqlen: Any = None) -> VarlenMeta:
+    def from_lengths(
+        cls, lengths: Any, *, max_seqlen: Any = None, linear_from: int | None = None, linear_chunk_rows: Any = None
+    ) -> VarlenMeta:
         """From the segment lengths ``[N]`` (positive integers; a zero-length segment is allowed), on the CPU.
 
         Args:
             lengths: ``[N]`` integer token counts, in stream order.
             max_seqlen: the ``max_seqlen`` to carry (a host integer at least the longest segment: a fixed
                 bucket, e.g. :class:`varpack.collate.StaticShape`'s); default: the longest segment.
+            linear_from: the first of the trailing segments merged into one for the linear-attention layers
+                (``cu_seqlens_linear``: the collator's first pad segment); ``None``: no ``cu_seqlens_linear``.
+            linear_chunk_rows: ``linear_chunk_rows`` to carry (with ``linear_from``).
 
         Raises:
             ValueError: not 1-D, empty, a negative length, more tokens than int32 offsets can index, or a
@@ -167,7 +210,20 @@ class VarlenMeta:
         np.cumsum(arr, out=cu[1:])
         if cu[-1] > np.iinfo(np.int32).max:
             raise ValueError(f"the batch has {int(cu[-1])} tokens, more than int32 cu_seqlens can index")
-        return cls(torch.from_numpy(cu.astype(np.int32)), max_seqlen_q=max_seqlen)
+        linear = None
+        if linear_from is not None:
+            j = int(linear_from)
+            if not 0 <= j < arr.size:
+                raise ValueError(f"linear_from={linear_from} is not a segment index of {arr.size} segments")
+            linear = cu.copy()
+            linear[j + 1 :] = cu[-1]
+            linear = torch.from_numpy(linear.astype(np.int32))
+        elif linear_chunk_rows is not None:
+            raise ValueError("linear_chunk_rows needs linear_from (the linear-attention offsets it bounds)")
+        return cls(
+            torch.from_numpy(cu.astype(np.int32)), max_seqlen_q=max_seqlen, cu_seqlens_linear=linear,
+            linear_chunk_rows=linear_chunk_rows,
+        )  # fmt: skip
 
     @classmethod
     def from_seq_idx(cls, seq_idx: Any, total: int) -> VarlenMeta:
@@ -205,6 +261,8 @@ class VarlenMeta:
                 self.max_seqlen_k,
                 self.total_q,
                 self.total_k,
+                self.cu_seqlens_linear,
+                self.linear_chunk_rows,
             ),
         )
 
@@ -271,7 +329,8 @@ class VarlenMeta:
     def on_device(self, device: torch.device | str) -> VarlenMeta:
         """This batch's boundaries with the offsets on ``device``: a new frozen meta, built once per batch and
         device (kept on this one), whose ``cu_seqlens_q/k`` are :meth:`cu_seqlens_on` ``(device)`` (one
-        host-to-device copy) and whose ``max_seqlen`` / ``T`` / ``has_empty`` and host offsets are this meta's
+        host-to-device copy), whose ``cu_seqlens_linear`` is copied with them, and whose ``max_seqlen`` / ``T`` /
+        ``has_empty`` and host offsets are this meta's
         (already read on the host: no consumer of the device meta reads the device offsets back).
 
         What a captured CUDA graph needs: every tensor a compiled layer reads lives on the device
@@ -286,6 +345,7 @@ class VarlenMeta:
         cu_q, cu_k = self.cu_seqlens_on(device)
 
         def build() -> VarlenMeta:
+            lin = self.cu_seqlens_linear
             moved = VarlenMeta(
                 cu_q,
                 None if self.self_attention else cu_k,
@@ -293,6 +353,8 @@ class VarlenMeta:
                 self.max_seqlen_k,
                 total_q=self.total_q,
                 total_k=self.total_k,
+                cu_seqlens_linear=None if lin is None else lin.to(device, non_blocking=True),
+                linear_chunk_rows=self.linear_chunk_rows,
             )
             object.__setattr__(moved, "has_empty", self.has_empty)
             known = self._derived.get("host_offsets")
@@ -300,6 +362,8 @@ class VarlenMeta:
                 moved._derived["host_offsets"] = known
             if self.cu_seqlens_q.device.type == "cpu":  # cu_seqlens_cpu(): this meta's tensor, no copy back
                 moved._derived[("cu_seqlens", "cpu")] = self.cu_seqlens_q
+                if lin is not None:
+                    moved._derived[("cu_seqlens_linear", "cpu")] = lin
             return moved
 
         return self.memo(("on_device", str(device)), build)
@@ -341,6 +405,14 @@ class VarlenMeta:
         if self.cu_seqlens_q.device.type == "cpu":
             return self.cu_seqlens_q
         return self.memo(("cu_seqlens", "cpu"), lambda: self.cu_seqlens_q.to("cpu"))
+
+    def cu_seqlens_linear_cpu(self) -> torch.Tensor | None:
+        """``cu_seqlens_linear`` on the CPU (int32), or ``None`` without them: the tensor itself for a CPU meta,
+        else one copy per batch (none for a meta moved from the CPU by :meth:`on_device`)."""
+        lin = self.cu_seqlens_linear
+        if lin is None or lin.device.type == "cpu":
+            return lin
+        return self.memo(("cu_seqlens_linear", "cpu"), lambda: lin.to("cpu"))
 
     def host_offsets(self) -> tuple[list[int], list[int]]:
         """The offsets as Python lists ``(q, k)``: free for a CPU meta; one device read per batch otherwise."""
@@ -404,8 +476,51 @@ def _checked(
     return cu32, max_len, total, bool((lengths == 0).any()), host.tolist()
 
 
-def _rebuild(cu_q, cu_k, max_q, max_k, total_q, total_k) -> VarlenMeta:
-    return VarlenMeta(cu_q, cu_k, max_q, max_k, total_q=total_q, total_k=total_k)
+def _rebuild(cu_q, cu_k, max_q, max_k, total_q, total_k, cu_lin=None, rows=None) -> VarlenMeta:
+    return VarlenMeta(
+        cu_q, cu_k, max_q, max_k, total_q=total_q, total_k=total_k, cu_seqlens_linear=cu_lin, linear_chunk_rows=rows
+    )
+
+
+def _checked_linear(
+    cu_q: torch.Tensor, host_q: list[int] | None, total: int, same: bool, cu_lin: Any, rows: Any
+) -> tuple[torch.Tensor | None, int | None]:
+    """``(cu_seqlens_linear as int32, linear_chunk_rows)`` checked against the query offsets (their host values
+    when read: a merge of the trailing segments, chunks within ``rows``); device offsets are trusted."""
+    if cu_lin is None:
+        if rows is not None:
+            raise ValueError("linear_chunk_rows needs cu_seqlens_linear (the offsets it bounds)")
+        return None, None
+    if not same:
+        raise ValueError("cu_seqlens_linear needs a self-attention meta (one segmentation for q and k)")
+    lin = normalize_cu_seqlens(cu_lin, "cu_seqlens_linear")
+    if lin.shape != cu_q.shape or lin.device != cu_q.device:
+        raise ValueError(
+            f"cu_seqlens_linear must be [N+1]={tuple(cu_q.shape)} on {cu_q.device} like cu_seqlens_q, got "
+            f"{tuple(lin.shape)} on {lin.device}"
+        )
+    if rows is not None:
+        rows = normalize_max_seqlen(rows, "linear_chunk_rows")
+    lin = lin if lin.dtype == torch.int32 else lin.to(torch.int32)
+    if host_q is None:  # device offsets: trusted as built
+        return lin, rows
+    q = np.asarray(host_q, dtype=np.int64)
+    h = np.asarray(lin.tolist(), dtype=np.int64)
+    differ = np.flatnonzero(h != q)
+    j = int(differ[0]) if differ.size else q.size
+    if j == 0 or (h[j:] != total).any():
+        raise ValueError(
+            "cu_seqlens_linear must equal cu_seqlens_q up to an entry and T after it (trailing segments merged "
+            f"into one), got {h[:8].tolist()}... for cu_seqlens_q {q[:8].tolist()}..."
+        )
+    if rows is not None:
+        chunks = linear_chunk_count(np.diff(h))
+        if chunks > rows:
+            raise ValueError(
+                f"cu_seqlens_linear holds {chunks} chunks of {LINEAR_CHUNK_SIZE} tokens, more than "
+                f"linear_chunk_rows={rows}"
+            )
+    return lin, rows
 
 
 def _check_agrees(meta: VarlenMeta, kwargs: Mapping[str, Any]) -> None:

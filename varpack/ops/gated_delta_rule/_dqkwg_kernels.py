@@ -64,6 +64,8 @@ def chunk_bwd_dqkwg_kernel(
     i_hk = i_h // GROUP
     start = tl.load(CH_START + i_t).to(tl.int64)
     n = tl.load(CH_LEN + i_t)
+    if n == 0:  # a padding row of a fixed-size table: no token, nothing to write
+        return
     offs_t = tl.arange(0, BT)
     t_ok = offs_t < n
     rows = start + offs_t

@@ -1,14 +1,15 @@
 """The gated delta rule as a ``torch.library`` custom op, so ``torch.compile`` traces a layer through it.
 
 ``varpack::gated_delta_rule(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, scale,
-output_final_state, use_qk_l2norm_in_kernel, backend) -> (o, final_state, residuals)`` runs one *resolved* backend of
+output_final_state, use_qk_l2norm_in_kernel, backend, chunk_rows) -> (o, final_state, residuals)`` runs one *resolved* backend of
 :func:`varpack.ops.gated_delta_rule.gated_delta_rule` as a single opaque graph node, with a fake (meta)
 implementation giving shapes and dtypes without touching values. Shapes as :func:`gated_delta_rule`:
 q/k ``[B, T, Hk, K]``, v ``[B, T, H, V]``, g/beta ``[B, T, H]``, cu_seqlens ``[N+1]`` (B = 1) or None,
 initial_state ``[N, H, K, V]`` or None; ``o`` ``[B, T, H, V]`` in q's dtype; ``final_state`` ``[N, H, K, V]``
 (fp32, fp64 for fp64 inputs) when ``output_final_state``, else an empty ``[0]`` tensor; ``residuals`` what
 ``fla_hybrid``'s backward reads (:func:`varpack.ops.gated_delta_rule.fla_hybrid.fla_hybrid_forward`), an empty
-list for the other backends.
+list for the other backends; ``chunk_rows`` ``fla_hybrid``'s row count of device-built chunk tables (``0``: the
+bound of any offsets).
 
 Backends through the op: ``chunk``, ``naive``, ``fla_hybrid`` (native backward, below) and ``fla``
 (forward-only). The chunk layout
@@ -151,12 +152,13 @@ def _gated_delta_rule(
     output_final_state: bool,
     use_qk_l2norm_in_kernel: bool,
     backend: str,
+    chunk_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     host = _host_boundaries(backend, q, cu_seqlens, cu_seqlens_cpu)
     if backend == "fla_hybrid":  # fla's forward once: what its backward reads comes out as residuals
         o, final, residuals = fla_hybrid_forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-            cu_seqlens_cpu=cu_seqlens_cpu, boundaries=host,
+            cu_seqlens_cpu=cu_seqlens_cpu, boundaries=host, chunk_rows=chunk_rows or None,
         )  # fmt: skip
     else:
         o, final = _run(
@@ -171,7 +173,7 @@ def _gated_delta_rule(
 @_gated_delta_rule.register_fake
 def _gated_delta_rule_fake(
     q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, scale, output_final_state,
-    use_qk_l2norm_in_kernel, backend,
+    use_qk_l2norm_in_kernel, backend, chunk_rows,
 ):  # fmt: skip
     B, T, _, K = q.shape
     H, V = v.shape[2], v.shape[3]
@@ -203,6 +205,7 @@ def _fla_hybrid_backward(
     scale: float,
     use_qk_l2norm_in_kernel: bool,
     g_dtype: torch.dtype,
+    chunk_rows: int,
 ) -> list[torch.Tensor]:
     """``[dq, dk, dv, dg, dbeta, dinitial_state]`` of the ``fla_hybrid`` forward from its residuals (fla's
     backward pipeline with varpack's dq/dk step; no forward recomputed); the last is an empty ``[0]`` tensor
@@ -210,7 +213,7 @@ def _fla_hybrid_backward(
     host = _host_boundaries("fla_hybrid", v, cu_seqlens, cu_seqlens_cpu)
     grads = fla_hybrid_backward(
         do, dfinal, v, beta, residuals, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
-        g_dtype=g_dtype, cu_seqlens_cpu=cu_seqlens_cpu, boundaries=host,
+        g_dtype=g_dtype, cu_seqlens_cpu=cu_seqlens_cpu, boundaries=host, chunk_rows=chunk_rows or None,
     )  # fmt: skip
     last = grads[5].contiguous() if initial_state is not None else v.new_empty((0,), dtype=acc_dtype(v))
     return [x.contiguous() for x in grads[:5]] + [last]
@@ -219,7 +222,7 @@ def _fla_hybrid_backward(
 @_fla_hybrid_backward.register_fake
 def _fla_hybrid_backward_fake(
     do, dfinal, v, beta, residuals, cu_seqlens, cu_seqlens_cpu, initial_state, scale, use_qk_l2norm_in_kernel,
-    g_dtype,
+    g_dtype, chunk_rows,
 ):  # fmt: skip
     B, T, H, _ = v.shape
     qn, kn = residuals[0], residuals[1]
@@ -297,7 +300,7 @@ def _gated_delta_rule_backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu, cu_cpu, h0, scale, output_final_state, l2norm, backend = inputs
+    q, k, v, g, beta, cu, cu_cpu, h0, scale, output_final_state, l2norm, backend, chunk_rows = inputs
     residuals = output[2]
     ctx.mark_non_differentiable(*residuals)
     if backend == "fla_hybrid":  # the residuals replace q, k and g (fla_hybrid_forward)
@@ -305,11 +308,11 @@ def _setup_context(ctx, inputs, output):
         ctx.g_dtype = g.dtype
     else:
         ctx.save_for_backward(q, k, v, g, beta, cu, cu_cpu, h0)
-    ctx.scalars = (scale, output_final_state, l2norm, backend)
+    ctx.scalars = (scale, output_final_state, l2norm, backend, chunk_rows)
 
 
 def _backward(ctx, do, dfinal, _dresiduals):
-    scale, output_final_state, l2norm, backend = ctx.scalars
+    scale, output_final_state, l2norm, backend, chunk_rows = ctx.scalars
     if backend == "fla_hybrid":
         v, beta, cu, cu_cpu, h0, *residuals = ctx.saved_tensors
         q_like = residuals[0]  # the l2-normalised q: q's shape (packed) and dtype
@@ -325,13 +328,15 @@ def _backward(ctx, do, dfinal, _dresiduals):
         do = torch.zeros_like(v, dtype=q_like.dtype)
     dfinal = dfinal if output_final_state else None
     if backend == "fla_hybrid":
-        grads = _fla_hybrid_backward(do, dfinal, v, beta, residuals, cu, cu_cpu, h0, scale, l2norm, ctx.g_dtype)
+        grads = _fla_hybrid_backward(
+            do, dfinal, v, beta, residuals, cu, cu_cpu, h0, scale, l2norm, ctx.g_dtype, chunk_rows
+        )
     else:
         grads = _gated_delta_rule_backward(
             do, dfinal, q, k, v, g, beta, cu, cu_cpu, h0, scale, output_final_state, l2norm, backend
         )
     dh0 = grads[5] if h0 is not None else None
-    return (*grads[:5], None, None, dh0, None, None, None, None)
+    return (*grads[:5], None, None, dh0, None, None, None, None, None)
 
 
 _gated_delta_rule.register_autograd(_backward, setup_context=_setup_context)
@@ -379,6 +384,7 @@ def gated_delta_rule_op(
     backend: str = "auto",
     cu_seqlens_cpu: torch.Tensor | None = None,
     needs_grad: bool | None = None,
+    chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`varpack.ops.gated_delta_rule.gated_delta_rule` through the ``varpack::gated_delta_rule``
     custom op: same arguments (no ``layout``: the op rebuilds it per call), shapes and results
@@ -390,7 +396,9 @@ def gated_delta_rule_op(
     device and grad mode, facts the compiler guards on. ``needs_grad``: resolve ``backend`` as for a call
     that will (``True``) or will not need gradients; default ``None``: whether this call records them (a
     layer in training mode passes ``True``, so that the no-grad first pass of reentrant gradient checkpointing
-    picks the backend of its recomputation).
+    picks the backend of its recomputation). ``chunk_rows``: ``fla_hybrid``'s row count of chunk tables built
+    on the device (device ``cu_seqlens`` without a CPU copy): a bound of the batch's 64-token chunks known to
+    hold (:class:`varpack.varlen.VarlenMeta`'s ``linear_chunk_rows``); default: the bound of any offsets.
 
     Raises:
         ValueError / TypeError: as :func:`gated_delta_rule`; ``backend="chunk_compiled"``.
@@ -425,6 +433,6 @@ def gated_delta_rule_op(
         cu_seqlens_cpu = cu_seqlens
     o, final, _ = _gated_delta_rule(
         q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, float(scale), bool(output_final_state),
-        bool(use_qk_l2norm_in_kernel), name,
+        bool(use_qk_l2norm_in_kernel), name, int(chunk_rows or 0),
     )  # fmt: skip
     return o, (final if output_final_state else None)

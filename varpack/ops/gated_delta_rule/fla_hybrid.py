@@ -651,7 +651,7 @@ def fla_hybrid_gated_delta_rule(
     )  # fmt: skip
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision, boundaries):
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision, boundaries, chunk_rows=None):
     """Checked arguments in the packed form the kernels take: ``(q, k, v, g, beta, scale, boundaries,
     (B, T, Hk, H, K, V))``; B rows without ``cu_seqlens`` become B packed sequences (the same math, one code
     path)."""
@@ -674,7 +674,7 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
         boundaries = None
     elif cu_seqlens_cpu is None and boundaries is None:
         if precision in ("mixed", "fp32"):  # no host read: tables built on the device (Triton dq/dk step)
-            boundaries = device_fla_hybrid_boundaries(cu_seqlens, q.shape[1])
+            boundaries = device_fla_hybrid_boundaries(cu_seqlens, q.shape[1], chunk_rows)
         else:
             cu_seqlens_cpu = cu_seqlens_to_cpu(cu_seqlens)  # one sync; fla would make the same one
     if boundaries is None:
@@ -729,7 +729,9 @@ def prepare_fla_hybrid_boundaries(cu_seqlens_cpu: Any, device: torch.device | st
     )
 
 
-def device_fla_hybrid_boundaries(cu_seqlens: torch.Tensor, total_tokens: int) -> FlaHybridBoundaries:
+def device_fla_hybrid_boundaries(
+    cu_seqlens: torch.Tensor, total_tokens: int, rows: int | None = None
+) -> FlaHybridBoundaries:
     """:class:`FlaHybridBoundaries` built on ``cu_seqlens``' device from the offsets alone: no host read, and
     tables whose shapes depend only on ``(T, N)`` (:func:`varpack.ops._fla.fla_chunk_tables`: fla's chunk
     indices and the dq/dk chunk table, :func:`varpack.ops._fla.max_chunks` rows, padding rows masked by
@@ -742,11 +744,13 @@ def device_fla_hybrid_boundaries(cu_seqlens: torch.Tensor, total_tokens: int) ->
         cu_seqlens: ``[N+1]`` int32 / int64 offsets on the device, trusted as valid (checked where they were
             built, e.g. :class:`varpack.varlen.VarlenMeta`).
         total_tokens: ``T`` of the packed row.
+        rows: the tables' row count (:func:`varpack.ops._fla.fla_chunk_tables`' ``rows``: a static shape's
+            ``linear_chunks``); default: the bound of any offsets of ``(T, N)``.
 
     Raises:
         TypeError / ValueError: offsets that are not a 1-D integer tensor.
     """
-    indices, start, length = fla_chunk_tables(cu_seqlens, total_tokens, FLA_CHUNK_SIZE)  # checks the offsets
+    indices, start, length = fla_chunk_tables(cu_seqlens, total_tokens, FLA_CHUNK_SIZE, rows)  # checks the offsets
     cu64 = cu_seqlens.to(torch.int64, copy=True)
     plan = DqkwgPlan(
         total_tokens=int(total_tokens), num_chunks=int(indices.shape[0]), groups=(), chunk_start=start,
@@ -796,6 +800,7 @@ def fla_hybrid_forward(
     cu_seqlens_cpu: Any = None,
     boundaries: FlaHybridBoundaries | None = None,
     precision: str = DEFAULT_PRECISION,
+    chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """:func:`fla_hybrid_gated_delta_rule`'s forward without autograd, returning what its backward reads:
     ``(o, final_state | None, residuals)``, for an op whose backward is a second op
@@ -808,6 +813,7 @@ def fla_hybrid_forward(
     for fp64 inputs): fla's chunk-local cumulative decay in log2 units; ``A`` ``[1, BT, H, 64]`` in k's dtype:
     fla's inverted ``(I + beta K K^T)`` blocks per chunk; ``q_rstd``, ``k_rstd`` ``[1, BT, Hk]`` fp32: the
     l2norm's reciprocal norms. :func:`fla_hybrid_residual_shapes` gives them from the input shapes.
+    ``chunk_rows``: the row count of chunk tables built on the device (:func:`device_fla_hybrid_boundaries`).
 
     Raises:
         RuntimeError / ValueError / TypeError: as :func:`fla_hybrid_gated_delta_rule`.
@@ -816,7 +822,7 @@ def fla_hybrid_forward(
         raise RuntimeError(f"fla_hybrid needs a CUDA device (fla's Triton kernels), got {q.device}")
     return _hybrid_forward(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-        cu_seqlens_cpu, precision, boundaries,
+        cu_seqlens_cpu, precision, boundaries, chunk_rows,
     )  # fmt: skip
 
 
@@ -837,12 +843,12 @@ def fla_hybrid_residual_shapes(
 
 def _hybrid_forward(
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-    cu_seqlens_cpu, precision, boundaries=None,
+    cu_seqlens_cpu, precision, boundaries=None, chunk_rows=None,
 ):  # fmt: skip
     l2 = bool(use_qk_l2norm_in_kernel)
     shapes = fla_hybrid_residual_shapes(tuple(q.shape), tuple(v.shape), q.dtype, l2)
     qp, kp, vp, gp, bp, scale, bnd, dims = _prepare(
-        q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision, boundaries
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision, boundaries, chunk_rows
     )
     B, T, Hk, H, K, V = dims
     acc = acc_dtype(q)
@@ -880,11 +886,12 @@ def fla_hybrid_backward(
     cu_seqlens_cpu: Any = None,
     boundaries: FlaHybridBoundaries | None = None,
     precision: str = DEFAULT_PRECISION,
+    chunk_rows: int | None = None,
 ) -> list[torch.Tensor | None]:
     """``[dq, dk, dv, dg, dbeta, dinitial_state | None]`` of :func:`fla_hybrid_forward` from its
     ``residuals`` (no forward recomputed), for the output gradient ``do`` ``[B, T, H, V]`` and the final-state
     gradient ``dfinal`` ``[N, H, K, V]`` (or ``None``); ``v``, ``beta``, ``initial_state``, ``cu_seqlens``,
-    ``scale`` and ``use_qk_l2norm_in_kernel`` as given to the forward. Gradients in the inputs' dtypes (q's
+    ``scale``, ``use_qk_l2norm_in_kernel`` and ``chunk_rows`` as given to the forward. Gradients in the inputs' dtypes (q's
     and k's from the residuals, g's ``g_dtype``); shapes of the inputs.
 
     Raises:
@@ -895,13 +902,13 @@ def fla_hybrid_backward(
         raise RuntimeError(f"fla_hybrid needs a CUDA device (fla's Triton kernels), got {do.device}")
     return _hybrid_backward(
         do, dfinal, v, beta, residuals, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
-        g_dtype, cu_seqlens_cpu, precision, boundaries,
+        g_dtype, cu_seqlens_cpu, precision, boundaries, chunk_rows,
     )  # fmt: skip
 
 
 def _hybrid_backward(
     do, dfinal, v, beta, residuals, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, g_dtype,
-    cu_seqlens_cpu, precision, boundaries=None,
+    cu_seqlens_cpu, precision, boundaries=None, chunk_rows=None,
 ):  # fmt: skip
     l2 = bool(use_qk_l2norm_in_kernel)
     B, T, H, V = v.shape
@@ -915,7 +922,7 @@ def _hybrid_backward(
     # the forward's checks and boundaries, on the residuals' shapes
     _, _, vp, _, bp, scale, bnd, _ = _prepare(
         qn.reshape(q_shape), kn.reshape(q_shape), v, gcum.reshape(g_shape), beta, scale, initial_state,
-        cu_seqlens, cu_seqlens_cpu, precision, boundaries,
+        cu_seqlens, cu_seqlens_cpu, precision, boundaries, chunk_rows,
     )  # fmt: skip
     dtypes = (qn.dtype, kn.dtype, v.dtype, g_dtype, beta.dtype)
     shapes = (q_shape, q_shape, v.shape, g_shape, beta.shape)
