@@ -249,3 +249,17 @@ def test_plan_takes_data_paths_on_both_sides_of_a_flag(tmp_path, capsys):
     assert split["num_samples"] == together["num_samples"] == 7
     assert main(["plan", str(first), "--bogus", str(second)]) == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_plan_takes_data_as_sft_does(tmp_path, capsys):
+    """``varpack plan --data a.jsonl b.jsonl`` (the form ``varpack sft`` and ``varpack check`` take) plans the
+    same samples as ``varpack plan a.jsonl b.jsonl``; a missing file named by --data is still refused."""
+    first = _write(tmp_path, _chats(3), "a.jsonl")
+    second = _write(tmp_path, _chats(4), "b.jsonl")
+    assert main(["plan", "--data", str(first), str(second), "--json"]) == 0
+    flag = json.loads(capsys.readouterr().out)
+    assert main(["plan", str(first), str(second), "--json"]) == 0
+    positional = json.loads(capsys.readouterr().out)
+    assert flag["num_samples"] == positional["num_samples"] == 7 and flag["data"] == positional["data"]
+    assert main(["plan", "--data", str(tmp_path / "missing.jsonl")]) != 0
+    assert "missing.jsonl" in capsys.readouterr().err

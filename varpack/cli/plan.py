@@ -1,6 +1,6 @@
 """``varpack plan``: encode chat data, plan the packs, print what packing would give.
 
-    varpack plan DATA... [--objective sft|dpo] [--tokenizer DIR|qwen3] [--packing-length N]
+    varpack plan DATA... (or --data PATH...) [--objective sft|dpo] [--tokenizer DIR|qwen3] [--packing-length N]
                  [--packing-strategy bfd|sequential] [--overflow error|drop|truncate|split] [--seed S]
                  [--report PATH.png] [--save PATH.npz] [--json]
 
@@ -43,6 +43,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         nargs="*",
         metavar="DATA",
         help="chat data files (JSON/JSONL/parquet); none: the built-in chat set",
+    )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        default=[],
+        dest="data_option",
+        metavar="PATH",
+        help="the same files as DATA, written as varpack sft and varpack check take them",
     )
     p.add_argument(
         "--objective",
@@ -122,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         ValueError / TypeError / OSError: bad data or overlong samples (``varpack.cli.main`` prints them as
             ``varpack plan: error: ...`` and exits 1).
     """
+    args.data = [*args.data, *args.data_option]  # DATA and --data name the same files
     check_data_files(args.data)  # a missing file is reported before the encoder's imports
 
     from varpack.plan import plan_packs
