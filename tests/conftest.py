@@ -39,6 +39,7 @@ GPU_SHARDS: dict[str, int] = {
     "tests/ops/test_fla_hybrid.py": 2,
     "tests/ops/test_gated_delta_rule.py": 2,
     "tests/ops/test_short_conv.py": 2,
+    "tests/ops/test_short_conv_triton.py": 2,
     "tests/invariant/test_gated_delta.py": 2,
     "tests/invariant/test_compiled_gated_delta.py": 2,
     "tests/invariant/test_vision_language_gpu.py": 2,

@@ -8,8 +8,17 @@ Dao-AILab ``causal-conv1d`` with ``seq_idx``, fla ``causal_conv1d`` with ``cu_se
 
     out[t] = act(bias + sum_{d=0}^{W-1} weight[:, W-1-d] * x[t-d] * [t-d in the same sample as t])
 
-Vectorized: ``W`` shifted multiply-adds over the whole row, boundary masks from ``seq_idx`` (device
-compare, no host sync) or from CPU ``cu_seqlens``; fp32 accumulation; autograd backward.
+Backends of :func:`short_conv`:
+
+* ``torch``: ``W`` shifted multiply-adds over the whole row, boundary masks from ``seq_idx`` (device compare, no
+  host sync) or from CPU ``cu_seqlens``; fp32 accumulation; autograd backward.
+* ``triton``: the custom op ``varpack::short_conv`` (:mod:`varpack.ops._short_conv_kernels`: one forward kernel
+  that reads x once and writes y once; its backward, the op ``varpack::short_conv_backward``, one kernel that
+  reads x and dy, recomputes the pre-activation, writes dx and per-block weight / bias gradient sums, summed
+  afterwards in a fixed order). Boundaries from ``seq_idx`` read on the device: no host sync, shapes
+  independent of the segmentation, so a layer using it can be compiled (``fullgraph=True``) and captured in a
+  CUDA graph.
+* ``fla``: fla's Triton ``causal_conv1d`` with ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -42,9 +51,24 @@ __all__ = [
     "seq_idx_for_conv",
     "short_conv",
     "short_conv_reference",
+    "short_conv_triton",
+    "short_conv_triton_backward",
+    "triton_conv_status",
 ]
 
-CONV_BACKENDS = ("torch", "fla")
+CONV_BACKENDS = ("torch", "fla", "triton")
+
+#: Largest kernel width ``W`` of the ``triton`` backend (a compile-time constant of its kernels).
+TRITON_MAX_WIDTH = 8
+
+#: Launch parameters of the ``triton`` backend (:mod:`varpack.ops._short_conv_kernels`), measured at Qwen3.5's
+#: conv (T = 8192, D = 6144, W = 4, bf16) on an H200. Forward: ``[block_t, block_d]`` token x channel blocks.
+#: Backward: a program runs ``streams`` runs of ``rows`` consecutive tokens over ``block_d`` channels, loading
+#: ``prefetch`` token rows ahead; one ``[W, D]`` fp32 weight gradient slice per ``streams * rows`` tokens.
+SHORT_CONV_TRITON_LAUNCH = {
+    "fwd": {"block_t": 16, "block_d": 256, "num_warps": 4},
+    "bwd": {"streams": 4, "rows": 64, "block_d": 128, "prefetch": 2, "num_warps": 4},
+}
 
 Capability = tuple[bool, str]
 
@@ -132,17 +156,24 @@ def fla_conv_status(
 def resolve_conv_backend(
     backend: str, device: torch.device | str, *, needs_grad: bool = True, dims: tuple[int, int] | None = None
 ) -> str:
-    """``"torch"`` or ``"fla"``: ``auto`` picks fla's Triton ``causal_conv1d`` on CUDA when its probe passed
-    (forward, and backward when ``needs_grad``), else the PyTorch path. ``dims``: the call's ``(D, W)``, the
-    probe's problem (:func:`fla_conv_status`).
+    """``"torch"``, ``"fla"`` or ``"triton"``: ``auto`` picks fla's Triton ``causal_conv1d`` on CUDA when its
+    probe passed (forward, and backward when ``needs_grad``), else the PyTorch path; ``"triton"`` (varpack's own
+    kernels) is only ever chosen by name. ``dims``: the call's ``(D, W)``, the probe's problem
+    (:func:`fla_conv_status`).
 
     Raises:
         ValueError: an unknown backend name.
-        RuntimeError: ``"fla"`` forced where it cannot run, with the reason.
+        RuntimeError: ``"fla"`` forced where it cannot run, with the reason; ``"triton"`` on a device Triton
+            does not run on in this process (:func:`triton_conv_status`).
     """
     if backend != "auto" and backend not in CONV_BACKENDS:
         raise ValueError(f"unknown short conv backend {backend!r}; expected 'auto' or one of {CONV_BACKENDS}")
     device = torch.device(device)
+    if backend == "triton":
+        ok, reason = triton_conv_status(device)
+        if not ok:
+            raise RuntimeError(f"short conv backend 'triton' cannot run on {device}: {reason}")
+        return "triton"
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return "torch"
     conv_forward, conv_backward = fla_conv_status(device, dims)
@@ -213,9 +244,11 @@ def short_conv(
             any device, no host sync; a new sample starts wherever the index changes. Wins over
             ``cu_seqlens`` when both are given.
             With neither, each batch row is one sample.
-        backend: ``"torch"`` (default, this vectorized PyTorch path), ``"fla"`` (fla's Triton
-            ``causal_conv1d`` with ``cu_seqlens``; needs ``cu_seqlens``) or ``"auto"``
-            (:func:`resolve_conv_backend`).
+        backend: ``"torch"`` (default, this vectorized PyTorch path), ``"triton"`` (the custom op
+            ``varpack::short_conv``, :func:`short_conv_triton`: ``seq_idx``, ``cu_seqlens`` or neither; no
+            host sync with device ``seq_idx``; CUDA, or the CPU when Triton runs interpreted), ``"fla"`` (fla's
+            Triton ``causal_conv1d`` with ``cu_seqlens``; needs ``cu_seqlens``) or ``"auto"``
+            (:func:`resolve_conv_backend`; never ``"triton"``).
         cu_seqlens_cpu: CPU copy of a device ``cu_seqlens`` (fla backend; avoids a sync).
         chunk_indices: fla backend: the batch's ``[NT, 2]`` chunk indices on ``x``'s device
             (:func:`varpack.ops._fla.fla_chunk_indices` of ``cu_seqlens_cpu``); without them fla builds its own
@@ -226,9 +259,12 @@ def short_conv(
 
     Raises:
         ValueError: wrong shapes, ``B > 1`` with ``cu_seqlens``, ``cu_seqlens`` that does not cover ``T``
-            tokens, an unknown activation or backend, ``backend="fla"`` with only ``seq_idx``.
+            tokens, an unknown activation or backend, ``backend="fla"`` with only ``seq_idx``; with
+            ``backend="triton"``: a callable activation, ``W`` above :data:`TRITON_MAX_WIDTH`, a dtype other
+            than fp32 / bf16 / fp16, tensors on different devices.
         TypeError: non-integer ``seq_idx`` or ``cu_seqlens``.
-        RuntimeError: ``backend="fla"`` where fla cannot run (the reason is given).
+        RuntimeError: ``backend="fla"`` where fla cannot run (the reason is given); ``backend="triton"`` on a
+            device Triton does not run on in this process (raised by the op when it runs).
     """
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, D], got shape {tuple(x.shape)}")
@@ -241,8 +277,13 @@ def short_conv(
     B, T, D = x.shape
     weight = _weight_2d(weight, D)
     W = weight.shape[1]
-    act = _activation(activation)
-    if backend != "torch":
+    if backend == "triton":
+        act_name = _triton_activation(activation)
+        _check_triton_inputs(x, weight, bias)
+        act = None
+    else:
+        act = _activation(activation)
+    if backend not in ("torch", "triton"):
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         name = resolve_conv_backend(backend, x.device, needs_grad=needs_grad, dims=(D, W))
         if name == "fla" and seq_idx is not None and cu_seqlens is None:
@@ -275,6 +316,8 @@ def short_conv(
         if seq_idx.shape[-1] != T or seq_idx.shape[0] not in (1, B):
             raise ValueError(f"seq_idx must be [B={B}, T={T}] or [T], got shape {tuple(seq_idx.shape)}")
         seq_idx = seq_idx.to(x.device)
+    if backend == "triton":
+        return _short_conv_op(x, weight, bias, seq_idx, act_name)
 
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
@@ -334,3 +377,288 @@ def short_conv_reference(
         pieces.append(act(y) if act is not None else y)
     out = torch.cat(pieces, dim=1) if pieces else x.new_zeros(1, 0, D, dtype=acc)
     return out.reshape(B, T, D).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the triton backend: varpack::short_conv and its backward op
+
+
+def triton_conv_status(device: torch.device | str) -> Capability:
+    """``(ok, reason)``: whether the ``triton`` backend's kernels run on ``device`` in this process: CUDA while
+    Triton runs compiled, the CPU while it runs interpreted (``TRITON_INTERPRET=1`` before ``import triton``;
+    :func:`varpack._triton.triton_interpreted`)."""
+    import importlib.util
+
+    from varpack._triton import triton_interpreted
+
+    device = torch.device(device)
+    if importlib.util.find_spec("triton") is None:
+        return False, "Triton is not installed"
+    interpreted = triton_interpreted()
+    if device.type == "cuda" and not interpreted:
+        return True, "ok"
+    if device.type == "cpu" and interpreted:
+        return True, "ok (Triton interpreted)"
+    mode = "interpreted (TRITON_INTERPRET=1)" if interpreted else "compiled"
+    needs = "CPU" if interpreted else "CUDA"
+    return False, f"Triton runs {mode} in this process: its kernels need {needs} tensors"
+
+
+def _triton_activation(activation: str | Callable | None) -> str:
+    if activation is None:
+        return "none"
+    if activation in ("silu", "swish"):
+        return "silu"
+    if callable(activation):
+        raise ValueError(
+            f"the triton short conv backend supports activation None or 'silu'/'swish', got the callable "
+            f"{activation!r} (use backend='torch')"
+        )
+    raise ValueError(f"activation must be None, 'silu'/'swish' or a callable, got {activation!r}")
+
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_triton_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Shapes, dtypes and devices the ``triton`` backend runs (``weight`` already ``[D, W]``)."""
+    B, _, D = x.shape
+    W = weight.shape[1]
+    if not 1 <= W <= TRITON_MAX_WIDTH:
+        raise ValueError(f"the triton short conv backend runs kernel widths 1..{TRITON_MAX_WIDTH}, got W={W}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if t.dtype not in _TRITON_DTYPES:
+            raise ValueError(
+                f"the triton short conv backend runs fp32, bf16 and fp16 tensors, got {name} in {t.dtype} "
+                "(use backend='torch')"
+            )
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if bias is not None and tuple(bias.shape) != (D,):
+        raise ValueError(f"bias must be [D={D}], got shape {tuple(bias.shape)}")
+    if B > 65535:
+        raise ValueError(f"the triton short conv backend runs at most 65535 batch rows, got B={B}")
+
+
+def _triton_kernels(x: torch.Tensor, what: str):
+    from varpack._triton import import_kernels, triton_interpreted
+
+    interpreted = triton_interpreted()
+    if (x.device.type == "cuda") == interpreted or x.device.type not in ("cuda", "cpu"):
+        mode = "interpreted" if interpreted else "compiled"
+        raise RuntimeError(f"{what}: tensors on {x.device} while Triton runs {mode}")
+    return import_kernels("varpack.ops._short_conv_kernels"), interpreted
+
+
+def _seq_strides(seq_idx: torch.Tensor | None, B: int) -> tuple[int, int]:
+    if seq_idx is None:
+        return 0, 0
+    return (seq_idx.stride(0) if seq_idx.shape[0] == B else 0), seq_idx.stride(1)
+
+
+def _device_guard(x: torch.Tensor):
+    import contextlib
+
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _checked_op_args(x, weight, bias, seq_idx, activation, what):
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
+        raise ValueError(
+            f"{what}: x must be [B, T, D] and weight [D, W], got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    if activation not in ("silu", "none"):
+        raise ValueError(f"{what}: activation must be 'silu' or 'none', got {activation!r}")
+    if seq_idx is not None and (
+        seq_idx.dim() != 2 or seq_idx.shape[1] != x.shape[1] or seq_idx.shape[0] not in (1, x.shape[0])
+    ):
+        raise ValueError(
+            f"{what}: seq_idx must be [B, T] or [1, T] for x {tuple(x.shape)}, got {tuple(seq_idx.shape)}"
+        )
+    if seq_idx is not None and (
+        seq_idx.dtype.is_floating_point or seq_idx.dtype.is_complex or seq_idx.dtype == torch.bool
+    ):
+        raise ValueError(f"{what}: seq_idx must be an integer tensor, got dtype {seq_idx.dtype}")
+    if seq_idx is not None and seq_idx.device != x.device:
+        raise ValueError(f"{what}: seq_idx is on {seq_idx.device} but x is on {x.device}")
+    _check_triton_inputs(x, weight, bias)
+
+
+def short_conv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    activation: str = "silu",
+    *,
+    launch: dict | None = None,
+) -> torch.Tensor:
+    """The forward of the ``triton`` backend (what the op ``varpack::short_conv`` runs): one kernel launch.
+
+    Args:
+        x: ``[B, T, D]`` fp32 / bf16 / fp16, any strides.
+        weight: ``[D, W]`` (``W <= TRITON_MAX_WIDTH``), fp32 / bf16 / fp16.
+        bias: ``[D]`` or ``None``.
+        seq_idx: ``[B, T]`` or ``[1, T]`` integer sample index on x's device, or ``None`` (each row one sample).
+        activation: ``"silu"`` or ``"none"``.
+        launch: :data:`SHORT_CONV_TRITON_LAUNCH` ``["fwd"]``'s keys.
+
+    Returns:
+        ``[B, T, D]`` contiguous, in ``x.dtype`` (fp32 arithmetic).
+
+    Raises:
+        ValueError: shapes, dtypes (x / weight / bias other than fp32, bf16, fp16; a non-integer seq_idx),
+            tensors on different devices, ``W > TRITON_MAX_WIDTH`` or an activation the kernels do not run.
+        RuntimeError: tensors on a device Triton does not run on in this process (:func:`triton_conv_status`).
+    """
+    _checked_op_args(x, weight, bias, seq_idx, activation, "short_conv_triton")
+    B, T, D = x.shape
+    W = weight.shape[1]
+    y = torch.empty((B, T, D), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    kern, interpreted = _triton_kernels(x, "short_conv_triton")
+    cfg = {**SHORT_CONV_TRITON_LAUNCH["fwd"], **(launch or {})}
+    BT, BD = int(cfg["block_t"]), int(cfg["block_d"])
+    s_sb, s_st = _seq_strides(seq_idx, B)
+    opts = {} if interpreted else {"num_warps": int(cfg["num_warps"])}
+    with _device_guard(x):
+        kern.short_conv_fwd_kernel[(_cdiv(T, BT), _cdiv(D, BD), B)](
+            x, weight, bias if bias is not None else weight, seq_idx if seq_idx is not None else x, y,
+            T, D,
+            x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1), s_sb, s_st,
+            y.stride(0), y.stride(1),
+            W=W, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=activation == "silu",
+            BT=BT, BD=BD, **opts,
+        )  # fmt: skip
+    return y
+
+
+def short_conv_triton_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    activation: str = "silu",
+    *,
+    launch: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward of :func:`short_conv_triton` (what the op ``varpack::short_conv_backward`` runs): one kernel
+    (recomputes the pre-activation from ``x``, writes ``dx`` and per-program ``[W, D]`` / ``[D]`` fp32 weight /
+    bias gradient slices) and one sum over the slices (a fixed order: deterministic).
+
+    Args:
+        dy: ``[B, T, D]`` gradient of the output (any strides, any of the three float dtypes).
+        x, weight, bias, seq_idx, activation: as :func:`short_conv_triton`.
+        launch: :data:`SHORT_CONV_TRITON_LAUNCH` ``["bwd"]``'s keys.
+
+    Returns:
+        ``(dx, dweight, dbias)``: ``[B, T, D]`` contiguous in ``x.dtype``, ``[D, W]`` in ``weight.dtype``,
+        ``[D]`` in ``bias.dtype`` (``None`` without bias).
+
+    Raises:
+        ValueError / RuntimeError: as :func:`short_conv_triton`; ``dy`` of another shape, dtype or device.
+    """
+    _checked_op_args(x, weight, bias, seq_idx, activation, "short_conv_triton_backward")
+    if dy.shape != x.shape or dy.dtype not in _TRITON_DTYPES or dy.device != x.device:
+        raise ValueError(
+            f"dy must be an fp32 / bf16 / fp16 tensor of x's shape {tuple(x.shape)} on {x.device}, got "
+            f"{tuple(dy.shape)} {dy.dtype} on {dy.device}"
+        )
+    B, T, D = x.shape
+    W = weight.shape[1]
+    dx = torch.empty((B, T, D), dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        dw = torch.zeros((D, W), dtype=weight.dtype, device=x.device)
+        db = None if bias is None else torch.zeros((D,), dtype=bias.dtype, device=x.device)
+        return dx, dw, db
+    kern, interpreted = _triton_kernels(x, "short_conv_triton_backward")
+    cfg = {**SHORT_CONV_TRITON_LAUNCH["bwd"], **(launch or {})}
+    NR, RS, BD = _stream_shape(cfg, T)
+    NC = _cdiv(T, NR * RS)
+    dwp = torch.empty((B * NC, W, D), dtype=torch.float32, device=x.device)
+    dbp = torch.empty((B * NC, D), dtype=torch.float32, device=x.device)
+    s_sb, s_st = _seq_strides(seq_idx, B)
+    opts = {} if interpreted else {"num_warps": int(cfg["num_warps"])}
+    with _device_guard(x):
+        kern.short_conv_bwd_kernel[(NC, _cdiv(D, BD), B)](
+            x, weight, bias if bias is not None else weight, seq_idx if seq_idx is not None else x, dy, dx,
+            dwp, dbp,
+            T, D,
+            x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1), s_sb, s_st,
+            dy.stride(0), dy.stride(1), dy.stride(2), dx.stride(0), dx.stride(1),
+            W=W, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=activation == "silu",
+            NR=NR, RS=RS, BD=BD, P=int(cfg["prefetch"]), **opts,
+        )  # fmt: skip
+    dw = dwp.sum(0).t().to(weight.dtype).contiguous()
+    db = None if bias is None else dbp.sum(0).to(bias.dtype)
+    return dx, dw, db
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+def _stream_shape(cfg: dict, T: int) -> tuple[int, int, int]:
+    """``(streams, rows, block_d)`` of a launch; a short ``T`` gets shorter streams (a power of two: few
+    compiled variants) rather than steps over absent tokens."""
+    NR, RS = int(cfg["streams"]), int(cfg["rows"])
+    need = _cdiv(T, NR)
+    return NR, min(RS, 1 << (need - 1).bit_length()), int(cfg["block_d"])
+
+
+@torch.library.custom_op("varpack::short_conv", mutates_args=())
+def _short_conv_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    return short_conv_triton(x, weight, bias, seq_idx, activation)
+
+
+@_short_conv_op.register_fake
+def _short_conv_op_fake(x, weight, bias, seq_idx, activation):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("varpack::short_conv_backward", mutates_args=())
+def _short_conv_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dbias)`` of ``varpack::short_conv`` (:func:`short_conv_triton_backward`); ``dbias`` is an
+    empty ``[0]`` tensor without bias."""
+    dx, dw, db = short_conv_triton_backward(dy, x, weight, bias, seq_idx, activation)
+    return dx, dw, (db if db is not None else weight.new_empty((0,)))
+
+
+@_short_conv_backward_op.register_fake
+def _short_conv_backward_op_fake(dy, x, weight, bias, seq_idx, activation):
+    db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty((0,))
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), db
+
+
+def _short_conv_setup_context(ctx, inputs, output):
+    x, weight, bias, seq_idx, activation = inputs
+    ctx.save_for_backward(x, weight, bias, seq_idx)
+    ctx.activation = activation
+
+
+def _short_conv_autograd_backward(ctx, dy):
+    x, weight, bias, seq_idx = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x)
+    dx, dw, db = _short_conv_backward_op(dy, x, weight, bias, seq_idx, ctx.activation)
+    return dx, dw, (db if bias is not None else None), None, None
+
+
+_short_conv_op.register_autograd(_short_conv_autograd_backward, setup_context=_short_conv_setup_context)
