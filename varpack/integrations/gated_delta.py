@@ -319,9 +319,10 @@ def _traced_packed_forward(
     layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask, meta: VarlenMeta
 ) -> torch.Tensor:
     """The packed forward as ``torch.compile`` traces it (``compile_layers(custom_ops=True)``): the same
-    projections, gates, norm and output projection as :func:`_packed_forward`; the short convolution on the
-    PyTorch path with the segment index computed in the graph from the meta's offsets
-    (:func:`varpack.varlen.seq_idx_on_device`: no host read, no data-dependent shape); the gated delta rule
+    projections, gates, norm and output projection as :func:`_packed_forward`; the short convolution with the
+    segment index computed in the graph from the meta's offsets (:func:`varpack.varlen.seq_idx_on_device`: no
+    host read, no data-dependent shape), on varpack's Triton kernels where Triton runs (:func:`_traced_conv_backend`),
+    else on the PyTorch path; the gated delta rule
     on the meta's ``cu_seqlens_linear`` when it has them (a static row's pad segments as one sequence: fewer
     chunks, the same real tokens; its chunk tables ``linear_chunk_rows`` long), else on its offsets
     (q/k l2norm inside) as the ``varpack::gated_delta_rule`` custom op, one graph node, with the offsets on
@@ -347,8 +348,9 @@ def _traced_packed_forward(
     else:
         lin_cpu = lin_host if lin_host.device.type == "cpu" else _rule_cpu(meta)
     mixed = short_conv(
-        mixed, weight, bias, conv_activation(layer.activation), seq_idx=seq_idx_on_device(cu, T)
-    )
+        mixed, weight, bias, conv_activation(layer.activation), seq_idx=seq_idx_on_device(cu, T),
+        backend=_traced_conv_backend(device.type, -1 if device.index is None else device.index),
+    )  # fmt: skip
     query, key, value = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     core, _ = gated_delta_rule_op(
         query.reshape(B, T, hk, dk), key.reshape(B, T, hk, dk), value.reshape(B, T, hv, dv), g, beta,
@@ -358,6 +360,17 @@ def _traced_packed_forward(
     )  # fmt: skip
     core = layer.norm(core.reshape(-1, dv), z.reshape(-1, dv))
     return layer.out_proj(core.reshape(B, T, -1))
+
+
+@torch.compiler.assume_constant_result
+def _traced_conv_backend(device_type: str, device_index: int) -> str:
+    """The traced layer's short convolution: varpack's Triton kernels (``varpack::short_conv``, one forward and
+    one backward kernel; :func:`varpack.ops.short_conv.triton_conv_status`) wherever Triton runs them, else the
+    PyTorch path; a trace-time constant."""
+    from varpack.ops.short_conv import triton_conv_status
+
+    device = torch.device(device_type, device_index) if device_index >= 0 else torch.device(device_type)
+    return "triton" if triton_conv_status(device)[0] else "torch"
 
 
 def _traced_call(layer: torch.nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict):
