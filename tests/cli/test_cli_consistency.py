@@ -262,7 +262,7 @@ def test_a_flag_before_the_command_names_the_order_that_works(argv, flag, moved,
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--data", "d.jsonl", "plan"], "--data comes before the command 'plan', and plan has no --data flag"),
+        (["--model", "m", "plan"], "--model comes before the command 'plan', and plan has no --model flag"),
         (["--pack", "10", "sft"], "--pack comes before the command 'sft', and sft has no --pack flag (did you mean"),
         (["--packing-length", "10"], "--packing-length needs a command before it: varpack COMMAND --packing-length"),
     ],

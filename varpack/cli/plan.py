@@ -47,7 +47,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         nargs="+",
-        default=[],
+        default=None,
         dest="data_option",
         metavar="PATH",
         help="the same files as DATA, written as varpack sft and varpack check take them",
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         ValueError / TypeError / OSError: bad data or overlong samples (``varpack.cli.main`` prints them as
             ``varpack plan: error: ...`` and exits 1).
     """
-    args.data = [*args.data, *args.data_option]  # DATA and --data name the same files
+    args.data = [*args.data, *(args.data_option or ())]  # DATA and --data name the same files
     check_data_files(args.data)  # a missing file is reported before the encoder's imports
 
     from varpack.plan import plan_packs
