@@ -263,3 +263,21 @@ def test_plan_takes_data_as_sft_does(tmp_path, capsys):
     assert flag["num_samples"] == positional["num_samples"] == 7 and flag["data"] == positional["data"]
     assert main(["plan", "--data", str(tmp_path / "missing.jsonl")]) != 0
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["plan", "check", "sft"])
+def test_a_repeated_data_flag_adds_its_files(command):
+    """``--data a --data b`` names both files in every command (argparse's plain store kept only the last list:
+    the first file's samples were dropped without a word)."""
+    from varpack.cli.main import build_parser
+
+    args, _ = build_parser().parse_known_args([command, "--data", "a.jsonl", "--data", "b.jsonl", "c.jsonl"])
+    files = args.data_option if command == "plan" else args.data
+    assert list(files) == ["a.jsonl", "b.jsonl", "c.jsonl"]
+
+
+def test_plan_repeated_data_plans_every_file(tmp_path, capsys):
+    first = _write(tmp_path, _chats(3), "a.jsonl")
+    second = _write(tmp_path, _chats(4), "b.jsonl")
+    assert main(["plan", "--data", str(first), "--data", str(second), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_samples"] == 7

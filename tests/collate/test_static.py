@@ -309,4 +309,8 @@ def test_collator_gives_linear_offsets_with_the_pads_merged_and_refuses_a_row_be
     one_pad = loose([pack([5, 70, 1, 1, 2], 30)])  # 5 samples, one pad segment: nothing to merge
     assert one_pad["varlen_meta"].cu_seqlens_linear.tolist() == one_pad["cu_seq_lens_q"].tolist()
     assert one_pad["varlen_meta"].linear_chunk_rows is None  # no bound given: the tables take max_chunks
+    # a full row (no pad segment) carries the same fields: its own offsets, the shape's bound
+    full = PaddingFreeCollator(static_shape=StaticShape(tokens=200, segments=2, max_seqlen=200, linear_chunks=4))
+    meta = full([pack([100, 100], 40)])["varlen_meta"]
+    assert meta.cu_seqlens_linear.tolist() == [0, 100, 200] and meta.linear_chunk_rows == 4
     assert PaddingFreeCollator()([pack([5, 7])])["varlen_meta"].cu_seqlens_linear is None  # dynamic rows: none

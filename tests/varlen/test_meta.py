@@ -186,6 +186,7 @@ def test_linear_offsets_merge_the_trailing_segments_and_travel_with_the_meta():
         ([0, 5, 76, 76, 200], None, "equal cu_seqlens_q up to an entry and T after it"),  # not T after the merge
         ([0, 3, 75, 200, 200], None, "equal cu_seqlens_q up to an entry and T after it"),  # a real boundary moved
         ([0, 5, 75, 76], None, r"must be \[N\+1\]"),
+        ([0, 200, 200, 200, 200], None, "equal cu_seqlens_q up to an entry and T after it"),  # all merged
         ([0, 5, 75, 76, 200], 5, "holds 6 chunks of 64 tokens, more than linear_chunk_rows=5"),
     ],
 )
@@ -203,3 +204,14 @@ def test_linear_chunk_rows_needs_linear_offsets():
         VarlenMeta.from_lengths([3], linear_chunk_rows=2)
     with pytest.raises(ValueError, match="linear_from=2 is not a segment index"):
         VarlenMeta.from_lengths([3, 4], linear_from=2)
+    with pytest.raises(ValueError, match="the first segment is never merged"):
+        VarlenMeta.from_lengths([3, 4], linear_from=0)
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match="linear_from must be an integer"):
+            VarlenMeta.from_lengths([3, 4], linear_from=bad)
+    cu, lin = torch.tensor([0, 3, 7]), torch.tensor([0, 3, 7])
+    with pytest.raises(ValueError, match=r"linear_chunk_rows must be a host integer >= 1 \(a count of 64-token"):
+        VarlenMeta(cu, cu_seqlens_linear=lin, linear_chunk_rows=-1)
+    with pytest.raises(TypeError, match="linear_chunk_rows must be a host integer"):
+        VarlenMeta(cu, cu_seqlens_linear=lin, linear_chunk_rows=2.0)
+    assert VarlenMeta.from_lengths([9], linear_from=0).cu_seqlens_linear.tolist() == [0, 9]  # one segment

@@ -67,6 +67,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         nargs="+",
+        action="extend",  # --data a --data b: both
         default=None,
         metavar="PATH",
         help="chat data files (default: the built-in chats; image-caption chats for a vision-language model)",

@@ -47,6 +47,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         nargs="+",
+        action="extend",  # --data a --data b: both
         default=None,
         dest="data_option",
         metavar="PATH",

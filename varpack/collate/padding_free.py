@@ -473,8 +473,9 @@ class PaddingFreeCollator:
                 raise ValueError(f"{_batch_name(names)}: {exc}") from None
             pad, seg_lengths = int(pads.sum()), np.concatenate([lengths, pads])
             max_seqlen = self.static_shape.max_seqlen
-            # the linear-attention layers run the pad tokens as one sequence (VarlenMeta.cu_seqlens_linear)
-            linear = {"linear_from": n, "linear_chunk_rows": self.static_shape.linear_chunks} if pads.size else {}
+            # the linear-attention layers run the pad tokens as one sequence (VarlenMeta.cu_seqlens_linear); a
+            # full row (no pad segment) gets its own offsets, so every row of the shape carries the same fields
+            linear = {"linear_from": n if pads.size else n - 1, "linear_chunk_rows": self.static_shape.linear_chunks}
         else:
             pad = 0 if self.pad_to_multiple_of is None else (-total) % self.pad_to_multiple_of
             seg_lengths = np.append(lengths, pad) if pad else lengths

@@ -448,7 +448,14 @@ def _triton_kernels(x: torch.Tensor, what: str):
     interpreted = triton_interpreted()
     if (x.device.type == "cuda") == interpreted or x.device.type not in ("cuda", "cpu"):
         mode = "interpreted" if interpreted else "compiled"
-        raise RuntimeError(f"{what}: tensors on {x.device} while Triton runs {mode}")
+        fix = (
+            "run it on CUDA tensors, or set TRITON_INTERPRET=1 before Python imports Triton to run it on the CPU"
+            if not interpreted
+            else "CUDA tensors need Triton compiled (TRITON_INTERPRET unset)"
+        )
+        raise RuntimeError(
+            f"{what}: tensors on {x.device} while Triton runs {mode}: {fix}; backend='torch' runs anywhere"
+        )
     return import_kernels("varpack.ops._short_conv_kernels"), interpreted
 
 

@@ -70,6 +70,16 @@ class _Store(argparse.Action):
         _mark_given(namespace, self.dest)
 
 
+class _Extend(_Store):
+    """A list flag (``nargs="+"``) given twice adds to its list: ``--data a.jsonl --data b.jsonl`` names both
+    files, as ``--data a.jsonl b.jsonl`` does; its first use replaces the default."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None):
+        if self.dest in (getattr(namespace, EXPLICIT_FIELDS, None) or ()):
+            values = [*getattr(namespace, self.dest), *values]
+        super().__call__(parser, namespace, values, option_string)
+
+
 class _Switch(argparse.BooleanOptionalAction):
     """``--flag`` / ``--no-flag`` that records that it was given; an underscore flag gets ``--no_flag``."""
 
@@ -217,9 +227,10 @@ def add_config_arguments(
             raise TypeError(f"{config_cls.__name__}.{f.name}: no flag rule for the annotation {annotation!r}")
         if isinstance(default, dict) and not default:
             default = None  # an empty mapping: the field's own default_factory
-        parser.add_argument(flag, action=_Store, default=default, help=text, **kw)
+        store = _Extend if kw.get("nargs") == "+" else _Store
+        parser.add_argument(flag, action=store, default=default, help=text, **kw)
         for other in hidden:
-            parser.add_argument(other, action=_Store, default=default, help=argparse.SUPPRESS, **kw)
+            parser.add_argument(other, action=store, default=default, help=argparse.SUPPRESS, **kw)
     if always_on is None:
         always_on = ALWAYS_ON if config_cls is SFTConfig else {}
     if parser.epilog is None:

@@ -93,7 +93,8 @@ class VarlenMeta:
         allow_empty: accept zero-length segments.
         cu_seqlens_linear: the linear-attention offsets (module docstring): ``[N+1]``, on the offsets' device,
             equal to ``cu_seqlens_q`` up to an entry ``j >= 1`` and ``T`` from ``j + 1`` on (the segments from
-            ``j`` on merged into one, the rest empty); self-attention metas only. Default ``None``: the
+            ``j`` on merged into one, the rest empty; the first segment is never merged); self-attention metas
+            only. Default ``None``: the
             linear layers run on ``cu_seqlens_q``.
         linear_chunk_rows: a host integer at least :func:`linear_chunk_count` of ``cu_seqlens_linear``'s
             segments (checked for CPU offsets): the fixed row count of the chunk tables the gated delta rule
@@ -105,7 +106,8 @@ class VarlenMeta:
     host sync): only their type and shape are checked; they are trusted as produced where the batch was built.
 
     Raises:
-        TypeError: offsets that are not integers, a ``max_seqlen`` / ``total`` that is not a host integer.
+        TypeError: offsets that are not integers, a ``max_seqlen`` / ``total`` / ``linear_chunk_rows`` that is not
+            a host integer.
         ValueError: invalid offsets (named ``cu_seqlens_q`` / ``cu_seqlens_k``), q and k offsets of different
             lengths, a device meta without ``max_seqlen`` / ``total``; ``cu_seqlens_linear`` that is not such a
             merge of ``cu_seqlens_q`` (or of another shape or device), more chunks than ``linear_chunk_rows``.
@@ -191,7 +193,8 @@ class VarlenMeta:
             max_seqlen: the ``max_seqlen`` to carry (a host integer at least the longest segment: a fixed
                 bucket, e.g. :class:`varpack.collate.StaticShape`'s); default: the longest segment.
             linear_from: the first of the trailing segments merged into one for the linear-attention layers
-                (``cu_seqlens_linear``: the collator's first pad segment); ``None``: no ``cu_seqlens_linear``.
+                (``cu_seqlens_linear``: the collator's first pad segment; ``N - 1``: the offsets themselves),
+                ``>= 1``; ``None``: no ``cu_seqlens_linear``.
             linear_chunk_rows: ``linear_chunk_rows`` to carry (with ``linear_from``).
 
         Raises:
@@ -212,9 +215,14 @@ class VarlenMeta:
             raise ValueError(f"the batch has {int(cu[-1])} tokens, more than int32 cu_seqlens can index")
         linear = None
         if linear_from is not None:
+            if isinstance(linear_from, bool) or not isinstance(linear_from, (int, np.integer)):
+                raise TypeError(f"linear_from must be an integer segment index, got {linear_from!r}")
             j = int(linear_from)
-            if not 0 <= j < arr.size:
-                raise ValueError(f"linear_from={linear_from} is not a segment index of {arr.size} segments")
+            if not 1 <= j < arr.size and not (j == 0 and arr.size == 1):
+                raise ValueError(
+                    f"linear_from={linear_from} is not a segment index from 1 to {arr.size - 1} (the first segment "
+                    "is never merged)"
+                )
             linear = cu.copy()
             linear[j + 1 :] = cu[-1]
             linear = torch.from_numpy(linear.astype(np.int32))
@@ -500,7 +508,11 @@ def _checked_linear(
             f"{tuple(lin.shape)} on {lin.device}"
         )
     if rows is not None:
-        rows = normalize_max_seqlen(rows, "linear_chunk_rows")
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1:
+            raise (ValueError if isinstance(rows, (int, np.integer)) and not isinstance(rows, bool) else TypeError)(
+                f"linear_chunk_rows must be a host integer >= 1 (a count of 64-token chunks), got {rows!r}"
+            )
+        rows = int(rows)
     lin = lin if lin.dtype == torch.int32 else lin.to(torch.int32)
     if host_q is None:  # device offsets: trusted as built
         return lin, rows
@@ -508,7 +520,7 @@ def _checked_linear(
     h = np.asarray(lin.tolist(), dtype=np.int64)
     differ = np.flatnonzero(h != q)
     j = int(differ[0]) if differ.size else q.size
-    if j == 0 or (h[j:] != total).any():
+    if j < 2 or (h[j:] != total).any():  # the first segment is never merged (offsets 0 and 1 kept)
         raise ValueError(
             "cu_seqlens_linear must equal cu_seqlens_q up to an entry and T after it (trailing segments merged "
             f"into one), got {h[:8].tolist()}... for cu_seqlens_q {q[:8].tolist()}..."
