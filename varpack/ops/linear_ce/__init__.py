@@ -71,17 +71,26 @@ Files
 from __future__ import annotations
 
 from .causal_lm import causal_lm_forward_with_linear_ce
-from .dispatch import AUTO_PREFERS_LIGER, linear_ce_backends, linear_cross_entropy, resolve_linear_ce_backend
+from .dispatch import (
+    AUTO_PREFERS_LIGER,
+    SUPERVISED_ROWS_MULTIPLE,
+    linear_ce_backends,
+    linear_cross_entropy,
+    resolve_linear_ce_backend,
+    supervised_rows,
+)
 from .naive import naive_linear_cross_entropy
 from .weights import shift_labels, token_loss_weights
 
 __all__ = [
     "AUTO_PREFERS_LIGER",
+    "SUPERVISED_ROWS_MULTIPLE",
     "causal_lm_forward_with_linear_ce",
     "linear_cross_entropy",
     "linear_ce_backends",
     "naive_linear_cross_entropy",
     "resolve_linear_ce_backend",
     "shift_labels",
+    "supervised_rows",
     "token_loss_weights",
 ]

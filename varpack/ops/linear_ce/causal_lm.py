@@ -123,6 +123,7 @@ def causal_lm_forward_with_linear_ce(
     ignore_index: int = IGNORE_INDEX,
     chunk_size: int = 4096,
     backend: str = "auto",
+    max_supervised: int | None = None,
 ) -> torch.Tensor:
     """The causal-LM loss of a Hugging Face model on a collated batch, without the ``[T, V]`` logits.
 
@@ -147,7 +148,9 @@ def causal_lm_forward_with_linear_ce(
     Args:
         model: a transformers ``PreTrainedModel`` with a base model and an output embedding.
         batch: the collated batch (tensors already on the model's device); ``labels`` ``[B, T]`` unshifted.
-        reduction, num_items_in_batch, ignore_index, chunk_size, backend: as in :func:`linear_cross_entropy`.
+        reduction, num_items_in_batch, ignore_index, chunk_size, backend, max_supervised: as in
+            :func:`linear_cross_entropy` (``max_supervised`` bounds the batch's ``labels != ignore_index``; the
+            shifted labels never have more; varpack's trainers pass the collator's ``batch_stats`` count).
 
     Returns:
         The scalar float32 loss.
@@ -198,4 +201,5 @@ def causal_lm_forward_with_linear_ce(
         loss_scale=loss_scale,
         chunk_size=chunk_size,
         backend=backend,
+        max_supervised=max_supervised,
     )

@@ -17,9 +17,20 @@ from .chunked import chunked_linear_cross_entropy
 from .liger import _liger_loss, _liger_probe
 from .weights import Reduction, token_loss_weights
 
-__all__ = ["AUTO_PREFERS_LIGER", "linear_ce_backends", "linear_cross_entropy", "resolve_linear_ce_backend"]
+__all__ = [
+    "AUTO_PREFERS_LIGER",
+    "SUPERVISED_ROWS_MULTIPLE",
+    "linear_ce_backends",
+    "linear_cross_entropy",
+    "resolve_linear_ce_backend",
+    "supervised_rows",
+]
 
 _BACKENDS = ("auto", "chunked", "liger")
+
+#: :func:`supervised_rows` rounds its row count up to a multiple of this (a handful of distinct LM-head
+#: shapes per packing length, so neither Liger's kernels nor the compiled chunk see a new shape every step).
+SUPERVISED_ROWS_MULTIPLE = 256
 
 #: Whether ``auto`` takes Liger (when importable on CUDA, uniform weights) over the chunked implementation.
 #: The maintained library first, where it runs; ``benchmarks/train.py`` measures both (``varpack_lce`` vs
@@ -102,6 +113,7 @@ def linear_cross_entropy(
     chunk_size: int = 4096,
     backend: str = "auto",
     compile: bool | None = None,
+    max_supervised: int | None = None,
 ) -> torch.Tensor:
     """Cross entropy of ``hidden @ weight.T + bias`` against already-shifted labels, without the logits.
 
@@ -136,14 +148,25 @@ def linear_cross_entropy(
             (one reduction + one pointwise kernel, no float32 chunk buffer). None (default): on CUDA for
             16/32-bit inputs unless ``VARPACK_LINEAR_CE_COMPILE=0``; the eager path computes the same values
             in place.
+        max_supervised: a host-known upper bound on the supervised labels (``labels != ignore_index``) of
+            the call, e.g. the collator's count of the unshifted labels (shifting within each sample never
+            adds one). The LM head then runs on that many rows only, rounded up to a multiple of
+            :data:`SUPERVISED_ROWS_MULTIPLE` (fewer distinct shapes): the supervised rows, gathered on the device
+            with ``torch.nonzero_static`` (no host read), padded with ignored rows. Unsupervised positions
+            (prompts, padding) add nothing to the loss or its gradients, so the result is the same up to
+            float summation order; on code_alpaca 39% of the rows are prompts. A bound below the true count
+            would drop supervised tokens: it is checked on the device (``torch._assert_async``, no host read),
+            which fails the call (on CUDA, the device asserts) instead of losing them. ``None``: every row.
 
     Returns:
         The scalar loss. 0 with zero gradients when nothing is supervised.
 
     Raises:
         ValueError: bad shapes, an unknown reduction or backend, ``"sample"`` without ``seq_idx``, a
-            non-positive ``chunk_size`` / ``num_items_in_batch``, labels out of ``[0, V)`` (checked for CPU
-            labels only: reading GPU values would sync), or ``"liger"`` forced where it cannot run.
+            non-positive ``chunk_size`` / ``num_items_in_batch``, a negative ``max_supervised``, labels out of
+            ``[0, V)`` (checked for CPU labels only: reading GPU values would sync), or ``"liger"`` forced
+            where it cannot run.
+        RuntimeError: more supervised labels than ``max_supervised`` (on CUDA, a device-side assert).
         TypeError: non-integer labels, non-float hidden states.
     """
     if hidden.dim() == 3:
@@ -194,20 +217,66 @@ def linear_cross_entropy(
     )
     uniform = reduction == "token" and loss_scale is None
     name, _ = resolve_linear_ce_backend(backend, hidden.device, uniform_weights=uniform)
+    denom = None
+    if name == "liger" and uniform:
+        denom = (
+            (labels != ignore_index).sum().to(torch.float32).clamp(min=1.0)
+            if num_items_in_batch is None
+            else loss_denominator(num_items_in_batch, hidden.device)
+        )
+    if max_supervised is not None:
+        hidden, labels, token_weight = supervised_rows(hidden, labels, token_weight, max_supervised, ignore_index)
     if name == "liger":
         if weight.dtype != hidden.dtype:
             weight = weight.to(hidden.dtype)
             bias = None if bias is None else bias.to(hidden.dtype)
-        denom = None
-        if uniform:
-            valid = labels != ignore_index
-            denom = (
-                valid.sum().to(torch.float32).clamp(min=1.0)
-                if num_items_in_batch is None
-                else loss_denominator(num_items_in_batch, hidden.device)
-            )
         return _liger_loss(hidden, weight, bias, labels, token_weight, denom, ignore_index, chunk_size)
     return chunked_linear_cross_entropy(hidden, weight, bias, labels, token_weight, chunk_size, compile)
+
+
+def supervised_rows(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    token_weight: torch.Tensor,
+    max_supervised: int,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of ``hidden`` / ``labels`` / ``token_weight`` whose label is supervised, without a host read.
+
+    ``R = min(T, round_up(max(max_supervised, 1), SUPERVISED_ROWS_MULTIPLE))`` rows: the supervised ones in
+    order (``torch.nonzero_static``), then padding rows (a copy of row 0 with label ``ignore_index`` and weight
+    0, so they add nothing). Returns the inputs unchanged when ``R == T``. The gather is differentiable: the
+    gradient w.r.t. ``hidden`` is scattered back to the supervised rows, zero elsewhere.
+
+    Args:
+        hidden: ``(T, D)`` float; labels ``(T,)`` int64 (already shifted); token_weight ``(T,)`` float.
+        max_supervised: a host-known upper bound on ``(labels != ignore_index).sum()``.
+
+    Returns:
+        ``(hidden (R, D), labels (R,), token_weight (R,))``.
+
+    Raises:
+        ValueError: ``max_supervised`` not a non-negative int.
+        RuntimeError: more supervised labels than ``max_supervised`` (``torch._assert_async``: on CUDA the
+            device asserts at the next synchronisation, never a silent drop).
+    """
+    if isinstance(max_supervised, bool) or not isinstance(max_supervised, int) or max_supervised < 0:
+        raise ValueError(f"max_supervised must be a non-negative int, got {max_supervised!r}")
+    num_tokens = hidden.shape[0]
+    rows = min(num_tokens, -(-max(max_supervised, 1) // SUPERVISED_ROWS_MULTIPLE) * SUPERVISED_ROWS_MULTIPLE)
+    if rows >= num_tokens:
+        return hidden, labels, token_weight
+    valid = labels != ignore_index
+    torch._assert_async(
+        valid.sum() <= max_supervised,
+        f"linear_cross_entropy: more supervised labels than max_supervised={max_supervised}",
+    )
+    index = torch.nonzero_static(valid, size=rows, fill_value=-1).squeeze(1)
+    real = index >= 0
+    index = index.clamp(min=0)
+    labels = torch.where(real, labels.index_select(0, index), ignore_index)
+    token_weight = torch.where(real, token_weight.index_select(0, index), 0)
+    return hidden.index_select(0, index), labels, token_weight
 
 
 def _flat(x: torch.Tensor, shape: tuple[int, int], name: str) -> torch.Tensor:

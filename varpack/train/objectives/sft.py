@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from varpack.schema import (
+    BATCH_STATS,
     BOOKKEEPING_BATCH_KEYS,
     CP_SHARD,
     IGNORE_INDEX,
@@ -47,7 +48,9 @@ class CausalLMObjective:
                 ``loss_scale`` ``[1, T]`` float and bookkeeping keys (dropped here).
             reduction: ``"token"`` or ``"sample"``.
             num_items_in_batch: the step's denominator (``None``: this batch's own count).
-            linear_ce: run the chunked linear cross entropy instead of materialising the logits.
+            linear_ce: run the chunked linear cross entropy instead of materialising the logits; with the
+                collator's ``batch_stats`` in ``inputs`` the LM head runs on the supervised rows only
+                (``max_supervised`` of :func:`varpack.ops.linear_ce.linear_cross_entropy`).
 
         Returns:
             :class:`varpack.train.objectives.base.ObjectiveLoss` ``(loss, outputs, impl)``.
@@ -75,8 +78,13 @@ class CausalLMObjective:
                 )
 
             batch = {k: v for k, v in inputs.items() if k not in BOOKKEEPING_BATCH_KEYS}
+            stats = inputs.get(BATCH_STATS)  # the collator's host count: the LM head skips prompt rows
             loss = causal_lm_forward_with_linear_ce(
-                model, batch, reduction=reduction, num_items_in_batch=num_items_in_batch
+                model,
+                batch,
+                reduction=reduction,
+                num_items_in_batch=num_items_in_batch,
+                max_supervised=None if stats is None else int(stats["supervised_tokens"]),
             )
             return ObjectiveLoss(loss, None, "linear_ce")
         from varpack.loss import causal_lm_loss
