@@ -142,17 +142,31 @@ def _fwd_o(q, k, v_new, h, g, scale, cu_seqlens, chunk_indices, chunk_size):
     return o
 
 
+def chunk_gated_delta_rule_fwd_intra(k, v, g=None, beta=None, cu_seqlens=None, chunk_size=64, chunk_indices=None):
+    """``(w, u, A)``: the inverted ``(I + beta K K^T)`` blocks of every chunk, then the WY form."""
+    H = v.shape[2]
+    A = torch.zeros(1, k.shape[1], H, chunk_size, dtype=k.dtype)
+    for _, t0, t1 in _chunks(cu_seqlens, chunk_indices, chunk_size):
+        Ac = _A_chunk(_grp(k[0, t0:t1], H).to(_acc(k)), beta[0, t0:t1].to(_acc(k)), g[0, t0:t1].to(_acc(k)))
+        A[0, t0:t1, :, : t1 - t0] = Ac.permute(1, 0, 2).to(A.dtype)
+    w, u = recompute_w_u_fwd(k, v, beta, A, g, cu_seqlens, chunk_indices)
+    return w, u, A
+
+
+def chunk_fwd_o(
+    q, k, v, h, g=None, g_gamma=None, scale=None, state_v_first=False, cu_seqlens=None, chunk_size=64,
+    chunk_indices=None,
+):  # fmt: skip
+    assert not state_v_first and g_gamma is None
+    return _fwd_o(q, k, v, h, g, scale, cu_seqlens, chunk_indices, chunk_size)
+
+
 def chunk_gated_delta_rule_fwd(
     q, k, v, g, beta, scale, initial_state, output_final_state, state_v_first=False, cu_seqlens=None,
     cp_context=None, chunk_indices=None, use_gate_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
 ):  # fmt: skip
     g2 = chunk_local_cumsum(g, chunk_size, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    H = v.shape[2]
-    A = torch.zeros(1, q.shape[1], H, chunk_size, dtype=k.dtype)
-    for _, t0, t1 in _chunks(cu_seqlens, chunk_indices, chunk_size):
-        Ac = _A_chunk(_grp(k[0, t0:t1], H).to(_acc(k)), beta[0, t0:t1].to(_acc(k)), g2[0, t0:t1].to(_acc(k)))
-        A[0, t0:t1, :, : t1 - t0] = Ac.permute(1, 0, 2).to(A.dtype)
-    w, u = recompute_w_u_fwd(k, v, beta, A, g2, cu_seqlens, chunk_indices)
+    w, u, A = chunk_gated_delta_rule_fwd_intra(k, v, g2, beta, cu_seqlens, chunk_size, chunk_indices)
     h, v_new, final = chunk_gated_delta_rule_fwd_h(
         k, w, u, g2, initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size,
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
@@ -257,5 +271,7 @@ def standins() -> dict:
             "chunk_gated_delta_rule_bwd_dhu",
             "chunk_bwd_dv_local",
             "chunk_local_cumsum",
+            "chunk_gated_delta_rule_fwd_intra",
+            "chunk_fwd_o",
         )
     }

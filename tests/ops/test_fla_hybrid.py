@@ -321,7 +321,7 @@ def test_hybrid_passes_its_own_chunk_indices(standins, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
     # negative control: without the batch's indices the forward asks fla for them
     saved = standins._forward_impl(*ins, h0, 0.3, False, cu, cu, True, None)[2]
-    assert calls == [1] and torch.equal(saved[-1], _fla_standins.prepare_chunk_indices(cu, 64))
+    assert calls == [1] and torch.equal(saved[10], _fla_standins.prepare_chunk_indices(cu, 64))
 
 
 def test_hybrid_refuses_cpu_and_missing_fla(monkeypatch):
@@ -365,6 +365,47 @@ def test_hybrid_backward_function_equals_autograd_on_standins(standins, final, l
     assert not torch.allclose(bad[1], want[1], atol=1e-6)
     with pytest.raises(ValueError, match="residuals"):
         standins._hybrid_backward(do, dht, v, beta, residuals[:3], 0.3, h0, cu, l2, g.dtype, None, "fp32")
+
+
+@pytest.mark.parametrize("tables", ["host", "device"])
+def test_hybrid_residual_chunk_states_equal_recomputed(standins, tables):
+    """With ``chunk_rows`` the forward keeps fla's chunk states (w, h, v_new) among its residuals, with the
+    shapes the op's fake implementation gives (h padded to chunk_rows rows for host tables of fewer chunks), and
+    the backward reads them instead of recomputing: output and every gradient equal the residual pair without
+    states. Negative control: the states of the chunk before (h rolled by one chunk row) change dq."""
+    lengths = [5, 64, 1, 70]
+    ins, h0 = _gdr_inputs(lengths)
+    cu = _cu64(lengths)
+    exact = sum(-(-n // BT) for n in lengths)
+    if tables == "device":
+        _interpreted_or_skip()
+        ins, h0 = [x.float() for x in ins], h0.float()
+        rows, bnd, cu_cpu = exact, standins.device_fla_hybrid_boundaries(cu.to(torch.int32), sum(lengths), rows=exact), None
+    else:
+        rows, bnd, cu_cpu = exact + 3, None, cu
+    q, k, v, g, beta = ins
+    call = (q, k, v, g, beta, 0.3, h0, True, bnd.cu_seqlens if bnd else cu, True, cu_cpu, "fp32", bnd)
+    o0, s0, res0 = standins._hybrid_forward(*call)
+    o1, s1, res1 = standins._hybrid_forward(*call, rows)
+    torch.testing.assert_close(o1, o0, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(s1, s0, atol=1e-6, rtol=1e-6)
+    shapes = standins.fla_hybrid_residual_shapes(tuple(q.shape), tuple(v.shape), q.dtype, True, rows)
+    assert [(tuple(x.shape), x.dtype) for x in res1] == shapes and len(res1) == len(res0) + 3
+    assert shapes[-2][0] == (1, rows, v.shape[2], q.shape[3], v.shape[3])
+    gen = torch.Generator().manual_seed(4)
+    do, dht = torch.randn(o0.shape, generator=gen, dtype=o0.dtype), torch.randn(s0.shape, generator=gen, dtype=s0.dtype)
+    back = (do, dht, v, beta)
+    tail = (0.3, h0, bnd.cu_seqlens if bnd else cu, True, g.dtype, cu_cpu, "fp32", bnd)
+    want = standins._hybrid_backward(*back, res0, *tail)
+    got = standins._hybrid_backward(*back, res1, *tail, rows)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    wrong = list(res1)
+    wrong[-2] = res1[-2].roll(1, dims=1)
+    bad = standins._hybrid_backward(*back, wrong, *tail, rows)
+    assert not torch.allclose(bad[0], want[0], atol=1e-4)
+    with pytest.raises(ValueError, match="residuals"):  # states expected, none given
+        standins._hybrid_backward(*back, res0, *tail, rows)
 
 
 def _custom_op_on_standins(monkeypatch, custom_op, standins):

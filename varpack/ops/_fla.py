@@ -158,7 +158,15 @@ FLA_INTERNALS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "chunk_local_cumsum": (
         "fla.ops.utils.cumsum",
-        ("g", "chunk_size", "reverse", "cu_seqlens", "chunk_indices"),
+        ("g", "chunk_size", "reverse", "scale", "cu_seqlens", "chunk_indices"),
+    ),
+    "chunk_gated_delta_rule_fwd_intra": (
+        "fla.ops.gated_delta_rule.chunk_fwd",
+        ("k", "v", "g", "beta", "cu_seqlens", "chunk_size", "chunk_indices"),
+    ),
+    "chunk_fwd_o": (
+        "fla.ops.common.chunk_o",
+        ("q", "k", "v", "h", "g", "scale", "state_v_first", "cu_seqlens", "chunk_size", "chunk_indices"),
     ),
 }
 

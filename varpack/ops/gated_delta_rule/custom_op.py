@@ -9,7 +9,8 @@ initial_state ``[N, H, K, V]`` or None; ``o`` ``[B, T, H, V]`` in q's dtype; ``f
 (fp32, fp64 for fp64 inputs) when ``output_final_state``, else an empty ``[0]`` tensor; ``residuals`` what
 ``fla_hybrid``'s backward reads (:func:`varpack.ops.gated_delta_rule.fla_hybrid.fla_hybrid_forward`), an empty
 list for the other backends; ``chunk_rows`` ``fla_hybrid``'s row count of device-built chunk tables (``0``: the
-bound of any offsets).
+bound of any offsets); with ``chunk_rows > 0`` the residuals also keep fla's chunk states (``w``, ``h``,
+``v_new``), so the backward does not recompute them.
 
 Backends through the op: ``chunk``, ``naive``, ``fla_hybrid`` (native backward, below) and ``fla``
 (forward-only). The chunk layout
@@ -183,7 +184,7 @@ def _gated_delta_rule_fake(
         residuals = [
             q.new_empty(shape, dtype=dtype)
             for shape, dtype in fla_hybrid_residual_shapes(
-                tuple(q.shape), tuple(v.shape), q.dtype, use_qk_l2norm_in_kernel
+                tuple(q.shape), tuple(v.shape), q.dtype, use_qk_l2norm_in_kernel, chunk_rows
             )
         ]
     if not output_final_state:

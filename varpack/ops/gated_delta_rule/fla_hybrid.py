@@ -519,14 +519,19 @@ def _fns() -> dict:
     return fns
 
 
-def _forward_impl(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, cu_seqlens_cpu, l2, chunk_indices):
+def _forward_impl(
+    q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, cu_seqlens_cpu, l2, chunk_indices, keep_states=False,
+):  # fmt: skip
     """fla's forward (l2norm, ``chunk_gated_delta_rule_fwd``; the batch's ``chunk_indices``, built by fla when
     ``None``): ``(o, final_state, saved)`` with ``saved`` what the backward reads (fla's own choice of saved
-    tensors)."""
+    tensors). ``keep_states``: fla's forward run as its four steps (chunk cumsum, intra-chunk WY form, chunk
+    states, output; what ``chunk_gated_delta_rule_fwd`` calls) so that ``saved`` also holds ``(w, h, v_new)``,
+    which the backward would otherwise recompute."""
     fns = _fns()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = h0.contiguous() if h0 is not None else None
     device_tables = cu_seqlens_cpu is None and chunk_indices is not None
+    states = None
     with _device_ctx(q), torch.autocast(q.device.type, enabled=False), _fla_tensor_cache_off(device_tables):
         q_rstd = k_rstd = None
         if l2:
@@ -536,18 +541,30 @@ def _forward_impl(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, c
             chunk_indices = fns["prepare_chunk_indices"](
                 cu_seqlens, FLA_CHUNK_SIZE, cu_seqlens_cpu=cu_seqlens_cpu
             )
-        gcum, o, A, final_state, _, _ = fns["chunk_gated_delta_rule_fwd"](
-            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=FLA_CHUNK_SIZE,
-        )  # fmt: skip
-    return o.to(q.dtype), final_state, (q, q_rstd, k, k_rstd, v, gcum, beta, A, h0, cu_seqlens, chunk_indices)
+        common = {"cu_seqlens": cu_seqlens, "chunk_indices": chunk_indices, "chunk_size": FLA_CHUNK_SIZE}
+        if keep_states:
+            gcum = fns["chunk_local_cumsum"](g, reverse=False, scale=RCP_LN2, **common)
+            w, u, A = fns["chunk_gated_delta_rule_fwd_intra"](k=k, v=v, g=gcum, beta=beta, **common)
+            h, v_new, final_state = fns["chunk_gated_delta_rule_fwd_h"](
+                k=k, w=w, u=u, g=gcum, initial_state=h0, output_final_state=output_final_state,
+                state_v_first=False, **common,
+            )  # fmt: skip
+            o = fns["chunk_fwd_o"](q=q, k=k, v=v_new, h=h, g=gcum, scale=scale, state_v_first=False, **common)
+            states = (w, h, v_new)
+        else:
+            gcum, o, A, final_state, _, _ = fns["chunk_gated_delta_rule_fwd"](
+                q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0,
+                output_final_state=output_final_state, **common,
+            )  # fmt: skip
+    saved = (q, q_rstd, k, k_rstd, v, gcum, beta, A, h0, cu_seqlens, chunk_indices, states)
+    return o.to(q.dtype), final_state, saved
 
 
 def _backward_impl(saved, do, dht, scale, l2, plan, precision):
     """fla's backward pipeline (0.6.0 ``chunk_gated_delta_rule_bwd``) with ``chunk_bwd_dqkwg`` replaced by
     :func:`chunk_bwd_dqkwg_torch`: ``(dq, dk, dv, dg, dbeta, dh0)`` (dq/dk/dg in fp32 or the l2norm's
     dtype; dh0 fp32 or ``None``)."""
-    q, q_rstd, k, k_rstd, v, g, beta, A, h0, cu, chunk_indices = saved
+    q, q_rstd, k, k_rstd, v, g, beta, A, h0, cu, chunk_indices, states = saved
     fns = _fns()
     BT = FLA_CHUNK_SIZE
     do = do.contiguous()
@@ -555,11 +572,14 @@ def _backward_impl(saved, do, dht, scale, l2, plan, precision):
     device_plan = plan is not None and plan.device_built
     with _device_ctx(q), torch.autocast(q.device.type, enabled=False), _fla_tensor_cache_off(device_plan):
         common = {"cu_seqlens": cu, "chunk_indices": chunk_indices}
-        w, u = fns["recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, g=g, **common)
-        h, v_new, _ = fns["chunk_gated_delta_rule_fwd_h"](
-            k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=False, chunk_size=BT, state_v_first=False,
-            **common,
-        )  # fmt: skip
+        if states is not None:  # the forward's (w, h, v_new)
+            w, h, v_new = states
+        else:
+            w, u = fns["recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, g=g, **common)
+            h, v_new, _ = fns["chunk_gated_delta_rule_fwd_h"](
+                k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=False, chunk_size=BT,
+                state_v_first=False, **common,
+            )  # fmt: skip
         dv = fns["chunk_bwd_dv_local"](q=q, k=k, do=do, g=g, scale=scale, chunk_size=BT, **common)
         dh, dh0, dv = fns["chunk_gated_delta_rule_bwd_dhu"](
             q=q, k=k, w=w, do=do, dv=dv, g=g, h0=h0, dht=dht, scale=scale, state_v_first=False, chunk_size=BT,
@@ -827,17 +847,20 @@ def fla_hybrid_forward(
 
 
 def fla_hybrid_residual_shapes(
-    q_shape: tuple[int, ...], v_shape: tuple[int, ...], q_dtype: torch.dtype, l2: bool
+    q_shape: tuple[int, ...], v_shape: tuple[int, ...], q_dtype: torch.dtype, l2: bool, chunk_rows: int = 0
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """``(shape, dtype)`` of each of :func:`fla_hybrid_forward`'s residuals for q ``[B, T, Hk, K]`` and v
-    ``[B, T, H, V]`` (the op's fake implementation; k has q's dtype)."""
+    ``[B, T, H, V]`` (the op's fake implementation; k and v have q's dtype); ``chunk_rows > 0`` adds the chunk
+    states ``w`` ``[1, BT, H, K]``, ``h`` ``[1, chunk_rows, H, K, V]`` and ``v_new`` ``[1, BT, H, V]``."""
     B, T, Hk, K = q_shape
-    H = v_shape[2]
+    H, V = v_shape[2], v_shape[3]
     acc = torch.float64 if q_dtype == torch.float64 else torch.float32
     out = [((1, B * T, Hk, K), q_dtype), ((1, B * T, Hk, K), q_dtype), ((1, B * T, H), acc),
            ((1, B * T, H, FLA_CHUNK_SIZE), q_dtype)]  # fmt: skip
     if l2:
         out += [((1, B * T, Hk), acc), ((1, B * T, Hk), acc)]
+    if chunk_rows:
+        out += [((1, B * T, H, K), q_dtype), ((1, int(chunk_rows), H, K, V), q_dtype), ((1, B * T, H, V), q_dtype)]
     return out
 
 
@@ -846,7 +869,8 @@ def _hybrid_forward(
     cu_seqlens_cpu, precision, boundaries=None, chunk_rows=None,
 ):  # fmt: skip
     l2 = bool(use_qk_l2norm_in_kernel)
-    shapes = fla_hybrid_residual_shapes(tuple(q.shape), tuple(v.shape), q.dtype, l2)
+    rows = int(chunk_rows or 0)
+    shapes = fla_hybrid_residual_shapes(tuple(q.shape), tuple(v.shape), q.dtype, l2, rows)
     qp, kp, vp, gp, bp, scale, bnd, dims = _prepare(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision, boundaries, chunk_rows
     )
@@ -861,14 +885,28 @@ def _hybrid_forward(
     with torch.no_grad():
         o, final, saved = _forward_impl(
             qp, kp, vp, gp, bp, initial_state, scale, bool(output_final_state), bnd.cu_seqlens,
-            bnd.cu_seqlens_cpu, l2, bnd.chunk_indices,
+            bnd.cu_seqlens_cpu, l2, bnd.chunk_indices, keep_states=rows > 0,
         )  # fmt: skip
     qn, q_rstd, kn, k_rstd, _, gcum, _, A = saved[:8]
     if not l2:  # fla read q and k as given: copies, so no residual is (a view of) an input
         qn, kn = qn.clone(), kn.clone()
     residuals = [qn, kn, gcum, A] + ([q_rstd, k_rstd] if l2 else [])
+    if rows:
+        w, h, v_new = saved[11]
+        residuals += [w, _pad_chunk_rows(h, rows), v_new]
     residuals = [x.reshape(s).to(d) for x, (s, d) in zip(residuals, shapes)]
     return o.reshape(B, T, H, V), (final.to(acc) if output_final_state else None), residuals
+
+
+def _pad_chunk_rows(h: torch.Tensor, rows: int) -> torch.Tensor:
+    """fla's chunk states ``h`` ``[1, NT, H, K, V]`` as ``[1, rows, H, K, V]`` (the op's fixed shape): as they
+    are for device-built tables (``NT == rows``), else zero rows appended (host tables of fewer chunks)."""
+    nt = h.shape[1]
+    if nt == rows:
+        return h
+    if nt > rows:
+        raise ValueError(f"fla_hybrid: {nt} chunks in this row, more than chunk_rows={rows}")
+    return torch.cat([h, h.new_zeros((h.shape[0], rows - nt, *h.shape[2:]))], 1)
 
 
 def fla_hybrid_backward(
@@ -912,11 +950,13 @@ def _hybrid_backward(
 ):  # fmt: skip
     l2 = bool(use_qk_l2norm_in_kernel)
     B, T, H, V = v.shape
-    want = len(fla_hybrid_residual_shapes((B, T, 1, 1), tuple(v.shape), v.dtype, l2))
+    rows = int(chunk_rows or 0)
+    want = len(fla_hybrid_residual_shapes((B, T, 1, 1), tuple(v.shape), v.dtype, l2, rows))
     if len(residuals) != want:
         raise ValueError(f"fla_hybrid_backward: {len(residuals)} residuals, the forward leaves {want}")
     qn, kn, gcum, A = residuals[:4]
-    q_rstd, k_rstd = residuals[4:] if l2 else (None, None)
+    q_rstd, k_rstd = residuals[4:6] if l2 else (None, None)
+    states = tuple(residuals[-3:]) if rows else None
     Hk, K = qn.shape[2], qn.shape[3]
     q_shape, g_shape = (B, T, Hk, K), (B, T, H)
     # the forward's checks and boundaries, on the residuals' shapes
@@ -931,8 +971,11 @@ def _hybrid_backward(
         return grads + [dfinal.to(initial_state.dtype) if initial_state is not None and dfinal is not None
                         else (torch.zeros_like(initial_state) if initial_state is not None else None)]  # fmt: skip
     h0 = initial_state.contiguous() if initial_state is not None else None
+    if states is not None:  # h back to this row's chunk count (host tables may hold fewer than chunk_rows)
+        w, h, v_new = states
+        states = (w.reshape(1, B * T, H, -1), h[:, : bnd.chunk_indices.shape[0]], v_new.reshape(1, B * T, H, V))
     saved = (qn, q_rstd, kn, k_rstd, vp.contiguous(), gcum, bp.contiguous(), A, h0, bnd.cu_seqlens,
-             bnd.chunk_indices)  # fmt: skip
+             bnd.chunk_indices, states)  # fmt: skip
     do = do.reshape(1, B * T, H, V)
     dq, dk, dv, dg, db, dh0 = _backward_impl(saved, do, dfinal, scale, l2, bnd.plan, precision)
     out = [x.reshape(s).to(d) for x, s, d in zip((dq, dk, dv, dg, db), shapes, dtypes)]
