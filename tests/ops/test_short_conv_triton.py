@@ -306,6 +306,64 @@ def test_short_conv_opcheck(bias, seq, activation):
     torch.library.opcheck(sc._short_conv_backward_op, args)
 
 
+# -- split output: q, k, v as three contiguous tensors ---------------------------------------------------------
+def _split_run(backend, split, x, w, b, dy, seq, swap_grads=False):
+    """The split conv's outputs and the gradients of ``sum_i <y_i, dy_i>``, dy cut as the outputs."""
+    leaves = [t if t is None else t.detach().requires_grad_() for t in (x, w, b)]
+    ys = short_conv(*leaves, "silu", seq_idx=seq, backend=backend, split=split)
+    dys = list(torch.split(dy, split, -1))
+    if swap_grads:
+        dys[0], dys[1] = dys[1], dys[0]
+    wrt = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(ys, wrt, dys)
+    return {"y": torch.cat(ys, -1), **dict(zip(("dx", "dweight", "dbias"), grads))}, ys
+
+
+@pytest.mark.parametrize("split", [[8, 8, 8], [4, 4, 16], [24], [1, 22, 1]])
+@pytest.mark.parametrize("bias", [True, False])
+def test_triton_conv_split_equals_the_whole_conv(split, bias, launch):
+    """``split=`` writes each channel group into its own contiguous tensor and takes the groups' gradients
+    where they lie: values and every gradient equal the per-sample reference of the whole conv; the torch
+    backend's split (cut and copied) gives the same. Negative control: the first two groups' gradients
+    swapped change dx."""
+    _interpreted_or_skip()
+    lengths = CASES["mixed"]
+    x, w, b, dy = _inputs(1, sum(lengths), 24, 4, bias=bias)
+    seq = _seq_idx(lengths)
+    want = _truth(x, w, b, dy, "silu", lengths)
+    got, ys = _split_run("triton", split, x, w, b, dy, seq)
+    assert [tuple(y.shape) for y in ys] == [(1, sum(lengths), n) for n in split]
+    assert all(y.is_contiguous() for y in ys)
+    assert_exact(got, want, rtol=RTOL32, what="triton split")
+    on_torch, parts = _split_run("torch", split, x, w, b, dy, seq)
+    assert all(y.is_contiguous() for y in parts)
+    assert_exact(on_torch, want, rtol=RTOL32, what="torch split")
+    if len(split) > 1 and split[0] == split[1]:
+        swapped, _ = _split_run("triton", split, x, w, b, dy, seq, swap_grads=True)
+        assert_differs(swapped["dx"], want["dx"], rtol=RTOL32, what="swapped group gradients")
+
+
+def test_triton_conv_split_refusals_and_opcheck():
+    _interpreted_or_skip()
+    lengths = [3, 1, 9]
+    x, w, b, dy = _inputs(1, sum(lengths), 6, 4)
+    s = _seq_idx(lengths)
+    for bad in ([3, 2], [3, 4], [6, 0], []):
+        with pytest.raises(ValueError, match="split must be positive channel counts summing to D=6"):
+            short_conv(x, w, b, "silu", seq_idx=s, backend="triton", split=bad)
+        with pytest.raises(ValueError, match="split must be positive channel counts summing to D=6"):
+            short_conv(x, w, b, "silu", seq_idx=s, split=bad)
+    with pytest.raises(ValueError, match="output gradients for split"):
+        sc.short_conv_triton_split_backward([dy], x, w, b, s, "silu", [2, 4])
+    with pytest.raises(ValueError, match=r"channels 2:6"):
+        sc.short_conv_triton_split_backward([dy[..., :2], dy[..., :2]], x, w, b, s, "silu", [2, 4])
+    x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    torch.library.opcheck(sc._short_conv_split_op, (x, w, b, s, "silu", [2, 4]))
+    dys = [dy[..., :2].contiguous(), dy[..., 2:]]
+    args = (dys, x.detach(), w.detach(), b.detach(), s, "silu", [2, 4])
+    torch.library.opcheck(sc._short_conv_split_backward_op, args)
+
+
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 def test_triton_conv_compiles_whole(compiler):
     """A layer-like function calling ``short_conv(..., backend="triton")`` traced by

@@ -322,7 +322,7 @@ def _traced_packed_forward(
     projections, gates, norm and output projection as :func:`_packed_forward`; the short convolution with the
     segment index computed in the graph from the meta's offsets (:func:`varpack.varlen.seq_idx_on_device`: no
     host read, no data-dependent shape), on varpack's Triton kernels where Triton runs (:func:`_traced_conv_backend`),
-    else on the PyTorch path; the gated delta rule
+    else on the PyTorch path, its output cut into q, k and v (each contiguous); the gated delta rule
     on the meta's ``cu_seqlens_linear`` when it has them (a static row's pad segments as one sequence: fewer
     chunks, the same real tokens; its chunk tables ``linear_chunk_rows`` long), else on its offsets
     (q/k l2norm inside) as the ``varpack::gated_delta_rule`` custom op, one graph node, with the offsets on
@@ -347,11 +347,13 @@ def _traced_packed_forward(
         lin_cpu = None  # CUDA-graph layers: fla_hybrid builds fixed-size chunk tables on the device
     else:
         lin_cpu = lin_host if lin_host.device.type == "cpu" else _rule_cpu(meta)
-    mixed = short_conv(
+    # q, k and v come out of the convolution as three contiguous tensors (the Triton kernels write each
+    # straight into its own; the rule reads them contiguous): no copies of the split
+    query, key, value = short_conv(
         mixed, weight, bias, conv_activation(layer.activation), seq_idx=seq_idx_on_device(cu, T),
         backend=_traced_conv_backend(device.type, -1 if device.index is None else device.index),
+        split=[hk * dk, hk * dk, hv * dv],
     )  # fmt: skip
-    query, key, value = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     core, _ = gated_delta_rule_op(
         query.reshape(B, T, hk, dk), key.reshape(B, T, hk, dk), value.reshape(B, T, hv, dv), g, beta,
         cu_seqlens=lin, cu_seqlens_cpu=lin_cpu, use_qk_l2norm_in_kernel=True,

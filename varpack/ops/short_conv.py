@@ -23,7 +23,7 @@ Backends of :func:`short_conv`:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -228,7 +228,8 @@ def short_conv(
     backend: str = "torch",
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
+    split: Sequence[int] | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
     """Causal depthwise convolution that never reads across a sample boundary.
 
     Args:
@@ -253,9 +254,15 @@ def short_conv(
         chunk_indices: fla backend: the batch's ``[NT, 2]`` chunk indices on ``x``'s device
             (:func:`varpack.ops._fla.fla_chunk_indices` of ``cu_seqlens_cpu``); without them fla builds its own
             with a blocking copy (one host wait per call). Ignored by the ``torch`` backend.
+        split: channel counts ``[D_0, D_1, ...]`` summing to ``D``: the output comes back cut into these
+            channel groups, each contiguous (``torch.split(y, split, -1)`` made contiguous). The ``triton``
+            backend writes each group straight into its own tensor (the op ``varpack::short_conv_split``, one
+            launch per group, and its backward reads the groups' gradients without concatenating them); the
+            other backends cut and copy.
 
     Returns:
-        ``[B, T, D]`` in ``x.dtype`` (computed in fp32, fp64 for fp64 inputs).
+        ``[B, T, D]`` in ``x.dtype`` (computed in fp32, fp64 for fp64 inputs); with ``split`` a list of
+        ``[B, T, D_i]`` contiguous tensors.
 
     Raises:
         ValueError: wrong shapes, ``B > 1`` with ``cu_seqlens``, ``cu_seqlens`` that does not cover ``T``
@@ -277,6 +284,9 @@ def short_conv(
     B, T, D = x.shape
     weight = _weight_2d(weight, D)
     W = weight.shape[1]
+    if split is not None:
+        split = [int(n) for n in split]
+        _split_bounds(split, D, "short_conv")
     if backend == "triton":
         act_name = _triton_activation(activation)
         _check_triton_inputs(x, weight, bias)
@@ -299,7 +309,8 @@ def short_conv(
                 raise ValueError(f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={B}")
             if cu_seqlens_cpu is None and cu_seqlens is not None and cu_seqlens.device.type == "cpu":
                 cu_seqlens_cpu = cu_seqlens
-            return fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+            y = fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
+            return y if split is None else [part.contiguous() for part in torch.split(y, split, -1)]
     if seq_idx is None and cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={B}")
@@ -317,7 +328,12 @@ def short_conv(
             raise ValueError(f"seq_idx must be [B={B}, T={T}] or [T], got shape {tuple(seq_idx.shape)}")
         seq_idx = seq_idx.to(x.device)
     if backend == "triton":
+        if split is not None:
+            return _short_conv_split_op(x, weight, bias, seq_idx, act_name, split)
         return _short_conv_op(x, weight, bias, seq_idx, act_name)
+    if split is not None:
+        y = short_conv(x, weight, bias, activation, seq_idx=seq_idx, backend="torch")
+        return [part.contiguous() for part in torch.split(y, split, -1)]
 
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
@@ -521,26 +537,66 @@ def short_conv_triton(
         RuntimeError: tensors on a device Triton does not run on in this process (:func:`triton_conv_status`).
     """
     _checked_op_args(x, weight, bias, seq_idx, activation, "short_conv_triton")
+    return short_conv_triton_split(x, weight, bias, seq_idx, activation, [x.shape[2]], launch=launch)[0]
+
+
+def _split_bounds(split: Sequence[int], D: int, what: str) -> list[tuple[int, int]]:
+    """``[(first channel, end), ...]`` of the channel groups ``split`` of ``D`` channels."""
+    sizes = [int(n) for n in split]
+    if not sizes or any(n <= 0 for n in sizes) or sum(sizes) != D:
+        raise ValueError(f"{what}: split must be positive channel counts summing to D={D}, got {list(split)}")
+    ends = np.cumsum(sizes).tolist()
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def short_conv_triton_split(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    activation: str,
+    split: Sequence[int],
+    *,
+    launch: dict | None = None,
+) -> list[torch.Tensor]:
+    """:func:`short_conv_triton` with its output cut into channel groups, each written by its own launch into
+    its own contiguous tensor: ``torch.split(y, split, -1)`` without the copies that make the pieces contiguous
+    (a Gated DeltaNet layer's q, k and v, which the gated delta rule reads contiguous).
+
+    Args:
+        x, weight, bias, seq_idx, activation, launch: as :func:`short_conv_triton`.
+        split: channel counts ``[D_0, D_1, ...]``, positive, summing to ``D``.
+
+    Returns:
+        ``[B, T, D_i]`` contiguous tensors in ``x.dtype``.
+
+    Raises:
+        ValueError / RuntimeError: as :func:`short_conv_triton`; a ``split`` that does not cover ``D``.
+    """
+    _checked_op_args(x, weight, bias, seq_idx, activation, "short_conv_triton")
     B, T, D = x.shape
     W = weight.shape[1]
-    y = torch.empty((B, T, D), dtype=x.dtype, device=x.device)
-    if y.numel() == 0:
-        return y
+    bounds = _split_bounds(split, D, "short_conv_triton")
+    ys = [torch.empty((B, T, b - a), dtype=x.dtype, device=x.device) for a, b in bounds]
+    if B * T == 0:
+        return ys
     kern, interpreted = _triton_kernels(x, "short_conv_triton")
     cfg = {**SHORT_CONV_TRITON_LAUNCH["fwd"], **(launch or {})}
     BT, BD = int(cfg["block_t"]), int(cfg["block_d"])
     s_sb, s_st = _seq_strides(seq_idx, B)
     opts = {} if interpreted else {"num_warps": int(cfg["num_warps"])}
     with _device_guard(x):
-        kern.short_conv_fwd_kernel[(_cdiv(T, BT), _cdiv(D, BD), B)](
-            x, weight, bias if bias is not None else weight, seq_idx if seq_idx is not None else x, y,
-            T, D,
-            x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1), s_sb, s_st,
-            y.stride(0), y.stride(1),
-            W=W, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=activation == "silu",
-            BT=BT, BD=BD, **opts,
-        )  # fmt: skip
-    return y
+        for (a, b), y in zip(bounds, ys):
+            xs, ws = x[..., a:b], weight[a:b]
+            kern.short_conv_fwd_kernel[(_cdiv(T, BT), _cdiv(b - a, BD), B)](
+                xs, ws, bias[a:b] if bias is not None else ws, seq_idx if seq_idx is not None else xs, y,
+                T, b - a,
+                xs.stride(0), xs.stride(1), xs.stride(2), ws.stride(0), ws.stride(1), s_sb, s_st,
+                y.stride(0), y.stride(1),
+                W=W, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=activation == "silu",
+                BT=BT, BD=BD, **opts,
+            )  # fmt: skip
+    return ys
 
 
 def short_conv_triton_backward(
@@ -570,13 +626,45 @@ def short_conv_triton_backward(
         ValueError / RuntimeError: as :func:`short_conv_triton`; ``dy`` of another shape, dtype or device.
     """
     _checked_op_args(x, weight, bias, seq_idx, activation, "short_conv_triton_backward")
-    if dy.shape != x.shape or dy.dtype not in _TRITON_DTYPES or dy.device != x.device:
-        raise ValueError(
-            f"dy must be an fp32 / bf16 / fp16 tensor of x's shape {tuple(x.shape)} on {x.device}, got "
-            f"{tuple(dy.shape)} {dy.dtype} on {dy.device}"
-        )
+    return short_conv_triton_split_backward([dy], x, weight, bias, seq_idx, activation, [x.shape[2]], launch=launch)
+
+
+def short_conv_triton_split_backward(
+    dys: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    activation: str,
+    split: Sequence[int],
+    *,
+    launch: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward of :func:`short_conv_triton_split`: one backward kernel per channel group, reading that
+    group's output gradient where it lies (no concatenation) and writing its channels of ``dx``.
+
+    Args:
+        dys: the groups' output gradients ``[B, T, D_i]`` (any strides, fp32 / bf16 / fp16).
+        x, weight, bias, seq_idx, activation, split, launch: as :func:`short_conv_triton_split`.
+
+    Returns:
+        ``(dx, dweight, dbias)`` as :func:`short_conv_triton_backward`.
+
+    Raises:
+        ValueError / RuntimeError: as :func:`short_conv_triton_backward`; gradients that do not match ``split``.
+    """
+    _checked_op_args(x, weight, bias, seq_idx, activation, "short_conv_triton_backward")
     B, T, D = x.shape
     W = weight.shape[1]
+    bounds = _split_bounds(split, D, "short_conv_triton_backward")
+    if len(dys) != len(bounds):
+        raise ValueError(f"short_conv_triton_backward: {len(dys)} output gradients for split {list(split)}")
+    for dy, (a, b) in zip(dys, bounds):
+        if tuple(dy.shape) != (B, T, b - a) or dy.dtype not in _TRITON_DTYPES or dy.device != x.device:
+            raise ValueError(
+                f"dy must be an fp32 / bf16 / fp16 tensor of shape {(B, T, b - a)} (x {tuple(x.shape)}, channels "
+                f"{a}:{b}) on {x.device}, got {tuple(dy.shape)} {dy.dtype} on {dy.device}"
+            )
     dx = torch.empty((B, T, D), dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         dw = torch.zeros((D, W), dtype=weight.dtype, device=x.device)
@@ -586,22 +674,27 @@ def short_conv_triton_backward(
     cfg = {**SHORT_CONV_TRITON_LAUNCH["bwd"], **(launch or {})}
     NR, RS, BD = _stream_shape(cfg, T)
     NC = _cdiv(T, NR * RS)
-    dwp = torch.empty((B * NC, W, D), dtype=torch.float32, device=x.device)
-    dbp = torch.empty((B * NC, D), dtype=torch.float32, device=x.device)
     s_sb, s_st = _seq_strides(seq_idx, B)
     opts = {} if interpreted else {"num_warps": int(cfg["num_warps"])}
+    dws, dbs = [], []
     with _device_guard(x):
-        kern.short_conv_bwd_kernel[(NC, _cdiv(D, BD), B)](
-            x, weight, bias if bias is not None else weight, seq_idx if seq_idx is not None else x, dy, dx,
-            dwp, dbp,
-            T, D,
-            x.stride(0), x.stride(1), x.stride(2), weight.stride(0), weight.stride(1), s_sb, s_st,
-            dy.stride(0), dy.stride(1), dy.stride(2), dx.stride(0), dx.stride(1),
-            W=W, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=activation == "silu",
-            NR=NR, RS=RS, BD=BD, P=int(cfg["prefetch"]), **opts,
-        )  # fmt: skip
-    dw = dwp.sum(0).t().to(weight.dtype).contiguous()
-    db = None if bias is None else dbp.sum(0).to(bias.dtype)
+        for dy, (a, b) in zip(dys, bounds):
+            xs, ws, dxs = x[..., a:b], weight[a:b], dx[..., a:b]
+            dwp = torch.empty((B * NC, W, b - a), dtype=torch.float32, device=x.device)
+            dbp = torch.empty((B * NC, b - a), dtype=torch.float32, device=x.device)
+            kern.short_conv_bwd_kernel[(NC, _cdiv(b - a, BD), B)](
+                xs, ws, bias[a:b] if bias is not None else ws, seq_idx if seq_idx is not None else xs, dy, dxs,
+                dwp, dbp,
+                T, b - a,
+                xs.stride(0), xs.stride(1), xs.stride(2), ws.stride(0), ws.stride(1), s_sb, s_st,
+                dy.stride(0), dy.stride(1), dy.stride(2), dxs.stride(0), dxs.stride(1),
+                W=W, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=activation == "silu",
+                NR=NR, RS=RS, BD=BD, P=int(cfg["prefetch"]), **opts,
+            )  # fmt: skip
+            dws.append(dwp.sum(0))
+            dbs.append(dbp.sum(0))
+    dw = (dws[0] if len(dws) == 1 else torch.cat(dws, 1)).t().to(weight.dtype).contiguous()
+    db = None if bias is None else (dbs[0] if len(dbs) == 1 else torch.cat(dbs)).to(bias.dtype)
     return dx, dw, db
 
 
@@ -669,3 +762,64 @@ def _short_conv_autograd_backward(ctx, dy):
 
 
 _short_conv_op.register_autograd(_short_conv_autograd_backward, setup_context=_short_conv_setup_context)
+
+
+@torch.library.custom_op("varpack::short_conv_split", mutates_args=())
+def _short_conv_split_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    activation: str,
+    split: list[int],
+) -> list[torch.Tensor]:
+    return short_conv_triton_split(x, weight, bias, seq_idx, activation, split)
+
+
+@_short_conv_split_op.register_fake
+def _short_conv_split_op_fake(x, weight, bias, seq_idx, activation, split):
+    _split_bounds(split, x.shape[2], "short_conv_split")
+    return [x.new_empty((x.shape[0], x.shape[1], int(n))) for n in split]
+
+
+@torch.library.custom_op("varpack::short_conv_split_backward", mutates_args=())
+def _short_conv_split_backward_op(
+    dys: list[torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    activation: str,
+    split: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dweight, dbias)`` of ``varpack::short_conv_split`` (:func:`short_conv_triton_split_backward`);
+    ``dbias`` is an empty ``[0]`` tensor without bias."""
+    dx, dw, db = short_conv_triton_split_backward(dys, x, weight, bias, seq_idx, activation, split)
+    return dx, dw, (db if db is not None else weight.new_empty((0,)))
+
+
+@_short_conv_split_backward_op.register_fake
+def _short_conv_split_backward_op_fake(dys, x, weight, bias, seq_idx, activation, split):
+    db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty((0,))
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), db
+
+
+def _short_conv_split_setup_context(ctx, inputs, output):
+    x, weight, bias, seq_idx, activation, split = inputs
+    ctx.save_for_backward(x, weight, bias, seq_idx)
+    ctx.activation = activation
+    ctx.split = list(split)
+
+
+def _short_conv_split_autograd_backward(ctx, dys):
+    x, weight, bias, seq_idx = ctx.saved_tensors
+    dys = [
+        dy if dy is not None else x.new_zeros((x.shape[0], x.shape[1], n)) for dy, n in zip(dys, ctx.split)
+    ]
+    dx, dw, db = _short_conv_split_backward_op(dys, x, weight, bias, seq_idx, ctx.activation, ctx.split)
+    return dx, dw, (db if bias is not None else None), None, None, None
+
+
+_short_conv_split_op.register_autograd(
+    _short_conv_split_autograd_backward, setup_context=_short_conv_split_setup_context
+)
