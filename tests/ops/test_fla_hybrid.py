@@ -948,28 +948,42 @@ def test_torch_dqkwg_refuses_a_device_plan():
 
 
 @pytest.mark.gpu
-def test_gpu_fla_hybrid_device_tables_replay_as_cuda_graph():
-    """fla_hybrid's forward and backward on device offsets without a CPU copy, captured once as a CUDA graph on
-    one segmentation, then replayed after another segmentation (same T, N) is copied into the offsets buffer:
-    equal to the eager call on the new segmentation (host-built plan). The eager call on device offsets makes
-    no host sync. Negative control: replaying without copying the new offsets in computes the captured pack's
-    segmentation, which does not match."""
+@pytest.mark.parametrize("states", [False, True], ids=["recomputed", "kept-states"])
+def test_gpu_fla_hybrid_device_tables_replay_as_cuda_graph(states):
+    """fla_hybrid's forward and backward (the custom op's pair: the forward's residuals, with fla's chunk states
+    kept when ``chunk_rows`` is given) on device offsets without a CPU copy, captured once as a CUDA graph on one
+    segmentation, then replayed after another segmentation (same T, N) is copied into the offsets buffer: equal
+    to autograd through fla_hybrid_gated_delta_rule on the new segmentation (host-built plan, fla's forward
+    recomputed in the backward). The eager call on device offsets makes no host sync. Negative control:
+    replaying without copying the new offsets in computes the captured pack's segmentation, which does not
+    match."""
     pytest.importorskip("fla")
     from tests.ops.test_gated_delta_rule import GPU_DIMS, _bf16_tol, _cu, _inputs
-    from varpack.ops.gated_delta_rule.fla_hybrid import fla_hybrid_backward, fla_hybrid_gated_delta_rule
+    from varpack.ops._fla import max_chunks
+    from varpack.ops.gated_delta_rule.fla_hybrid import (
+        fla_hybrid_backward,
+        fla_hybrid_forward,
+        fla_hybrid_gated_delta_rule,
+    )
 
     first = [3, 500, 64, 1, 1000, 480]
     second = [700, 1, 1, 129, 1200, 17]
     assert sum(first) == sum(second) and len(first) == len(second)
     Hk, H, K, V = GPU_DIMS
     ins, _ = _inputs(first, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16)
+    ins = [x.detach() for x in ins]
+    ins[3] = ins[3].float()  # the decay g in fp32, as the models compute it: dg comes back in fp32 on both paths
     gen = torch.Generator("cuda").manual_seed(3)
     do = torch.randn(ins[2].shape, generator=gen, device="cuda").bfloat16()
     cu_static = _cu(first, torch.int64).cuda()
+    rows = max_chunks(sum(first), len(first)) if states else None
 
     def step():
-        o, _ = fla_hybrid_gated_delta_rule(*ins, cu_seqlens=cu_static, use_qk_l2norm_in_kernel=True)
-        grads = fla_hybrid_backward(do, None, *ins, None, None, cu_static, True)
+        o, _, res = fla_hybrid_forward(*ins, None, None, False, cu_static, True, chunk_rows=rows)
+        assert len(res) == (9 if states else 6)
+        grads = fla_hybrid_backward(
+            do, None, ins[2], ins[4], res, None, None, cu_static, True, g_dtype=ins[3].dtype, chunk_rows=rows
+        )
         return [o, *grads[:5]]
 
     side = torch.cuda.Stream()
@@ -984,11 +998,11 @@ def test_gpu_fla_hybrid_device_tables_replay_as_cuda_graph():
 
     def truth(lengths):
         cu = _cu(lengths, torch.int64)
+        leaves = [x.clone().requires_grad_() for x in ins]
         o, _ = fla_hybrid_gated_delta_rule(
-            *ins, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=True
+            *leaves, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=True
         )
-        grads = fla_hybrid_backward(do, None, *ins, None, None, cu.cuda(), True, cu_seqlens_cpu=cu)
-        return [o, *grads[:5]]
+        return [o.detach(), *torch.autograd.grad(o, leaves, do)]
 
     names = ("o", "dq", "dk", "dv", "dg", "dbeta")
     for lengths in (second, first, second):
