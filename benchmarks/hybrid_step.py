@@ -189,12 +189,28 @@ def flat_steps(packs: list[list[dict]], *, boundary_kwargs: bool) -> list[list[d
 # ----------------------------------------------------------------------------------------------------------
 
 
+def transformers_wrapper(fn: Any) -> Any:
+    """The function inside a ``kernels`` ``Func`` module, else ``fn``. With the ``kernels`` package installed (a
+    dependency of transformers 5.25), ``use_kernel_forward_from_hub`` turns each decorated function into an
+    ``nn.Module`` whose ``forward`` calls the decorated function (transformers' fallback wrapper) from its
+    closure (kernels 0.19 ``_create_func_module``)."""
+    forward = getattr(type(fn), "forward", None)
+    if forward is None or not callable(fn) or getattr(fn, "__wrapped__", None) is not None:
+        return fn
+    try:
+        inner = inspect.getclosurevars(forward).nonlocals.get("func")
+    except (TypeError, ValueError):
+        return fn
+    return inner if callable(inner) else fn
+
+
 def _linear_funcs(module: Any) -> Iterator[tuple[str, Any, Any]]:
     """``(name, function, its __wrapped__ reference or None)`` of each of :data:`HF_LINEAR_FUNCS` ``module``
-    has."""
+    has (``function``: transformers' wrapper, taken out of a ``kernels`` ``Func`` module where there is one)."""
     for name in HF_LINEAR_FUNCS:
         fn = getattr(module, name, None)
         if fn is not None:
+            fn = transformers_wrapper(fn)
             yield name, fn, getattr(fn, "__wrapped__", None)
 
 
