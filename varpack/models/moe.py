@@ -84,10 +84,10 @@ def tiny_gpt_oss_config(vocab_size: int | None = None, **overrides: Any) -> Any:
 MOE = ModelFamily(
     name="moe",
     model_types=(
-        "afmoe", "aria_text", "beam", "cohere2_moe", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
+        "afmoe", "aria_text", "beam", "cohere2_moe", "dots1", "ergo", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
         "glm4_moe", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "jetmoe", "kolibri1",
-        "laguna", "lara_mini", "llama4_text", "mellum", "mimo_v2_flash", "minimax_m2", "mixtral", "olmoe", "phimoe",
-        "qwen2_moe", "qwen3_moe", "sarvam_moe", "solar_open",
+        "laguna", "lara_mini", "llama4_text", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax_m2", "mixtral", "olmoe",
+        "param2moe", "phimoe", "qwen2_moe", "qwen3_moe", "sarvam_moe", "solar_open",
     ),  # fmt: skip
     mixers="attention",
     vision=False,
