@@ -330,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start", type=int, default=30, help="first profiled optimizer step (default 30)")
     p.add_argument("--steps", type=int, default=6, help="steps timed, then steps profiled (default 6)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
+    p.add_argument("--top", type=int, default=20, help="kernels listed by device time (default 20)")
     p.add_argument(
         "--blocking-copies",
         action="store_true",
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if cuda else "cpu"
     vocab = int(run.model.config.get_text_config().vocab_size)
     dev_events = A.events_from_profiler(events, vocab, device)
-    attr = A.attribute(dev_events, device=device)
+    attr = A.attribute(dev_events, device=device, top=args.top)
     where = _Frames(events)
     wall_us = window.profiled_s * 1e6
     figures = A.per_step(attr, args.steps, wall_us)

@@ -365,7 +365,7 @@ DQKWG_IMPLS = ("auto", "triton", "torch")
 DQKWG_IMPL = "auto"
 #: Launch of :func:`chunk_bwd_dqkwg_triton`: key / value block (each capped at the head dim's power of two),
 #: warps, pipeline stages.
-DQKWG_TRITON_LAUNCH = {"block_k": 64, "block_v": 64, "num_warps": 8, "num_stages": 2}
+DQKWG_TRITON_LAUNCH = {"block_k": 64, "block_v": 128, "num_warps": 4, "num_stages": 2}
 
 
 def _pow2(n: int) -> int:
