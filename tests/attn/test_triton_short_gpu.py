@@ -53,6 +53,19 @@ def _check(lens, h, hkv, d, config, causal=True, window=(-1, -1), name="triton_s
 
 
 @MASK_FREE
+def test_default_config_at_head_dim_256_matches_reference(mask_free):
+    """Head dim 256 (Qwen3.5's full-attention layers), GQA 8/2, the default blocks: forward and every gradient
+    by the fp32-truth rule, over segments shorter and longer than a tile; one of the head dims at which ``auto``
+    hands captured layers to triton_short (``TRITON_SHORT_GRAPH_HEAD_DIMS``)."""
+    from varpack.attn import triton_short as ts
+    from varpack.integrations.cuda_graphs import TRITON_SHORT_GRAPH_HEAD_DIMS
+
+    assert 256 in TRITON_SHORT_GRAPH_HEAD_DIMS
+    config = ts.TritonShortConfig(mask_free=mask_free)
+    _check([519, 37, 1, 300, 128, 5, 64, 65, 2], 8, 2, 256, config, name=f"triton_short D=256 mask_free={mask_free}")
+
+
+@MASK_FREE
 @pytest.mark.parametrize("cfg,d", CONFIGS)
 def test_configs_match_reference(cfg, d, mask_free):
     from varpack.attn import triton_short as ts

@@ -294,10 +294,10 @@ def test_compile_for_graphs_gated_delta_models_need_fla_hybrid(monkeypatch):
     from varpack.train import sft
 
     args = types.SimpleNamespace(device=torch.device("cuda"), world_size=1, bf16=True, fp16=False)
-    choice, _ = sft._resolve_graphs(SFTConfig(gated_delta_backend="fla_hybrid"), hybrid, None, args)
+    choice, _, _ = sft._resolve_graphs(SFTConfig(gated_delta_backend="fla_hybrid"), hybrid, None, args)
     assert choice.on and choice.reason == GRAPHS_AUTO_REASON, choice
     assert sft._resolve_graphs(SFTConfig(cuda_graphs=True, gated_delta_backend="fla_hybrid"), hybrid, None, args)[0].on
-    choice, _ = sft._resolve_graphs(SFTConfig(gated_delta_backend="chunk"), hybrid, None, args)
+    choice, _, _ = sft._resolve_graphs(SFTConfig(gated_delta_backend="chunk"), hybrid, None, args)
     assert not choice.on and choice.reason.startswith("auto: Qwen3_5ForCausalLM: its recurrent mixers"), choice
     assert choice.reason.endswith("gated delta rule backend 'chunk' resolves to 'chunk' here"), choice
     with pytest.raises(ValueError, match=r"^--cuda-graphs with Qwen3_5ForCausalLM: its recurrent mixers"):
@@ -525,14 +525,14 @@ def test_auto_asks_the_model_last():
         raise AssertionError("loaded")
 
     dense = load_model("tiny-qwen3", vocab_size=VOCAB)
-    choice, model = sft._resolve_graphs(SFTConfig(), dense, never, args())
+    choice, model, _ = sft._resolve_graphs(SFTConfig(), dense, never, args())
     assert choice.on and choice.reason == GRAPHS_AUTO_REASON and model is dense
-    choice, model = sft._resolve_graphs(SFTConfig(), None, lambda: dense, args())
+    choice, model, _ = sft._resolve_graphs(SFTConfig(), None, lambda: dense, args())
     assert choice.on and model is dense  # loaded to ask it
     for name, fragment in (("tiny-qwen3.5", "recurrent mixers"), ("tiny-qwen3-vl", "vision-language")):
-        choice, _ = sft._resolve_graphs(SFTConfig(), load_model(name), never, args())
+        choice, _, _ = sft._resolve_graphs(SFTConfig(), load_model(name), never, args())
         assert not choice.on and choice.reason.startswith("auto: ") and fragment in choice.reason, choice
-    choice, _ = sft._resolve_graphs(SFTConfig(), dense, never, args(bf16=False))
+    choice, _, _ = sft._resolve_graphs(SFTConfig(), dense, never, args(bf16=False))
     assert not choice.on and "float32 training" in choice.reason
     assert sft._resolve_graphs(SFTConfig(cuda_graphs=True), dense, never, args())[0].on
     with pytest.raises(ValueError, match="^--cuda-graphs with float32 training"):  # forced: refused, not off
@@ -546,7 +546,7 @@ def test_auto_asks_the_model_last():
 
     plan = plan_packs([10, 20, 5], 32)
     expected = attention_refusal(dense, backend="auto", device="cuda", dtype=torch.bfloat16, max_seqlen=32)
-    choice, _ = sft._resolve_graphs(SFTConfig(), dense, never, args(), plan)
+    choice, _, _ = sft._resolve_graphs(SFTConfig(), dense, never, args(), plan)
     if expected is None:  # a machine where tiny-qwen3's attention is capturable
         assert choice.on
     else:
@@ -554,6 +554,51 @@ def test_auto_asks_the_model_last():
         with pytest.raises(ValueError) as forced:  # forced: an error naming the backend, never a failed capture
             sft._resolve_graphs(SFTConfig(cuda_graphs=True), dense, never, args(), plan)
         assert str(forced.value) == f"--cuda-graphs with {expected}"
+
+
+def test_graph_attention_hands_auto_to_triton_short(monkeypatch):
+    """``graph_attention``: ``auto`` resolving outside GRAPH_BACKENDS is handed to triton_short where it runs the
+    model's heads at a verified head dim (the reason kept in the note); a backend the user named, a head dim
+    outside TRITON_SHORT_GRAPH_HEAD_DIMS, or triton_short refused too keep the refusal; a capturable ``auto``
+    stays. Then ``varpack sft``'s choice: graphs on, attention triton_short, the note on the speed line."""
+    from varpack.integrations import cuda_graphs
+    from varpack.plan import plan_packs
+    from varpack.train import sft
+
+    dense = load_model("tiny-qwen3", vocab_size=VOCAB, config_overrides={"head_dim": 64})
+    small = load_model("tiny-qwen3", vocab_size=VOCAB)  # head dim 16
+    why = "attention 'auto' resolves to sdpa here (head dim 64, bfloat16): captured layers need flash_attn_4 or triton_short"
+    answers = {"auto": why, "triton_short": None, "flex": "attention 'flex' resolves to flex here"}
+    asked = []
+
+    def refusal(model, *, backend, **k):
+        asked.append(backend)
+        return answers[backend]
+
+    monkeypatch.setattr(cuda_graphs, "attention_refusal", refusal)
+    kw = dict(device="cuda", dtype=torch.bfloat16, max_seqlen=300)
+    note = f"attention triton_short in the captured layers ({why})"
+    assert cuda_graphs.graph_attention(dense, backend="auto", **kw) == ("triton_short", None, note)
+    assert asked == ["auto", "triton_short"]
+    assert cuda_graphs.graph_attention(dense, backend="flex", **kw) == ("flex", answers["flex"], None)
+    assert cuda_graphs.graph_attention(small, backend="auto", **kw) == ("auto", why, None)
+    answers["triton_short"] = "attention 'triton_short': not on this GPU"
+    assert cuda_graphs.graph_attention(dense, backend="auto", **kw) == ("auto", why, None)
+    answers["auto"] = None
+    assert cuda_graphs.graph_attention(dense, backend="auto", **kw) == ("auto", None, None)
+
+    answers.update(auto=why, triton_short=None)
+    args = types.SimpleNamespace(device=torch.device("cuda"), world_size=1, bf16=True, fp16=False)
+    plan = plan_packs([10, 20, 5], 32)
+    choice, model, attn = sft._resolve_graphs(SFTConfig(), dense, None, args, plan)
+    assert choice.on and choice.reason == f"{GRAPHS_AUTO_REASON}; {note}" and attn == "triton_short"
+    choice, _, attn = sft._resolve_graphs(SFTConfig(), small, None, args, plan)
+    assert not choice.on and choice.reason == f"auto: {why}" and attn == "auto"
+    choice, _, attn = sft._resolve_graphs(SFTConfig(cuda_graphs=True), dense, None, args, plan)
+    assert choice.on and attn == "triton_short"
+    answers["triton_short"] = "attention 'triton_short': not on this GPU"  # a named backend is never replaced
+    with pytest.raises(ValueError, match=r"^--cuda-graphs with attention 'triton_short': not on this GPU$"):
+        sft._resolve_graphs(SFTConfig(cuda_graphs=True, attn_backend="triton_short"), dense, None, args, plan)
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash_attn_4", "triton_short"])

@@ -201,6 +201,30 @@ def test_attention_that_cannot_be_captured_falls_back(tmp_path, tokenizer, on_cu
         make(tmp_path, tokenizer, cuda_graphs=True)
 
 
+def test_auto_hands_the_captured_layers_to_triton_short(tmp_path, tokenizer, on_cuda, monkeypatch):  # noqa: F811
+    """Where ``auto`` resolves outside the captured layers' backends (no FlashAttention-4: sdpa) and triton_short
+    runs the model's heads (a verified head dim), the graphs stay on with triton_short as the model's attention,
+    named on the speed line. A head dim triton_short is not checked at on the GPU falls back to no graphs."""
+    from varpack.integrations import cuda_graphs
+
+    why = "attention 'auto' resolves to sdpa here (head dim 64, bfloat16): captured layers need flash_attn_4 or triton_short"
+
+    def refusal(model, *, backend, **k):
+        return None if backend == "triton_short" else why
+
+    monkeypatch.setattr(cuda_graphs, "attention_refusal", refusal)
+    trainer = make(tmp_path, tokenizer, model=graph_model(config_overrides={"head_dim": 64}))
+    assert trainer.cuda_graphs and len(on_cuda["graphs"]) == 1
+    assert f"{GRAPHS_AUTO_REASON}; attention triton_short in the captured layers ({why})" in trainer.speed_line
+    base = trainer.model
+    assert base.config._attn_implementation == "varpack_triton_short"
+    assert base._varpack_state.backend == "triton_short"
+    # head dim 16 (tiny-qwen3's own): not among TRITON_SHORT_GRAPH_HEAD_DIMS, so no graphs, auto's reason named
+    trainer = make(tmp_path, tokenizer, model=graph_model())
+    assert not trainer.cuda_graphs and trainer.speed_line.endswith(f"; CUDA graphs off (auto: {why})")
+    assert trainer.model.config._attn_implementation == "varpack"
+
+
 def test_attention_refusal_resolves_as_the_captured_layer(monkeypatch):
     """attention_refusal resolves the custom op's backend for the model's heads (with gradients, the op's
     exclusions): on the CPU auto reaches a backend that reads cu_seqlens on the host (refused, named);

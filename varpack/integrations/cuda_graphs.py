@@ -41,12 +41,14 @@ __all__ = [
     "GRAPH_BACKENDS",
     "GRAPH_COMPILE_KW",
     "MAMBA2_GRAPHS_REFUSAL",
+    "TRITON_SHORT_GRAPH_HEAD_DIMS",
     "attention_refusal",
     "begin_step",
     "boundaries_on_device",
     "capture_or_error",
     "compile_layers_as_graphs",
     "cudagraph_skips",
+    "graph_attention",
     "model_refusal",
 ]
 
@@ -133,6 +135,28 @@ GRAPH_COMPILE_KW: dict[str, Any] = {
 GRAPH_BACKENDS: tuple[str, ...] = ("flash_attn_4", "triton_short")
 
 
+#: the head dims at which ``auto`` hands captured layers to ``triton_short`` when it resolves to a backend outside
+#: :data:`GRAPH_BACKENDS` (FlashAttention-4 not installed, or not for this head dim): the dims at which
+#: triton_short's forward and backward are checked against the reference on the GPU (tests/attn/test_attn_gpu.py
+#: at 64 and 128, tests/attn/test_triton_short_gpu.py at 256, Qwen3.5's full-attention layers).
+TRITON_SHORT_GRAPH_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+
+
+def _attention_spec(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype, max_seqlen: int):
+    from varpack.attn._base import CallSpec
+    from varpack.models.registry import family_of
+
+    config = family_of(model).text_config(model)
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = getattr(config, "head_dim", None) or (int(config.hidden_size) // heads if heads else 0)
+    softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+    return CallSpec(
+        device=torch.device(device), dtype=dtype, head_dim=int(head_dim), num_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), softcap=softcap,
+        needs_grad=True, max_seqlen=int(max_seqlen),
+    )  # fmt: skip
+
+
 def attention_refusal(
     model: torch.nn.Module,
     *,
@@ -154,31 +178,56 @@ def attention_refusal(
     Returns:
         ``None``, or the reason in words, naming the backend it resolved to (or why none resolved).
     """
-    from varpack.attn._base import BackendUnavailableError, CallSpec
+    from varpack.attn._base import BackendUnavailableError
     from varpack.attn.custom_op import _no_op_backward
     from varpack.attn.registry import resolve_spec
-    from varpack.models.registry import family_of
 
-    config = family_of(model).text_config(model)
-    heads = int(getattr(config, "num_attention_heads", 0) or 0)
-    head_dim = getattr(config, "head_dim", None) or (int(config.hidden_size) // heads if heads else 0)
-    softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
-    spec = CallSpec(
-        device=torch.device(device), dtype=dtype, head_dim=int(head_dim), num_heads=heads,
-        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads), softcap=softcap,
-        needs_grad=True, max_seqlen=int(max_seqlen),
-    )  # fmt: skip
+    spec = _attention_spec(model, device, dtype, max_seqlen)
     try:
-        resolved = resolve_spec(backend, spec, exclude=_no_op_backward(True, softcap))
+        resolved = resolve_spec(backend, spec, exclude=_no_op_backward(True, spec.softcap))
     except (BackendUnavailableError, ValueError) as exc:
         return f"attention {backend!r}: {exc}"
     name = str(resolved)
     if name in GRAPH_BACKENDS:
         return None
     return (
-        f"attention {backend!r} resolves to {name} here (head dim {int(head_dim)}, {str(dtype).split('.')[-1]}): "
+        f"attention {backend!r} resolves to {name} here (head dim {spec.head_dim}, {str(dtype).split('.')[-1]}): "
         f"captured layers need {' or '.join(GRAPH_BACKENDS)}"
     )
+
+
+def graph_attention(
+    model: torch.nn.Module,
+    *,
+    backend: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    max_seqlen: int,
+) -> tuple[str, str | None, str | None]:
+    """The attention backend ``model``'s captured layers run: ``backend`` itself when it resolves to one of
+    :data:`GRAPH_BACKENDS` (:func:`attention_refusal`), else, for ``backend="auto"`` only, ``"triton_short"``
+    when it runs this call and the head dim is one of :data:`TRITON_SHORT_GRAPH_HEAD_DIMS` (an H200 without
+    FlashAttention-4: ``auto`` would take ``torch_varlen`` / ``sdpa``, which a captured layer cannot run). A
+    backend named by the user is never replaced.
+
+    Args:
+        model, backend, device, dtype, max_seqlen: as :func:`attention_refusal`.
+
+    Returns:
+        ``(name, refusal, note)``: the backend for the captured layers; ``None`` or why no captured layer can run
+        (:func:`attention_refusal`'s reason for ``backend``); ``None`` or, when ``"triton_short"`` stands in for
+        ``auto``'s choice, the reason in words (for the ``speed`` line).
+    """
+    refusal = attention_refusal(model, backend=backend, device=device, dtype=dtype, max_seqlen=max_seqlen)
+    if refusal is None or backend != "auto":
+        return backend, refusal, None
+    spec = _attention_spec(model, device, dtype, max_seqlen)
+    if spec.head_dim not in TRITON_SHORT_GRAPH_HEAD_DIMS:
+        return backend, refusal, None
+    short = attention_refusal(model, backend="triton_short", device=device, dtype=dtype, max_seqlen=max_seqlen)
+    if short is not None:
+        return backend, refusal, None
+    return "triton_short", None, f"attention triton_short in the captured layers ({refusal})"
 
 
 def model_refusal(

@@ -278,7 +278,8 @@ def resolve_torch_compile(
 
 #: settings ``--cuda-graphs`` is refused with: (field, value test, why). Each needs what CUDA-graph trees cannot
 #: be shown to do with it (module docstring of :mod:`varpack.integrations.cuda_graphs`).
-#: attention backends ``--cuda-graphs`` accepts (``auto`` resolves to flash_attn_4 on the measured shapes)
+#: attention backends ``--cuda-graphs`` accepts (``auto`` resolves to flash_attn_4 on the measured shapes, else the
+#: captured layers take triton_short: :func:`varpack.integrations.cuda_graphs.graph_attention`)
 GRAPH_ATTN_BACKENDS: tuple[str, ...] = ("auto", "flash_attn_4", "triton_short")
 
 _GRAPH_CONFLICTS: tuple[tuple[str, Any, str], ...] = (
@@ -309,7 +310,8 @@ _GRAPH_CONFLICTS: tuple[tuple[str, Any, str], ...] = (
         "attn_backend",
         lambda v: v not in GRAPH_ATTN_BACKENDS,
         "captured layers need an attention backend that launches without reading cu_seqlens on the host and "
-        "has a backward through varpack's custom op: auto (-> flash_attn_4), flash_attn_4 or triton_short",
+        "has a backward through varpack's custom op: auto (-> flash_attn_4, else triton_short), flash_attn_4 or "
+        "triton_short",
     ),
 )
 

@@ -264,8 +264,8 @@ def build_sft(
         objective = _dpo_objective(config, model, load)
     training_args = training_arguments(config)
     created_output_dir = not os.path.exists(training_args.output_dir)
-    graph_choice, model = _resolve_graphs(config, model, load, training_args, plan)
-    config = replace(config, cuda_graphs=graph_choice.on)
+    graph_choice, model, attn_backend = _resolve_graphs(config, model, load, training_args, plan)
+    config = replace(config, cuda_graphs=graph_choice.on, attn_backend=attn_backend)
     compile_choice = resolve_torch_compile(
         config, device=training_args.device.type, world_size=training_args.world_size
     )
@@ -334,14 +334,17 @@ def build_sft(
 
 def _resolve_graphs(
     config: SFTConfig, model: Any, load: Callable[[], Any], args: Any, plan: Any = None
-) -> tuple[CompileChoice, Any]:
-    """``(choice, model)``: :func:`varpack.train.config.resolve_cuda_graphs` on the Trainer's device and world
-    size (``args``: ``TrainingArguments``); where ``cuda_graphs="auto"`` turns it on, the model is loaded (if
-    not yet) and its :func:`varpack.integrations.cuda_graphs.model_refusal` (autocast: ``args.bf16`` /
-    ``args.fp16``), then :func:`varpack.integrations.cuda_graphs.attention_refusal` (the backend a captured
+) -> tuple[CompileChoice, Any, str]:
+    """``(choice, model, attn_backend)``: :func:`varpack.train.config.resolve_cuda_graphs` on the Trainer's
+    device and world size (``args``: ``TrainingArguments``); where ``cuda_graphs="auto"`` turns it on, the model
+    is loaded (if not yet) and its :func:`varpack.integrations.cuda_graphs.model_refusal` (autocast: ``args.bf16``
+    / ``args.fp16``), then :func:`varpack.integrations.cuda_graphs.graph_attention` (the backend a captured
     layer would resolve to for the model at the ``plan``'s static shape: FA4 refuses a head dim below 64 on an
     H200) turn it off again, reason ``"auto: <the reason>"``. A forced ``cuda_graphs=True`` asks the same two
     and is refused by either: never a captured layer that reads ``cu_seqlens`` on the host.
+
+    ``attn_backend`` is ``config.attn_backend``, or ``"triton_short"`` where ``auto`` resolves outside the
+    captured layers' backends and triton_short runs the model's attention (named on the ``speed`` line).
 
     Raises:
         ValueError: ``cuda_graphs=True`` with a conflicting setting, a model it refuses (``"--cuda-graphs with
@@ -351,10 +354,11 @@ def _resolve_graphs(
     """
     choice = resolve_cuda_graphs(config, device=args.device.type, world_size=args.world_size)
     if not choice.on:
-        return choice, model
-    from varpack.integrations.cuda_graphs import attention_refusal, model_refusal
+        return choice, model, config.attn_backend
+    from varpack.integrations.cuda_graphs import graph_attention, model_refusal
 
     model = model if model is not None else load()
+    attn, note = config.attn_backend, None
     refusal = model_refusal(
         model, autocast=bool(args.bf16 or args.fp16), device=args.device,
         gated_delta_backend=config.gated_delta_backend,
@@ -363,7 +367,7 @@ def _resolve_graphs(
         from varpack.collate import StaticShape
 
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(model.parameters()).dtype
-        refusal = attention_refusal(
+        attn, refusal, note = graph_attention(
             model,
             backend=config.attn_backend,
             device=args.device,
@@ -373,8 +377,10 @@ def _resolve_graphs(
     if refusal is not None:
         if config.cuda_graphs is True:
             raise ValueError(f"--cuda-graphs with {refusal}")
-        choice = CompileChoice(False, f"auto: {refusal}")
-    return choice, model
+        return CompileChoice(False, f"auto: {refusal}"), model, config.attn_backend
+    if note is not None:
+        choice = choice._replace(reason=f"{choice.reason}; {note}")
+    return choice, model, attn
 
 
 @dataclass(frozen=True)

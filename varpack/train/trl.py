@@ -565,7 +565,7 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         # the backend a captured layer would resolve to, for this model on this GPU and the static shape
         shape = self._static_shape()[0]
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(base.parameters()).dtype
-        reason = cuda_graphs.attention_refusal(
+        attn, reason, note = cuda_graphs.graph_attention(
             base,
             backend=backend,
             device=self.args.device,
@@ -574,6 +574,7 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         )
         if reason is not None:
             return reason, "", None
+        self._graph_attention = (attn, note)  # triton_short in place of auto's choice: applied with the graphs
         return None
 
     def _choose_step(self, args: Any, cuda_graphs: Any, compile_layers: Any) -> tuple[Any, Any]:
@@ -610,13 +611,19 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             self._use_static_shape()
             from varpack.integrations import cuda_graphs as graphs_module
 
+            attn, note = getattr(self, "_graph_attention", (None, None))
+            if note is not None:  # the captured layers' attention in place of auto's (graph_attention)
+                from varpack.integrations.transformers import enable_varpack
+
+                enable_varpack(base, backend=attn)
             graphs_module.compile_layers_as_graphs(
                 base, device=self.args.device, what=f"VarpackSFTTrainer(cuda_graphs={cuda_graphs!r})"
             )
+            also = f"; {note}" if note is not None else ""
             if cuda_graphs is True:
-                graphs = CompileChoice(True, "cuda_graphs=True")
+                graphs = CompileChoice(True, "cuda_graphs=True" + also)
             else:
-                graphs = CompileChoice(True, GRAPHS_AUTO_REASON, "cuda_graphs=False for dynamic shapes")
+                graphs = CompileChoice(True, GRAPHS_AUTO_REASON + also, "cuda_graphs=False for dynamic shapes")
             # the layers are compiled for the graphs: their reason is the graphs'
             return graphs, graphs._replace(reason=graphs.reason + (f"; {mapped}" if hf_compile else ""))
 
