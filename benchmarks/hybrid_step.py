@@ -334,8 +334,20 @@ def build_row(
                 boundaries_on_device,
                 capture_or_error,
                 compile_layers_as_graphs,
+                graph_attention,
             )
+            from varpack.integrations.transformers import enable_varpack
 
+            meta = wl.static_batches[0]["varlen_meta"]
+            # the captured layers' attention as varpack sft picks it (triton_short where auto's is not capturable)
+            attn, refusal, note = graph_attention(
+                model, backend="auto", device=device, dtype=dtype, max_seqlen=int(meta.max_seqlen_q)
+            )
+            if refusal is not None:
+                raise RuntimeError(f"{config}: {refusal}")
+            if attn != "auto":
+                enable_varpack(model, backend=attn, linear_backend=linear)
+                info["attention"] = f"varpack {attn} ({note})"
             torch._dynamo.reset()
             layers = compile_layers_as_graphs(model, device=device, what=config)
             stack.enter_context(capture_or_error())
@@ -344,7 +356,6 @@ def build_row(
                 begin_step()
                 return varpack_loss(model, boundaries_on_device(mb, device), num_items)
 
-            meta = wl.static_batches[0]["varlen_meta"]
             info["compiled_layers"] = f"inductor x{layers}, static shapes, CUDA graphs per layer"
             info["static_shape"] = f"T={int(meta.total_q)} N={int(meta.num_seqs)} max_seqlen={int(meta.max_seqlen_q)}"
             return Row(model, [[b] for b in wl.static_batches], graphs_loss, info)
