@@ -21,9 +21,9 @@ from varpack.train.config import GRAPHS_AUTO_REASON  # noqa: E402
 from varpack.train.trl import VarpackSFTTrainer  # noqa: E402
 
 
-def graph_model(**kw):
+def graph_model(name="tiny-qwen3", **kw):
     """A model the graph step takes: bf16 weights, varpack attention ``auto``."""
-    return load_model("tiny-qwen3", **{"vocab_size": VOCAB, "attn_backend": "auto", "dtype": torch.bfloat16, "seed": 0, **kw})
+    return load_model(name, **{"vocab_size": VOCAB, "attn_backend": "auto", "dtype": torch.bfloat16, "seed": 0, **kw})
 
 
 def make(tmp_path, tokenizer, *, model=None, args_kw=None, **kw):  # noqa: F811
@@ -223,6 +223,23 @@ def test_auto_hands_the_captured_layers_to_triton_short(tmp_path, tokenizer, on_
     trainer = make(tmp_path, tokenizer, model=graph_model())
     assert not trainer.cuda_graphs and trainer.speed_line.endswith(f"; CUDA graphs off (auto: {why})")
     assert trainer.model.config._attn_implementation == "varpack"
+
+
+def test_triton_short_hand_over_keeps_the_gated_delta_rule(tmp_path, tokenizer, on_cuda, monkeypatch):  # noqa: F811
+    """A hybrid model whose Gated DeltaNet layers were patched with a named rule keeps it when the captured layers'
+    attention is switched to triton_short (re-enabling varpack attention must not reset the rule to auto)."""
+    from varpack.integrations import cuda_graphs
+    from varpack.models.registry import is_gated_delta_layer
+
+    monkeypatch.setattr(cuda_graphs, "model_refusal", lambda model, **k: None)  # a GPU where fla_hybrid runs
+    monkeypatch.setattr(
+        cuda_graphs, "attention_refusal", lambda model, *, backend, **k: None if backend == "triton_short" else "no"
+    )
+    model = graph_model(name="tiny-qwen3.5", gated_delta_backend="chunk", config_overrides={"head_dim": 64})
+    trainer = make(tmp_path, tokenizer, model=model)
+    assert trainer.cuda_graphs and trainer.model.config._attn_implementation == "varpack_triton_short"
+    rules = {m._varpack_gdn_backend for m in trainer.model.modules() if is_gated_delta_layer(m)}
+    assert rules == {"chunk"}
 
 
 def test_attention_refusal_resolves_as_the_captured_layer(monkeypatch):

@@ -614,8 +614,11 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             attn, note = getattr(self, "_graph_attention", (None, None))
             if note is not None:  # the captured layers' attention in place of auto's (graph_attention)
                 from varpack.integrations.transformers import enable_varpack
+                from varpack.models.registry import is_gated_delta_layer
 
-                enable_varpack(base, backend=attn)
+                # the Gated DeltaNet layers keep the rule they were patched with (refused above if mixed)
+                rules = {getattr(m, "_varpack_gdn_backend", "auto") for m in base.modules() if is_gated_delta_layer(m)}
+                enable_varpack(base, backend=attn, linear_backend=rules.pop() if len(rules) == 1 else "auto")
             graphs_module.compile_layers_as_graphs(
                 base, device=self.args.device, what=f"VarpackSFTTrainer(cuda_graphs={cuda_graphs!r})"
             )
