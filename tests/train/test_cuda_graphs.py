@@ -601,6 +601,21 @@ def test_graph_attention_hands_auto_to_triton_short(monkeypatch):
         sft._resolve_graphs(SFTConfig(cuda_graphs=True, attn_backend="triton_short"), dense, None, args, plan)
 
 
+def test_prepare_model_takes_the_runs_attention_backend():
+    """The backend ``_resolve_graphs`` chose in place of the config's reaches the model, loaded before or in
+    ``_prepare_model``; without one the config's backend stays (negative control)."""
+    from varpack.train.sft import _prepare_model
+
+    config = SFTConfig(torch_compile=False, cuda_graphs=False)  # config.attn_backend: auto
+    model = load_model("tiny-qwen3", vocab_size=VOCAB)
+    assert _prepare_model(config, model, lambda: None).config._attn_implementation == "varpack"
+    out = _prepare_model(config, model, lambda: None, attn_backend="triton_short")
+    assert out.config._attn_implementation == "varpack_triton_short" and out._varpack_state.backend == "triton_short"
+    loaded = _prepare_model(config, None, lambda: load_model("tiny-qwen3", vocab_size=VOCAB), attn_backend="triton_short")
+    assert loaded.config._attn_implementation == "varpack_triton_short"
+    assert config.attn_backend == "auto"
+
+
 @pytest.mark.parametrize("backend", ["auto", "flash_attn_4", "triton_short"])
 def test_capturable_attention_backends_pass_the_check(backend):
     check_cuda_graphs(

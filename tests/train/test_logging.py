@@ -255,3 +255,21 @@ def test_report_to_a_missing_package_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"report_to='tensorboard,wandb'.*'wandb'.*not installed"):
         _report_to("tensorboard,wandb")
     assert _report_to(" tensorboard , ") == ["tensorboard"] and _report_to("none") == "none"
+
+
+def test_report_names_the_backend_the_run_chose_and_why(tmp_path):
+    """A backend the run put in place of the config's (the captured layers' triton_short) is reported with the
+    run's reason, not as forced by the caller; without a reason it is what the registry says (control)."""
+    import types
+
+    run, _ = _run(tmp_path, report_to="none", max_steps=1)
+    state = types.SimpleNamespace(is_world_process_zero=True, global_step=0)
+    reports = []
+    for reason in ("auto's choice cannot be captured", None):
+        cb = RunReportCallback(
+            run.trainer, summary={}, text="", plan=run.plan, backend="sdpa", write_file=False, reason=reason
+        )
+        cb.on_train_begin(run.trainer.args, state, None, model=run.model)
+        reports.append(cb.report["attn_backend"])
+    assert reports[0] == {"name": "sdpa", "reason": "auto's choice cannot be captured"}
+    assert reports[1]["name"] == "sdpa" and reports[1]["reason"] == "sdpa: forced by the caller"

@@ -100,8 +100,10 @@ class RunReportCallback(TrainerCallback):
         trainer: the Trainer this callback is added to (its callback list tells which integrations run).
         summary: :func:`varpack.plan.report.plan_summary` of the run's plan.
         text: the plain-text packing report (:func:`varpack.plan.report.summary_text`).
-        plan: the run's plan; backend: ``SFTConfig.attn_backend``.
+        plan: the run's plan; backend: ``SFTConfig.attn_backend``, or the backend the run put in its place.
         write_file: write :data:`PACKING_REPORT_FILE` (``varpack sft``: when saving or logging).
+        reason: why ``backend`` runs, when the run chose it in place of ``SFTConfig.attn_backend`` (the
+            captured layers' ``triton_short``: :func:`varpack.integrations.cuda_graphs.graph_attention`).
 
     After training starts, ``report`` holds the JSON data and ``report_path`` the file written (or None).
     """
@@ -115,12 +117,14 @@ class RunReportCallback(TrainerCallback):
         plan: Any,
         backend: str,
         write_file: bool = True,
+        reason: str | None = None,
     ) -> None:
         self.trainer = trainer
         self.summary = summary
         self.text = text
         self.plan = plan
         self.backend = backend
+        self.reason = reason
         self.write_file = write_file
         self.report: dict[str, Any] | None = None
         self.report_path: str | None = None
@@ -134,6 +138,8 @@ class RunReportCallback(TrainerCallback):
         param = next(model.parameters())
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else param.dtype
         attn = resolved_attn_backend(model, self.backend, self.plan, dtype=dtype, device=param.device)
+        if self.reason is not None and not attn["reason"].startswith("not resolved"):
+            attn = {"name": attn["name"], "reason": self.reason}
         self.report = packing_report_data(self.summary, attn_backend=attn)
         if self.write_file:
             os.makedirs(args.output_dir, exist_ok=True)

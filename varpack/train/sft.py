@@ -264,15 +264,17 @@ def build_sft(
         objective = _dpo_objective(config, model, load)
     training_args = training_arguments(config)
     created_output_dir = not os.path.exists(training_args.output_dir)
+    # the captured layers' attention backend: config.attn_backend, or triton_short in place of auto's (the run's
+    # config keeps what the user chose: a saved config reruns auto)
     graph_choice, model, attn_backend = _resolve_graphs(config, model, load, training_args, plan)
-    config = replace(config, cuda_graphs=graph_choice.on, attn_backend=attn_backend)
+    config = replace(config, cuda_graphs=graph_choice.on)
     compile_choice = resolve_torch_compile(
         config, device=training_args.device.type, world_size=training_args.world_size
     )
     if graph_choice.on:  # the reason the layers are compiled is the graphs'
         compile_choice = CompileChoice(True, graph_choice.reason, graph_choice.hint)
     config = replace(config, torch_compile=compile_choice.on)
-    model = _prepare_model(config, model, load, training_args.device)
+    model = _prepare_model(config, model, load, training_args.device, attn_backend=attn_backend)
     context = _context_parallel(config, model, training_args)
     gated_delta = _gated_delta_choice(config, model, training_args.device)
     static_shape = static_pad = None
@@ -308,8 +310,9 @@ def build_sft(
                 summary=summary,
                 text=report,
                 plan=plan,
-                backend=config.attn_backend,
+                backend=attn_backend,
                 write_file=config.save or bool(training_args.report_to),
+                reason=None if attn_backend == config.attn_backend else graph_choice.reason,
             )
         )
     return SFTRun(
@@ -774,11 +777,14 @@ _GRAPHS_FLOAT32 = (
 )
 
 
-def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], device: Any = None) -> Any:
+def _prepare_model(
+    config: SFTConfig, model: Any, load: Callable[[], Any], device: Any = None, attn_backend: str | None = None
+) -> Any:
     """The model on varpack attention (loaded now if not yet), without a KV cache, with the requested
     Liger-Kernel / per-layer compile applied (with ``config.cuda_graphs``: compiled for CUDA graphs on ``device``,
     the training device, after :func:`_refuse_graph_model`), then wrapped in a LoRA ``PeftModel`` with ``config.lora``
-    (:func:`varpack.train.lora.apply_lora`).
+    (:func:`varpack.train.lora.apply_lora`). ``attn_backend``: the attention backend the run chose in place of
+    ``config.attn_backend`` (:func:`_resolve_graphs`); default ``config.attn_backend``.
 
     Raises:
         ValueError: ``config.torch_compile`` still ``"auto"`` (:func:`varpack.train.config.resolve_torch_compile`
@@ -789,11 +795,14 @@ def _prepare_model(config: SFTConfig, model: Any, load: Callable[[], Any], devic
     if not isinstance(config.torch_compile, bool):
         raise ValueError(f"torch_compile={config.torch_compile!r} must be resolved to True / False first")
 
+    backend = attn_backend or config.attn_backend
     if model is None:
         model = load()
+        if backend != config.attn_backend:
+            enable_varpack(model, backend=backend, linear_backend=config.gated_delta_backend)
     else:
         _require_gated_delta(config, model)
-        enable_varpack(model, backend=config.attn_backend, linear_backend=config.gated_delta_backend)
+        enable_varpack(model, backend=backend, linear_backend=config.gated_delta_backend)
     model.config.use_cache = False
     if config.cuda_graphs:
         _refuse_graph_model(model, autocast=config.bf16, device=device)
