@@ -45,12 +45,15 @@ CONV_BWD_GRID = {
     "prefetch": (2,),
     "num_warps": (4, 8),
 }
+#: ``--small`` (head dim 32): launches whose blocks differ there (the full grid's are capped to 32 alike)
+SMALL_GRIDS = {"dqkwg": {"block_k": (16, 32), "block_v": (16, 32), "num_warps": (4,), "num_stages": (2,)}}
 KERNELS = ("dqkwg", "conv_fwd", "conv_bwd")
 #: what the sweep runs without ``--kernels``: the forward convolution is not among the step's costly kernels
 DEFAULT_KERNELS = ("dqkwg", "conv_bwd")
 
 
-def configs(grid: dict[str, tuple], small: bool) -> list[dict[str, int]]:
+def configs(grid: dict[str, tuple], small: bool, kind: str = "") -> list[dict[str, int]]:
+    grid = SMALL_GRIDS.get(kind, grid) if small else grid
     keys = list(grid)
     values = [grid[k][:2] if small else grid[k] for k in keys]
     return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
@@ -155,7 +158,7 @@ def sweep(kind: str, run, default: dict, grid: dict, args, device) -> dict[str, 
     sync(device)
     base = time_fn(lambda: run(None), device, warmup=1, iters=args.iters, queued=True)["ms"]
     rows = []
-    for cfg in configs(grid, args.small)[: args.max_configs or None]:
+    for cfg in configs(grid, args.small, kind)[: args.max_configs or None]:
         try:
             out = run(cfg)
             sync(device)

@@ -27,7 +27,10 @@ def test_small_sweep_on_the_cpu_times_and_checks_every_config(tmp_path):
         assert rec["best"] == min(timed, key=lambda r: r["ms"])
         # another launch computes the same gradients: fp32 sums in another order at most
         assert all(r["max_rel_diff_vs_default"] < 1e-5 for r in timed), (kind, timed)
-    assert set(data["records"]["dqkwg"]["rows"][0]["config"]) == set(DQKWG_GRID)
+    dq = data["records"]["dqkwg"]
+    assert set(dq["rows"][0]["config"]) == set(DQKWG_GRID)
+    # at head dim 32 the swept launches split the key / value blocks unlike the default (capped to 32, 32)
+    assert [(r["config"]["block_k"], r["config"]["block_v"]) for r in dq["rows"]] == [(16, 16), (16, 32)]
     assert data["records"]["dqkwg"]["table_rows"] > data["records"]["dqkwg"]["chunks"]  # padding rows ran
 
     import torch
