@@ -339,15 +339,16 @@ def build_row(
             from varpack.integrations.transformers import enable_varpack
 
             meta = wl.static_batches[0]["varlen_meta"]
-            # the captured layers' attention as varpack sft picks it (triton_short where auto's is not capturable)
-            attn, refusal, note = graph_attention(
-                model, backend="auto", device=device, dtype=dtype, max_seqlen=int(meta.max_seqlen_q)
-            )
-            if refusal is not None:
-                raise RuntimeError(f"{config}: {refusal}")
-            if attn != "auto":
-                enable_varpack(model, backend=attn, linear_backend=linear)
-                info["attention"] = f"varpack {attn} ({note})"
+            if torch.device(device).type == "cuda":  # elsewhere compile_layers_as_graphs refuses the device
+                # the captured layers' attention as varpack sft picks it (triton_short where auto's is not capturable)
+                attn, refusal, note = graph_attention(
+                    model, backend="auto", device=device, dtype=dtype, max_seqlen=int(meta.max_seqlen_q)
+                )
+                if refusal is not None:
+                    raise RuntimeError(f"{config}: {refusal}")
+                if attn != "auto":
+                    enable_varpack(model, backend=attn, linear_backend=linear)
+                    info["attention"] = f"varpack {attn} ({note})"
             torch._dynamo.reset()
             layers = compile_layers_as_graphs(model, device=device, what=config)
             stack.enter_context(capture_or_error())
