@@ -41,6 +41,9 @@ On the GPU machine (files under /tmp survive between calls while the machine sta
   gated-delta benchmarks/gated_delta.py: the gated delta rule kernels (GDR_ARGS)
   hybrid      benchmarks/hybrid_step.py: the Qwen3.5-shaped hybrid SFT step (HYBRID_ARGS), then varpack sft on
               qwen3.5-hybrid-shape as a user types it (HYBRID_SFT_STEPS, 30)
+  vl          the vision-language step as a user types it: benchmarks/vl_data.py (code_alpaca.jsonl with one
+              built-in image chat in VL_IMAGE_EVERY, 4; VL_CHATS, 4000), then varpack sft on
+              qwen3.5-vl-hybrid-shape over it and over the text chats alone (VL_STEPS, 40)
   multi-gpu   benchmarks/scaling.py 1 -> all GPUs and FSDP2 1.7B, benchmarks/rank_step_time.py (>= 2 GPUs)
   profile     benchmarks/profile_step.py (PROFILE_CONFIG) and benchmarks/attention_profile.py
   check       varpack check --dtype bf16 --device cuda for each model of CHECK_MODELS (auto's backend) and of
@@ -154,6 +157,15 @@ print(' '.join(sorted({k.split('::')[0] for k, v in S.items() if '$1' in ('all',
   save_autotune; return $rc
 }
 
+vl() {
+  local sft=(--model qwen3.5-vl-hybrid-shape --dtype bfloat16 --packing-length 8192 --overflow truncate
+    --max-steps "${VL_STEPS:-40}" --logging-steps 10 --no-save --output-dir "$W/vl")
+  python3 -m benchmarks.vl_data --text .gpu/data/code_alpaca.jsonl --out "$W/vl_mix.jsonl" \
+    --image-every "${VL_IMAGE_EVERY:-4}" --max-chats "${VL_CHATS:-4000}" | tee "$D/vl_data.json" || return 1
+  run sft_vl 300 varpack sft "${sft[@]}" --data "$W/vl_mix.jsonl"
+  run sft_vl_text 240 varpack sft "${sft[@]}" --data .gpu/data/code_alpaca.jsonl
+}
+
 multi_gpu() {
   local n; n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   [ "$n" -ge 2 ] || { say "multi-gpu needs 2 or more GPUs (kind nvidia-h200-x2 and up), found $n"; return 3; }
@@ -233,6 +245,7 @@ for stage in "$@"; do
       [ -e .gpu/data/code_alpaca.jsonl ] && run sft_hybrid 240 varpack sft --model qwen3.5-hybrid-shape --dtype bfloat16 \
         --packing-length 8192 --data .gpu/data/code_alpaca.jsonl --overflow truncate --max-steps "${HYBRID_SFT_STEPS:-30}" \
         --logging-steps 10 --no-save --output-dir "$W/hybrid"; (exit $r); } ;;
+    vl) need .gpu/data/code_alpaca.jsonl && vl ;;
     multi-gpu) need $SAMPLES && multi_gpu ;;
     profile) need $SAMPLES && profile ;;
     check) quiet_setup && checks ;;

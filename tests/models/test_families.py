@@ -41,6 +41,8 @@ def _load(name: str):
     kw: dict = {} if "vl" in name else {"vocab_size": VOCAB}
     if name.endswith("-shape"):  # full-size benchmark shapes: a few layers (the hybrid keeps one full-attention)
         kw["config_overrides"] = {"num_hidden_layers": 4 if "hybrid" in name else 2}
+        if "vl" in name:  # and one layer of the vision tower
+            kw["config_overrides"]["vision_config"] = {"depth": 1}
     return load_model(name, attn_backend="reference", **kw)
 
 

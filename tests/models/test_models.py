@@ -227,3 +227,24 @@ def test_qwen3_5_hybrid_shape_config():
     assert (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim) == (16, 16, 128)
     short = model_config("qwen3.5-hybrid-shape", num_hidden_layers=4)
     assert short.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_qwen3_5_vl_hybrid_shape_config_and_its_tokenizer():
+    """The VL benchmark shape: the hybrid language model with Qwen3.5's mRoPE split (the three sections cover
+    the 32 rotary frequencies of head dim 256 at partial rotary 0.25), the default Qwen3.5 vision tower projected
+    to the language model's width, and vision token ids that are the embedded Qwen3.5 tokenizer's."""
+    c = model_config("qwen3.5-vl-hybrid-shape")
+    text = c.text_config
+    assert c.model_type == "qwen3_5" and text.num_hidden_layers == 24 and text.layer_types[3::4] == ["full_attention"] * 6
+    rope = text.rope_parameters
+    assert 2 * sum(rope["mrope_section"]) == int(text.head_dim * rope["partial_rotary_factor"]) and rope["mrope_interleaved"]
+    assert c.vision_config.depth == 27 and c.vision_config.out_hidden_size == text.hidden_size == 1024
+    tok = load_tokenizer_for("qwen3.5-vl-hybrid-shape")
+    for field, token in [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]:
+        assert tok.convert_ids_to_tokens(getattr(c, field)) == token, field
+    assert len(tok) <= text.vocab_size
+    cut = model_config("qwen3.5-vl-hybrid-shape", num_hidden_layers=4, vision_config={"depth": 1})
+    assert cut.text_config.layer_types == ["linear_attention"] * 3 + ["full_attention"] and cut.vision_config.depth == 1
+    with pytest.raises(ValueError, match="too small"):
+        model_config("qwen3.5-vl-hybrid-shape", vocab_size=1000)

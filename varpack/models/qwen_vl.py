@@ -26,10 +26,12 @@ __all__ = [
     "FAMILIES",
     "QWEN2_5_VL",
     "QWEN3_5_VL",
+    "QWEN3_5_VISION_TOKENS",
     "QWEN3_VISION_TOKENS",
     "QWEN3_VOCAB_SIZE",
     "QWEN_VL",
     "TINY_VL_MODELS",
+    "qwen3_5_vl_hybrid_shape_config",
     "tiny_config",
     "tiny_model",
 ]
@@ -43,6 +45,14 @@ QWEN3_VISION_TOKENS = {
 }
 
 TINY_VL_MODELS = ("tiny-qwen3-vl", "tiny-qwen3.5-vl", "tiny-qwen2.5-vl")
+
+#: special-token ids of the Qwen3.5 vocabulary (the embedded ``qwen3.5`` tokenizer: the same names from 248044)
+QWEN3_5_VISION_TOKENS = {
+    "image_token_id": 248056,  # <|image_pad|>
+    "video_token_id": 248057,  # <|video_pad|>
+    "vision_start_token_id": 248053,  # <|vision_start|>
+    "vision_end_token_id": 248054,  # <|vision_end|>
+}
 
 #: media fields of the Qwen-VL forward and rope index: images, videos, and the per-token media type
 _MEDIA = (*IMAGE_FIELDS, *VIDEO_FIELDS, MM_TOKEN_TYPE_IDS)
@@ -171,6 +181,40 @@ def tiny_config(name: str, *, vocab_size: int | None = None) -> Any:
     raise ValueError(f"unknown tiny vision-language model {name!r}; known: {', '.join(TINY_VL_MODELS)}")
 
 
+def qwen3_5_vl_hybrid_shape_config(vocab_size: int | None = None, **overrides: Any) -> Any:
+    """``qwen3.5-vl-hybrid-shape``: a benchmark shape, not a released checkpoint's config. The language model is
+    ``qwen3.5-hybrid-shape`` (:func:`varpack.models.gated_delta.qwen3_5_hybrid_shape_config`: 24 layers, 18
+    Gated DeltaNet and 6 gated full attention, hidden 1024, vocabulary 248,320) with Qwen3.5's interleaved mRoPE
+    (64 rotary dimensions of head dim 256 split temporal / height / width as ``mrope_section = [11, 11, 10]``);
+    the vision tower is ``transformers.Qwen3_5VisionConfig``'s default (27 layers of width 1152, MLP 4304, 16
+    heads, patch 16, 2x2 spatial merge) projected to width 1024. Random weights, about 1.13B parameters (0.41B
+    of them the tower). Special tokens of the Qwen3.5 vocabulary (:data:`QWEN3_5_VISION_TOKENS`), read by the
+    embedded ``qwen3.5`` tokenizer.
+
+    Args:
+        vocab_size: embedding rows (default 248,320); must exceed the vision special tokens' ids.
+        **overrides: language-model config fields (e.g. ``num_hidden_layers=4``), and ``vision_config``: a dict
+            of vision config fields (e.g. ``{"depth": 1}``) merged over the default tower.
+
+    Raises:
+        ValueError: a vocab_size too small for the special tokens.
+    """
+    from transformers import Qwen3_5Config, Qwen3_5VisionConfig
+
+    from varpack.models.gated_delta import qwen3_5_hybrid_shape_config
+
+    vocab = 248320 if vocab_size is None else int(vocab_size)
+    needed = max(QWEN3_5_VISION_TOKENS.values()) + 1
+    if vocab < needed:
+        raise ValueError(f"vocab_size={vocab} is too small: the vision special tokens need at least {needed}")
+    vision_overrides = dict(overrides.pop("vision_config", None) or {})
+    text = qwen3_5_hybrid_shape_config(vocab, **overrides).to_dict()
+    text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[11, 11, 10], mrope_interleaved=True)
+    text["tie_word_embeddings"] = True
+    vision = Qwen3_5VisionConfig(out_hidden_size=text["hidden_size"], **vision_overrides).to_dict()
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True, **QWEN3_5_VISION_TOKENS)
+
+
 def _conditional_generation(config: Any, attn_implementation: str = "sdpa") -> torch.nn.Module:
     """The ``*ForConditionalGeneration`` model of a Qwen-VL config (random init, float32), with
     ``attn_implementation`` set on the config and its text / vision sub-configs."""
@@ -280,7 +324,11 @@ QWEN3_5_VL = ModelFamily(
     vision=True,
     position_ids="mrope",
     media_fields=_MEDIA,
-    builtins={"tiny-qwen3.5-vl": _builder("tiny-qwen3.5-vl")},
+    builtins={
+        "tiny-qwen3.5-vl": _builder("tiny-qwen3.5-vl"),
+        "qwen3.5-vl-hybrid-shape": qwen3_5_vl_hybrid_shape_config,
+    },
+    builtin_tokenizers={"qwen3.5-vl-hybrid-shape": "qwen3.5"},
     model_class=_conditional_generation,
 )
 
