@@ -358,10 +358,90 @@ def test_triton_conv_split_refusals_and_opcheck():
     with pytest.raises(ValueError, match=r"channels 2:6"):
         sc.short_conv_triton_split_backward([dy[..., :2], dy[..., :2]], x, w, b, s, "silu", [2, 4])
     x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
-    torch.library.opcheck(sc._short_conv_split_op, (x, w, b, s, "silu", [2, 4]))
-    dys = [dy[..., :2].contiguous(), dy[..., 2:]]
-    args = (dys, x.detach(), w.detach(), b.detach(), s, "silu", [2, 4])
-    torch.library.opcheck(sc._short_conv_split_backward_op, args)
+    for l2norm in ([0, 0], [2, 2]):
+        torch.library.opcheck(sc._short_conv_split_op, (x, w, b, s, "silu", [2, 4], l2norm))
+        dys = [dy[..., :2].contiguous(), dy[..., 2:]]
+        args = (dys, x.detach(), w.detach(), b.detach(), s, "silu", [2, 4], l2norm)
+        torch.library.opcheck(sc._short_conv_split_backward_op, args)
+
+
+# -- split output with q and k L2-normalised per head (a Gated DeltaNet layer's q, k, v) -----------------------
+def _l2norm_truth(x, w, b, dy, activation, lengths, split, l2norm):
+    """fp32 autograd of the per-sample reference conv, cut as ``split``, each group ``l2norm`` names normalised
+    per head by the rule's own ``l2norm``: values and gradients, the output gradient ``dy`` cut likewise."""
+    from varpack.ops.gated_delta_rule._common import l2norm as rule_l2norm
+
+    def fn(x, w, b):
+        y = short_conv_reference(x, w, b, activation, cu_seqlens=_cu(lengths))
+        parts = []
+        for part, hd in zip(torch.split(y, split, -1), l2norm):
+            parts.append(rule_l2norm(part.unflatten(-1, (-1, hd))).flatten(-2) if hd else part)
+        return torch.cat(parts, -1)
+
+    return _forward_backward(fn, x, w, b, dy, torch.float32)
+
+
+def _l2norm_run(backend, split, l2norm, activation, x, w, b, dy, seq):
+    leaves = [t if t is None else t.detach().requires_grad_() for t in (x, w, b)]
+    ys = short_conv(*leaves, activation, seq_idx=seq, backend=backend, split=split, l2norm=l2norm)
+    wrt = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(ys, wrt, list(torch.split(dy.to(ys[0].dtype), split, -1)))
+    return {"y": torch.cat(ys, -1), **dict(zip(("dx", "dweight", "dbias"), grads))}
+
+
+@pytest.mark.parametrize(
+    ("split", "l2norm"),
+    [([16, 16, 8], [8, 8, 0]), ([12, 12, 12], [6, 6, 0]), ([16, 8], [16, 0]), ([8, 8], [0, 4])],
+)
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_triton_conv_split_l2norm_equals_conv_then_l2norm(split, l2norm, activation, launch):
+    """``l2norm=`` normalises the named groups per head inside the kernels (forward, and the backward from the
+    recomputed pre-activation): values and every gradient equal the per-sample reference conv followed by the
+    gated delta rule's ``l2norm``; the torch backend gives the same. Head sizes that are not a power of two
+    (6: masked lanes) included. Negative controls: the wrong head size, and no boundaries, change the result."""
+    _interpreted_or_skip()
+    lengths = CASES["mixed"]
+    x, w, b, dy = _inputs(1, sum(lengths), sum(split), 4, bias=True, seed=3)
+    seq = _seq_idx(lengths)
+    want = _l2norm_truth(x, w, b, dy, activation, lengths, split, l2norm)
+    got = _l2norm_run("triton", split, l2norm, activation, x, w, b, dy, seq)
+    assert_exact(got, want, rtol=RTOL32, what="triton split + l2norm")
+    assert_exact(_l2norm_run("torch", split, l2norm, activation, x, w, b, dy, seq), want, rtol=RTOL32,
+                 what="torch split + l2norm")  # fmt: skip
+    other = [hd // 2 if hd else 0 for hd in l2norm]
+    assert_differs(_l2norm_run("triton", split, other, activation, x, w, b, dy, seq)["dx"], want["dx"],
+                   rtol=RTOL32, what="l2norm over half heads")  # fmt: skip
+    leaked = _l2norm_run("triton", split, l2norm, activation, x, w, b, dy, torch.zeros_like(seq))
+    assert_differs(leaked["y"], want["y"], rtol=RTOL32, what="l2norm without boundaries")
+
+
+def test_triton_conv_split_l2norm_bf16_rounds_once():
+    """bf16 in and out: the norm is taken in fp32 before rounding, so the normalised q and k and every gradient
+    are within bf16 rounding of the fp32 truth."""
+    _interpreted_or_skip()
+    lengths = CASES["block_edges"]
+    split, l2norm = [16, 16, 16], [8, 8, 0]
+    x, w, b, dy = _inputs(1, sum(lengths), sum(split), 4, dtype=torch.bfloat16, seed=4)
+    want = _l2norm_truth(x, w, b, dy, "silu", lengths, split, l2norm)
+    got = _l2norm_run("triton", split, l2norm, "silu", x, w, b, dy, _seq_idx(lengths))
+    assert all(t.dtype == torch.bfloat16 for t in got.values())
+    assert_exact(got, want, rtol=RTOL_BF16, what="bf16 split + l2norm")
+
+
+def test_triton_conv_split_l2norm_refusals():
+    _interpreted_or_skip()
+    lengths = [3, 1, 9]
+    x, w, b, _ = _inputs(1, sum(lengths), 12, 4)
+    s = _seq_idx(lengths)
+    with pytest.raises(ValueError, match="split is missing"):
+        short_conv(x, w, b, "silu", seq_idx=s, backend="triton", l2norm=[4])
+    with pytest.raises(ValueError, match="l2norm names 1 groups, split 2"):
+        short_conv(x, w, b, "silu", seq_idx=s, backend="triton", split=[6, 6], l2norm=[3])
+    with pytest.raises(ValueError, match="got 4 for a group of 6 channels"):
+        short_conv(x, w, b, "silu", seq_idx=s, backend="triton", split=[6, 6], l2norm=[4, 0])
+    with pytest.raises(ValueError, match="at most 256"):
+        sc.short_conv_triton_split(torch.zeros(1, 2, 512), torch.zeros(512, 4), None, None, "silu", [512],
+                                   l2norm=[512])  # fmt: skip
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
@@ -445,3 +525,24 @@ def test_gpu_triton_conv_at_the_model_shape_and_in_a_cuda_graph():
         graph.replay()
         assert_exact(outs, truth(lengths), rtol=RTOL_BF16, atol=0.0, what="graph replay")
     assert_differs(outs["y"], truth(first)["y"], rtol=RTOL_BF16, atol=0.0, margin=5.0)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_conv_split_l2norm_at_the_model_shape():
+    """Qwen3.5's q, k, v (16 heads of 128 each, T = 8192, bf16, ~70 samples) with q and k L2-normalised in the
+    compiled kernels: within bf16 rounding of the fp32 per-sample conv followed by the rule's ``l2norm``, values
+    and every gradient, with no host sync. Negative control: the norm over 64-channel halves misses."""
+    if not torch.cuda.is_available() or triton_interpreted():
+        pytest.skip("needs CUDA with compiled Triton")
+    dev = torch.device("cuda")
+    lengths = _gpu_lengths(8192, 70, 0)
+    split, l2norm = [2048, 2048, 2048], [128, 128, 0]
+    x, w, b, dy = (t.to(dev) for t in _inputs(1, 8192, sum(split), 4, dtype=torch.bfloat16, seed=5))
+    seq = _seq_idx(lengths).to(dev, torch.int32)
+    got = _l2norm_run("triton", split, l2norm, "silu", x, w, b, dy, seq)
+    want = _l2norm_truth(x, w, b, dy, "silu", lengths, split, l2norm)
+    assert_exact(got, want, rtol=RTOL_BF16, atol=0.0, what="triton split + l2norm at the model shape")
+    without_host_sync(lambda: _l2norm_run("triton", split, l2norm, "silu", x, w, b, dy, seq))
+    halves = _l2norm_run("triton", split, [64, 64, 0], "silu", x, w, b, dy, seq)
+    q = slice(0, split[0])  # the q channels alone: v's larger scale would set the bound
+    assert_differs(halves["y"][..., q], want["y"][..., q], rtol=RTOL_BF16, atol=0.0, margin=5.0)

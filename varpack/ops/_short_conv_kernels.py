@@ -13,6 +13,16 @@ shared by every batch row); y, dx ``[B, T, D]`` contiguous. Tap ``e`` reads ``x[
 
 Every product and sum in fp32; x, dy, weight and bias are read in their own dtype (fp32, bf16 or fp16).
 
+With ``NORM`` a program covers one head of ``HD`` channels (``BD`` the next power of two, the lanes past ``HD``
+masked) and the output is L2-normalised over the head, in fp32 before rounding (fla's and transformers'
+``l2norm``, ``eps = 1e-6``; a Gated DeltaNet layer's q and k)::
+
+    r[t] = 1 / sqrt(sum_head act(pre[t])^2 + eps)      y[t] = act(pre[t]) * r[t]
+    g[t] = (dy[t] - y[t] * sum_head(dy[t] * y[t])) * r[t] * act'(pre[t])
+
+The backward recomputes ``r`` and ``y`` from the pre-activation it recomputes anyway: nothing more is read or
+saved than without the norm.
+
 Forward (:func:`short_conv_fwd_kernel`): one program per ``(BT tokens, BD channels, batch row)``; each of the W
 taps loads its shifted ``[BT, BD]`` block of x (the rows above the block come from the cache: x is read from
 memory about once) and y is written once.
@@ -87,20 +97,30 @@ def _pre(xw, sw, taps, b_bias, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ:
 
 
 @triton.jit
+def _l2norm_grad(dy, y, EPS: tl.constexpr):
+    """The gradient at ``y`` ``[NR, BD]`` (one head per row; masked lanes 0) of ``y / sqrt(sum(y^2) + EPS)``
+    for its output gradient ``dy``."""
+    r = 1.0 / tl.sqrt(tl.sum(y * y, 1) + EPS)
+    yn = y * r[:, None]
+    return (dy - yn * tl.sum(dy * yn, 1)[:, None]) * r[:, None]
+
+
+@triton.jit
 def short_conv_fwd_kernel(
     X, Wt, Bias, SEQ, Y,
     T, D,
     s_xb, s_xt, s_xd, s_wd, s_ww, s_sb, s_st, s_yb, s_yt,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, HD: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
     i_t = tl.program_id(0)  # token blocks on axis 0: CUDA allows 2^31 - 1 there, 65,535 on axes 1 and 2
     i_d = tl.program_id(1)
     i_b = tl.program_id(2).to(tl.int64)
     rows = i_t * BT + tl.arange(0, BT)
     t_ok = rows < T
-    offs_d = i_d * BD + tl.arange(0, BD)
-    d_ok = offs_d < D
+    lanes = tl.arange(0, BD)
+    offs_d = i_d * HD + lanes
+    d_ok = (lanes < HD) & (offs_d < D)
     x_base = X + i_b * s_xb + offs_d[None, :] * s_xd
     if HAS_SEQ:
         seq_base = SEQ + i_b * s_sb
@@ -120,6 +140,8 @@ def short_conv_fwd_kernel(
         acc += tl.load(Bias + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
+    if NORM:  # masked lanes hold 0
+        acc = acc * (1.0 / tl.sqrt(tl.sum(acc * acc, 1) + EPS))[:, None]
     out = Y + i_b * s_yb + rows.to(tl.int64)[:, None] * s_yt + offs_d[None, :]
     tl.store(out, acc.to(Y.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
 
@@ -131,12 +153,14 @@ def short_conv_bwd_kernel(
     s_xb, s_xt, s_xd, s_wd, s_ww, s_sb, s_st, s_gb, s_gt, s_gd, s_ob, s_ot,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
     NR: tl.constexpr, RS: tl.constexpr, BD: tl.constexpr, P: tl.constexpr,
+    HD: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
     i_c = tl.program_id(0)
     i_d = tl.program_id(1)
     i_b = tl.program_id(2)
-    offs_d = i_d * BD + tl.arange(0, BD)
-    d_ok = offs_d < D
+    lanes = tl.arange(0, BD)
+    offs_d = i_d * HD + lanes
+    d_ok = (lanes < HD) & (offs_d < D)
     start = i_c * (NR * RS) + tl.arange(0, NR) * RS
     x_base = X + i_b.to(tl.int64) * s_xb + offs_d[None, :] * s_xd
     g_base = DY + i_b.to(tl.int64) * s_gb + offs_d[None, :] * s_gd
@@ -175,7 +199,11 @@ def short_conv_bwd_kernel(
         pre, xs = _pre(xw, sw, taps, b_bias, W, HAS_BIAS, HAS_SEQ)
         if SILU:
             sig = tl.sigmoid(pre)
+            if NORM:
+                g = _l2norm_grad(g, pre * sig, EPS)
             g = g * (sig * (1.0 + pre * (1.0 - sig)))
+        elif NORM:
+            g = _l2norm_grad(g, pre, EPS)
         g_own = tl.where(i < RS, g, 0.0)  # this stream's tokens: the weight and bias gradients
         db += g_own
         nd = ()

@@ -61,6 +61,14 @@ CONV_BACKENDS = ("torch", "fla", "triton")
 #: Largest kernel width ``W`` of the ``triton`` backend (a compile-time constant of its kernels).
 TRITON_MAX_WIDTH = 8
 
+#: Largest head size of the ``triton`` backend's fused L2 norm (``short_conv(..., l2norm=...)``): one program
+#: holds a whole head.
+TRITON_MAX_L2NORM_HEAD = 256
+
+#: ``eps`` of the fused L2 norm: ``y / sqrt(sum(y^2) + eps)``, as fla's ``l2norm`` and transformers' Qwen3.5 /
+#: Qwen3-Next ``l2norm``.
+L2NORM_EPS = 1e-6
+
 #: Launch parameters of the ``triton`` backend (:mod:`varpack.ops._short_conv_kernels`), measured at Qwen3.5's
 #: conv (T = 8192, D = 6144, W = 4, bf16) on an H200. Forward: ``[block_t, block_d]`` token x channel blocks.
 #: Backward: a program runs ``streams`` runs of ``rows`` consecutive tokens over ``block_d`` channels, loading
@@ -229,6 +237,7 @@ def short_conv(
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     split: Sequence[int] | None = None,
+    l2norm: Sequence[int] | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Causal depthwise convolution that never reads across a sample boundary.
 
@@ -259,6 +268,12 @@ def short_conv(
             backend writes each group straight into its own tensor (the op ``varpack::short_conv_split``, one
             launch per group, and its backward reads the groups' gradients without concatenating them); the
             other backends cut and copy.
+        l2norm: with ``split``, per group the head size over which that group's output is L2-normalised after
+            the activation, ``0`` for none: ``y / sqrt(sum_head y^2 + 1e-6)`` (:data:`L2NORM_EPS`; fla's and
+            transformers' ``l2norm``), a Gated DeltaNet layer's q and k normalised where the convolution writes
+            them, so the gated delta rule runs with ``use_qk_l2norm_in_kernel=False``. The ``triton`` and
+            ``torch`` backends normalise the fp32 result before rounding it to ``x.dtype`` (the ``triton``
+            backward recomputes the norm); ``fla`` normalises its rounded output.
 
     Returns:
         ``[B, T, D]`` in ``x.dtype`` (computed in fp32, fp64 for fp64 inputs); with ``split`` a list of
@@ -266,7 +281,8 @@ def short_conv(
 
     Raises:
         ValueError: wrong shapes, ``B > 1`` with ``cu_seqlens``, ``cu_seqlens`` that does not cover ``T``
-            tokens, an unknown activation or backend, ``backend="fla"`` with only ``seq_idx``; with
+            tokens, an unknown activation or backend, ``backend="fla"`` with only ``seq_idx``; ``l2norm``
+            without ``split``, of another length, or with a head size that does not divide its group; with
             ``backend="triton"``: a callable activation, ``W`` above :data:`TRITON_MAX_WIDTH`, a dtype other
             than fp32 / bf16 / fp16, tensors on different devices.
         TypeError: non-integer ``seq_idx`` or ``cu_seqlens``.
@@ -287,6 +303,10 @@ def short_conv(
     if split is not None:
         split = [int(n) for n in split]
         _split_bounds(split, D, "short_conv")
+    if l2norm is not None:
+        if split is None:
+            raise ValueError("short_conv: l2norm names head sizes per channel group of split; split is missing")
+        l2norm = _l2norm_heads(l2norm, split, "short_conv")
     if backend == "triton":
         act_name = _triton_activation(activation)
         _check_triton_inputs(x, weight, bias)
@@ -310,7 +330,7 @@ def short_conv(
             if cu_seqlens_cpu is None and cu_seqlens is not None and cu_seqlens.device.type == "cpu":
                 cu_seqlens_cpu = cu_seqlens
             y = fla_causal_conv1d(x, weight, bias, activation, cu_seqlens, cu_seqlens_cpu, chunk_indices)
-            return y if split is None else [part.contiguous() for part in torch.split(y, split, -1)]
+            return y if split is None else _cut(y, split, l2norm, x.dtype)
     if seq_idx is None and cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch dimension must be 1 (a packed row), got B={B}")
@@ -329,12 +349,30 @@ def short_conv(
         seq_idx = seq_idx.to(x.device)
     if backend == "triton":
         if split is not None:
-            return _short_conv_split_op(x, weight, bias, seq_idx, act_name, split)
+            return _short_conv_split_op(x, weight, bias, seq_idx, act_name, split, l2norm or [0] * len(split))
         return _short_conv_op(x, weight, bias, seq_idx, act_name)
-    if split is not None:
-        y = short_conv(x, weight, bias, activation, seq_idx=seq_idx, backend="torch")
-        return [part.contiguous() for part in torch.split(y, split, -1)]
+    y = _torch_conv(x, weight, bias, act, seq_idx)
+    return y.to(x.dtype) if split is None else _cut(y, split, l2norm, x.dtype)
 
+
+def _cut(y: torch.Tensor, split: list[int], l2norm: list[int] | None, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``y`` cut into the channel groups ``split``, each contiguous in ``dtype``, the groups ``l2norm`` names
+    L2-normalised per head (in fp32, fp64 for fp64, then rounded)."""
+    parts = []
+    for i, part in enumerate(torch.split(y, split, -1)):
+        hd = l2norm[i] if l2norm is not None else 0
+        if hd:
+            heads = part.unflatten(-1, (-1, hd)).to(torch.float64 if dtype == torch.float64 else torch.float32)
+            part = (heads * torch.rsqrt((heads * heads).sum(-1, keepdim=True) + L2NORM_EPS)).flatten(-2)
+        parts.append(part.to(dtype).contiguous())
+    return parts
+
+
+def _torch_conv(x, weight, bias, act, seq_idx) -> torch.Tensor:
+    """The ``torch`` backend on ``[B, T, D]`` ``x`` and ``[D, W]`` ``weight``: ``[B, T, D]`` in the
+    accumulation dtype (fp32, fp64 for fp64 inputs)."""
+    B, T, D = x.shape
+    W = weight.shape[1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
     w = weight.to(acc)
@@ -349,7 +387,7 @@ def short_conv(
         out = out + bias.to(acc)
     if act is not None:
         out = act(out)
-    return out.to(x.dtype)
+    return out
 
 
 def short_conv_reference(
@@ -557,6 +595,7 @@ def short_conv_triton_split(
     activation: str,
     split: Sequence[int],
     *,
+    l2norm: Sequence[int] | None = None,
     launch: dict | None = None,
 ) -> list[torch.Tensor]:
     """:func:`short_conv_triton` with its output cut into channel groups, each written by its own launch into
@@ -566,35 +605,40 @@ def short_conv_triton_split(
     Args:
         x, weight, bias, seq_idx, activation, launch: as :func:`short_conv_triton`.
         split: channel counts ``[D_0, D_1, ...]``, positive, summing to ``D``.
+        l2norm: per group, the head size over which its output is L2-normalised (:data:`L2NORM_EPS`, in fp32
+            before rounding; ``0``: not normalised), or ``None`` (no group): see :func:`short_conv`.
 
     Returns:
         ``[B, T, D_i]`` contiguous tensors in ``x.dtype``.
 
     Raises:
-        ValueError / RuntimeError: as :func:`short_conv_triton`; a ``split`` that does not cover ``D``.
+        ValueError / RuntimeError: as :func:`short_conv_triton`; a ``split`` that does not cover ``D``; an
+            ``l2norm`` head size that does not divide its group or exceeds :data:`TRITON_MAX_L2NORM_HEAD`.
     """
     _checked_op_args(x, weight, bias, seq_idx, activation, "short_conv_triton")
     B, T, D = x.shape
     W = weight.shape[1]
     bounds = _split_bounds(split, D, "short_conv_triton")
+    heads = _l2norm_heads(l2norm, split, "short_conv_triton")
     ys = [torch.empty((B, T, b - a), dtype=x.dtype, device=x.device) for a, b in bounds]
     if B * T == 0:
         return ys
     kern, interpreted = _triton_kernels(x, "short_conv_triton")
     cfg = {**SHORT_CONV_TRITON_LAUNCH["fwd"], **(launch or {})}
-    BT, BD = int(cfg["block_t"]), int(cfg["block_d"])
+    BT = int(cfg["block_t"])
     s_sb, s_st = _seq_strides(seq_idx, B)
     opts = {} if interpreted else {"num_warps": int(cfg["num_warps"])}
     with _device_guard(x):
-        for (a, b), y in zip(bounds, ys):
+        for (a, b), y, hd in zip(bounds, ys, heads):
             xs, ws = x[..., a:b], weight[a:b]
-            kern.short_conv_fwd_kernel[(_cdiv(T, BT), _cdiv(b - a, BD), B)](
+            BD, HD = (_pow2(hd), hd) if hd else (int(cfg["block_d"]),) * 2
+            kern.short_conv_fwd_kernel[(_cdiv(T, BT), _cdiv(b - a, HD), B)](
                 xs, ws, bias[a:b] if bias is not None else ws, seq_idx if seq_idx is not None else xs, y,
                 T, b - a,
                 xs.stride(0), xs.stride(1), xs.stride(2), ws.stride(0), ws.stride(1), s_sb, s_st,
                 y.stride(0), y.stride(1),
                 W=W, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=activation == "silu",
-                BT=BT, BD=BD, **opts,
+                BT=BT, BD=BD, HD=HD, NORM=hd > 0, EPS=L2NORM_EPS, **opts,
             )  # fmt: skip
     return ys
 
@@ -638,6 +682,7 @@ def short_conv_triton_split_backward(
     activation: str,
     split: Sequence[int],
     *,
+    l2norm: Sequence[int] | None = None,
     launch: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The backward of :func:`short_conv_triton_split`: one backward kernel per channel group, reading that
@@ -645,7 +690,8 @@ def short_conv_triton_split_backward(
 
     Args:
         dys: the groups' output gradients ``[B, T, D_i]`` (any strides, fp32 / bf16 / fp16).
-        x, weight, bias, seq_idx, activation, split, launch: as :func:`short_conv_triton_split`.
+        x, weight, bias, seq_idx, activation, split, l2norm, launch: as :func:`short_conv_triton_split`; a
+            normalised group's norm is recomputed from ``x`` (nothing saved).
 
     Returns:
         ``(dx, dweight, dbias)`` as :func:`short_conv_triton_backward`.
@@ -657,6 +703,7 @@ def short_conv_triton_split_backward(
     B, T, D = x.shape
     W = weight.shape[1]
     bounds = _split_bounds(split, D, "short_conv_triton_backward")
+    heads = _l2norm_heads(l2norm, split, "short_conv_triton_backward")
     if len(dys) != len(bounds):
         raise ValueError(f"short_conv_triton_backward: {len(dys)} output gradients for split {list(split)}")
     for dy, (a, b) in zip(dys, bounds):
@@ -672,24 +719,25 @@ def short_conv_triton_split_backward(
         return dx, dw, db
     kern, interpreted = _triton_kernels(x, "short_conv_triton_backward")
     cfg = {**SHORT_CONV_TRITON_LAUNCH["bwd"], **(launch or {})}
-    NR, RS, BD = _stream_shape(cfg, T)
+    NR, RS, block_d = _stream_shape(cfg, T)
     NC = _cdiv(T, NR * RS)
     s_sb, s_st = _seq_strides(seq_idx, B)
     opts = {} if interpreted else {"num_warps": int(cfg["num_warps"])}
     dws, dbs = [], []
     with _device_guard(x):
-        for dy, (a, b) in zip(dys, bounds):
+        for dy, (a, b), hd in zip(dys, bounds, heads):
             xs, ws, dxs = x[..., a:b], weight[a:b], dx[..., a:b]
+            BD, HD = (_pow2(hd), hd) if hd else (block_d, block_d)
             dwp = torch.empty((B * NC, W, b - a), dtype=torch.float32, device=x.device)
             dbp = torch.empty((B * NC, b - a), dtype=torch.float32, device=x.device)
-            kern.short_conv_bwd_kernel[(NC, _cdiv(b - a, BD), B)](
+            kern.short_conv_bwd_kernel[(NC, _cdiv(b - a, HD), B)](
                 xs, ws, bias[a:b] if bias is not None else ws, seq_idx if seq_idx is not None else xs, dy, dxs,
                 dwp, dbp,
                 T, b - a,
                 xs.stride(0), xs.stride(1), xs.stride(2), ws.stride(0), ws.stride(1), s_sb, s_st,
                 dy.stride(0), dy.stride(1), dy.stride(2), dxs.stride(0), dxs.stride(1),
                 W=W, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=activation == "silu",
-                NR=NR, RS=RS, BD=BD, P=int(cfg["prefetch"]), **opts,
+                NR=NR, RS=RS, BD=BD, P=int(cfg["prefetch"]), HD=HD, NORM=hd > 0, EPS=L2NORM_EPS, **opts,
             )  # fmt: skip
             dws.append(dwp.sum(0))
             dbs.append(dbp.sum(0))
@@ -700,6 +748,26 @@ def short_conv_triton_split_backward(
 
 def _cdiv(a: int, b: int) -> int:
     return -(-int(a) // int(b))
+
+
+def _pow2(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length()
+
+
+def _l2norm_heads(l2norm: Sequence[int] | None, split: Sequence[int], what: str) -> list[int]:
+    """Per group of ``split`` the head size of its L2 norm (``0``: none), checked."""
+    if l2norm is None:
+        return [0] * len(split)
+    heads = [int(n) for n in l2norm]
+    if len(heads) != len(split):
+        raise ValueError(f"{what}: l2norm names {len(heads)} groups, split {len(split)}: {list(l2norm)}")
+    for hd, n in zip(heads, split):
+        if hd < 0 or (hd and (int(n) % hd or hd > TRITON_MAX_L2NORM_HEAD)):
+            raise ValueError(
+                f"{what}: an l2norm head size must divide its group and be at most {TRITON_MAX_L2NORM_HEAD} "
+                f"(0: no norm), got {hd} for a group of {n} channels"
+            )
+    return heads
 
 
 def _stream_shape(cfg: dict, T: int) -> tuple[int, int, int]:
@@ -772,13 +840,15 @@ def _short_conv_split_op(
     seq_idx: torch.Tensor | None,
     activation: str,
     split: list[int],
+    l2norm: list[int],
 ) -> list[torch.Tensor]:
-    return short_conv_triton_split(x, weight, bias, seq_idx, activation, split)
+    return short_conv_triton_split(x, weight, bias, seq_idx, activation, split, l2norm=l2norm)
 
 
 @_short_conv_split_op.register_fake
-def _short_conv_split_op_fake(x, weight, bias, seq_idx, activation, split):
+def _short_conv_split_op_fake(x, weight, bias, seq_idx, activation, split, l2norm):
     _split_bounds(split, x.shape[2], "short_conv_split")
+    _l2norm_heads(l2norm, split, "short_conv_split")
     return [x.new_empty((x.shape[0], x.shape[1], int(n))) for n in split]
 
 
@@ -791,24 +861,26 @@ def _short_conv_split_backward_op(
     seq_idx: torch.Tensor | None,
     activation: str,
     split: list[int],
+    l2norm: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dweight, dbias)`` of ``varpack::short_conv_split`` (:func:`short_conv_triton_split_backward`);
     ``dbias`` is an empty ``[0]`` tensor without bias."""
-    dx, dw, db = short_conv_triton_split_backward(dys, x, weight, bias, seq_idx, activation, split)
+    dx, dw, db = short_conv_triton_split_backward(dys, x, weight, bias, seq_idx, activation, split, l2norm=l2norm)
     return dx, dw, (db if db is not None else weight.new_empty((0,)))
 
 
 @_short_conv_split_backward_op.register_fake
-def _short_conv_split_backward_op_fake(dys, x, weight, bias, seq_idx, activation, split):
+def _short_conv_split_backward_op_fake(dys, x, weight, bias, seq_idx, activation, split, l2norm):
     db = bias.new_empty(bias.shape) if bias is not None else weight.new_empty((0,))
     return x.new_empty(x.shape), weight.new_empty(weight.shape), db
 
 
 def _short_conv_split_setup_context(ctx, inputs, output):
-    x, weight, bias, seq_idx, activation, split = inputs
+    x, weight, bias, seq_idx, activation, split, l2norm = inputs
     ctx.save_for_backward(x, weight, bias, seq_idx)
     ctx.activation = activation
     ctx.split = list(split)
+    ctx.l2norm = list(l2norm)
 
 
 def _short_conv_split_autograd_backward(ctx, dys):
@@ -816,8 +888,10 @@ def _short_conv_split_autograd_backward(ctx, dys):
     dys = [
         dy if dy is not None else x.new_zeros((x.shape[0], x.shape[1], n)) for dy, n in zip(dys, ctx.split)
     ]
-    dx, dw, db = _short_conv_split_backward_op(dys, x, weight, bias, seq_idx, ctx.activation, ctx.split)
-    return dx, dw, (db if bias is not None else None), None, None, None
+    dx, dw, db = _short_conv_split_backward_op(
+        dys, x, weight, bias, seq_idx, ctx.activation, ctx.split, ctx.l2norm
+    )
+    return dx, dw, (db if bias is not None else None), None, None, None, None
 
 
 _short_conv_split_op.register_autograd(
