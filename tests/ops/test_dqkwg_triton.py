@@ -85,6 +85,28 @@ def test_triton_dqkwg_mixed_bf16_equals_torch_step():
         assert float((a.double() - truth).abs().max()) <= 3e-2 * scale_b, name
 
 
+@pytest.mark.parametrize("Hk,H", [(3, 3), (2, 4)])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_dqkwg_dq_dtype_rounds_the_fp32_dq_once(impl, Hk, H):
+    """``dq_dtype`` (the rule without its l2norm: dq final here): dq comes back in that dtype, the fp32 dq
+    rounded once (written so by the kernel for ungrouped heads, cast after the group sum otherwise); dk, dw
+    and dg unchanged. Negative control: a dq of another problem is not within that rounding."""
+    _interpreted_or_skip()
+    p64, cu, _, _ = _problem([5, 64, 1, 70], Hk=Hk, H=H)
+    low = ("h", "dh", "q", "k", "v_new", "do", "dv", "w")
+    pbf = {n: (x.bfloat16() if n in low else x.float()) for n, x in p64.items()}
+    fn = fh.chunk_bwd_dqkwg_triton if impl == "triton" else fh.chunk_bwd_dqkwg_torch
+    full = _run(fn, pbf, cu, 0.3, precision="mixed")
+    got = _run(fn, pbf, cu, 0.3, precision="mixed", dq_dtype=torch.bfloat16)
+    assert got[0].dtype == torch.bfloat16 and full[0].dtype == torch.float32
+    # one rounding of the same fp32 value (the interpreter's cast may round the other way at a tie: one ulp)
+    torch.testing.assert_close(got[0].float(), full[0], atol=0, rtol=2**-7)
+    for a, b in zip(got[1:], full[1:]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    other = _run(fn, pbf, cu, 0.5, precision="mixed", dq_dtype=torch.bfloat16)
+    assert not torch.allclose(other[0].float(), full[0], atol=0, rtol=2**-7)
+
+
 def test_triton_dqkwg_negative_control_boundaries_dropped():
     """The same tensors chunked as one sequence (boundaries dropped) must not reproduce the packed truth."""
     _interpreted_or_skip()

@@ -358,6 +358,13 @@ def test_hybrid_backward_function_equals_autograd_on_standins(standins, final, l
     got = standins._hybrid_backward(do, dht, v, beta, residuals, 0.3, h0, cu, l2, g.dtype, None, "fp32")
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    if not l2:  # qk_residuals=False: q and k left out (no copies), the caller puts them back packed
+        *_, short = standins._hybrid_forward(q, k, v, g, beta, 0.3, h0, final, cu, l2, None, "fp32", None, None, False)
+        assert [(tuple(x.shape), x.dtype) for x in short] == shapes[2:]
+        packed = [x.reshape(1, -1, *x.shape[2:]) for x in (q, k)]
+        kept = standins._hybrid_backward(do, dht, v, beta, packed + short, 0.3, h0, cu, l2, g.dtype, None, "fp32")
+        for a, b in zip(kept, want):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
     # negative control: residuals of other keys give other gradients
     wrong = list(residuals)
     wrong[1] = residuals[1].roll(1, dims=1)
@@ -413,8 +420,8 @@ def _custom_op_on_standins(monkeypatch, custom_op, standins):
     monkeypatch.setattr(
         custom_op,
         "fla_hybrid_forward",
-        lambda *a, cu_seqlens_cpu=None, boundaries=None, chunk_rows=None: standins._hybrid_forward(
-            *a, cu_seqlens_cpu, "fp32", boundaries, chunk_rows
+        lambda *a, cu_seqlens_cpu=None, boundaries=None, chunk_rows=None, qk_residuals=True: (
+            standins._hybrid_forward(*a, cu_seqlens_cpu, "fp32", boundaries, chunk_rows, qk_residuals)
         ),
     )
     monkeypatch.setattr(
@@ -426,10 +433,12 @@ def _custom_op_on_standins(monkeypatch, custom_op, standins):
     )
 
 
+@pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("final", [True, False])
-def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch, final):
+def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch, final, l2):
     """varpack::gated_delta_rule with backend fla_hybrid: forward and its native backward op (fla_hybrid's
-    recompute + backward pipeline) == the naive recurrence, values and every gradient (stand-in kernels)."""
+    recompute + backward pipeline) == the naive recurrence, values and every gradient (stand-in kernels); with
+    and without the rule's l2norm (without it the op's residuals leave q and k out, autograd keeps them)."""
     from varpack.ops import naive_recurrent_gated_delta_rule
     from varpack.ops.gated_delta_rule import custom_op
 
@@ -439,14 +448,15 @@ def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch,
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
 
     def via_op(q, k, v, g, beta, initial_state, output_final_state, **kw):
-        o, s, _ = torch.ops.varpack.gated_delta_rule(
-            q, k, v, g, beta, cu, cu, initial_state, 0.3, output_final_state, True, "fla_hybrid", 0
+        o, s, residuals = torch.ops.varpack.gated_delta_rule(
+            q, k, v, g, beta, cu, cu, initial_state, 0.3, output_final_state, l2, "fla_hybrid", 0
         )
+        assert len(residuals) == (6 if l2 else 2)
         return o, s
 
     def naive(q, k, v, g, beta, initial_state, output_final_state, **kw):
         return naive_recurrent_gated_delta_rule(
-            q, k, v, g, beta, 0.3, initial_state, output_final_state, cu, True
+            q, k, v, g, beta, 0.3, initial_state, output_final_state, cu, l2
         )
 
     results = []
@@ -465,15 +475,16 @@ def test_custom_op_fla_hybrid_native_backward_on_standins(standins, monkeypatch,
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
 
 
+@pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("final", [False, True])
-def test_custom_op_fla_hybrid_opcheck_on_standins(standins, monkeypatch, final):
+def test_custom_op_fla_hybrid_opcheck_on_standins(standins, monkeypatch, final, l2):
     from varpack.ops.gated_delta_rule import custom_op
 
     _custom_op_on_standins(monkeypatch, custom_op, standins)
     ins, h0 = _gdr_inputs([5, 1, 30, 3])
     ins = [x.float().requires_grad_() for x in ins]
     cu = torch.tensor([0, 5, 6, 36, 39])
-    args = (*ins, cu, cu, h0.float().requires_grad_(), 0.35, final, True, "fla_hybrid", 0)
+    args = (*ins, cu, cu, h0.float().requires_grad_(), 0.35, final, l2, "fla_hybrid", 0)
     torch.library.opcheck(custom_op._gated_delta_rule, args)
 
 
@@ -622,16 +633,21 @@ def test_gpu_fla_hybrid_probe_and_auto():
 
 
 @pytest.mark.gpu
-def test_gpu_fla_hybrid_custom_op_equals_direct():
-    """varpack::gated_delta_rule on fla_hybrid (native backward op) == fla_hybrid_gated_delta_rule."""
+@pytest.mark.parametrize("l2", [True, False])
+def test_gpu_fla_hybrid_custom_op_equals_direct(l2):
+    """varpack::gated_delta_rule on fla_hybrid (native backward op) == fla_hybrid_gated_delta_rule, with and
+    without the rule's l2norm (without it the op keeps q and k rather than copies)."""
     pytest.importorskip("fla")
     from tests.ops.test_gated_delta_rule import GPU_DIMS, _cu, _inputs
     from varpack.ops.gated_delta_rule import fla_hybrid_gated_delta_rule
+    from varpack.ops.gated_delta_rule._common import l2norm
     from varpack.ops.gated_delta_rule.custom_op import gated_delta_rule_op
 
     lengths = [5, 300, 64, 1]
     Hk, H, K, V = GPU_DIMS
     ins, h0 = _inputs(lengths, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16, initial=True)
+    if not l2:  # without the rule's l2norm, unit-norm q and k as the convolution hands them over
+        ins = [l2norm(x) if i < 2 else x for i, x in enumerate(ins)]
     cu = _cu(lengths, torch.int64)
     outs = []
     for fn in (
@@ -640,7 +656,7 @@ def test_gpu_fla_hybrid_custom_op_equals_direct():
     ):
         leaves = [x.clone().requires_grad_() for x in (*ins, h0)]
         o, s = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu.cuda(),
-                  cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=True)  # fmt: skip
+                  cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=l2)  # fmt: skip
         gen = torch.Generator().manual_seed(1)
         do = torch.randn(o.shape, generator=gen).cuda().to(o.dtype)
         dht = torch.randn(s.shape, generator=gen).cuda()

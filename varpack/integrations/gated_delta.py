@@ -51,7 +51,7 @@ from varpack.ops.gated_delta_rule.dispatch import (
     resolve_backend_reason,
 )
 from varpack.ops.gated_delta_rule.fla_hybrid import FlaHybridBoundaries, prepare_fla_hybrid_boundaries
-from varpack.ops.short_conv import short_conv
+from varpack.ops.short_conv import TRITON_MAX_L2NORM_HEAD, short_conv
 from varpack.schema import VARLEN_META
 from varpack.varlen.boundaries import seq_idx_on_device
 from varpack.varlen.meta import VarlenMeta
@@ -322,10 +322,12 @@ def _traced_packed_forward(
     projections, gates, norm and output projection as :func:`_packed_forward`; the short convolution with the
     segment index computed in the graph from the meta's offsets (:func:`varpack.varlen.seq_idx_on_device`: no
     host read, no data-dependent shape), on varpack's Triton kernels where Triton runs (:func:`_traced_conv_backend`),
-    else on the PyTorch path, its output cut into q, k and v (each contiguous); the gated delta rule
+    else on the PyTorch path, its output cut into q, k and v (each contiguous), q and k L2-normalised per head
+    by the convolution (``short_conv(..., l2norm=...)``: no separate norm kernels, and the rule's residuals
+    are q and k themselves; heads above 256 channels leave the norm to the rule); the gated delta rule
     on the meta's ``cu_seqlens_linear`` when it has them (a static row's pad segments as one sequence: fewer
     chunks, the same real tokens; its chunk tables ``linear_chunk_rows`` long), else on its offsets
-    (q/k l2norm inside) as the ``varpack::gated_delta_rule`` custom op, one graph node, with the offsets on
+    as the ``varpack::gated_delta_rule`` custom op, one graph node, with the offsets on
     the device and the meta's CPU copy (the ``chunk`` / ``fla_hybrid`` backends build their chunk plans from
     it inside the op: host work, no device sync). A layer compiled for CUDA graphs
     (``_varpack_static_boundaries``, set by :func:`varpack.integrations.cuda_graphs.compile_layers_as_graphs`)
@@ -348,15 +350,17 @@ def _traced_packed_forward(
     else:
         lin_cpu = lin_host if lin_host.device.type == "cpu" else _rule_cpu(meta)
     # q, k and v come out of the convolution as three contiguous tensors (the Triton kernels write each
-    # straight into its own; the rule reads them contiguous): no copies of the split
+    # straight into its own; the rule reads them contiguous): no copies of the split; q and k L2-normalised
+    # per head there too (in fp32 before rounding), so the rule runs without its own l2norm
+    fused_norm = dk <= TRITON_MAX_L2NORM_HEAD
     query, key, value = short_conv(
         mixed, weight, bias, conv_activation(layer.activation), seq_idx=seq_idx_on_device(cu, T),
         backend=_traced_conv_backend(device.type, -1 if device.index is None else device.index),
-        split=[hk * dk, hk * dk, hv * dv],
+        split=[hk * dk, hk * dk, hv * dv], l2norm=[dk, dk, 0] if fused_norm else None,
     )  # fmt: skip
     core, _ = gated_delta_rule_op(
         query.reshape(B, T, hk, dk), key.reshape(B, T, hk, dk), value.reshape(B, T, hv, dv), g, beta,
-        cu_seqlens=lin, cu_seqlens_cpu=lin_cpu, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=lin, cu_seqlens_cpu=lin_cpu, use_qk_l2norm_in_kernel=not fused_norm,
         backend=getattr(layer, "_varpack_gdn_backend", "auto"), needs_grad=_needs_grad(layer, hidden_states),
         chunk_rows=meta.linear_chunk_rows if meta.cu_seqlens_linear is not None else None,
     )  # fmt: skip

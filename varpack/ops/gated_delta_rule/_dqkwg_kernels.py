@@ -140,7 +140,7 @@ def chunk_bwd_dqkwg_kernel(
     b_dg = tl.where(offs_t == n - 1, b_dg + dg_last, b_dg)
 
     out = rows[:, None] * s_ot + i_h * s_oh + offs_k[None, :]
-    tl.store(DQ + out, b_dq, mask=tk)
+    tl.store(DQ + out, b_dq.to(DQ.dtype.element_ty), mask=tk)
     tl.store(DK + out, b_dk, mask=tk)
     dw_out = rows[:, None] * s_dwt + i_h * s_dwh + offs_k[None, :]
     tl.store(DW + dw_out, (-b_dw).to(DW.dtype.element_ty), mask=tk)

@@ -26,7 +26,8 @@ host (one copy).
 
 Backward (``register_autograd``): ``fla_hybrid``'s is the op ``varpack::fla_hybrid_gated_delta_rule_backward``,
 fla's backward kernels with varpack's own ``dq/dk/dw/dg`` step fed by the forward's residuals (the l2-normalised
-q/k and their norms, fla's cumulative decay and its ``A`` blocks): fla's forward runs once per step, as in
+q/k and their norms, or without the rule's l2norm q and k themselves, kept by autograd rather than copied; fla's
+cumulative decay and its ``A`` blocks): fla's forward runs once per step, as in
 fla's own autograd function (fla-core 0.6.0's internal signatures, checked at load). For ``chunk`` and
 ``naive`` the op ``varpack::gated_delta_rule_backward`` recomputes the backend's forward under
 ``torch.func.vjp`` (autograd records nothing inside an op's implementation, which runs below the autograd
@@ -135,6 +136,12 @@ def _run(backend, host, q, k, v, g, beta, cu, cu_cpu, h0, scale, output_final_st
     return chunk_gated_delta_rule(q, k, v, g, beta, scale, h0, output_final_state, None, l2norm, layout=host)
 
 
+def _qk_left_out(l2norm: bool) -> int:
+    """How many of ``fla_hybrid``'s residuals the op leaves out: q' and k' without the l2norm (they are q and k,
+    which autograd keeps)."""
+    return 0 if l2norm else 2
+
+
 def _empty_state(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty((0,), dtype=acc_dtype(q))
 
@@ -159,7 +166,7 @@ def _gated_delta_rule(
     if backend == "fla_hybrid":  # fla's forward once: what its backward reads comes out as residuals
         o, final, residuals = fla_hybrid_forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-            cu_seqlens_cpu=cu_seqlens_cpu, boundaries=host, chunk_rows=chunk_rows or None,
+            cu_seqlens_cpu=cu_seqlens_cpu, boundaries=host, chunk_rows=chunk_rows or None, qk_residuals=False,
         )  # fmt: skip
     else:
         o, final = _run(
@@ -181,12 +188,9 @@ def _gated_delta_rule_fake(
     o = q.new_empty((B, T, H, V))
     residuals = []
     if backend == "fla_hybrid":
-        residuals = [
-            q.new_empty(shape, dtype=dtype)
-            for shape, dtype in fla_hybrid_residual_shapes(
-                tuple(q.shape), tuple(v.shape), q.dtype, use_qk_l2norm_in_kernel, chunk_rows
-            )
-        ]
+        shapes = fla_hybrid_residual_shapes(tuple(q.shape), tuple(v.shape), q.dtype, use_qk_l2norm_in_kernel,
+                                            chunk_rows)  # fmt: skip
+        residuals = [q.new_empty(shape, dtype=dtype) for shape, dtype in shapes[_qk_left_out(use_qk_l2norm_in_kernel):]]
     if not output_final_state:
         return o, _empty_state(q), residuals
     n = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
@@ -304,8 +308,9 @@ def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, cu, cu_cpu, h0, scale, output_final_state, l2norm, backend, chunk_rows = inputs
     residuals = output[2]
     ctx.mark_non_differentiable(*residuals)
-    if backend == "fla_hybrid":  # the residuals replace q, k and g (fla_hybrid_forward)
-        ctx.save_for_backward(v, beta, cu, cu_cpu, h0, *residuals)
+    if backend == "fla_hybrid":  # the residuals replace g, and q and k where the rule normalises them
+        kept = () if l2norm else (q, k)  # q, k as given: the backward reads them, not a copy
+        ctx.save_for_backward(v, beta, cu, cu_cpu, h0, *kept, *residuals)
         ctx.g_dtype = g.dtype
     else:
         ctx.save_for_backward(q, k, v, g, beta, cu, cu_cpu, h0)
@@ -316,6 +321,8 @@ def _backward(ctx, do, dfinal, _dresiduals):
     scale, output_final_state, l2norm, backend, chunk_rows = ctx.scalars
     if backend == "fla_hybrid":
         v, beta, cu, cu_cpu, h0, *residuals = ctx.saved_tensors
+        if not l2norm:  # q and k themselves, packed as the residuals they stand for
+            residuals[:2] = [t.reshape(1, -1, *t.shape[2:]) for t in residuals[:2]]
         q_like = residuals[0]  # the l2-normalised q: q's shape (packed) and dtype
     else:
         q, k, v, g, beta, cu, cu_cpu, h0 = ctx.saved_tensors

@@ -224,6 +224,7 @@ def chunk_bwd_dqkwg_torch(
     plan: DqkwgPlan | None = None,
     precision: str = DEFAULT_PRECISION,
     w_dtype: torch.dtype | None = None,
+    dq_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dw, dg)`` of the gated chunk form, exactly what fla 0.6.0's ``chunk_bwd_dqkwg`` returns
     (module docstring), in batched PyTorch over all chunks of all sequences (one batch per padded chunk
@@ -247,9 +248,11 @@ def chunk_bwd_dqkwg_torch(
             operands, its ``dA`` cast to bf16 too); ``"input"``: GEMMs in ``h``'s dtype with outputs rounded
             to it (fastest, least exact). Equal for fp32 / fp64 states.
         w_dtype: dtype of ``dw`` (fla's ``prepare_wy_repr_bwd`` needs ``w``'s dtype); default ``h``'s.
+        dq_dtype: dtype of ``dq`` (rounded once from the fp32 sum, for a caller with nothing left to add to it:
+            the rule without its l2norm); default fp32.
 
     Returns:
-        ``dq``, ``dk`` ``[1, T, Hk, K]`` fp32; ``dw`` ``[1, T, H, K]`` in ``w_dtype``; ``dg`` ``[1, T, H]``
+        ``dq``, ``dk`` ``[1, T, Hk, K]`` fp32 (``dq`` in ``dq_dtype`` when given); ``dw`` ``[1, T, H, K]`` in ``w_dtype``; ``dg`` ``[1, T, H]``
         fp32 (gradient of the natural-unit chunk cumsum, before fla's reverse cumsum). fp64 for fp64 ``h``.
 
     Raises:
@@ -279,6 +282,7 @@ def chunk_bwd_dqkwg_torch(
         outs = _dqkwg_group(grp, *flat, hs, dhs, scale, acc, mm, out_acc)
         for out, val in zip((dq, dk, dw, dg), outs):
             out.index_copy_(0, grp.tokens, val.to(out.dtype))
+    dq = dq.to(dq_dtype) if dq_dtype is not None else dq
     return dq.unsqueeze(0), dk.unsqueeze(0), dw.unsqueeze(0), dg.unsqueeze(0)
 
 
@@ -388,6 +392,7 @@ def chunk_bwd_dqkwg_triton(
     plan: DqkwgPlan | None = None,
     precision: str = DEFAULT_PRECISION,
     w_dtype: torch.dtype | None = None,
+    dq_dtype: torch.dtype | None = None,
     launch: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`chunk_bwd_dqkwg_torch`'s ``(dq, dk, dw, dg)`` from one Triton kernel
@@ -396,7 +401,8 @@ def chunk_bwd_dqkwg_triton(
 
     Same arguments, shapes and results as :func:`chunk_bwd_dqkwg_torch` for ``precision`` ``"mixed"``
     (operands in ``h``'s dtype, fp32 accumulation; fp32 states use IEEE fp32) and ``"fp32"`` (IEEE fp32 dots);
-    ``launch``: :data:`DQKWG_TRITON_LAUNCH`'s keys. Grouped q/k heads: per-value-head ``dq, dk`` are summed
+    ``launch``: :data:`DQKWG_TRITON_LAUNCH`'s keys; ``dq_dtype``: the kernel writes ``dq`` in it (rounded
+    from fp32 in the store) when the heads are not grouped. Grouped q/k heads: per-value-head ``dq, dk`` are summed
     over each group afterwards (a ``[T, H, K]`` fp32 buffer each). Devices: CUDA; the CPU under Triton's
     interpreter (``TRITON_INTERPRET=1`` before ``import triton``; how the tests run it).
 
@@ -435,7 +441,8 @@ def chunk_bwd_dqkwg_triton(
     vn, do3, dv3 = v_new[0].contiguous(), do[0].contiguous(), dv[0].contiguous()
     g2 = g[0].contiguous().float()
     hs, dhs = h[0].contiguous(), dh[0].contiguous()
-    dq = q.new_empty((T, H, K), dtype=torch.float32)
+    r = H // Hk
+    dq = q.new_empty((T, H, K), dtype=dq_dtype if dq_dtype is not None and r == 1 else torch.float32)
     dk = q.new_empty((T, H, K), dtype=torch.float32)
     dw = q.new_empty((T, H, K), dtype=w_dtype or h.dtype)
     dg = q.new_empty((NK, T, H), dtype=torch.float32)
@@ -454,10 +461,10 @@ def chunk_bwd_dqkwg_triton(
             MM=MM, IEEE=ieee, UPCAST=bool(kern.INTERPRETED) and mm != torch.float32,
             **opts,
         )  # fmt: skip
-    r = H // Hk
     if r > 1:
         dq = dq.view(T, Hk, r, K).sum(2)
         dk = dk.view(T, Hk, r, K).sum(2)
+    dq = dq.to(dq_dtype) if dq_dtype is not None else dq
     dg = dg[0] if NK == 1 else dg.sum(0)
     return dq.unsqueeze(0), dk.unsqueeze(0), dw.unsqueeze(0), dg.unsqueeze(0)
 
@@ -562,8 +569,8 @@ def _forward_impl(
 
 def _backward_impl(saved, do, dht, scale, l2, plan, precision):
     """fla's backward pipeline (0.6.0 ``chunk_gated_delta_rule_bwd``) with ``chunk_bwd_dqkwg`` replaced by
-    :func:`chunk_bwd_dqkwg_torch`: ``(dq, dk, dv, dg, dbeta, dh0)`` (dq/dk/dg in fp32 or the l2norm's
-    dtype; dh0 fp32 or ``None``)."""
+    :func:`chunk_bwd_dqkwg_torch`: ``(dq, dk, dv, dg, dbeta, dh0)`` (dq/dk in the l2norm's dtype, or q's
+    without it; dg fp32; dh0 fp32 or ``None``)."""
     q, q_rstd, k, k_rstd, v, g, beta, A, h0, cu, chunk_indices, states = saved
     fns = _fns()
     BT = FLA_CHUNK_SIZE
@@ -586,13 +593,14 @@ def _backward_impl(saved, do, dht, scale, l2, plan, precision):
             **common,
         )  # fmt: skip
         # fla's chunk_bwd_dqkwg is flagged wrong on this stack: never run it; varpack's own step instead
+        # without the l2norm dq and dk are final here: rounded to q's dtype where they are written (no casts)
         dq, dk, dw, dg = chunk_bwd_dqkwg(
             q, k, v_new, g, h, dh, dv, do, scale, cu,
-            chunk_size=BT, plan=plan, precision=precision, w_dtype=w.dtype,
+            chunk_size=BT, plan=plan, precision=precision, w_dtype=w.dtype, dq_dtype=None if l2 else q.dtype,
         )  # fmt: skip
         del h, dh, v_new
         dk2, dv, db, dg2 = fns["prepare_wy_repr_bwd"](k=k, v=v, beta=beta, A=A, dw=dw, du=dv, g=g, **common)
-        dk = dk + dk2
+        dk = dk + dk2 if l2 else torch.add(dk, dk2, out=torch.empty_like(k))
         dg = dg + dg2
         dg = fns["chunk_local_cumsum"](dg.contiguous(), chunk_size=BT, reverse=True, **common)
         if l2:
@@ -821,6 +829,7 @@ def fla_hybrid_forward(
     boundaries: FlaHybridBoundaries | None = None,
     precision: str = DEFAULT_PRECISION,
     chunk_rows: int | None = None,
+    qk_residuals: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """:func:`fla_hybrid_gated_delta_rule`'s forward without autograd, returning what its backward reads:
     ``(o, final_state | None, residuals)``, for an op whose backward is a second op
@@ -834,6 +843,9 @@ def fla_hybrid_forward(
     fla's inverted ``(I + beta K K^T)`` blocks per chunk; ``q_rstd``, ``k_rstd`` ``[1, BT, Hk]`` fp32: the
     l2norm's reciprocal norms. :func:`fla_hybrid_residual_shapes` gives them from the input shapes.
     ``chunk_rows``: the row count of chunk tables built on the device (:func:`device_fla_hybrid_boundaries`).
+    ``qk_residuals=False`` without ``use_qk_l2norm_in_kernel``: ``q'`` and ``k'`` (then q and k themselves) are
+    left out rather than copied, for a caller that keeps q and k and puts them (packed ``[1, BT, Hk, K]``)
+    back in front of the residuals for :func:`fla_hybrid_backward`.
 
     Raises:
         RuntimeError / ValueError / TypeError: as :func:`fla_hybrid_gated_delta_rule`.
@@ -842,7 +854,7 @@ def fla_hybrid_forward(
         raise RuntimeError(f"fla_hybrid needs a CUDA device (fla's Triton kernels), got {q.device}")
     return _hybrid_forward(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-        cu_seqlens_cpu, precision, boundaries, chunk_rows,
+        cu_seqlens_cpu, precision, boundaries, chunk_rows, qk_residuals,
     )  # fmt: skip
 
 
@@ -866,11 +878,14 @@ def fla_hybrid_residual_shapes(
 
 def _hybrid_forward(
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-    cu_seqlens_cpu, precision, boundaries=None, chunk_rows=None,
+    cu_seqlens_cpu, precision, boundaries=None, chunk_rows=None, qk_residuals=True,
 ):  # fmt: skip
     l2 = bool(use_qk_l2norm_in_kernel)
     rows = int(chunk_rows or 0)
     shapes = fla_hybrid_residual_shapes(tuple(q.shape), tuple(v.shape), q.dtype, l2, rows)
+    keep_qk = l2 or qk_residuals
+    if not keep_qk:
+        shapes = shapes[2:]
     qp, kp, vp, gp, bp, scale, bnd, dims = _prepare(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, precision, boundaries, chunk_rows
     )
@@ -888,9 +903,9 @@ def _hybrid_forward(
             bnd.cu_seqlens_cpu, l2, bnd.chunk_indices, keep_states=rows > 0,
         )  # fmt: skip
     qn, q_rstd, kn, k_rstd, _, gcum, _, A = saved[:8]
-    if not l2:  # fla read q and k as given: copies, so no residual is (a view of) an input
+    if not l2 and keep_qk:  # fla read q and k as given: copies, so no residual is (a view of) an input
         qn, kn = qn.clone(), kn.clone()
-    residuals = [qn, kn, gcum, A] + ([q_rstd, k_rstd] if l2 else [])
+    residuals = ([qn, kn] if keep_qk else []) + [gcum, A] + ([q_rstd, k_rstd] if l2 else [])
     if rows:
         w, h, v_new = saved[11]
         residuals += [w, _pad_chunk_rows(h, rows), v_new]
