@@ -357,13 +357,15 @@ def short_conv(
 
 def _cut(y: torch.Tensor, split: list[int], l2norm: list[int] | None, dtype: torch.dtype) -> list[torch.Tensor]:
     """``y`` cut into the channel groups ``split``, each contiguous in ``dtype``, the groups ``l2norm`` names
-    L2-normalised per head (in fp32, fp64 for fp64, then rounded)."""
+    L2-normalised per head by the gated delta rule's own ``l2norm`` (in fp32, fp64 for fp64, then rounded)."""
+    from .gated_delta_rule._common import l2norm as head_l2norm
+
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
     parts = []
     for i, part in enumerate(torch.split(y, split, -1)):
         hd = l2norm[i] if l2norm is not None else 0
         if hd:
-            heads = part.unflatten(-1, (-1, hd)).to(torch.float64 if dtype == torch.float64 else torch.float32)
-            part = (heads * torch.rsqrt((heads * heads).sum(-1, keepdim=True) + L2NORM_EPS)).flatten(-2)
+            part = head_l2norm(part.unflatten(-1, (-1, hd)).to(acc), eps=L2NORM_EPS).flatten(-2)
         parts.append(part.to(dtype).contiguous())
     return parts
 
