@@ -566,6 +566,36 @@ def test_gpu_fla_hybrid_negative_control_boundaries_dropped():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dims", [None, (16, 16, 128, 128)], ids=["tests_dims", "qwen3.5_heads"])
+def test_gpu_fla_hybrid_packed_row_equals_per_sample_calls_bitwise(dims):
+    """The same bf16 inputs as one packed row and as one call per sample: every output and gradient of each
+    sample is the same bits (the kernels work per sample and per chunk: nothing of a sample depends on its
+    neighbours in the row). Negative control: the row without its boundaries differs."""
+    from tests.ops.test_gated_delta_rule import GPU_DIMS, GPU_LENGTHS, _cu, _inputs, _run
+
+    Hk, H, K, V = dims or GPU_DIMS
+    lengths = GPU_LENGTHS if dims is None else [308, 63, 177, 46]
+    ins, h0 = _inputs(lengths, Hk=Hk, H=H, K=K, V=V, device="cuda", dtype=torch.bfloat16, initial=True)
+    cu = _cu(lengths, torch.int64)
+    fn = _gpu_hybrid()
+    o, s, grads, do, dht = _run(fn, ins, h0, cu)
+    parts = []
+    for i in range(len(lengths)):
+        a, b = int(cu[i]), int(cu[i + 1])
+        parts.append(_run(fn, [x[:, a:b] for x in ins], h0[i : i + 1], torch.tensor([0, b - a]),
+                          do=do[:, a:b], dht=dht[i : i + 1]))  # fmt: skip
+    assert torch.equal(o, torch.cat([p[0] for p in parts], dim=1))
+    assert torch.equal(s, torch.cat([p[1] for p in parts]))
+    for j, name in enumerate(["dq", "dk", "dv", "dg", "dbeta"]):
+        assert torch.equal(grads[j], torch.cat([p[2][j] for p in parts], dim=1)), name
+    assert torch.equal(grads[5], torch.cat([p[2][5] for p in parts])), "dh0"
+    T = sum(lengths)
+    joined, _, _, _, _ = _run(fn, ins, h0[:1], torch.tensor([0, T]), do=do, dht=dht[:1])
+    assert not torch.equal(joined, o)
+    assert (joined.float() - o.float()).abs().max() > 0.1 * o.float().abs().max()
+
+
+@pytest.mark.gpu
 def test_gpu_fla_hybrid_70000_one_token_sequences():
     """70,000 sequences (69,990 of one token, 10 of 70) x 4 value heads: forward, final state and every
     gradient vs the fp32 chunk path on the GPU (no grid or memory blow-up in the replaced step)."""
