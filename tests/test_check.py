@@ -352,3 +352,47 @@ def test_check_catches_a_backward_only_gate_gradient_leak(monkeypatch, dtype):
     assert leaky["max_abs_logit_diff"] <= honest["max_abs_logit_diff"] + 2e-2  # the forward is untouched
     assert not leaky["passed"]
     assert any("dt_bias" in f or "in_proj_a" in f for f in leaky["failures"]), leaky["failures"]
+
+
+@pytest.mark.parametrize("also", [None, "model.embed_tokens.weight", "model.layers.0.linear_attn.in_proj_a.weight"])
+def test_low_precision_failure_of_gate_gradients_only_carries_the_note(monkeypatch, capsys, also):
+    """A bf16 check whose every failure is a Gated DeltaNet gate parameter's gradient (dt_bias / A_log) keeps
+    its FAIL and carries the note naming the float32 run that decides; any other failing gradient (an
+    embedding, the gate's own projection) drops the note."""
+    from varpack import check
+    from varpack.cli.check import _print_table
+
+    model = load_model("tiny-qwen3.5", vocab_size=VOCAB, attn_backend="reference")
+    rows = samples(lengths=(5, 7, 3))
+    real = check._packed_run
+    gate = "model.layers.0.linear_attn.dt_bias"
+
+    def perturbed(*args):
+        logits, loss, grads = real(*args)
+        for name in (gate, also) if also else (gate,):
+            grads[name] = grads[name] + 10 * grads[name].abs().max() + 1.0
+        return logits, loss, grads
+
+    monkeypatch.setattr(check, "_packed_run", perturbed)
+    res = check_exactness(model, rows, backend="reference", dtype=torch.bfloat16, gated_delta_backend="chunk")
+    assert not res["passed"]
+    failing = {f.split(":")[0].removeprefix("grad of ") for f in res["failures"]}
+    assert gate in failing
+    if also is None:
+        assert failing == {gate}
+        assert "dt_bias / A_log" in res["note"] and "--dtype fp32" in res["note"] and "bfloat16" in res["note"]
+        _print_table({**res, "model": "tiny-qwen3.5", "device": "cpu"}, "Qwen3_5ForCausalLM", 1)
+        out = capsys.readouterr().out
+        assert "FAIL" in out and "note: every failure is the gradient of a Gated DeltaNet gate" in out
+    else:
+        assert also in failing
+        assert "note" not in res
+
+
+def test_gate_parameter_names_are_the_gated_delta_layers_own():
+    from varpack.check import _gate_parameter_names
+
+    names = _gate_parameter_names(load_model("tiny-qwen3.5", vocab_size=VOCAB))
+    assert names and all(n.rsplit(".", 1)[-1] in ("dt_bias", "A_log") for n in names)
+    assert "model.layers.0.linear_attn.A_log" in names
+    assert not _gate_parameter_names(load_model("tiny-qwen3", vocab_size=VOCAB))

@@ -377,3 +377,5 @@ def _print_table(r: dict[str, Any], model_class: str, num_params: int) -> None:
             print(f"  - {failure}")
         if len(r["failures"]) > 10:
             print(f"  ... and {len(r['failures']) - 10} more")
+        if r.get("note"):
+            print(f"  note: {r['note']}")
