@@ -396,3 +396,41 @@ def test_gate_parameter_names_are_the_gated_delta_layers_own():
     assert names and all(n.rsplit(".", 1)[-1] in ("dt_bias", "A_log") for n in names)
     assert "model.layers.0.linear_attn.A_log" in names
     assert not _gate_parameter_names(load_model("tiny-qwen3", vocab_size=VOCAB))
+
+
+def test_fla_rule_on_cuda_only_for_float32_on_cuda_with_fla_kernels():
+    from varpack.check import _fla_rule_on_cuda
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert _fla_rule_on_cuda(torch.float32, cuda, ("fla_hybrid", "auto")) == "fla_hybrid"
+    assert _fla_rule_on_cuda(torch.float32, cuda, ("fla", "forced")) == "fla"
+    assert _fla_rule_on_cuda(torch.float32, cuda, ("chunk", "forced")) is None
+    assert _fla_rule_on_cuda(torch.bfloat16, cuda, ("fla_hybrid", "auto")) is None
+    assert _fla_rule_on_cuda(torch.float32, cpu, ("chunk", "auto")) is None
+    assert _fla_rule_on_cuda(torch.float32, cuda, None) is None
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_failed_float32_check_on_fla_kernels_carries_the_tf32_note(monkeypatch, fails):
+    """Wiring: a float32 check whose rule ran fla's kernels on CUDA (simulated) names TF32 when it fails, and
+    says nothing when it passes."""
+    from varpack import check
+
+    model = load_model("tiny-qwen3.5", vocab_size=VOCAB, attn_backend="reference")
+    real = check._packed_run
+
+    def perturbed(*args):
+        logits, loss, grads = real(*args)
+        if fails:
+            name = "model.layers.0.linear_attn.in_proj_a.weight"
+            grads[name] = grads[name] + 1.0
+        return logits, loss, grads
+
+    monkeypatch.setattr(check, "_packed_run", perturbed)
+    monkeypatch.setattr(check, "_fla_rule_on_cuda", lambda dtype, device, gdn: "fla_hybrid")
+    res = check_exactness(model, samples(lengths=(5, 7, 3)), backend="reference", gated_delta_backend="chunk")
+    assert res["passed"] is not fails
+    if fails:
+        assert "TF32" in res["note"] and "--gated-delta-backend chunk" in res["note"]
+    else:
+        assert "note" not in res

@@ -265,6 +265,21 @@ def _truth_gated_delta(fp32_model: Any, requested: str) -> str:
     return backend
 
 
+#: ``result["note"]`` of a failed float32 check on CUDA whose Gated DeltaNet layers ran fla's kernels
+TF32_NOTE = (
+    "the gated delta rule ran {backend}: fla's Triton kernels take float32 dots in TF32 (Triton's default, about "
+    "1e-3 relative), the size of the float32 rule itself, so this run cannot tell their rounding from a leak. "
+    "Check float32 with --gated-delta-backend chunk (IEEE float32 on every device), and the kernels in bf16"
+)
+
+
+def _fla_rule_on_cuda(dtype: torch.dtype, device: torch.device, gdn: tuple[str, str] | None) -> str | None:
+    """The fla-based gated delta rule backend of a float32 run on CUDA (its dots in TF32), else ``None``."""
+    if dtype != torch.float32 or device.type != "cuda" or gdn is None:
+        return None
+    return gdn[0] if gdn[0] in ("fla", "fla_hybrid") else None
+
+
 def _gate_parameter_names(model: Any) -> set[str]:
     """Qualified names of the :data:`GATE_PARAMETERS` of ``model``'s Gated DeltaNet layers."""
     from varpack.models.registry import is_gated_delta_layer
@@ -348,7 +363,9 @@ def check_exactness(
         the violated criteria), ``dtype``, ``num_samples``, ``num_tokens``, ``num_params``,
         ``worst_grad_param``, ``tolerance``; for bf16/fp16 also ``logit_err_packed`` / ``logit_err_unpacked``
         (vs the fp32 truth), ``loss_err_*`` and ``grad_err_*``, and ``note`` (:data:`GATE_NOISE_NOTE`) when
-        every failure is a Gated DeltaNet gate parameter's gradient (the verdict stays a failure); for a model with Gated DeltaNet layers also
+        every failure is a Gated DeltaNet gate parameter's gradient (the verdict stays a failure); a failed
+        float32 run on CUDA whose Gated DeltaNet layers ran fla's kernels (TF32 dots) carries
+        :data:`TF32_NOTE` as ``note``; for a model with Gated DeltaNet layers also
         ``gated_delta_backend`` / ``gated_delta_reason`` (the rule's backend for training, and why: the fla
         and fla_hybrid probes on CUDA; ``"forced"`` for a forced one); with context parallelism also
         ``context_parallel`` (the group size) and ``context_parallel_plan`` (what each layer kind runs).
@@ -465,6 +482,9 @@ def check_exactness(
     if truth is not None and failures and len(failed_grads) == len(failures):
         if set(failed_grads) <= _gate_parameter_names(model):
             result["note"] = GATE_NOISE_NOTE.format(dtype=str(dtype).replace("torch.", ""))
+    tf32_rule = _fla_rule_on_cuda(dtype, device, gdn)
+    if truth is None and failures and tf32_rule:
+        result["note"] = TF32_NOTE.format(backend=tf32_rule)
     longest = max((len(r["input_ids"]) for r in rows), default=None)
     name, reason = _resolved_backend(model, backend, device, dtype, longest)
     if gdn is not None:
