@@ -438,3 +438,20 @@ def test_gpu_fla_matches_reference(needs_backward):
     assert (o.float().cpu() - o_ref).abs().max() < _bf16_tol(o_ref)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], g, g_ref):
         assert (a.float().cpu() - b).abs().max() < 2 * _bf16_tol(b), name
+
+
+@pytest.mark.parametrize("backend", ["chunk", "naive"])
+@pytest.mark.parametrize("cu", [None, [0, 0]], ids=["rows", "varlen"])
+def test_empty_input_output_belongs_to_the_graph(backend, cu):
+    """No token at all (a sample of length 0 on its own): the empty output still carries a gradient function,
+    so a caller's backward runs (and gives empty gradients) instead of failing on a detached tensor."""
+    from varpack.ops import gated_delta_rule
+
+    ins, _ = _inputs([0])
+    leaves = [x.detach().clone().requires_grad_() for x in ins]
+    o, _ = gated_delta_rule(
+        *leaves, backend=backend, cu_seqlens=None if cu is None else torch.tensor(cu), use_qk_l2norm_in_kernel=True
+    )
+    assert o.shape[1] == 0 and o.grad_fn is not None
+    o.sum().backward()
+    assert leaves[2].grad is not None and leaves[2].grad.shape == leaves[2].shape

@@ -347,8 +347,8 @@ def chunk_gated_delta_rule(
     q = expand_heads(q, H) * scale
     k = expand_heads(k, H)
 
-    if C == 0:  # only empty sequences
-        o = v.new_zeros(B, T, H, V).to(out_dtype)
+    if C == 0:  # only empty sequences: an empty output that still belongs to the inputs' graph
+        o = (v.reshape(B, T, H, V) * 0).to(out_dtype)
         if not output_final_state:
             return o, None
         fs = initial_state.to(acc) if initial_state is not None else v.new_zeros(N, H, K, V)

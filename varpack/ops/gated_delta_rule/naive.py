@@ -108,7 +108,7 @@ def naive_recurrent_gated_delta_rule(
 
     if outputs:
         o = torch.stack(outputs, dim=0).reshape(B, T, H, V)
-    else:
-        o = q.new_zeros(B, T, H, V)
+    else:  # no token: an empty output that still belongs to the inputs' graph
+        o = v.reshape(B, T, H, V) * 0
     final_state = torch.stack(finals, dim=0) if output_final_state else None
     return o.to(out_dtype), final_state
