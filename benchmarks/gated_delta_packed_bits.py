@@ -1,8 +1,12 @@
-"""Does the gated delta rule compute a sample differently when it shares a packed row? The same bf16 inputs go
-through a backend once as one packed row (``cu_seqlens`` of every sample) and once as one call per sample; each
-output and gradient (o, dq, dk, dv, dg, dbeta) of every sample is compared between the two, and both against the
-float32 truth (varpack's PyTorch chunked rule). A backend whose kernels work per sample and chunk gives the same
-bits either way; a difference means that something in the packed row depends on its neighbours.
+"""Does the gated delta rule compute a sample differently when it shares a packed row? The same inputs go through a
+backend once as one packed row (``cu_seqlens`` of every sample) and once as one call per sample; each output and
+gradient (o, dq, dk, dv, dg, dbeta) of every sample is compared between the two, and both against the float32
+truth (varpack's PyTorch chunked rule).
+
+A backend whose kernels work per sample and per chunk (``fla_hybrid``) gives the same bits either way. ``chunk``
+vectorizes its sequences, so its dg differs at rounding level (about 1e-7 of its scale in float32 on the CPU,
+8e-5 in bf16 on an H200). A leak shows as a difference of the order of the values themselves (a row without its
+boundaries: ``tests/benchmarks/test_gated_delta_packed_bits.py``).
 
 Also printed, per trial, the error of a gate-parameter-like reduction: ``sum_t dg[t, h] * w[t, h]`` per head (as
 a Gated DeltaNet's ``dt_bias`` / ``A_log`` gradient sums ``dg`` over every token), packed and per sample::
@@ -86,14 +90,36 @@ def trial(backend, lengths, dims, seed, device, dtype):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from varpack.ops.gated_delta_rule import BACKENDS
+
+    cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="fla_hybrid")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--dims", type=int, nargs=4, default=[16, 16, 128, 128], metavar=("Hk", "H", "K", "V"))
-    p.add_argument("--lengths", type=int, nargs="+", default=[308, 63, 177, 46])
-    p.add_argument("--trials", type=int, default=8)
+    p.add_argument(
+        "--backend", default="fla_hybrid" if cuda else "chunk", choices=BACKENDS,
+        help="gated delta rule backend under test (default: fla_hybrid with CUDA, else chunk)",
+    )  # fmt: skip
+    p.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the inputs' dtype")
+    p.add_argument(
+        "--dims", type=int, nargs=4, default=[16, 16, 128, 128], metavar=("Hk", "H", "K", "V"),
+        help="q/k heads, v heads (a multiple of Hk), q/k head dim, v head dim (default: Qwen3.5's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--lengths", type=int, nargs="+", default=[308, 63, 177, 46],
+        help="the samples' token counts, each >= 1 (default: the varpack check VL sample set's)",
+    )  # fmt: skip
+    p.add_argument("--trials", type=int, default=8, help="random input sets (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not cuda:
+        p.error("--device cuda but CUDA is not available here")
+    if args.backend in ("fla", "fla_hybrid") and args.device != "cuda":
+        p.error(f"--backend {args.backend} runs on CUDA only (--device {args.device}); try --backend chunk")
+    if min(args.lengths) < 1:
+        p.error(f"--lengths must each be >= 1 (a sample of no token has nothing to compare), got {args.lengths}")
+    if args.trials < 1 or min(args.dims) < 1:
+        p.error(f"--trials and --dims must be >= 1, got {args.trials} and {args.dims}")
+    if args.dims[1] % args.dims[0]:
+        p.error(f"--dims: the v heads H={args.dims[1]} must be a multiple of the q/k heads Hk={args.dims[0]}")
     dtype = getattr(torch, args.dtype)
     rows = [trial(args.backend, args.lengths, args.dims, s, args.device, dtype) for s in range(args.trials)]
     print(f"{args.backend} {args.dtype} on {args.device}, dims {args.dims}, lengths {args.lengths}, {args.trials} trials")

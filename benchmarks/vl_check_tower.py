@@ -1,5 +1,9 @@
 """Whose is a bf16 failure of ``varpack check`` on a vision-language model: the packing's, or the vision tower's
-batching? The check runs twice on the same model, samples and seed, on the same device:
+batching? The check runs on the same model, samples and seed, with the tower batched (as shipped) and called per
+image; ``--reference varpack`` puts the per-sample reference on varpack's own kernels; ``--first-difference``
+lists the modules whose output differs between a packed row and rows of one.
+
+The check runs twice on the same model, samples and seed, on the same device:
 
 * ``batched``: as ``varpack check`` runs it. The packed row hands every image of the row to the tower in one
   call (as transformers batches them); the per-sample reference calls the tower once per sample.
@@ -136,10 +140,12 @@ def _model_and_rows(args: argparse.Namespace, seed: int) -> tuple[torch.nn.Modul
     """The bf16 model (``--cut``: 4 language layers, 1 vision layer) and ``varpack check``'s image samples."""
     from varpack.cli.check import select_mm_samples
     from varpack.data import load_and_encode
-    from varpack.models import load_model, load_tokenizer_for
+    from varpack.models import is_vl_model, load_model, load_tokenizer_for
 
     overrides = {"num_hidden_layers": 4, "vision_config": {"depth": 1}} if args.cut else None
     model = load_model(args.model, dtype=torch.bfloat16, seed=seed, device=args.device, config_overrides=overrides)
+    if not is_vl_model(model):
+        raise ValueError(f"--model {args.model} is not a vision-language model (no vision tower to check)")
     data = load_and_encode(None, load_tokenizer_for(args.model), vl=True, rope_model=model)
     return model, select_mm_samples(data.samples, args.num_samples)
 
@@ -242,23 +248,41 @@ def first_difference(model: torch.nn.Module, rows: list[dict], device: str) -> t
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3.5-vl-hybrid-shape")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--num-samples", type=int, default=4)
-    p.add_argument("--gated-delta-backend", default="auto")
-    p.add_argument("--modes", nargs="+", default=["batched", "per-image"], choices=["batched", "per-image"])
+    p.add_argument("--model", default="qwen3.5-vl-hybrid-shape", help="a vision-language built-in (%(default)s)")
+    p.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cuda", "cpu"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="random-init seeds, one check each")
+    p.add_argument("--num-samples", type=int, default=4, help="image chats of the built-in set (default: 4)")
+    p.add_argument("--gated-delta-backend", default="auto", help="as varpack check's (default: auto)")
+    p.add_argument(
+        "--modes", nargs="+", default=["batched", "per-image"], choices=["batched", "per-image"],
+        help="the tower batched (as varpack check) and/or called per image (default: both)",
+    )  # fmt: skip
     p.add_argument(
         "--reference", default="model", choices=["model", "varpack"],
         help="the low-precision per-sample run: the model's own attention (as varpack check) or varpack's kernels",
     )  # fmt: skip
     p.add_argument(
         "--first-difference", action="store_true",
-        help="forward only: list the modules whose output differs between the packed row and rows of one",
+        help="instead of the checks: forward only, list the modules whose output differs between the packed "
+        "row and rows of one (both on varpack's kernels; --modes and --reference do not apply)",
     )  # fmt: skip
     p.add_argument("--cut", action="store_true", help="4 language layers and 1 vision layer (a CPU-sized model)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not cuda:
+        p.error("--device cuda but CUDA is not available here")
+    if args.num_samples < 1:
+        p.error(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.first_difference and (args.reference != "model" or args.modes != ["batched", "per-image"]):
+        p.error("--first-difference runs no check: --modes and --reference do not apply")
+    try:
+        return _run(args)
+    except ValueError as exc:  # a text-only model, an unknown backend or model name: varpack's own message
+        p.error(str(exc))
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.first_difference:
         for seed in args.seeds:
             model, rows = _model_and_rows(args, seed)
@@ -269,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             compared, diffs = first_difference(model, rows, args.device)
             print(
                 f"seed {seed}: {len(diffs)} of {compared} module outputs differ between the packed row and rows of "
-                "one; the first 12 in call order:"
+                "one" + ("; the first 12 in call order:" if diffs else "")
             )
             for name, diff, shape in diffs[:12]:
                 print(f"    {name} {shape}: max abs diff {diff:.3g}")
