@@ -106,28 +106,13 @@ def _tower_errors(store: list) -> dict[str, float]:
 
 def _per_sample_on_varpack_kernels(original):
     """``varpack.check._unpacked_run`` whose low-precision runs send each sample alone through the packed path
-    (boundary keywords of a row of one); the fp32 truth (float32 parameters) runs the original."""
-    from varpack import check
+    (boundary keywords of a row of one, the model left on varpack attention); the fp32 truth (float32
+    parameters) runs the original."""
 
     def run(model, collate, samples, device, attn):
         if next(model.parameters()).dtype == torch.float32:
             return original(model, collate, samples, device, attn)
-        from varpack.loss import causal_lm_loss
-        from varpack.schema import IGNORE_INDEX, LABELS
-
-        model.zero_grad(set_to_none=True)
-        batches = [collate([[s]]) for s in samples]
-        count = sum(int((b[LABELS][0, 1:] != IGNORE_INDEX).sum()) for b in batches)
-        logits_all, total = [], None
-        for batch in batches:
-            logits = model(**check._model_inputs(batch, device, packed=True)).logits
-            part = causal_lm_loss(
-                logits, batch[LABELS].to(device), seq_idx=batch["seq_idx"].to(device), num_items_in_batch=1
-            )
-            total = part if total is None else total + part
-            logits_all.append(logits[0].detach().float())
-        (total / max(count, 1)).backward()
-        return torch.cat(logits_all), (total / max(count, 1)).detach().float(), check._grads(model)
+        return original(model, collate, samples, device, model.config._attn_implementation, rows_of_one=True)
 
     return run
 

@@ -434,3 +434,31 @@ def test_failed_float32_check_on_fla_kernels_carries_the_tf32_note(monkeypatch, 
         assert "TF32" in res["note"] and "--gated-delta-backend chunk" in res["note"]
     else:
         assert "note" not in res
+
+
+def test_unpacked_run_rows_of_one_sends_the_boundaries_and_matches_the_plain_run(monkeypatch):
+    """``rows_of_one``: each sample alone, with its boundary keywords (varpack's kernels), equal in float32 to
+    the plain per-sample run through the model's own attention."""
+    from varpack import check
+    from varpack.collate import PaddingFreeCollator
+
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    rows = check._as_sample_list(samples(lengths=(6, 1, 9)))
+    seen = []
+    real = check._model_inputs
+
+    def spy(batch, device, *, packed):
+        seen.append(packed)
+        return real(batch, device, packed=packed)
+
+    monkeypatch.setattr(check, "_model_inputs", spy)
+    cpu, collate = torch.device("cpu"), PaddingFreeCollator()
+    plain = check._unpacked_run(model, collate, rows, cpu, "sdpa")
+    assert seen == [False] * 3
+    seen.clear()
+    ones = check._unpacked_run(model, collate, rows, cpu, model.config._attn_implementation, rows_of_one=True)
+    assert seen == [True] * 3
+    torch.testing.assert_close(ones[0], plain[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ones[1], plain[1], rtol=1e-5, atol=1e-6)
+    for name, g in plain[2].items():
+        torch.testing.assert_close(ones[2][name], g, rtol=1e-3, atol=1e-7 + 1e-3 * float(g.abs().max()))

@@ -164,7 +164,11 @@ def _context_parallel_run(model: Any, collate: Any, samples: list[dict], device:
     return whole, total.float(), grads
 
 
-def _unpacked_run(model: Any, collate: Any, samples: list[dict], device: torch.device, attn: str) -> tuple:
+def _unpacked_run(
+    model: Any, collate: Any, samples: list[dict], device: torch.device, attn: str, *, rows_of_one: bool = False
+) -> tuple:
+    """Each sample alone through ``attn``; ``rows_of_one``: with its boundary keywords (a packed row of one
+    sample, varpack's kernels), for diagnostics that compare kernels alike on both sides."""
     from varpack.loss import causal_lm_loss
 
     current = model.config._attn_implementation
@@ -175,7 +179,7 @@ def _unpacked_run(model: Any, collate: Any, samples: list[dict], device: torch.d
         count = sum(int((b[LABELS][0, 1:] != IGNORE_INDEX).sum()) for b in batches)
         logits_all, total = [], None
         for batch in batches:
-            logits = model(**_model_inputs(batch, device, packed=False)).logits
+            logits = model(**_model_inputs(batch, device, packed=rows_of_one)).logits
             part = causal_lm_loss(logits, batch["labels"].to(device), num_items_in_batch=1)  # per-sample sum
             total = part if total is None else total + part
             logits_all.append(logits[0].detach().float())
