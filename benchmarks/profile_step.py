@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attn-backend", default="auto")
     p.add_argument("--lce-backend", default="auto")
     p.add_argument("--chunk-size", type=int, default=4096)
+    p.add_argument(
+        "--lm-head-rows", choices=("supervised", "all"), default="supervised",
+        help="varpack_lce* configs: the LM head on the supervised rows only (varpack sft) or on every row",
+    )  # fmt: skip
     p.add_argument("--attn-host-calls", type=int, default=200, help="0: skip the attention host-time row")
     p.add_argument("--trace", default=None, help="also export a Chrome trace here")
     args = p.parse_args(argv)
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(i: int) -> torch.Tensor:
         for mb in steps[i % n]:
-            loss = loss_fn(model, T.to_device(mb, device, keep_cpu), counts[i % n])
+            loss = loss_fn(model, T.to_device(mb, device, keep_cpu), counts[i % n], T.labelled_count(mb))
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -27,7 +27,8 @@ varpack (``PaddingFreeCollator`` + ``enable_varpack``, attention ``--attn-backen
   inside each compiled layer), ``_static`` (every pack padded to one static shape, ``StaticShape.from_plan``,
   layers compiled with ``dynamic=False``), ``_graphs`` (static shapes plus CUDA graphs per layer, what
   ``varpack sft --cuda-graphs`` runs; a layer that cannot be captured is an error, never an eager fallback;
-  CUDA only);
+  CUDA only), ``_unfused`` (compiled layers keep one GEMM per projection instead of
+  :mod:`varpack.integrations.fused_projections`' one GEMM per shared input);
 * ``trl_varpack`` (needs TRL): ``varpack.train.trl.VarpackSFTTrainer`` on the same packs.
 
 Measurement (benchmarks/_common.py's rules): every configuration builds a fresh model and runs one untimed
@@ -93,7 +94,8 @@ from benchmarks._common import (  # noqa: E402
 ALL_CONFIGS = (
     "padded", "hf_fa4", "hf_flex", "hf_sdpa", "hf_fa4_liger", "varpack", "varpack_lce", "varpack_lce_chunked",
     "varpack_lce_liger", "varpack_compile", "varpack_lce_compile", "varpack_lce_compile_ops",
-    "varpack_lce_static_compile_ops", "varpack_lce_static_graphs", "trl_varpack", "trl_padding_free",
+    "varpack_lce_static_compile_ops", "varpack_lce_static_graphs", "varpack_lce_compile_unfused",
+    "varpack_lce_static_graphs_unfused", "trl_varpack", "trl_padding_free",
 )  # fmt: skip
 DEFAULT_CONFIGS = "padded,hf_fa4,hf_flex,hf_fa4_liger,varpack,varpack_lce,varpack_lce_compile"
 #: what a user of HF / TRL would configure: the best peer of a round is the fastest of these that ran in it
@@ -104,7 +106,7 @@ TRL_ATTN_ORDER = ("flash_attention_4", "flash_attention_2", "flex_attention", "s
 HF_ATTN = {"hf_fa4": "flash_attention_4", "hf_flex": "flex_attention", "hf_sdpa": "sdpa",
            "hf_fa4_liger": "flash_attention_4"}  # fmt: skip
 #: suffixes of a varpack config that switch on a step option (``_graphs`` implies compile, ops and static)
-STEP_OPTIONS = ("_liger", "_compile", "_ops", "_static", "_graphs")
+STEP_OPTIONS = ("_liger", "_compile", "_ops", "_static", "_graphs", "_unfused")
 #: the fastest varpack row's targets, same run, steady state: tokens/s ratio to the best peer (in every
 #: round), MFU
 TARGET_VS_BEST_PEER, TARGET_MFU = 1.5, 0.40
@@ -234,6 +236,12 @@ def supervised_count(micro_batches: list[dict[str, Any]]) -> int:
     return sum(int((mb["labels"][..., 1:] != IGNORE).sum()) for mb in micro_batches)
 
 
+def labelled_count(mb: dict[str, Any]) -> int:
+    """A micro-batch's labels != -100 before the shift, counted on the host: the bound ``varpack sft`` gives
+    the linear cross entropy (``max_supervised``) so its LM head runs on the supervised rows only."""
+    return int((mb["labels"] != IGNORE).sum())
+
+
 def real_token_count(micro_batches: list[dict[str, Any]]) -> int:
     """Tokens of the samples, padding excluded: the attention mask's ones (padded), ``cu_seqlens[N]`` of a
     varpack batch (its pad segments come after its N samples), else all."""
@@ -271,16 +279,19 @@ def apply_step_options(model: torch.nn.Module, config: str) -> list[str]:
     from varpack.integrations.kernels import apply_liger_kernels, compile_layers
 
     options, done = split_config(config)[1], []
+    fuse = "unfused" not in options
     if "liger" in options:
         done.append("liger " + "+".join(apply_liger_kernels(model)))
     if "graphs" in options:  # the library's one implementation (varpack sft --cuda-graphs runs it too)
-        done.append(f"compile x{compile_layers_as_graphs(model, what=config)} (attention op in graph, static "
-                    "shapes, CUDA graphs per layer)")  # fmt: skip
+        done.append(f"compile x{compile_layers_as_graphs(model, what=config, fuse_projections=fuse)} (attention "
+                    "op in graph, static shapes, CUDA graphs per layer)")  # fmt: skip
     elif "compile" in options:
         kw = {"custom_ops": True, "fullgraph": True} if "ops" in options else {}
         kw |= {"dynamic": False} if "static" in options else {}
         notes = ["attention op in graph"] * ("ops" in options) + ["static shapes"] * ("static" in options)
-        done.append(f"compile x{compile_layers(model, **kw)}" + (f" ({', '.join(notes)})" if notes else ""))
+        notes += [] if fuse else ["projections unfused"]
+        done.append(f"compile x{compile_layers(model, fuse_projections=fuse, **kw)}"
+                    + (f" ({', '.join(notes)})" if notes else ""))  # fmt: skip
     return done
 
 
@@ -297,11 +308,11 @@ def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., t
     liger, (config, options) = config.endswith("_liger"), split_config(config)
     if config == "padded" or config.startswith("hf_"):
         desc = "Liger fused linear CE" if liger else "HF ForCausalLMLoss (full fp32 logits)"
-        return (lambda model, mb, n: model(**mb, use_cache=False, num_items_in_batch=n).loss), desc
+        return (lambda model, mb, n, labelled=None: model(**mb, use_cache=False, num_items_in_batch=n).loss), desc
     if config == "varpack":
         from varpack.loss import causal_lm_loss
 
-        def plain(model, mb, n):
+        def plain(model, mb, n, labelled=None):
             logits = model(**{k: v for k, v in mb.items() if k != "labels"}, use_cache=False).logits
             return causal_lm_loss(logits, mb["labels"], seq_idx=mb.get("seq_idx"), num_items_in_batch=n)
 
@@ -313,13 +324,17 @@ def make_loss_fn(config: str, args: argparse.Namespace) -> tuple[Callable[..., t
     name, _ = resolve_linear_ce_backend(backend, args.device, uniform_weights=True)
     graphs = "graphs" in options
 
-    def fused(model, mb, n):
+    supervised = args.lm_head_rows == "supervised"
+
+    def fused(model, mb, n, labelled=None):
         if graphs:  # CUDA-graph trees: a new step begins (the last step's graph outputs may be overwritten)
             begin_step()
         return causal_lm_forward_with_linear_ce(model, dict(mb, use_cache=False), num_items_in_batch=n,
-                                                backend=backend, chunk_size=args.chunk_size)  # fmt: skip
+                                                backend=backend, chunk_size=args.chunk_size,
+                                                max_supervised=labelled if supervised else None)  # fmt: skip
 
-    return fused, f"linear_ce {name} (chunk {args.chunk_size})"
+    rows = "LM head on the supervised rows" if supervised else "LM head on every row"
+    return fused, f"linear_ce {name} (chunk {args.chunk_size}; {rows})"
 
 
 def resolved_backend(model, mb, device, dtype, backend: str = "auto") -> str:
@@ -379,6 +394,7 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
             loss_fn, row["loss"] = make_loss_fn(config, args)
             opt = make_optimizer(model, device)
             counts = [(real_token_count(st), supervised_count(st)) for st in steps]
+            labelled = [[labelled_count(mb) for mb in st] for st in steps]
             keep_cpu = keep_cpu_keys(config)
             if "static" in split_config(config)[1]:
                 row.update(static_stats(steps, counts))
@@ -390,8 +406,8 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
 
             def step(i: int) -> torch.Tensor:
                 total = torch.zeros((), device=device)
-                for mb in steps[i]:
-                    loss = loss_fn(model, to_device(mb, device, keep_cpu), counts[i][1])
+                for mb, bound in zip(steps[i], labelled[i]):
+                    loss = loss_fn(model, to_device(mb, device, keep_cpu), counts[i][1], bound)
                     loss.backward()
                     total += loss.detach()
                 opt.step()
@@ -403,6 +419,7 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
             if "graphs" in split_config(config)[1]:
                 row["cudagraph_skips"] = cudagraph_skips() - skips
             row.update(figures(timing, counts, n_params(model), args))
+            row.update(lm_head_figures(row, model, steps, labelled, config, args))
             row["micro_batches_per_step"] = float(np.mean([len(st) for st in steps]))
             if config == "padded":
                 row["padding_fraction"] = 1.0 - sum(c[0] for c in counts) / sum(
@@ -426,6 +443,29 @@ def figures(timing: dict[str, Any], counts: list[tuple[int, int]], params: int, 
     return {"timed_steps": len(counts), "n_params": params, **timing, "step_ms": 1e3 * s / len(counts),
             "real_tokens_per_s": real / s, "supervised_tokens_per_s": sup / s,
             "mfu": 6.0 * params * real / s / args.peak_flops}  # fmt: skip
+
+
+def lm_head_figures(
+    row: dict[str, Any], model: Any, steps: list[list[dict[str, Any]]], labelled: list[list[int]], config: str,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The share of the LM head's rows a configuration runs and the MFU that counts only those: ``mfu``
+    counts 6 * N FLOPs per real token, the LM head's 6 * V * D included, while a varpack_lce row with
+    ``--lm-head-rows supervised`` runs the head on ``min(T, round_up(labels, SUPERVISED_ROWS_MULTIPLE))``
+    rows of each micro-batch only (:func:`varpack.ops.linear_ce.supervised_rows`)."""
+    from varpack.ops.linear_ce import SUPERVISED_ROWS_MULTIPLE
+
+    head = model.get_output_embeddings().weight.numel()
+    run = sum(int(mb["input_ids"].shape[-1]) for st in steps for mb in st)
+    rows = run
+    if config.startswith("varpack_lce") and args.lm_head_rows == "supervised":
+        m = SUPERVISED_ROWS_MULTIPLE
+        rows = sum(min(int(mb["input_ids"].shape[-1]), -(-max(b, 1) // m) * m)
+                   for st, bounds in zip(steps, labelled) for mb, b in zip(st, bounds))  # fmt: skip
+    real = row["real_tokens_per_s"] * row["seconds"]
+    skipped = max(real - rows, 0.0)
+    return {"lm_head_rows_fraction": rows / run,
+            "mfu_lm_head_rows_run": row["mfu"] - 6.0 * head * skipped / row["seconds"] / args.peak_flops}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -608,6 +648,11 @@ def note(r: dict[str, Any]) -> str:
             f"static T={r['static_tokens']} N={r['static_segments']} max_seqlen={r['static_max_seqlen']}, "
             f"pad {100 * r['pad_fraction']:.1f}% of tokens run"
         )
+    if r.get("lm_head_rows_fraction", 1.0) < 1.0 and "error" not in r:
+        parts.append(
+            f"LM head on {100 * r['lm_head_rows_fraction']:.0f}% of the rows (the supervised ones); MFU "
+            f"counting only those {100 * r['mfu_lm_head_rows_run']:.1f}%"
+        )
     if r.get("cudagraph_skips"):
         parts.append(f"{r['cudagraph_skips']} graphs NOT captured (cudagraph_skips)")
     if "padding_fraction" in r and not parts:
@@ -685,6 +730,11 @@ def main(argv: list[str] | None = None) -> int:
         "--lce-backend", default="auto", help="linear cross-entropy backend of the varpack_lce* rows"
     )
     p.add_argument("--chunk-size", type=int, default=4096, help="linear cross-entropy chunk (tokens)")
+    p.add_argument(
+        "--lm-head-rows", choices=("supervised", "all"), default="supervised",
+        help="varpack_lce* rows: the LM head on the supervised rows only (what varpack sft runs: the host "
+        "count of labels as max_supervised) or on every row",
+    )  # fmt: skip
     p.add_argument("--static-multiple-of", type=int, default=64, help="static configs: T rounded up to this")
     p.add_argument(
         "--static-segments",
