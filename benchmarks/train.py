@@ -27,8 +27,7 @@ varpack (``PaddingFreeCollator`` + ``enable_varpack``, attention ``--attn-backen
   inside each compiled layer), ``_static`` (every pack padded to one static shape, ``StaticShape.from_plan``,
   layers compiled with ``dynamic=False``), ``_graphs`` (static shapes plus CUDA graphs per layer, what
   ``varpack sft --cuda-graphs`` runs; a layer that cannot be captured is an error, never an eager fallback;
-  CUDA only), ``_unfused`` (compiled layers keep one GEMM per projection instead of
-  :mod:`varpack.integrations.fused_projections`' one GEMM per shared input);
+  CUDA only);
 * ``trl_varpack`` (needs TRL): ``varpack.train.trl.VarpackSFTTrainer`` on the same packs.
 
 Measurement (benchmarks/_common.py's rules): every configuration builds a fresh model and runs one untimed
@@ -94,8 +93,8 @@ from benchmarks._common import (  # noqa: E402
 ALL_CONFIGS = (
     "padded", "hf_fa4", "hf_flex", "hf_sdpa", "hf_fa4_liger", "varpack", "varpack_lce", "varpack_lce_chunked",
     "varpack_lce_liger", "varpack_compile", "varpack_lce_compile", "varpack_lce_compile_ops",
-    "varpack_lce_static_compile_ops", "varpack_lce_static_graphs", "varpack_lce_compile_unfused",
-    "varpack_lce_static_graphs_unfused", "trl_varpack", "trl_padding_free",
+    "varpack_lce_static_compile_ops", "varpack_lce_static_graphs", "varpack_lce_chunked_static_graphs",
+    "trl_varpack", "trl_padding_free",
 )  # fmt: skip
 DEFAULT_CONFIGS = "padded,hf_fa4,hf_flex,hf_fa4_liger,varpack,varpack_lce,varpack_lce_compile"
 #: what a user of HF / TRL would configure: the best peer of a round is the fastest of these that ran in it
@@ -106,7 +105,7 @@ TRL_ATTN_ORDER = ("flash_attention_4", "flash_attention_2", "flex_attention", "s
 HF_ATTN = {"hf_fa4": "flash_attention_4", "hf_flex": "flex_attention", "hf_sdpa": "sdpa",
            "hf_fa4_liger": "flash_attention_4"}  # fmt: skip
 #: suffixes of a varpack config that switch on a step option (``_graphs`` implies compile, ops and static)
-STEP_OPTIONS = ("_liger", "_compile", "_ops", "_static", "_graphs", "_unfused")
+STEP_OPTIONS = ("_liger", "_compile", "_ops", "_static", "_graphs")
 #: the fastest varpack row's targets, same run, steady state: tokens/s ratio to the best peer (in every
 #: round), MFU
 TARGET_VS_BEST_PEER, TARGET_MFU = 1.5, 0.40
@@ -279,19 +278,16 @@ def apply_step_options(model: torch.nn.Module, config: str) -> list[str]:
     from varpack.integrations.kernels import apply_liger_kernels, compile_layers
 
     options, done = split_config(config)[1], []
-    fuse = "unfused" not in options
     if "liger" in options:
         done.append("liger " + "+".join(apply_liger_kernels(model)))
     if "graphs" in options:  # the library's one implementation (varpack sft --cuda-graphs runs it too)
-        done.append(f"compile x{compile_layers_as_graphs(model, what=config, fuse_projections=fuse)} (attention "
-                    "op in graph, static shapes, CUDA graphs per layer)")  # fmt: skip
+        done.append(f"compile x{compile_layers_as_graphs(model, what=config)} (attention op in graph, static "
+                    "shapes, CUDA graphs per layer)")  # fmt: skip
     elif "compile" in options:
         kw = {"custom_ops": True, "fullgraph": True} if "ops" in options else {}
         kw |= {"dynamic": False} if "static" in options else {}
         notes = ["attention op in graph"] * ("ops" in options) + ["static shapes"] * ("static" in options)
-        notes += [] if fuse else ["projections unfused"]
-        done.append(f"compile x{compile_layers(model, fuse_projections=fuse, **kw)}"
-                    + (f" ({', '.join(notes)})" if notes else ""))  # fmt: skip
+        done.append(f"compile x{compile_layers(model, **kw)}" + (f" ({', '.join(notes)})" if notes else ""))
     return done
 
 

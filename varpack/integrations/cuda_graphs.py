@@ -273,11 +273,7 @@ def model_refusal(
 
 
 def compile_layers_as_graphs(
-    model: torch.nn.Module,
-    *,
-    device: torch.device | str | None = None,
-    what: str = "CUDA graphs",
-    fuse_projections: bool = True,
+    model: torch.nn.Module, *, device: torch.device | str | None = None, what: str = "CUDA graphs"
 ) -> int:
     """Compile every decoder layer of ``model`` (on varpack attention) for CUDA-graph replay
     (:data:`GRAPH_COMPILE_KW`; compiled lazily, at the first call). Returns the number of layers compiled.
@@ -286,7 +282,6 @@ def compile_layers_as_graphs(
         model: the model.
         device: the device it will train on (a Trainer moves it there after this); default: its parameters'.
         what: the setting named in the error.
-        fuse_projections: as in :func:`varpack.integrations.kernels.compile_layers` (default on).
 
     Raises:
         ValueError: ``device`` is not CUDA (``"{what}: CUDA graphs need a CUDA device, the model is on cpu"``),
@@ -308,7 +303,7 @@ def compile_layers_as_graphs(
     for module in model.modules():  # read by the traced Gated DeltaNet forward: no CPU offsets in the graph
         if is_gated_delta_layer(module):
             module._varpack_static_boundaries = True
-    return compile_layers(model, fuse_projections=fuse_projections, **GRAPH_COMPILE_KW)
+    return compile_layers(model, **GRAPH_COMPILE_KW)
 
 
 def boundaries_on_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:

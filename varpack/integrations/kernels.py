@@ -192,40 +192,12 @@ def dynamic_inductor_options(backend: str, dynamic: bool | None, compile_kw: dic
     return {**compile_kw, "options": {**wanted, **(compile_kw.get("options") or {})}}
 
 
-def with_fused_projections(compile_kw: dict[str, Any]) -> dict[str, Any]:
-    """``compile_kw`` (``torch.compile`` keywords) with inductor's ``pre_grad_custom_pass`` set to
-    :class:`varpack.integrations.fused_projections.FuseSharedInputLinears`. ``torch.compile`` takes ``mode`` or
-    ``options``, not both: a ``mode`` becomes its options (``torch._inductor.list_mode_options``, what
-    ``torch.compile`` applies for it). Returns a new dict.
-
-    Raises:
-        ValueError: ``options`` already sets another ``pre_grad_custom_pass``.
-    """
-    from torch._inductor import list_mode_options
-
-    from varpack.integrations.fused_projections import FuseSharedInputLinears
-
-    kw = dict(compile_kw)
-    options = dict(kw.pop("options", None) or {})
-    mode = kw.pop("mode", None)
-    if mode is not None:
-        options = {**list_mode_options(mode, kw.get("dynamic")), **options}
-    if options.get("pre_grad_custom_pass") is not None:
-        raise ValueError(
-            "compile_layers(fuse_projections=True) sets inductor's pre_grad_custom_pass, and the options "
-            f"already set {options['pre_grad_custom_pass']!r}; pass fuse_projections=False to keep yours"
-        )
-    options["pre_grad_custom_pass"] = FuseSharedInputLinears()
-    return {**kw, "options": options}
-
-
 def compile_layers(
     model: torch.nn.Module,
     *,
     backend: str = "inductor",
     dynamic: bool | None = True,
     custom_ops: bool = False,
-    fuse_projections: bool = True,
     **compile_kw: Any,
 ) -> int:
     """``torch.compile`` every decoder layer of ``model`` in place (``nn.Module.compile``).
@@ -253,11 +225,6 @@ def compile_layers(
             graph serves every pack (tests/invariant/test_compiled_gated_delta.py). Without ``custom_ops`` the
             mixer is a graph break, as attention. Unpacked, cached or context-parallel mixer calls stay graph
             breaks either way.
-        fuse_projections: ``True`` (default) with ``backend="inductor"``: linears that read the same input
-            (``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_proj`` / ``up_proj``) run as one GEMM over their
-            concatenated weights (:mod:`varpack.integrations.fused_projections`, inductor's
-            ``pre_grad_custom_pass``; a ``mode`` is passed as its equivalent ``options``). Token by token, so
-            exact for packing; equal up to float summation order.
         **compile_kw: passed to ``torch.compile`` (``mode``, ``fullgraph=False`` ...). CUDA graphs per layer:
             ``custom_ops=True, dynamic=False, mode="reduce-overhead"`` on static-shape packs
             (:class:`varpack.collate.StaticShape`) whose boundaries are on the device
@@ -293,13 +260,9 @@ def compile_layers(
     for layer in layers:
         for module in layer.modules():  # read by varpack_attention_forward (its `module` argument)
             module._varpack_custom_op = bool(custom_ops)
-        kw = dynamic_inductor_options(backend, dynamic, compile_kw)
-        if fuse_projections and backend == "inductor":
-            kw = with_fused_projections(kw)
-        layer.compile(backend=backend, dynamic=dynamic, **kw)
+        layer.compile(backend=backend, dynamic=dynamic, **dynamic_inductor_options(backend, dynamic, compile_kw))
         layer._compiled_call_impl = _without_duck_shapes(layer._compiled_call_impl)
     model._varpack_compiled = {
-        "backend": backend, "dynamic": dynamic, "layers": len(layers), "custom_ops": bool(custom_ops),
-        "fused_projections": bool(fuse_projections and backend == "inductor"),
+        "backend": backend, "dynamic": dynamic, "layers": len(layers), "custom_ops": bool(custom_ops)
     }
     return len(layers)
