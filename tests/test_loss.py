@@ -214,3 +214,31 @@ def test_zero_count_is_one_rule_for_a_number_and_a_tensor(reduction):
     for zero in (0, torch.tensor(0)):
         got = causal_lm_loss(pl, plab, reduction=reduction, seq_idx=seq, num_items_in_batch=zero)
         assert torch.equal(got, one)
+
+
+def test_denominator_of_a_host_count_is_filled_on_the_device_not_copied():
+    """A Python count, or a one-element CPU tensor going to another device, becomes ``torch.full`` there (a copy
+    from pageable host memory would wait for the stream: a host sync; the GPU side is
+    tests/ops/test_linear_ce_supervised_rows.py's sync test); the values follow one rule."""
+    from varpack.loss import loss_denominator
+
+    for n, want in ((5, 5.0), (5.0, 5.0), (0, 1.0), (torch.tensor(7), 7.0), (torch.tensor([0.0]), 1.0)):
+        got = loss_denominator(n, torch.device("cpu"))
+        assert got.shape == () and got.dtype == torch.float32 and got.item() == want
+    fills = []
+    real_full = torch.full
+
+    def spy(*args, **kwargs):
+        fills.append(kwargs.get("device"))
+        return real_full(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "full", spy)
+        for n in (3, torch.tensor(3)):
+            out = loss_denominator(n, torch.device("meta"))
+            assert out.device.type == "meta" and out.shape == ()
+    assert fills == [torch.device("meta")] * 2
+    with pytest.raises(ValueError, match="num_items_in_batch must be a count >= 0"):
+        loss_denominator(torch.tensor(-1), torch.device("meta"))  # a host value is read, so it is checked
+    clamped = loss_denominator(torch.tensor(-1), torch.device("cpu"))  # a tensor where it lives: clamped
+    assert clamped.item() == 1.0

@@ -233,17 +233,23 @@ def loss_denominator(
     loss is 0 with zero gradients rather than 0/0 = NaN poisoning every weight. A tensor is clamped to >= 1
     (reading it would be a host sync); a negative Python number, which no count can be, is refused.
 
+    No host sync: a Python number (or a one-element CPU tensor, read on the host) becomes a fill on ``device``
+    (``torch.full``), never a copy from pageable host memory, which CUDA performs only after the stream has
+    drained; a tensor already on ``device`` stays there.
+
     Raises:
         TypeError: not an int, float or tensor.
-        ValueError: a negative or non-finite Python number.
+        ValueError: a negative or non-finite Python number or host tensor going to another device.
     """
     if isinstance(num_items, torch.Tensor):
-        return num_items.to(device=device, dtype=dtype).reshape(()).clamp_min(1.0)
+        if num_items.device.type != "cpu" or torch.device(device).type == "cpu" or num_items.numel() != 1:
+            return num_items.to(device=device, dtype=dtype).reshape(()).clamp_min(1.0)
+        num_items = num_items.item()  # a host value: filled on the device below instead of copied
     if isinstance(num_items, bool) or not isinstance(num_items, (int, float)):
         raise TypeError(f"num_items_in_batch must be an int, float or tensor, got {type(num_items).__name__}")
     if not (num_items >= 0 and math.isfinite(num_items)):
         raise ValueError(f"num_items_in_batch must be a count >= 0, got {num_items}")
-    return torch.tensor(max(float(num_items), 1.0), device=device, dtype=dtype)
+    return torch.full((), max(float(num_items), 1.0), device=device, dtype=dtype)
 
 
 def count_loss_items(

@@ -212,3 +212,31 @@ def test_gpu_supervised_rows_without_host_sync(backend):
     for a, b in zip(g_fewer, g_full):
         err = (a.float() - b.float()).norm() / b.float().norm()
         assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_linear_ce_step_without_host_sync():
+    """The chunked backend's forward and backward with the LM head on the supervised rows and a step count given
+    as a Python int or a CPU tensor: no host sync (a CUDA graph step relies on it). Negative control: a scalar
+    made with ``torch.tensor(..., device="cuda")`` (a copy from pageable memory) is caught by the same check."""
+    from tests._sync import without_host_sync
+
+    T, D, V = 4096, 256, 8000
+    hidden, weight, _, labels, _ = _problem(T=T, D=D, V=V, dtype=torch.float32, n_samples=20, mask_frac=0.4)
+    labels = labels.cuda()
+    count = int((labels != IGNORE).sum())
+    h0, w0 = hidden.detach().cuda().bfloat16(), weight.detach().mul(0.05).cuda().bfloat16()
+
+    def step(num_items):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = linear_cross_entropy(h, w, labels, backend="chunked", max_supervised=count, num_items_in_batch=num_items)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad
+
+    want = step(count)  # compiles the chunk kernels outside the check
+    for num_items in (count, torch.tensor(count)):
+        got = without_host_sync(lambda n=num_items: step(n))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        without_host_sync(lambda: torch.tensor(float(count), device="cuda"))
