@@ -291,3 +291,51 @@ def test_target_line_not_met_when_a_round_failed():
         assert "no ratio in 1 of 2 rounds" in line
         assert "target 1.5x: not met" in line and f"target 40%: {mfu}" in line
     assert "target 1.5x: MET" in T.target_line(merge_rounds([first, first], "real_tokens_per_s", T.PEERS))
+
+
+def test_lm_head_rows_share_and_the_mfu_counting_only_those_rows():
+    """``--lm-head-rows supervised`` (the default, what varpack sft runs): the row says which share of the rows
+    the LM head ran (the labels rounded up to SUPERVISED_ROWS_MULTIPLE per micro-batch, at most T) and the MFU
+    counting only those; ``all`` and the HF rows run every row."""
+    import argparse
+
+    import torch
+
+    from varpack.ops.linear_ce import SUPERVISED_ROWS_MULTIPLE as M
+
+    class Head:
+        def get_output_embeddings(self):
+            return torch.nn.Linear(4, 10, bias=False)  # V * D = 40
+
+    def mb(tokens, labelled):
+        labels = torch.full((1, tokens), -100)
+        labels[0, 1 : 1 + labelled] = 7
+        return {"input_ids": torch.zeros(1, tokens, dtype=torch.long), "labels": labels}
+
+    steps = [[mb(4 * M, M + 1)], [mb(4 * M, 4 * M - 1)]]  # 2M rows, then all 4M (capped at T)
+    labelled = [[T.labelled_count(m) for m in st] for st in steps]
+    assert labelled == [[M + 1], [4 * M - 1]]
+    real, seconds = 8 * M, 2.0
+    row = {"real_tokens_per_s": real / seconds, "seconds": seconds, "mfu": 0.5}
+    args = argparse.Namespace(lm_head_rows="supervised", peak_flops=1e3)
+    got = T.lm_head_figures(row, Head(), steps, labelled, "varpack_lce_static_graphs", args)
+    assert got["lm_head_rows_fraction"] == pytest.approx(6 / 8)
+    assert got["mfu_lm_head_rows_run"] == pytest.approx(0.5 - 6 * 40 * (2 * M) / seconds / 1e3)
+    for config, rows in (("varpack_lce_static_graphs", "all"), ("hf_fa4", "supervised")):
+        full = T.lm_head_figures(row, Head(), steps, labelled, config, argparse.Namespace(lm_head_rows=rows, peak_flops=1e3))
+        assert full == {"lm_head_rows_fraction": 1.0, "mfu_lm_head_rows_run": 0.5}
+
+
+@pytest.mark.parametrize("rows", ["supervised", "all"])
+def test_linear_ce_rows_get_the_label_count_as_max_supervised(rows, monkeypatch):
+    import argparse
+
+    import varpack.ops.linear_ce as lce
+
+    seen = []
+    monkeypatch.setattr(lce, "causal_lm_forward_with_linear_ce", lambda model, mb, **kw: seen.append(kw["max_supervised"]))
+    args = argparse.Namespace(lce_backend="chunked", device="cpu", chunk_size=64, lm_head_rows=rows)
+    fn, desc = T.make_loss_fn("varpack_lce", args)
+    fn(None, {}, 10, 123)
+    assert seen == [123 if rows == "supervised" else None]
+    assert ("supervised rows" in desc) == (rows == "supervised")
