@@ -22,6 +22,7 @@ varpack (``PaddingFreeCollator`` + ``enable_varpack``, attention ``--attn-backen
 
 * ``varpack``: the plain loss on full logits (``varpack.loss.causal_lm_loss``); ``varpack_lce``: the chunked
   linear cross-entropy (no ``[T, V]`` logits; ``--lce-backend``), ``varpack_lce_chunked`` its PyTorch backend;
+  both run the LM head on the supervised rows only, as ``varpack sft`` does (``--lm-head-rows all``: every row);
 * suffixes: ``_liger`` (Liger RMSNorm / RoPE / SwiGLU), ``_compile`` (regional ``torch.compile`` of the
   decoder layers, attention a graph break), ``_ops`` (attention as the ``varpack::varlen_attention`` custom op
   inside each compiled layer), ``_static`` (every pack padded to one static shape, ``StaticShape.from_plan``,
@@ -37,7 +38,8 @@ in rotated order (two: given, then reversed), the figures averaged over the roun
 best peer reported, and a ratio on both sides of 1 flagged ORDER-DEPENDENT. TRL rows time whole
 ``trainer.train()`` passes (cold = the first). Reported: real tokens/s (the samples' tokens: pad tokens of a
 static shape are not counted; their share is ``pad_fraction``), supervised tokens/s, MFU = 6 * N_params * real
-tokens/s / 989e12 (attention FLOPs not counted), peak memory, the first step's loss (same samples and weights
+tokens/s / 989e12 (attention FLOPs not counted; ``mfu_lm_head_rows_run`` counts the LM head's FLOPs only for the
+rows it ran), peak memory, the first step's loss (same samples and weights
 everywhere: equal up to rounding).
 
     python benchmarks/train.py --samples .gpu/samples.npz --out train.json
