@@ -449,16 +449,15 @@ def lm_head_figures(
 ) -> dict[str, Any]:
     """The share of the LM head's rows a configuration runs and the MFU that counts only those: ``mfu``
     counts 6 * N FLOPs per real token, the LM head's 6 * V * D included, while a varpack_lce row with
-    ``--lm-head-rows supervised`` runs the head on ``min(T, round_up(labels, SUPERVISED_ROWS_MULTIPLE))``
-    rows of each micro-batch only (:func:`varpack.ops.linear_ce.supervised_rows`)."""
-    from varpack.ops.linear_ce import SUPERVISED_ROWS_MULTIPLE
+    ``--lm-head-rows supervised`` runs the head on :func:`varpack.ops.linear_ce.supervised_row_count` rows of
+    each micro-batch only."""
+    from varpack.ops.linear_ce import supervised_row_count
 
     head = model.get_output_embeddings().weight.numel()
     run = sum(int(mb["input_ids"].shape[-1]) for st in steps for mb in st)
     rows = run
     if config.startswith("varpack_lce") and args.lm_head_rows == "supervised":
-        m = SUPERVISED_ROWS_MULTIPLE
-        rows = sum(min(int(mb["input_ids"].shape[-1]), -(-max(b, 1) // m) * m)
+        rows = sum(supervised_row_count(int(mb["input_ids"].shape[-1]), b)
                    for st, bounds in zip(steps, labelled) for mb, b in zip(st, bounds))  # fmt: skip
     real = row["real_tokens_per_s"] * row["seconds"]
     skipped = max(real - rows, 0.0)

@@ -77,6 +77,7 @@ from .dispatch import (
     linear_ce_backends,
     linear_cross_entropy,
     resolve_linear_ce_backend,
+    supervised_row_count,
     supervised_rows,
 )
 from .naive import naive_linear_cross_entropy
@@ -91,6 +92,7 @@ __all__ = [
     "naive_linear_cross_entropy",
     "resolve_linear_ce_backend",
     "shift_labels",
+    "supervised_row_count",
     "supervised_rows",
     "token_loss_weights",
 ]

@@ -23,6 +23,7 @@ __all__ = [
     "linear_ce_backends",
     "linear_cross_entropy",
     "resolve_linear_ce_backend",
+    "supervised_row_count",
     "supervised_rows",
 ]
 
@@ -234,6 +235,12 @@ def linear_cross_entropy(
     return chunked_linear_cross_entropy(hidden, weight, bias, labels, token_weight, chunk_size, compile)
 
 
+def supervised_row_count(num_tokens: int, max_supervised: int) -> int:
+    """The rows :func:`supervised_rows` gives the LM head: ``min(T, round_up(max(max_supervised, 1),
+    SUPERVISED_ROWS_MULTIPLE))`` for ``T = num_tokens`` (ints, host side)."""
+    return min(num_tokens, -(-max(max_supervised, 1) // SUPERVISED_ROWS_MULTIPLE) * SUPERVISED_ROWS_MULTIPLE)
+
+
 def supervised_rows(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -263,7 +270,7 @@ def supervised_rows(
     if isinstance(max_supervised, bool) or not isinstance(max_supervised, int) or max_supervised < 0:
         raise ValueError(f"max_supervised must be a non-negative int, got {max_supervised!r}")
     num_tokens = hidden.shape[0]
-    rows = min(num_tokens, -(-max(max_supervised, 1) // SUPERVISED_ROWS_MULTIPLE) * SUPERVISED_ROWS_MULTIPLE)
+    rows = supervised_row_count(num_tokens, max_supervised)
     if rows >= num_tokens:
         return hidden, labels, token_weight
     valid = labels != ignore_index
