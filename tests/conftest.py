@@ -32,6 +32,7 @@ GPU_SHARDS: dict[str, int] = {
     "tests/ops/test_custom_ops.py": 1,
     "tests/ops/test_linear_ce.py": 1,
     "tests/ops/test_linear_ce_supervised_rows.py": 1,
+    "tests/ops/test_linear_ce_liger_kernel.py": 1,
     "tests/ops/test_dqkwg_triton.py": 1,
     "tests/invariant/test_autocast.py": 1,
     "tests/invariant/test_compile_and_liger.py": 1,

@@ -46,8 +46,11 @@ Backends
   (the same construction as transformers' Liger integration with ``num_items_in_batch``). Per-token weights
   (``"sample"`` or ``loss_scale``) need Liger's ``reduction="none"`` with a per-token backward, which
   recomputes the logits in backward; it is used only when forced and when the installed Liger has that path
-  (0.8.5 does), else refused with the reason. Liger reads the supervised-token count with ``.item()`` (one
-  host sync per call).
+  (0.8.5 does), else refused with the reason. With uniform weights varpack drives Liger's cross-entropy
+  Triton kernel itself, chunk by chunk (the kernel of Liger's own function, same GEMMs around it), without the
+  two host syncs of Liger's Python function (its ``.item()`` of the supervised count in forward, its host
+  compare of ``grad_output`` with 1.0 in backward); a Liger whose kernel takes other arguments runs its own
+  function, syncs included.
 * ``"auto"``: ``liger`` for uniform token weights on CUDA when importable and :data:`AUTO_PREFERS_LIGER`,
   otherwise ``chunked``.
 

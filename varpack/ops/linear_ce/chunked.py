@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["chunked_linear_cross_entropy"]
+__all__ = ["chunked_linear_cross_entropy", "scale_saved_grads"]
 
 _ADDMM_OUT_DTYPE_OK: dict[str, bool] = {}
 
@@ -204,11 +204,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        out = []
-        for g in (grad_h, grad_w, grad_b):
-            out.append(None if g is None else g * grad_output.to(g.dtype))
-        return out[0], out[1], out[2], None, None, None, None, None
+        return (*scale_saved_grads(ctx, grad_output), None, None, None, None, None)
+
+
+def scale_saved_grads(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The backward of a loss whose forward stored its gradients (``ctx.saved_tensors``, None where not
+    needed): each multiplied by the scalar ``grad_output`` on the device (no host read of it)."""
+    return tuple(None if g is None else g * grad_output.to(g.dtype) for g in ctx.saved_tensors)
 
 
 def chunked_linear_cross_entropy(
