@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = checked_device(p, args)
     args.pad_batch, args.pad_token_id = 0, 0  # unused by the varpack configs; train.py's helpers read them
-    args.static_multiple_of, args.static_segments = 64, None  # the static configs' shape: train.py's defaults
+    # the static configs' shape: train.py's defaults
+    args.static_multiple_of, args.static_segments, args.static_empty_pads = 64, None, "auto"
     vocab = None
     if args.small:
         args.model, vocab = "tiny-qwen3", None if args.samples else 1024

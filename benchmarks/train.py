@@ -188,10 +188,18 @@ def to_device(mb: dict[str, Any], device, keep_cpu: tuple[str, ...] = ()) -> dic
 
 def static_shape_for(ds: Any, args: argparse.Namespace):
     """The static configs' :class:`varpack.collate.StaticShape`: ``StaticShape.from_plan`` over the workload's
-    plan."""
+    plan; ``--static-empty-pads auto`` gives it zero-length pad segments where ``varpack sft`` would
+    (:func:`varpack.integrations.cuda_graphs.empty_pads_ok`: a named attention backend that takes them; the
+    models built here have no recurrent layer)."""
+    from varpack.attn.registry import get_backend
     from varpack.collate import StaticShape
 
-    return StaticShape.from_plan(ds.plan, multiple_of=args.static_multiple_of, segments=args.static_segments)
+    empty = args.static_empty_pads == "on"
+    if args.static_empty_pads == "auto" and args.attn_backend != "auto":
+        empty = get_backend(args.attn_backend).capabilities.empty_segments
+    return StaticShape.from_plan(
+        ds.plan, multiple_of=args.static_multiple_of, segments=args.static_segments, empty_pads=empty
+    )
 
 
 def collate_steps(
@@ -733,6 +741,12 @@ def main(argv: list[str] | None = None) -> int:
         "count of labels as max_supervised) or on every row",
     )  # fmt: skip
     p.add_argument("--static-multiple-of", type=int, default=64, help="static configs: T rounded up to this")
+    p.add_argument(
+        "--static-empty-pads",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="static configs: zero-length pad segments (auto: where the attention backend takes them, as varpack sft)",
+    )
     p.add_argument(
         "--static-segments",
         type=int,

@@ -314,3 +314,63 @@ def test_collator_gives_linear_offsets_with_the_pads_merged_and_refuses_a_row_be
     meta = full([pack([100, 100], 40)])["varlen_meta"]
     assert meta.cu_seqlens_linear.tolist() == [0, 100, 200] and meta.linear_chunk_rows == 4
     assert PaddingFreeCollator()([pack([5, 7])])["varlen_meta"].cu_seqlens_linear is None  # dynamic rows: none
+
+
+# -- zero-length pad segments (empty_pads) -------------------------------------------------------------------
+
+
+def test_empty_pads_shape_is_the_longest_pack_itself():
+    lengths = [30, 2, 25, 7, 32, 1, 1, 1, 20]
+    plan = plan_packs(lengths, 32)
+    with_pads, empty = StaticShape.from_plan(plan), StaticShape.from_plan(plan, empty_pads=True)
+    assert empty.empty_pads and not with_pads.empty_pads
+    assert empty.tokens == 32 < with_pads.tokens  # a full pack needs no token for its pad segment
+    assert empty.segments == with_pads.segments and empty.max_seqlen <= with_pads.max_seqlen
+    assert empty.pad_fraction(plan) < with_pads.pad_fraction(plan)
+    for p in plan.packs:  # every pack of the plan fits
+        pads = empty.pad_lengths([lengths[i] for i in p])
+        assert pads.min(initial=0) >= 0 and pads.sum() + sum(lengths[i] for i in p) == 32
+    assert StaticShape.for_packing(32, max_samples=6, multiple_of=8, empty_pads=True).tokens == 32
+    assert StaticShape.for_packing(30, max_samples=6, multiple_of=8, empty_pads=True).tokens == 32
+    assert StaticShape.for_packing(32, max_samples=6, multiple_of=8).tokens == 40
+    assert empty.describe().endswith(", pad segments may be empty") and "empty" not in with_pads.describe()
+    with pytest.raises(TypeError, match="empty_pads must be a bool"):
+        StaticShape(tokens=8, segments=2, max_seqlen=8, empty_pads="yes")
+
+
+def test_empty_pads_pad_lengths():
+    shape = StaticShape(tokens=32, segments=5, max_seqlen=32, empty_pads=True)
+    assert shape.pad_lengths([32]).tolist() == [0, 0, 0, 0]  # full: every pad segment zero-length
+    assert shape.pad_lengths([30]).tolist() == [1, 1, 0, 0]  # fewer pad tokens than pad segments
+    assert shape.pad_lengths([10, 10]).tolist() == [4, 4, 4]
+    assert shape.pad_lengths([8, 8, 8, 8]).tolist() == [0]
+    with pytest.raises(ValueError, match="more tokens than tokens=32"):
+        shape.pad_lengths([20, 13])
+    with pytest.raises(ValueError, match="all 5 segments hold samples"):
+        shape.pad_lengths([1, 1, 1, 1, 1])
+    # the same rows without empty_pads are refused: a pad segment needs a token
+    with pytest.raises(ValueError, match="segments are never empty"):
+        StaticShape(tokens=32, segments=5, max_seqlen=32).pad_lengths([32])
+
+
+@pytest.mark.parametrize(
+    "lengths, cu, linear",
+    [
+        ([16, 15, 1], [0, 16, 31, 32, 32, 32], [0, 16, 31, 32, 32, 32]),  # full: merged after the last sample
+        ([32], [0, 32, 32, 32, 32, 32], [0, 32, 32, 32, 32, 32]),  # one sample, full
+        ([30], [0, 30, 31, 32, 32, 32], [0, 30, 32, 32, 32, 32]),  # the 2 pad tokens as one linear sequence
+        ([10, 10], [0, 10, 20, 24, 28, 32], [0, 10, 20, 32, 32, 32]),
+    ],
+)
+def test_empty_pads_collated_row(lengths, cu, linear):
+    shape = StaticShape(tokens=32, segments=5, max_seqlen=32, linear_chunks=4, empty_pads=True)
+    batch = PaddingFreeCollator(static_shape=shape, pad_token_id=PAD)([pack(lengths)])
+    assert batch["cu_seq_lens_q"].tolist() == cu and batch["input_ids"].shape == (1, 32)
+    validate_cu_seqlens(batch["cu_seq_lens_q"], 32, max_seqlen=32, at_least=True, allow_empty=True)
+    meta = batch["varlen_meta"]
+    assert meta.cu_seqlens_linear.tolist() == linear and meta.has_empty == (0 in np.diff(cu))
+    t = sum(lengths)
+    assert batch["input_ids"][0, t:].eq(PAD).all() and batch["labels"][0, t:].eq(IGNORE_INDEX).all()
+    positions, seq_idx = batch["position_ids"][0].tolist(), batch["seq_idx"][0].tolist()
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:])):  # positions restart and seq_idx counts every segment
+        assert positions[a:b] == list(range(b - a)) and seq_idx[a:b] == [n] * (b - a)

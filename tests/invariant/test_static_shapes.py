@@ -61,6 +61,8 @@ def pad_segments_alone(model, batch, num_real):
     out = []
     with torch.no_grad():
         for start, stop in zip(cu[num_real:-1], cu[num_real + 1 :]):
+            if start == stop:  # a zero-length pad segment (empty_pads) has no logits
+                continue
             out.append(model(input_ids=batch["input_ids"][:, start:stop]).logits[0])
     return torch.cat(out)
 
@@ -326,3 +328,77 @@ def test_lora_in_static_layers_traces_one_graph_without_breaks():
             plain = base(**model_inputs(batch)).logits[0]
         assert_differs(logits_c, plain, rtol=LOGITS_RTOL, what="the adapters in the compiled layers")
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# zero-length pad segments (StaticShape(empty_pads=True)): T is the longest pack itself
+# ---------------------------------------------------------------------------------------------------------
+
+EMPTY = StaticShape.for_packing(32, max_samples=6, multiple_of=8, empty_pads=True)  # tokens 32, segments 7
+EMPTY_BACKENDS = ["reference", "sdpa", "flex", "torch_varlen", "triton_short"]
+
+
+@pytest.mark.parametrize("backend", EMPTY_BACKENDS)
+def test_empty_pad_segments_equal_dynamic_and_unpacked(backend):
+    """Full packs (every pad segment zero-length), packs with fewer pad tokens than pad segments (some
+    zero-length) and roomy packs: the real tokens' logits, the loss and every gradient equal the dynamic pack and
+    the samples alone; the non-empty pad segments are independent sequences."""
+    model = _model(backend)
+    assert EMPTY.tokens == 32 and EMPTY.segments == 7
+    for lengths in [(16, 15, 1), (31,), (5, 1, 7, 4, 11), (30,), (9, 4), (2, 3, 2, 3, 2, 3)]:
+        samples = make_samples(lengths, seed=len(lengths))
+        t = sum(lengths)
+        static = static_batch(samples, EMPTY)
+        cu = static["cu_seq_lens_q"].tolist()
+        assert static["input_ids"].shape == (1, 32) and len(cu) == 8 and cu[len(lengths)] == t
+        assert (32 - t < 7 - len(lengths)) == (cu.count(32) > 1 + (t < 32))  # zero-length pads where pads are short
+        logits_s, loss_s, grads_s = run(model, static)
+        logits_d, loss_d, grads_d = run(model, PaddingFreeCollator()([samples]))
+        logits_u, loss_u, grads_u = unpacked_run(model, samples)
+        assert_exact(logits_s[:t], logits_d, rtol=LOGITS_RTOL, what=f"logits static/dynamic {lengths}")
+        assert_exact(logits_s[:t], logits_u, rtol=LOGITS_RTOL, what=f"logits static/unpacked {lengths}")
+        assert_exact(loss_s, loss_d, rtol=LOSS_RTOL, what=f"loss static/dynamic {lengths}")
+        assert_exact(loss_s, loss_u, rtol=LOSS_RTOL, what=f"loss static/unpacked {lengths}")
+        assert_exact(grads_s, grads_d, what=f"gradient static/dynamic {lengths}")
+        assert_exact(grads_s, grads_u, what=f"gradient static/unpacked {lengths}")
+        if t < 32:
+            pads = pad_segments_alone(model, static, len(lengths))
+            assert_exact(logits_s[t:], pads, rtol=LOGITS_RTOL, what=f"pad segments' logits {lengths}")
+
+
+def test_empty_pad_segments_negative_control():
+    """What the test above would catch: the boundaries after the first sample dropped (a full pack), and the
+    zero-length pad segments' repeated offsets replaced by the last sample's (the samples merged)."""
+    model = _model("reference")
+    samples = make_samples((16, 15, 1), seed=3)
+    static = static_batch(samples, EMPTY)
+    logits_s, _, grads_s = run(model, static)
+    logits_u, _, grads_u = unpacked_run(model, samples)
+    bad = dict(static)
+    cu = static["cu_seq_lens_q"]
+    bad["cu_seq_lens_q"] = bad["cu_seq_lens_k"] = torch.cat([cu[:1], cu[2:]])  # samples 0 and 1 merged
+    bad.pop("varlen_meta")
+    bad["seq_idx"] = torch.where(static["seq_idx"] == 1, 0, static["seq_idx"])
+    logits_b, _, grads_b = run(model, bad)
+    assert_exact(logits_s, logits_u, rtol=LOGITS_RTOL, what="logits")
+    assert_differs(logits_b, logits_u, rtol=LOGITS_RTOL, what="logits with two samples merged")
+    assert_differs(grads_b, grads_u, what="gradient with two samples merged")
+
+
+def test_empty_pads_only_where_attention_and_mixers_take_them():
+    from varpack.integrations.cuda_graphs import empty_pads_ok, static_shape_for
+    from varpack.plan import plan_packs
+
+    dense = load_model("tiny-qwen3", vocab_size=VOCAB)
+    assert empty_pads_ok(dense, "triton_short") and empty_pads_ok(dense, "sdpa")
+    assert not empty_pads_ok(dense, "flash_attn_4")  # its Capabilities refuse zero-length segments
+    assert not empty_pads_ok(dense, "auto")  # chosen per call: may be FA4
+    assert not empty_pads_ok(dense, "no_such_backend")
+    hybrid = load_model("tiny-qwen3.5", vocab_size=VOCAB)
+    assert not empty_pads_ok(hybrid, "triton_short")  # recurrent layers: not verified on zero-length pads
+    plan = plan_packs([32, 20, 12, 5, 3, 30], 32)
+    with_empty = static_shape_for(plan, dense, "triton_short")
+    without = static_shape_for(plan, dense, "flash_attn_4")
+    assert with_empty.empty_pads and with_empty.tokens == 32
+    assert not without.empty_pads and without.tokens > 32
+    assert with_empty.pad_fraction(plan) < without.pad_fraction(plan)

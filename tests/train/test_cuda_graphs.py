@@ -356,7 +356,9 @@ def test_static_shapes_sft_equals_the_dynamic_run(tmp_path):
     static = _static_build(tmp_path, static=True)
     shape = static.static_shape
     assert dynamic.static_shape is None and shape is not None
-    assert shape.tokens >= 32 and shape.segments == int(np.diff(static.plan.offsets).max()) + 1
+    # the reference backend takes zero-length pad segments: the row is the longest pack itself
+    assert shape.empty_pads and shape.tokens == 32
+    assert shape.segments == int(np.diff(static.plan.offsets).max()) + 1
     assert 0 < static.static_pad < 1
     for batch in static.trainer.get_train_dataloader():
         meta = batch["varlen_meta"]
@@ -371,7 +373,7 @@ def test_static_shapes_sft_equals_the_dynamic_run(tmp_path):
     control = _static_build(tmp_path / "control", static=True)
     control.trainer.data_collator = _supervise_pads(control.trainer.data_collator)
     losses_c, _ = _train(control)
-    assert abs(losses_c[0] - losses_d[0]) > 1e-3
+    assert max(abs(c - d) for c, d in zip(losses_c, losses_d)) > 1e-3  # a step whose pack has pad tokens
 
 
 def test_trainer_begins_a_graph_step_before_every_forward(tmp_path, monkeypatch):

@@ -385,10 +385,13 @@ def _losses_and_weights(trainer):
     return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-def test_static_shapes_equal_the_dynamic_run(tmp_path, tokenizer):  # noqa: F811
+@pytest.mark.parametrize("captured_attention", [None, "reference"])
+def test_static_shapes_equal_the_dynamic_run(tmp_path, tokenizer, captured_attention):  # noqa: F811
     """The graph step's collation on the CPU (eager layers): every row padded to one StaticShape of the train and
     eval plans; 3 optimizer steps (AdamW, 2 accumulation micro-batches) give the losses, weights and eval loss of
-    the dynamic run; supervising the pad tokens (control) changes the loss."""
+    the dynamic run; supervising the pad tokens (control) changes the loss. With the captured layers' attention
+    known to take zero-length segments (``_graph_attention``) the pad segments may be empty (their negative
+    control: tests/invariant/test_static_shapes.py)."""
     eval_rows = datasets.Dataset.from_list(rows(lengths=(2, 2, 3, 2, 1, 2, 3, 2, 2), seed=3))
 
     def trainer(path):
@@ -403,8 +406,11 @@ def test_static_shapes_equal_the_dynamic_run(tmp_path, tokenizer):  # noqa: F811
         )
 
     dynamic, static = trainer("dynamic"), trainer("static")
+    if captured_attention is not None:
+        static._graph_attention = (captured_attention, None)
     static._use_static_shape()
     shape = static.static_shape
+    assert shape.empty_pads == (captured_attention is not None)
     eval_plan = static.eval_dataset.plan
     # the eval packs hold more samples than any train pack: the shape is the union's
     assert shape.segments == int(max(torch.tensor(p.offsets).diff().max() for p in (static.plan, eval_plan))) + 1
@@ -421,7 +427,7 @@ def test_static_shapes_equal_the_dynamic_run(tmp_path, tokenizer):  # noqa: F811
     assert_exact(weights_s, weights_d)
     assert_exact(static.evaluate()["eval_loss"], dynamic.evaluate()["eval_loss"], rtol=LOSS_RTOL, what="eval")
     control = trainer("control")
-    control._use_static_shape()
+    control._use_static_shape()  # pad segments of >= 2 tokens to supervise (zero-length ones have none)
     control.data_collator = _supervise_pads(control.data_collator)
     losses_c, _ = _losses_and_weights(control)
     assert_differs(losses_c, losses_d, rtol=LOSS_RTOL, what="loss")

@@ -253,7 +253,8 @@ class PaddingFreeCollator:
     ``static_shape=StaticShape(tokens, segments, max_seqlen)`` (:mod:`varpack.collate.static`) gives every
     row the same shapes instead, as CUDA graphs need: ``T = tokens`` and ``N = segments`` always, the real
     samples followed by ``segments - n`` pad segments (pad tokens as above, split evenly, each at least one
-    token: never a zero-length segment), and ``max_length_q/k = max_seqlen`` (a fixed upper bound). A row that
+    token unless the shape has ``empty_pads``: then zero-length pad segments, repeated values at the end of
+    ``cu_seqlens``), and ``max_length_q/k = max_seqlen`` (a fixed upper bound). A row that
     does not fit raises, naming its samples; nothing is dropped or cut.
 
     Args:
@@ -465,7 +466,7 @@ class PaddingFreeCollator:
         total = int(lengths.sum())
         max_seqlen = None
         linear: dict[str, Any] = {}
-        if self.static_shape is not None:  # fixed T, N and max_seqlen: pad segments of >= 1 token each
+        if self.static_shape is not None:  # fixed T, N and max_seqlen (pad segments: >= 1 token unless empty_pads)
             try:
                 pads = self.static_shape.pad_lengths(lengths)
                 self.static_shape.check_linear_chunks(lengths)
@@ -474,8 +475,10 @@ class PaddingFreeCollator:
             pad, seg_lengths = int(pads.sum()), np.concatenate([lengths, pads])
             max_seqlen = self.static_shape.max_seqlen
             # the linear-attention layers run the pad tokens as one sequence (VarlenMeta.cu_seqlens_linear); a
-            # full row (no pad segment) gets its own offsets, so every row of the shape carries the same fields
-            linear = {"linear_from": n if pads.size else n - 1, "linear_chunk_rows": self.static_shape.linear_chunks}
+            # full row (no pad token) gets its own offsets, so every row of the shape carries the same fields (its
+            # zero-length pad segments, if any, stay zero-length: merged after its last sample)
+            linear_from = n if pad else (n - 1 if not pads.size else max(n - 1, 1))
+            linear = {"linear_from": linear_from, "linear_chunk_rows": self.static_shape.linear_chunks}
         else:
             pad = 0 if self.pad_to_multiple_of is None else (-total) % self.pad_to_multiple_of
             seg_lengths = np.append(lengths, pad) if pad else lengths

@@ -10,7 +10,12 @@ to step record a new graph each time (PyTorch docs, "CUDA Graphs" in the CUDA se
 * ``tokens`` (``T_static``): every row is padded to exactly this many tokens;
 * ``segments`` (``N_static``): every row has exactly this many segments, so ``cu_seqlens`` is always
   ``[N_static + 1]``: the real samples, then ``N_static - N`` pad segments that share the pad tokens, **each at
-  least one token long** (no zero-length segment: the varlen kernels are not verified on them);
+  least one token long** by default. With ``empty_pads=True`` pad segments may be zero-length (repeated
+  values at the end of ``cu_seqlens``): no row then needs a token per pad segment, so ``tokens`` is the
+  longest pack itself (rounded) instead of the longest pack plus its pad segments -- at packing length 8,192 a
+  row of 8,192 tokens instead of 8,320, 1.6% fewer tokens run per step. Only for attention backends whose
+  :class:`varpack.attn.Capabilities` have ``empty_segments`` (``triton_short`` and the PyTorch backends, not
+  FlashAttention-4; :func:`varpack.integrations.cuda_graphs.static_shape_for` decides);
 * ``max_seqlen``: a fixed Python int bucket, an upper bound of every segment (real and pad) of every row.
   Every varpack attention backend accepts an upper bound: ``reference``, ``sdpa``, ``flex`` and
   ``triton_short`` read the segments from ``cu_seqlens`` and ignore it; ``flash_attn`` (FA2), ``flash_attn_3``,
@@ -110,6 +115,8 @@ class StaticShape:
             delta rule's chunk tables on the device. ``None`` (default): those tables take the bound of any
             row of ``tokens`` and ``segments`` (:func:`varpack.ops._fla.max_chunks`).
             :meth:`from_plan` sets it to the plan's largest row.
+        empty_pads: pad segments may be zero-length (module docstring); ``False`` (default): at least one token
+            each.
 
     Raises:
         TypeError: a value that is not an integer. ValueError: a value below 1, ``segments`` or
@@ -119,7 +126,7 @@ class StaticShape:
     Example:
         >>> shape = StaticShape.for_packing(16, max_samples=3, multiple_of=8)
         >>> shape
-        StaticShape(tokens=24, segments=4, max_seqlen=21, linear_chunks=None)
+        StaticShape(tokens=24, segments=4, max_seqlen=21, linear_chunks=None, empty_pads=False)
         >>> shape.pad_lengths([5, 7]).tolist()  # 12 real tokens, 2 samples -> 2 pad segments of 12 tokens
         [6, 6]
     """
@@ -128,6 +135,7 @@ class StaticShape:
     segments: int
     max_seqlen: int
     linear_chunks: int | None = None
+    empty_pads: bool = False
 
     def __post_init__(self) -> None:
         tokens = _positive_int(self.tokens, "tokens")
@@ -135,7 +143,7 @@ class StaticShape:
         max_seqlen = _positive_int(self.max_seqlen, "max_seqlen")
         if tokens > _INT32_MAX:
             raise ValueError(f"StaticShape.tokens={tokens} is more than int32 cu_seqlens can index")
-        if segments > tokens:
+        if segments > tokens and not self.empty_pads:
             raise ValueError(
                 f"StaticShape.segments={segments} > tokens={tokens}: every segment holds at least one token"
             )
@@ -151,6 +159,9 @@ class StaticShape:
         object.__setattr__(self, "max_seqlen", max_seqlen)
         if self.linear_chunks is not None:
             object.__setattr__(self, "linear_chunks", _positive_int(self.linear_chunks, "linear_chunks"))
+        if not isinstance(self.empty_pads, (bool, np.bool_)):
+            raise TypeError(f"StaticShape.empty_pads must be a bool, got {self.empty_pads!r}")
+        object.__setattr__(self, "empty_pads", bool(self.empty_pads))
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -161,6 +172,7 @@ class StaticShape:
         *,
         multiple_of: int | None = None,
         max_seqlen: int | None = None,
+        empty_pads: bool = False,
     ) -> StaticShape:
         """The shape that holds every pack of at most ``packing_length`` tokens and ``max_samples`` samples.
 
@@ -169,7 +181,8 @@ class StaticShape:
         one ``packing_length``-token sample still has a token for each of its ``max_samples`` pad segments),
         ``max_seqlen = tokens - max_samples`` (at least
         ``packing_length``: a pack of ``max_samples`` one-token samples puts all its pad tokens in its one pad
-        segment) unless given.
+        segment) unless given. With ``empty_pads``: ``tokens = packing_length`` rounded up and ``max_seqlen =
+        max(packing_length, tokens - max_samples)`` (pad segments need no token).
 
         Raises:
             ValueError / TypeError: non-positive or non-integer arguments; a given ``max_seqlen`` that some
@@ -177,12 +190,13 @@ class StaticShape:
         """
         packing_length = _positive_int(packing_length, "packing_length")
         max_samples = _positive_int(max_samples, "max_samples")
-        need = packing_length + max_samples
+        need = packing_length + (0 if empty_pads else max_samples)
         if multiple_of is None:
             multiple_of = auto_multiple_of(need)
         multiple_of = _positive_int(multiple_of, "multiple_of")
         tokens = _round_up(need, multiple_of)
-        need = tokens - max_samples  # >= packing_length; n one-token samples leave tokens - n pad tokens
+        # a pack of one packing_length sample, or n one-token samples leaving tokens - n pad tokens
+        need = max(packing_length, tokens - max_samples)
         if max_seqlen is None:
             max_seqlen = need
         elif _positive_int(max_seqlen, "max_seqlen") < need:
@@ -190,17 +204,20 @@ class StaticShape:
                 f"max_seqlen={max_seqlen} is below {need}: a pack of {max_samples} one-token samples puts its "
                 f"{need} pad tokens in one pad segment"
             )
-        return cls(tokens=tokens, segments=max_samples + 1, max_seqlen=max_seqlen)
+        return cls(tokens=tokens, segments=max_samples + 1, max_seqlen=max_seqlen, empty_pads=empty_pads)
 
     @classmethod
-    def from_plan(cls, plan: Any, *, multiple_of: int | None = None, segments: int | None = None) -> StaticShape:
+    def from_plan(
+        cls, plan: Any, *, multiple_of: int | None = None, segments: int | None = None, empty_pads: bool = False
+    ) -> StaticShape:
         """The tightest shape that holds every pack of ``plan`` (a :class:`varpack.plan.PackPlan`, read for
         its CSR ``offsets`` ``[P+1]`` and ``item_lengths`` ``[I]``).
 
         ``segments``: the most samples of a pack plus one (default), or a given bucket. ``tokens``: the fewest
         that give every pack at least one token per pad segment (``max over packs of its tokens + its pad
         segments``), rounded up to ``multiple_of`` (default: :func:`auto_multiple_of` of that count: less than
-        1/16 of the row, 64 from 1,024 tokens on). ``max_seqlen``: the longest segment of any pack laid out with
+        1/16 of the row, 64 from 1,024 tokens on); with ``empty_pads`` the longest pack alone, rounded (pad segments
+        need no token). ``max_seqlen``: the longest segment of any pack laid out with
         these, its pad segments included. ``linear_chunks``: the most 64-token chunks of any pack with its pad
         tokens as one sequence.
 
@@ -222,7 +239,7 @@ class StaticShape:
         if (pads < 0).any():
             p = int(np.flatnonzero(pads < 0)[0])
             raise ValueError(f"pack {p} holds {int(counts[p])} samples, more than segments={segments}")
-        need = int((totals + pads).max())
+        need = int(totals.max() if empty_pads else (totals + pads).max())
         tokens = _round_up(need, auto_multiple_of(need) if multiple_of is None else multiple_of)
         short = (pads == 0) & (totals < tokens)
         if short.any():
@@ -238,8 +255,9 @@ class StaticShape:
         per_item = np.concatenate([[0], np.cumsum((lengths + C - 1) // C)])
         chunks = per_item[offsets[1:]] - per_item[offsets[:-1]] + (pad_tokens + C - 1) // C
         return cls(
-            tokens=tokens, segments=segments, max_seqlen=min(longest, tokens), linear_chunks=max(int(chunks.max()), 1)
-        )
+            tokens=tokens, segments=segments, max_seqlen=min(longest, tokens), linear_chunks=max(int(chunks.max()), 1),
+            empty_pads=empty_pads,
+        )  # fmt: skip
 
     # -- cost ---------------------------------------------------------------------------------------------
     def pad_fraction(self, plan: Any) -> float:
@@ -253,8 +271,11 @@ class StaticShape:
         return 1.0 - real / (packs * self.tokens)
 
     def describe(self) -> str:
-        """``"T=8320 N=92 max_seqlen=1672"`` (what ``varpack sft``'s ``speed`` line shows)."""
-        return f"T={self.tokens} N={self.segments} max_seqlen={self.max_seqlen}"
+        """``"T=8320 N=92 max_seqlen=1672"`` (what ``varpack sft``'s ``speed`` line shows; with ``empty_pads``
+        ``"T=8192 N=92 max_seqlen=1672, pad segments may be empty"``)."""
+        return f"T={self.tokens} N={self.segments} max_seqlen={self.max_seqlen}" + (
+            ", pad segments may be empty" if self.empty_pads else ""
+        )
 
     # -- layout -------------------------------------------------------------------------------------------
     def check_linear_chunks(self, lengths: Any) -> None:
@@ -281,12 +302,13 @@ class StaticShape:
         small.
 
         Returns:
-            int64 ``[segments - n]``, every entry ``>= 1`` (empty when the row is exactly full).
+            int64 ``[segments - n]``, every entry ``>= 1`` (empty when the row is exactly full); with
+            ``empty_pads`` entries may be 0 (all of them when the samples fill ``tokens``).
 
         Raises:
             ValueError: more samples than ``segments``, more tokens than ``tokens``, a sample longer than
-                ``max_seqlen`` (naming its index), fewer pad tokens than pad segments, pad tokens with no pad
-                segment left, or a pad segment that would exceed ``max_seqlen``.
+                ``max_seqlen`` (naming its index), fewer pad tokens than pad segments (unless ``empty_pads``),
+                pad tokens with no pad segment left, or a pad segment that would exceed ``max_seqlen``.
         """
         lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         n, total = int(lengths.size), int(lengths.sum())
@@ -302,6 +324,8 @@ class StaticShape:
                 f"max_seqlen={self.max_seqlen}"
             )
         pad, k = self.tokens - total, self.segments - n
+        if pad == 0 and self.empty_pads:
+            return np.zeros(k, dtype=np.int64)
         if pad == 0:
             if k:
                 raise ValueError(
@@ -314,7 +338,7 @@ class StaticShape:
                 f"{where} does not fit {self}: its {pad} pad tokens need a pad segment but all {self.segments} "
                 "segments hold samples; raise segments"
             )
-        if pad < k:
+        if pad < k and not self.empty_pads:
             raise ValueError(
                 f"{where} does not fit {self}: {k} pad segments of at least one token need {k} pad tokens, "
                 f"only {pad} are left; raise tokens (StaticShape.for_packing / from_plan size it)"

@@ -48,8 +48,10 @@ __all__ = [
     "capture_or_error",
     "compile_layers_as_graphs",
     "cudagraph_skips",
+    "empty_pads_ok",
     "graph_attention",
     "model_refusal",
+    "static_shape_for",
 ]
 
 #: What CUDA-graph layers need of a model's Gated DeltaNet layers. Replaying a captured graph re-runs its
@@ -228,6 +230,50 @@ def graph_attention(
     if short is not None:
         return backend, refusal, None
     return "triton_short", None, f"attention triton_short in the captured layers ({refusal})"
+
+
+def empty_pads_ok(model: torch.nn.Module, attn_backend: str) -> bool:
+    """Whether a :class:`varpack.collate.StaticShape` for ``model`` may have zero-length pad segments
+    (``empty_pads``): ``attn_backend`` is a named backend whose :class:`varpack.attn.Capabilities` have
+    ``empty_segments`` (``triton_short``, the PyTorch backends; not FlashAttention-4, and not ``"auto"``, which
+    chooses per call), and ``model`` has no recurrent (linear-attention or state-space) layer, whose kernels are
+    not verified on such rows.
+
+    Returns:
+        ``True`` or ``False``; an unknown backend name or a model varpack cannot patch gives ``False``.
+    """
+    from varpack.attn.registry import get_backend
+    from varpack.integrations.transformers import UnsupportedModelError, _linear_attention_layers
+
+    try:
+        if not get_backend(attn_backend).capabilities.empty_segments:
+            return False
+        return _linear_attention_layers(model) == 0
+    except (ValueError, UnsupportedModelError):
+        return False
+
+
+def static_shape_for(
+    plan: Any,
+    model: torch.nn.Module,
+    attn_backend: str,
+    *,
+    multiple_of: int | None = None,
+    segments: int | None = None,
+) -> Any:
+    """The :class:`varpack.collate.StaticShape` every pack of ``plan`` is padded to for ``model`` whose layers run
+    ``attn_backend``: :meth:`StaticShape.from_plan` with ``empty_pads`` where :func:`empty_pads_ok` allows it
+    (then the row is the longest pack itself, rounded: ``T = 8,192`` instead of ``8,320`` at packing length
+    8,192), else pad segments of at least one token.
+
+    Raises:
+        ValueError: as :meth:`StaticShape.from_plan`.
+    """
+    from varpack.collate import StaticShape
+
+    return StaticShape.from_plan(
+        plan, multiple_of=multiple_of, segments=segments, empty_pads=empty_pads_ok(model, attn_backend)
+    )
 
 
 def model_refusal(

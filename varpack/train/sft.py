@@ -279,9 +279,10 @@ def build_sft(
     gated_delta = _gated_delta_choice(config, model, training_args.device)
     static_shape = static_pad = None
     if config.cuda_graphs or static_shapes:
-        from varpack.collate import StaticShape
+        from varpack.integrations.cuda_graphs import static_shape_for
 
-        static_shape = StaticShape.from_plan(plan)
+        # zero-length pad segments where the layers' attention and mixers take them (empty_pads_ok)
+        static_shape = static_shape_for(plan, model, attn_backend)
         static_pad = static_shape.pad_fraction(plan)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     collator = TrainCollator(

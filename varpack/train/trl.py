@@ -669,10 +669,11 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             compile_each_layer(base, backend=args.torch_compile_backend or "inductor")
         return graphs, layers
 
-    def _static_shape(self) -> tuple[Any, Any]:
+    def _static_shape(self, empty_pads: bool = False) -> tuple[Any, Any]:
         """``(StaticShape, collator)``: the tightest :class:`varpack.collate.StaticShape` that holds every train
-        and eval pack (:meth:`StaticShape.from_plan`, rounded to ``pad_to_multiple_of`` when set) and the
-        :class:`varpack.collate.PaddingFreeCollator` that would pad to it."""
+        and eval pack (:meth:`StaticShape.from_plan`, rounded to ``pad_to_multiple_of`` when set; zero-length
+        pad segments with ``empty_pads``) and the :class:`varpack.collate.PaddingFreeCollator` that would pad to
+        it."""
         from varpack.collate import PaddingFreeCollator, StaticShape
 
         collator = self.data_collator
@@ -682,13 +683,19 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         evals = self.eval_dataset
         evals = list(evals.values()) if isinstance(evals, dict) else [] if evals is None else [evals]
         plans = [self.plan, *(d.plan for d in evals)]
-        return StaticShape.from_plan(_joined_plans(plans), multiple_of=inner.pad_to_multiple_of), inner
+        shape = StaticShape.from_plan(_joined_plans(plans), multiple_of=inner.pad_to_multiple_of, empty_pads=empty_pads)
+        return shape, inner
 
     def _use_static_shape(self) -> None:
         """Pad every pack of the run to :meth:`_static_shape`'s shape; ``static_shape`` / ``static_pad`` (pad
         tokens / tokens over the train plan) are set. The graph step uses it; on its own it is the same training,
         padded (tests)."""
-        self.static_shape, inner = self._static_shape()
+        from varpack.integrations.cuda_graphs import empty_pads_ok
+
+        attn = getattr(self, "_graph_attention", (None, None))[0]
+        # zero-length pad segments where the captured layers' attention and mixers take them
+        empty = attn is not None and empty_pads_ok(_base_model(self.model), attn)
+        self.static_shape, inner = self._static_shape(empty_pads=empty)
         self.static_pad = self.static_shape.pad_fraction(self.plan)
         inner.pad_to_multiple_of = None  # the static shape's token count is rounded to it already
         inner.static_shape = self.static_shape
