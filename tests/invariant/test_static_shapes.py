@@ -248,12 +248,16 @@ def assert_step_close(got, want, tol: float, what) -> float:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("backend", "dtype"), [("triton_short", torch.float32), ("flash_attn_4", torch.bfloat16)]
+    ("backend", "dtype", "empty_pads"),
+    [("triton_short", torch.float32, False), ("triton_short", torch.float32, True), ("flash_attn_4", torch.bfloat16, False)],
 )
-def test_gpu_cuda_graph_layers_equal_eager(backend, dtype):
+def test_gpu_cuda_graph_layers_equal_eager(backend, dtype, empty_pads):
     """compile_layers(custom_ops=True, fullgraph=True, dynamic=False, mode="reduce-overhead") on static packs:
     every layer captured (inductor's cudagraph_or_error on: a skipped graph raises), one dynamo graph for every
-    pack, logits / loss / every gradient equal to the same model run eagerly; the boundaries dropped differ."""
+    pack, logits / loss / every gradient equal to the same model run eagerly; the boundaries dropped differ.
+    With ``empty_pads`` the full packs' pad segments are all zero-length (repeated offsets in the captured
+    boundaries)."""
+    shape = EMPTY if empty_pads else SHAPE
     cuda_backend_or_skip(backend, dtype)
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
@@ -272,7 +276,7 @@ def test_gpu_cuda_graph_layers_equal_eager(backend, dtype):
     with inductor_config.patch({"triton.cudagraph_or_error": True}):
         for _ in range(2):  # the second pass replays the recorded graphs
             for lengths in PACKS:
-                batch = _on_cuda(static_batch(make_samples(lengths, seed=len(lengths))))
+                batch = _on_cuda(static_batch(make_samples(lengths, seed=len(lengths)), shape))
                 torch.compiler.cudagraph_mark_step_begin()
                 logits_c, loss_c, grads_c = run(model, batch)
                 graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
@@ -284,9 +288,9 @@ def test_gpu_cuda_graph_layers_equal_eager(backend, dtype):
         assert not counters["graph_break"], dict(counters["graph_break"])
         dropped = dict(batch)  # negative control: one segment over the row
         dropped.pop("varlen_meta")
-        cu = torch.tensor([0, SHAPE.tokens], dtype=torch.int32)
+        cu = torch.tensor([0, shape.tokens], dtype=torch.int32)
         dropped["cu_seq_lens_q"] = dropped["cu_seq_lens_k"] = cu
-        dropped["max_length_q"] = dropped["max_length_k"] = SHAPE.tokens
+        dropped["max_length_q"] = dropped["max_length_k"] = shape.tokens
         logits_b, _, _ = run(eager, dropped)
         assert (logits_b.float() - logits_e.float()).abs().max().item() > 10 * tol * max(scale, 1.0)
 
