@@ -188,15 +188,22 @@ def to_device(mb: dict[str, Any], device, keep_cpu: tuple[str, ...] = ()) -> dic
 
 def static_shape_for(ds: Any, args: argparse.Namespace):
     """The static configs' :class:`varpack.collate.StaticShape`: ``StaticShape.from_plan`` over the workload's
-    plan; ``--static-empty-pads auto`` gives it zero-length pad segments where ``varpack sft`` would
-    (:func:`varpack.integrations.cuda_graphs.empty_pads_ok`: a named attention backend that takes them; the
-    models built here have no recurrent layer)."""
+    plan; zero-length pad segments with ``--static-empty-pads on``, or with ``auto`` where ``varpack sft`` would
+    give them (:data:`varpack.integrations.cuda_graphs.EMPTY_PADS_BY_DEFAULT` and a named attention backend
+    that takes them, :func:`~varpack.integrations.cuda_graphs.empty_pads_ok`; the models built here have no
+    recurrent layer)."""
     from varpack.attn.registry import get_backend
     from varpack.collate import StaticShape
+    from varpack.integrations.cuda_graphs import EMPTY_PADS_BY_DEFAULT
 
-    empty = args.static_empty_pads == "on"
-    if args.static_empty_pads == "auto" and args.attn_backend != "auto":
-        empty = get_backend(args.attn_backend).capabilities.empty_segments
+    empty = args.static_empty_pads == "on" or (args.static_empty_pads == "auto" and EMPTY_PADS_BY_DEFAULT)
+    takes = args.attn_backend != "auto" and get_backend(args.attn_backend).capabilities.empty_segments
+    if empty and not takes and args.static_empty_pads == "on":
+        raise ValueError(
+            f"--static-empty-pads on: attention backend {args.attn_backend!r} is not known to take zero-length "
+            "segments (name one whose Capabilities have empty_segments, e.g. @triton_short)"
+        )
+    empty = empty and takes
     return StaticShape.from_plan(
         ds.plan, multiple_of=args.static_multiple_of, segments=args.static_segments, empty_pads=empty
     )
@@ -745,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         "--static-empty-pads",
         choices=("auto", "on", "off"),
         default="auto",
-        help="static configs: zero-length pad segments (auto: where the attention backend takes them, as varpack sft)",
+        help="static configs: zero-length pad segments (auto: as varpack sft gives them)",
     )
     p.add_argument(
         "--static-segments",

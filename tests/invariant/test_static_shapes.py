@@ -390,7 +390,7 @@ def test_empty_pad_segments_negative_control():
 
 
 def test_empty_pads_only_where_attention_and_mixers_take_them():
-    from varpack.integrations.cuda_graphs import empty_pads_ok, static_shape_for
+    from varpack.integrations.cuda_graphs import EMPTY_PADS_BY_DEFAULT, empty_pads_ok, static_shape_for
     from varpack.plan import plan_packs
 
     dense = load_model("tiny-qwen3", vocab_size=VOCAB)
@@ -401,8 +401,10 @@ def test_empty_pads_only_where_attention_and_mixers_take_them():
     hybrid = load_model("tiny-qwen3.5", vocab_size=VOCAB)
     assert not empty_pads_ok(hybrid, "triton_short")  # recurrent layers: not verified on zero-length pads
     plan = plan_packs([32, 20, 12, 5, 3, 30], 32)
-    with_empty = static_shape_for(plan, dense, "triton_short")
-    without = static_shape_for(plan, dense, "flash_attn_4")
+    with_empty = static_shape_for(plan, dense, "triton_short", empty_pads=True)
+    without = static_shape_for(plan, dense, "flash_attn_4", empty_pads=True)
+    assert not static_shape_for(plan, dense, "triton_short", empty_pads=False).empty_pads
+    assert static_shape_for(plan, dense, "triton_short").empty_pads == EMPTY_PADS_BY_DEFAULT
     assert with_empty.empty_pads and with_empty.tokens == 32
     assert not without.empty_pads and without.tokens > 32
     assert with_empty.pad_fraction(plan) < without.pad_fraction(plan)

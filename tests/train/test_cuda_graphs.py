@@ -348,16 +348,20 @@ def _supervise_pads(collator):
     return wrapped
 
 
-def test_static_shapes_sft_equals_the_dynamic_run(tmp_path):
+@pytest.mark.parametrize("empty_pads", [False, True])
+def test_static_shapes_sft_equals_the_dynamic_run(tmp_path, monkeypatch, empty_pads):
     """build_sft(static_shapes=True) pads every pack to StaticShape.from_plan(plan) (every row has its T, N and
     max_seqlen), and 3 optimizer steps give the losses and weights of the dynamic-shape run; supervising the
-    pad tokens (control) changes the loss."""
+    pad tokens (control) changes the loss. With EMPTY_PADS_BY_DEFAULT the reference backend gets zero-length
+    pad segments (the row is the longest pack itself)."""
+    from varpack.integrations import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "EMPTY_PADS_BY_DEFAULT", empty_pads)
     dynamic = _static_build(tmp_path, static=False)
     static = _static_build(tmp_path, static=True)
     shape = static.static_shape
     assert dynamic.static_shape is None and shape is not None
-    # the reference backend takes zero-length pad segments: the row is the longest pack itself
-    assert shape.empty_pads and shape.tokens == 32
+    assert shape.empty_pads == empty_pads and (shape.tokens == 32 if empty_pads else shape.tokens > 32)
     assert shape.segments == int(np.diff(static.plan.offsets).max()) + 1
     assert 0 < static.static_pad < 1
     for batch in static.trainer.get_train_dataloader():

@@ -386,12 +386,15 @@ def _losses_and_weights(trainer):
 
 
 @pytest.mark.parametrize("captured_attention", [None, "reference"])
-def test_static_shapes_equal_the_dynamic_run(tmp_path, tokenizer, captured_attention):  # noqa: F811
+def test_static_shapes_equal_the_dynamic_run(tmp_path, tokenizer, captured_attention, monkeypatch):  # noqa: F811
     """The graph step's collation on the CPU (eager layers): every row padded to one StaticShape of the train and
     eval plans; 3 optimizer steps (AdamW, 2 accumulation micro-batches) give the losses, weights and eval loss of
     the dynamic run; supervising the pad tokens (control) changes the loss. With the captured layers' attention
-    known to take zero-length segments (``_graph_attention``) the pad segments may be empty (their negative
-    control: tests/invariant/test_static_shapes.py)."""
+    known to take zero-length segments (``_graph_attention``) and EMPTY_PADS_BY_DEFAULT the pad segments may be
+    empty (their negative control: tests/invariant/test_static_shapes.py)."""
+    from varpack.integrations import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "EMPTY_PADS_BY_DEFAULT", True)
     eval_rows = datasets.Dataset.from_list(rows(lengths=(2, 2, 3, 2, 1, 2, 3, 2, 2), seed=3))
 
     def trainer(path):

@@ -37,6 +37,7 @@ import torch
 from varpack.schema import FLASH_ATTN_KWARGS, VARLEN_META
 
 __all__ = [
+    "EMPTY_PADS_BY_DEFAULT",
     "GATED_DELTA_GRAPHS_REFUSAL",
     "GRAPH_BACKENDS",
     "GRAPH_COMPILE_KW",
@@ -232,6 +233,15 @@ def graph_attention(
     return "triton_short", None, f"attention triton_short in the captured layers ({refusal})"
 
 
+#: Whether :func:`static_shape_for` (``varpack sft``, the TRL drop-in, ``benchmarks/train.py
+#: --static-empty-pads auto``) gives static shapes zero-length pad segments where :func:`empty_pads_ok` allows
+#: them. Their exactness is tested on the CPU backends (triton_short's kernels through Triton's interpreter,
+#: tests/invariant/test_static_shapes.py); off by default while the captured step on them has neither run its
+#: GPU test (``test_gpu_cuda_graph_layers_equal_eager[...-True]``) nor been measured against pad segments of one
+#: token or more (``benchmarks/train.py --static-empty-pads on`` vs ``off``, benchmarks/RESULTS.md#sft-step).
+EMPTY_PADS_BY_DEFAULT = False
+
+
 def empty_pads_ok(model: torch.nn.Module, attn_backend: str) -> bool:
     """Whether a :class:`varpack.collate.StaticShape` for ``model`` may have zero-length pad segments
     (``empty_pads``): ``attn_backend`` is a named backend whose :class:`varpack.attn.Capabilities` have
@@ -260,20 +270,21 @@ def static_shape_for(
     *,
     multiple_of: int | None = None,
     segments: int | None = None,
+    empty_pads: bool | None = None,
 ) -> Any:
     """The :class:`varpack.collate.StaticShape` every pack of ``plan`` is padded to for ``model`` whose layers run
-    ``attn_backend``: :meth:`StaticShape.from_plan` with ``empty_pads`` where :func:`empty_pads_ok` allows it
-    (then the row is the longest pack itself, rounded: ``T = 8,192`` instead of ``8,320`` at packing length
-    8,192), else pad segments of at least one token.
+    ``attn_backend``: :meth:`StaticShape.from_plan` with ``empty_pads`` where wanted (``empty_pads``; ``None``:
+    :data:`EMPTY_PADS_BY_DEFAULT`) and :func:`empty_pads_ok` allows it (then the row is the longest pack itself,
+    rounded: ``T = 8,192`` instead of ``8,320`` at packing length 8,192), else pad segments of at least one token.
 
     Raises:
         ValueError: as :meth:`StaticShape.from_plan`.
     """
     from varpack.collate import StaticShape
 
-    return StaticShape.from_plan(
-        plan, multiple_of=multiple_of, segments=segments, empty_pads=empty_pads_ok(model, attn_backend)
-    )
+    want = EMPTY_PADS_BY_DEFAULT if empty_pads is None else bool(empty_pads)
+    empty = want and empty_pads_ok(model, attn_backend)
+    return StaticShape.from_plan(plan, multiple_of=multiple_of, segments=segments, empty_pads=empty)
 
 
 def model_refusal(

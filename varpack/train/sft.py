@@ -281,7 +281,7 @@ def build_sft(
     if config.cuda_graphs or static_shapes:
         from varpack.integrations.cuda_graphs import static_shape_for
 
-        # zero-length pad segments where the layers' attention and mixers take them (empty_pads_ok)
+        # zero-length pad segments where wanted and the layers' attention and mixers take them
         static_shape = static_shape_for(plan, model, attn_backend)
         static_pad = static_shape.pad_fraction(plan)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

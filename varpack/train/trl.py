@@ -690,11 +690,15 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         """Pad every pack of the run to :meth:`_static_shape`'s shape; ``static_shape`` / ``static_pad`` (pad
         tokens / tokens over the train plan) are set. The graph step uses it; on its own it is the same training,
         padded (tests)."""
-        from varpack.integrations.cuda_graphs import empty_pads_ok
+        from varpack.integrations import cuda_graphs
 
         attn = getattr(self, "_graph_attention", (None, None))[0]
-        # zero-length pad segments where the captured layers' attention and mixers take them
-        empty = attn is not None and empty_pads_ok(_base_model(self.model), attn)
+        # zero-length pad segments where wanted and the captured layers' attention and mixers take them
+        empty = (
+            cuda_graphs.EMPTY_PADS_BY_DEFAULT
+            and attn is not None
+            and cuda_graphs.empty_pads_ok(_base_model(self.model), attn)
+        )
         self.static_shape, inner = self._static_shape(empty_pads=empty)
         self.static_pad = self.static_shape.pad_fraction(self.plan)
         inner.pad_to_multiple_of = None  # the static shape's token count is rounded to it already
