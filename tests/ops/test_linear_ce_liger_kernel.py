@@ -72,6 +72,30 @@ def test_driven_kernel_equals_full_logits(chunk, bias, dtype):
         torch.testing.assert_close(g, w, **tol)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_one_chunk_of_logits_alive_at_a_time(grad):
+    """Peak memory: when a chunk's logits GEMM runs, no earlier chunk's logits are alive."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    hidden, weight, _, labels, _ = _problem(T=13, V=11)
+    vocab, alive = weight.shape[0], []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default and out.shape[-1] == vocab and "out" not in (kwargs or {}):
+                assert all(ref() is None for ref in alive), "an earlier chunk's logits are alive during this GEMM"
+                alive.append(weakref.ref(out))
+            return out
+
+    with torch.set_grad_enabled(grad), Watch():
+        _driven(hidden.detach().requires_grad_(grad), weight.detach().requires_grad_(grad), None, labels, 4,
+                _StandInKernel(), grad=grad)  # fmt: skip
+    assert len(alive) == 4
+
+
 def test_no_grad_mode_and_empty_input():
     hidden, weight, _, labels, _ = _problem(T=9)
     kernel = _StandInKernel()

@@ -156,6 +156,7 @@ class _LigerSumLinearCrossEntropy(torch.autograd.Function):
                 kernel, logits, labels[start:stop].contiguous(), loss[start:stop], ignore_index, any_grad
             )
             if not any_grad:
+                del logits
                 continue
             if needs_h:
                 torch.mm(logits, weight, out=grad_h[start:stop])
@@ -165,6 +166,7 @@ class _LigerSumLinearCrossEntropy(torch.autograd.Function):
                 _accumulate_mm(grad_w, logits.T, h)
             if needs_b:
                 grad_b += logits.sum(dim=0, dtype=torch.float32)
+            del logits  # freed before the next chunk's GEMM allocates: one chunk's logits alive at a time
         if needs_w and grad_w is None:  # no rows at all
             grad_w = torch.zeros_like(weight)
         ctx.save_for_backward(
