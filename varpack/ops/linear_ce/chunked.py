@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["chunked_linear_cross_entropy", "scale_saved_grads"]
+__all__ = ["chunked_linear_cross_entropy", "save_grads", "scale_saved_grads"]
 
 _ADDMM_OUT_DTYPE_OK: dict[str, bool] = {}
 
@@ -195,16 +195,29 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 _accumulate_mm(grad_w, grad_logits.T, h)
             del grad_logits
 
-        ctx.save_for_backward(
-            grad_h,
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
-        )
+        save_grads(ctx, grad_h, grad_w, grad_b, weight, bias)
         return loss.to(torch.float32) if acc_dtype == torch.float32 else loss
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):  # type: ignore[override]
         return (*scale_saved_grads(ctx, grad_output), None, None, None, None, None)
+
+
+def save_grads(
+    ctx: Any,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> None:
+    """Store the gradients a forward pass computed for :func:`scale_saved_grads`: the weight's and the bias's
+    in their parameter's dtype (None where not needed)."""
+    ctx.save_for_backward(
+        grad_h,
+        None if grad_w is None else grad_w.to(weight.dtype),
+        None if grad_b is None else grad_b.to(bias.dtype),
+    )
 
 
 def scale_saved_grads(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -24,7 +24,7 @@ import torch
 
 from varpack._probe import probe_once
 
-from .chunked import _accumulate_mm, scale_saved_grads
+from .chunked import _accumulate_mm, save_grads, scale_saved_grads
 
 __all__: list[str] = []
 
@@ -169,11 +169,7 @@ class _LigerSumLinearCrossEntropy(torch.autograd.Function):
             del logits  # freed before the next chunk's GEMM allocates: one chunk's logits alive at a time
         if needs_w and grad_w is None:  # no rows at all
             grad_w = torch.zeros_like(weight)
-        ctx.save_for_backward(
-            grad_h,
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
-        )
+        save_grads(ctx, grad_h, grad_w, grad_b, weight, bias)
         return loss.sum()
 
     @staticmethod
