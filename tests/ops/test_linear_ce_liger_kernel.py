@@ -231,3 +231,27 @@ def test_gpu_liger_step_without_host_sync(monkeypatch):
     monkeypatch.setattr(liger, "_liger_kernel_probe", lambda: (None, "negative control"))
     with pytest.raises(RuntimeError, match="synchroniz"):
         without_host_sync(step)
+
+
+@pytest.mark.parametrize("backend", ["driven", "chunked"])
+def test_grad_output_scales_16bit_gradients_in_float32(backend):
+    """``loss / num_items``: the stored bf16 gradients are multiplied by ``1 / num_items`` in float32 and rounded
+    once, not by ``1 / num_items`` rounded to bf16 first (which would scale them all by up to 0.4%: the control)."""
+    from varpack.ops.linear_ce.chunked import chunked_linear_cross_entropy
+
+    hidden, weight, b, labels, _ = _problem(T=13, bias=True, dtype=torch.float32)
+    h, w, bias = (x.detach().bfloat16().requires_grad_() for x in (hidden, weight, b))
+    tw = (labels != IGNORE).float()
+
+    def grads(scale):
+        if backend == "driven":
+            loss = _driven(h, w, bias, labels, 4, _StandInKernel())
+        else:
+            loss = chunked_linear_cross_entropy(h, w, bias, labels, tw, 4, compile=False)
+        return torch.autograd.grad(loss * scale, (h, w, bias))
+
+    c = 1.0 / 6151
+    for one, scaled in zip(grads(1.0), grads(c)):
+        assert scaled.dtype == torch.bfloat16
+        assert torch.equal(scaled, (one.float() * c).to(torch.bfloat16))
+        assert not torch.equal(scaled, one * torch.tensor(c).to(torch.bfloat16))  # control: scale rounded first
