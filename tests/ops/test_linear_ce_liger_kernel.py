@@ -255,3 +255,53 @@ def test_grad_output_scales_16bit_gradients_in_float32(backend):
         assert scaled.dtype == torch.bfloat16
         assert torch.equal(scaled, (one.float() * c).to(torch.bfloat16))
         assert not torch.equal(scaled, one * torch.tensor(c).to(torch.bfloat16))  # control: scale rounded first
+
+
+def test_labels_out_of_range_fail_without_a_host_read(monkeypatch):
+    """A label that is neither ignore_index nor in [0, V) fails the call (torch._assert_async: a device assert
+    on CUDA), for every backend; CPU labels are named by the host check before it."""
+    from varpack.ops.linear_ce.dispatch import assert_labels_in_range
+
+    labels = torch.tensor([IGNORE, 0, 5, 10])
+    assert_labels_in_range(labels, 11, IGNORE)
+    for bad in (-1, 11):
+        with pytest.raises(RuntimeError, match=r"a label outside \[0, V=11\) that is not ignore_index=-100"):
+            assert_labels_in_range(torch.tensor([0, bad, IGNORE]), 11, IGNORE)
+    seen = []
+    monkeypatch.setattr(dispatch, "assert_labels_in_range", lambda *a: seen.append(a[1:]))
+    hidden, weight, _, labels, _ = _problem(T=9)
+    linear_cross_entropy(hidden, weight, labels, backend="chunked")
+    assert seen == [(11, IGNORE)]  # every call checks, whatever the device
+
+
+def test_autocast_float32_hidden_runs_in_the_autocast_dtype(monkeypatch):
+    """Under autocast a float32 ``hidden`` (and weight, bias) reaches the driven kernel in the autocast dtype:
+    the same loss and gradients as casting by hand, float32 gradients back."""
+    kernel = _StandInKernel()
+    monkeypatch.setattr(liger, "_liger_kernel_probe", lambda: (kernel, "stand-in"))
+    monkeypatch.setattr(dispatch, "resolve_linear_ce_backend", lambda *a, **k: ("liger", "test"))
+    hidden, weight, b, labels, _ = _problem(T=20, bias=True, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=8)
+    got = _grads(loss, hidden, weight, b)
+    h, w, bb = (x.detach().bfloat16().requires_grad_() for x in (hidden, weight, b))
+    want_loss = linear_cross_entropy(h, w, labels, bias=bb, chunk_size=8)
+    want = _grads(want_loss, h, w, bb)
+    torch.testing.assert_close(loss, want_loss)
+    for g, ref in zip(got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, ref.float())
+
+
+def test_float32_bias_with_16bit_hidden_and_weight(monkeypatch):
+    """A float32 bias beside bf16 hidden states and head is cast like the head (the logits stay bf16)."""
+    kernel = _StandInKernel()
+    monkeypatch.setattr(liger, "_liger_kernel_probe", lambda: (kernel, "stand-in"))
+    monkeypatch.setattr(dispatch, "resolve_linear_ce_backend", lambda *a, **k: ("liger", "test"))
+    hidden, weight, b, labels, _ = _problem(T=20, bias=True, dtype=torch.float32)
+    h, w = (x.detach().bfloat16().requires_grad_() for x in (hidden, weight))
+    bias = b.detach().requires_grad_()
+    loss = linear_cross_entropy(h, w, labels, bias=bias, chunk_size=8)
+    ref = linear_cross_entropy(h, w, labels, bias=bias, chunk_size=8, backend="chunked")
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+    assert bias.grad is None and _grads(loss, bias)[0].dtype == torch.float32

@@ -20,6 +20,7 @@ from .weights import Reduction, token_loss_weights
 __all__ = [
     "AUTO_PREFERS_LIGER",
     "SUPERVISED_ROWS_MULTIPLE",
+    "assert_labels_in_range",
     "linear_ce_backends",
     "linear_cross_entropy",
     "resolve_linear_ce_backend",
@@ -202,6 +203,7 @@ def linear_cross_entropy(
                 f"labels[{pos}]={int(labels[pos])} is outside [0, V={weight.shape[0]}) and is not ignore_index={ignore_index}"
             )
     labels = labels.to(hidden.device, torch.int64)
+    assert_labels_in_range(labels, weight.shape[0], ignore_index)
     if seq_idx is not None:
         seq_idx = seq_idx.to(hidden.device)
     if loss_scale is not None:
@@ -228,11 +230,29 @@ def linear_cross_entropy(
     if max_supervised is not None:
         hidden, labels, token_weight = supervised_rows(hidden, labels, token_weight, max_supervised, ignore_index)
     if name == "liger":
-        if weight.dtype != hidden.dtype:
-            weight = weight.to(hidden.dtype)
-            bias = None if bias is None else bias.to(hidden.dtype)
-        return _liger_loss(hidden, weight, bias, labels, token_weight, denom, ignore_index, chunk_size)
+        if torch.is_autocast_enabled(hidden.device.type) and hidden.dtype == torch.float32:
+            hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))  # the dtype autocast's GEMMs give
+        weight = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+        bias = bias if bias is None or bias.dtype == hidden.dtype else bias.to(hidden.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):  # one dtype for the GEMMs and the kernel
+            return _liger_loss(hidden, weight, bias, labels, token_weight, denom, ignore_index, chunk_size)
     return chunked_linear_cross_entropy(hidden, weight, bias, labels, token_weight, chunk_size, compile)
+
+
+def assert_labels_in_range(labels: torch.Tensor, vocab: int, ignore_index: int = IGNORE_INDEX) -> None:
+    """Fail the call when a label is neither ``ignore_index`` nor in ``[0, vocab)``, without a host read
+    (``torch._assert_async``: on CUDA the device asserts at the next synchronisation). A fused kernel indexes
+    the row of logits with the label: Liger's kernel would read and write another row's logits (another
+    sample's gradient), the chunked step would score class 0. CPU labels are also checked on the host first,
+    with the position named.
+
+    Raises:
+        RuntimeError: a label out of range (on CUDA, a device-side assert).
+    """
+    ok = (labels == ignore_index) | ((labels >= 0) & (labels < vocab))
+    torch._assert_async(
+        ok.all(), f"linear_cross_entropy: a label outside [0, V={vocab}) that is not ignore_index={ignore_index}"
+    )
 
 
 def supervised_row_count(num_tokens: int, max_supervised: int) -> int:
