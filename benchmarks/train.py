@@ -189,21 +189,23 @@ def to_device(mb: dict[str, Any], device, keep_cpu: tuple[str, ...] = ()) -> dic
 def static_shape_for(ds: Any, args: argparse.Namespace):
     """The static configs' :class:`varpack.collate.StaticShape`: ``StaticShape.from_plan`` over the workload's
     plan; zero-length pad segments with ``--static-empty-pads on``, or with ``auto`` where ``varpack sft`` would
-    give them (:data:`varpack.integrations.cuda_graphs.EMPTY_PADS_BY_DEFAULT` and a named attention backend
-    that takes them, :func:`~varpack.integrations.cuda_graphs.empty_pads_ok`; the models built here have no
-    recurrent layer)."""
-    from varpack.attn.registry import get_backend
+    give them (:data:`varpack.integrations.cuda_graphs.EMPTY_PADS_BY_DEFAULT` and
+    :func:`~varpack.integrations.cuda_graphs.empty_pads_ok`: a named attention backend that takes them, a model
+    without recurrent layers)."""
     from varpack.collate import StaticShape
-    from varpack.integrations.cuda_graphs import EMPTY_PADS_BY_DEFAULT
+    from varpack.integrations.cuda_graphs import EMPTY_PADS_BY_DEFAULT, empty_pads_ok
 
     empty = args.static_empty_pads == "on" or (args.static_empty_pads == "auto" and EMPTY_PADS_BY_DEFAULT)
-    takes = args.attn_backend != "auto" and get_backend(args.attn_backend).capabilities.empty_segments
-    if empty and not takes and args.static_empty_pads == "on":
-        raise ValueError(
-            f"--static-empty-pads on: attention backend {args.attn_backend!r} is not known to take zero-length "
-            "segments (name one whose Capabilities have empty_segments, e.g. @triton_short)"
-        )
-    empty = empty and takes
+    if empty:  # varpack sft's rule, on the model built on the meta device (no memory, no weights)
+        model = build_model(args.model, device="meta", dtype=torch.float32, vocab_size=args.vocab_size)
+        takes = empty_pads_ok(model, args.attn_backend)
+        if not takes and args.static_empty_pads == "on":
+            raise ValueError(
+                f"--static-empty-pads on: attention backend {args.attn_backend!r} with {args.model} is not known to "
+                "take zero-length segments (empty_pads_ok: a named backend whose Capabilities have empty_segments, "
+                "e.g. @triton_short, and no recurrent layer)"
+            )
+        empty = takes
     return StaticShape.from_plan(
         ds.plan, multiple_of=args.static_multiple_of, segments=args.static_segments, empty_pads=empty
     )

@@ -343,7 +343,7 @@ def test_linear_ce_rows_get_the_label_count_as_max_supervised(rows, monkeypatch)
 
 def test_static_empty_pads_option(monkeypatch):
     """--static-empty-pads: ``on`` gives zero-length pad segments (T = the longest pack), and is refused for a
-    backend not known to take them; ``off`` never; ``auto`` as varpack sft (EMPTY_PADS_BY_DEFAULT)."""
+    backend or a model not known to take them; ``off`` never; ``auto`` as varpack sft (EMPTY_PADS_BY_DEFAULT)."""
     import argparse
     import types
 
@@ -352,14 +352,17 @@ def test_static_empty_pads_option(monkeypatch):
 
     ds = types.SimpleNamespace(plan=plan_packs([64, 30, 20, 14, 64, 3, 3], 64))
 
-    def shape(mode, backend="triton_short"):
-        args = argparse.Namespace(static_empty_pads=mode, attn_backend=backend, static_multiple_of=64, static_segments=None)
+    def shape(mode, backend="triton_short", model="tiny-qwen3"):
+        args = argparse.Namespace(static_empty_pads=mode, attn_backend=backend, static_multiple_of=64,
+                                  static_segments=None, model=model, vocab_size=None)  # fmt: skip
         return T.static_shape_for(ds, args)
 
     assert shape("on").empty_pads and shape("on").tokens == 64
     assert not shape("off").empty_pads and shape("off").tokens == 128
-    with pytest.raises(ValueError, match="'flash_attn_4' is not known to take zero-length segments"):
+    with pytest.raises(ValueError, match="'flash_attn_4' with tiny-qwen3 is not known to take zero-length segments"):
         shape("on", "flash_attn_4")
+    with pytest.raises(ValueError, match="with tiny-qwen3.5 is not known to take zero-length segments"):
+        shape("on", model="tiny-qwen3.5")  # recurrent layers
     assert shape("auto").empty_pads == cuda_graphs.EMPTY_PADS_BY_DEFAULT
     monkeypatch.setattr(cuda_graphs, "EMPTY_PADS_BY_DEFAULT", True)
     assert shape("auto").empty_pads and not shape("auto", "auto").empty_pads and not shape("off").empty_pads

@@ -408,3 +408,28 @@ def test_empty_pads_only_where_attention_and_mixers_take_them():
     assert with_empty.empty_pads and with_empty.tokens == 32
     assert not without.empty_pads and without.tokens > 32
     assert with_empty.pad_fraction(plan) < without.pad_fraction(plan)
+
+
+def test_empty_pad_segments_are_refused_where_attention_would_not_take_them(monkeypatch):
+    """The packing guard refuses a batch with zero-length segments for a named backend whose Capabilities lack
+    them (FlashAttention-4) and for ``auto`` in compiled layers (resolved when traced, without the offsets);
+    eager ``auto`` and backends that take them run."""
+    from varpack.integrations.transformers import PackingGuardError
+
+    samples = make_samples((16, 15, 1), seed=3)
+    batch = static_batch(samples, EMPTY)
+    assert batch["varlen_meta"].has_empty
+    model = _model("reference")
+    state = model._varpack_state
+    monkeypatch.setattr(state, "backend", "flash_attn_4")
+    with pytest.raises(PackingGuardError, match="zero-length segments.*'flash_attn_4' does not take"):
+        model(**model_inputs(batch))
+    monkeypatch.setattr(state, "backend", "auto")
+    layer = model.model.layers[0]
+    layer.compile(backend="eager")  # compiled layers, as compile_layers makes them
+    with pytest.raises(PackingGuardError, match="compiled layers resolve attention 'auto' when traced"):
+        model(**model_inputs(batch))
+    layer._compiled_call_impl = None
+    model(**model_inputs(batch))  # eager auto: resolved per call with the offsets read
+    monkeypatch.setattr(state, "backend", "flash_attn_4")
+    model(**model_inputs(static_batch(samples)))  # pad segments of one token or more: not refused

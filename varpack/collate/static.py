@@ -106,8 +106,8 @@ class StaticShape:
         tokens: tokens of every row (``T_static``); ``input_ids`` etc. are ``[1, tokens]``.
         segments: segments of every row (``N_static``): real samples plus pad segments. A row of ``n`` samples
             and ``t`` tokens gets ``segments - n`` pad segments sharing ``tokens - t`` pad tokens, at least one
-            token each, so it needs ``n <= segments`` and ``tokens - t >= segments - n``, and ``n < segments``
-            when ``t < tokens``.
+            token each (unless ``empty_pads``), so it needs ``n <= segments`` and ``tokens - t >= segments - n``
+            (any ``t <= tokens`` with ``empty_pads``), and ``n < segments`` when ``t < tokens``.
         max_seqlen: the fixed ``max_seqlen`` (``max_length_q/k``) of every row, a bound of every segment.
         linear_chunks: a bound of the 64-token chunks (:data:`varpack.varlen.LINEAR_CHUNK_SIZE`) of every row
             whose pad segments are merged into one sequence, the layout the linear-attention layers run on
@@ -201,8 +201,9 @@ class StaticShape:
             max_seqlen = need
         elif _positive_int(max_seqlen, "max_seqlen") < need:
             raise ValueError(
-                f"max_seqlen={max_seqlen} is below {need}: a pack of {max_samples} one-token samples puts its "
-                f"{need} pad tokens in one pad segment"
+                f"max_seqlen={max_seqlen} is below {need}: a pack of one {packing_length}-token sample, or of "
+                f"{max_samples} one-token samples with {tokens - max_samples} pad tokens in one pad segment, has "
+                f"a segment of {need} tokens"
             )
         return cls(tokens=tokens, segments=max_samples + 1, max_seqlen=max_seqlen, empty_pads=empty_pads)
 

@@ -278,11 +278,13 @@ def static_shape_for(
     rounded: ``T = 8,192`` instead of ``8,320`` at packing length 8,192), else pad segments of at least one token.
 
     Raises:
-        ValueError: as :meth:`StaticShape.from_plan`.
+        ValueError: as :meth:`StaticShape.from_plan`. TypeError: ``empty_pads`` not a bool or None.
     """
     from varpack.collate import StaticShape
 
-    want = EMPTY_PADS_BY_DEFAULT if empty_pads is None else bool(empty_pads)
+    if empty_pads is not None and not isinstance(empty_pads, bool):
+        raise TypeError(f"empty_pads must be True, False or None, got {empty_pads!r}")
+    want = EMPTY_PADS_BY_DEFAULT if empty_pads is None else empty_pads
     empty = want and empty_pads_ok(model, attn_backend)
     return StaticShape.from_plan(plan, multiple_of=multiple_of, segments=segments, empty_pads=empty)
 

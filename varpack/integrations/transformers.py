@@ -570,6 +570,34 @@ def _normalize_boundary_kwargs(kwargs: dict, where: str) -> None:
         raise PackingGuardError(f"{where}: {exc}") from exc
 
 
+def _refuse_empty_segments(model: torch.nn.Module, backend: str, where: str) -> None:
+    """A batch with zero-length segments (repeated ``cu_seqlens`` offsets, e.g. ``StaticShape(empty_pads=True)``)
+    reaches attention only where it is computed right: a named backend whose ``Capabilities`` lack
+    ``empty_segments`` (FlashAttention-4) is refused, and so is ``auto`` in compiled layers (``Module.compile``,
+    as :func:`varpack.integrations.kernels.compile_layers` does), which resolve it when traced, without reading
+    the offsets (it may pick FlashAttention-4). Eager ``auto`` reads them and passes over such backends.
+
+    Raises:
+        PackingGuardError: naming the backend.
+    """
+    from varpack.attn.registry import get_backend
+
+    what = f"{where} got a packed batch with zero-length segments (repeated cu_seqlens offsets)"
+    if backend == "auto":
+        if any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):  # Module.compile()
+            raise PackingGuardError(
+                f"{what}, and its compiled layers resolve attention 'auto' when traced, without reading the "
+                "offsets; name a backend that takes zero-length segments (triton_short, sdpa, flex, torch_varlen), "
+                "or give every pad segment a token"
+            )
+        return
+    if not get_backend(backend).capabilities.empty_segments:
+        raise PackingGuardError(
+            f"{what}, which attention backend {backend!r} does not take; name one that does (triton_short, sdpa, "
+            "flex, torch_varlen), or give every pad segment a token"
+        )
+
+
 def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     state: _GuardState = model._varpack_state
     kwargs = dict(kwargs)
@@ -665,6 +693,8 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
             kwargs[VARLEN_META] = varlen_meta_from_kwargs(kwargs, total, where)
         except (TypeError, ValueError) as exc:
             raise PackingGuardError(str(exc)) from exc
+        if kwargs[VARLEN_META].has_empty:
+            _refuse_empty_segments(model, state.backend, where)
         state.packed_tokens = kwargs[VARLEN_META].total_q
         # every layer reads this one meta: one host-to-device copy of the offsets per batch, kept on it
         return args, kwargs
