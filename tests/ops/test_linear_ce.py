@@ -396,6 +396,11 @@ def test_auto_resolution_on_cuda_with_liger(monkeypatch):
     assert resolve_linear_ce_backend("auto", "cuda", uniform_weights=True)[0] == "liger"
     assert resolve_linear_ce_backend("auto", "cuda", uniform_weights=False)[0] == "chunked"
     assert resolve_linear_ce_backend("liger", "cuda", uniform_weights=False)[0] == "liger"
+    # float64: Liger's kernel computes in float32, so auto takes chunked and a forced liger is refused
+    assert resolve_linear_ce_backend("auto", "cuda", uniform_weights=True, dtype=torch.float64)[0] == "chunked"
+    assert resolve_linear_ce_backend("auto", "cuda", uniform_weights=True, dtype=torch.bfloat16)[0] == "liger"
+    with pytest.raises(ValueError, match="float64 hidden states"):
+        resolve_linear_ce_backend("liger", "cuda", uniform_weights=True, dtype=torch.float64)
     monkeypatch.setattr(lce, "AUTO_PREFERS_LIGER", False)
     assert resolve_linear_ce_backend("auto", "cuda", uniform_weights=True)[0] == "chunked"
     monkeypatch.setattr(lce, "_liger_probe", lambda: (True, "liger-kernel importable", False))

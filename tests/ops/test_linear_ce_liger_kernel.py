@@ -179,29 +179,36 @@ def _rel(a, b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,chunk", [(6000, 4096), (3000, 4096)])  # two chunks; one chunk
-def test_gpu_driven_kernel_equals_full_logits_and_the_library(rows, chunk):
+@pytest.mark.parametrize(
+    "rows,chunk,vocab,bias",
+    [(6000, 4096, 32000, False), (3000, 4096, 32000, False), (2500, 1024, 151936, True)],
+)  # two chunks; one chunk; Qwen3's vocabulary (5 kernel blocks per row), three chunks and a bias
+def test_gpu_driven_kernel_equals_full_logits_and_the_library(rows, chunk, vocab, bias):
     kernel = _cuda_kernel()
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    D, V = 512, 32000
-    hidden, weight, _, labels, _ = _problem(T=rows, D=D, V=V, dtype=torch.float32, n_samples=30, mask_frac=0.4)
+    D = 512
+    hidden, weight, b, labels, _ = _problem(
+        T=rows, D=D, V=vocab, dtype=torch.float32, bias=bias, n_samples=30, mask_frac=0.4
+    )
     h0, w0, labels = hidden.detach().cuda(), weight.detach().mul(0.05).cuda(), labels.cuda()
+    b0 = None if b is None else b.detach().mul(0.1).cuda()
 
     def run(fn, dtype):
         h, w = (x.to(dtype, copy=True).requires_grad_() for x in (h0, w0))  # fresh leaves every run
-        loss = fn(h, w)
+        bb = None if b0 is None else b0.to(dtype, copy=True).requires_grad_()
+        loss = fn(h, w, bb)
         loss.backward()
-        return loss.detach().float(), h.grad.float(), w.grad.float()
+        return (loss.detach().float(), h.grad.float(), w.grad.float()) + (() if bb is None else (bb.grad.float(),))
 
-    driven = run(lambda h, w: _driven(h, w, None, labels, chunk, kernel), torch.bfloat16)
-    library = run(lambda h, w: liger_fused_linear_cross_entropy(h, w, labels, reduction="sum"), torch.bfloat16)
-    truth = run(lambda h, w: _sum_ref(h, w, None, labels), torch.float32)
+    driven = run(lambda h, w, bb: _driven(h, w, bb, labels, chunk, kernel), torch.bfloat16)
+    library = run(lambda h, w, bb: liger_fused_linear_cross_entropy(h, w, labels, bb, reduction="sum"), torch.bfloat16)
+    truth = run(lambda h, w, bb: _sum_ref(h, w, bb, labels), torch.float32)
     for d, lib, t in zip(driven, library, truth):
         # bf16 against the float32 truth no worse than Liger's own function (plus a small margin)
         assert _rel(d, t) <= 1.5 * _rel(lib, t) + 1e-3, (_rel(d, t), _rel(lib, t))
     # negative control: the same check sees a label shifted by one row
-    shifted = run(lambda h, w: _driven(h, w, None, labels.roll(1), chunk, kernel), torch.bfloat16)
+    shifted = run(lambda h, w, bb: _driven(h, w, bb, labels.roll(1), chunk, kernel), torch.bfloat16)
     assert _rel(shifted[1], truth[1]) > 10 * (_rel(library[1], truth[1]) + 1e-3)
 
 

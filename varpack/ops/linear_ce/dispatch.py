@@ -54,7 +54,7 @@ def linear_ce_backends(device: torch.device | str | None = None) -> dict[str, tu
 
 
 def resolve_linear_ce_backend(
-    backend: str, device: torch.device | str, *, uniform_weights: bool
+    backend: str, device: torch.device | str, *, uniform_weights: bool, dtype: torch.dtype | None = None
 ) -> tuple[str, str]:
     """Which concrete backend runs a call, and why.
 
@@ -62,6 +62,8 @@ def resolve_linear_ce_backend(
         backend: ``"auto"``, ``"chunked"`` or ``"liger"``.
         device: the hidden states' device.
         uniform_weights: True for token mean without ``loss_scale`` (every supervised token weighs the same).
+        dtype: the hidden states' dtype, when known: float64 runs ``chunked`` (Liger's kernel computes in
+            float32).
 
     Returns:
         ``(name, reason)``.
@@ -77,6 +79,8 @@ def resolve_linear_ce_backend(
     dev = torch.device(device).type
     if ok and dev != "cuda":
         ok, reason = False, f"liger-kernel runs on CUDA only, not on {dev}"
+    if ok and dtype == torch.float64:
+        ok, reason = False, "float64 hidden states: Liger's kernel computes in float32"
     if ok and not uniform_weights and not per_token:
         ok, reason = (
             False,
@@ -219,7 +223,7 @@ def linear_cross_entropy(
         dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
     )
     uniform = reduction == "token" and loss_scale is None
-    name, _ = resolve_linear_ce_backend(backend, hidden.device, uniform_weights=uniform)
+    name, _ = resolve_linear_ce_backend(backend, hidden.device, uniform_weights=uniform, dtype=hidden.dtype)
     denom = None
     if name == "liger" and uniform:
         denom = (
