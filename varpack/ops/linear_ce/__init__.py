@@ -51,8 +51,12 @@ Backends
   two host syncs of Liger's Python function (its ``.item()`` of the supervised count in forward, its host
   compare of ``grad_output`` with 1.0 in backward); a Liger whose kernel takes other arguments runs its own
   function, syncs included.
-* ``"auto"``: ``liger`` for uniform token weights on CUDA when importable and :data:`AUTO_PREFERS_LIGER`,
-  otherwise ``chunked``.
+* ``"auto"``: ``liger`` for uniform token weights on CUDA when importable, the hidden states are not float64
+  and :data:`AUTO_PREFERS_LIGER`, otherwise ``chunked``.
+
+Every call checks on the device, without a host read, that each label is ``ignore_index`` or in ``[0, V)``
+(:func:`~varpack.ops.linear_ce.dispatch.assert_labels_in_range`): a fused kernel indexes the logits row with the
+label, so an out-of-range one would read another row (Liger) or score class 0 (chunked).
 
 Source: the chunked "compute the gradient in the forward pass" scheme of Liger-Kernel's
 ``fused_linear_cross_entropy`` (after mgmalek/efficient_cross_entropy) and Apple's Cut Cross-Entropy

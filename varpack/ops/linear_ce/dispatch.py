@@ -170,9 +170,9 @@ def linear_cross_entropy(
     Raises:
         ValueError: bad shapes, an unknown reduction or backend, ``"sample"`` without ``seq_idx``, a
             non-positive ``chunk_size`` / ``num_items_in_batch``, a negative ``max_supervised``, labels out of
-            ``[0, V)`` (checked for CPU labels only: reading GPU values would sync), or ``"liger"`` forced
-            where it cannot run.
-        RuntimeError: more supervised labels than ``max_supervised`` (on CUDA, a device-side assert).
+            ``[0, V)`` (named for CPU labels, read on the host), or ``"liger"`` forced where it cannot run.
+        RuntimeError: more supervised labels than ``max_supervised``, or a label out of ``[0, V)`` that is not
+            ``ignore_index`` (on CUDA, device-side asserts: no host read).
         TypeError: non-integer labels, non-float hidden states.
     """
     if hidden.dim() == 3:
