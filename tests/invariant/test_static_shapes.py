@@ -427,7 +427,14 @@ def test_empty_pad_segments_are_refused_where_attention_would_not_take_them(monk
     monkeypatch.setattr(state, "backend", "auto")
     layer = model.model.layers[0]
     layer.compile(backend="eager")  # compiled layers, as compile_layers makes them
-    with pytest.raises(PackingGuardError, match="compiled layers resolve attention 'auto' when traced"):
+    model(**model_inputs(batch))  # no backend that refuses zero-length segments runs on the CPU
+    import varpack.attn.registry as registry
+
+    real = registry.available_backends
+    monkeypatch.setattr(  # a machine where FlashAttention-4 runs
+        registry, "available_backends", lambda device=None, dtype=None: {**real(device, dtype), "flash_attn_4": (True, "")}
+    )
+    with pytest.raises(PackingGuardError, match=r"compiled layers resolve attention 'auto' when traced.*flash_attn_4"):
         model(**model_inputs(batch))
     layer._compiled_call_impl = None
     model(**model_inputs(batch))  # eager auto: resolved per call with the offsets read

@@ -570,25 +570,32 @@ def _normalize_boundary_kwargs(kwargs: dict, where: str) -> None:
         raise PackingGuardError(f"{where}: {exc}") from exc
 
 
-def _refuse_empty_segments(model: torch.nn.Module, backend: str, where: str) -> None:
+def _refuse_empty_segments(model: torch.nn.Module, backend: str, where: str, device: Any) -> None:
     """A batch with zero-length segments (repeated ``cu_seqlens`` offsets, e.g. ``StaticShape(empty_pads=True)``)
     reaches attention only where it is computed right: a named backend whose ``Capabilities`` lack
     ``empty_segments`` (FlashAttention-4) is refused, and so is ``auto`` in compiled layers (``Module.compile``,
-    as :func:`varpack.integrations.kernels.compile_layers` does), which resolve it when traced, without reading
-    the offsets (it may pick FlashAttention-4). Eager ``auto`` reads them and passes over such backends.
+    as :func:`varpack.integrations.kernels.compile_layers` does) where such a backend can run on ``device``:
+    compiled layers resolve ``auto`` when traced, without reading the offsets. Eager ``auto`` reads them and
+    passes over such backends.
 
     Raises:
         PackingGuardError: naming the backend.
     """
-    from varpack.attn.registry import get_backend
+    from varpack.attn.registry import available_backends, get_backend
 
     what = f"{where} got a packed batch with zero-length segments (repeated cu_seqlens offsets)"
     if backend == "auto":
-        if any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):  # Module.compile()
+        if not any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):  # eager
+            return
+        risky = [
+            name for name, (ok, _) in available_backends(device).items()
+            if ok and not get_backend(name).capabilities.empty_segments
+        ]  # fmt: skip
+        if risky:
             raise PackingGuardError(
                 f"{what}, and its compiled layers resolve attention 'auto' when traced, without reading the "
-                "offsets; name a backend that takes zero-length segments (triton_short, sdpa, flex, torch_varlen), "
-                "or give every pad segment a token"
+                f"offsets, where {risky} (which do not take them) can run; name a backend that takes zero-length "
+                "segments (triton_short, sdpa, flex, torch_varlen), or give every pad segment a token"
             )
         return
     if not get_backend(backend).capabilities.empty_segments:
@@ -694,7 +701,7 @@ def _packing_guard(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
         except (TypeError, ValueError) as exc:
             raise PackingGuardError(str(exc)) from exc
         if kwargs[VARLEN_META].has_empty:
-            _refuse_empty_segments(model, state.backend, where)
+            _refuse_empty_segments(model, state.backend, where, None if ref is None else ref.device)
         state.packed_tokens = kwargs[VARLEN_META].total_q
         # every layer reads this one meta: one host-to-device copy of the offsets per batch, kept on it
         return args, kwargs
