@@ -669,12 +669,14 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             compile_each_layer(base, backend=args.torch_compile_backend or "inductor")
         return graphs, layers
 
-    def _static_shape(self, empty_pads: bool = False) -> tuple[Any, Any]:
+    def _static_shape(self, attn: str | None = None) -> tuple[Any, Any]:
         """``(StaticShape, collator)``: the tightest :class:`varpack.collate.StaticShape` that holds every train
-        and eval pack (:meth:`StaticShape.from_plan`, rounded to ``pad_to_multiple_of`` when set; zero-length
-        pad segments with ``empty_pads``) and the :class:`varpack.collate.PaddingFreeCollator` that would pad to
-        it."""
+        and eval pack (:meth:`StaticShape.from_plan`, rounded to ``pad_to_multiple_of`` when set; with the
+        captured layers' attention ``attn``, zero-length pad segments where
+        :func:`varpack.integrations.cuda_graphs.static_shape_for` gives them) and the
+        :class:`varpack.collate.PaddingFreeCollator` that would pad to it."""
         from varpack.collate import PaddingFreeCollator, StaticShape
+        from varpack.integrations.cuda_graphs import static_shape_for
 
         collator = self.data_collator
         inner = collator.collator if isinstance(collator, TrainCollator) else collator
@@ -683,23 +685,17 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         evals = self.eval_dataset
         evals = list(evals.values()) if isinstance(evals, dict) else [] if evals is None else [evals]
         plans = [self.plan, *(d.plan for d in evals)]
-        shape = StaticShape.from_plan(_joined_plans(plans), multiple_of=inner.pad_to_multiple_of, empty_pads=empty_pads)
-        return shape, inner
+        plan, multiple = _joined_plans(plans), inner.pad_to_multiple_of
+        if attn is None:
+            return StaticShape.from_plan(plan, multiple_of=multiple), inner
+        return static_shape_for(plan, _base_model(self.model), attn, multiple_of=multiple), inner
 
     def _use_static_shape(self) -> None:
         """Pad every pack of the run to :meth:`_static_shape`'s shape; ``static_shape`` / ``static_pad`` (pad
         tokens / tokens over the train plan) are set. The graph step uses it; on its own it is the same training,
         padded (tests)."""
-        from varpack.integrations import cuda_graphs
-
-        attn = getattr(self, "_graph_attention", (None, None))[0]
-        # zero-length pad segments where wanted and the captured layers' attention and mixers take them
-        empty = (
-            cuda_graphs.EMPTY_PADS_BY_DEFAULT
-            and attn is not None
-            and cuda_graphs.empty_pads_ok(_base_model(self.model), attn)
-        )
-        self.static_shape, inner = self._static_shape(empty_pads=empty)
+        attn = getattr(self, "_graph_attention", (None, None))[0]  # the captured layers' attention, once chosen
+        self.static_shape, inner = self._static_shape(attn)
         self.static_pad = self.static_shape.pad_fraction(self.plan)
         inner.pad_to_multiple_of = None  # the static shape's token count is rounded to it already
         inner.static_shape = self.static_shape
