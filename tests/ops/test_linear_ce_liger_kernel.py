@@ -159,6 +159,58 @@ def test_probe_refuses_a_kernel_with_other_arguments(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# CPU: the real kernel, run by Triton's interpreter
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _interpreted_kernel():
+    """Liger's installed kernel where Triton runs interpreted (the CPU suite), with the interpreter's loop-bound
+    fix for NumPy >= 2.4 (the kernel loops over vocabulary blocks up to its ``n_cols`` argument)."""
+    from varpack._triton import fix_interpreter_index, triton_interpreted
+
+    pytest.importorskip("liger_kernel.ops.cross_entropy")
+    if not triton_interpreted():
+        pytest.skip("Triton compiles for a GPU in this process: the CUDA tests below run the kernel")
+    kernel, why = liger._liger_kernel_probe()
+    if kernel is None:
+        pytest.fail(f"the installed liger-kernel's kernel is not driven: {why}")
+    fix_interpreter_index()
+    return kernel
+
+
+@pytest.mark.parametrize(
+    "vocab,chunk,bias", [(300, 4, True), (300, 64, False), (40000, 5, True)]
+)  # one vocabulary block, 4 chunks + bias; one chunk; two blocks of 32,768 (the kernel's online softmax)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_kernel_interpreted_equals_full_logits(vocab, chunk, bias, dtype):
+    """The installed Liger kernel as varpack drives it: the loss and all three gradients against the loss of
+    the full float32 logits, within the rounding of ``dtype`` (relative to each tensor's scale); a negative
+    control with the labels shifted by one row is far outside it."""
+    kernel = _interpreted_kernel()
+    hidden, weight, b, labels, _ = _problem(T=13, D=16, V=vocab, dtype=torch.float32, bias=bias)
+    weight = weight.detach().mul(0.3).requires_grad_()
+    h, w = (x.detach().to(dtype).requires_grad_() for x in (hidden, weight))
+    bb = None if b is None else b.detach().to(dtype).requires_grad_()
+    loss = _driven(h, w, bb, labels, chunk, kernel)
+    assert loss.dtype == torch.float32
+    got = _grads(0.37 * loss, h, w, bb)
+
+    def ref(lab):
+        hf, wf = (x.detach().float().requires_grad_() for x in (h, w))
+        bf = None if bb is None else bb.detach().float().requires_grad_()
+        total = _sum_ref(hf, wf, bf, lab)
+        return total, _grads(0.37 * total, hf, wf, bf)
+
+    want_loss, want = ref(labels)
+    eps = 1e-5 if dtype == torch.float32 else 2e-2  # float32 sums; bfloat16 stored logits and gradients
+    assert _rel(loss.detach(), want_loss.detach()) < eps
+    for g, r in zip(got, want):
+        assert g.dtype == dtype and _rel(g, r) < eps, (g.dtype, _rel(g, r))
+    _, shifted = ref(labels.roll(1))
+    assert _rel(got[0], shifted[0]) > 10 * eps
+
+
+# ---------------------------------------------------------------------------------------------------------
 # CUDA: the real kernel
 # ---------------------------------------------------------------------------------------------------------
 

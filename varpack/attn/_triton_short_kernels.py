@@ -45,6 +45,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from varpack._triton import fix_interpreter_index
+
 __all__ = [
     "INTERPRETED",
     "attn_bwd_dkdv",
@@ -58,28 +60,8 @@ __all__ = [
 #: the kernels below were built for Triton's interpreter (CPU tensors) rather than for a GPU
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 
-
-def _fix_interpreter_index() -> None:
-    """Triton <= 3.6's interpreter turns a scalar tensor into a loop bound with ``int(array_of_shape_1)``,
-    which NumPy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream by #9172 with ``.squeeze()``). The
-    kernels' loop bounds are loaded scalars, so under the interpreter the same fix is applied here, wrapping
-    the interpreter's per-launch tensor patch (nothing changes for compiled GPU kernels)."""
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "__varpack_index_fix__", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patched.__varpack_index_fix__ = True
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRETED:
-    _fix_interpreter_index()
+if INTERPRETED:  # loop bounds are loaded scalars (varpack._triton.fix_interpreter_index)
+    fix_interpreter_index()
 
 
 @triton.jit
