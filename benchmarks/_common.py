@@ -404,12 +404,48 @@ def build_model(
     return model.train()
 
 
-def make_optimizer(model: Any, device: Any, lr: float = 1e-5) -> Any:
-    """AdamW (fused on CUDA), no weight decay: the optimizer of every step benchmark."""
+#: ``make_optimizer``'s implementations of the same AdamW update: ``fused`` (``torch.optim.AdamW(fused=True)``
+#: on CUDA, ``foreach`` elsewhere) and ``compiled`` (its ``foreach`` step under ``torch.compile``: inductor's
+#: horizontally fused kernels; PyTorch recipe "Compiling the optimizer with torch.compile").
+OPTIMIZER_IMPLS = ("fused", "compiled")
+
+
+class CompiledOptimizerStep:
+    """``optimizer.step`` run under ``torch.compile`` (compiled on the first call, after the first backward:
+    the gradients must exist); ``zero_grad`` and ``param_groups`` are the optimizer's. The learning rate is a
+    constant float here, so the step compiles once (a scheduler would need a tensor ``lr``)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        import torch
+
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self._step = torch.compile(optimizer.step, fullgraph=False)
+
+    def step(self) -> None:
+        import torch
+
+        # the name profile_step.py files under "optimizer" (Optimizer.step's own range is not kept in the graph)
+        with torch.profiler.record_function("Optimizer.step#AdamW.compiled"):
+            self._step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def make_optimizer(model: Any, device: Any, lr: float = 1e-5, impl: str = "fused") -> Any:
+    """AdamW, no weight decay: the optimizer of every step benchmark; ``impl`` one of :data:`OPTIMIZER_IMPLS`.
+
+    Raises:
+        ValueError: an unknown ``impl``.
+    """
     import torch
 
-    fused = torch.device(device).type == "cuda"
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=fused, foreach=not fused)
+    if impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer implementation {impl!r}: choose one of {OPTIMIZER_IMPLS}")
+    fused = impl == "fused" and torch.device(device).type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=fused, foreach=not fused)
+    return CompiledOptimizerStep(opt) if impl == "compiled" else opt
 
 
 def n_params(model: Any) -> int:

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _profile_attr as A  # noqa: E402
 from benchmarks import train as T  # noqa: E402
 from benchmarks._common import (  # noqa: E402
+    OPTIMIZER_IMPLS,
     add_common_args,
     build_model,
     checked_device,
@@ -118,13 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         "--lm-head-rows", choices=("supervised", "all"), default="supervised",
         help="varpack_lce* configs: the LM head on the supervised rows only (varpack sft) or on every row",
     )  # fmt: skip
+    p.add_argument(
+        "--static-empty-pads", choices=("auto", "on", "off"), default="auto",
+        help="static configs: zero-length pad segments (benchmarks/train.py's option)",
+    )  # fmt: skip
+    p.add_argument("--optimizer", choices=OPTIMIZER_IMPLS, default="fused", help="AdamW's implementation")
     p.add_argument("--attn-host-calls", type=int, default=200, help="0: skip the attention host-time row")
     p.add_argument("--trace", default=None, help="also export a Chrome trace here")
     args = p.parse_args(argv)
     device = checked_device(p, args)
     args.pad_batch, args.pad_token_id = 0, 0  # unused by the varpack configs; train.py's helpers read them
     # the static configs' shape: train.py's defaults
-    args.static_multiple_of, args.static_segments, args.static_empty_pads = 64, None, "auto"
+    args.static_multiple_of, args.static_segments = 64, None
     vocab = None
     if args.small:
         args.model, vocab = "tiny-qwen3", None if args.samples else 1024
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     options = T.apply_step_options(model, args.config)
     loss_fn, loss_note = T.make_loss_fn(args.config, args)
-    opt = make_optimizer(model, device)
+    opt = make_optimizer(model, device, impl=args.optimizer)
     counts = [T.supervised_count(st) for st in steps]
     labelled = [[T.labelled_count(mb) for mb in st] for st in steps]  # counted once, outside the timed steps
     keep_cpu = T.keep_cpu_keys(args.config)

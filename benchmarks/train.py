@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import (  # noqa: E402
     H200_BF16_DENSE_PEAK_FLOPS,
     IGNORE,
+    OPTIMIZER_IMPLS,
     Budget,
     add_common_args,
     apply_trl_liger,
@@ -407,7 +408,8 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
             elif config.endswith("_liger"):
                 row["step_options"] = [apply_trl_liger(model)]
             loss_fn, row["loss"] = make_loss_fn(config, args)
-            opt = make_optimizer(model, device)
+            opt = make_optimizer(model, device, impl=args.optimizer)
+            row["optimizer"] = args.optimizer
             counts = [(real_token_count(st), supervised_count(st)) for st in steps]
             labelled = [[labelled_count(mb) for mb in st] for st in steps]
             keep_cpu = keep_cpu_keys(config)
@@ -669,6 +671,8 @@ def note(r: dict[str, Any]) -> str:
         )
     if r.get("cudagraph_skips"):
         parts.append(f"{r['cudagraph_skips']} graphs NOT captured (cudagraph_skips)")
+    if r.get("optimizer", "fused") != "fused" and "error" not in r:
+        parts.append(f"AdamW {r['optimizer']}")
     if "padding_fraction" in r and not parts:
         parts.append(
             f"padding {100 * r['padding_fraction']:.0f}%, {r['micro_batches_per_step']:.1f} "
@@ -762,6 +766,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="static configs: segments per pack (default: the plan's most samples + 1)",
     )
+    p.add_argument(
+        "--optimizer", choices=OPTIMIZER_IMPLS, default="fused",
+        help="AdamW's implementation (benchmarks/_common.py make_optimizer): fused (torch's fused kernel on "
+        "CUDA) or compiled (its foreach step under torch.compile)",
+    )  # fmt: skip
     p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE_PEAK_FLOPS)
     p.add_argument(
         "--time-budget",
