@@ -226,6 +226,35 @@ def test_cli_sft_three_steps(tmp_path, capsys):
     assert model.config.vocab_size == 151936 and tok("Hello, world!")["input_ids"] == [9707, 11, 1879, 0]
 
 
+def test_cli_sft_transformers_compile_runs_compiled(tmp_path, capsys):
+    """``--extra-training-args '{"torch_compile": true}'``: Trainer's compiled forward is what the step runs
+    (dynamo traces frames; the loss on the logits, as the speed line says). The chunked linear CE would call the
+    base model outside the compiled forward, and no frame would be traced."""
+    from torch._dynamo.utils import counters
+
+    from varpack.cli.main import main
+
+    data = tmp_path / "chats.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"Explain {t}."}, {"role": "assistant", "content": f"{t}. " * 3}]}
+        for t in ("lists", "sets", "dicts", "loops")
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    torch._dynamo.reset()
+    before = counters["frames"]["ok"]
+    code = main(
+        [
+            "sft", "--model", "tiny-qwen3", "--data", str(data), "--packing-length", "128", "--max-steps", "1",
+            "--no-save", "--output-dir", str(tmp_path / "out"), "--extra-training-args", '{"torch_compile": true}',
+        ]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "speed     transformers' whole-model torch.compile + CE on the logits" in out, out
+    assert counters["frames"]["ok"] > before
+    torch._dynamo.reset()
+
+
 _DDP_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, {root!r})

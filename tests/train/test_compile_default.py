@@ -317,15 +317,17 @@ def test_describe_speed():
     hf = CompileChoice(
         False, "auto: transformers' own torch_compile (extra_training_args) compiles the whole model"
     )
-    line = describe_speed(hf, loss_impl="linear_ce", loss_why="", hf_compile=True)
+    hf_why = "loss_impl auto: transformers' own torch_compile compiles the model's forward"
+    line = describe_speed(hf, loss_impl="logits", loss_why=hf_why, hf_compile=True)
     assert line.startswith(
-        "transformers' whole-model torch.compile + chunked linear CE (auto: transformers'"
+        "transformers' whole-model torch.compile + CE on the logits (auto: transformers'"
     ), line
+    assert line.endswith(f"logits: {hf_why})"), line
     both = describe_speed(
-        CompileChoice(True, "--torch-compile"), loss_impl="linear_ce", loss_why="", hf_compile=True
+        CompileChoice(True, "--torch-compile"), loss_impl="logits", loss_why=hf_why, hf_compile=True
     )
     assert both.startswith(
-        "regional torch.compile inside transformers' whole-model torch.compile + chunked"
+        "regional torch.compile inside transformers' whole-model torch.compile + CE on the logits"
     ), both
     assert "eager" not in line + both
 
@@ -339,7 +341,7 @@ def test_speed_line_names_transformers_compile(tmp_path):
         model_wrapped = None
 
         def planned_loss_impl(self, model):
-            return "linear_ce", ""
+            return "logits", "loss_impl auto: transformers' own torch_compile compiles the model's forward"
 
     lines = []
     choice = CompileChoice(False, "auto: CPU run; compiled by default on CUDA only")
@@ -347,8 +349,30 @@ def test_speed_line_names_transformers_compile(tmp_path):
     state = types.SimpleNamespace(is_world_process_zero=True)
     callback.on_train_begin(types.SimpleNamespace(torch_compile=True), state, None)
     callback.on_train_begin(types.SimpleNamespace(torch_compile=False), state, None)  # control
-    assert lines[0].startswith("speed     transformers' whole-model torch.compile + chunked linear CE"), lines
-    assert lines[1].startswith("speed     eager + chunked linear CE"), lines
+    assert lines[0].startswith("speed     transformers' whole-model torch.compile + CE on the logits"), lines
+    assert lines[1].startswith("speed     eager + CE on the logits"), lines
+
+
+def test_transformers_compile_takes_the_logits_path():
+    """transformers' own ``torch_compile`` compiles the model's forward; the linear CE calls the base model and
+    the head outside it, so the compile would never run: auto takes the logits (the compiled forward), a
+    forced linear CE is refused by name; without it, auto keeps the linear CE (control)."""
+    from varpack.train.trainer import PackedLossMixin
+
+    model = torch.nn.Linear(2, 2)
+
+    def trainer(loss_impl, torch_compile):
+        return types.SimpleNamespace(
+            loss_impl=loss_impl,
+            args=types.SimpleNamespace(torch_compile=torch_compile),
+            accelerator=types.SimpleNamespace(unwrap_model=lambda m: m),
+        )
+
+    use, why = PackedLossMixin._linear_ce_choice(trainer("auto", True), model)
+    assert not use and why == "loss_impl auto: transformers' own torch_compile compiles the model's forward"
+    with pytest.raises(ValueError, match="loss_impl='linear_ce' .*transformers' own torch_compile"):
+        PackedLossMixin._linear_ce_choice(trainer("linear_ce", True), model)
+    assert PackedLossMixin._linear_ce_choice(trainer("linear_ce", False), model) == (True, "--loss-impl linear_ce")
 
 
 def test_planned_loss_impl_follows_the_objective():

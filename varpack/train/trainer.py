@@ -235,6 +235,17 @@ class PackedLossMixin:
                     "sharded; use loss_impl='logits' or loss_impl='auto'"
                 )
             return False, "loss_impl auto: FSDP2 shards the LM head"
+        if getattr(getattr(self, "args", None), "torch_compile", False):
+            # transformers compiles the model's forward; the linear CE calls the base model and the head
+            # itself, outside that compiled forward, so the compile would never run
+            if self.loss_impl == "linear_ce":
+                raise ValueError(
+                    "loss_impl='linear_ce' calls the base model and the LM head outside the model's forward, "
+                    "which transformers' own torch_compile compiles (it would never run); use varpack's "
+                    "compiled layers (--torch-compile) instead of the TrainingArguments' torch_compile, or "
+                    "loss_impl='logits'"
+                )
+            return False, "loss_impl auto: transformers' own torch_compile compiles the model's forward"
         if self.loss_impl == "linear_ce":
             if unwrapped is not model:
                 raise ValueError(
