@@ -342,7 +342,7 @@ def test_sft_streaming_grad_accum_steps_do_not_straddle_a_pass(tmp_path):
     kw = dict(
         model="tiny-qwen3", output_dir=str(tmp_path / "out"), packing_length=40, attn_backend="reference",
         save=False, streaming=True, buffer_size=4, max_steps=steps, grad_accum=2, logging_steps=1,
-        extra_training_args={"optim": "sgd", "max_grad_norm": 0.0, "use_cpu": True, "learning_rate": 1e-9},
+        lr=1e-9, extra_training_args={"optim": "sgd", "max_grad_norm": 0.0, "use_cpu": True},
     )
     run = run_sft(SFTConfig(**kw), print_fn=lambda *a: None, model=model(), tokenizer=tok, encoded=rows)
     assert [h["packs_per_step"] for h in run.history] == [2.0] * steps

@@ -112,6 +112,42 @@ def test_fields_the_old_cli_could_not_reach():
     assert c.extra_training_args == {"max_grad_norm": 2.0} and c.bf16 is False
 
 
+def test_extra_training_args_that_varpack_sets_are_refused_by_name(tmp_path, capsys):
+    """A TrainingArguments key that an SFTConfig field sets (it was applied last: learning_rate overrode --lr
+    behind the optimizer line, per_device_train_batch_size was read nowhere, gradient_accumulation_steps
+    slipped past the CUDA-graph check) or that varpack cannot run exactly (NEFTune) is refused, naming the flag;
+    any other key passes (control). The table is every key training_arguments sets from a field."""
+    import transformers
+
+    from varpack.train.config import EXTRA_ARGS_OF_FIELDS, EXTRA_ARGS_REFUSED
+    from varpack.train.sft import training_arguments
+
+    with pytest.raises(ValueError, match=r"sets TrainingArguments.learning_rate, .* --lr \(lr=\.\.\.\): give it there"):
+        SFTConfig(extra_training_args={"max_grad_norm": 1.0, "learning_rate": 0.5})
+    with pytest.raises(ValueError, match="TrainingArguments.per_device_train_batch_size, .* --packs-per-step"):
+        SFTConfig(extra_training_args={"per_device_train_batch_size": 4})
+    with pytest.raises(ValueError, match="TrainingArguments.neftune_noise_alpha: NEFTune .* what it is packed with"):
+        SFTConfig(extra_training_args={"neftune_noise_alpha": 5})
+    assert SFTConfig(extra_training_args={"max_grad_norm": 1.0, "optim": "sgd"}).extra_training_args
+    code = main(["sft", "--max-steps", "2", "--extra-training-args", '{"max_steps": 5}'])
+    assert code == 2 and "--extra-training-args sets TrainingArguments.max_steps, which varpack sets from its own setting --max-steps" in (
+        capsys.readouterr().err
+    )
+
+    # the table is what training_arguments sets from the fields: each key carries its field's (non-default) value
+    cfg = SFTConfig(
+        output_dir=str(tmp_path), packs_per_step=3, grad_accum=5, epochs=7, max_steps=11, lr=0.0123,
+        lr_scheduler="cosine", warmup_steps=13, weight_decay=0.017, logging_steps=19, report_to="tensorboard",
+        dataloader_num_workers=2, bf16=True, seed=23, gradient_checkpointing=True,
+    )  # fmt: skip
+    args = training_arguments(cfg)
+    for key, name in EXTRA_ARGS_OF_FIELDS.items():
+        value = getattr(args, key)
+        assert value == getattr(cfg, name) or value == [getattr(cfg, name)], (key, value)
+    fields = set(transformers.training_args.TrainingArguments.__dataclass_fields__)
+    assert args.remove_unused_columns is False and set(EXTRA_ARGS_REFUSED) <= fields
+
+
 def test_demo_keeps_its_defaults_and_save_flag():
     from varpack.cli.demo import DEMO_DEFAULTS
 

@@ -45,6 +45,9 @@ __all__ = [
     "ALWAYS_ON",
     "COMPILE_COLD_COST",
     "DEFAULT_LR",
+    "EXTRA_ARGS_OF_FIELDS",
+    "EXTRA_ARGS_REFUSED",
+    "NEFTUNE_REFUSAL",
     "AttnBackendName",
     "AutoBool",
     "CompileChoice",
@@ -60,6 +63,7 @@ __all__ = [
     "SFTConfig",
     "check_context_parallel",
     "check_cuda_graphs",
+    "check_extra_training_args",
     "resolve_cuda_graphs",
     "check_precision",
     "default_lr",
@@ -314,6 +318,61 @@ _GRAPH_CONFLICTS: tuple[tuple[str, Any, str], ...] = (
         "triton_short",
     ),
 )
+
+
+#: Why NEFTune (``neftune_noise_alpha``) is refused: transformers scales its embedding noise by
+#: ``alpha / sqrt(sequence length * hidden size)`` (NEFTune, arXiv:2310.05914), and a packed row's length is
+#: the pack's.
+NEFTUNE_REFUSAL = (
+    "NEFTune scales its embedding noise by alpha / sqrt(sequence length * hidden size), and the length of a "
+    "packed row is the whole pack's: a sample's noise would depend on what it is packed with"
+)
+
+#: ``TrainingArguments`` keywords that :func:`varpack.train.sft.training_arguments` sets from an
+#: :class:`SFTConfig` field: in ``extra_training_args`` they are refused, naming the field (applied last,
+#: they would override the field behind the run's reports, or be read nowhere: a batch size is packs).
+EXTRA_ARGS_OF_FIELDS: dict[str, str] = {
+    "output_dir": "output_dir",
+    "per_device_train_batch_size": "packs_per_step",
+    "gradient_accumulation_steps": "grad_accum",
+    "num_train_epochs": "epochs",
+    "max_steps": "max_steps",
+    "learning_rate": "lr",
+    "lr_scheduler_type": "lr_scheduler",
+    "warmup_steps": "warmup_steps",
+    "weight_decay": "weight_decay",
+    "logging_steps": "logging_steps",
+    "report_to": "report_to",
+    "dataloader_num_workers": "dataloader_num_workers",
+    "bf16": "bf16",
+    "seed": "seed",
+    "gradient_checkpointing": "gradient_checkpointing",
+}
+
+#: ``TrainingArguments`` keywords refused in ``extra_training_args`` whatever their value: (why).
+EXTRA_ARGS_REFUSED: dict[str, str] = {
+    "neftune_noise_alpha": NEFTUNE_REFUSAL,
+    "remove_unused_columns": "the Trainer must keep the packed batch's boundary fields (varpack sets False)",
+    "train_sampling_strategy": "the packs run in the plan's order (varpack sets 'sequential')",
+}
+
+
+def check_extra_training_args(extra: Mapping[str, Any]) -> None:
+    """Refuse ``extra_training_args`` keys that an :class:`SFTConfig` field sets
+    (:data:`EXTRA_ARGS_OF_FIELDS`) or that varpack cannot run exactly (:data:`EXTRA_ARGS_REFUSED`).
+
+    Raises:
+        ValueError: naming the key, and the flag and field to use instead (or why it is refused).
+    """
+    for key in extra:
+        if key in EXTRA_ARGS_OF_FIELDS:
+            name = EXTRA_ARGS_OF_FIELDS[key]
+            raise ValueError(
+                f"SFTConfig.extra_training_args sets TrainingArguments.{key}, which varpack sets from its own setting "
+                f"--{name.replace('_', '-')} ({name}=...): give it there"
+            )
+        if key in EXTRA_ARGS_REFUSED:
+            raise ValueError(f"SFTConfig.extra_training_args sets TrainingArguments.{key}: {EXTRA_ARGS_REFUSED[key]}")
 
 
 def setting_text(name: str, value: Any) -> str:
@@ -988,6 +1047,7 @@ class SFTConfig:
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r} ({rule})")
+        check_extra_training_args(self.extra_training_args)
         if self.streaming and self.max_steps < 1:
             raise ValueError(
                 "SFTConfig.max_steps has an invalid value: -1; streaming needs max_steps >= 1: the number of "
