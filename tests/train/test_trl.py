@@ -206,11 +206,26 @@ def test_trl_step_gradients_equal_unpacked(tmp_path, tokenizer, loss_impl):
         ({"label_smoothing_factor": 0.1}, "label_smoothing_factor"),
         ({"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy='group_by_length'"),
         ({"max_length": None}, "max_length=None"),
+        # transformers scales NEFTune's noise by the row length: a pack's, not the sample's
+        ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0 -- NEFTune .* what it is packed with"),
     ],
 )
 def test_conflicting_trl_settings_refused(tmp_path, tokenizer, setting, match):
     with pytest.raises(ValueError, match=match):
         trl_trainer(tmp_path, tokenizer, args=trl_args(tmp_path, **setting))
+
+
+def test_settings_varpack_does_not_run_are_refused_by_name(tmp_path, tokenizer):
+    """use_liger_kernel=True off CUDA (Liger's Triton kernels failed at the first step with "0 active
+    drivers"), and truncation_mode='keep_end' with overflow='truncate' (varpack keeps the start): refused
+    when the trainer is built; keep_end without truncation cuts nothing, so it is accepted (control)."""
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="use_liger_kernel=True -- .* this run trains on cpu"):
+            trl_trainer(tmp_path, tokenizer, args=trl_args(tmp_path, use_liger_kernel=True))
+    keep_end = trl_args(tmp_path, truncation_mode="keep_end")
+    with pytest.raises(ValueError, match="truncation_mode='keep_end' with overflow='truncate'"):
+        trl_trainer(tmp_path, tokenizer, args=keep_end, overflow="truncate")
+    assert trl_trainer(tmp_path, tokenizer, args=keep_end).packing_settings["overflow"] == "error"
 
 
 def test_conflicting_trainer_arguments_refused(tmp_path, tokenizer):

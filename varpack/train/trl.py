@@ -116,6 +116,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from varpack.schema import IGNORE_INDEX, INPUT_IDS, LABELS, LENGTH, SAMPLE_ID, TOKEN_FIELDS
+from varpack.train.config import NEFTUNE_REFUSAL
 from varpack.train.trainer import (
     CompileCountCallback,
     PackedLossMixin,
@@ -172,6 +173,16 @@ def _check_args(args: Any, kwargs: dict[str, Any]) -> None:
         raise _refuse(
             f"train_sampling_strategy={args.train_sampling_strategy!r}",
             "items are packs already balanced by the planner; use 'random' or 'sequential'",
+        )
+    if args.neftune_noise_alpha is not None:
+        raise _refuse(
+            f"neftune_noise_alpha={args.neftune_noise_alpha}",
+            NEFTUNE_REFUSAL + "; leave it unset",
+        )
+    if args.use_liger_kernel and _device_type(args) != "cuda":
+        raise _refuse(
+            "use_liger_kernel=True",
+            f"Liger-Kernel's kernels are Triton GPU kernels; this run trains on {_device_type(args)}",
         )
     if args.torch_compile_mode not in (None, "default"):
         raise _refuse(
@@ -364,6 +375,12 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             if not (value is True or value is False or value == "auto"):
                 raise _refuse(f"{name}={value!r}", "give True, False or 'auto'")
         _check_args(args, kwargs)
+        if overflow == "truncate" and getattr(args, "truncation_mode", "keep_start") == "keep_end":
+            raise _refuse(
+                "truncation_mode='keep_end' with overflow='truncate'",
+                "varpack's truncate keeps the start of an overlong sample; use overflow='split' (every token "
+                "trained, in pieces) or 'error', or truncation_mode='keep_start'",
+            )
         if cuda_graphs is True and compile_layers is False:
             raise _refuse("cuda_graphs=True with compile_layers=False", "CUDA graphs replay the compiled layers")
         packing_length = packing_length if packing_length is not None else args.max_length
