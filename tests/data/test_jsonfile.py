@@ -141,6 +141,23 @@ def test_broken_json_is_named_the_same_way(tmp_path):
             load_mm_rows(path)
 
 
+def test_rows_that_are_not_objects_name_the_file_as_written(tmp_path, monkeypatch, capsys, caplog):
+    """A JSON Lines row that is a list: the error named the resolved absolute path (the file read again
+    by json after datasets failed) and followed datasets' own ERROR record "Failed to load JSON from file"."""
+    good = json.dumps(CHAT)
+    (tmp_path / "notobj.jsonl").write_text(good + "\n[1, 2]\n" + good + "\n")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("ERROR"), pytest.raises(ValueError) as exc:
+        load_chat_data("notobj.jsonl")
+    assert str(exc.value) == "notobj.jsonl:2: sample 1: a chat row must be a JSON object, got list"
+    assert not [r for r in caplog.records if "Failed to load JSON" in r.getMessage()]
+    assert main(["plan", "notobj.jsonl"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"varpack plan: error: {exc.value}" and "Failed to load JSON" not in err
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/notobj.jsonl:2: sample 1")):  # an absolute path
+        load_chat_data(str(tmp_path / "notobj.jsonl"))
+
+
 @pytest.mark.parametrize("command", ["plan", "sft", "check"])
 def test_cli_names_file_line_sample(tmp_path, capsys, command):
     """`varpack plan FILE` exited 1 with "'utf-8' codec can't decode byte 0xe9 in position 139" only."""

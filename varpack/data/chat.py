@@ -25,14 +25,16 @@ Two ways to find the assistant tokens, chosen per tokenizer:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -462,12 +464,13 @@ def load_chat_data(
     if len(kinds) > 1:
         raise ValueError(f"load_chat_data: files mix JSON and parquet ({files}); load them separately")
     kind = kinds.pop()
-    ds = _load_files(kind, files, None if cache_dir is None else str(cache_dir))
+    names = dict(zip(files, (os.fspath(p) for p in items)))
+    ds = _load_files(kind, files, None if cache_dir is None else str(cache_dir), names)
     if len(ds) == 0:
         raise ValueError(f"load_chat_data: {files} contain no rows")
     _check_utf8(ds, kind, files)
     # for error locations only: the files as read, and each named as the caller wrote it
-    ds._varpack_files = (next(iter(_kinds_of(files))), files, dict(zip(files, (os.fspath(p) for p in items))))
+    ds._varpack_files = (next(iter(_kinds_of(files))), files, names)
     return ds
 
 
@@ -514,7 +517,7 @@ def _has_json_feature(features: Any) -> bool:
     return inner is not None and _has_json_feature(inner)
 
 
-def _read_json_rows(path: str, first_sample: int = 0) -> list[dict[str, Any]]:
+def _read_json_rows(path: str, first_sample: int = 0, name: str | None = None) -> list[dict[str, Any]]:
     """The rows of one JSON / JSON Lines file (:func:`varpack.data.jsonfile.read_rows`), each a JSON object.
 
     Raises:
@@ -524,7 +527,7 @@ def _read_json_rows(path: str, first_sample: int = 0) -> list[dict[str, Any]]:
     from varpack.data.jsonfile import read_rows
 
     rows = []
-    for i, (row, where) in enumerate(read_rows(path, first_sample=first_sample)):
+    for i, (row, where) in enumerate(read_rows(path, first_sample=first_sample, name=name)):
         if not isinstance(row, dict):
             got = type(row).__name__
             raise ValueError(f"{where}: sample {first_sample + i}: a chat row must be a JSON object, got {got}")
@@ -532,30 +535,47 @@ def _read_json_rows(path: str, first_sample: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_files(files: list[str]) -> list[dict[str, Any]]:
-    """The rows of JSON / JSON Lines files, read with :mod:`json` (sample ids count across the files)."""
+def _read_files(files: list[str], names: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The rows of JSON / JSON Lines files, read with :mod:`json` (sample ids count across the files; errors
+    name each file as ``names`` gives it, default its path)."""
     rows: list[dict[str, Any]] = []
     for f in files:
-        rows += _read_json_rows(f, len(rows))
+        rows += _read_json_rows(f, len(rows), (names or {}).get(f))
     return rows
 
 
-def _load_files(kind: str, files: list[str], cache_dir: str | None) -> datasets.Dataset:
+@contextlib.contextmanager
+def _quiet_json_builder() -> Iterator[None]:
+    """datasets' JSON builder logs ``Failed to load JSON from file ...`` (an ERROR record) before it raises;
+    varpack then reads the file itself and names the file, line and sample, so the record is only noise."""
+    log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _load_files(
+    kind: str, files: list[str], cache_dir: str | None, names: Mapping[str, str] | None = None
+) -> datasets.Dataset:
     """``datasets.load_dataset(kind, data_files=files)``; when the files' columns or nested fields differ
     (``datasets`` then fails to write them into one table), each file is read alone to find the columns that
     differ, and the files are read together again with those columns typed ``datasets.Json()`` (missing
-    columns are filled with ``None``)."""
+    columns are filled with ``None``). ``names``: each file as the caller wrote it, for errors."""
     import datasets
 
     try:
-        ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
+        with _quiet_json_builder():
+            ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
     except (datasets.exceptions.DatasetGenerationError, ValueError) as exc:
         # ValueError: pandas' JSON reader failing while datasets infers the features (rows whose fields mix
         # types, with a blank line among them: "Expected object or value", no file or line named)
         if kind == "json":
             # a line that is not JSON (datasets names no file or line), or fields typed differently across
             # files: read with json, which names the file, line and sample of a bad line
-            return _dataset_from_rows(_read_files(files))
+            return _dataset_from_rows(_read_files(files, names))
         if len(files) == 1 or not isinstance(exc, datasets.exceptions.DatasetGenerationError):
             raise
     else:
@@ -563,7 +583,7 @@ def _load_files(kind: str, files: list[str], cache_dir: str | None) -> datasets.
             return ds
         # rows that mix a plain string with messages in one field: datasets typed the field Json() and
         # would read a JSON-looking string back as the value it spells ("4" -> 4); read the rows ourselves
-        return _dataset_from_rows(_read_files(files))
+        return _dataset_from_rows(_read_files(files, names))
     per_file = [
         datasets.load_dataset(kind, data_files=[f], split="train", cache_dir=cache_dir).features for f in files
     ]

@@ -148,7 +148,9 @@ def is_json_lines(path: str | os.PathLike[str]) -> bool:
     return _suffix(os.fspath(path)) in (".jsonl", ".ndjson")
 
 
-def read_rows(path: str | os.PathLike[str], *, first_sample: int = 0) -> list[tuple[Any, str]]:
+def read_rows(
+    path: str | os.PathLike[str], *, first_sample: int = 0, name: str | None = None
+) -> list[tuple[Any, str]]:
     """Every row of a JSON / JSON Lines file with where it is: ``[(row, "FILE:LINE"), ...]`` for JSON Lines,
     ``[(row, "FILE[i]"), ...]`` for a JSON array; a ``.json`` file holding one object is one row, and one
     holding one object per line is read as JSON Lines. Rows are not checked (any JSON value). A byte order
@@ -157,32 +159,34 @@ def read_rows(path: str | os.PathLike[str], *, first_sample: int = 0) -> list[tu
     Args:
         path: the file (compressed as its suffix says).
         first_sample: sample id of its first row (the rows of the files read before it), named in errors.
+        name: the file as the caller wrote it, for the locations (default: ``path``).
 
     Raises:
         ValueError: a line / the document that is not UTF-8 text or not JSON (file, line and, for JSON Lines,
             the sample named).
     """
     path = os.fspath(path)
+    shown = path if name is None else name
     with _open(path) as fh:
         data = fh.read()
     if data.startswith(_BOM):
         data = data[len(_BOM) :]
     head = data.lstrip()[:1]
     if head == b"[" or (head == b"{" and _suffix(path) == ".json"):
-        text = decode_text(data, path, document=True)
+        text = decode_text(data, shown, document=True)
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
             if head == b"[" or not exc.msg.startswith("Extra data"):
-                raise ValueError(f"{location(path, exc.lineno)}: invalid JSON: {exc}") from exc
+                raise ValueError(f"{location(shown, exc.lineno)}: invalid JSON: {exc}") from exc
         else:
             items = doc if isinstance(doc, list) else [doc]
-            return [(row, f"{path}[{i}]") for i, row in enumerate(items)]
+            return [(row, f"{shown}[{i}]") for i, row in enumerate(items)]
     rows = []
     sample_id = first_sample
     for lineno, line in enumerate(data.split(b"\n"), 1):
         if line.strip():
-            where = location(path, lineno)
+            where = location(shown, lineno)
             rows.append((parse_line(line, f"{where}: sample {sample_id}"), where))
             sample_id += 1
     return rows
