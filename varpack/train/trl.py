@@ -94,7 +94,9 @@ Refused, with the setting named (each would mix samples, cut them, or train anot
 name (load it first: TRL would load it on another attention), ``packing=True`` / ``eval_packing=True`` (TRL's
 packer on top of varpack's), ``padding_free=True`` (TRL's collator), a ``data_collator`` that is not varpack's,
 ``compute_loss_func``, ``loss_type`` other than ``"nll"``, ``label_smoothing_factor``, a
-``train_sampling_strategy`` that reorders by length (packs are already balanced), vision datasets, iterable
+``train_sampling_strategy`` that reorders by length (packs are already balanced), ``neftune_noise_alpha``
+(transformers scales NEFTune's noise by the row length, a pack's), ``truncation_mode="keep_end"`` with
+``overflow="truncate"`` (varpack keeps the start), ``use_liger_kernel=True`` off CUDA, vision datasets, iterable
 datasets, context / sequence parallelism (they drop the boundaries), and ``evaluate(eval_dataset=...)`` with a
 dataset not packed at construction.
 
