@@ -148,6 +148,28 @@ def test_extra_training_args_that_varpack_sets_are_refused_by_name(tmp_path, cap
     assert args.remove_unused_columns is False and set(EXTRA_ARGS_REFUSED) <= fields
 
 
+@pytest.mark.parametrize(
+    "losses, code, said",
+    [
+        ([11.9, 7.0], 0, "the loss fell."),
+        ([11.9, 12.0], 1, "the loss did NOT fall."),
+        ([11.9], 0, "one logged loss, 11.9000 (step 1): whether it falls needs two logged steps"),
+    ],
+)
+def test_demo_judges_the_loss_from_two_logged_steps(monkeypatch, capsys, losses, code, said):
+    """A demo shortened to one logged step (``--max-steps 2`` with the demo's logging every 5) exited 1 with
+    "the loss did NOT fall" comparing step 1 with itself."""
+    import types
+
+    import varpack.train.sft as sft
+
+    history = [{"loss": x, "step": 1 + 5 * i} for i, x in enumerate(losses)]
+    monkeypatch.setattr(sft, "run_sft", lambda config: types.SimpleNamespace(history=history))
+    monkeypatch.setattr("varpack.cli._common.check_data_files", lambda data: None)
+    assert main(["demo", "--max-steps", "2"]) == code
+    assert said in capsys.readouterr().out
+
+
 def test_demo_keeps_its_defaults_and_save_flag():
     from varpack.cli.demo import DEMO_DEFAULTS
 

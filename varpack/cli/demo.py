@@ -47,7 +47,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``varpack demo``: 0 when the loss fell, 1 otherwise; errors propagate to ``varpack.cli.main``."""
+    """Run ``varpack demo``: 0 when the loss fell (or only one loss was logged: nothing to compare), 1 when it
+    did not or none was logged; errors propagate to ``varpack.cli.main``."""
     from varpack.cli._common import check_data_files
     from varpack.cli.sft import config_from_args
 
@@ -64,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
         print("varpack demo: error: no loss was logged", file=sys.stderr)
         return 1
     first, last = run.history[0], run.history[-1]
+    if len(run.history) < 2:
+        print(
+            f"\none logged loss, {first['loss']:.4f} (step {first.get('step', '?')}): whether it falls needs two "
+            "logged steps (raise --max-steps or lower --logging-steps)"
+        )
+        return 0
     print(
         f"\nfirst logged loss {first['loss']:.4f} (step {first.get('step', '?')}) -> last logged loss "
         f"{last['loss']:.4f} (step {last.get('step', '?')}): "
