@@ -80,7 +80,8 @@ def hyphen_spellings(argv: list[str], sub: argparse.ArgumentParser | None) -> li
 
 
 def _did_you_mean(extra: list[str], sub: argparse.ArgumentParser) -> str:
-    """The closest flag of ``sub`` (its hyphen spelling) for each unrecognized flag before any ``--``:
+    """The closest flag of ``sub`` (its hyphen spelling) for each unrecognized flag before any ``--``, or every
+    flag it abbreviates when it starts several (``--pack``: ``one of --packing, --packing-length, ...``):
     `` (did you mean --x?)`` for one, `` (did you mean --x for --y, --z for --w?)`` for several; ``""`` when
     no flag is close."""
     known = set(_flags(sub))
@@ -91,6 +92,10 @@ def _did_you_mean(extra: list[str], sub: argparse.ArgumentParser) -> str:
             break
         if word.startswith("-"):
             typed = word.partition("=")[0]
+            started = sorted(f for f in flags if f.startswith(typed)) if len(typed) > 3 else []
+            if len(started) > 1:  # an abbreviation of several flags (--pack): all of them, not the nearest
+                guesses.append(("one of " + ", ".join(started), typed))
+                continue
             close = difflib.get_close_matches(typed, flags, n=1, cutoff=0.75)
             if close:
                 guesses.append((close[0], typed))
