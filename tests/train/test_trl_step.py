@@ -529,16 +529,17 @@ def test_liger_is_mapped_to_the_compiled_step(tmp_path, tokenizer, on_cuda, monk
     """TRL's ``use_liger_kernel=True`` asks for fused layers: where the step compiles the layers (here the CUDA
     graphs, device answered "cuda") they take Liger's place -- neither TRL nor ``Trainer.train`` (which applies
     Liger when ``args.use_liger_kernel`` is set; inside captured layers Liger's RoPE failed on the H200) is asked
-    to apply it, the speed line says so; where the layers stay eager (a CPU run), ``args.use_liger_kernel`` stays
-    set, so ``Trainer.train`` applies Liger's layers. Control: ``compile_layers=True`` with Liger is still
-    refused by name."""
+    to apply it, the speed line says so; where the layers stay eager (``compile_layers=False``),
+    ``args.use_liger_kernel`` stays set, so ``Trainer.train`` applies Liger's layers. Control: ``compile_layers=True`` with Liger is still refused by name; off CUDA, Liger is refused."""
     trainer = make(tmp_path, tokenizer, args_kw={"use_liger_kernel": True})
     assert trainer.graph_choice.on and trainer.step_choice.on and not trainer.liger_applied
     assert "use_liger_kernel=True: varpack's compiled layers in place of Liger-Kernel's" in trainer.speed_line
     assert trainer.args.use_liger_kernel is False  # as run: Trainer.train() must not apply Liger
-    monkeypatch.setattr(trl_module, "_device_type", lambda args: "cpu")
-    eager = make(tmp_path, tokenizer, args_kw={"use_liger_kernel": True})
+    eager = make(tmp_path, tokenizer, args_kw={"use_liger_kernel": True}, compile_layers=False)
     assert not eager.step_choice.on and eager.liger_applied and eager.args.use_liger_kernel is True
     assert "Liger-Kernel layers" in eager.speed_line, eager.speed_line
     with pytest.raises(ValueError, match="compile_layers=True with use_liger_kernel=True"):
         make(tmp_path, tokenizer, args_kw={"use_liger_kernel": True}, compile_layers=True)
+    monkeypatch.setattr(trl_module, "_device_type", lambda args: "cpu")
+    with pytest.raises(ValueError, match="use_liger_kernel=True -- .* this run trains on cpu"):
+        make(tmp_path, tokenizer, args_kw={"use_liger_kernel": True}, compile_layers=False)
