@@ -413,11 +413,17 @@ OPTIMIZER_IMPLS = ("fused", "compiled")
 class CompiledOptimizerStep:
     """``optimizer.step`` run under ``torch.compile`` (compiled on the first call, after the first backward:
     the gradients must exist); ``zero_grad`` and ``param_groups`` are the optimizer's. The learning rate is a
-    constant float here, so the step compiles once (a scheduler would need a tensor ``lr``)."""
+    constant float here, so the step compiles once (a scheduler would need a tensor ``lr``).
+
+    Building one resets torch.compile's caches (``torch.compiler.reset()``): every optimizer's ``step`` is the
+    one code object, each new optimizer a recompile of it, and past dynamo's ``recompile_limit`` (8) the step
+    would run uncompiled -- from the ninth row of a benchmark process on. Build it before the row's model
+    is first run (its compiled layers compile on their first call)."""
 
     def __init__(self, optimizer: Any) -> None:
         import torch
 
+        torch.compiler.reset()
         self.optimizer = optimizer
         self.param_groups = optimizer.param_groups
         self._step = torch.compile(optimizer.step, fullgraph=False)

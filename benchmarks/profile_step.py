@@ -1,7 +1,8 @@
 """Where a varpack SFT step spends its time: ``torch.profiler`` of train steps, every device kernel in one
 category.
 
-The model, samples and packs of benchmarks/train.py (Qwen3-0.6B shape, bf16, fused AdamW, ``--steps`` packs of
+The model, samples and packs of benchmarks/train.py (Qwen3-0.6B shape, bf16, AdamW fused or ``--optimizer
+compiled``, ``--static-empty-pads`` as there, ``--steps`` packs of
 ``--packing-length``; ``--config`` one of its varpack rows). Steady state: every pack is first run once
 untimed (every compile, autotune and FA4 kernel compile of its shapes happens there), then ``--warmup`` more
 untimed steps; the packs are then timed without the profiler (the true step time) and run once more under
@@ -160,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         hf_attn="sdpa",
         backend=args.attn_backend,
     )
+    opt = make_optimizer(model, device, impl=args.optimizer)  # first: compiled, it resets torch.compile's caches
     options = T.apply_step_options(model, args.config)
     loss_fn, loss_note = T.make_loss_fn(args.config, args)
-    opt = make_optimizer(model, device, impl=args.optimizer)
     counts = [T.supervised_count(st) for st in steps]
     labelled = [[T.labelled_count(mb) for mb in st] for st in steps]  # counted once, outside the timed steps
     keep_cpu = T.keep_cpu_keys(args.config)
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.packing_length}"
     )
     print(
-        f"- loss: {loss_note}; attention: varpack {args.attn_backend}; options: {options or 'none'}; "
+        f"- loss: {loss_note}; attention: varpack {args.attn_backend}; options: {options or 'none'}; AdamW "
+        f"{args.optimizer}; static empty pads {args.static_empty_pads}; "
         f"~{tokens:.0f} tokens/step; {n} packs, each run untimed first (cold pass {cold_s:.1f} s) + "
         f"{args.warmup} warm-up steps; {info}"
     )

@@ -397,6 +397,9 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
                 vocab_size=args.vocab_size,
                 hf_attn=HF_ATTN.get(config, "sdpa"),
             )
+            # first: the compiled optimizer resets torch.compile's caches (make_optimizer)
+            opt = make_optimizer(model, device, impl=args.optimizer)
+            row["optimizer"] = args.optimizer
             row["attention"] = HF_ATTN.get(config, "sdpa")
             if config.startswith("varpack"):
                 from varpack.integrations.transformers import enable_varpack
@@ -408,8 +411,6 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
             elif config.endswith("_liger"):
                 row["step_options"] = [apply_trl_liger(model)]
             loss_fn, row["loss"] = make_loss_fn(config, args)
-            opt = make_optimizer(model, device, impl=args.optimizer)
-            row["optimizer"] = args.optimizer
             counts = [(real_token_count(st), supervised_count(st)) for st in steps]
             labelled = [[labelled_count(mb) for mb in st] for st in steps]
             keep_cpu = keep_cpu_keys(config)
@@ -570,6 +571,8 @@ def run_trl_config(config: str, ds: Any, chosen: list[int], args: argparse.Names
             raise RuntimeError("no attention implementation builds: " + "; ".join(errors))
         row["step_options"] = ["not available: " + ", ".join(errors)] if errors else []
         timer = PassTimer()
+        if args.optimizer != "fused":
+            row["optimizer"] = "fused: Trainer's adamw_torch_fused (--optimizer sets the other rows')"
         # bf16=False: the weights are bf16 already, as in the hand-written loop
         common = dict(
             output_dir=tmp.name, per_device_train_batch_size=1, num_train_epochs=1, learning_rate=1e-5,

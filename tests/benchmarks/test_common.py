@@ -143,3 +143,19 @@ def test_compiled_optimizer_step_is_adamw():
         assert (o - e).abs().max() > 5e-3 * scale
     with pytest.raises(ValueError, match="'adam8bit'.*fused"):
         C.make_optimizer(torch.nn.Linear(2, 2), "cpu", impl="adam8bit")
+
+
+def test_every_compiled_optimizer_compiles():
+    """A benchmark process builds one optimizer per row; every ``Optimizer.step`` is one code object, so from
+    the ninth on dynamo's recompile limit ran the step uncompiled under the label "compiled". Each one now
+    compiles (a new dynamo frame per optimizer)."""
+    from torch._dynamo.utils import counters
+
+    limit = torch._dynamo.config.recompile_limit
+    for _ in range(limit + 1):
+        model = torch.nn.Linear(4, 2)
+        opt = C.make_optimizer(model, "cpu", impl="compiled")
+        before = counters["frames"]["ok"]
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        assert counters["frames"]["ok"] > before
