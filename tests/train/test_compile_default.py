@@ -76,6 +76,13 @@ CONFLICTS = {
         {},
         "transformers' own torch_compile",
     ),
+    # TrainingArguments turns torch_compile on for a backend or a mode
+    "hf_compile_backend": (
+        dict(extra_training_args={"torch_compile_backend": "inductor"}), 1, {}, "transformers' own torch_compile"
+    ),
+    "hf_compile_mode": (
+        dict(extra_training_args={"torch_compile_mode": "default"}), 1, {}, "transformers' own torch_compile"
+    ),
 }
 
 
@@ -370,9 +377,14 @@ def test_transformers_compile_takes_the_logits_path():
 
     use, why = PackedLossMixin._linear_ce_choice(trainer("auto", True), model)
     assert not use and why == "loss_impl auto: transformers' own torch_compile compiles the model's forward"
-    with pytest.raises(ValueError, match="loss_impl='linear_ce' .*transformers' own torch_compile"):
+    with pytest.raises(ValueError, match="loss_impl='linear_ce' .*TrainingArguments.torch_compile compiles"):
         PackedLossMixin._linear_ce_choice(trainer("linear_ce", True), model)
     assert PackedLossMixin._linear_ce_choice(trainer("linear_ce", False), model) == (True, "--loss-impl linear_ce")
+    # refused before the run starts, for any setting that turns transformers' compile on
+    for extra in ({"torch_compile": True}, {"torch_compile_backend": "inductor"}, {"torch_compile_mode": "default"}):
+        with pytest.raises(ValueError, match=r"loss_impl='linear_ce' .*TrainingArguments\.torch_compile"):
+            SFTConfig(loss_impl="linear_ce", extra_training_args=extra)
+        assert SFTConfig(loss_impl="logits", extra_training_args=extra)  # control
 
 
 def test_planned_loss_impl_follows_the_objective():

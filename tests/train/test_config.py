@@ -128,6 +128,13 @@ def test_extra_training_args_that_varpack_sets_are_refused_by_name(tmp_path, cap
         SFTConfig(extra_training_args={"per_device_train_batch_size": 4})
     with pytest.raises(ValueError, match="TrainingArguments.neftune_noise_alpha: NEFTune .* what it is packed with"):
         SFTConfig(extra_training_args={"neftune_noise_alpha": 5})
+    # transformers 5's name of gradient_checkpointing; Liger's layers; a label smoothing the loss never reads
+    with pytest.raises(ValueError, match="TrainingArguments.activation_checkpointing, .* --gradient-checkpointing"):
+        SFTConfig(gradient_checkpointing=True, extra_training_args={"activation_checkpointing": False})
+    with pytest.raises(ValueError, match="TrainingArguments.use_liger_kernel: .* --use-liger-kernel"):
+        SFTConfig(extra_training_args={"use_liger_kernel": True})
+    with pytest.raises(ValueError, match="TrainingArguments.label_smoothing_factor: .* no label smoothing"):
+        SFTConfig(extra_training_args={"label_smoothing_factor": 0.1})
     assert SFTConfig(extra_training_args={"max_grad_norm": 1.0, "optim": "sgd"}).extra_training_args
     code = main(["sft", "--max-steps", "2", "--extra-training-args", '{"max_steps": 5}'])
     assert code == 2 and "--extra-training-args sets TrainingArguments.max_steps, which varpack sets from its own setting --max-steps" in (

@@ -99,6 +99,9 @@ REFUSALS = {
     "deepspeed": (dict(extra_training_args={"deepspeed": "ds.json"}), 1, {}, "cuda", "with DeepSpeed"),
     "deepspeed_env": (dict(), 1, {"ACCELERATE_USE_DEEPSPEED": "1"}, "cuda", "with DeepSpeed"),
     "hf_compile": (dict(extra_training_args={"torch_compile": True}), 1, {}, "cuda", "transformers' own"),
+    "hf_compile_backend": (
+        dict(extra_training_args={"torch_compile_backend": "inductor"}), 1, {}, "cuda", "transformers' own"
+    ),
     "ranks": (dict(), 2, {}, "cuda", "with 2 ranks"),
     "cpu": (dict(), 1, {}, "cpu", "needs a CUDA GPU; this run trains on cpu"),
     "mps": (dict(), 1, {}, "mps", "needs a CUDA GPU; this run trains on mps"),

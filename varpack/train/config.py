@@ -70,6 +70,7 @@ __all__ = [
     "literal_choices",
     "resolve_torch_compile",
     "setting_text",
+    "transformers_compile",
 ]
 
 #: Default peak learning rate by model kind. A random-init built-in model (``tiny-qwen3``, ...) learns from
@@ -270,7 +271,7 @@ def resolve_torch_compile(
         return CompileChoice(False, why, anyway)
     if config.lora:
         return CompileChoice(False, "auto: --lora; compiled layers with peft adapters are not tested", anyway)
-    if _truthy(extra.get("torch_compile")):
+    if transformers_compile(extra):
         why = "auto: transformers' own torch_compile (extra_training_args) compiles the whole model"
         return CompileChoice(False, why, anyway)
     skip = "--torch-compile false to skip"
@@ -347,6 +348,7 @@ EXTRA_ARGS_OF_FIELDS: dict[str, str] = {
     "bf16": "bf16",
     "seed": "seed",
     "gradient_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing": "gradient_checkpointing",  # transformers 5's name of the same setting
 }
 
 #: ``TrainingArguments`` keywords refused in ``extra_training_args`` whatever their value: (why).
@@ -354,7 +356,18 @@ EXTRA_ARGS_REFUSED: dict[str, str] = {
     "neftune_noise_alpha": NEFTUNE_REFUSAL,
     "remove_unused_columns": "the Trainer must keep the packed batch's boundary fields (varpack sets False)",
     "train_sampling_strategy": "the packs run in the plan's order (varpack sets 'sequential')",
+    "use_liger_kernel": "varpack applies Liger-Kernel's layers itself, with its checks: use --use-liger-kernel "
+    "(use_liger_kernel=True)",
+    "label_smoothing_factor": "varpack's packed loss replaces the Trainer's and has no label smoothing",
 }
+
+
+def transformers_compile(extra: Mapping[str, Any]) -> bool:
+    """Whether ``extra_training_args`` turns on transformers' own ``torch_compile``: set truthy, or implied by a
+    ``torch_compile_backend`` / ``torch_compile_mode`` (``TrainingArguments`` then sets ``torch_compile=True``)."""
+    return _truthy(extra.get("torch_compile")) or any(
+        extra.get(key) is not None for key in ("torch_compile_backend", "torch_compile_mode")
+    )
 
 
 def check_extra_training_args(extra: Mapping[str, Any]) -> None:
@@ -464,7 +477,7 @@ def _graph_settings_conflict(
         return "FSDP", "sharded units around captured layers are not tested"
     if _truthy(extra.get("deepspeed")) or _truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
         return "DeepSpeed", "captured layers under it are not tested"
-    if _truthy(extra.get("torch_compile")):
+    if transformers_compile(extra):
         return (
             "transformers' own torch_compile (extra_training_args)",
             "it would compile the whole model around the captured layers",
@@ -1048,6 +1061,12 @@ class SFTConfig:
             if not ok:
                 raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r} ({rule})")
         check_extra_training_args(self.extra_training_args)
+        if self.loss_impl == "linear_ce" and transformers_compile(self.extra_training_args):
+            raise ValueError(
+                "SFTConfig.loss_impl='linear_ce' calls the base model and the LM head outside the model's forward, "
+                "which TrainingArguments.torch_compile (from extra_training_args) compiles, so that compile would "
+                "never run: use torch_compile (varpack's compiled layers) instead, or loss_impl='logits'"
+            )
         if self.streaming and self.max_steps < 1:
             raise ValueError(
                 "SFTConfig.max_steps has an invalid value: -1; streaming needs max_steps >= 1: the number of "

@@ -241,9 +241,8 @@ class PackedLossMixin:
             if self.loss_impl == "linear_ce":
                 raise ValueError(
                     "loss_impl='linear_ce' calls the base model and the LM head outside the model's forward, "
-                    "which transformers' own torch_compile compiles (it would never run); use varpack's "
-                    "compiled layers (--torch-compile) instead of the TrainingArguments' torch_compile, or "
-                    "loss_impl='logits'"
+                    "which TrainingArguments.torch_compile compiles, so that compile would never run: use "
+                    "varpack's compiled layers instead, or loss_impl='logits'"
                 )
             return False, "loss_impl auto: transformers' own torch_compile compiles the model's forward"
         if self.loss_impl == "linear_ce":
