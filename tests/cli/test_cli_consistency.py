@@ -178,6 +178,16 @@ def test_abbreviated_flags_are_not_taken(cmd, capsys):
     ), err
     if cmd == "sft":  # an abbreviation of several flags names them all, not the always-on --packing alone
         assert "(did you mean one of --packing, --packing-length, --packing-strategy, --packs-per-step" in err, err
+        # one flag it starts: that flag, not the nearest spelling (--packs read as --packing, --extra as --beta);
+        # a setting with an alias is named once
+        for typed, said in [
+            ("--packs", "(did you mean --packs-per-step?)"),
+            ("--extra", "(did you mean --extra-training-args?)"),
+            ("--warmup", "(did you mean --warmup-steps?)"),
+            ("--grad", "(did you mean one of --grad-accum, --gradient-checkpointing?)"),
+        ]:
+            code, _, err = _run([cmd, typed, "2"], capsys)
+            assert code == 2 and err.rstrip().endswith(said), err
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)

@@ -80,21 +80,28 @@ def hyphen_spellings(argv: list[str], sub: argparse.ArgumentParser | None) -> li
 
 
 def _did_you_mean(extra: list[str], sub: argparse.ArgumentParser) -> str:
-    """The closest flag of ``sub`` (its hyphen spelling) for each unrecognized flag before any ``--``, or every
-    flag it abbreviates when it starts several (``--pack``: ``one of --packing, --packing-length, ...``):
+    """For each unrecognized flag before any ``--``: the flags of ``sub`` it abbreviates, each setting once
+    (``--warmup``: ``--warmup-steps``; ``--pack``: ``one of --packing, --packing-length, ...``), else the
+    closest flag (its hyphen spelling):
     `` (did you mean --x?)`` for one, `` (did you mean --x for --y, --z for --w?)`` for several; ``""`` when
     no flag is close."""
     known = set(_flags(sub))
     flags = [f for f in _flags(sub) if not ("_" in f and f.replace("_", "-") in known)]
+    # each setting once, by its first flag (--grad-accum, not also its alias --gradient-accumulation-steps)
+    dest_of = {f: a.dest for a in sub._actions for f in a.option_strings}
     guesses: list[tuple[str, str]] = []
     for word in extra:
         if word == "--":  # what follows is not a flag of this command
             break
         if word.startswith("-"):
             typed = word.partition("=")[0]
-            started = sorted(f for f in flags if f.startswith(typed)) if len(typed) > 3 else []
-            if len(started) > 1:  # an abbreviation of several flags (--pack): all of them, not the nearest
-                guesses.append(("one of " + ", ".join(started), typed))
+            started: dict[str, str] = {}
+            for f in flags if len(typed) > 3 else ():
+                if f.startswith(typed):
+                    started.setdefault(dest_of[f], f)
+            if started:  # an abbreviation (--pack, --warmup): the flags it starts, not the nearest spelling
+                names = sorted(started.values())
+                guesses.append((names[0] if len(names) == 1 else "one of " + ", ".join(names), typed))
                 continue
             close = difflib.get_close_matches(typed, flags, n=1, cutoff=0.75)
             if close:
