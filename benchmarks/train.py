@@ -188,28 +188,24 @@ def to_device(mb: dict[str, Any], device, keep_cpu: tuple[str, ...] = ()) -> dic
 
 
 def static_shape_for(ds: Any, args: argparse.Namespace):
-    """The static configs' :class:`varpack.collate.StaticShape`: ``StaticShape.from_plan`` over the workload's
-    plan; zero-length pad segments with ``--static-empty-pads on``, or with ``auto`` where ``varpack sft`` would
-    give them (:data:`varpack.integrations.cuda_graphs.EMPTY_PADS_BY_DEFAULT` and
-    :func:`~varpack.integrations.cuda_graphs.empty_pads_ok`: a named attention backend that takes them, a model
-    without recurrent layers)."""
-    from varpack.collate import StaticShape
-    from varpack.integrations.cuda_graphs import EMPTY_PADS_BY_DEFAULT, empty_pads_ok
+    """The static configs' :class:`varpack.collate.StaticShape`: varpack sft's
+    :func:`varpack.integrations.cuda_graphs.static_shape_for` over the workload's plan, for the model built on
+    the meta device (no memory, no weights): zero-length pad segments with ``--static-empty-pads on`` (an error
+    where :func:`~varpack.integrations.cuda_graphs.empty_pads_ok` refuses them), never with ``off``, and with
+    ``auto`` as ``varpack sft`` gives them."""
+    from varpack.integrations import cuda_graphs
 
-    empty = args.static_empty_pads == "on" or (args.static_empty_pads == "auto" and EMPTY_PADS_BY_DEFAULT)
-    if empty:  # varpack sft's rule, on the model built on the meta device (no memory, no weights)
-        model = build_model(args.model, device="meta", dtype=torch.float32, vocab_size=args.vocab_size)
-        takes = empty_pads_ok(model, args.attn_backend)
-        if not takes and args.static_empty_pads == "on":
-            raise ValueError(
-                f"--static-empty-pads on: attention backend {args.attn_backend!r} with {args.model} is not known to "
-                "take zero-length segments (empty_pads_ok: a named backend whose Capabilities have empty_segments, "
-                "e.g. @triton_short, and no recurrent layer)"
-            )
-        empty = takes
-    return StaticShape.from_plan(
-        ds.plan, multiple_of=args.static_multiple_of, segments=args.static_segments, empty_pads=empty
-    )
+    model = build_model(args.model, device="meta", dtype=torch.float32, vocab_size=args.vocab_size)
+    if args.static_empty_pads == "on" and not cuda_graphs.empty_pads_ok(model, args.attn_backend):
+        raise ValueError(
+            f"--static-empty-pads on: attention backend {args.attn_backend!r} with {args.model} is not known to "
+            "take zero-length segments (empty_pads_ok: a named backend whose Capabilities have empty_segments, "
+            "e.g. @triton_short, and no recurrent layer)"
+        )
+    return cuda_graphs.static_shape_for(
+        ds.plan, model, args.attn_backend, multiple_of=args.static_multiple_of, segments=args.static_segments,
+        empty_pads={"on": True, "off": False, "auto": None}[args.static_empty_pads],
+    )  # fmt: skip
 
 
 def collate_steps(
