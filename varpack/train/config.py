@@ -47,6 +47,7 @@ __all__ = [
     "DEFAULT_LR",
     "EXTRA_ARGS_OF_FIELDS",
     "EXTRA_ARGS_REFUSED",
+    "LINEAR_CE_HF_COMPILE_REFUSAL",
     "NEFTUNE_REFUSAL",
     "AttnBackendName",
     "AutoBool",
@@ -360,6 +361,14 @@ EXTRA_ARGS_REFUSED: dict[str, str] = {
     "(use_liger_kernel=True)",
     "label_smoothing_factor": "varpack's packed loss replaces the Trainer's and has no label smoothing",
 }
+
+
+#: Why ``loss_impl="linear_ce"`` is refused with transformers' own ``torch_compile``.
+LINEAR_CE_HF_COMPILE_REFUSAL = (
+    "the chunked linear CE calls the base model and the LM head outside the model's forward, which "
+    "TrainingArguments.torch_compile compiles, so that compile would never run: use varpack's compiled layers "
+    "(torch_compile) instead, or loss_impl='logits'"
+)
 
 
 def transformers_compile(extra: Mapping[str, Any]) -> bool:
@@ -1063,9 +1072,8 @@ class SFTConfig:
         check_extra_training_args(self.extra_training_args)
         if self.loss_impl == "linear_ce" and transformers_compile(self.extra_training_args):
             raise ValueError(
-                "SFTConfig.loss_impl='linear_ce' calls the base model and the LM head outside the model's forward, "
-                "which TrainingArguments.torch_compile (from extra_training_args) compiles, so that compile would "
-                "never run: use torch_compile (varpack's compiled layers) instead, or loss_impl='logits'"
+                f"SFTConfig.loss_impl='linear_ce' with extra_training_args turning on transformers' compile: "
+                f"{LINEAR_CE_HF_COMPILE_REFUSAL}"
             )
         if self.streaming and self.max_steps < 1:
             raise ValueError(

@@ -239,11 +239,9 @@ class PackedLossMixin:
             # transformers compiles the model's forward; the linear CE calls the base model and the head
             # itself, outside that compiled forward, so the compile would never run
             if self.loss_impl == "linear_ce":
-                raise ValueError(
-                    "loss_impl='linear_ce' calls the base model and the LM head outside the model's forward, "
-                    "which TrainingArguments.torch_compile compiles, so that compile would never run: use "
-                    "varpack's compiled layers instead, or loss_impl='logits'"
-                )
+                from varpack.train.config import LINEAR_CE_HF_COMPILE_REFUSAL
+
+                raise ValueError(f"loss_impl='linear_ce' with TrainingArguments.torch_compile: {LINEAR_CE_HF_COMPILE_REFUSAL}")
             return False, "loss_impl auto: transformers' own torch_compile compiles the model's forward"
         if self.loss_impl == "linear_ce":
             if unwrapped is not model:
