@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -670,7 +671,7 @@ def run_rounds(
                 try:
                     rows.append({**run_one(name), "config": name})
                 except Exception as exc:  # a configuration that cannot run here: reported, never fatal
-                    rows.append({"config": name, "error": error_text(exc)})
+                    rows.append({"config": name, "error": row_error(exc)})
             if "error" in rows[-1]:
                 print(f"  {name}: {rows[-1]['error']}", file=sys.stderr, flush=True)
             if after_each is not None:
@@ -739,6 +740,12 @@ def missing_rounds(row: dict[str, Any]) -> list[str]:
 def error_text(exc: BaseException) -> str:
     """``Type: first line of the message`` (at most 300 characters) for a row that could not run."""
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+
+
+def row_error(exc: BaseException) -> str:
+    """:func:`error_text` of a row that failed, its whole traceback printed to stderr (the log) first."""
+    traceback.print_exception(exc, file=sys.stderr)
+    return error_text(exc)
 
 
 def fmt_value(v: Any) -> str:

@@ -87,6 +87,7 @@ from benchmarks._common import (  # noqa: E402
     n_params,
     pad_tokenizer,
     restored_module,
+    row_error,
     run_rounds,
     samples_for,
     sync,
@@ -441,7 +442,7 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
             if device.type == "cuda":
                 row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     except Exception as exc:  # OOM, a missing attention implementation: recorded, the run goes on
-        row["error"] = error_text(exc)
+        row["error"] = row_error(exc)
     finally:
         model = opt = None  # noqa: F841 - the memory goes before the next row
         gc.collect()
@@ -610,7 +611,7 @@ def run_trl_config(config: str, ds: Any, chosen: list[int], args: argparse.Names
         if device.type == "cuda":
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     except Exception as exc:  # TRL missing, OOM, an attention implementation failing: recorded
-        row["error"] = error_text(exc)
+        row["error"] = row_error(exc)
     finally:
         del model, trainer
         tmp.cleanup()
