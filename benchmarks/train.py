@@ -209,6 +209,29 @@ def static_shape_for(ds: Any, args: argparse.Namespace):
     )  # fmt: skip
 
 
+def graph_attention_for(ds: Any, args: argparse.Namespace) -> tuple[str, str | None]:
+    """A ``_graphs`` row's attention backend, as ``varpack sft`` chooses it
+    (:func:`varpack.integrations.cuda_graphs.graph_attention` for the model built on the meta device at the
+    plan's static ``max_seqlen``): ``--attn-backend`` itself, or ``triton_short`` where ``auto`` would resolve
+    to a backend a captured layer cannot run (``sdpa`` on an H200 without FlashAttention-4); and the note saying
+    so (``None`` when the backend is kept).
+
+    Raises:
+        ValueError: no captured layer can run the attention (the refusal's reason).
+    """
+    from varpack.collate import StaticShape
+    from varpack.integrations.cuda_graphs import graph_attention
+
+    model = build_model(args.model, device="meta", dtype=torch.float32, vocab_size=args.vocab_size)
+    name, refusal, why = graph_attention(
+        model, backend=args.attn_backend, device=args.device, dtype=getattr(torch, args.dtype),
+        max_seqlen=StaticShape.from_plan(ds.plan).max_seqlen,
+    )  # fmt: skip
+    if refusal is not None:
+        raise ValueError(f"CUDA graphs with {refusal}")
+    return name, why
+
+
 def collate_steps(
     config: str, ds: Any, chosen: list[int], args: argparse.Namespace
 ) -> list[list[dict[str, Any]]]:
@@ -384,6 +407,9 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
     row: dict[str, Any] = {}
     model = opt = None
     try:  # Liger patches the modeling module itself: put back afterwards, or later rows would run Liger too
+        if "graphs" in split_config(config)[1] and device.type == "cuda":
+            backend, row["graph_attention"] = graph_attention_for(ds, args)
+            args = argparse.Namespace(**{**vars(args), "attn_backend": backend})
         with restored_module(modeling_qwen3):
             steps = collate_steps(config, ds, chosen, args)
             model = build_model(
@@ -658,6 +684,8 @@ def note(r: dict[str, Any]) -> str:
     parts = [r["error"]] if "error" in r else []
     if not parts and "attn_resolved" in r:
         parts.append(f"{r['attention'].removeprefix('varpack ')} -> {r['attn_resolved']}")
+    if r.get("graph_attention") and "error" not in r:
+        parts.append(r["graph_attention"])
     parts += [] if "error" in r else r.get("step_options", [])
     if "pad_fraction" in r and "error" not in r:
         parts.append(

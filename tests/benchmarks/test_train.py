@@ -366,3 +366,35 @@ def test_static_empty_pads_option(monkeypatch):
     assert shape("auto").empty_pads == cuda_graphs.EMPTY_PADS_BY_DEFAULT
     monkeypatch.setattr(cuda_graphs, "EMPTY_PADS_BY_DEFAULT", True)
     assert shape("auto").empty_pads and not shape("auto", "auto").empty_pads and not shape("off").empty_pads
+
+
+def test_graphs_row_attention_as_varpack_sft_chooses_it(monkeypatch):
+    """A ``_graphs`` row asks varpack sft's ``graph_attention`` (meta model, the plan's static max_seqlen): its
+    backend and note are the row's; a refusal is an error naming it, never a row captured on a backend a
+    captured layer cannot run (``auto`` -> ``sdpa`` fails inside the capture with a CPU-copy error)."""
+    import argparse
+    import types
+
+    from varpack.integrations import cuda_graphs
+    from varpack.plan import plan_packs
+
+    ds = types.SimpleNamespace(plan=plan_packs([64, 30, 20, 14, 64, 3, 3], 64))
+    args = argparse.Namespace(model="tiny-qwen3", vocab_size=None, attn_backend="auto", device="cuda",
+                              dtype="bfloat16")  # fmt: skip
+    seen = []
+
+    def fake(model, *, backend, device, dtype, max_seqlen):
+        seen.append((type(model).__name__, backend, device, dtype, max_seqlen))
+        return answer
+
+    monkeypatch.setattr(cuda_graphs, "graph_attention", fake)
+    answer = ("triton_short", None, "attention triton_short in the captured layers (auto resolves to sdpa)")
+    assert T.graph_attention_for(ds, args) == ("triton_short", answer[2])
+    assert seen == [("Qwen3ForCausalLM", "auto", "cuda", T.torch.bfloat16, StaticShape.from_plan(ds.plan).max_seqlen)]
+    answer = ("flash_attn_4", None, None)
+    assert T.graph_attention_for(ds, args) == ("flash_attn_4", None)
+    answer = ("auto", "attention 'auto' resolves to sdpa here", None)
+    with pytest.raises(ValueError, match="CUDA graphs with attention 'auto' resolves to sdpa here"):
+        T.graph_attention_for(ds, args)
+    row = {"graph_attention": "attention triton_short in the captured layers (x)", "attention": "varpack triton_short"}
+    assert "attention triton_short in the captured layers (x)" in T.note(row)
