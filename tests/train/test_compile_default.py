@@ -554,5 +554,5 @@ def test_compile_count_names_the_failed_guard():
     assert (cb.first, cb.after_first, cb.last_step) == (1, 1, 3)
     assert len(cb.reasons) == 1 and cb.reasons[0][0] == 3, cb.reasons
     assert "size mismatch at index 0" in cb.reasons[0][1] and "expected 5, actual 6" in cb.reasons[0][1]
-    assert lines[0] == "compile   1 graphs compiled in step 1, 1 after it (last in step 3)"
+    assert lines[0] == "compile   1 graph compiled in step 1, 1 after it (last in step 3)"
     assert lines[1].startswith("compile   recompiled (step 3): ") and "size mismatch" in lines[1]

@@ -664,7 +664,8 @@ class CompileCountCallback(TrainerCallback):
             return
         tail = f" (last in step {self.last_step})" if self.after_first else ""
         self.print_fn(
-            f"compile   {self.first} graphs compiled in step 1, {self.after_first} after it{tail}"
+            f"compile   {self.first} graph{'' if self.first == 1 else 's'} compiled in step 1, {self.after_first} "
+            f"after it{tail}"
         )
         for step, reason in self.reasons:
             text = " ".join(reason.split())
