@@ -235,11 +235,11 @@ def graph_attention(
 
 #: Whether :func:`static_shape_for` (``varpack sft``, the TRL drop-in, ``benchmarks/train.py
 #: --static-empty-pads auto``) gives static shapes zero-length pad segments where :func:`empty_pads_ok` allows
-#: them. Their exactness is tested on the CPU backends (triton_short's kernels through Triton's interpreter,
-#: tests/invariant/test_static_shapes.py); off by default while the captured step on them has neither run its
-#: GPU test (``test_gpu_cuda_graph_layers_equal_eager[...-True]``) nor been measured against pad segments of one
-#: token or more (``benchmarks/train.py --static-empty-pads on`` vs ``off``, benchmarks/RESULTS.md#sft-step).
-EMPTY_PADS_BY_DEFAULT = False
+#: them: the row is then the longest pack itself (``T = 8,192`` at packing length 8,192, not ``8,320``). Exact on
+#: the CPU backends (triton_short's kernels through Triton's interpreter) and in the captured step on a GPU
+#: (tests/invariant/test_static_shapes.py ``test_gpu_cuda_graph_layers_equal_eager[...-True]``); the 8K step
+#: runs 67.7-67.8 ms with them against 68.1-68.2 with pad segments of one token or more (benchmarks/RESULTS.md#sft-step).
+EMPTY_PADS_BY_DEFAULT = True
 
 
 def empty_pads_ok(model: torch.nn.Module, attn_backend: str) -> bool:

@@ -500,8 +500,8 @@ def describe_speed(
         liger: Liger-Kernel's layers are on the model.
         hf_compile: transformers' own ``TrainingArguments.torch_compile`` is on (through
             ``extra_training_args``): Trainer compiles the whole model, so the layers are never called eager.
-        static: the CUDA-graph step's static shape and its pad cost (``"T=8320 N=92 max_seqlen=1672 (pad
-            1.6%)"``): the line reads ``"static shapes T=... (pad ...), CUDA graphs per layer + chunked linear CE
+        static: the CUDA-graph step's static shape and its pad cost (``"T=8192 N=207 max_seqlen=504, pad
+            segments may be empty (pad 0.6%)"``): the line reads ``"static shapes T=... (pad ...), CUDA graphs per layer + chunked linear CE
             (<graphs.reason>); the first steps compile and capture every decoder layer; <graphs.hint>"``.
         graphs: :func:`varpack.train.config.resolve_cuda_graphs`' :class:`~varpack.train.config.CompileChoice`;
             when off, the line ends with ``"; CUDA graphs off (<its reason>)"`` (why this run takes another step).

@@ -720,7 +720,7 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         inner.static_shape = self.static_shape
 
     def _describe_static(self) -> str:
-        """``T=8320 N=92 max_seqlen=1672 (pad 1.6%)``: the static shape and its pad cost over the train plan."""
+        """``T=8192 N=207 max_seqlen=504, pad segments may be empty (pad 0.6%)``: the static shape and its pad cost over the train plan."""
         return f"{self.static_shape.describe()} (pad {100 * self.static_pad:.1f}%)"
 
     @property
