@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     ds, chosen, info = fullest_packs(samples, args.packing_length, args.steps)
+    graph_note, args.vocab_size = None, vocab  # train.py's static shape builds the model on the meta device
+    if "graphs" in T.split_config(args.config)[1] and device.type == "cuda":  # the attention varpack sft captures
+        args.attn_backend, graph_note = T.graph_attention_for(ds, args)
     steps = T.collate_steps(args.config, ds, chosen, args)
     n, dtype = len(steps), getattr(torch, args.dtype)
     model = build_model(
@@ -207,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         f"# profile of one {args.config} step, {args.device} {args.dtype}, packing_length "
         f"{args.packing_length}"
     )
+    attention = f"varpack {args.attn_backend}" + (f" ({graph_note})" if graph_note else "")
     print(
-        f"- loss: {loss_note}; attention: varpack {args.attn_backend}; options: {options or 'none'}; AdamW "
+        f"- loss: {loss_note}; attention: {attention}; options: {options or 'none'}; AdamW "
         f"{args.optimizer}; static empty pads {args.static_empty_pads}; "
         f"~{tokens:.0f} tokens/step; {n} packs, each run untimed first (cold pass {cold_s:.1f} s) + "
         f"{args.warmup} warm-up steps; {info}"

@@ -223,14 +223,16 @@ def test_real_cpu_profile_adds_up():
     assert sum(a.kernel_us.values()) == pytest.approx(a.kernel_total_us)
 
 
-def test_small_run_adds_up(tmp_path, capsys):
-    """--small on the CPU: the table adds up (exit 0; the check would exit 1) and --out holds the figures."""
+@pytest.mark.parametrize("config", ["varpack_lce", "varpack_lce_static_compile_ops"])
+def test_small_run_adds_up(tmp_path, capsys, config):
+    """--small on the CPU: the table adds up (exit 0; the check would exit 1) and --out holds the figures; a static
+    config too (its shape is train.py's, from the model built on the meta device)."""
     import json
 
     from benchmarks import profile_step as P
 
     out = tmp_path / "profile.json"
-    assert P.main(["--device", "cpu", "--small", "--config", "varpack_lce", "--out", str(out)]) == 0
+    assert P.main(["--device", "cpu", "--small", "--config", config, "--attn-host-calls", "0", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["check_problems"] == [] and data["step_ms_without_profiler"] > 0
     assert sum(data["kernel_ms_per_step"].values()) == pytest.approx(data["kernel_total_ms_per_step"])
