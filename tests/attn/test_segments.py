@@ -218,7 +218,8 @@ def test_sdpa_still_refuses_softcap_and_loops_still_validate_offsets():
 def test_host_offsets_refused_inside_a_cuda_graph_capture(monkeypatch):
     """A per-segment backend (sdpa, reference) reads cu_seqlens on the host: inside a CUDA-graph capture that
     read would bake one batch's boundaries into the graph (or fail with torch's CPU-copy error), so it is refused
-    naming the backends that run captured; outside a capture the same call reads the offsets."""
+    naming the backends that run captured, whether the offsets are on the GPU or on the CPU; outside a capture
+    the same call reads the offsets."""
     import types
 
     from varpack.attn.reference import read_offsets
@@ -226,10 +227,12 @@ def test_host_offsets_refused_inside_a_cuda_graph_capture(monkeypatch):
 
     meta = VarlenMeta([0, 3, 5], [0, 3, 5], total_q=5, total_k=5)
     on_cuda = types.SimpleNamespace(device=torch.device("cuda"))  # stands for a CUDA tensor on this machine
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="captured CUDA graph cannot; run the captured layers on triton_short"):
-        read_offsets(on_cuda, on_cuda, 5, 5, meta)
     cpu = torch.tensor([0, 3, 5], dtype=torch.int32)
-    assert read_offsets(cpu, cpu, 5, 5, meta) == ([0, 3, 5], [0, 3, 5])  # a CPU tensor: no graph to capture
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for offsets in (on_cuda, cpu):
+        with pytest.raises(RuntimeError, match="captured CUDA graph cannot; run the captured layers on triton_short"):
+            read_offsets(offsets, offsets, 5, 5, meta)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert read_offsets(on_cuda, on_cuda, 5, 5, meta) == ([0, 3, 5], [0, 3, 5])
+    assert read_offsets(cpu, cpu, 5, 5, None) == ([0, 3, 5], [0, 3, 5])

@@ -366,6 +366,8 @@ def test_static_empty_pads_option(monkeypatch):
     assert shape("auto").empty_pads == cuda_graphs.EMPTY_PADS_BY_DEFAULT
     monkeypatch.setattr(cuda_graphs, "EMPTY_PADS_BY_DEFAULT", True)
     assert shape("auto").empty_pads and not shape("auto", "auto").empty_pads and not shape("off").empty_pads
+    monkeypatch.setattr(cuda_graphs, "EMPTY_PADS_BY_DEFAULT", False)
+    assert not shape("auto").empty_pads and shape("auto").tokens == 128 and shape("on").empty_pads
 
 
 def test_graphs_row_attention_as_varpack_sft_chooses_it(monkeypatch):

@@ -389,7 +389,8 @@ def test_empty_pad_segments_negative_control():
     assert_differs(grads_b, grads_u, what="gradient with two samples merged")
 
 
-def test_empty_pads_only_where_attention_and_mixers_take_them():
+def test_empty_pads_only_where_attention_and_mixers_take_them(monkeypatch):
+    from varpack.integrations import cuda_graphs
     from varpack.integrations.cuda_graphs import EMPTY_PADS_BY_DEFAULT, empty_pads_ok, static_shape_for
     from varpack.plan import plan_packs
 
@@ -408,6 +409,11 @@ def test_empty_pads_only_where_attention_and_mixers_take_them():
     assert with_empty.empty_pads and with_empty.tokens == 32
     assert not without.empty_pads and without.tokens > 32
     assert with_empty.pad_fraction(plan) < without.pad_fraction(plan)
+    for default in (True, False):  # empty_pads=None follows the switch, where the backend and mixers allow it
+        monkeypatch.setattr(cuda_graphs, "EMPTY_PADS_BY_DEFAULT", default)
+        assert static_shape_for(plan, dense, "triton_short").empty_pads == default
+        assert not static_shape_for(plan, dense, "flash_attn_4").empty_pads
+        assert not static_shape_for(plan, hybrid, "triton_short").empty_pads
 
 
 def test_empty_pad_segments_are_refused_where_attention_would_not_take_them(monkeypatch):

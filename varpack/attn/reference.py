@@ -130,11 +130,12 @@ def read_offsets(
 
     Raises:
         ValueError: lengths differ, or offsets that do not start at 0, decrease, or miss Tq / Tk at the end.
-        RuntimeError: ``cu_seqlens_q`` is on a CUDA device whose current stream is capturing a CUDA graph: the
-            host read cannot be captured (a graph replays device work only), so the backend is named instead of
-            torch's CPU-copy error (:data:`varpack.integrations.cuda_graphs.GRAPH_BACKENDS` run captured).
+        RuntimeError: the current CUDA stream is capturing a CUDA graph, wherever the offsets are: a host read
+            cannot be captured (a graph replays device work only; offsets on the CPU would be baked into the graph
+            for every later batch), so the backend is named instead of torch's CPU-copy error
+            (:data:`varpack.integrations.cuda_graphs.GRAPH_BACKENDS` run captured).
     """
-    if cu_seqlens_q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "varlen attention reads cu_seqlens on the host (a per-segment backend: sdpa, reference), which a "
             "captured CUDA graph cannot; run the captured layers on triton_short or flash_attn_4 "

@@ -26,7 +26,8 @@ to step record a new graph each time (PyTorch docs, "CUDA Graphs" in the CUDA se
 Pad tokens are what :class:`~varpack.collate.PaddingFreeCollator`'s ``pad_to_multiple_of`` pad segment holds:
 ``input_ids = pad_token_id``, ``labels = -100`` (never supervised, so ``num_items_in_batch`` -- the count of
 ``labels != -100`` -- counts real supervised tokens only), ``loss_scale = 0``, positions restarting at 0 in
-every pad segment, their own ``seq_idx`` values ``N .. N_static - 1``. Pad segments come after every real
+every pad segment, their own ``seq_idx`` values ``N .. N_static - 1`` (a zero-length pad segment's index
+never appears). Pad segments come after every real
 sample, so ``cu_seqlens[N]`` is the real token count (what ``varpack.train``'s ``batch_stats`` reads). Each
 pad segment attends only to itself (it is its own segment), and under causal attention no real token ever
 attends to a later one, so real tokens' logits, the loss and every gradient are those of the dynamic-shape
