@@ -31,6 +31,9 @@ On the GPU machine (files under /tmp survive between calls while the machine sta
               runs in TEST_WORKERS (8) pytest-xdist processes (--dist loadgroup), TEST_TIMEOUT (360) s per test,
               TESTS_LIMIT (450) s in all; leaves pytest.log (every duration) and autotune.tar.xz
   step        benchmarks/train.py: the SFT step, every configuration in the same run (STEP_ARGS)
+  ab          benchmarks/train.py four times in the order A B B A, one setting changed (AB_A, AB_B: the arguments
+              that differ, e.g. AB_A="--static-empty-pads on" AB_B="--static-empty-pads off"; AB_ARGS: the rest,
+              default --configs varpack_lce_static_graphs --steps 14 --rounds 1); each run's row is printed
   user        what a user types: varpack sft on the 0.6B shape without speed flags (--dtype bfloat16, --bf16,
               --bf16 --lora; USER_STEPS, 60) and varpack check; on several GPUs also varpack sft --fsdp
               (torchrun) and accelerate launch
@@ -178,6 +181,13 @@ multi_gpu() {
   python3 benchmarks/scaling.py --compare "$D"/scaling_*.json 2>&1 | tee "$D/scaling.txt"
 }
 
+ab() {  # one setting changed, four runs in the order A B B A, each a fresh process (its cold pass untimed)
+  local i=0 tag
+  for tag in A B B A; do i=$((i + 1)); local var=AB_$tag
+    TAIL=3 run "ab${i}_$tag" 200 python3 benchmarks/train.py --samples $SAMPLES \
+      ${AB_ARGS:---configs varpack_lce_static_graphs --steps 14 --rounds 1} ${!var} --out "$D/ab${i}_$tag.json"
+  done; }
+
 user() {
   local n sft=(--model qwen3-0.6b-shape --packing-length 8192 --data .gpu/data/code_alpaca.jsonl --overflow truncate
     --max-steps "${USER_STEPS:-60}" --logging-steps 10 --no-save --output-dir "$W/sft")
@@ -233,6 +243,8 @@ for stage in "$@"; do
     tests) tests all ;;
     step) need $SAMPLES && run train 450 python3 benchmarks/train.py --samples $SAMPLES \
       ${STEP_ARGS:---steps 14 --rounds 2 --time-budget 330} --out "$D/train.json" ;;
+    ab) if [ -z "${AB_A:-}" ] || [ -z "${AB_B:-}" ]; then say "ab needs AB_A and AB_B (the arguments that differ)"; (exit 2)
+        else need $SAMPLES && ab; fi ;;
     user) need .gpu/data/code_alpaca.jsonl && user ;;
     trl-user) need .gpu/data/code_alpaca.jsonl && TAIL=12 run trl_user 570 python3 benchmarks/trl_user.py \
       --data .gpu/data/code_alpaca.jsonl ${TRL_USER_ARGS:-} --keep "$D/runs" --out "$D/trl_user.json" ;;
