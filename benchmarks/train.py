@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import sys
 import tempfile
@@ -188,6 +189,13 @@ def to_device(mb: dict[str, Any], device, keep_cpu: tuple[str, ...] = ()) -> dic
     return boundaries_on_device(out, device) if on_device else out
 
 
+@functools.lru_cache(maxsize=4)
+def meta_model(name: str, vocab_size: int | None) -> torch.nn.Module:
+    """``name`` built on the meta device (no memory, no weights), once per process: what the static shape and a
+    ``_graphs`` row's attention are decided on, as ``varpack sft`` decides them on its model."""
+    return build_model(name, device="meta", dtype=torch.float32, vocab_size=vocab_size)
+
+
 def static_shape_for(ds: Any, args: argparse.Namespace):
     """The static configs' :class:`varpack.collate.StaticShape`: varpack sft's
     :func:`varpack.integrations.cuda_graphs.static_shape_for` over the workload's plan, for the model built on
@@ -196,7 +204,7 @@ def static_shape_for(ds: Any, args: argparse.Namespace):
     ``auto`` as ``varpack sft`` gives them."""
     from varpack.integrations import cuda_graphs
 
-    model = build_model(args.model, device="meta", dtype=torch.float32, vocab_size=args.vocab_size)
+    model = meta_model(args.model, args.vocab_size)
     if args.static_empty_pads == "on" and not cuda_graphs.empty_pads_ok(model, args.attn_backend):
         raise ValueError(
             f"--static-empty-pads on: attention backend {args.attn_backend!r} with {args.model} is not known to "
@@ -222,7 +230,7 @@ def graph_attention_for(ds: Any, args: argparse.Namespace) -> tuple[str, str | N
     from varpack.collate import StaticShape
     from varpack.integrations.cuda_graphs import graph_attention
 
-    model = build_model(args.model, device="meta", dtype=torch.float32, vocab_size=args.vocab_size)
+    model = meta_model(args.model, args.vocab_size)
     name, refusal, why = graph_attention(
         model, backend=args.attn_backend, device=args.device, dtype=getattr(torch, args.dtype),
         max_seqlen=StaticShape.from_plan(ds.plan).max_seqlen,

@@ -238,7 +238,8 @@ def graph_attention(
 #: them: the row is then the longest pack itself (``T = 8,192`` at packing length 8,192, not ``8,320``). Exact on
 #: the CPU backends (triton_short's kernels through Triton's interpreter) and in the captured step on a GPU
 #: (tests/invariant/test_static_shapes.py ``test_gpu_cuda_graph_layers_equal_eager[...-True]``); the 8K step
-#: runs 67.7-67.8 ms with them against 68.1-68.2 with pad segments of one token or more (benchmarks/RESULTS.md#sft-step).
+#: runs 67.7-67.8 ms with them against 68.1-68.2 with pad segments of one token or more
+#: (benchmarks/RESULTS.md#sft-step).
 EMPTY_PADS_BY_DEFAULT = True
 
 

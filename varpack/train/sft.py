@@ -1035,7 +1035,8 @@ def _rerunnable(config: SFTConfig) -> SFTConfig:
 
 
 def _describe_static(run: SFTRun) -> str:
-    """``T=8192 N=207 max_seqlen=504, pad segments may be empty (pad 0.6%)``: the run's static shape and its pad cost over the plan."""
+    """``T=8192 N=207 max_seqlen=504, pad segments may be empty (pad 0.6%)``: the run's static shape and its pad
+    cost over the plan."""
     return f"{run.static_shape.describe()} (pad {100 * run.static_pad:.1f}%)"
 
 

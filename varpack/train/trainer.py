@@ -241,7 +241,9 @@ class PackedLossMixin:
             if self.loss_impl == "linear_ce":
                 from varpack.train.config import LINEAR_CE_HF_COMPILE_REFUSAL
 
-                raise ValueError(f"loss_impl='linear_ce' with TrainingArguments.torch_compile: {LINEAR_CE_HF_COMPILE_REFUSAL}")
+                raise ValueError(
+                    f"loss_impl='linear_ce' with TrainingArguments.torch_compile: {LINEAR_CE_HF_COMPILE_REFUSAL}"
+                )
             return False, "loss_impl auto: transformers' own torch_compile compiles the model's forward"
         if self.loss_impl == "linear_ce":
             if unwrapped is not model:
@@ -501,7 +503,8 @@ def describe_speed(
         hf_compile: transformers' own ``TrainingArguments.torch_compile`` is on (through
             ``extra_training_args``): Trainer compiles the whole model, so the layers are never called eager.
         static: the CUDA-graph step's static shape and its pad cost (``"T=8192 N=207 max_seqlen=504, pad
-            segments may be empty (pad 0.6%)"``): the line reads ``"static shapes T=... (pad ...), CUDA graphs per layer + chunked linear CE
+            segments may be empty (pad 0.6%)"``): the line reads ``"static shapes T=... (pad ...), CUDA graphs
+            per layer + chunked linear CE
             (<graphs.reason>); the first steps compile and capture every decoder layer; <graphs.hint>"``.
         graphs: :func:`varpack.train.config.resolve_cuda_graphs`' :class:`~varpack.train.config.CompileChoice`;
             when off, the line ends with ``"; CUDA graphs off (<its reason>)"`` (why this run takes another step).

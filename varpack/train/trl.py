@@ -720,7 +720,8 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         inner.static_shape = self.static_shape
 
     def _describe_static(self) -> str:
-        """``T=8192 N=207 max_seqlen=504, pad segments may be empty (pad 0.6%)``: the static shape and its pad cost over the train plan."""
+        """``T=8192 N=207 max_seqlen=504, pad segments may be empty (pad 0.6%)``: the static shape and its pad
+        cost over the train plan."""
         return f"{self.static_shape.describe()} (pad {100 * self.static_pad:.1f}%)"
 
     @property
