@@ -51,3 +51,41 @@ def test_links_resolve(path):
 def test_the_link_check_can_fail(tmp_path):
     (tmp_path / "a.md").write_text("# Top `part`\n[ok](#top-part) [gone](missing.md) [nowhere](#no-such) [x](a.md)\n")
     assert [b.split(":")[0] for b in _broken(tmp_path / "a.md")] == ["missing.md", "#no-such"]
+
+
+_RAW = re.compile(r"(?<![\w./:-])(?:benchmarks/)?results/(?:\{[^{}\s`]*\}|[^\s`,;(){}<>])*")
+
+
+def _braces(pattern: str) -> list[str]:
+    """Shell brace expansion of ``pattern``: ``a.{json,log}`` -> ``a.json``, ``a.log``."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if m is None:
+        return [pattern]
+    return [p for alt in m.group(1).split(",") for p in _braces(pattern[: m.start()] + alt + pattern[m.end() :])]
+
+
+def _missing_raw_files(results_md: Path) -> list[str]:
+    """The raw files a RESULTS page quotes in backticks (``results/...`` relative to its folder, globs and braces
+    allowed) that match no file."""
+    bad = []
+    for span in re.findall(r"`([^`]*)`", results_md.read_text()):
+        for quoted in _RAW.findall(span):
+            base = ROOT if quoted.startswith("benchmarks/") else results_md.parent
+            for pattern in _braces(quoted.rstrip(".")):
+                if not list(base.glob(pattern)):
+                    bad.append(pattern)
+    return bad
+
+
+def test_results_quotes_raw_files_that_exist():
+    assert _missing_raw_files(ROOT / "benchmarks" / "RESULTS.md") == []
+
+
+def test_the_raw_file_check_can_fail(tmp_path):
+    (tmp_path / "results" / "a").mkdir(parents=True)
+    (tmp_path / "results" / "a" / "x.json").write_text("{}")
+    (tmp_path / "R.md").write_text(
+        "`results/a/x.{json,log}` and `results/a/*.json`, `git show abc:benchmarks/results/old/y.txt`, "
+        "`results/<benchmark>/`\n"
+    )
+    assert _missing_raw_files(tmp_path / "R.md") == ["results/a/x.log"]
