@@ -272,12 +272,14 @@ class StaticShape:
         real = int(np.asarray(plan.item_lengths, dtype=np.int64).sum())
         return 1.0 - real / (packs * self.tokens)
 
-    def describe(self) -> str:
+    def describe(self, pad: float | None = None) -> str:
         """``"T=8320 N=92 max_seqlen=1672"`` (what ``varpack sft``'s ``speed`` line shows; with ``empty_pads``
-        ``"T=8192 N=92 max_seqlen=1672, pad segments may be empty"``)."""
-        return f"T={self.tokens} N={self.segments} max_seqlen={self.max_seqlen}" + (
+        ``"T=8192 N=92 max_seqlen=1672, pad segments may be empty"``), followed by ``" (pad 0.6%)"`` when
+        ``pad`` (a fraction, :meth:`pad_fraction`) is given."""
+        text = f"T={self.tokens} N={self.segments} max_seqlen={self.max_seqlen}" + (
             ", pad segments may be empty" if self.empty_pads else ""
         )
+        return text if pad is None else f"{text} (pad {100 * pad:.1f}%)"
 
     # -- layout -------------------------------------------------------------------------------------------
     def check_linear_chunks(self, lengths: Any) -> None:

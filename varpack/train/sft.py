@@ -983,7 +983,7 @@ def run_sft(config: SFTConfig, *, print_fn: Any = print, **build_kw: Any) -> SFT
                 run.compile_choice,
                 liger=config.use_liger_kernel,
                 print_fn=print_fn,
-                static=_describe_static(run) if config.cuda_graphs else None,
+                static=run.static_shape.describe(run.static_pad) if config.cuda_graphs else None,
                 graphs=run.graph_choice,
             )
         )
@@ -1032,12 +1032,6 @@ def _rerunnable(config: SFTConfig) -> SFTConfig:
     return dataclasses.replace(
         config, data=data, model=local(config.model), output_dir=os.path.abspath(config.output_dir)
     )
-
-
-def _describe_static(run: SFTRun) -> str:
-    """``T=8192 N=207 max_seqlen=504, pad segments may be empty (pad 0.6%)``: the run's static shape and its pad
-    cost over the plan."""
-    return f"{run.static_shape.describe()} (pad {100 * run.static_pad:.1f}%)"
 
 
 #: said on the ``model`` line of a CPU run in float16 (weights or autocast): PyTorch's CPU float16 matmuls have no

@@ -481,7 +481,7 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             self,
             self.step_choice,
             liger=self.liger_applied,
-            static=self._describe_static() if self.graph_choice.on else None,
+            static=self.static_shape.describe(self.static_pad) if self.graph_choice.on else None,
             graphs=self.graph_choice,
         )
         self.add_callback(self._speed)
@@ -718,11 +718,6 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         self.static_pad = self.static_shape.pad_fraction(self.plan)
         inner.pad_to_multiple_of = None  # the static shape's token count is rounded to it already
         inner.static_shape = self.static_shape
-
-    def _describe_static(self) -> str:
-        """``T=8192 N=207 max_seqlen=504, pad segments may be empty (pad 0.6%)``: the static shape and its pad
-        cost over the train plan."""
-        return f"{self.static_shape.describe()} (pad {100 * self.static_pad:.1f}%)"
 
     @property
     def speed_line(self) -> str:
