@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         help="static configs: zero-length pad segments (benchmarks/train.py's option)",
     )  # fmt: skip
     p.add_argument("--optimizer", choices=OPTIMIZER_IMPLS, default="fused", help="AdamW's implementation")
+    T.add_graphs_inductor_options(p)
     p.add_argument("--attn-host-calls", type=int, default=200, help="0: skip the attention host-time row")
     p.add_argument("--trace", default=None, help="also export a Chrome trace here")
     args = p.parse_args(argv)
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         backend=args.attn_backend,
     )
     opt = make_optimizer(model, device, impl=args.optimizer)  # first: compiled, it resets torch.compile's caches
-    options = T.apply_step_options(model, args.config)
+    options = T.apply_step_options(model, args.config, args.graphs_inductor_options)
     loss_fn, loss_note = T.make_loss_fn(args.config, args)
     counts = [T.supervised_count(st) for st in steps]
     labelled = [[T.labelled_count(mb) for mb in st] for st in steps]  # counted once, outside the timed steps

@@ -53,6 +53,7 @@ everywhere: equal up to rounding).
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import gc
@@ -315,12 +316,61 @@ def static_stats(steps: list[list[dict[str, Any]]], counts: list[tuple[int, int]
     }
 
 
-def apply_step_options(model: torch.nn.Module, config: str) -> list[str]:
-    """The ``_liger`` / ``_compile`` / ``_ops`` / ``_static`` / ``_graphs`` options of a varpack row (after
-    ``enable_varpack``); what was applied, for the report.
+def inductor_options_arg(text: str) -> dict[str, Any]:
+    """``--graphs-inductor-options``: ``"max_autotune=True,coordinate_descent_tuning=True"`` ->
+    ``{"max_autotune": True, "coordinate_descent_tuning": True}`` (values as Python literals, else strings; an
+    item without ``=`` continues the value before it: ``max_autotune_gemm_backends=ATEN,TRITON``); ``""`` ->
+    ``{}``.
 
     Raises:
-        ValueError: ``_graphs`` on a model that is not on a CUDA device.
+        argparse.ArgumentTypeError: a first item without ``=``, or an empty key; an option inductor does not
+            have, or ``triton.cudagraphs=False`` (:func:`varpack.integrations.cuda_graphs.graph_compile_kw`).
+    """
+    from varpack.integrations.cuda_graphs import graph_compile_kw
+
+    raw: dict[str, str] = {}
+    key = None
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = item.partition("=")
+        if eq and name.strip():
+            key = name.strip()
+            raw[key] = value.strip()
+        elif not eq and key is not None:
+            raw[key] += "," + item
+        else:
+            raise argparse.ArgumentTypeError(f"expected key=value items separated by commas, got {item!r}")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    try:
+        graph_compile_kw(out)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return out
+
+
+def add_graphs_inductor_options(p: argparse.ArgumentParser) -> None:
+    """``--graphs-inductor-options`` (train.py, profile_step.py)."""
+    p.add_argument(
+        "--graphs-inductor-options", type=inductor_options_arg, default={},
+        help="_graphs configs: inductor options in place of mode='reduce-overhead', as key=value items separated "
+        "by commas, e.g. max_autotune=True,coordinate_descent_tuning=True (what mode='max-autotune' sets); CUDA "
+        "graphs stay on (varpack.integrations.cuda_graphs.graph_compile_kw)",
+    )  # fmt: skip
+
+
+def apply_step_options(
+    model: torch.nn.Module, config: str, inductor_options: dict[str, Any] | None = None
+) -> list[str]:
+    """The ``_liger`` / ``_compile`` / ``_ops`` / ``_static`` / ``_graphs`` options of a varpack row (after
+    ``enable_varpack``); what was applied, for the report. ``inductor_options``: the ``_graphs`` layers' inductor
+    options in place of ``mode="reduce-overhead"`` (``--graphs-inductor-options``).
+
+    Raises:
+        ValueError: ``_graphs`` on a model that is not on a CUDA device; an unknown inductor option.
     """
     from varpack.integrations.cuda_graphs import compile_layers_as_graphs
     from varpack.integrations.kernels import apply_liger_kernels, compile_layers
@@ -329,8 +379,9 @@ def apply_step_options(model: torch.nn.Module, config: str) -> list[str]:
     if "liger" in options:
         done.append("liger " + "+".join(apply_liger_kernels(model)))
     if "graphs" in options:  # the library's one implementation (varpack sft --cuda-graphs runs it too)
-        done.append(f"compile x{compile_layers_as_graphs(model, what=config)} (attention op in graph, static "
-                    "shapes, CUDA graphs per layer)")  # fmt: skip
+        layers = compile_layers_as_graphs(model, what=config, inductor_options=inductor_options)
+        extra = f", inductor options {inductor_options}" if inductor_options else ""
+        done.append(f"compile x{layers} (attention op in graph, static shapes, CUDA graphs per layer{extra})")
     elif "compile" in options:
         kw = {"custom_ops": True, "fullgraph": True} if "ops" in options else {}
         kw |= {"dynamic": False} if "static" in options else {}
@@ -438,7 +489,7 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
                 enable_varpack(model, backend=args.attn_backend)
                 row["attention"] = f"varpack {args.attn_backend}"
                 row["attn_resolved"] = resolved_backend(model, steps[0][0], device, dtype, args.attn_backend)
-                row["step_options"] = apply_step_options(model, config)
+                row["step_options"] = apply_step_options(model, config, args.graphs_inductor_options)
             elif config.endswith("_liger"):
                 row["step_options"] = [apply_trl_liger(model)]
             loss_fn, row["loss"] = make_loss_fn(config, args)
@@ -807,6 +858,7 @@ def main(argv: list[str] | None = None) -> int:
         help="AdamW's implementation (benchmarks/_common.py make_optimizer): fused (torch's fused kernel on "
         "CUDA) or compiled (its foreach step under torch.compile)",
     )  # fmt: skip
+    add_graphs_inductor_options(p)
     p.add_argument("--peak-flops", type=float, default=H200_BF16_DENSE_PEAK_FLOPS)
     p.add_argument(
         "--time-budget",

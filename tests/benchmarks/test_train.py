@@ -133,6 +133,28 @@ def test_unknown_backend_name_is_refused_before_any_row_runs(argv, message, caps
     assert message in captured.err and "running" not in captured.out
 
 
+def test_graphs_inductor_options_parsed_and_checked_before_any_row_runs(capsys):
+    assert T.inductor_options_arg("") == {}
+    assert T.inductor_options_arg("max_autotune=True, coordinate_descent_tuning=True,") == {
+        "max_autotune": True, "coordinate_descent_tuning": True
+    }
+    assert T.inductor_options_arg("max_autotune=True,max_autotune_gemm_backends=ATEN,TRITON") == {
+        "max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"
+    }
+    assert T.inductor_options_arg("coordinate_descent_search_radius=2") == {"coordinate_descent_search_radius": 2}
+    for text, message in (
+        ("max_autotune", "expected key=value items"),
+        ("=True", "expected key=value items"),
+        ("max_autotun=True", "unknown inductor option(s) ['max_autotun']"),
+        ("triton.cudagraphs=False", "would not capture them"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            T.main(["--device", "cpu", "--small", "--graphs-inductor-options", text])
+        assert exc.value.code == 2
+        captured = capsys.readouterr()
+        assert message in captured.err and "running" not in captured.out, text
+
+
 def test_two_spellings_of_one_row_are_refused(capsys):
     """``varpack`` runs ``--attn-backend`` (auto by default): beside ``varpack@auto`` it would be timed
     twice."""

@@ -248,15 +248,21 @@ def assert_step_close(got, want, tol: float, what) -> float:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("backend", "dtype", "empty_pads"),
-    [("triton_short", torch.float32, False), ("triton_short", torch.float32, True), ("flash_attn_4", torch.bfloat16, False)],
+    ("backend", "dtype", "empty_pads", "inductor_options"),
+    [
+        ("triton_short", torch.float32, False, None),
+        ("triton_short", torch.float32, True, None),
+        ("flash_attn_4", torch.bfloat16, False, None),
+        ("triton_short", torch.bfloat16, True, {"max_autotune": True, "coordinate_descent_tuning": True}),
+    ],
 )
-def test_gpu_cuda_graph_layers_equal_eager(backend, dtype, empty_pads):
+def test_gpu_cuda_graph_layers_equal_eager(backend, dtype, empty_pads, inductor_options):
     """compile_layers(custom_ops=True, fullgraph=True, dynamic=False, mode="reduce-overhead") on static packs:
     every layer captured (inductor's cudagraph_or_error on: a skipped graph raises), one dynamo graph for every
     pack, logits / loss / every gradient equal to the same model run eagerly; the boundaries dropped differ.
     With ``empty_pads`` the full packs' pad segments are all zero-length (repeated offsets in the captured
-    boundaries)."""
+    boundaries); with ``inductor_options`` the layers compile with them in place of the mode
+    (``graph_compile_kw``: GEMM autotuning and epilogue fusion for max_autotune)."""
     shape = EMPTY if empty_pads else SHAPE
     cuda_backend_or_skip(backend, dtype)
     from torch._dynamo.utils import counters
@@ -270,7 +276,9 @@ def test_gpu_cuda_graph_layers_equal_eager(backend, dtype, empty_pads):
         "tiny-qwen3", vocab_size=VOCAB, attn_backend=backend, config_overrides={"head_dim": 64}
     ).to("cuda", dtype)
     eager = copy.deepcopy(model)
-    compile_layers(model, custom_ops=True, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    from varpack.integrations.cuda_graphs import graph_compile_kw
+
+    compile_layers(model, **graph_compile_kw(inductor_options))
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     graphs = None
     with inductor_config.patch({"triton.cudagraph_or_error": True}):

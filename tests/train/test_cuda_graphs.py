@@ -256,6 +256,37 @@ def test_compile_for_graphs_refuses_a_cpu_device():
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
 
 
+def test_graph_compile_kw_takes_inductor_options_in_place_of_the_mode(monkeypatch):
+    """Inductor options replace ``mode="reduce-overhead"`` with CUDA graphs kept on; an unknown option or
+    ``triton.cudagraphs=False`` is an error naming it, raised before any layer is compiled."""
+    from varpack.integrations import cuda_graphs, kernels
+
+    assert cuda_graphs.graph_compile_kw() == cuda_graphs.GRAPH_COMPILE_KW
+    assert cuda_graphs.graph_compile_kw() is not cuda_graphs.GRAPH_COMPILE_KW
+    kw = cuda_graphs.graph_compile_kw({"max_autotune": True, "coordinate_descent_tuning": True})
+    assert "mode" not in kw and kw["options"] == {
+        "max_autotune": True, "coordinate_descent_tuning": True, "triton.cudagraphs": True
+    }
+    assert {k: kw[k] for k in ("custom_ops", "fullgraph", "dynamic")} == {
+        "custom_ops": True, "fullgraph": True, "dynamic": False
+    }
+    with pytest.raises(ValueError, match=r"unknown inductor option\(s\) \['max_autotun'\]"):
+        cuda_graphs.graph_compile_kw({"max_autotun": True})
+    with pytest.raises(ValueError, match="triton.cudagraphs=False would not capture them"):
+        cuda_graphs.graph_compile_kw({"triton.cudagraphs": False})
+    seen = []
+    monkeypatch.setattr(kernels, "compile_layers", lambda model, **kw: seen.append(kw) or 2)
+    dense = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="sdpa")
+    with pytest.raises(ValueError, match="unknown inductor option"):
+        cuda_graphs.compile_layers_as_graphs(dense, device="cuda", inductor_options={"no_such_option": 1})
+    assert seen == []
+    assert cuda_graphs.compile_layers_as_graphs(dense, device="cuda", inductor_options={"max_autotune": True}) == 2
+    assert seen == [
+        {"custom_ops": True, "fullgraph": True, "dynamic": False,
+         "options": {"max_autotune": True, "triton.cudagraphs": True}}
+    ]  # fmt: skip
+
+
 def test_compile_for_graphs_gated_delta_models_need_fla_hybrid(monkeypatch):
     """A Gated DeltaNet model runs captured only where its rule resolves to fla_hybrid (chunk tables built on
     the device): on the chunk backend, or off CUDA, it is refused before compiling, with the backend it

@@ -51,6 +51,7 @@ __all__ = [
     "cudagraph_skips",
     "empty_pads_ok",
     "graph_attention",
+    "graph_compile_kw",
     "model_refusal",
     "static_shape_for",
 ]
@@ -131,6 +132,32 @@ GRAPH_COMPILE_KW: dict[str, Any] = {
     "dynamic": False,
     "mode": "reduce-overhead",
 }
+
+
+def graph_compile_kw(inductor_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The :func:`varpack.integrations.kernels.compile_layers` keywords of CUDA-graph layers:
+    :data:`GRAPH_COMPILE_KW`, or with ``inductor_options`` (e.g. ``{"max_autotune": True,
+    "coordinate_descent_tuning": True}``, what ``mode="max-autotune"`` sets) those options plus
+    ``"triton.cudagraphs": True`` in place of ``mode`` (``torch.compile`` takes ``mode`` or ``options``, not
+    both). A new dict each call.
+
+    Raises:
+        ValueError: an option inductor does not have (``torch._inductor.list_options()``), named; or
+            ``"triton.cudagraphs"`` set false (these layers are replayed as CUDA graphs).
+    """
+    kw = dict(GRAPH_COMPILE_KW)
+    if not inductor_options:
+        return kw
+    from torch._inductor import list_options
+
+    unknown = sorted(set(inductor_options) - set(list_options()))
+    if unknown:
+        raise ValueError(f"CUDA-graph layers: unknown inductor option(s) {unknown} (torch._inductor.list_options())")
+    if not inductor_options.get("triton.cudagraphs", True):
+        raise ValueError("CUDA-graph layers: inductor option triton.cudagraphs=False would not capture them")
+    del kw["mode"]
+    kw["options"] = {**inductor_options, "triton.cudagraphs": True}
+    return kw
 
 
 #: the attention backends a captured layer runs: they launch without reading ``cu_seqlens`` on the host and have a
@@ -333,25 +360,32 @@ def model_refusal(
 
 
 def compile_layers_as_graphs(
-    model: torch.nn.Module, *, device: torch.device | str | None = None, what: str = "CUDA graphs"
+    model: torch.nn.Module,
+    *,
+    device: torch.device | str | None = None,
+    what: str = "CUDA graphs",
+    inductor_options: dict[str, Any] | None = None,
 ) -> int:
     """Compile every decoder layer of ``model`` (on varpack attention) for CUDA-graph replay
-    (:data:`GRAPH_COMPILE_KW`; compiled lazily, at the first call). Returns the number of layers compiled.
+    (:func:`graph_compile_kw`; compiled lazily, at the first call). Returns the number of layers compiled.
 
     Args:
         model: the model.
         device: the device it will train on (a Trainer moves it there after this); default: its parameters'.
         what: the setting named in the error.
+        inductor_options: inductor options in place of ``mode="reduce-overhead"`` (:func:`graph_compile_kw`;
+            ``benchmarks/train.py --graphs-inductor-options``).
 
     Raises:
-        ValueError: ``device`` is not CUDA (``"{what}: CUDA graphs need a CUDA device, the model is on cpu"``),
-            or the model has Mamba-2 mixers, or Gated DeltaNet layers whose rule does not resolve to
+        ValueError: an unknown inductor option (:func:`graph_compile_kw`), or ``device`` is not CUDA
+            (``"{what}: CUDA graphs need a CUDA device, the model is on cpu"``), or the model has Mamba-2 mixers, or Gated DeltaNet layers whose rule does not resolve to
             ``fla_hybrid`` on ``device`` (:func:`model_refusal`'s reasons), nothing compiled;
             :func:`varpack.integrations.kernels.compile_layers`' refusals. Gated DeltaNet layers that pass are
             marked to trace without CPU offsets (``fla_hybrid`` builds its chunk tables on the device).
     """
     from varpack.integrations.kernels import compile_layers
 
+    compile_kw = graph_compile_kw(inductor_options)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if device.type != "cuda":
         raise ValueError(f"{what}: CUDA graphs need a CUDA device, the model is on {device}")
@@ -363,7 +397,7 @@ def compile_layers_as_graphs(
     for module in model.modules():  # read by the traced Gated DeltaNet forward: no CPU offsets in the graph
         if is_gated_delta_layer(module):
             module._varpack_static_boundaries = True
-    return compile_layers(model, **GRAPH_COMPILE_KW)
+    return compile_layers(model, **compile_kw)
 
 
 def boundaries_on_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
