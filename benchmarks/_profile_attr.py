@@ -141,16 +141,59 @@ class Attribution:
     overlap_pairs: list[tuple[str, str, float]] = field(
         default_factory=list
     )  # same stream: enclosing, enclosed, us
+    top_by_category: dict[str, list[tuple[str, float, int]]] = field(default_factory=dict)  # cat -> name, us, calls
+    short_gap_us: float = 0.0  # idle device time in gaps shorter than gap_us (between back-to-back kernels)
+    n_short_gaps: int = 0
+    long_gaps: list[tuple[str, float, int]] = field(default_factory=list)  # what follows, idle us, count
 
 
-def attribute(events: Sequence[Event], device: str = "cuda", top: int = 20) -> Attribution:
+#: a device-idle gap at least this long (microseconds) is the device waiting for the host; shorter ones are
+#: the bubbles between kernels launched back to back (launch latency, a kernel's tail, a graph's node switch)
+LONG_GAP_US = 10.0
+
+
+def gap_label(e: Event) -> str:
+    """What a device-idle gap is attributed to: the device work that ends it, as ``category: what launched it``
+    (its innermost host range that is not a wrapper, else the kernel's name), 80 characters."""
+    names = [n for n in e.parents if not _WRAPPER_RANGE.search(n) and not n.startswith("triton_")]
+    return f"{categorize(e)}: {(names[0] if names else e.name)}"[:80]
+
+
+def device_gaps(
+    work: Sequence[Event], gap_us: float = LONG_GAP_US
+) -> tuple[float, int, list[tuple[str, float, int]]]:
+    """The idle gaps of the device timeline formed by ``work`` (kernels and copies, any streams): the summed
+    idle time and count of gaps shorter than ``gap_us``, and the longer gaps grouped by :func:`gap_label` of
+    the work that ends them, largest idle time first. Idle before the first and after the last event is not
+    a gap here (:func:`per_step`'s host gaps count it against the wall)."""
+    short_us, n_short, end = 0.0, 0, None
+    long: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in sorted(work, key=lambda e: e.start_us):
+        if end is not None and e.start_us > end:
+            idle = e.start_us - end
+            if idle < gap_us:
+                short_us, n_short = short_us + idle, n_short + 1
+            else:
+                agg = long[gap_label(e)]
+                agg[0] += idle
+                agg[1] += 1
+        end = e.start_us + e.dur_us if end is None else max(end, e.start_us + e.dur_us)
+    ranked = sorted(((k, v[0], int(v[1])) for k, v in long.items()), key=lambda t: -t[1])
+    return short_us, n_short, ranked
+
+
+def attribute(
+    events: Sequence[Event], device: str = "cuda", top: int = 20, top_per_category: int = 8
+) -> Attribution:
     """Attribute every kernel / copy of ``device`` in ``events`` to one category; annotation spans are
     excluded (counted in ``n_annotations``), events of other devices ignored (``device="cpu"``: the CPU smoke
-    test's leaf ATen ops stand in for kernels)."""
+    test's leaf ATen ops stand in for kernels). Also: the ``top`` kernels overall and ``top_per_category`` per
+    category, and the device's idle gaps (:func:`device_gaps`)."""
     kernel_us: dict[str, float] = defaultdict(float)
     intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
     per_stream: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
     per_kernel: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    work: list[Event] = []
     n_kernels = n_copies = n_ann = 0
     ann_us = unlinked = 0.0
     for e in events:
@@ -161,6 +204,7 @@ def attribute(events: Sequence[Event], device: str = "cuda", top: int = 20) -> A
             ann_us += e.dur_us
             continue
         cat = categorize(e)
+        work.append(e)
         kernel_us[cat] += e.dur_us
         iv = (e.start_us, e.start_us + e.dur_us)
         intervals[cat].append(iv)
@@ -187,7 +231,13 @@ def attribute(events: Sequence[Event], device: str = "cuda", top: int = 20) -> A
             if b0 > end:
                 end, owner = b0, name
         overlap[s] = over
-    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    ranked_all = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    ranked = ranked_all[:top]
+    by_cat: dict[str, list[tuple[str, float, int]]] = {c: [] for c in CATEGORIES}
+    for (name, cat), v in ranked_all:
+        if len(by_cat[cat]) < top_per_category:
+            by_cat[cat].append((name, v[0], int(v[1])))
+    short_us, n_short, long_gaps = device_gaps(work)
     return Attribution(
         kernel_us={c: kernel_us.get(c, 0.0) for c in CATEGORIES},
         busy_us_by_category={c: union_us(intervals.get(c, ())) for c in CATEGORIES},
@@ -201,6 +251,10 @@ def attribute(events: Sequence[Event], device: str = "cuda", top: int = 20) -> A
         overlap_pairs=sorted(((a, b, us) for (a, b), us in pairs.items()), key=lambda t: -t[2])[:5],
         unlinked_us=unlinked,
         top=[(name, cat, v[0], int(v[1])) for (name, cat), v in ranked],
+        top_by_category={c: rows for c, rows in by_cat.items() if rows},
+        short_gap_us=short_us,
+        n_short_gaps=n_short,
+        long_gaps=long_gaps[:top],
     )
 
 
@@ -254,6 +308,15 @@ def per_step(a: Attribution, steps: int, wall_us: float) -> dict[str, Any]:
         "top_kernels": [
             {"name": n[:120], "category": c, "ms_per_step": us * ms, "calls_per_step": calls / steps}
             for n, c, us, calls in a.top
+        ],
+        "top_kernels_by_category": {
+            c: [{"name": n[:120], "ms_per_step": us * ms, "calls_per_step": calls / steps} for n, us, calls in rows]
+            for c, rows in a.top_by_category.items()
+        },
+        "short_gap_ms_per_step": a.short_gap_us * ms,
+        "short_gaps_per_step": a.n_short_gaps / steps,
+        "long_gaps": [
+            {"before": label, "ms_per_step": us * ms, "gaps_per_step": n / steps} for label, us, n in a.long_gaps
         ],
     }
 

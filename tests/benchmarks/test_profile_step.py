@@ -237,3 +237,33 @@ def test_small_run_adds_up(tmp_path, capsys, config):
     assert data["check_problems"] == [] and data["step_ms_without_profiler"] > 0
     assert sum(data["kernel_ms_per_step"].values()) == pytest.approx(data["kernel_total_ms_per_step"])
     assert "check: categories sum" in capsys.readouterr().out
+
+
+def test_device_gaps_split_short_bubbles_from_waits_for_the_host():
+    """Idle device time between kernels: gaps under LONG_GAP_US are summed as bubbles, longer ones grouped by
+    the work that ends them (its launching op, wrappers skipped); work on two streams that overlaps leaves no
+    gap; idle before the first kernel is not a gap."""
+    fwd = (COMPILED, "CompiledFunction")
+    events = [
+        _k("triton_poi_fused_mul_silu_1", 100.0, 5.0, ("triton_poi_fused_mul_silu_1", *fwd)),
+        _k("nvjet_tst_a", 107.0, 20.0, ("aten::mm", *fwd)),  # 2 us bubble
+        _k("nvjet_tst_b", 120.0, 10.0, ("aten::mm",), stream=9),  # overlaps the one before: no gap
+        _k("nvjet_tst_c", 177.0, 3.0, ("aten::mm", *fwd)),  # 47 us wait
+        _k("triton_poi_fused_add_2", 185.0, 1.0, ("triton_poi_fused_add_2", "aten::add", *fwd)),  # 5 us bubble
+        _k("nvjet_tst_d", 236.0, 4.0, ("aten::mm",)),  # 50 us wait
+        _k("void at::native::multi_tensor_apply_kernel<FusedAdam>", 300.0, 8.0, ("aten::_fused_adamw_",)),
+    ]
+    short_us, n_short, long = A.device_gaps(events)
+    assert (short_us, n_short) == (pytest.approx(7.0), 2)
+    assert long == [("GEMM: aten::mm", pytest.approx(97.0), 2), ("optimizer: aten::_fused_adamw_", 60.0, 1)]
+    a = A.attribute(events)
+    assert (a.short_gap_us, a.n_short_gaps, a.long_gaps) == (short_us, n_short, long)
+    assert A.gap_label(events[4]) == "elementwise / norm: aten::add"
+    out = A.per_step(a, 2, 400.0)
+    assert out["short_gap_ms_per_step"] == pytest.approx(7.0e-3 / 2)
+    assert out["long_gaps"][0] == {"before": "GEMM: aten::mm", "ms_per_step": pytest.approx(97e-3 / 2),
+                                   "gaps_per_step": 1.0}  # fmt: skip
+    # the busy time and the gaps account for the span from the first kernel's start to the last one's end
+    long_us = sum(us for _, us, _ in long)
+    assert a.busy_us + short_us + long_us == pytest.approx(308.0 - 100.0)
+    assert [k[0] for k in a.top_by_category["GEMM"]] == ["nvjet_tst_a", "nvjet_tst_b", "nvjet_tst_d", "nvjet_tst_c"]
