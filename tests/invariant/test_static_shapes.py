@@ -254,6 +254,8 @@ def assert_step_close(got, want, tol: float, what) -> float:
         ("triton_short", torch.float32, True, None),
         ("flash_attn_4", torch.bfloat16, False, None),
         ("triton_short", torch.bfloat16, True, {"max_autotune": True, "coordinate_descent_tuning": True}),
+        ("triton_short", torch.bfloat16, True, {"triton.enable_pdl": True}),
+        ("triton_short", torch.bfloat16, True, {"triton.mix_order_reduction": False}),
     ],
 )
 def test_gpu_cuda_graph_layers_equal_eager(backend, dtype, empty_pads, inductor_options):
@@ -278,7 +280,11 @@ def test_gpu_cuda_graph_layers_equal_eager(backend, dtype, empty_pads, inductor_
     eager = copy.deepcopy(model)
     from varpack.integrations.cuda_graphs import graph_compile_kw
 
-    compile_layers(model, **graph_compile_kw(inductor_options))
+    try:
+        compile_kw = graph_compile_kw(inductor_options)
+    except ValueError as exc:  # an option this torch's inductor does not have
+        pytest.skip(str(exc))
+    compile_layers(model, **compile_kw)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     graphs = None
     with inductor_config.patch({"triton.cudagraph_or_error": True}):
