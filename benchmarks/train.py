@@ -39,8 +39,8 @@ best peer reported, and a ratio on both sides of 1 flagged ORDER-DEPENDENT. TRL 
 ``trainer.train()`` passes (cold = the first). Reported: real tokens/s (the samples' tokens: pad tokens of a
 static shape are not counted; their share is ``pad_fraction``), supervised tokens/s, MFU = 6 * N_params * real
 tokens/s / 989e12 (attention FLOPs not counted; ``mfu_lm_head_rows_run`` counts the LM head's FLOPs only for the
-rows it ran), peak memory, the first step's loss (same samples and weights
-everywhere: equal up to rounding).
+rows it ran; ``mfu_with_attention`` adds each sample's causal attention FLOPs, :func:`attention_flops`), peak
+memory, the first step's loss (same samples and weights everywhere: equal up to rounding).
 
     python benchmarks/train.py --samples .gpu/samples.npz --out train.json
     python benchmarks/train.py --samples .gpu/samples.npz --packing-length 16384 --steps 7 \\
@@ -518,7 +518,7 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
                 timing = cold_then_timed(step, len(steps), device, args.timed_passes)
             if "graphs" in split_config(config)[1]:
                 row["cudagraph_skips"] = cudagraph_skips() - skips
-            row.update(figures(timing, counts, n_params(model), args))
+            row.update(figures(timing, counts, n_params(model), args, getattr(args, "attention_flops", None)))
             row.update(lm_head_figures(row, model, steps, labelled, config, args))
             row["micro_batches_per_step"] = float(np.mean([len(st) for st in steps]))
             if config == "padded":
@@ -536,13 +536,45 @@ def run_config(config: str, ds: Any, chosen: list[int], args: argparse.Namespace
     return row
 
 
-def figures(timing: dict[str, Any], counts: list[tuple[int, int]], params: int, args) -> dict[str, Any]:
+def attention_flops(config: Any, lengths: Any) -> float | None:
+    """Training FLOPs of causal attention over samples of ``lengths`` tokens, each attending only within itself:
+    ``12 * layers * heads * head_dim * sum(L * (L + 1) / 2)`` (forward ``QK^T`` and ``PV``, 2 FLOPs per
+    multiply-add each, backward twice the forward: PaLM's attention term with each sample's causal pairs in
+    place of ``T^2``). ``config``: a transformers config (``num_hidden_layers``, ``num_attention_heads``,
+    ``head_dim`` or ``hidden_size / heads``; only ``"full_attention"`` layers where it has ``layer_types``).
+    ``None`` where a layer attends over a sliding window (its pairs are not these)."""
+    kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    if any(k == "sliding_attention" for k in kinds) or (
+        getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)
+    ):
+        return None
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    lengths = np.asarray(lengths, dtype=np.float64)
+    pairs = float((lengths * (lengths + 1) / 2).sum())
+    return 12.0 * sum(k == "full_attention" for k in kinds) * heads * head_dim * pairs
+
+
+def workload_attention_flops(ds: Any, chosen: list[int], args: argparse.Namespace) -> float | None:
+    """:func:`attention_flops` of one pass over the chosen packs (every row trains the same samples)."""
+    lengths = np.asarray(ds.plan.item_lengths)
+    used = np.concatenate([lengths[np.asarray(ds.plan.packs[i])] for i in chosen])
+    return attention_flops(meta_model(args.model, args.vocab_size).config, used)
+
+
+def figures(
+    timing: dict[str, Any], counts: list[tuple[int, int]], params: int, args, attn_flops: float | None = None
+) -> dict[str, Any]:
     """A row's steady and cold figures from :func:`benchmarks._common.cold_then_timed` and the steps' token
-    counts."""
+    counts; ``mfu_with_attention`` adds ``attn_flops`` (one pass's causal attention FLOPs,
+    :func:`attention_flops`) to the 6 * N FLOPs per token."""
     real, sup, s = sum(c[0] for c in counts), sum(c[1] for c in counts), timing["seconds"]
-    return {"timed_steps": len(counts), "n_params": params, **timing, "step_ms": 1e3 * s / len(counts),
-            "real_tokens_per_s": real / s, "supervised_tokens_per_s": sup / s,
-            "mfu": 6.0 * params * real / s / args.peak_flops}  # fmt: skip
+    out = {"timed_steps": len(counts), "n_params": params, **timing, "step_ms": 1e3 * s / len(counts),
+           "real_tokens_per_s": real / s, "supervised_tokens_per_s": sup / s,
+           "mfu": 6.0 * params * real / s / args.peak_flops}  # fmt: skip
+    if attn_flops is not None:
+        out["mfu_with_attention"] = (6.0 * params * real + attn_flops) / s / args.peak_flops
+    return out
 
 
 def lm_head_figures(
@@ -692,7 +724,8 @@ def run_trl_config(config: str, ds: Any, chosen: list[int], args: argparse.Names
                   "loss_first": losses[0] if losses else float("nan"), "timed_pass_s": timer.seconds[1:],
                   "seconds": float(np.median(timer.seconds[1:]))}  # fmt: skip
         counts = [(sum(r["seq_lengths"]), sum(x != IGNORE for x in r["labels"])) for r in packed]
-        row.update(figures(timing, counts, n_params(model), args), micro_batches_per_step=1.0)
+        row.update(figures(timing, counts, n_params(model), args, getattr(args, "attention_flops", None)),
+                   micro_batches_per_step=1.0)
         if device.type == "cuda":
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     except Exception as exc:  # TRL missing, OOM, an attention implementation failing: recorded
@@ -777,6 +810,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "real tok/s",
         "sup. tok/s",
         "MFU",
+        "MFU w/ attention",
         "peak GiB",
         "cold 1st step s",
         "cold pass s",
@@ -793,7 +827,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             vs += " ORDER-DEPENDENT" if r.get("order_dependent") else ""
         body.append([r["config"], r.get("attention", "-"), r.get("loss", "-"), r.get("step_ms"),
                      r.get("real_tokens_per_s"), r.get("supervised_tokens_per_s"),
-                     f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-", r.get("peak_mem_gb"),
+                     f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-",
+                     f"{100 * r['mfu_with_attention']:.1f}%" if "mfu_with_attention" in r else "-",
+                     r.get("peak_mem_gb"),
                      r.get("cold_first_step_s"), r.get("cold_pass_s"), r.get("vs_padded"), vs,
                      f"{r['loss_first']:.4f}" if "loss_first" in r else "-", note(r)])  # fmt: skip
     return markdown_table(headers, body)
@@ -912,6 +948,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pad_token_id >= vocab:
         args.pad_token_id = 0
     ds, chosen, info = fullest_packs(samples, args.packing_length, args.steps, args.max_sample_length)
+    args.attention_flops = workload_attention_flops(ds, chosen, args)
+    info["attention_flops_per_step"] = None if args.attention_flops is None else args.attention_flops / len(chosen)
     print(f"# SFT step, {args.model}, {args.device} {args.dtype}, packing_length {args.packing_length}\n"
           f"- samples: {source}; workload: {info}")  # fmt: skip
     budget = Budget(args.time_budget)
@@ -932,7 +970,8 @@ def main(argv: list[str] | None = None) -> int:
     best = next((r["best_peer_rounds"] for r in rows if "best_peer_rounds" in r), None)
     print(
         f"\n{table(rows)}\n\nMFU = 6 * N * real tokens/s / {args.peak_flops:.3g} (attention FLOPs not "
-        "counted). "
+        "counted; the targets use it). MFU w/ attention adds each sample's causal attention FLOPs "
+        "(12 * layers * heads * head_dim * sum L(L+1)/2). "
         f"Each config: one untimed cold pass over its {len(chosen)} packs, then {args.timed_passes} timed "
         "passes "
         f"(median); {args.rounds} round(s) in rotated order; best peer per round: {best}."

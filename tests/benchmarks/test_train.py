@@ -422,3 +422,31 @@ def test_graphs_row_attention_as_varpack_sft_chooses_it(monkeypatch):
         T.graph_attention_for(ds, args)
     row = {"graph_attention": "attention triton_short in the captured layers (x)", "attention": "varpack triton_short"}
     assert "attention triton_short in the captured layers (x)" in T.note(row)
+
+
+def test_attention_flops_count_each_samples_causal_pairs():
+    """12 * layers * heads * head_dim * sum L(L+1)/2: a pack of two samples counts their own pairs, not the
+    pack's; only full-attention layers count; a sliding window is not counted at all (None)."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, head_dim=8, hidden_size=16)
+    assert T.attention_flops(cfg, [3, 1]) == 12 * 2 * 4 * 8 * (6 + 1)
+    assert T.attention_flops(cfg, [4]) == 12 * 2 * 4 * 8 * 10 > T.attention_flops(cfg, [3, 1])
+    no_head_dim = SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, hidden_size=16, head_dim=None)
+    assert T.attention_flops(no_head_dim, [2]) == 12 * 2 * 4 * 4 * 3
+    hybrid = SimpleNamespace(**vars(cfg), layer_types=["linear_attention", "full_attention"])
+    assert T.attention_flops(hybrid, [3, 1]) == T.attention_flops(cfg, [3, 1]) / 2
+    sliding = SimpleNamespace(**vars(cfg), layer_types=["sliding_attention", "full_attention"])
+    assert T.attention_flops(sliding, [3]) is None
+    assert T.attention_flops(SimpleNamespace(**vars(cfg), use_sliding_window=True, sliding_window=4), [3]) is None
+
+
+def test_small_run_reports_mfu_with_attention(tmp_path):
+    out = tmp_path / "t.json"
+    assert T.main(["--device", "cpu", "--small", "--configs", "varpack_lce", "--rounds", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    row, attn = data["rows"][0], data["workload"]["attention_flops_per_step"]
+    assert attn > 0
+    dense = 6.0 * row["n_params"] * row["real_tokens_per_s"]
+    assert row["mfu"] == pytest.approx(dense / 989e12)
+    assert row["mfu_with_attention"] == pytest.approx((dense + attn * row["timed_steps"] / row["seconds"]) / 989e12)

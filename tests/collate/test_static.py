@@ -334,7 +334,8 @@ def test_empty_pads_shape_is_the_longest_pack_itself():
     assert StaticShape.for_packing(30, max_samples=6, multiple_of=8, empty_pads=True).tokens == 32
     assert StaticShape.for_packing(32, max_samples=6, multiple_of=8).tokens == 40
     assert empty.describe().endswith(", pad segments may be empty") and "empty" not in with_pads.describe()
-    assert with_pads.describe(0.0061) == f"T={with_pads.tokens} N={with_pads.segments} max_seqlen={with_pads.max_seqlen} (pad 0.6%)"
+    shape = f"T={with_pads.tokens} N={with_pads.segments} max_seqlen={with_pads.max_seqlen}"
+    assert with_pads.describe(0.0061) == f"{shape} (pad 0.6%)" and with_pads.describe() == shape
     with pytest.raises(TypeError, match="empty_pads must be a bool"):
         StaticShape(tokens=8, segments=2, max_seqlen=8, empty_pads="yes")
 

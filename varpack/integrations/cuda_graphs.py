@@ -152,7 +152,9 @@ def graph_compile_kw(inductor_options: dict[str, Any] | None = None) -> dict[str
 
     unknown = sorted(set(inductor_options) - set(list_options()))
     if unknown:
-        raise ValueError(f"CUDA-graph layers: unknown inductor option(s) {unknown} (torch._inductor.list_options())")
+        raise ValueError(
+            f"CUDA-graph layers: unknown inductor option(s) {unknown} (torch._inductor.list_options())"
+        )
     if not inductor_options.get("triton.cudagraphs", True):
         raise ValueError("CUDA-graph layers: inductor option triton.cudagraphs=False would not capture them")
     del kw["mode"]
@@ -378,8 +380,8 @@ def compile_layers_as_graphs(
 
     Raises:
         ValueError: an unknown inductor option (:func:`graph_compile_kw`), or ``device`` is not CUDA
-            (``"{what}: CUDA graphs need a CUDA device, the model is on cpu"``), or the model has Mamba-2 mixers, or Gated DeltaNet layers whose rule does not resolve to
-            ``fla_hybrid`` on ``device`` (:func:`model_refusal`'s reasons), nothing compiled;
+            (``"{what}: CUDA graphs need a CUDA device, the model is on cpu"``), or the model has Mamba-2 mixers,
+            or Gated DeltaNet layers whose rule does not resolve to ``fla_hybrid`` on ``device`` (:func:`model_refusal`'s reasons), nothing compiled;
             :func:`varpack.integrations.kernels.compile_layers`' refusals. Gated DeltaNet layers that pass are
             marked to trace without CPU offsets (``fla_hybrid`` builds its chunk tables on the device).
     """
