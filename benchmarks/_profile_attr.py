@@ -142,13 +142,16 @@ class Attribution:
         default_factory=list
     )  # same stream: enclosing, enclosed, us
     top_by_category: dict[str, list[tuple[str, float, int]]] = field(default_factory=dict)  # cat -> name, us, calls
-    short_gap_us: float = 0.0  # idle device time in gaps shorter than gap_us (between back-to-back kernels)
+    short_gap_us: float = 0.0  # idle device time in gaps shorter than LONG_GAP_US (mostly launch latency)
     n_short_gaps: int = 0
-    long_gaps: list[tuple[str, float, int]] = field(default_factory=list)  # what follows, idle us, count
+    long_gap_us: float = 0.0  # idle device time in the longer gaps, all of them
+    n_long_gaps: int = 0
+    long_gaps: list[tuple[str, float, int]] = field(default_factory=list)  # the top: what ends them, idle us, count
 
 
-#: a device-idle gap at least this long (microseconds) is the device waiting for the host; shorter ones are
-#: the bubbles between kernels launched back to back (launch latency, a kernel's tail, a graph's node switch)
+#: device-idle gaps are split at this length (microseconds): shorter ones are mostly the launch latency between
+#: kernels queued back to back (a graph's node switch, a kernel's tail); longer ones mostly the device waiting
+#: for the host. A size cutoff, not a cause: a launch-bound stretch of small kernels can leave short gaps too
 LONG_GAP_US = 10.0
 
 
@@ -163,9 +166,10 @@ def device_gaps(
     work: Sequence[Event], gap_us: float = LONG_GAP_US
 ) -> tuple[float, int, list[tuple[str, float, int]]]:
     """The idle gaps of the device timeline formed by ``work`` (kernels and copies, any streams): the summed
-    idle time and count of gaps shorter than ``gap_us``, and the longer gaps grouped by :func:`gap_label` of
-    the work that ends them, largest idle time first. Idle before the first and after the last event is not
-    a gap here (:func:`per_step`'s host gaps count it against the wall)."""
+    idle time and count of gaps shorter than ``gap_us`` (:data:`LONG_GAP_US`), and the longer gaps grouped by
+    :func:`gap_label` of the work that ends them, largest idle time first (sum them for the total). Idle before
+    the first and after the last event is not a gap here (:func:`per_step`'s host gaps count it against the
+    wall)."""
     short_us, n_short, end = 0.0, 0, None
     long: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in sorted(work, key=lambda e: e.start_us):
@@ -254,6 +258,8 @@ def attribute(
         top_by_category={c: rows for c, rows in by_cat.items() if rows},
         short_gap_us=short_us,
         n_short_gaps=n_short,
+        long_gap_us=sum(us for _, us, _ in long_gaps),
+        n_long_gaps=sum(n for _, _, n in long_gaps),
         long_gaps=long_gaps[:top],
     )
 
@@ -315,6 +321,8 @@ def per_step(a: Attribution, steps: int, wall_us: float) -> dict[str, Any]:
         },
         "short_gap_ms_per_step": a.short_gap_us * ms,
         "short_gaps_per_step": a.n_short_gaps / steps,
+        "long_gap_ms_per_step": a.long_gap_us * ms,
+        "long_gaps_per_step": a.n_long_gaps / steps,
         "long_gaps": [
             {"before": label, "ms_per_step": us * ms, "gaps_per_step": n / steps} for label, us, n in a.long_gaps
         ],

@@ -30,9 +30,9 @@ adds up: kernel time total = the sum of the categories; busy = the union of kern
 profiled wall time - GPU busy (the GPU waiting for the CPU). A check line says so, and the script exits 1
 (after ``--out``) when it does not add up or kernels of one stream overlap
 (:func:`benchmarks._profile_attr.check`). Then where the device idles between its kernels
-(:func:`benchmarks._profile_attr.device_gaps`): gaps under 10 us (kernels launched back to back, a graph's
-node switch) summed, longer ones (the device waiting for the host) grouped by the work that ends them; and the
-top elementwise / norm kernels. Last line: the host time of one varpack attention call at the step's
+(:func:`benchmarks._profile_attr.device_gaps`): gaps under 10 us (mostly launch latency between queued kernels)
+summed, longer ones (mostly the device waiting for the host) summed and grouped by the work that ends them; and
+the top elementwise / norm kernels. Last line: the host time of one varpack attention call at the step's
 shapes (benchmarks/attention_host_time.py), paid once per layer.
 
     python benchmarks/profile_step.py --samples .gpu/samples.npz --config varpack_lce_compile --out p.json
@@ -80,12 +80,12 @@ def summarize(prof: Any, wall_s: float, vocab: int, device_type: str, steps: int
 def print_gaps_and_categories(summary: dict[str, Any], categories: tuple[str, ...] = ("elementwise / norm",)) -> None:
     """The device's idle time between kernels (short gaps: back-to-back launches; long gaps: waiting for the
     host, by the work that ends them) and the top kernels of ``categories``."""
-    long_ms = sum(g["ms_per_step"] for g in summary["long_gaps"])
     print()
     print(
         f"device idle between its first and last kernel: {summary['short_gap_ms_per_step']:.2f} ms/step in "
-        f"{summary['short_gaps_per_step']:.0f} gaps under {A.LONG_GAP_US:.0f} us (kernels back to back); "
-        f"{long_ms:.2f} ms/step in longer gaps (the device waiting for the host), by the work that ends them:"
+        f"{summary['short_gaps_per_step']:.0f} gaps under {A.LONG_GAP_US:.0f} us (mostly launch latency between "
+        f"queued kernels); {summary['long_gap_ms_per_step']:.2f} ms/step in {summary['long_gaps_per_step']:.0f} "
+        "longer gaps (mostly the device waiting for the host), the largest by the work that ends them:"
     )
     if summary["long_gaps"]:
         print()

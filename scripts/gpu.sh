@@ -34,12 +34,15 @@ On the GPU machine (files under /tmp survive between calls while the machine sta
   ab          benchmarks/train.py four times in the order A B B A, one setting changed (AB_A, AB_B: the arguments
               that differ, e.g. AB_A="--static-empty-pads on" AB_B="--static-empty-pads off"; AB_C, AB_D, AB_E:
               more settings, run in the order A B C .. C B A; AB_ARGS: the rest,
-              default --configs varpack_lce_static_graphs --steps 14 --rounds 1; AB_LIMIT: seconds per run, 200);
-              each run's row is printed. Inductor's max-autotune against the default mode:
-              AB_A="--graphs-inductor-options triton.cudagraphs=True" AB_LIMIT=280
-              AB_B="--graphs-inductor-options max_autotune=True,coordinate_descent_tuning=True". Cheaper ones, five
-              settings in one call: AB_B="... triton.enable_pdl=True", AB_C="... triton.mix_order_reduction=False"
-              (its final sums run as ATen reduce kernels), AB_D="... combo_kernels=True"
+              default --configs varpack_lce_static_graphs --steps 14 --rounds 1; AB_LIMIT: seconds per run, 200;
+              AB_BUDGET: seconds for the stage, 540: a run that could end past it, at AB_LIMIT or its setting's
+              first run + 30 s, is skipped with the ones after it); each run's row is printed. Inductor's
+              max-autotune against the default mode (AB_LIMIT=280): AB_A="--graphs-inductor-options
+              triton.cudagraphs=True" AB_B="--graphs-inductor-options max_autotune=True,coordinate_descent_tuning=True".
+              Cheaper ones, four
+              settings (8 runs) in one call, AB_LIMIT=65: AB_B="... triton.enable_pdl=True",
+              AB_C="... triton.mix_order_reduction=False" (the default's final sums run as ATen reduce kernels),
+              AB_D="... combo_kernels=True"
   user        what a user types: varpack sft on the 0.6B shape without speed flags (--dtype bfloat16, --bf16,
               --bf16 --lora; USER_STEPS, 60) and varpack check; on several GPUs also varpack sft --fsdp
               (torchrun) and accelerate launch
@@ -188,12 +191,17 @@ multi_gpu() {
 }
 
 ab() {  # settings A B [C D E] compared: runs in the order A B .. B A, each a fresh process (its cold pass untimed)
-  local i=0 tag tags=(A B) order=()
-  for tag in C D E; do local v=AB_$tag; [ -n "${!v:-}" ] && tags+=("$tag"); done
+  local i=0 j tag v var est s0 t0=$SECONDS tags=(A B) order=(); local -A took=()
+  for tag in C D E; do v=AB_$tag; [ -n "${!v:-}" ] && tags+=("$tag"); done
   order=("${tags[@]}"); for ((j=${#tags[@]}-1; j>=0; j--)); do order+=("${tags[j]}"); done
-  for tag in "${order[@]}"; do i=$((i + 1)); local var=AB_$tag
+  for tag in "${order[@]}"; do i=$((i + 1)); var=AB_$tag
+    est=${AB_LIMIT:-200}; [ -n "${took[$tag]:-}" ] && est=$(( took[$tag] + 30 ))  # its first run + 30 s, else the limit
+    if [ $((SECONDS - t0 + est)) -gt "${AB_BUDGET:-540}" ]; then
+      say "ab: run $i ($tag) and the rest skipped: it could end past AB_BUDGET (${AB_BUDGET:-540} s)"; return 124; fi
+    s0=$SECONDS
     TAIL=3 run "ab${i}_$tag" "${AB_LIMIT:-200}" python3 benchmarks/train.py --samples $SAMPLES \
       ${AB_ARGS:---configs varpack_lce_static_graphs --steps 14 --rounds 1} ${!var} --out "$D/ab${i}_$tag.json"
+    [ -n "${took[$tag]:-}" ] || took[$tag]=$((SECONDS - s0))
   done; }
 
 user() {

@@ -53,7 +53,7 @@ def test_the_link_check_can_fail(tmp_path):
     assert [b.split(":")[0] for b in _broken(tmp_path / "a.md")] == ["missing.md", "#no-such"]
 
 
-_RAW = re.compile(r"(?<![\w./:-])(?:benchmarks/)?results/(?:\{[^{}\s`]*\}|[^\s`,;(){}<>])*")
+_RAW = re.compile(r"(?<![\w/:-])(?:\./)?(?:benchmarks/)?results/(?:\{[^{}\s`]*\}|[^\s`,;(){}<>])*")
 
 
 def _braces(pattern: str) -> list[str]:
@@ -69,9 +69,12 @@ def _missing_raw_files(results_md: Path) -> list[str]:
     allowed) that match no file."""
     bad = []
     for span in re.findall(r"`([^`]*)`", results_md.read_text()):
+        span = re.sub(r"/[ \t]*\n\s*", "/", span)  # a path wrapped after a slash
+        span = re.sub(r"\{[^{}`]*\}", lambda m: re.sub(r"\s+", "", m.group(0)), span)  # {a, b} -> {a,b}
         for quoted in _RAW.findall(span):
+            quoted = re.sub(r":\d+(-\d+)?$", "", quoted.removeprefix("./").rstrip("."))  # a file:line reference
             base = ROOT if quoted.startswith("benchmarks/") else results_md.parent
-            for pattern in _braces(quoted.rstrip(".")):
+            for pattern in _braces(quoted):
                 if not list(base.glob(pattern)):
                     bad.append(pattern)
     return bad
@@ -86,6 +89,9 @@ def test_the_raw_file_check_can_fail(tmp_path):
     (tmp_path / "results" / "a" / "x.json").write_text("{}")
     (tmp_path / "R.md").write_text(
         "`results/a/x.{json,log}` and `results/a/*.json`, `git show abc:benchmarks/results/old/y.txt`, "
-        "`results/<benchmark>/`\n"
+        "`results/<benchmark>/`, `results/a/x.json:12` `results/a/\n  x.json`\n"
+        "`./results/a/gone.json` `results/a/\n  gone2.json` `results/a/{x, gone3}.json`\n"
     )
-    assert _missing_raw_files(tmp_path / "R.md") == ["results/a/x.log"]
+    assert _missing_raw_files(tmp_path / "R.md") == [
+        "results/a/x.log", "results/a/gone.json", "results/a/gone2.json", "results/a/gone3.json"
+    ]

@@ -258,12 +258,23 @@ def test_device_gaps_split_short_bubbles_from_waits_for_the_host():
     assert long == [("GEMM: aten::mm", pytest.approx(97.0), 2), ("optimizer: aten::_fused_adamw_", 60.0, 1)]
     a = A.attribute(events)
     assert (a.short_gap_us, a.n_short_gaps, a.long_gaps) == (short_us, n_short, long)
+    assert (a.long_gap_us, a.n_long_gaps) == (pytest.approx(157.0), 3)
     assert A.gap_label(events[4]) == "elementwise / norm: aten::add"
     out = A.per_step(a, 2, 400.0)
     assert out["short_gap_ms_per_step"] == pytest.approx(7.0e-3 / 2)
+    assert out["long_gap_ms_per_step"] == pytest.approx(157e-3 / 2) and out["long_gaps_per_step"] == 1.5
     assert out["long_gaps"][0] == {"before": "GEMM: aten::mm", "ms_per_step": pytest.approx(97e-3 / 2),
                                    "gaps_per_step": 1.0}  # fmt: skip
     # the busy time and the gaps account for the span from the first kernel's start to the last one's end
     long_us = sum(us for _, us, _ in long)
     assert a.busy_us + short_us + long_us == pytest.approx(308.0 - 100.0)
     assert [k[0] for k in a.top_by_category["GEMM"]] == ["nvjet_tst_a", "nvjet_tst_b", "nvjet_tst_d", "nvjet_tst_c"]
+
+
+def test_long_gap_total_counts_the_groups_left_out_of_the_top():
+    """30 kernels, each after a 20 us wait and launched by its own op: the top lists 20 groups, the total all 29
+    gaps, and busy + gaps fill the span."""
+    events = [_k(f"k{i}", 30.0 * i, 10.0, (f"aten::op{i}",)) for i in range(30)]
+    a = A.attribute(events, top=20)
+    assert len(a.long_gaps) == 20 and (a.long_gap_us, a.n_long_gaps) == (pytest.approx(580.0), 29)
+    assert a.busy_us + a.short_gap_us + a.long_gap_us == pytest.approx(30.0 * 29 + 10.0)

@@ -147,6 +147,8 @@ def test_graphs_inductor_options_parsed_and_checked_before_any_row_runs(capsys):
         ("=True", "expected key=value items"),
         ("max_autotun=True", "unknown inductor option(s) ['max_autotun']"),
         ("triton.cudagraphs=False", "would not capture them"),
+        ("max_autotune=true", "max_autotune='true' (expects bool)"),
+        ("max_autotune=True,coordinate_descent_tuning", "max_autotune='True,coordinate_descent_tuning' (expects"),
     ):
         with pytest.raises(SystemExit) as exc:
             T.main(["--device", "cpu", "--small", "--graphs-inductor-options", text])

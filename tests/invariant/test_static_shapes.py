@@ -250,12 +250,15 @@ def assert_step_close(got, want, tol: float, what) -> float:
 @pytest.mark.parametrize(
     ("backend", "dtype", "empty_pads", "inductor_options"),
     [
-        ("triton_short", torch.float32, False, None),
-        ("triton_short", torch.float32, True, None),
-        ("flash_attn_4", torch.bfloat16, False, None),
-        ("triton_short", torch.bfloat16, True, {"max_autotune": True, "coordinate_descent_tuning": True}),
-        ("triton_short", torch.bfloat16, True, {"triton.enable_pdl": True}),
-        ("triton_short", torch.bfloat16, True, {"triton.mix_order_reduction": False}),
+        pytest.param("triton_short", torch.float32, False, None, id="triton_short-fp32"),
+        pytest.param("triton_short", torch.float32, True, None, id="triton_short-fp32-empty_pads"),
+        pytest.param("flash_attn_4", torch.bfloat16, False, None, id="flash_attn_4-bf16"),
+        pytest.param("triton_short", torch.bfloat16, True, {"max_autotune": True, "coordinate_descent_tuning": True},
+                     id="triton_short-bf16-empty_pads-max_autotune"),
+        pytest.param("triton_short", torch.bfloat16, True, {"triton.enable_pdl": True},
+                     id="triton_short-bf16-empty_pads-pdl"),
+        pytest.param("triton_short", torch.bfloat16, True, {"triton.mix_order_reduction": False},
+                     id="triton_short-bf16-empty_pads-no_mix_order_reduction"),
     ],
 )
 def test_gpu_cuda_graph_layers_equal_eager(backend, dtype, empty_pads, inductor_options):

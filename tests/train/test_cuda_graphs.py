@@ -272,6 +272,16 @@ def test_graph_compile_kw_takes_inductor_options_in_place_of_the_mode(monkeypatc
     }
     with pytest.raises(ValueError, match=r"unknown inductor option\(s\) \['max_autotun'\]"):
         cuda_graphs.graph_compile_kw({"max_autotun": True})
+    with pytest.raises(ValueError, match=r"wrong type: max_autotune='true' \(expects bool\)"):
+        cuda_graphs.graph_compile_kw({"max_autotune": "true"})
+    with pytest.raises(ValueError, match=r"coordinate_descent_search_radius=2.0 \(expects int\)"):
+        cuda_graphs.graph_compile_kw({"coordinate_descent_search_radius": 2.0})
+    with pytest.raises(ValueError, match=r"mix_order_reduction_split_size='64' \(expects int \| NoneType\)"):
+        cuda_graphs.graph_compile_kw({"triton.mix_order_reduction_split_size": "64"})
+    assert cuda_graphs.graph_compile_kw({"triton.mix_order_reduction_split_size": None})
+    assert cuda_graphs.graph_compile_kw({"coordinate_descent_search_radius": 2})["options"] == {
+        "coordinate_descent_search_radius": 2, "triton.cudagraphs": True
+    }
     with pytest.raises(ValueError, match="triton.cudagraphs=False would not capture them"):
         cuda_graphs.graph_compile_kw({"triton.cudagraphs": False})
     seen = []
@@ -285,6 +295,20 @@ def test_graph_compile_kw_takes_inductor_options_in_place_of_the_mode(monkeypatc
         {"custom_ops": True, "fullgraph": True, "dynamic": False,
          "options": {"max_autotune": True, "triton.cudagraphs": True}}
     ]  # fmt: skip
+
+
+def test_graph_compile_kw_takes_every_inductor_options_own_value():
+    """No false refusal: each inductor option set to its current value passes the name and type checks."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import list_options
+
+    from varpack.integrations.cuda_graphs import graph_compile_kw
+
+    values = inductor_config.get_config_copy()
+    checked = [key for key in list_options() if key in values and key != "triton.cudagraphs"]
+    assert len(checked) > 100
+    for key in checked:
+        assert graph_compile_kw({key: values[key]})["options"][key] is values[key], key
 
 
 def test_compile_for_graphs_gated_delta_models_need_fla_hybrid(monkeypatch):

@@ -29,6 +29,8 @@ Embedding, final norm, the loss and the optimizer stay eager.
 from __future__ import annotations
 
 import contextlib
+import types
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -142,12 +144,15 @@ def graph_compile_kw(inductor_options: dict[str, Any] | None = None) -> dict[str
     both). A new dict each call.
 
     Raises:
-        ValueError: an option inductor does not have (``torch._inductor.list_options()``), named; or
-            ``"triton.cudagraphs"`` set false (these layers are replayed as CUDA graphs).
+        ValueError: an option inductor does not have (``torch._inductor.list_options()``), named; a value of
+            another type than the option's (``torch._inductor.config.get_type``, where this torch has it:
+            otherwise ``torch.compile`` raises it only when a layer compiles); or ``"triton.cudagraphs"`` set
+            false (these layers are replayed as CUDA graphs).
     """
     kw = dict(GRAPH_COMPILE_KW)
     if not inductor_options:
         return kw
+    from torch._inductor import config as inductor_config
     from torch._inductor import list_options
 
     unknown = sorted(set(inductor_options) - set(list_options()))
@@ -155,6 +160,18 @@ def graph_compile_kw(inductor_options: dict[str, Any] | None = None) -> dict[str
         raise ValueError(
             f"CUDA-graph layers: unknown inductor option(s) {unknown} (torch._inductor.list_options())"
         )
+    get_type = getattr(inductor_config, "get_type", None)
+    wrong = []
+    for key, value in inductor_options.items():
+        want = get_type(key) if get_type is not None else None
+        union = typing.get_origin(want) in (typing.Union, types.UnionType)  # ``int | None`` -> (int, NoneType)
+        kinds = typing.get_args(want) if union else (want,)
+        if not all(isinstance(k, type) and k is not typing.Any and typing.get_origin(k) is None for k in kinds):
+            continue  # a generic, a callable, Any: torch checks it when a layer compiles
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds and int in kinds):
+            wrong.append(f"{key}={value!r} (expects {' | '.join(k.__name__ for k in kinds)})")
+    if wrong:
+        raise ValueError(f"CUDA-graph layers: inductor option(s) of the wrong type: {', '.join(wrong)}")
     if not inductor_options.get("triton.cudagraphs", True):
         raise ValueError("CUDA-graph layers: inductor option triton.cudagraphs=False would not capture them")
     del kw["mode"]
@@ -266,9 +283,9 @@ def graph_attention(
 #: --static-empty-pads auto``) gives static shapes zero-length pad segments where :func:`empty_pads_ok` allows
 #: them: the row is then the longest pack itself (``T = 8,192`` at packing length 8,192, not ``8,320``). Exact on
 #: the CPU backends (triton_short's kernels through Triton's interpreter) and in the captured step on a GPU
-#: (tests/invariant/test_static_shapes.py ``test_gpu_cuda_graph_layers_equal_eager[...-True]``); the 8K step
-#: runs 67.7-67.8 ms with them against 68.1-68.2 with pad segments of one token or more
-#: (benchmarks/RESULTS.md#sft-step).
+#: (tests/invariant/test_static_shapes.py
+#: ``test_gpu_cuda_graph_layers_equal_eager[triton_short-fp32-empty_pads]``); the 8K step runs 67.7-67.8 ms
+#: with them against 68.1-68.2 with pad segments of one token or more (benchmarks/RESULTS.md#sft-step).
 EMPTY_PADS_BY_DEFAULT = True
 
 
@@ -381,7 +398,8 @@ def compile_layers_as_graphs(
     Raises:
         ValueError: an unknown inductor option (:func:`graph_compile_kw`), or ``device`` is not CUDA
             (``"{what}: CUDA graphs need a CUDA device, the model is on cpu"``), or the model has Mamba-2 mixers,
-            or Gated DeltaNet layers whose rule does not resolve to ``fla_hybrid`` on ``device`` (:func:`model_refusal`'s reasons), nothing compiled;
+            or Gated DeltaNet layers whose rule does not resolve to ``fla_hybrid`` on ``device``
+            (:func:`model_refusal`'s reasons), nothing compiled;
             :func:`varpack.integrations.kernels.compile_layers`' refusals. Gated DeltaNet layers that pass are
             marked to trace without CPU offsets (``fla_hybrid`` builds its chunk tables on the device).
     """
