@@ -153,8 +153,37 @@ def test_guard_dropout():
         "tiny-qwen3", vocab_size=VOCAB, attn_backend="reference", config_overrides={"attention_dropout": 0.1}
     )
     model.train()
-    with pytest.raises(ValueError, match="dropout"):
+    with pytest.raises(ValueError, match=r"dropout.*set config.attention_dropout = 0.0"):
         model(input_ids=torch.randint(0, VOCAB, (1, 4)))
+
+
+def test_attention_dropout_named_by_the_configs_own_key():
+    """GPT-2 keeps its attention dropout in ``attn_pdrop``: the refusal at the forward and the one before
+    training name that key, not ``attention_dropout``; a config without attention dropout passes (control)."""
+    import transformers
+
+    from varpack.integrations.transformers import (
+        attention_dropout_settings,
+        enable_varpack,
+        refuse_attention_dropout,
+    )
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config)
+    enable_varpack(model, backend="reference")
+    assert attention_dropout_settings(model) == {"attn_pdrop": 0.1}
+    with pytest.raises(ValueError, match=r"varpack sft: .*GPT2Config sets attn_pdrop=0.1: set it to 0.0"):
+        refuse_attention_dropout(model, "varpack sft")
+    model.train()
+    with pytest.raises(ValueError, match=r"from GPT2Attention\); set config.attn_pdrop = 0.0"):
+        model(input_ids=torch.randint(0, VOCAB, (1, 4)))
+    model.eval()
+    model(input_ids=torch.randint(0, VOCAB, (1, 4)))  # no dropout outside training
+    model.config.attn_pdrop = 0.0
+    assert attention_dropout_settings(model) == {}
+    refuse_attention_dropout(model, "varpack sft")
+    bert = transformers.BertConfig()
+    assert attention_dropout_settings(bert) == {"attention_probs_dropout_prob": 0.1}
 
 
 def test_guard_positional_arguments(qwen, batch):

@@ -446,3 +446,16 @@ def test_samples_and_pieces_without_a_supervised_token_are_left_out(tmp_path, ov
     assert sorted(packed, key=str) == sorted(want, key=str)
     for i in range(len(run.dataset)):  # every pack, so every optimizer step, has a supervised token
         assert any((np.asarray(s["labels"])[1:] != -100).any() for s in run.dataset[i])
+
+
+def test_attention_dropout_refused_before_training_naming_the_key(tmp_path):
+    """A model whose config sets attention dropout is refused while the run is built (before any step), naming
+    the config key; with it at 0.0 the same build goes through (control)."""
+    kw = dict(model="tiny-qwen3", output_dir=str(tmp_path / "out"), packing_length=32, attn_backend="reference",
+              save=False, extra_training_args={"optim": "sgd", "max_grad_norm": 0.0, "use_cpu": True})  # fmt: skip
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference",
+                       config_overrides={"attention_dropout": 0.1})  # fmt: skip
+    with pytest.raises(ValueError, match=r"varpack sft: .*Qwen3Config sets attention_dropout=0.1: set it to 0.0"):
+        build_sft(SFTConfig(**kw), model=model, tokenizer=_Tok(), encoded=synthetic_samples())
+    model.config.attention_dropout = 0.0
+    assert build_sft(SFTConfig(**kw), model=model, tokenizer=_Tok(), encoded=synthetic_samples()).trainer

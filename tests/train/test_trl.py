@@ -326,3 +326,12 @@ def test_truncation_leaves_no_step_without_a_supervised_token(tmp_path, tokenize
     train_loss = [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]
     ref_loss = [h["train_loss"] for h in ref.state.log_history if "train_loss" in h]
     assert train_loss == pytest.approx(ref_loss, rel=1e-6)
+
+
+def test_attention_dropout_refused_by_the_drop_in(tmp_path, tokenizer):
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference", dtype=torch.float32,
+                       config_overrides={"attention_dropout": 0.1})  # fmt: skip
+    with pytest.raises(ValueError, match=r"VarpackSFTTrainer: .*sets attention_dropout=0.1: set it to 0.0"):
+        trl_trainer(tmp_path, tokenizer, model=model)
+    model.config.attention_dropout = 0.0
+    assert trl_trainer(tmp_path, tokenizer, model=model).model is not None

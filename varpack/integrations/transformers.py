@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,10 +72,12 @@ __all__ = [
     "NEUTRAL_ATTENTION_KWARGS",
     "PackingGuardError",
     "UnsupportedModelError",
+    "attention_dropout_settings",
     "attn_implementation_name",
     "autocast_qkv",
     "enable_varpack",
     "is_varpack_attention",
+    "refuse_attention_dropout",
     "refuse_unimplemented_kwargs",
     "register_varpack_attention",
     "varpack_attention_forward",
@@ -84,6 +87,10 @@ __all__ = [
 ATTN_IMPLEMENTATION = "varpack"
 
 _CACHE_KEYS = ("past_key_values", "cache")
+#: config keys of an attention-dropout probability in transformers' configs (``attention_dropout`` most,
+#: ``attention_probs_dropout_prob`` BERT-style, ``attn_pdrop`` GPT-2 / CodeGen / DBRX, ``attn_dropout``,
+#: ``attention_dropout_rate``, ``attn_drop_rate``)
+_ATTENTION_DROPOUT_KEY = re.compile(r"^(attention|attn)(_probs)?_(dropout|pdrop|drop)(_prob|_rate)?$")
 #: implementation name -> backend name, for every name registered by this module.
 _REGISTERED: dict[str, str] = {}
 #: layer types of ``config.layer_types`` that varpack handles ("hybrid": a Mamba-2 mixer beside or after
@@ -148,6 +155,40 @@ _KWARG_FEATURES = {
     "encoder_hidden_states": "cross-attention on encoder states",
     "cross_attention_mask": "cross-attention",
 }
+
+
+def attention_dropout_settings(config: Any) -> dict[str, float]:
+    """``{key: p}`` of the attention-dropout probabilities above 0 that ``config`` (a transformers config, or a
+    model: its ``config``) sets, its ``text_config`` included as ``text_config.<key>``; ``{}`` when there are
+    none. Keys: transformers' names for it (:data:`_ATTENTION_DROPOUT_KEY`)."""
+    config = getattr(config, "config", config)
+    found: dict[str, float] = {}
+    for prefix, cfg in (("", config), ("text_config.", getattr(config, "text_config", None))):
+        if cfg is None or cfg is config and prefix:
+            continue
+        for key, value in vars(cfg).items():
+            if _ATTENTION_DROPOUT_KEY.match(key) and isinstance(value, (int, float)) and value > 0:
+                found[prefix + key] = float(value)
+    return found
+
+
+def refuse_attention_dropout(model: Any, what: str) -> None:
+    """Raise before training when ``model``'s config sets attention dropout, which varpack attention does not
+    implement (the model passes it only in training mode, so an evaluation or ``varpack check`` runs).
+
+    Raises:
+        ValueError: ``"{what}: varpack attention has no attention dropout; GPT2Config sets attn_pdrop=0.1: set
+            it to 0.0 ..."`` naming every such key (:func:`attention_dropout_settings`).
+    """
+    found = attention_dropout_settings(model)
+    if found:
+        config = getattr(model, "config", model)
+        settings = ", ".join(f"{k}={v:g}" for k, v in found.items())
+        raise ValueError(
+            f"{what}: varpack attention has no attention dropout; {type(config).__name__} sets {settings}: set "
+            f"{'it' if len(found) == 1 else 'them'} to 0.0 in the model's config.json, or "
+            f"model.config.{next(iter(found))} = 0.0 before training"
+        )
 
 
 def refuse_unimplemented_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
@@ -331,9 +372,10 @@ def varpack_attention_forward(
 
     query, key, value = autocast_qkv(query, key, value)
     if dropout:
+        keys = list(attention_dropout_settings(module.config)) if hasattr(module, "config") else []
         raise ValueError(
             f"varpack attention has no attention dropout (got dropout={dropout} from "
-            f"{type(module).__name__}); set config.attention_dropout = 0.0"
+            f"{type(module).__name__}); set config.{' / '.join(keys) or 'attention_dropout'} = 0.0"
         )
     if attention_mask is not None:
         raise UnsupportedModelError(

@@ -789,9 +789,10 @@ def _prepare_model(
 
     Raises:
         ValueError: ``config.torch_compile`` still ``"auto"`` (:func:`varpack.train.config.resolve_torch_compile`
-            first: the choice needs the Trainer's device).
+            first: the choice needs the Trainer's device); the model's config sets attention dropout
+            (:func:`varpack.integrations.transformers.refuse_attention_dropout`, naming its key).
     """
-    from varpack.integrations.transformers import enable_varpack
+    from varpack.integrations.transformers import enable_varpack, refuse_attention_dropout
 
     if not isinstance(config.torch_compile, bool):
         raise ValueError(f"torch_compile={config.torch_compile!r} must be resolved to True / False first")
@@ -804,6 +805,7 @@ def _prepare_model(
     else:
         _require_gated_delta(config, model)
         enable_varpack(model, backend=backend, linear_backend=config.gated_delta_backend)
+    refuse_attention_dropout(model, "varpack sft")
     model.config.use_cache = False
     if config.cuda_graphs:
         _refuse_graph_model(model, autocast=config.bf16, device=device)

@@ -342,7 +342,9 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         ValueError / TypeError: conflicting TRL settings (see the module docstring), naming the setting;
             ``cuda_graphs=True`` with a setting or model it does not run exactly, naming it;
             ``torch_compile=True`` / ``compile_layers=True`` with ``use_liger_kernel=True``;
-            the planner's errors (an overlong sample with ``overflow="error"``, naming it).
+            the planner's errors (an overlong sample with ``overflow="error"``, naming it); a model whose
+            config sets attention dropout (naming its key:
+            :func:`varpack.integrations.transformers.refuse_attention_dropout`).
     """
 
     def __init__(
@@ -363,7 +365,11 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         **kwargs: Any,
     ) -> None:
         from varpack.collate import PaddingFreeCollator
-        from varpack.integrations.transformers import enable_varpack, is_varpack_attention
+        from varpack.integrations.transformers import (
+            enable_varpack,
+            is_varpack_attention,
+            refuse_attention_dropout,
+        )
 
         if isinstance(model, str):
             raise _refuse(
@@ -402,6 +408,7 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if not is_varpack_attention(getattr(base.config, "_attn_implementation", None)):
             enable_varpack(base, backend=attn_backend)
+        refuse_attention_dropout(base, "VarpackSFTTrainer")
         base.config.use_cache = False
 
         # TRL prepares the data (tokenize, labels) but must not truncate: max_length is the packing length.
