@@ -335,3 +335,27 @@ def test_attention_dropout_refused_by_the_drop_in(tmp_path, tokenizer):
         trl_trainer(tmp_path, tokenizer, model=model)
     model.config.attention_dropout = 0.0
     assert trl_trainer(tmp_path, tokenizer, model=model).model is not None
+
+
+def test_conversations_checked_as_varpack_sft_checks_them(tmp_path, tokenizer):
+    """A chat dataset with an empty assistant answer, or without an assistant turn, is refused naming the
+    dataset, the row and the field, before TRL prepares it; the same rows with answers train (control)."""
+    def chats(answer):
+        return [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": answer}]}
+                for i in range(4)]  # fmt: skip
+
+    bad = chats("an answer")
+    bad[2]["messages"][1]["content"] = "  "
+    with pytest.raises(ValueError, match=r"train_dataset, sample 2: messages\[1\].content is empty"):
+        VarpackSFTTrainer(model=tiny_model(), args=trl_args(tmp_path), train_dataset=datasets.Dataset.from_list(bad),
+                          processing_class=tokenizer, attn_backend="reference")  # fmt: skip
+    no_answer = chats("an answer")
+    no_answer[1]["messages"] = no_answer[1]["messages"][:1]
+    with pytest.raises(ValueError, match=r"eval_dataset, sample 1: no assistant message to supervise"):
+        VarpackSFTTrainer(model=tiny_model(), args=trl_args(tmp_path), processing_class=tokenizer,
+                          train_dataset=datasets.Dataset.from_list(chats("an answer")),
+                          eval_dataset=datasets.Dataset.from_list(no_answer), attn_backend="reference")  # fmt: skip
+    trainer = VarpackSFTTrainer(model=tiny_model(), args=trl_args(tmp_path), processing_class=tokenizer,
+                                train_dataset=datasets.Dataset.from_list(chats("an answer")),
+                                attn_backend="reference")  # fmt: skip
+    assert len(trainer.samples) == 4

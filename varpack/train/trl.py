@@ -144,6 +144,28 @@ def _refuse(setting: str, why: str) -> ValueError:
     return ValueError(f"VarpackSFTTrainer: {setting} -- {why}")
 
 
+def check_conversations(dataset: Any, name: str) -> None:
+    """Check every ``messages`` row of a conversational dataset as ``varpack sft`` checks its chats
+    (:func:`varpack.data.chat.validate_messages`) before TRL prepares it: TRL trains an empty assistant answer
+    (its end-of-turn token alone) and reports a row without an assistant turn as a chat-template problem. A
+    dataset without a ``messages`` column (pre-tokenized, prompt-completion, text) is left to TRL.
+
+    Raises:
+        ValueError / TypeError: ``validate_messages``' errors for the first bad row, as ``"VarpackSFTTrainer:
+            train_dataset, sample 3: messages[1].content is empty ..."`` (an empty assistant answer, no
+            assistant message, an unknown role, a missing content ...).
+    """
+    from varpack.data.chat import validate_messages
+
+    if dataset is None or "messages" not in (getattr(dataset, "column_names", None) or ()):
+        return
+    for i, messages in enumerate(dataset["messages"]):
+        try:
+            validate_messages(messages, sample_id=i)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"VarpackSFTTrainer: {name}, {exc}") from None
+
+
 def _check_args(args: Any, kwargs: dict[str, Any]) -> None:
     """Refuse TRL settings that would mix samples, cut them, or train another loss (module docstring)."""
     if args.packing:
@@ -404,6 +426,10 @@ class VarpackSFTTrainer(PackSamplingMixin, PackedLossMixin, SFTTrainer):
             raise _refuse(
                 "a vision dataset", "TRL prepares images on the fly; varpack's TRL path is text-only"
             )
+        check_conversations(train, "train_dataset")
+        evals = kwargs.get("eval_dataset")
+        for key, ds in (evals.items() if isinstance(evals, dict) else [("", evals)]):
+            check_conversations(ds, f"eval_dataset[{key!r}]" if key else "eval_dataset")
 
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if not is_varpack_attention(getattr(base.config, "_attn_implementation", None)):
