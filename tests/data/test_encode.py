@@ -248,8 +248,11 @@ def test_load_errors(tmp_path):
         load_chat_data(tmp_path / "d.csv")
     (tmp_path / "a.jsonl").write_text(json.dumps(_rows()[0]) + "\n")
     datasets.Dataset.from_list(_rows()).to_parquet(str(tmp_path / "b.parquet"))
-    with pytest.raises(ValueError, match="mix JSON and parquet"):
+    with pytest.raises(ValueError, match="mix JSON and parquet") as info:
         load_chat_data([tmp_path / "a.jsonl", tmp_path / "b.parquet"])
+    convert = re.search(r'python -c "(.*)"\)$', str(info.value)).group(1)  # the conversion the error gives
+    exec(convert.replace("a.parquet", str(tmp_path / "b.parquet")).replace("a.jsonl", str(tmp_path / "b.jsonl")))
+    assert len(load_chat_data([tmp_path / "a.jsonl", tmp_path / "b.jsonl"])) == 1 + len(_rows())
     with pytest.raises(ValueError, match="no paths or rows"):
         load_chat_data([])
     with pytest.raises(TypeError, match="int"):

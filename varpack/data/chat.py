@@ -462,7 +462,11 @@ def load_chat_data(
             raise ValueError(f"chat data file {os.fspath(p)!r} contains no rows (it is empty)")
         files.append(str(path.resolve()))
     if len(kinds) > 1:
-        raise ValueError(f"load_chat_data: files mix JSON and parquet ({files}); load them separately")
+        raise ValueError(
+            f"load_chat_data: files mix JSON and parquet ({files}); one run reads files of one type: convert "
+            "the parquet ones to JSON Lines first (python -c \"import datasets; datasets.Dataset.from_parquet("
+            "'a.parquet').to_json('a.jsonl')\")"
+        )
     kind = kinds.pop()
     names = dict(zip(files, (os.fspath(p) for p in items)))
     ds = _load_files(kind, files, None if cache_dir is None else str(cache_dir), names)
