@@ -374,3 +374,25 @@ def test_repeat_reads_pass_after_pass_and_refuses_an_empty_shard():
     assert _ids([next(it) for _ in range(n)]) == once and _ids([next(it) for _ in range(n)]) == once
     with pytest.raises(ValueError, match="planned no pack"):
         next(iter(StreamingPackedDataset([], packing_length=L, repeat=True)))
+
+
+def test_report_names_overlong_and_left_out_samples_with_file_line(tmp_path):
+    """As the planned run's report: an overlong sample and a sample without a supervised token read from a file
+    are named with their FILE:LINE; samples given as rows (no file) are named by id only."""
+    from varpack.plan.report import summary_text
+
+    rows = [
+        {"input_ids": list(range(100, 110)), "labels": [-100, *range(101, 110)]},
+        {"input_ids": list(range(200, 300)), "labels": [-100, *range(201, 300)]},
+        {"input_ids": [1, 2, 3], "labels": [-100] * 3},
+    ]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = StreamingPackedDataset(str(path), packing_length=L, buffer_size=4, overflow="truncate")
+    list(ds)
+    text = summary_text(ds.last_summary)
+    assert ds.last_summary["locations"] == {"1": f"{path}:2", "2": f"{path}:3"}  # the path as given
+    assert f"sample 1: 100 tokens ({path}:2)" in text and f"({path}:3)" in text, text
+    in_memory = StreamingPackedDataset(rows, packing_length=L, buffer_size=4, overflow="truncate")
+    list(in_memory)
+    assert "locations" not in in_memory.last_summary

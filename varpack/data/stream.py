@@ -49,6 +49,8 @@ from varpack.schema import TOKEN_ALIGNED_FIELDS
 __all__ = ["ChatStream", "StreamingPackedDataset"]
 
 _FORMAT = "varpack-stream/1"
+#: the most overlong / left-out samples a pass remembers the FILE:LINE of, for its report (which names 10)
+MAX_REPORTED_LOCATIONS = 100
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 
 
@@ -480,6 +482,12 @@ class StreamingPackedDataset(IterableDataset):
                     else (-(-n // L) if packer.overflow == "split" else 0 if packer.overflow == "drop" else 1)
                 )
                 pieces -= len(rep["unsupervised_ids"]) + len(rep["unsupervised_pieces"]) - left_out
+                where = getattr(row, "where", None)
+                named = live.setdefault("locations", {})
+                if where and len(named) < MAX_REPORTED_LOCATIONS and (
+                    n > L or len(rep["unsupervised_ids"]) + len(rep["unsupervised_pieces"]) > left_out
+                ):  # the report names overlong and left-out samples with their FILE:LINE
+                    named[str(sid)] = where
                 if pieces:
                     samples[sid] = sample
                     refs[sid] = pieces
@@ -523,7 +531,10 @@ class StreamingPackedDataset(IterableDataset):
     def _summary(self, live: dict[str, Any]) -> dict[str, Any]:
         shard, num_shards = live["shard"]
         label = self.stream.label + (f" (shard {shard} of {num_shards})" if num_shards > 1 else "")
-        return live["packer"].summary(data=label, shard=[shard, num_shards])
+        context: dict[str, Any] = {"data": label, "shard": [shard, num_shards]}
+        if live.get("locations"):
+            context["locations"] = dict(live["locations"])
+        return live["packer"].summary(**context)
 
     def __repr__(self) -> str:
         s = self.packer_settings
