@@ -459,3 +459,19 @@ def test_attention_dropout_refused_before_training_naming_the_key(tmp_path):
         build_sft(SFTConfig(**kw), model=model, tokenizer=_Tok(), encoded=synthetic_samples())
     model.config.attention_dropout = 0.0
     assert build_sft(SFTConfig(**kw), model=model, tokenizer=_Tok(), encoded=synthetic_samples()).trainer
+
+
+def test_split_report_counts_the_targets_at_the_cuts(tmp_path):
+    """overflow='split' cuts an 80-token sample at 32 and 64: the two supervised tokens there start a piece
+    and are not trained, and the report says so; a cut inside the prompt (label -100) costs nothing."""
+    import datasets
+
+    long = {"input_ids": list(range(10, 90)), "labels": [-100] + list(range(11, 90)), "length": 80}
+    prompt = {"input_ids": list(range(10, 90)), "labels": [-100] * 40 + list(range(50, 90)), "length": 80}
+    short = {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "length": 3}  # the cut at 32 of prompt: label -100
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    run = build_sft(SFTConfig(model="tiny-qwen3", output_dir=str(tmp_path / "o"), packing_length=32,
+                              attn_backend="reference", save=False, overflow="split",
+                              extra_training_args={"optim": "sgd", "use_cpu": True}),
+                    model=model, tokenizer=_Tok(), encoded=datasets.Dataset.from_list([long, prompt, short]))  # fmt: skip
+    assert "3 supervised tokens at the cuts not trained" in run.report, run.report

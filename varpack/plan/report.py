@@ -78,6 +78,11 @@ def _overflow_line(ov: dict[str, Any], *, split: str) -> str:
     elif ov["overlong_ids"]:
         over = f"{len(ov['overlong_ids']):,} overlong ({_ACTION.get(ov['policy'], ov['policy'])}"
         over += split.format(ov["num_pieces"]) if ov["policy"] == "split" else ")"
+        if ov.get("split_targets_at_cuts"):
+            over += (
+                f", {ov['split_targets_at_cuts']:,} supervised tokens at the cuts not trained (a piece's first "
+                "token has no token before it)"
+            )
     else:
         over = "none overlong"
     return over + f", {len(ov['empty_ids']):,} empty, {ov['tokens_dropped']:,} tokens dropped"

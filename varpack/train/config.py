@@ -614,7 +614,9 @@ class SFTConfig:
             :data:`varpack.plan.DEFAULT_PACKING_LENGTH` (4096), the same as ``varpack plan``.
         packing_strategy: ``bfd`` (best-fit decreasing) or ``sequential`` (order-preserving next-fit).
         overflow: samples longer than ``packing_length``: ``error`` (default: refuse, listing their ids and
-            lengths), ``drop``, ``truncate`` or ``split``; whatever happens is in the packing report.
+            lengths), ``drop``, ``truncate`` or ``split`` (pieces of ``packing_length`` tokens, each trained as a
+            sequence of its own: a supervised token that starts a piece is not a target, and the packing report
+            counts them); whatever happens is in the packing report.
         streaming: read ``data`` lazily (JSON Lines, line by line; the built-in chats without ``data``),
             encode every chat when it is read and pack online over a buffer of ``buffer_size`` samples
             (:class:`varpack.data.stream.StreamingPackedDataset`); needs ``max_steps``.

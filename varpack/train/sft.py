@@ -258,6 +258,8 @@ def build_sft(
         lengths, plan = _plan_packs(config, encoded, data_label, files)
         dataset = PackedDataset(encoded, plan, shuffle=False)  # the pack sampler orders the packs
         summary = plan_summary(plan, lengths, data=data_label, **_locations(plan, files))
+        if summary["overflow"].get("split_ids"):
+            summary["overflow"]["split_targets_at_cuts"] = split_targets_at_cuts(plan, encoded)
         report = summary_text(summary)
     objective: Any = "sft"
     if dpo:
@@ -662,6 +664,18 @@ def _locate(files: tuple[str, ...]) -> Callable[[Any], dict[int, str]] | None:
     from varpack.data.chat import locate_samples
 
     return lambda ids: locate_samples(files, ids)
+
+
+def split_targets_at_cuts(plan: Any, samples: Any) -> int:
+    """The supervised tokens of split samples that sit first in a piece other than the first (``plan.pieces``
+    starting past 0, kept in a pack): a packed item's first label is never a target (no token before it in its
+    sequence), so each of these is not trained; the packing report counts them."""
+    kept = {int(i) for i in np.asarray(plan.items).tolist()}
+    count = 0
+    for piece_id, (sample_id, start, _stop) in plan.pieces.items():
+        if start > 0 and piece_id in kept and int(samples[sample_id]["labels"][start]) != -100:
+            count += 1
+    return count
 
 
 def _locations(plan: Any, files: tuple[str, ...]) -> dict[str, Any]:
