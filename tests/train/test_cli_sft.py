@@ -383,6 +383,22 @@ def one_step_cpu_run(tmp_path, model, **config_kw):
     return run, config, lines
 
 
+@pytest.mark.parametrize("rank_balance", [True, False])
+def test_model_without_attention_layers_trains(tmp_path, rank_balance):
+    """tiny-mamba2 (Mamba-2 mixers only: no attention layer, no num_attention_heads) was refused for want of
+    an attention cost; its packs cost their tokens (weight 0) and it trains."""
+    from varpack.train import run_sft
+
+    config = SFTConfig(
+        model="tiny-mamba2", output_dir=str(tmp_path / "o"), packing_length=32, max_steps=1, save=False,
+        rank_balance=rank_balance, extra_training_args={"use_cpu": True},
+    )  # fmt: skip
+    model = load_model("tiny-mamba2", vocab_size=VOCAB)
+    run = run_sft(config, print_fn=lambda line: None, model=model, tokenizer=_Tok(), encoded=synthetic_samples())
+    assert run.trainer.pack_sampler.attention_weight == 0.0
+    assert len(run.history) == 1 and np.isfinite(run.history[0]["loss"])
+
+
 @pytest.mark.parametrize(
     ("bf16", "dtype", "lora", "shown"),
     [

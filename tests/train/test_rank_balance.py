@@ -74,6 +74,60 @@ def test_attention_weight_counts_the_models_linear_layers():
         attention_cost_weight(object())
 
 
+@pytest.mark.parametrize(
+    "name,attention_layers",
+    [("tiny-bamba", 1), ("tiny-granite4-hybrid", 1), ("tiny-nemotron-h", 1), ("tiny-falcon-h1", 2),
+     ("tiny-zamba2", 2)],
+)  # fmt: skip
+def test_attention_weight_counts_only_the_attention_layers_of_a_hybrid(name, attention_layers):
+    """Mamba-2 mixers, MLP and MoE blocks cost per token; only the layers with softmax attention (Falcon-H1 and
+    Zamba2 "hybrid": attention beside / before a mixer) cost per pair: the weight is theirs over all layers
+    of the same config read as attention in every layer."""
+    from types import SimpleNamespace
+
+    from varpack.models import model_config
+
+    cfg = model_config(name).get_text_config()
+    read = ("hidden_size", "num_attention_heads", "num_hidden_layers", "head_dim", "num_key_value_heads",
+            "intermediate_size", "num_experts_per_tok", "moe_intermediate_size", "vocab_size")  # fmt: skip
+    every_layer = SimpleNamespace(**{k: getattr(cfg, k, None) for k in read})
+    ratio = attention_cost_weight(cfg) / attention_cost_weight(every_layer)
+    assert ratio == pytest.approx(attention_layers / cfg.num_hidden_layers, rel=1e-12)
+
+
+def test_attention_weight_of_a_model_without_attention_is_zero():
+    """Pure Mamba-2 has no attention heads and no attention layer: weight 0, nothing to read; a layer type of
+    unknown cost is refused by name."""
+    from types import SimpleNamespace
+
+    from varpack.models import model_config
+
+    assert attention_cost_weight(model_config("tiny-mamba2")) == 0.0
+    assert attention_cost_weight(SimpleNamespace(layer_types=["linear_attention", "mlp", "moe"])) == 0.0
+    with pytest.raises(ValueError, match="'mystery'"):
+        attention_cost_weight(SimpleNamespace(layer_types=["full_attention", "mystery"]))
+
+
+@pytest.mark.parametrize("world_size,balance", [(1, True), (2, False), (2, True)])
+def test_pack_sampler_needs_the_attention_weight_only_to_balance_ranks(world_size, balance):
+    """A config that does not give the attention cost: one rank or round-robin lay out without it (weight 0);
+    the cost-balanced layout of several ranks refuses, asking for the weight."""
+    from types import SimpleNamespace
+
+    from varpack.train.trainer import make_pack_sampler
+
+    plan = plan_packs([5, 3, 7, 2, 9, 4], 10, seed=0)
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=8))
+    args = SimpleNamespace(process_index=0, world_size=world_size, gradient_accumulation_steps=1)
+    make = lambda: make_pack_sampler(plan, model, args, packs_per_rank=1, balance=balance)  # noqa: E731
+    if balance and world_size > 1:
+        with pytest.raises(ValueError, match="attention_cost_weight"):
+            make()
+    else:
+        assert make().attention_weight == 0.0
+    assert make_pack_sampler(plan, model, args, packs_per_rank=1, attention_weight=0.5).attention_weight == 0.5
+
+
 def _epoch_ids(plan, world_size, packs_per_rank, epoch=0, state=None, grad_accum=1):
     """Per rank: the micro-batches (lists of pack ids / MaskedPack) of one epoch."""
     out = []

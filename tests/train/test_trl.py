@@ -359,3 +359,13 @@ def test_conversations_checked_as_varpack_sft_checks_them(tmp_path, tokenizer):
                                 train_dataset=datasets.Dataset.from_list(chats("an answer")),
                                 attn_backend="reference")  # fmt: skip
     assert len(trainer.samples) == 4
+
+
+def test_model_without_attention_layers_trains(tmp_path, tokenizer):
+    """tiny-mamba2 has no attention layer: its packs cost their tokens (attention weight 0) and the drop-in
+    trains it."""
+    model = load_model("tiny-mamba2", vocab_size=VOCAB, dtype=torch.float32, seed=0)
+    trainer = trl_trainer(tmp_path, tokenizer, model=model, args=trl_args(tmp_path, max_steps=1))
+    assert trainer.pack_sampler.attention_weight == 0.0
+    losses = step_losses(trainer)
+    assert len(losses) == 1 and torch.isfinite(torch.tensor(losses[0]))

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "PER_TOKEN_LAYER_TYPES",
     "attention_cost_weight",
     "epoch_layout",
     "layout_imbalance",
@@ -71,22 +72,55 @@ def pack_costs(plan: Any, attention_weight: float = 0.0) -> np.ndarray:
     return tokens + float(attention_weight) * sum_sq
 
 
+#: ``layer_types`` entries of layers that cost per token, not per (query, key) pair: linear attention / Gated
+#: DeltaNet and Mamba-2 mixers ("linear_attention", older configs "mamba"), MLP / MoE blocks (Nemotron-H),
+#: short convolutions (LFM2 "conv"), recurrent blocks (RecurrentGemma)
+PER_TOKEN_LAYER_TYPES = frozenset({"linear_attention", "mamba", "mlp", "moe", "conv", "recurrent"})
+
+
+def _attends_per_pair(layer_type: Any, config_name: str) -> bool:
+    """Whether a ``layer_types`` entry has softmax attention (cost per (query, key) pair): any ``*attention``
+    but linear attention (full, sliding, chunked: a sliding window is counted as full), and ``"hybrid"``
+    (Falcon-H1: attention beside a Mamba-2 mixer; Zamba2: the shared attention block before a mixer).
+
+    Raises:
+        ValueError: a layer type that is neither (its cost is unknown), naming it.
+    """
+    t = str(layer_type)
+    if t in PER_TOKEN_LAYER_TYPES:
+        return False
+    if t == "hybrid" or t.endswith("attention"):
+        return True
+    raise ValueError(
+        f"cannot read the attention cost off {config_name}: layer type {t!r} of its layer_types is neither "
+        f"attention ('*attention', 'hybrid') nor per token ({sorted(PER_TOKEN_LAYER_TYPES)}); "
+        "give attention_cost_weight explicitly"
+    )
+
+
 def attention_cost_weight(config: Any) -> float:
     """``attention_weight`` of :func:`pack_costs` for a transformers model config (FLOPs, module docstring).
 
     Multiply-adds per token of the linear layers: per layer ``q, o: d x H x D``, ``k, v: d x Hkv x D``, MLP
     ``3 x d x I`` (SwiGLU; MoE: ``3 x d x I_moe x experts per token``), plus the LM head ``d x V`` once.
-    Attention: ``H x D`` multiply-adds per (query, key) pair per full-attention layer (layers whose
-    ``layer_types`` entry says linear attention / Gated DeltaNet cost per token, not per pair, and are
-    counted as linear). A vision-language config is read through its text config.
+    Attention: ``H x D`` multiply-adds per (query, key) pair per attention layer. With ``layer_types``, only
+    the layers whose entry has softmax attention count (``*attention`` but linear attention, and ``"hybrid"``);
+    linear attention / Gated DeltaNet, Mamba-2 mixers, MLP and MoE blocks cost per token
+    (:data:`PER_TOKEN_LAYER_TYPES`). A model without attention layers (pure Mamba-2) has weight 0. A
+    vision-language config is read through its text config.
 
     Returns:
-        float ``> 0``.
+        float ``>= 0`` (``0``: no attention layer).
 
     Raises:
-        ValueError: the config lacks ``hidden_size`` / ``num_attention_heads`` / ``num_hidden_layers``.
+        ValueError: the config lacks ``hidden_size`` / ``num_attention_heads`` / ``num_hidden_layers`` (and
+            does not list layer types without attention), or a ``layer_types`` entry is of an unknown kind.
     """
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(cfg, "layer_types", None)
+    full = None if not types else sum(_attends_per_pair(t, type(cfg).__name__) for t in types)
+    if full == 0:
+        return 0.0
     try:
         d = int(cfg.hidden_size)
         heads = int(cfg.num_attention_heads)
@@ -103,8 +137,7 @@ def attention_cost_weight(config: Any) -> float:
         inter = int(cfg.moe_intermediate_size) * int(cfg.num_experts_per_tok)
     vocab = int(getattr(cfg, "vocab_size", 0) or 0)
     per_layer = 2 * d * heads * head_dim + 2 * d * kv * head_dim + 3 * d * inter
-    types = getattr(cfg, "layer_types", None)
-    full = layers if not types else sum(1 for t in types if "linear" not in str(t))
+    full = layers if full is None else full
     return full * heads * head_dim / (layers * per_layer + d * vocab)
 
 

@@ -850,25 +850,35 @@ def make_pack_sampler(
             reading them sets up the process group).
         packs_per_rank: packs per rank per micro-batch.
         balance: cost-balanced slots (``False``: round-robin).
-        attention_weight: the cost model's weight (:func:`varpack.plan.balance.attention_cost_weight`).
+        attention_weight: the cost model's weight (default: :func:`varpack.plan.balance.attention_cost_weight`
+            of the model's config; 0 where the config does not give it and no slot is balanced by cost:
+            one rank, or ``balance`` off).
         rank, world_size: the sampler's rank and rank count (default: the Trainer's process index and world
             size; under context parallelism the data-parallel replica and their count).
 
     Raises:
         RuntimeError: the ranks' plan / layout fingerprints differ (naming the ranks).
-        ValueError: the model's config does not give the attention cost and none was set.
+        ValueError: the model's config does not give the attention cost, none was set and the balanced layout
+            of several ranks needs it.
     """
     from varpack.data.sampler import BalancedPackSampler
     from varpack.plan.balance import attention_cost_weight
     from varpack.train.distributed import check_same_on_all_ranks
 
+    rank = args.process_index if rank is None else rank
+    world_size = args.world_size if world_size is None else world_size
     if attention_weight is None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        attention_weight = attention_cost_weight(base.config)
+        try:
+            attention_weight = attention_cost_weight(base.config)
+        except ValueError:
+            if balance and world_size > 1:
+                raise
+            attention_weight = 0.0  # one rank or round-robin: no slot is balanced by cost
     sampler = BalancedPackSampler(
         plan,
-        rank=args.process_index if rank is None else rank,
-        world_size=args.world_size if world_size is None else world_size,
+        rank=rank,
+        world_size=world_size,
         packs_per_rank=packs_per_rank,
         grad_accum=args.gradient_accumulation_steps,
         attention_weight=attention_weight,
