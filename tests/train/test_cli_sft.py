@@ -400,6 +400,31 @@ def test_model_without_attention_layers_trains(tmp_path, rank_balance):
 
 
 @pytest.mark.parametrize(
+    ("extra", "shown", "cls"),
+    [
+        ({"optim": "sgd"}, "optimizer SGD (optim sgd), peak lr 0.001 (set), constant schedule", torch.optim.SGD),
+        ({"optim": "adagrad"}, "optimizer Adagrad (optim adagrad), peak lr 0.001", torch.optim.Adagrad),
+        ({}, "optimizer AdamW (optim adamw_torch", torch.optim.AdamW),  # transformers' default
+    ],
+)
+def test_optimizer_line_names_the_optimizer_that_runs(tmp_path, extra, shown, cls):
+    """``--extra-training-args '{"optim": "sgd"}'`` trained with SGD while the ``optimizer`` line said AdamW:
+    the line names the optimizer the Trainer builds from its TrainingArguments, the one that then steps."""
+    from varpack.train import run_sft
+
+    lines: list[str] = []
+    config = SFTConfig(
+        output_dir=str(tmp_path / "o"), packing_length=32, attn_backend="reference", max_steps=1, save=False,
+        lr=1e-3, extra_training_args={"use_cpu": True, **extra},
+    )  # fmt: skip
+    model = load_model("tiny-qwen3", vocab_size=VOCAB, attn_backend="reference")
+    run = run_sft(config, print_fn=lines.append, model=model, tokenizer=_Tok(), encoded=synthetic_samples())
+    (line,) = [line for line in lines if line.startswith("optimizer ")]
+    assert line.startswith(shown), line
+    assert type(getattr(run.trainer.optimizer, "optimizer", run.trainer.optimizer)) is cls
+
+
+@pytest.mark.parametrize(
     ("bf16", "dtype", "lora", "shown"),
     [
         (False, "float32", False, "precision float32 weights, "),

@@ -1082,18 +1082,39 @@ def _describe_precision(run: SFTRun) -> str:
     return text
 
 
+def _describe_optimizer(run: SFTRun) -> str:
+    """The optimizer the Trainer builds, e.g. ``AdamW (optim adamw_torch_fused)``, ``SGD (optim sgd)``: its class
+    from transformers' own choice for the run's ``TrainingArguments`` (``optim``, which ``--extra-training-args``
+    may set; ``Trainer.get_optimizer_cls_and_kwargs``), or of an optimizer the trainer was given. An ``optim``
+    whose package is missing is named alone (the Trainer raises its ImportError when it builds it)."""
+    trainer, args = run.trainer, run.trainer.args
+    if getattr(trainer, "optimizer", None) is not None:
+        return type(trainer.optimizer).__name__
+    if getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
+        return trainer.optimizer_cls_and_kwargs[0].__name__
+    optim = getattr(args.optim, "value", args.optim)
+    try:
+        cls, _ = type(trainer).get_optimizer_cls_and_kwargs(args, run.model)
+    except ImportError:
+        return f"optim {optim}"
+    return f"{cls.__name__} (optim {optim})"
+
+
 def _describe_lr(run: SFTRun) -> str:
-    """``AdamW, peak lr 0.003 (default for a random-init model), constant schedule, 0 warm-up steps``."""
-    c = run.config
+    """``AdamW (optim adamw_torch_fused), peak lr 0.003 (default for a random-init model), constant schedule, 0
+    warm-up steps, weight decay 0``: the optimizer (:func:`_describe_optimizer`) and schedule of the run's
+    ``TrainingArguments``."""
+    c, args = run.config, run.trainer.args
     if run.lr_default_kind is None:
         source = "set"
     else:
         other = "pretrained" if run.lr_default_kind == "random-init" else "random-init"
         table = DEFAULT_DPO_LR if c.objective == "dpo" else DEFAULT_LR
         source = f"default for a {run.lr_default_kind} model; {other}: {table[other]:g}"
+    schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     return (
-        f"AdamW, peak lr {c.lr:g} ({source}), {c.lr_scheduler} schedule, {c.warmup_steps} warm-up steps, "
-        f"weight decay {c.weight_decay:g}"
+        f"{_describe_optimizer(run)}, peak lr {args.learning_rate:g} ({source}), {schedule} schedule, "
+        f"{args.warmup_steps:g} warm-up steps, weight decay {args.weight_decay:g}"
     )
 
 
