@@ -369,6 +369,33 @@ def test_bf16_beside_a_half_dtype_is_refused_before_encoding(dtype, tmp_path, ca
     check_precision(SFTConfig(dtype="float32", bf16=True))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a run on the CPU")
+def test_fp16_on_the_cpu_is_refused_before_encoding(tmp_path, capsys, monkeypatch):
+    """``--extra-training-args '{"fp16": true}'`` on the CPU said "fp16 autocast" while accelerate ran plain
+    float32 (it turns float16 autocast off on the CPU): refused before the data is encoded, naming the setting
+    and the ways out; the Trainer's own device is checked again (an accelerator seen up front, a CPU run)."""
+    from varpack.cli.main import main
+    from varpack.train import sft
+
+    def never(*a, **k):
+        raise AssertionError("encoded before refusing")
+
+    monkeypatch.setattr(sft, "load_and_encode", never)
+    argv = ["sft", "--max-steps", "1", "--output-dir", str(tmp_path / "o"), "--extra-training-args"]
+    code = main([*argv, '{"fp16": true}'])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "varpack sft: error: --extra-training-args '{\"fp16\": true}' (TrainingArguments.fp16=True): " in err
+    assert "fp16 mixed precision does not run on the CPU" in err and "--bf16" in err
+    assert not (tmp_path / "o").exists()
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # passes the up-front check
+    with pytest.raises(ValueError, match=r"TrainingArguments.fp16=True\): fp16 mixed precision does not run"):
+        build_sft(
+            SFTConfig(output_dir=str(tmp_path / "o"), packing_length=32, extra_training_args={"fp16": True}),
+            model=load_model("tiny-qwen3", vocab_size=VOCAB), tokenizer=_Tok(), encoded=synthetic_samples(),
+        )  # fmt: skip
+
+
 def one_step_cpu_run(tmp_path, model, **config_kw):
     """``(run, config, printed lines)`` of a 1-step, unsaved CPU ``run_sft`` of ``model`` (reference attention,
     packing_length 32) on :func:`synthetic_samples`, with ``config_kw`` set on the :class:`SFTConfig`."""

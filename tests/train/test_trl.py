@@ -369,3 +369,11 @@ def test_model_without_attention_layers_trains(tmp_path, tokenizer):
     assert trainer.pack_sampler.attention_weight == 0.0
     losses = step_losses(trainer)
     assert len(losses) == 1 and torch.isfinite(torch.tensor(losses[0]))
+
+
+def test_fp16_on_the_cpu_is_refused(tmp_path, tokenizer):
+    """fp16=True on the CPU trained in plain float32 (accelerate runs no float16 autocast there): refused by
+    name, with bf16 as the way out; bf16=True on the CPU is accepted (control)."""
+    with pytest.raises(ValueError, match=r"fp16=True -- fp16 mixed precision does not run on the CPU.*bf16=True"):
+        trl_trainer(tmp_path, tokenizer, args=trl_args(tmp_path, fp16=True))
+    assert trl_trainer(tmp_path, tokenizer, args=trl_args(tmp_path, bf16=True)).args.bf16

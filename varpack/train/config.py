@@ -65,6 +65,7 @@ __all__ = [
     "check_context_parallel",
     "check_cuda_graphs",
     "check_extra_training_args",
+    "check_fp16_device",
     "resolve_cuda_graphs",
     "check_precision",
     "default_lr",
@@ -435,6 +436,32 @@ def check_precision(config: SFTConfig) -> None:
         f"over float32 master weights, and {what}. Pass one of them: --bf16 alone (mixed precision, float32 "
         f"master weights) or --dtype {config.dtype} alone ({config.dtype} weights and optimizer state, less memory)"
     )
+
+
+#: Why fp16 mixed precision is refused on the CPU: accelerate (``Accelerator.__init__``) enables float16 autocast
+#: and its GradScaler only on a device other than the CPU, so ``TrainingArguments.fp16`` there trains in plain
+#: float32 (the same losses as without it)
+CPU_FP16_REFUSAL = (
+    "fp16 mixed precision does not run on the CPU under accelerate: it turns float16 autocast (and its loss "
+    "scaling) off there, so the run would train in plain float32. Use bf16 mixed precision instead (--bf16, "
+    "bf16=True: bfloat16 autocast over float32 master weights, which runs on the CPU) or leave fp16 off (float32)"
+)
+
+
+def check_fp16_device(fp16: bool, device: str, *, setting: str = "fp16=True") -> None:
+    """Refuse fp16 mixed precision (``TrainingArguments.fp16``) on the CPU, where it would not run
+    (:data:`CPU_FP16_REFUSAL`); float16 *weights* (``dtype="float16"``) are not autocast and are not refused.
+
+    Args:
+        fp16: whether fp16 mixed precision is asked for.
+        device: the device type the run trains on (``"cpu"``, ``"cuda"``, ...).
+        setting: how the caller names the setting in the message.
+
+    Raises:
+        ValueError: ``fp16`` on ``device == "cpu"``, naming ``setting``.
+    """
+    if fp16 and device == "cpu":
+        raise ValueError(f"{setting}: {CPU_FP16_REFUSAL}")
 
 
 def check_context_parallel(config: SFTConfig, *, world_size: int | None = None) -> None:

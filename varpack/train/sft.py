@@ -60,6 +60,7 @@ from varpack.train.config import (
     SFTConfig,
     check_context_parallel,
     check_cuda_graphs,
+    check_fp16_device,
     check_precision,
     default_lr,
     resolve_cuda_graphs,
@@ -142,6 +143,10 @@ class SFTRun:
     context_parallel: Any = None
 
 
+#: how ``varpack sft`` names fp16 mixed precision (it comes only through ``--extra-training-args``)
+FP16_SETTING = "--extra-training-args '{\"fp16\": true}' (TrainingArguments.fp16=True)"
+
+
 def build_sft(
     config: SFTConfig,
     *,
@@ -187,7 +192,8 @@ def build_sft(
             ``gated_delta_backend`` for a model without Gated DeltaNet layers, or one that cannot run on the
             training device (``gated_delta_backend='fla_hybrid': gated delta rule backend 'fla_hybrid' cannot
             run on cpu: ...``); ``bf16`` with a ``dtype`` other than float32
-            (:func:`varpack.train.config.check_precision`).
+            (:func:`varpack.train.config.check_precision`); fp16 mixed precision (``extra_training_args``
+            ``fp16``) on the CPU, where accelerate does not run it (:func:`varpack.train.config.check_fp16_device`).
     """
     from varpack.collate import PaddingFreeCollator
     from varpack.data.dataset import PackedDataset
@@ -195,6 +201,10 @@ def build_sft(
 
     _refuse_kernel_settings(config)
     check_precision(config)  # --bf16 with --dtype bfloat16 / float16
+    extra = config.extra_training_args
+    if extra.get("fp16"):  # the device TrainingArguments will pick; checked again below on the Trainer's device
+        on_cpu = bool(extra.get("use_cpu")) or not torch.accelerator.is_available()
+        check_fp16_device(True, "cpu" if on_cpu else "accelerator", setting=FP16_SETTING)
     # before minutes of encoding; checked again below on the Trainer's device and world size
     check_cuda_graphs(
         config,
@@ -265,6 +275,7 @@ def build_sft(
     if dpo:
         objective = _dpo_objective(config, model, load)
     training_args = training_arguments(config)
+    check_fp16_device(training_args.fp16, training_args.device.type, setting=FP16_SETTING)
     created_output_dir = not os.path.exists(training_args.output_dir)
     # the captured layers' attention backend: config.attn_backend, or triton_short in place of auto's (the run's
     # config keeps what the user chose: a saved config reruns auto)
@@ -1050,8 +1061,9 @@ def _rerunnable(config: SFTConfig) -> SFTConfig:
     )
 
 
-#: said on the ``model`` line of a CPU run in float16 (weights or autocast): PyTorch's CPU float16 matmuls have no
-#: fast path on most x86 CPUs -- a 1024 x 1024 matmul took 2.83 s in float16, 40 ms in bfloat16 and 10.7 ms in
+#: said on the ``model`` line of a CPU run with float16 weights (fp16 autocast is refused there): PyTorch's CPU
+#: float16 matmuls have no fast path on most x86 CPUs -- a 1024 x 1024 matmul took 2.83 s in float16, 40 ms in
+#: bfloat16 and 10.7 ms in
 #: float32 on the 2-core x86 machine CI runs on (torch 2.13.0 CPU build, 2026-12-01)
 CPU_FLOAT16_NOTE = "float16 on the CPU: slow matmuls, ~265x float32's time measured on x86; train in float32 here"
 
@@ -1077,7 +1089,7 @@ def _describe_precision(run: SFTRun) -> str:
         text = f"{amp} autocast over {names} weights"
     other = [d for d in frozen if d not in trained]
     text += f" (frozen: {' / '.join(other)})" if other else ""
-    if args.device.type == "cpu" and (amp == "fp16" or "float16" in trained or "float16" in frozen):
+    if args.device.type == "cpu" and ("float16" in trained or "float16" in frozen):
         text += f" ({CPU_FLOAT16_NOTE})"
     return text
 

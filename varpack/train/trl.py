@@ -98,7 +98,8 @@ packer on top of varpack's), ``padding_free=True`` (TRL's collator), a ``data_co
 (transformers scales NEFTune's noise by the row length, a pack's), ``truncation_mode="keep_end"`` with
 ``overflow="truncate"`` (varpack keeps the start), ``use_liger_kernel=True`` off CUDA, vision datasets, iterable
 datasets, context / sequence parallelism (they drop the boundaries), and ``evaluate(eval_dataset=...)`` with a
-dataset not packed at construction.
+dataset not packed at construction. Refused as well: ``fp16=True`` on the CPU (accelerate runs no float16
+autocast there, so it would train in float32 while set to fp16; ``bf16=True`` runs).
 
 Source of the TRL behaviour: trl 1.16 ``trl/trainer/sft_trainer.py`` (``SFTTrainer.__init__``,
 ``_prepare_dataset``, ``compute_loss``, ``DataCollatorForLanguageModeling``).
@@ -118,7 +119,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from varpack.schema import IGNORE_INDEX, INPUT_IDS, LABELS, LENGTH, SAMPLE_ID, TOKEN_FIELDS
-from varpack.train.config import NEFTUNE_REFUSAL
+from varpack.train.config import CPU_FP16_REFUSAL, NEFTUNE_REFUSAL
 from varpack.train.trainer import (
     CompileCountCallback,
     PackedLossMixin,
@@ -208,6 +209,8 @@ def _check_args(args: Any, kwargs: dict[str, Any]) -> None:
             "use_liger_kernel=True",
             f"Liger-Kernel's kernels are Triton GPU kernels; this run trains on {_device_type(args)}",
         )
+    if args.fp16 and _device_type(args) == "cpu":
+        raise _refuse("fp16=True", CPU_FP16_REFUSAL)
     if args.torch_compile_mode not in (None, "default"):
         raise _refuse(
             f"torch_compile_mode={args.torch_compile_mode!r}",
