@@ -388,7 +388,7 @@ def test_fp16_on_the_cpu_is_refused_before_encoding(tmp_path, capsys, monkeypatc
     assert "varpack sft: error: --extra-training-args '{\"fp16\": true}' (TrainingArguments.fp16=True): " in err
     assert "fp16 mixed precision does not run on the CPU" in err and "--bf16" in err
     assert not (tmp_path / "o").exists()
-    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # passes the up-front check
+    monkeypatch.setattr(sft, "_accelerator_available", lambda: True)  # passes the up-front check
     with pytest.raises(ValueError, match=r"TrainingArguments.fp16=True\): fp16 mixed precision does not run"):
         build_sft(
             SFTConfig(output_dir=str(tmp_path / "o"), packing_length=32, extra_training_args={"fp16": True}),

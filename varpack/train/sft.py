@@ -147,6 +147,13 @@ class SFTRun:
 FP16_SETTING = "--extra-training-args '{\"fp16\": true}' (TrainingArguments.fp16=True)"
 
 
+def _accelerator_available() -> bool:
+    """Whether torch sees an accelerator that ``TrainingArguments`` would train on (``torch.accelerator``, torch
+    2.6 and later; CUDA before)."""
+    accelerator = getattr(torch, "accelerator", None)
+    return bool(accelerator.is_available() if accelerator is not None else torch.cuda.is_available())
+
+
 def build_sft(
     config: SFTConfig,
     *,
@@ -203,7 +210,7 @@ def build_sft(
     check_precision(config)  # --bf16 with --dtype bfloat16 / float16
     extra = config.extra_training_args
     if extra.get("fp16"):  # the device TrainingArguments will pick; checked again below on the Trainer's device
-        on_cpu = bool(extra.get("use_cpu")) or not torch.accelerator.is_available()
+        on_cpu = bool(extra.get("use_cpu")) or not _accelerator_available()
         check_fp16_device(True, "cpu" if on_cpu else "accelerator", setting=FP16_SETTING)
     # before minutes of encoding; checked again below on the Trainer's device and world size
     check_cuda_graphs(
