@@ -305,12 +305,17 @@ def _field_argv(name: str, spelling: str) -> list[str]:
 
 
 SPELLINGS = sorted((spelling, name) for spelling, name in field_names().items())
-#: settings only valid together with another one (SFTConfig refuses lora_merge without lora)
+#: settings only valid together with another one (SFTConfig.DEPENDENT_SETTINGS: lora_r without lora, ...)
+_DPO = {"objective": "dpo", "overflow": "drop"}  # dpo keeps pairs whole: not varpack demo's default overflow split
 REQUIRES: dict[str, dict] = {
-    "lora_merge": {"lora": True},
+    **{name: {"lora": True} for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_merge")},
     "streaming": {"max_steps": 5},
-    "label_smoothing": {"loss_type": "robust"},
-    "objective": {"overflow": "drop"},  # dpo keeps pairs whole: not varpack demo's default overflow split
+    "buffer_size": {"streaming": True, "max_steps": 5},
+    "context_parallel_attention": {"context_parallel": 2},
+    "beta": _DPO,
+    "loss_type": _DPO,
+    "label_smoothing": {"loss_type": "robust", **_DPO},
+    "objective": {"overflow": "drop"},
 }
 
 

@@ -194,8 +194,9 @@ def test_literal_field_rejects_a_bad_value(name, capsys):
     choices = literal_choices(HINTS[name])
     with pytest.raises(ValueError, match=rf"SFTConfig\.{name} has an invalid value: 'nope'; choose one of"):
         SFTConfig(**{name: "nope"})
+    parent = next((p for n, _, _, p in DEPENDENT if n == name), {})  # loss_type robust: with objective dpo
     for good in choices:
-        assert getattr(SFTConfig(**{name: good}), name) == good
+        assert getattr(SFTConfig(**{name: good, **parent}), name) == good
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["sft", flag_name(name), "nope"])
     err = capsys.readouterr().err
@@ -247,6 +248,65 @@ def test_literals_agree_with_the_registries():
 def test_new_numeric_checks_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SFTConfig\.{field} has an invalid value"):
         SFTConfig(**{field: value})
+
+
+#: each setting of DEPENDENT_SETTINGS: the flags that give it a non-default value, the flag it needs, and the
+#: settings that turn that on
+DEPENDENT = [
+    ("lora_r", ["--lora-r", "8"], "--lora", {"lora": True}),
+    ("lora_alpha", ["--lora-alpha", "8"], "--lora", {"lora": True}),
+    ("lora_dropout", ["--lora-dropout", "0.5"], "--lora", {"lora": True}),
+    ("lora_target_modules", ["--lora-target-modules", "nonexistent_proj"], "--lora", {"lora": True}),
+    ("lora_merge", ["--lora-merge"], "--lora", {"lora": True}),
+    ("beta", ["--beta", "0.5"], "--objective dpo", {"objective": "dpo"}),
+    ("loss_type", ["--loss-type", "robust"], "--objective dpo", {"objective": "dpo"}),
+    ("label_smoothing", ["--label-smoothing", "0.2"], "--objective dpo", {"objective": "dpo", "loss_type": "robust"}),
+    ("buffer_size", ["--buffer-size", "10"], "--streaming", {"streaming": True, "max_steps": 1}),
+    ("context_parallel_attention", ["--context-parallel-attention", "ring"], "--context-parallel N",
+     {"context_parallel": 2}),
+]  # fmt: skip
+
+
+def test_dependent_settings_table_is_tested():
+    from varpack.train.config import DEPENDENT_SETTINGS
+
+    assert sorted(name for name, *_ in DEPENDENT) == sorted(DEPENDENT_SETTINGS)
+
+
+@pytest.mark.parametrize(("name", "argv", "needs", "parent"), DEPENDENT, ids=[d[0] for d in DEPENDENT])
+def test_setting_without_the_one_it_needs_is_refused(name, argv, needs, parent, tmp_path, capsys):
+    """A setting read only with another (--lora-r without --lora, --beta without --objective dpo, --buffer-size
+    without --streaming, ...) ran to the end with the setting unread: refused by name, naming what it needs,
+    from a flag and from a config file alike; its default value alone, or the setting beside its parent, pass."""
+    import yaml
+
+    config = config_from_args(build_parser().parse_args(["sft", *argv, *_flags(parent)]))
+    value = getattr(config, name)
+    assert value != getattr(SFTConfig(), name)
+    with pytest.raises(ValueError, match=rf"SFTConfig\.{name} has an invalid value: .*\(needs {re.escape(needs)}"):
+        SFTConfig(**{name: value})
+    assert main(["sft", "--max-steps", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"{argv[0]} has an invalid value" in err and f"(needs {needs}" in err, err
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({name: value, "max_steps": 1}))
+    assert main(["sft", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"SFTConfig.{name} has an invalid value" in err and "from config file" in err, err
+    # beside what it needs, and at its default alone: accepted
+    assert getattr(SFTConfig(**{name: value, **parent}), name) == value
+    default = getattr(SFTConfig(), name)
+    assert getattr(SFTConfig(**{name: default}), name) == default
+    path.write_text(yaml.safe_dump({name: value, "max_steps": 1, **parent}))
+    assert getattr(config_from_args(build_parser().parse_args(["sft", "--config", str(path)])), name) == value
+
+
+def _flags(settings: dict) -> list[str]:
+    out: list[str] = []
+    for key, value in settings.items():
+        flag = flag_name(key)
+        out += [flag] if value is True else [flag, str(value)]
+    return out
 
 
 @pytest.mark.parametrize(

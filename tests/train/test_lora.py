@@ -167,7 +167,7 @@ def test_lora_config_validation():
         (field,) = bad
         with pytest.raises(ValueError, match=f"SFTConfig.{field} has an invalid value"):
             SFTConfig(**bad)
-    assert SFTConfig(lora_target_modules="q_proj, v_proj").lora_target_module_list() == ["q_proj", "v_proj"]
+    assert SFTConfig(lora=True, lora_target_modules="q_proj, v_proj").lora_target_module_list() == ["q_proj", "v_proj"]
     assert SFTConfig().lora_target_module_list() == "all-linear"
     with pytest.raises(ValueError, match="lora_target_modules='no_such_proj'"):
         lora_model(lora_target_modules="no_such_proj")

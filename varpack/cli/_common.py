@@ -88,9 +88,9 @@ def _long_flag(action: argparse.Action) -> str:
 def flag_wording(message: str, parser: argparse.ArgumentParser) -> str:
     """Reword a library error for the command line: a setting named as its Python argument becomes the
     sub-command's flag (``overflow='drop'`` -> ``--overflow drop``, ``packing_length=256`` ->
-    ``--packing-length 256``, ``SFTConfig.packing_length`` / ``use_liger_kernel`` -> ``--packing-length`` /
-    ``--use-liger-kernel``). Only names that are flags of ``parser`` are changed; a bare name is changed only
-    when it has an underscore (``model`` or ``seed`` in prose stay as they are). A setting followed by its own
+    ``--packing-length 256``, ``SFTConfig.packing_length`` / ``use_liger_kernel`` / ``SFTConfig.beta`` ->
+    ``--packing-length`` / ``--use-liger-kernel`` / ``--beta``). Only names that are flags of ``parser`` are
+    changed; a bare name (without ``SFTConfig.``) is changed only when it has an underscore (``model`` or ``seed`` in prose stay as they are). A setting followed by its own
     flag in parentheses (``torch_compile (--torch-compile; ...)``) names the flag once
     (``--torch-compile (...)``); a setting written as flag then field (``--packs-per-step 2 (packs_per_step=2)``,
     :func:`varpack.train.config.setting_text`) stays as it is.
@@ -113,8 +113,10 @@ def flag_wording(message: str, parser: argparse.ArgumentParser) -> str:
                 ),
                 message,
             )
+        # a field named as SFTConfig.<name> is the setting whatever its name (SFTConfig.beta -> --beta)
+        prefix = r"(?:SFTConfig\.)?" if "_" in action.dest else r"SFTConfig\."
+        message = re.sub(rf"(?<![\w.-]){prefix}{dest}(?![\w=])", flag, message)
         if "_" in action.dest:
-            message = re.sub(rf"(?<![\w.-])(?:SFTConfig\.)?{dest}(?![\w=])", flag, message)
             # "setting (--flag; more)" became "--flag (--flag; more)": name the flag once
             f = re.escape(flag)
             message = re.sub(rf"{f} \({f}\)", flag, message)

@@ -33,7 +33,7 @@ import functools
 import math
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -44,6 +44,7 @@ from varpack.plan.streaming import DEFAULT_BUFFER_SIZE
 __all__ = [
     "ALWAYS_ON",
     "COMPILE_COLD_COST",
+    "DEPENDENT_SETTINGS",
     "DEFAULT_LR",
     "EXTRA_ARGS_OF_FIELDS",
     "EXTRA_ARGS_REFUSED",
@@ -94,6 +95,27 @@ ALWAYS_ON: dict[str, str] = {
     "for padded batches use a plain HF Trainer",
     "packing": "varpack always packs (varpack plan shows the packs); for unpacked training use a plain HF "
     "Trainer",
+}
+
+#: Settings read only when another setting is on: field -> (the setting it needs, as :func:`setting_text` words it,
+#: or as flag then field; whether ``config`` has it on). A field set to a value other than its default without
+#: that setting is refused (``SFTConfig.lora_r has an invalid value: 8 (needs --lora (lora=True))``), never
+#: ignored; at its default it is accepted, so a config file that lists every setting (``varpack_config.yaml``)
+#: reads back.
+DEPENDENT_SETTINGS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    **{
+        name: ("--lora (lora=True)", lambda c: c.lora)
+        for name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_merge")
+    },
+    **{
+        name: ("--objective dpo (objective='dpo')", lambda c: c.objective == "dpo")
+        for name in ("beta", "loss_type", "label_smoothing")
+    },
+    "buffer_size": ("--streaming (streaming=True)", lambda c: c.streaming),
+    "context_parallel_attention": (
+        "--context-parallel N (context_parallel=N), N >= 2",
+        lambda c: c.context_parallel > 1,
+    ),
 }
 
 #: :data:`varpack.plan.STRATEGIES` (tests/train/test_config.py checks that they agree).
@@ -744,7 +766,8 @@ class SFTConfig:
 
     Raises:
         ValueError: a field with an invalid value, as ``SFTConfig.<field> has an invalid value: <value>``
-            (a ``Literal`` field also lists its choices).
+            (a ``Literal`` field also lists its choices); also a field of :data:`DEPENDENT_SETTINGS` set away from
+            its default without the setting it needs (``... (needs --lora (lora=True))``).
     """
 
     model: str = field(
@@ -1083,7 +1106,6 @@ class SFTConfig:
             ("lora_alpha", self.lora_alpha >= 1, "must be >= 1"),
             ("lora_dropout", 0.0 <= self.lora_dropout < 1.0, "must be in [0, 1)"),
             ("lora_target_modules", bool(self.lora_target_module_list()), "names no module"),
-            ("lora_merge", not self.lora_merge or self.lora, "needs lora"),
             ("buffer_size", self.buffer_size >= 2, "must be >= 2"),
             ("context_parallel", self.context_parallel >= 1, "must be >= 1"),
             ("beta", self.beta > 0 and math.isfinite(self.beta), "must be finite, > 0"),
@@ -1111,11 +1133,6 @@ class SFTConfig:
                 "for its loop and learning-rate schedule (a stream shorter than max_steps is read again, "
                 "pass after pass)"
             )
-        if self.loss_type == "sigmoid" and self.label_smoothing != 0:
-            raise ValueError(
-                f"SFTConfig.label_smoothing has an invalid value: {self.label_smoothing!r}; it has no effect on "
-                "loss_type='sigmoid' (TRL 1.16's sigmoid DPO loss does not read it): use loss_type='robust'"
-            )
         for name, annotation in _hints().items():
             choices = literal_choices(annotation)
             if choices is not None and getattr(self, name) not in choices:
@@ -1123,6 +1140,15 @@ class SFTConfig:
                 raise ValueError(
                     f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r}; choose one of {shown}"
                 )
+        defaults = _defaults()
+        for name, (needed, on) in DEPENDENT_SETTINGS.items():
+            if getattr(self, name) != defaults[name] and not on(self):
+                raise ValueError(f"SFTConfig.{name} has an invalid value: {getattr(self, name)!r} (needs {needed})")
+        if self.loss_type == "sigmoid" and self.label_smoothing != 0:
+            raise ValueError(
+                f"SFTConfig.label_smoothing has an invalid value: {self.label_smoothing!r}; it has no effect on "
+                "loss_type='sigmoid' (TRL 1.16's sigmoid DPO loss does not read it): use loss_type='robust'"
+            )
         if self.objective == "dpo" and self.overflow in ("truncate", "split"):
             raise ValueError(
                 f"SFTConfig.overflow={self.overflow!r} cannot be used with objective='dpo': a preference pair "
@@ -1161,6 +1187,18 @@ class SFTConfig:
         if text == "all-linear":
             return text
         return [name.strip() for name in text.split(",") if name.strip()]
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """``SFTConfig``'s field defaults (``default_factory`` ones called)."""
+    import dataclasses
+
+    return {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(SFTConfig)
+        if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    }
 
 
 @functools.cache
