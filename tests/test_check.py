@@ -214,6 +214,34 @@ def test_cli_check_bad_input_is_a_clear_error(extra, expected, exit_code, capsys
     assert err.startswith("usage: varpack check" if exit_code == 2 else "varpack check: error:"), err
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--write", "x.md"], "--write has an invalid value: x.md (needs --zoo)"),
+        (["--context-parallel-attention", "ring"], "--context-parallel-attention has an invalid value: ring (needs "
+         "--context-parallel N, N >= 2)"),
+    ],
+)  # fmt: skip
+def test_cli_check_flag_without_the_flag_it_needs_is_refused(argv, expected, tmp_path, monkeypatch, capsys):
+    """``--write`` without ``--zoo`` ran a plain check and wrote nothing; ``--context-parallel-attention ring``
+    without ``--context-parallel`` ran one process: both a usage error naming the flag and what it needs, before
+    any model is loaded. Their defaults, or each beside what it needs, pass the check."""
+    from varpack.cli import check
+    from varpack.cli.main import build_parser, main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(check, "_run", lambda *a: pytest.fail("the check ran"))
+    assert main(["check", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: varpack check") and err.strip().endswith(f"varpack check: error: {expected}"), err
+    assert not (tmp_path / "x.md").exists()
+    parse = build_parser().parse_args
+    check.refuse_unread_flags(parse(["check"]))
+    check.refuse_unread_flags(parse(["check", "--context-parallel-attention", "auto"]))
+    check.refuse_unread_flags(parse(["check", "--zoo", "--write", "x.md"]))
+    check.refuse_unread_flags(parse(["check", "--context-parallel", "2", "--context-parallel-attention", "ring"]))
+
+
 @pytest.mark.parametrize("sabotage", [False, True])
 def test_cli_check_vl_model_runs_on_images(sabotage, monkeypatch, capsys):
     """`varpack check` on a VL model packs the built-in image chats (whole, with their media and mRoPE

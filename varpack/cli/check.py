@@ -27,6 +27,9 @@ exits with the verdict.
 transformers (or the ``--zoo-type`` ones) as a tiny random-init model on the CPU, one line per type (status,
 family, token mixers, reason); ``--write PATH`` writes the matrix (docs/MODELS.md). Exit 1 when a type lands in
 no state (inexact without a refusal, or exact without a family: the message says what to change).
+
+A flag read only with another (``--write`` with ``--zoo``, ``--context-parallel-attention`` with
+``--context-parallel N``, :data:`DEPENDENT_FLAGS`) given without it is a usage error (exit 2), never ignored.
 """
 
 from __future__ import annotations
@@ -34,18 +37,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from varpack.cli._common import (
     ATTN_BACKENDS,
     DTYPE_SPELLINGS,
     GATED_DELTA_BACKENDS,
+    UsageError,
     check_data_files,
     dtype_spelling,
     int_at_least,
 )
 
-__all__ = ["register", "run"]
+__all__ = ["DEPENDENT_FLAGS", "refuse_unread_flags", "register", "run"]
+
+#: Flags read only with another: ``dest`` -> (its default, the flag it needs, whether ``args`` has that). Given
+#: a value other than its default without what it needs, a flag is refused (exit 2) naming both, never ignored.
+DEPENDENT_FLAGS: dict[str, tuple[Any, str, Callable[[argparse.Namespace], bool]]] = {
+    "context_parallel_attention": ("auto", "--context-parallel N, N >= 2", lambda a: a.context_parallel > 1),
+    "write": (None, "--zoo", lambda a: bool(a.zoo or a.zoo_types)),
+}
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -236,8 +248,23 @@ def run_zoo(args: argparse.Namespace) -> int:
     return 0
 
 
+def refuse_unread_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag of :data:`DEPENDENT_FLAGS` given without the flag it needs.
+
+    Raises:
+        UsageError: ``--write has an invalid value: PATH (needs --zoo)``, ``--context-parallel-attention has an
+            invalid value: ring (needs --context-parallel N, N >= 2)``.
+    """
+    for dest, (default, needed, on) in DEPENDENT_FLAGS.items():
+        value = getattr(args, dest)
+        if value != default and not on(args):
+            raise UsageError(f"--{dest.replace('_', '-')} has an invalid value: {value} (needs {needed})")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``varpack check``: 0 on PASS, 1 on FAIL; errors propagate to ``varpack.cli.main`` (exit 1)."""
+    """Run ``varpack check``: 0 on PASS, 1 on FAIL; errors propagate to ``varpack.cli.main`` (exit 1; a flag
+    given without the flag it needs, :func:`refuse_unread_flags`: exit 2)."""
+    refuse_unread_flags(args)
     if args.zoo or args.zoo_types:
         return run_zoo(args)
     check_data_files(args.data)  # a missing file is reported before torch and transformers are imported
