@@ -215,6 +215,34 @@ def test_missing_and_malformed_files(tmp_path, capsys):
     assert code == 2 and "sets 'packing_length' twice" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "flag", "first", "second"),
+    [
+        (["--max_seq_length", "512", "--max-length", "1024"], "--packing-length", "--max_seq_length", "--max-length"),
+        (["--packing-length", "512", "--packing_length", "1024"], "--packing-length", "--packing-length",
+         "--packing_length"),
+        (["--lr", "1e-3", "--learning_rate", "1e-4"], "--lr", "--lr", "--learning_rate"),
+        (["--data", "a.jsonl", "--dataset", "b.jsonl"], "--data", "--data", "--dataset"),
+        (["--use-liger-kernel", "--no_use_liger_kernel"], "--use-liger-kernel", "--use-liger-kernel",
+         "--no_use_liger_kernel"),
+        (["--torch-compile", "--no_torch_compile"], "--torch-compile", "--torch-compile", "--no_torch_compile"),
+    ],
+)  # fmt: skip
+def test_two_spellings_of_one_setting_on_the_command_line_are_refused(argv, flag, first, second, capsys, monkeypatch):
+    """``--max_seq_length 512 --max-length 1024`` trained at 1024 (the later spelling won, the other was
+    ignored): refused, as a config file setting one thing twice is. One spelling given twice stays argparse's
+    (the later value; a list flag adds to its list), and a switch's two sides are one spelling."""
+    import varpack.cli.sft
+
+    monkeypatch.setattr(varpack.cli.sft, "run", lambda args: pytest.fail("the run started"))
+    code, err = _main_err(["sft", *argv], capsys)
+    assert code == 2 and f"{flag} given twice: as {first} and {second}; give it once" in err, err
+    assert _parse("sft", "--max-length", "512", "--max-length", "1024").packing_length == 1024
+    assert _parse("sft", "--data", "a.jsonl", "--data", "b.jsonl").data == ("a.jsonl", "b.jsonl")
+    assert _parse("sft", "--bf16", "--no-bf16").bf16 is False
+    assert _parse("sft", "--torch-compile", "--no-torch-compile").torch_compile is False
+
+
 @pytest.mark.parametrize("name", ["varpack_config.yaml", "varpack_config.json"])
 def test_writer_round_trips_every_field(tmp_path, name):
     config = SFTConfig(**{**NON_DEFAULT, "lr": 1e-10, "num_proc": None})

@@ -22,7 +22,10 @@ ms-swift write flags so), the field's ``metadata["aliases"]`` in both spellings 
 ``--config FILE`` (YAML / JSON, :mod:`varpack.train.config_file`) gives the settings from a file; a flag
 given on the command line overrides the file's value. Each flag records that it was given in the parsed
 namespace (``_explicit_fields``), which is how :func:`config_from_args` tells a flag given as its default
-value from a flag not given.
+value from a flag not given. Two spellings of one setting on the command line (``--max_seq_length 512
+--max-length 1024``, ``--lr`` and ``--learning_rate``) are a usage error, as in a ``--config`` file: the later one
+would win unseen; one spelling given twice keeps argparse's rule (the later value; a list flag adds to its list),
+and both sides of a switch (``--bf16`` / ``--no-bf16``) are one spelling.
 
 :func:`config_from_args` is the inverse, :func:`config_to_argv` gives the flags that rebuild a config. This
 module imports no torch (the parsers of :mod:`varpack.cli` use it; tests/cli/test_cli_consistency.py checks).
@@ -44,6 +47,7 @@ from varpack.train.fields import cli_types, field_names, flag_name, is_auto_bool
 
 __all__ = [
     "EXPLICIT_FIELDS",
+    "GIVEN_AS",
     "add_config_arguments",
     "config_defaults",
     "config_from_args",
@@ -54,12 +58,44 @@ __all__ = [
 EXPLICIT_FIELDS = "_explicit_fields"
 
 
-def _mark_given(namespace: argparse.Namespace, dest: str) -> None:
+#: Namespace attribute: ``dest`` -> the spelling of the flag that gave it (:func:`_spelling`).
+GIVEN_AS = "_given_as"
+
+
+def _spelling(option_string: str) -> str:
+    """A flag's spelling, one for both sides of a switch: ``--no-bf16`` -> ``--bf16``, ``--no_bf16`` ->
+    ``--bf16``, ``--max_length`` -> ``--max_length``."""
+    for off in ("--no-", "--no_"):
+        if option_string.startswith(off):
+            return "--" + option_string[len(off) :]
+    return option_string
+
+
+def _mark_given(
+    namespace: argparse.Namespace, dest: str, action: argparse.Action | None = None, option_string: Any = None
+) -> None:
+    """Record that ``dest`` was given, and refuse a second spelling of it (``--max-length 512
+    --max_seq_length 1024``: the later one would silently win; a ``--config`` file is refused alike).
+
+    Raises:
+        argparse.ArgumentError: ``--packing-length given twice: as --max_seq_length and --max-length``.
+    """
     given = getattr(namespace, EXPLICIT_FIELDS, None)
     if given is None:
         given = set()
         setattr(namespace, EXPLICIT_FIELDS, given)
     given.add(dest)
+    if not option_string:
+        return
+    spelled = getattr(namespace, GIVEN_AS, None)
+    if spelled is None:
+        spelled = {}
+        setattr(namespace, GIVEN_AS, spelled)
+    first = spelled.setdefault(dest, _spelling(option_string))
+    if first != _spelling(option_string):
+        raise argparse.ArgumentError(
+            action, f"{flag_name(dest)} given twice: as {first} and {option_string}; give it once"
+        )
 
 
 class _Store(argparse.Action):
@@ -67,7 +103,7 @@ class _Store(argparse.Action):
 
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None):
         setattr(namespace, self.dest, values)
-        _mark_given(namespace, self.dest)
+        _mark_given(namespace, self.dest, self, option_string)
 
 
 class _Extend(_Store):
@@ -92,7 +128,7 @@ class _Switch(argparse.BooleanOptionalAction):
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None):
         if option_string in self.option_strings:
             setattr(namespace, self.dest, not option_string.startswith(("--no-", "--no_")))
-            _mark_given(namespace, self.dest)
+            _mark_given(namespace, self.dest, self, option_string)
 
 
 class _SwitchOff(argparse.Action):
@@ -103,7 +139,7 @@ class _SwitchOff(argparse.Action):
 
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None):
         setattr(namespace, self.dest, False)
-        _mark_given(namespace, self.dest)
+        _mark_given(namespace, self.dest, self, option_string)
 
 
 class _AutoSwitch(_Store):
