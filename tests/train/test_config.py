@@ -4,6 +4,7 @@ objectives seam (the SFT objective's loss is the packed causal-LM loss, equal to
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -334,6 +335,56 @@ def test_bad_value_of_a_new_flag_is_a_usage_error(capsys):
     assert "--weight-decay has an invalid value" in capsys.readouterr().err
     assert main(["sft", "--extra-training-args", "[1]"]) == 2
     assert "--extra-training-args" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--lr-scheduler", "foo"], "--lr-scheduler has an invalid value: 'foo'; choose one of linear, cosine"),
+        (["--extra-training-args", '{"not_a_real_arg": 1}'],
+         "--extra-training-args sets 'not_a_real_arg', which transformers' TrainingArguments does not take"),
+        (["--extra-training-args", '{"max_grad_nrom": 1, "optim": "sgd"}'],
+         "--extra-training-args sets 'max_grad_nrom' (did you mean 'max_grad_norm'?), which"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("cmd", ["sft", "demo"])
+def test_training_arguments_checked_before_the_data_is_encoded(cmd, argv, expected, tmp_path, capsys, monkeypatch):
+    """``--lr-scheduler foo`` and an unknown ``--extra-training-args`` key failed when the Trainer was built,
+    after the data was encoded, in transformers' words without the flag: now a usage error naming the flag, by
+    transformers' own definitions, before the run starts; from a config file alike."""
+    import yaml
+
+    import varpack.train.sft
+
+    monkeypatch.setattr(varpack.train.sft, "run_sft", lambda *a, **k: pytest.fail("the run started"))
+    assert main([cmd, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: varpack {cmd}") and expected in err, err
+    path = tmp_path / "run.yaml"
+    value = argv[1] if argv[0] == "--lr-scheduler" else json.loads(argv[1])
+    path.write_text(yaml.safe_dump({argv[0][2:].replace("-", "_"): value}))
+    assert main([cmd, "--config", str(path)]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_training_arguments_check_reads_transformers_definitions(monkeypatch):
+    """Every transformers scheduler name and TrainingArguments keyword passes; build_sft refuses a bad one
+    before any data is loaded."""
+    import transformers
+
+    import varpack.train.sft
+    from varpack.train.config import check_training_arguments
+
+    for scheduler in transformers.SchedulerType:
+        check_training_arguments(SFTConfig(lr_scheduler=scheduler.value))
+    with pytest.raises(ValueError, match="SFTConfig.lr_scheduler has an invalid value: 'Linear'; choose one of"):
+        check_training_arguments(SFTConfig(lr_scheduler="Linear"))
+    check_training_arguments(SFTConfig(extra_training_args={"max_grad_norm": 0.5, "optim": "sgd", "adam_beta2": 0.9}))
+    with pytest.raises(ValueError, match=r"sets 'nope', 'adam_beta_2' \(did you mean 'adam_beta2'\?\), which"):
+        check_training_arguments(SFTConfig(extra_training_args={"nope": 1, "adam_beta_2": 0.9}))
+    monkeypatch.setattr(varpack.train.sft, "load_and_encode", lambda *a, **k: pytest.fail("data loaded"))
+    with pytest.raises(ValueError, match="SFTConfig.lr_scheduler has an invalid value: 'foo'"):
+        varpack.train.sft.build_sft(SFTConfig(lr_scheduler="foo"))
 
 
 def test_config_and_flags_import_no_torch():

@@ -49,11 +49,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``varpack demo``: 0 when the loss fell (or only one loss was logged: nothing to compare), 1 when it
     did not or none was logged; errors propagate to ``varpack.cli.main``."""
-    from varpack.cli._common import check_data_files
-    from varpack.cli.sft import config_from_args
+    from varpack.cli.sft import checked_config
 
-    config = config_from_args(args)
-    check_data_files(config.data)
+    config = checked_config(args)
     from varpack.train.sft import run_sft
 
     print(

@@ -39,7 +39,7 @@ from typing import Any
 
 from varpack.cli._common import UsageError, check_data_files
 
-__all__ = ["add_sft_arguments", "config_from_args", "register", "run"]
+__all__ = ["add_sft_arguments", "checked_config", "config_from_args", "register", "run"]
 
 
 def add_sft_arguments(p: argparse.ArgumentParser, *, defaults: dict[str, Any] | None = None) -> None:
@@ -84,10 +84,34 @@ def config_from_args(args: argparse.Namespace) -> Any:
         raise error from exc
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``varpack sft``; returns 0. Errors propagate to ``varpack.cli.main`` (exit codes 2 / 1)."""
+def checked_config(args: argparse.Namespace) -> Any:
+    """:func:`config_from_args`, then what can be checked before the data is encoded: the ``--data`` files
+    (before torch and transformers are imported), then ``--lr-scheduler`` and the ``--extra-training-args``
+    keys by transformers' definitions (:func:`varpack.train.config.check_training_arguments`).
+
+    Raises:
+        UsageError: as :func:`config_from_args`; an ``--lr-scheduler`` or ``--extra-training-args`` key
+            transformers does not know (exit code 2).
+        OSError: a ``--data`` path that is not a file (:func:`varpack.cli._common.check_data_files`).
+    """
     config = config_from_args(args)
     check_data_files(config.data)  # a missing file is reported before torch and transformers are imported
+    from varpack.train.config import check_training_arguments
+
+    try:
+        check_training_arguments(config)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``varpack sft``; returns 0. Errors propagate to ``varpack.cli.main`` (exit codes 2 / 1).
+
+    Raises:
+        UsageError: as :func:`checked_config` (exit code 2).
+    """
+    config = checked_config(args)
     from varpack.train.distributed import close_process_group
     from varpack.train.sft import run_sft
 

@@ -67,6 +67,7 @@ __all__ = [
     "check_cuda_graphs",
     "check_extra_training_args",
     "check_fp16_device",
+    "check_training_arguments",
     "resolve_cuda_graphs",
     "check_precision",
     "default_lr",
@@ -420,6 +421,39 @@ def check_extra_training_args(extra: Mapping[str, Any]) -> None:
             raise ValueError(f"SFTConfig.extra_training_args sets TrainingArguments.{key}: {EXTRA_ARGS_REFUSED[key]}")
 
 
+def check_training_arguments(config: SFTConfig) -> None:
+    """Check, by transformers' own definitions, what ``TrainingArguments`` would refuse only when the Trainer is
+    built (after the data is encoded): ``lr_scheduler`` a value of ``transformers.SchedulerType``, and every
+    ``extra_training_args`` key a keyword of ``transformers.TrainingArguments``. Imports transformers.
+
+    Raises:
+        ValueError: ``SFTConfig.lr_scheduler has an invalid value: 'foo'; choose one of linear, cosine, ...``;
+            ``SFTConfig.extra_training_args sets 'max_grad_nrom', which transformers' TrainingArguments does not
+            take (did you mean 'max_grad_norm'?)``.
+    """
+    import dataclasses
+    import difflib
+
+    from transformers import SchedulerType, TrainingArguments
+
+    schedulers = [s.value for s in SchedulerType]
+    if config.lr_scheduler not in schedulers:
+        raise ValueError(
+            f"SFTConfig.lr_scheduler has an invalid value: {config.lr_scheduler!r}; choose one of "
+            f"{', '.join(schedulers)} (transformers' SchedulerType)"
+        )
+    keywords = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    unknown = [key for key in config.extra_training_args if key not in keywords]
+    if unknown:
+        guesses = {key: difflib.get_close_matches(key, keywords, n=1) for key in unknown}
+        named = ", ".join(
+            repr(key) + (f" (did you mean {close[0]!r}?)" if close else "") for key, close in guesses.items()
+        )
+        raise ValueError(
+            f"SFTConfig.extra_training_args sets {named}, which transformers' TrainingArguments does not take"
+        )
+
+
 def setting_text(name: str, value: Any) -> str:
     """A setting as both audiences spell it: the ``varpack sft`` flag, then the :class:`SFTConfig` field
     (``--lora (lora=True)``, ``--packs-per-step 2 (packs_per_step=2)``, ``--torch-compile false
@@ -679,7 +713,8 @@ class SFTConfig:
             :data:`DEFAULT_LR` ``["random-init"]`` (3e-3) for a built-in random-init model and
             ``["pretrained"]`` (1e-4) for loaded weights (a model directory or GGUF file).
         lr_scheduler: transformers scheduler name (``constant``, ``linear``, ``cosine``, ...); an open set
-            (it grows with transformers), checked by ``TrainingArguments``.
+            (it grows with transformers), checked against ``transformers.SchedulerType`` before the data is
+            encoded (:func:`check_training_arguments`).
         warmup_steps: linear warm-up steps.
         weight_decay: AdamW weight decay (``>= 0``).
         loss_reduction: ``token`` (global token mean) or ``sample`` (global sample mean).
@@ -762,7 +797,8 @@ class SFTConfig:
             set (``all``, ``tensorboard``, ``wandb``, ...), checked by ``TrainingArguments``. They get
             varpack's per-step metrics and the packing report (docs/usage.md "Logging",
             :mod:`varpack.train.reporting`).
-        extra_training_args: more ``transformers.TrainingArguments`` keywords (applied last).
+        extra_training_args: more ``transformers.TrainingArguments`` keywords (applied last); a key
+            ``TrainingArguments`` does not take is refused before the data is encoded (:func:`check_training_arguments`).
 
     Raises:
         ValueError: a field with an invalid value, as ``SFTConfig.<field> has an invalid value: <value>``

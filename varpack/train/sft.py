@@ -62,6 +62,7 @@ from varpack.train.config import (
     check_cuda_graphs,
     check_fp16_device,
     check_precision,
+    check_training_arguments,
     default_lr,
     resolve_cuda_graphs,
     resolve_torch_compile,
@@ -200,7 +201,9 @@ def build_sft(
             training device (``gated_delta_backend='fla_hybrid': gated delta rule backend 'fla_hybrid' cannot
             run on cpu: ...``); ``bf16`` with a ``dtype`` other than float32
             (:func:`varpack.train.config.check_precision`); fp16 mixed precision (``extra_training_args``
-            ``fp16``) on the CPU, where accelerate does not run it (:func:`varpack.train.config.check_fp16_device`).
+            ``fp16``) on the CPU, where accelerate does not run it (:func:`varpack.train.config.check_fp16_device`);
+            an ``lr_scheduler`` or ``extra_training_args`` key transformers does not know
+            (:func:`varpack.train.config.check_training_arguments`).
     """
     from varpack.collate import PaddingFreeCollator
     from varpack.data.dataset import PackedDataset
@@ -234,6 +237,7 @@ def build_sft(
             "the logits and averages over pairs (leave loss_impl / loss_reduction at their defaults)"
         )
     _report_to(config.report_to)  # a bad name or a missing package before minutes of encoding
+    check_training_arguments(config)  # --lr-scheduler, --extra-training-args keys: before encoding too
     if config.lora:  # before minutes of encoding
         from varpack.train.lora import require_peft
 
