@@ -361,6 +361,26 @@ def test_conversations_checked_as_varpack_sft_checks_them(tmp_path, tokenizer):
     assert len(trainer.samples) == 4
 
 
+def test_conversation_check_leaves_roles_content_types_and_streams_to_trl():
+    """Only empty answers and chats without one are refused: a ``developer`` role and list-of-parts content pass
+    (the template decides), and an IterableDataset is not read (an endless stream would never end the check)."""
+    from varpack.train.trl import check_conversations
+
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+             {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "hello"}]}]  # fmt: skip
+    check_conversations(datasets.Dataset.from_list([{"messages": parts}]), "train_dataset")
+
+    def endless():
+        while True:
+            yield {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}
+
+    features = datasets.Features({"messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]})
+    stream = datasets.IterableDataset.from_generator(endless, features=features)
+    assert "messages" in stream.column_names
+    check_conversations(stream, "train_dataset")  # returns without reading it
+
+
 def test_model_without_attention_layers_trains(tmp_path, tokenizer):
     """tiny-mamba2 has no attention layer: its packs cost their tokens (attention weight 0) and the drop-in
     trains it."""

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
+    "ANSWER_KEYS",
     "IGNORE_INDEX",
     "KNOWN_ROLES",
     "encode_chat",
@@ -58,7 +59,7 @@ __all__ = [
 #: Roles a message may have.
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 #: keys that give an assistant turn something to supervise besides its content (tool calls, reasoning)
-_ANSWER_KEYS = ("tool_calls", "reasoning_content", "thinking")
+ANSWER_KEYS = ("tool_calls", "reasoning_content", "thinking")
 
 
 @functools.cache
@@ -162,7 +163,7 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
         if (
             message["role"] == "assistant"
             and not message["content"].strip()
-            and not any(message.get(k) for k in _ANSWER_KEYS)
+            and not any(message.get(k) for k in ANSWER_KEYS)
         ):
             # as the other formats' empty answers (varpack.data.formats): it would train the model to answer
             # with the end-of-turn token alone
@@ -310,11 +311,11 @@ def _encode_prefix(
 
 
 def unrendered_answer_field(messages: Sequence[Mapping[str, Any]], tokenizer: Any) -> tuple[int, str] | None:
-    """``(i, key)`` of the first message whose answer field (:data:`_ANSWER_KEYS`: ``tool_calls``,
+    """``(i, key)`` of the first message whose answer field (:data:`ANSWER_KEYS`: ``tool_calls``,
     ``reasoning_content``, ``thinking``) is set while the tokenizer's chat template never reads it (its name is
     not in the template's source), else ``None``. Such a field would be dropped by the template and the turn
     trained without it."""
-    keys = [(i, k) for i, m in enumerate(messages) for k in _ANSWER_KEYS if m.get(k)]
+    keys = [(i, k) for i, m in enumerate(messages) for k in ANSWER_KEYS if m.get(k)]
     if not keys:
         return None
     template = _chat_template(tokenizer)

@@ -146,25 +146,37 @@ def _refuse(setting: str, why: str) -> ValueError:
 
 
 def check_conversations(dataset: Any, name: str) -> None:
-    """Check every ``messages`` row of a conversational dataset as ``varpack sft`` checks its chats
-    (:func:`varpack.data.chat.validate_messages`) before TRL prepares it: TRL trains an empty assistant answer
-    (its end-of-turn token alone) and reports a row without an assistant turn as a chat-template problem. A
-    dataset without a ``messages`` column (pre-tokenized, prompt-completion, text) is left to TRL.
+    """Refuse a chat that would train nothing useful, as ``varpack sft`` refuses it, before TRL prepares the
+    rows: an assistant answer that is empty (TRL would train its end-of-turn token alone) and a chat without an
+    assistant turn (TRL reports it as a chat-template problem). Roles and content types are left to TRL and the
+    model's chat template (a ``developer`` role, list-of-parts content). Only a ``datasets.Dataset`` with a
+    ``messages`` column is read (its ``messages`` column alone); other datasets are left to TRL.
 
     Raises:
-        ValueError / TypeError: ``validate_messages``' errors for the first bad row, as ``"VarpackSFTTrainer:
-            train_dataset, sample 3: messages[1].content is empty ..."`` (an empty assistant answer, no
-            assistant message, an unknown role, a missing content ...).
+        ValueError: ``"VarpackSFTTrainer: train_dataset, sample 3: messages[1].content is empty ..."`` or
+            ``"... sample 3: no assistant message to supervise (roles: [...])"``, for the first such row.
     """
-    from varpack.data.chat import validate_messages
+    import datasets
 
-    if dataset is None or "messages" not in (getattr(dataset, "column_names", None) or ()):
+    from varpack.data.chat import ANSWER_KEYS
+
+    if not isinstance(dataset, datasets.Dataset) or "messages" not in dataset.column_names:
         return
-    for i, messages in enumerate(dataset["messages"]):
-        try:
-            validate_messages(messages, sample_id=i)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"VarpackSFTTrainer: {name}, {exc}") from None
+    for i, messages in enumerate(dataset.select_columns(["messages"])["messages"]):
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            continue  # not a chat this check reads: TRL's own errors name it
+        roles = [m.get("role") for m in messages]
+        where = f"VarpackSFTTrainer: {name}, sample {i}"
+        if "assistant" not in roles:
+            raise ValueError(f"{where}: no assistant message to supervise (roles: {roles})")
+        for k, m in enumerate(messages):
+            content = m.get("content")
+            blank = content is None or (isinstance(content, str) and not content.strip())
+            if m.get("role") == "assistant" and blank and not any(m.get(key) for key in ANSWER_KEYS):
+                raise ValueError(
+                    f"{where}: messages[{k}].content is empty (an assistant answer with no text to supervise); "
+                    "write the answer, or remove the turn or the row"
+                )
 
 
 def _check_args(args: Any, kwargs: dict[str, Any]) -> None:
