@@ -277,8 +277,9 @@ def test_dependent_settings_table_is_tested():
 @pytest.mark.parametrize(("name", "argv", "needs", "parent"), DEPENDENT, ids=[d[0] for d in DEPENDENT])
 def test_setting_without_the_one_it_needs_is_refused(name, argv, needs, parent, tmp_path, capsys):
     """A setting read only with another (--lora-r without --lora, --beta without --objective dpo, --buffer-size
-    without --streaming, ...) ran to the end with the setting unread: refused by name, naming what it needs,
-    from a flag and from a config file alike; its default value alone, or the setting beside its parent, pass."""
+    without --streaming, ...) is refused by name, naming what it needs, from a flag and from a config file
+    alike; its default value alone, or the setting beside its parent, pass; a file that has both, run with the
+    parent turned off on the command line, runs without the dependent value (the command line wins)."""
     import yaml
 
     config = config_from_args(build_parser().parse_args(["sft", *argv, *_flags(parent)]))
@@ -300,6 +301,10 @@ def test_setting_without_the_one_it_needs_is_refused(name, argv, needs, parent, 
     assert getattr(SFTConfig(**{name: default}), name) == default
     path.write_text(yaml.safe_dump({name: value, "max_steps": 1, **parent}))
     assert getattr(config_from_args(build_parser().parse_args(["sft", "--config", str(path)])), name) == value
+    off = {"lora": ["--no-lora"], "objective": ["--objective", "sft"], "streaming": ["--no-streaming"],
+           "context_parallel": ["--context-parallel", "1"]}[next(iter(parent))]  # fmt: skip
+    turned_off = config_from_args(build_parser().parse_args(["sft", "--config", str(path), *off]))
+    assert getattr(turned_off, name) == default
 
 
 def _flags(settings: dict) -> list[str]:
@@ -349,9 +354,9 @@ def test_bad_value_of_a_new_flag_is_a_usage_error(capsys):
 )  # fmt: skip
 @pytest.mark.parametrize("cmd", ["sft", "demo"])
 def test_training_arguments_checked_before_the_data_is_encoded(cmd, argv, expected, tmp_path, capsys, monkeypatch):
-    """``--lr-scheduler foo`` and an unknown ``--extra-training-args`` key failed when the Trainer was built,
-    after the data was encoded, in transformers' words without the flag: now a usage error naming the flag, by
-    transformers' own definitions, before the run starts; from a config file alike."""
+    """``--lr-scheduler foo`` and an unknown ``--extra-training-args`` key are a usage error naming the flag, by
+    transformers' own definitions, before the run starts (not in transformers' words once the Trainer is built,
+    after the data was encoded); from a config file alike."""
     import yaml
 
     import varpack.train.sft

@@ -37,11 +37,12 @@ import argparse
 import dataclasses
 import json
 import re
+import types
 import typing
 from typing import Any
 
 from varpack._argtypes import parse_auto_bool, parse_bool
-from varpack.train.config import ALWAYS_ON, SFTConfig, literal_choices
+from varpack.train.config import ALWAYS_ON, DEPENDENT_SETTINGS, SFTConfig, literal_choices
 from varpack.train.config_file import ConfigFileError, read_config_file
 from varpack.train.fields import cli_types, field_names, flag_name, is_auto_bool, strip_optional
 
@@ -314,7 +315,9 @@ def config_from_args(args: argparse.Namespace, config_cls: type = SFTConfig) -> 
         return config_cls(**kw)
 
     given = getattr(args, EXPLICIT_FIELDS, set())
-    from_file = {k: v for k, v in read_config_file(path, config_cls).items() if k not in given}
+    file_values = read_config_file(path, config_cls)
+    from_file = {k: v for k, v in file_values.items() if k not in given}
+    _drop_settings_turned_off(config_cls, kw, file_values, from_file)
     try:
         return config_cls(**{**kw, **from_file})
     except ValueError as exc:
@@ -322,6 +325,23 @@ def config_from_args(args: argparse.Namespace, config_cls: type = SFTConfig) -> 
         if m and m.group(1) in from_file:
             raise ConfigFileError(f"{exc} (from config file {str(path)!r})") from None
         raise
+
+
+def _drop_settings_turned_off(
+    config_cls: type, kw: dict[str, Any], file_values: dict[str, Any], from_file: dict[str, Any]
+) -> None:
+    """Remove from ``from_file`` the file's values of settings read only with another one
+    (:data:`varpack.train.config.DEPENDENT_SETTINGS`) that the command line turned off: ``--no-lora`` over a
+    saved LoRA config drops its ``lora_r``, ``--objective sft`` over a DPO config its ``beta``. With the file's
+    own value of that other setting the file is consistent; without it they are read nowhere, by the user's
+    choice on the command line. A file that sets them without their setting is still refused."""
+    if not (isinstance(config_cls, type) and issubclass(config_cls, SFTConfig)):
+        return
+    as_file = types.SimpleNamespace(**{**kw, **file_values})
+    as_run = types.SimpleNamespace(**{**kw, **from_file})
+    for name, (_needed, on) in DEPENDENT_SETTINGS.items():
+        if name in from_file and on(as_file) and not on(as_run):
+            del from_file[name]
 
 
 def config_to_argv(config: Any) -> list[str]:
