@@ -229,8 +229,8 @@ def test_missing_and_malformed_files(tmp_path, capsys):
     ],
 )  # fmt: skip
 def test_two_spellings_of_one_setting_on_the_command_line_are_refused(argv, flag, first, second, capsys, monkeypatch):
-    """``--max_seq_length 512 --max-length 1024`` trained at 1024 (the later spelling won, the other was
-    ignored): refused, as a config file setting one thing twice is. One spelling given twice stays argparse's
+    """``--max_seq_length 512 --max-length 1024`` (two spellings of one setting, one of them would be ignored)
+    is refused, as a config file setting one thing twice is. One spelling given twice stays argparse's
     (the later value; a list flag adds to its list), and a switch's two sides are one spelling."""
     import varpack.cli.sft
 

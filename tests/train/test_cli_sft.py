@@ -412,8 +412,8 @@ def one_step_cpu_run(tmp_path, model, **config_kw):
 
 @pytest.mark.parametrize("rank_balance", [True, False])
 def test_model_without_attention_layers_trains(tmp_path, rank_balance):
-    """tiny-mamba2 (Mamba-2 mixers only: no attention layer, no num_attention_heads) was refused for want of
-    an attention cost; its packs cost their tokens (weight 0) and it trains."""
+    """tiny-mamba2 (Mamba-2 mixers only: no attention layer, no num_attention_heads) needs no attention cost:
+    its packs cost their tokens (weight 0) and it trains."""
     from varpack.train import run_sft
 
     config = SFTConfig(
@@ -434,10 +434,22 @@ def test_model_without_attention_layers_trains(tmp_path, rank_balance):
         ({}, "optimizer AdamW (optim adamw_torch", torch.optim.AdamW),  # transformers' default
     ],
 )
-def test_optimizer_line_names_the_optimizer_that_runs(tmp_path, extra, shown, cls):
-    """``--extra-training-args '{"optim": "sgd"}'`` trained with SGD while the ``optimizer`` line said AdamW:
-    the line names the optimizer the Trainer builds from its TrainingArguments, the one that then steps."""
+def test_optimizer_line_names_the_optimizer_that_runs(tmp_path, monkeypatch, extra, shown, cls):
+    """The ``optimizer`` line names the optimizer the Trainer builds from its TrainingArguments (an ``optim``
+    from ``--extra-training-args`` included), the one that then steps; naming it asks transformers without the
+    model, so only the Trainer builds an optimizer for the model (a layer-wise optim would hook it twice)."""
+    import transformers
+
     from varpack.train import run_sft
+
+    seen = []
+    original = transformers.Trainer.get_optimizer_cls_and_kwargs
+
+    def recorded(args, model=None):
+        seen.append(model is not None)
+        return original(args, model)
+
+    monkeypatch.setattr(transformers.Trainer, "get_optimizer_cls_and_kwargs", staticmethod(recorded))
 
     lines: list[str] = []
     config = SFTConfig(
@@ -449,6 +461,7 @@ def test_optimizer_line_names_the_optimizer_that_runs(tmp_path, extra, shown, cl
     (line,) = [line for line in lines if line.startswith("optimizer ")]
     assert line.startswith(shown), line
     assert type(getattr(run.trainer.optimizer, "optimizer", run.trainer.optimizer)) is cls
+    assert seen.count(True) == 1 and False in seen, seen
 
 
 @pytest.mark.parametrize(
@@ -529,10 +542,27 @@ def test_attention_dropout_refused_before_training_naming_the_key(tmp_path):
     assert build_sft(SFTConfig(**kw), model=model, tokenizer=_Tok(), encoded=synthetic_samples()).trainer
 
 
+def test_attention_dropout_of_a_model_directory_refused_before_encoding(tmp_path, monkeypatch):
+    """A model directory whose config.json sets GPT-2's attn_pdrop: refused from the config alone, before any
+    data is read or encoded."""
+    import transformers
+
+    import varpack.train.sft as sft_mod
+
+    transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2).save_pretrained(tmp_path / "gpt2")
+    monkeypatch.setattr(sft_mod, "load_and_encode", lambda *a, **k: pytest.fail("data encoded first"))
+    config = SFTConfig(model=str(tmp_path / "gpt2"), output_dir=str(tmp_path / "o"), save=False)
+    with pytest.raises(ValueError, match=r"GPT2Config sets attn_pdrop=0.1: set it to 0.0 in the model's config"):
+        build_sft(config, tokenizer=_Tok())
+
+
 def test_split_report_counts_the_targets_at_the_cuts(tmp_path):
     """overflow='split' cuts an 80-token sample at 32 and 64: the two supervised tokens there start a piece
-    and are not trained, and the report says so; a cut inside the prompt (label -100) costs nothing."""
+    and are not trained, and the report says so; a cut inside the prompt (label -100) costs nothing. Rows as a
+    list count the same as the Dataset (read through Arrow)."""
     import datasets
+
+    from varpack.train.sft import split_targets_at_cuts
 
     long = {"input_ids": list(range(10, 90)), "labels": [-100] + list(range(11, 90)), "length": 80}
     prompt = {"input_ids": list(range(10, 90)), "labels": [-100] * 40 + list(range(50, 90)), "length": 80}
@@ -543,3 +573,4 @@ def test_split_report_counts_the_targets_at_the_cuts(tmp_path):
                               extra_training_args={"optim": "sgd", "use_cpu": True}),
                     model=model, tokenizer=_Tok(), encoded=datasets.Dataset.from_list([long, prompt, short]))  # fmt: skip
     assert "3 supervised tokens at the cuts not trained" in run.report, run.report
+    assert split_targets_at_cuts(run.plan, [long, prompt, short]) == 3

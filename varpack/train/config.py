@@ -698,8 +698,8 @@ class SFTConfig:
         packing_strategy: ``bfd`` (best-fit decreasing) or ``sequential`` (order-preserving next-fit).
         overflow: samples longer than ``packing_length``: ``error`` (default: refuse, listing their ids and
             lengths), ``drop``, ``truncate`` or ``split`` (pieces of ``packing_length`` tokens, each trained as a
-            sequence of its own: a supervised token that starts a piece is not a target, and the packing report
-            counts them); whatever happens is in the packing report.
+            sequence of its own: a supervised token that starts a piece is not a target, and the planned run's
+            packing report counts them); whatever happens is in the packing report.
         streaming: read ``data`` lazily (JSON Lines, line by line; the built-in chats without ``data``),
             encode every chat when it is read and pack online over a buffer of ``buffer_size`` samples
             (:class:`varpack.data.stream.StreamingPackedDataset`); needs ``max_steps``.
@@ -798,7 +798,8 @@ class SFTConfig:
             varpack's per-step metrics and the packing report (docs/usage.md "Logging",
             :mod:`varpack.train.reporting`).
         extra_training_args: more ``transformers.TrainingArguments`` keywords (applied last); a key
-            ``TrainingArguments`` does not take is refused before the data is encoded (:func:`check_training_arguments`).
+            ``TrainingArguments`` does not take is refused before the data is encoded
+            (:func:`check_training_arguments`).
 
     Raises:
         ValueError: a field with an invalid value, as ``SFTConfig.<field> has an invalid value: <value>``

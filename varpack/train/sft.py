@@ -238,6 +238,7 @@ def build_sft(
         )
     _report_to(config.report_to)  # a bad name or a missing package before minutes of encoding
     check_training_arguments(config)  # --lr-scheduler, --extra-training-args keys: before encoding too
+    _refuse_attention_dropout_early(config, model)
     if config.lora:  # before minutes of encoding
         from varpack.train.lora import require_peft
 
@@ -688,16 +689,33 @@ def _locate(files: tuple[str, ...]) -> Callable[[Any], dict[int, str]] | None:
     return lambda ids: locate_samples(files, ids)
 
 
+def _refuse_attention_dropout_early(config: SFTConfig, model: Any) -> None:
+    """Attention dropout refused before the data is encoded: on a model passed in, or on the config of a model
+    directory (``config.json`` read alone, no weights); checked again on the loaded model (``_prepare_model``).
+    Built-in models set none."""
+    from varpack.integrations.transformers import refuse_attention_dropout
+
+    if model is not None:
+        refuse_attention_dropout(model, "varpack sft")
+    elif config.model and os.path.isfile(os.path.join(os.path.expanduser(str(config.model)), "config.json")):
+        from transformers import AutoConfig
+
+        refuse_attention_dropout(AutoConfig.from_pretrained(os.path.expanduser(str(config.model))), "varpack sft")
+
+
 def split_targets_at_cuts(plan: Any, samples: Any) -> int:
     """The supervised tokens of split samples that sit first in a piece other than the first (``plan.pieces``
     starting past 0, kept in a pack): a packed item's first label is never a target (no token before it in its
-    sequence), so each of these is not trained; the packing report counts them."""
-    kept = {int(i) for i in np.asarray(plan.items).tolist()}
-    count = 0
-    for piece_id, (sample_id, start, _stop) in plan.pieces.items():
-        if start > 0 and piece_id in kept and int(samples[sample_id]["labels"][start]) != -100:
-            count += 1
-    return count
+    sequence), so each of these is not trained; the packing report counts them. A ``datasets.Dataset`` is read
+    through its ``labels`` column in Arrow form (not row by row as Python objects)."""
+    items = np.asarray(plan.items, dtype=np.int64)
+    k = items[items >= plan.num_samples] - plan.num_samples  # the kept pieces
+    k = k[np.asarray(plan.piece_start)[k] > 0]
+    cuts = zip(np.asarray(plan.piece_sample)[k].tolist(), np.asarray(plan.piece_start)[k].tolist())
+    if hasattr(samples, "select_columns") and hasattr(samples, "with_format"):
+        labels = samples.select_columns(["labels"]).with_format("arrow")
+        return sum(labels[s]["labels"][0][a].as_py() != -100 for s, a in cuts)
+    return sum(int(samples[s]["labels"][a]) != -100 for s, a in cuts)
 
 
 def _locations(plan: Any, files: tuple[str, ...]) -> dict[str, Any]:
@@ -1074,8 +1092,7 @@ def _rerunnable(config: SFTConfig) -> SFTConfig:
 
 #: said on the ``model`` line of a CPU run with float16 weights (fp16 autocast is refused there): PyTorch's CPU
 #: float16 matmuls have no fast path on most x86 CPUs -- a 1024 x 1024 matmul took 2.83 s in float16, 40 ms in
-#: bfloat16 and 10.7 ms in
-#: float32 on the 2-core x86 machine CI runs on (torch 2.13.0 CPU build, 2026-12-01)
+#: bfloat16 and 10.7 ms in float32 on the 2-core x86 machine CI runs on (torch 2.13.0 CPU build)
 CPU_FLOAT16_NOTE = "float16 on the CPU: slow matmuls, ~265x float32's time measured on x86; train in float32 here"
 
 
@@ -1108,8 +1125,10 @@ def _describe_precision(run: SFTRun) -> str:
 def _describe_optimizer(run: SFTRun) -> str:
     """The optimizer the Trainer builds, e.g. ``AdamW (optim adamw_torch_fused)``, ``SGD (optim sgd)``: its class
     from transformers' own choice for the run's ``TrainingArguments`` (``optim``, which ``--extra-training-args``
-    may set; ``Trainer.get_optimizer_cls_and_kwargs``), or of an optimizer the trainer was given. An ``optim``
-    whose package is missing is named alone (the Trainer raises its ImportError when it builds it)."""
+    may set; ``Trainer.get_optimizer_cls_and_kwargs`` asked without the model, so nothing is built or hooked for
+    it: the layer-wise GaLore / APOLLO optims register per-parameter hooks when given one), or of an optimizer the
+    trainer was given. An ``optim`` that cannot be told without the model, or whose package is missing, is named
+    alone (the Trainer raises its error when it builds it)."""
     trainer, args = run.trainer, run.trainer.args
     if getattr(trainer, "optimizer", None) is not None:
         return type(trainer.optimizer).__name__
@@ -1117,8 +1136,8 @@ def _describe_optimizer(run: SFTRun) -> str:
         return trainer.optimizer_cls_and_kwargs[0].__name__
     optim = getattr(args.optim, "value", args.optim)
     try:
-        cls, _ = type(trainer).get_optimizer_cls_and_kwargs(args, run.model)
-    except ImportError:
+        cls, _ = type(trainer).get_optimizer_cls_and_kwargs(args, None)
+    except Exception:  # noqa: BLE001 -- an optim needing the model or a missing package: named alone
         return f"optim {optim}"
     return f"{cls.__name__} (optim {optim})"
 
