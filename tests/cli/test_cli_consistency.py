@@ -618,11 +618,12 @@ def test_default_lr_depends_on_model_kind(tmp_path):
     assert default_lr(str(model_dir), "dpo") == (1e-6, "pretrained")
 
 
-def test_dpo_run_uses_the_dpo_default_lr():
+def test_dpo_run_uses_the_dpo_default_lr(tmp_path):
     from varpack.train import SFTConfig
     from varpack.train.sft import build_sft
 
-    run = build_sft(SFTConfig(model="tiny-qwen3", objective="dpo", packing_length=1024, max_steps=1, save=False))
+    run = build_sft(SFTConfig(model="tiny-qwen3", objective="dpo", packing_length=1024, max_steps=1, save=False,
+                              output_dir=str(tmp_path / "o")))  # fmt: skip
     assert run.config.lr == 1e-4 and run.lr_default_kind == "random-init"
 
 
