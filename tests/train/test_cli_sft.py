@@ -571,6 +571,7 @@ def test_split_report_counts_the_targets_at_the_cuts(tmp_path):
     run = build_sft(SFTConfig(model="tiny-qwen3", output_dir=str(tmp_path / "o"), packing_length=32,
                               attn_backend="reference", save=False, overflow="split",
                               extra_training_args={"optim": "sgd", "use_cpu": True}),
-                    model=model, tokenizer=_Tok(), encoded=datasets.Dataset.from_list([long, prompt, short]))  # fmt: skip
+                    model=model, tokenizer=_Tok(),
+                    encoded=datasets.Dataset.from_list([long, prompt, short]))  # fmt: skip
     assert "3 supervised tokens at the cuts not trained" in run.report, run.report
     assert split_targets_at_cuts(run.plan, [long, prompt, short]) == 3

@@ -375,7 +375,8 @@ def test_conversation_check_leaves_roles_content_types_and_streams_to_trl():
         while True:
             yield {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}
 
-    features = datasets.Features({"messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]})
+    turn = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+    features = datasets.Features({"messages": [turn]})
     stream = datasets.IterableDataset.from_generator(endless, features=features)
     assert "messages" in stream.column_names
     check_conversations(stream, "train_dataset")  # returns without reading it

@@ -91,9 +91,10 @@ def flag_wording(message: str, parser: argparse.ArgumentParser) -> str:
     ``--packing-length 256``, ``SFTConfig.packing_length`` / ``use_liger_kernel`` / ``SFTConfig.beta`` ->
     ``--packing-length`` / ``--use-liger-kernel`` / ``--beta``). Only names that are flags of ``parser`` are
     changed; a bare name (without ``SFTConfig.``) is changed only when it has an underscore (``model`` or
-    ``seed`` in prose stay as they are). A setting followed by its own flag in parentheses (``torch_compile (--torch-compile; ...)``) names the flag once
-    (``--torch-compile (...)``); a setting written as flag then field (``--packs-per-step 2 (packs_per_step=2)``,
-    :func:`varpack.train.config.setting_text`) stays as it is.
+    ``seed`` in prose stay as they are). A setting followed by its own flag in parentheses
+    (``torch_compile (--torch-compile; ...)``) names the flag once (``--torch-compile (...)``); a setting
+    written as flag then field (``--packs-per-step 2 (packs_per_step=2)``, :func:`varpack.train.config.setting_text`)
+    stays as it is.
     """
     for action in parser._actions:  # argparse keeps its actions here; there is no public accessor
         if (

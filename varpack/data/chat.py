@@ -45,9 +45,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "ANSWER_KEYS",
     "IGNORE_INDEX",
     "KNOWN_ROLES",
+    "require_answers",
     "encode_chat",
     "encode_dataset",
     "load_chat_data",
@@ -59,7 +59,7 @@ __all__ = [
 #: Roles a message may have.
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 #: keys that give an assistant turn something to supervise besides its content (tool calls, reasoning)
-ANSWER_KEYS = ("tool_calls", "reasoning_content", "thinking")
+_ANSWER_KEYS = ("tool_calls", "reasoning_content", "thinking")
 
 
 @functools.cache
@@ -160,22 +160,37 @@ def validate_messages(messages: Any, sample_id: Any = None) -> list[dict[str, An
                 )
         if message["role"] not in KNOWN_ROLES:
             raise ValueError(f"{where}: messages[{i}].role={message['role']!r} is not one of {KNOWN_ROLES}")
-        if (
-            message["role"] == "assistant"
-            and not message["content"].strip()
-            and not any(message.get(k) for k in ANSWER_KEYS)
-        ):
-            # as the other formats' empty answers (varpack.data.formats): it would train the model to answer
-            # with the end-of-turn token alone
+        require_answers([message], where, first=i, whole=False)
+        out.append({k: v for k, v in message.items() if v is not None})
+    require_answers(out, where)
+    return out
+
+
+def require_answers(
+    messages: Sequence[Mapping[str, Any]], where: str, *, first: int = 0, whole: bool = True
+) -> None:
+    """Refuse a conversation with nothing to supervise: an assistant turn whose answer is empty (``content``
+    blank or absent, an empty list of parts, and no ``tool_calls`` / ``reasoning_content`` / ``thinking``: it
+    would train the end-of-turn token alone, as the other formats' empty answers, :mod:`varpack.data.formats`),
+    or, with ``whole``, no assistant turn at all. Roles and content types are not checked here
+    (:func:`validate_messages` does; the TRL drop-in leaves them to the chat template). ``first``: the index
+    of ``messages[0]`` in its conversation (named in the error).
+
+    Raises:
+        ValueError: ``"{where}: messages[1].content is empty (an assistant answer with no text to supervise)
+            ..."``; ``"{where}: no assistant message to supervise (roles: [...])"``.
+    """
+    for i, m in enumerate(messages, start=first):
+        content = m.get("content")
+        blank = content is None or (not content.strip() if isinstance(content, str) else not content)
+        if m.get("role") == "assistant" and blank and not any(m.get(k) for k in _ANSWER_KEYS):
             raise ValueError(
                 f"{where}: messages[{i}].content is empty (an assistant answer with no text to supervise); "
                 "write the answer, or remove the turn or the row"
             )
-        out.append({k: v for k, v in message.items() if v is not None})
-    if not any(m["role"] == "assistant" for m in out):
-        roles = [m["role"] for m in out]
+    if whole and not any(m.get("role") == "assistant" for m in messages):
+        roles = [m.get("role") for m in messages]
         raise ValueError(f"{where}: no assistant message to supervise (roles: {roles})")
-    return out
 
 
 def _chat_template(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -311,11 +326,11 @@ def _encode_prefix(
 
 
 def unrendered_answer_field(messages: Sequence[Mapping[str, Any]], tokenizer: Any) -> tuple[int, str] | None:
-    """``(i, key)`` of the first message whose answer field (:data:`ANSWER_KEYS`: ``tool_calls``,
+    """``(i, key)`` of the first message whose answer field (:data:`_ANSWER_KEYS`: ``tool_calls``,
     ``reasoning_content``, ``thinking``) is set while the tokenizer's chat template never reads it (its name is
     not in the template's source), else ``None``. Such a field would be dropped by the template and the turn
     trained without it."""
-    keys = [(i, k) for i, m in enumerate(messages) for k in ANSWER_KEYS if m.get(k)]
+    keys = [(i, k) for i, m in enumerate(messages) for k in _ANSWER_KEYS if m.get(k)]
     if not keys:
         return None
     template = _chat_template(tokenizer)

@@ -158,25 +158,13 @@ def check_conversations(dataset: Any, name: str) -> None:
     """
     import datasets
 
-    from varpack.data.chat import ANSWER_KEYS
+    from varpack.data.chat import require_answers
 
     if not isinstance(dataset, datasets.Dataset) or "messages" not in dataset.column_names:
         return
     for i, messages in enumerate(dataset.select_columns(["messages"])["messages"]):
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            continue  # not a chat this check reads: TRL's own errors name it
-        roles = [m.get("role") for m in messages]
-        where = f"VarpackSFTTrainer: {name}, sample {i}"
-        if "assistant" not in roles:
-            raise ValueError(f"{where}: no assistant message to supervise (roles: {roles})")
-        for k, m in enumerate(messages):
-            content = m.get("content")
-            blank = content is None or (isinstance(content, str) and not content.strip())
-            if m.get("role") == "assistant" and blank and not any(m.get(key) for key in ANSWER_KEYS):
-                raise ValueError(
-                    f"{where}: messages[{k}].content is empty (an assistant answer with no text to supervise); "
-                    "write the answer, or remove the turn or the row"
-                )
+        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):  # else TRL's errors name it
+            require_answers(messages, f"VarpackSFTTrainer: {name}, sample {i}")
 
 
 def _check_args(args: Any, kwargs: dict[str, Any]) -> None:
